@@ -1,0 +1,40 @@
+"""The run-root store behaves the same on a local path and on gs:// (emulator)."""
+
+from __future__ import annotations
+
+import pytest
+
+from training.storage import AlreadyExists, NotFound, open_store
+
+
+@pytest.fixture(params=["local", "gcs"])
+def store(request, tmp_path):
+    if request.param == "local":
+        return open_store(str(tmp_path / "root"))
+    return open_store(request.getfixturevalue("gcs_root"))
+
+
+def test_put_get_list_delete(store):
+    store.put("a/x.json", b"1")
+    store.put("a/y.json", b"2")
+    store.put("b/z.json", b"3")
+    store.put("a/x.json", b"4")  # put replaces
+    assert store.get("a/x.json") == b"4"
+    assert store.list("a/") == ["a/x.json", "a/y.json"]
+    assert store.list() == ["a/x.json", "a/y.json", "b/z.json"]
+    store.delete("a/")
+    assert store.list() == ["b/z.json"]
+    with pytest.raises(NotFound):
+        store.get("a/x.json")
+
+
+def test_create_is_write_once(store):
+    store.create("events/0001.json", b"first")
+    with pytest.raises(AlreadyExists):
+        store.create("events/0001.json", b"second")
+    assert store.get("events/0001.json") == b"first"
+
+
+def test_keys_cannot_escape_the_root(store):
+    with pytest.raises(ValueError):
+        store.put("../outside", b"x")

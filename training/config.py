@@ -1,0 +1,195 @@
+"""Layered, validated run configuration.
+
+In MaxText's manner a config is built in layers:
+
+1. ``configs/base.yml``           every key with its default;
+2. ``configs/<preset>.yml``       a model/run preset (``tiny``, ``small``, ``llama3-8b`` ...);
+3. ``--config FILE`` YAML files   the user's own;
+4. ``key=value`` overrides        from the command line, Airflow params, reruns.
+
+The result is one typed object.  Unknown keys and wrong types are errors that
+name the key; cross-field rules (ranges, divisibility) are checked here once so
+that nothing downstream has to.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+class ConfigError(ValueError):
+    """A config that cannot be run, with a message that names the key."""
+
+
+class Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+    # --- the run ---------------------------------------------------------------
+    run_name: str = Field("demo", description="Run name; the run's directory under `root`. Letters, digits, `_.-`.")
+    root: str = Field("var/runs", description="Run root URI: a local path or gs://bucket/prefix.")
+    dataset: str = Field("var/data/stdlib", description="Prepared dataset URI (output of `rtrain prepare`).")
+    preset: str = Field("tiny", description="Preset the config was built from (informational once resolved).")
+    resume_from: str = Field(
+        "latest",
+        description="Where a new launch starts: `latest` (the run's newest committed checkpoint, else scratch), "
+        "`none` (refuse to reuse an existing run), or a step number of this run.",
+    )
+
+    # --- model -----------------------------------------------------------------
+    vocab_size: int = Field(256, ge=2, description="Vocabulary size (byte-level tokens: 256).")
+    seq_len: int = Field(64, ge=8, description="Tokens per training sequence.")
+    d_model: int = Field(64, ge=8, description="Model width.")
+    n_layers: int = Field(2, ge=1, description="Transformer blocks.")
+    n_heads: int = Field(4, ge=1, description="Attention heads.")
+    n_kv_heads: int = Field(0, ge=0, description="Key/value heads (grouped-query attention); 0 means n_heads.")
+    d_ff: int = Field(256, ge=8, description="MLP hidden width.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Activation dtype.")
+    param_dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
+
+    # --- optimisation ----------------------------------------------------------
+    steps: int = Field(40, ge=1, description="Total optimizer steps.")
+    global_batch: int = Field(16, ge=1, description="Sequences per step, constant across resizes.")
+    learning_rate: float = Field(3e-3, gt=0, description="Peak learning rate (AdamW, warmup-cosine).")
+    warmup_steps: int = Field(5, ge=0, description="Linear warmup steps.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of the peak.")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, ge=0, description="Global-norm gradient clipping; 0 disables.")
+    seed: int = Field(0, description="Seed for initialisation, data order and dropout.")
+
+    # --- checkpoints -----------------------------------------------------------
+    checkpoint_every: int = Field(10, ge=1, description="Save a checkpoint every N steps (and at the end).")
+    async_checkpoint: bool = Field(True, description="Save in the background while training goes on.")
+
+    # --- elastic job -----------------------------------------------------------
+    backend: Literal["local", "gke"] = Field("local", description="Where workers run: the local slice or GKE.")
+    min_workers: int = Field(1, ge=1, description="Fewest workers (hosts) the job may run on.")
+    max_workers: int = Field(2, ge=1, description="Most workers (hosts) the job may use.")
+    devices_per_worker: int = Field(2, ge=1, description="Accelerator devices per worker (local slice: CPU devices).")
+    max_failures: int = Field(3, ge=0, description="Worker-group failures the agent absorbs before the job fails.")
+    capacity_timeout_s: float = Field(120.0, gt=0, description="How long to wait for capacity >= min_workers.")
+    hang_timeout_s: float = Field(300.0, gt=0, description="No progress from the workers for this long is a failure.")
+    worker_memory_gib: float = Field(0.0, ge=0, description="Memory limit per worker process (local slice); 0: none.")
+
+    # --- mesh --------------------------------------------------------------------
+    ici_data: int = Field(1, description="Data parallelism inside a host (-1: fill).")
+    ici_fsdp: int = Field(-1, description="FSDP parallelism inside a host (-1: fill).")
+    ici_tensor: int = Field(1, description="Tensor parallelism inside a host (-1: fill).")
+    dcn_data: int = Field(-1, description="Data parallelism across hosts (-1: fill).")
+    dcn_fsdp: int = Field(1, description="FSDP parallelism across hosts (-1: fill).")
+    device_memory_gib: float = Field(2.0, gt=0, description="Memory per device for the fit check.")
+    activation_checkpointing: bool = Field(False, description="Rematerialise each block in the backward pass.")
+
+    # --- operations --------------------------------------------------------------
+    log_every: int = Field(1, ge=1, description="Report progress every N steps.")
+    chaos: list[str] = Field(default_factory=list, description="Fault injections, e.g. `preempt:worker=1,step=12`.")
+    compilation_cache: str = Field("var/jax-cache", description="JAX persistent compilation cache directory.")
+    trace_data_ids: bool = Field(False, description="Record the example ids of every step (tests, audits).")
+
+    @model_validator(mode="after")
+    def _check(self) -> Config:
+        if not RUN_NAME_RE.match(self.run_name) or ".." in self.run_name:
+            raise ValueError(f"run_name {self.run_name!r} must match {RUN_NAME_RE.pattern} and contain no '..'")
+        if self.min_workers > self.max_workers:
+            raise ValueError(f"min_workers ({self.min_workers}) > max_workers ({self.max_workers})")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        if self.kv_heads and self.n_heads % self.kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.kv_heads})")
+        if self.resume_from not in ("latest", "none") and not self.resume_from.isdigit():
+            raise ValueError(f"resume_from must be 'latest', 'none' or a step number, got {self.resume_from!r}")
+        for spec in self.chaos:
+            from training.chaos import parse_chaos
+
+            parse_chaos(spec)
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def run_uri(self) -> str:
+        from training.storage import join
+
+        return join(self.root, self.run_name) if self.root.startswith("gs://") else str(Path(self.root) / self.run_name)
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of key: value")
+    return data
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not key=value")
+    key, _, raw = item.partition("=")
+    key = key.strip()
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    return key, value
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yml") if p.stem != "base")
+
+
+def load_config(
+    preset: str | None = None,
+    files: list[str] | None = None,
+    overrides: list[str] | dict[str, Any] | None = None,
+) -> Config:
+    """Build a Config from the layers; raises ConfigError naming the bad key."""
+    layers: dict[str, Any] = dict(_read_yaml(CONFIG_DIR / "base.yml"))
+    ov: dict[str, Any] = {}
+    if isinstance(overrides, dict):
+        ov = dict(overrides)
+    else:
+        for item in overrides or []:
+            k, v = parse_override(item)
+            ov[k] = v
+    user_files = [_read_yaml(Path(f)) for f in files or []]
+    preset = ov.get("preset") or next((u["preset"] for u in reversed(user_files) if "preset" in u), None) or preset
+    preset = preset or layers.get("preset", "tiny")
+    preset_path = CONFIG_DIR / f"{preset}.yml"
+    if not preset_path.exists():
+        raise ConfigError(f"preset: unknown preset {preset!r}; known: {', '.join(preset_names())}")
+    layers.update(_read_yaml(preset_path))
+    layers["preset"] = preset
+    for u in user_files:
+        layers.update(u)
+    layers.update(ov)
+    return validate_dict(layers)
+
+
+def validate_dict(data: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        msgs = []
+        for err in e.errors():
+            loc = ".".join(str(p) for p in err["loc"]) or "config"
+            if err["type"] == "extra_forbidden":
+                msgs.append(f"{loc}: unknown key")
+            else:
+                msgs.append(f"{loc}: {err['msg']} (got {err.get('input')!r})")
+        raise ConfigError("invalid config: " + "; ".join(msgs)) from None
+
+
+def config_from_json(text: str) -> Config:
+    return Config.model_validate_json(text)

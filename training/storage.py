@@ -1,0 +1,258 @@
+"""One small object-store interface over a local directory or ``gs://bucket/prefix``.
+
+The run root (see DESIGN.md §4) is written by several processes and read by
+others (sensors, the CLI, Airflow retries on another machine).  GCS has no
+atomic rename and no append, so everything here is expressed in terms a bucket
+can honour on its own:
+
+* ``put``         replaces a whole object (a single-object upload is atomic);
+* ``create``      writes an object only if it does not exist yet (write-once);
+* ``get`` / ``list`` / ``delete``.
+
+The local implementation gives the same guarantees with ``O_EXCL`` and
+``rename``.  Append-style logs (events) are built from write-once objects with
+sortable names, never by appending.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+
+class AlreadyExists(Exception):
+    """A write-once object is already there."""
+
+
+class NotFound(Exception):
+    """The object does not exist."""
+
+
+class Store(Protocol):
+    uri: str
+
+    def put(self, key: str, data: bytes) -> None: ...
+    def create(self, key: str, data: bytes) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def exists(self, key: str) -> bool: ...
+    def list(self, prefix: str = "") -> list[str]: ...
+    def delete(self, key: str) -> None: ...
+    def child(self, key: str) -> str: ...
+
+
+def is_gcs(uri: str) -> bool:
+    return uri.startswith("gs://")
+
+
+def join(uri: str, *parts: str) -> str:
+    out = uri.rstrip("/")
+    for p in parts:
+        out = out + "/" + p.strip("/")
+    return out
+
+
+@dataclass
+class LocalStore:
+    """A directory on a local (or mounted) file system."""
+
+    root: Path
+
+    @property
+    def uri(self) -> str:
+        return str(self.root)
+
+    def _path(self, key: str) -> Path:
+        if ".." in Path(key).parts:
+            raise ValueError(f"invalid object key {key!r}")
+        return self.root / key
+
+    def child(self, key: str) -> str:
+        return str(self._path(key))
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    def create(self, key: str, data: bytes) -> None:
+        # Write to a temporary name, then hard-link: link(2) fails when the
+        # target exists, so a reader never sees a half-written object and two
+        # writers never both win.
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)
+            except OSError as e:
+                if e.errno == errno.EEXIST:
+                    raise AlreadyExists(str(path)) from None
+                raise
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise NotFound(str(self._path(key))) from None
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).exists()
+
+    def list(self, prefix: str = "") -> list[str]:
+        base = self._path(prefix) if prefix else self.root
+        # A prefix may name a directory or the start of a file name.
+        if base.is_dir():
+            walk_root = base
+        else:
+            walk_root = base.parent
+        if not walk_root.exists():
+            return []
+        keys = []
+        for dirpath, _dirs, files in os.walk(walk_root):
+            for name in files:
+                if name.startswith("."):
+                    continue
+                rel = os.path.relpath(os.path.join(dirpath, name), self.root)
+                if rel.startswith(prefix):
+                    keys.append(rel)
+        return sorted(keys)
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+
+
+class GCSStore:
+    """``gs://bucket/prefix`` through google-cloud-storage.
+
+    Transient errors (429, 5xx, connection resets, timeouts) are retried with
+    exponential backoff by the client's own retry policy; conditional writes
+    (``if_generation_match=0``) make the retries of ``create`` safe.
+    """
+
+    def __init__(self, uri: str, client: object | None = None) -> None:
+        from google.cloud import storage  # heavy-ish import, only for gs:// roots
+
+        assert uri.startswith("gs://")
+        rest = uri[len("gs://") :]
+        bucket, _, prefix = rest.partition("/")
+        if not bucket:
+            raise ValueError(f"no bucket in {uri!r}")
+        self.bucket_name = bucket
+        self.prefix = prefix.strip("/")
+        self.client = client or gcs_client()
+        self.bucket = self.client.bucket(bucket)  # type: ignore[attr-defined]
+
+    @property
+    def uri(self) -> str:
+        return "gs://" + self.bucket_name + ("/" + self.prefix if self.prefix else "")
+
+    def _name(self, key: str) -> str:
+        if ".." in key.split("/"):
+            raise ValueError(f"invalid object key {key!r}")
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def child(self, key: str) -> str:
+        return "gs://" + self.bucket_name + "/" + self._name(key)
+
+    def put(self, key: str, data: bytes) -> None:
+        from google.cloud.storage.retry import DEFAULT_RETRY
+
+        self.bucket.blob(self._name(key)).upload_from_string(data, retry=DEFAULT_RETRY)
+
+    def create(self, key: str, data: bytes) -> None:
+        from google.api_core import exceptions
+        from google.cloud.storage.retry import DEFAULT_RETRY
+
+        blob = self.bucket.blob(self._name(key))
+        # Real GCS enforces the precondition; some emulators ignore it, so
+        # check first as well (harmless against the real service).
+        if blob.exists(retry=DEFAULT_RETRY):
+            raise AlreadyExists(self.child(key))
+        try:
+            blob.upload_from_string(data, if_generation_match=0, retry=DEFAULT_RETRY)
+        except exceptions.PreconditionFailed:
+            raise AlreadyExists(self.child(key)) from None
+
+    def get(self, key: str) -> bytes:
+        from google.api_core import exceptions
+        from google.cloud.storage.retry import DEFAULT_RETRY
+
+        try:
+            return self.bucket.blob(self._name(key)).download_as_bytes(retry=DEFAULT_RETRY)
+        except exceptions.NotFound:
+            raise NotFound(self.child(key)) from None
+
+    def exists(self, key: str) -> bool:
+        from google.cloud.storage.retry import DEFAULT_RETRY
+
+        return bool(self.bucket.blob(self._name(key)).exists(retry=DEFAULT_RETRY))
+
+    def list(self, prefix: str = "") -> list[str]:
+        from google.cloud.storage.retry import DEFAULT_RETRY
+
+        full = self._name(prefix) if prefix else (self.prefix + "/" if self.prefix else "")
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        names = [
+            b.name[strip:]
+            for b in self.client.list_blobs(self.bucket_name, prefix=full, retry=DEFAULT_RETRY)  # type: ignore[attr-defined]
+        ]
+        return sorted(names)
+
+    def delete(self, key: str) -> None:
+        from google.api_core import exceptions
+
+        names = [self._name(k) for k in self.list(key)] or [self._name(key)]
+        # Batch deletes: one HTTP round trip per 100 objects.
+        for i in range(0, len(names), 100):
+            with self.client.batch(raise_exception=False):  # type: ignore[attr-defined]
+                for name in names[i : i + 100]:
+                    try:
+                        self.bucket.blob(name).delete()
+                    except exceptions.NotFound:
+                        pass
+
+
+def gcs_client() -> object:
+    """A storage client; anonymous against an emulator (``STORAGE_EMULATOR_HOST``)."""
+    from google.cloud import storage
+
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        from google.auth.credentials import AnonymousCredentials
+
+        return storage.Client(project=os.environ.get("GOOGLE_CLOUD_PROJECT", "local"), credentials=AnonymousCredentials())
+    return storage.Client()
+
+
+def open_store(uri: str) -> Store:
+    if is_gcs(uri):
+        return GCSStore(uri)
+    return LocalStore(Path(uri).expanduser().resolve())
