@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# Airflow puts the plugins folder on sys.path; so do the tests.
+if str(REPO / "plugins") not in sys.path:
+    sys.path.insert(0, str(REPO / "plugins"))
 BUCKET = "rtrain-test"
 
 
