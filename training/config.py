@@ -76,7 +76,6 @@ class Config(BaseModel):
     max_failures: int = Field(3, ge=0, description="Worker-group failures the agent absorbs before the job fails.")
     capacity_timeout_s: float = Field(120.0, gt=0, description="How long to wait for capacity >= min_workers.")
     hang_timeout_s: float = Field(300.0, gt=0, description="No progress from the workers for this long is a failure.")
-    worker_memory_gib: float = Field(0.0, ge=0, description="Memory limit per worker process (local slice); 0: none.")
 
     # --- mesh --------------------------------------------------------------------
     ici_data: int = Field(1, description="Data parallelism inside a host (-1: fill).")

@@ -1,0 +1,236 @@
+"""Mesh planning, batch splitting and the memory-fit check.
+
+The same code runs at the first launch and after every resize: from the number
+of hosts and devices per host, and the parallelism knobs (``ici_*`` inside a
+host, ``dcn_*`` across hosts, as in MaxText), it derives the mesh shape; it
+then checks that the constant global batch splits over it, and (before
+anything is provisioned) that the model fits at the *minimum* topology.
+
+Planning is plain arithmetic so the Airflow side can call it without
+importing JAX; ``build_mesh`` is the one function that touches devices.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from training.config import Config
+
+AXES = ("data", "fsdp", "tensor")
+# Logical parameter/activation axes -> mesh axes.
+LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("vocab", "tensor"),
+    ("norm", None),
+)
+BYTES = {"float32": 4, "bfloat16": 2}
+
+
+class PlanError(ValueError):
+    """A topology the job cannot run on, with the reason and the numbers."""
+
+
+def _fill(knobs: list[int], total: int, where: str) -> list[int]:
+    fixed = math.prod(k for k in knobs if k != -1)
+    n_fill = knobs.count(-1)
+    if n_fill > 1:
+        raise PlanError(f"{where}: at most one axis may be -1, got {knobs}")
+    if n_fill == 1:
+        if total % fixed:
+            raise PlanError(f"{where}: {total} devices cannot be split with fixed axes {knobs}")
+        knobs = [total // fixed if k == -1 else k for k in knobs]
+    if math.prod(knobs) != total:
+        raise PlanError(f"{where}: axes {dict(zip(AXES, knobs, strict=True))} multiply to {math.prod(knobs)}, not {total}")
+    return knobs
+
+
+@dataclass(frozen=True)
+class MeshPlan:
+    workers: int
+    devices_per_worker: int
+    ici: tuple[int, int, int]
+    dcn: tuple[int, int, int]
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return {a: i * d for a, i, d in zip(AXES, self.ici, self.dcn, strict=True)}
+
+    @property
+    def devices(self) -> int:
+        return self.workers * self.devices_per_worker
+
+    @property
+    def batch_shards(self) -> int:
+        s = self.shape
+        return s["data"] * s["fsdp"]
+
+    @property
+    def param_shards(self) -> int:
+        s = self.shape
+        return s["fsdp"] * s["tensor"]
+
+    def describe(self) -> dict[str, Any]:
+        return {"workers": self.workers, "devices": self.devices, "shape": self.shape}
+
+
+def plan_mesh(cfg: Config, workers: int) -> MeshPlan:
+    """The mesh for ``workers`` hosts of ``cfg.devices_per_worker`` devices each."""
+    d = cfg.devices_per_worker
+    ici = _fill([cfg.ici_data, cfg.ici_fsdp, cfg.ici_tensor], d, f"ici axes over {d} devices per host")
+    dcn = _fill([cfg.dcn_data, cfg.dcn_fsdp, 1], workers, f"dcn axes over {workers} hosts")
+    return MeshPlan(workers, d, tuple(ici), tuple(dcn))  # type: ignore[arg-type]
+
+
+def check_batch(cfg: Config, plan: MeshPlan) -> int:
+    """Per-device batch for a plan; refuses a global batch that does not split."""
+    shards = plan.batch_shards
+    if cfg.global_batch % shards or cfg.global_batch % plan.workers:
+        raise PlanError(
+            f"global_batch={cfg.global_batch} cannot be split over {plan.workers} workers x "
+            f"{plan.devices_per_worker} devices (batch shards: {shards}); choose a global batch divisible by "
+            f"{math.lcm(shards, plan.workers)} or another worker range"
+        )
+    return cfg.global_batch // shards
+
+
+def feasible_sizes(cfg: Config) -> list[int]:
+    """Worker counts in min..max on which the job can run (mesh and batch both split)."""
+    out = []
+    for n in range(cfg.min_workers, cfg.max_workers + 1):
+        try:
+            check_batch(cfg, plan_mesh(cfg, n))
+        except PlanError:
+            continue
+        out.append(n)
+    return out
+
+
+def choose_workers(cfg: Config, available: int) -> int | None:
+    """The largest feasible size not above the available capacity (None: below the minimum)."""
+    sizes = [n for n in feasible_sizes(cfg) if n <= available]
+    return max(sizes) if sizes else None
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    params: int
+    bytes_params: float
+    bytes_grads: float
+    bytes_optimizer: float
+    bytes_activations: float
+    bytes_logits: float
+    device_bytes: float
+
+    @property
+    def total(self) -> float:
+        return self.bytes_params + self.bytes_grads + self.bytes_optimizer + self.bytes_activations + self.bytes_logits
+
+    def table(self) -> str:
+        gib = 2**30
+        rows = [
+            ("parameters", self.bytes_params),
+            ("gradients", self.bytes_grads),
+            ("optimizer (AdamW mu, nu)", self.bytes_optimizer),
+            ("activations", self.bytes_activations),
+            ("logits", self.bytes_logits),
+            ("total", self.total),
+            ("device memory (90% usable)", self.device_bytes * 0.9),
+        ]
+        return "\n".join(f"  {name:<28} {val / gib:10.2f} GiB" for name, val in rows)
+
+
+def param_count(cfg: Config) -> int:
+    """Parameters of the model above, from its shapes alone (used for planning large presets)."""
+    h, f, v, hd = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.head_dim
+    attn = h * cfg.n_heads * hd * 2 + h * cfg.kv_heads * hd * 2
+    mlp = 3 * h * f
+    per_layer = attn + mlp + 2 * h
+    return v * h + cfg.seq_len * h + cfg.n_layers * per_layer + h + h * v
+
+
+def estimate_memory(cfg: Config, plan: MeshPlan) -> MemoryEstimate:
+    """Per-device bytes of training state and activations on ``plan``.
+
+    Parameters, gradients and AdamW moments are sharded over fsdp x tensor.
+    Activations: per token and layer a transformer block keeps ~6h + 2*kv + 3*ff
+    values for the backward pass (attention probabilities not counted: they are
+    recomputed by fused attention kernels on accelerators); with activation
+    checkpointing only each block's input is kept, plus one block at a time.
+    """
+    n = param_count(cfg)
+    shards = plan.param_shards
+    pbytes = BYTES[cfg.param_dtype]
+    abytes = BYTES[cfg.dtype]
+    b_dev = cfg.global_batch / plan.batch_shards
+    tokens = b_dev * cfg.seq_len
+    t = plan.shape["tensor"]
+    h, ff, kv = cfg.d_model, cfg.d_ff, cfg.kv_heads * cfg.head_dim
+    per_layer_full = tokens * (6 * h + 2 * kv + 3 * ff) * abytes / t
+    if cfg.activation_checkpointing:
+        acts = cfg.n_layers * tokens * h * abytes + per_layer_full
+    else:
+        acts = cfg.n_layers * per_layer_full
+    logits = tokens * cfg.vocab_size * 4 * 2 / t  # fp32 logits and their gradient
+    return MemoryEstimate(
+        params=n,
+        bytes_params=n * pbytes / shards,
+        bytes_grads=n * pbytes / shards,
+        bytes_optimizer=2 * n * pbytes / shards,
+        bytes_activations=acts,
+        bytes_logits=logits,
+        device_bytes=cfg.device_memory_gib * 2**30,
+    )
+
+
+def check_fit(cfg: Config) -> tuple[MeshPlan, MemoryEstimate]:
+    """Refuse a config that cannot run at its minimum topology (before provisioning)."""
+    sizes = feasible_sizes(cfg)
+    if not sizes:
+        # Explain with the smallest size's own error.
+        check_batch(cfg, plan_mesh(cfg, cfg.min_workers))
+        raise PlanError(f"no worker count in {cfg.min_workers}..{cfg.max_workers} splits the global batch")
+    plan = plan_mesh(cfg, sizes[0])
+    est = estimate_memory(cfg, plan)
+    if est.total > 0.9 * est.device_bytes:
+        raise PlanError(
+            f"the model does not fit at the minimum topology ({plan.workers} workers x {plan.devices_per_worker} "
+            f"devices, mesh {plan.shape}, {est.params / 1e9:.2f}B parameters, per-device batch "
+            f"{cfg.global_batch // plan.batch_shards}):\n{est.table()}\n"
+            "raise min_workers, shard more (ici_fsdp / ici_tensor), enable activation_checkpointing, "
+            "or lower global_batch / seq_len"
+        )
+    return plan, est
+
+
+def plan_report(cfg: Config) -> dict[str, Any]:
+    plan, est = check_fit(cfg)
+    return {
+        "feasible_workers": feasible_sizes(cfg),
+        "min_plan": plan.describe(),
+        "max_plan": plan_mesh(cfg, max(feasible_sizes(cfg))).describe(),
+        "memory_gib": {k: v / 2**30 for k, v in asdict(est).items() if k.startswith("bytes")} | {"total": est.total / 2**30},
+        "params": est.params,
+    }
+
+
+def build_mesh(plan: MeshPlan) -> Any:
+    """A jax Mesh for the plan over all processes' devices (multi-controller)."""
+    import jax
+    from jax.experimental import mesh_utils
+    from jax.sharding import Mesh
+
+    devices = jax.devices()
+    if len(devices) != plan.devices:
+        raise PlanError(f"the plan wants {plan.devices} devices, JAX sees {len(devices)}")
+    if plan.workers == 1:
+        arr = mesh_utils.create_device_mesh(
+            tuple(i * d for i, d in zip(plan.ici, plan.dcn, strict=True)), devices, allow_split_physical_axes=True
+        )
+    else:
+        arr = mesh_utils.create_hybrid_device_mesh(plan.ici, plan.dcn, devices, process_is_granule=True)
+    return Mesh(arr, AXES)
