@@ -159,7 +159,6 @@ class GCSStore:
     """
 
     def __init__(self, uri: str, client: object | None = None) -> None:
-        from google.cloud import storage  # heavy-ish import, only for gs:// roots
 
         assert uri.startswith("gs://")
         rest = uri[len("gs://") :]

@@ -172,3 +172,23 @@ def all_finite(tree: Any) -> bool:
 
 def nbytes(tree: Any) -> int:
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def load_state_host(run_uri: str, step: int) -> State:
+    """A checkpoint's state on this process's first device (audits, validation, tests).
+
+    The abstract target is read from the checkpoint's own metadata and given a
+    single-device sharding: Orbax reshards whatever mesh wrote it.
+    """
+    from etils import epath
+
+    from training.storage import join
+
+    path = epath.Path(join(run_uri, "checkpoints", str(step), "state"))
+    ck = ocp.StandardCheckpointer()
+    meta = ck.metadata(path)
+    tree = getattr(meta, "item_metadata", meta)
+    tree = getattr(tree, "tree", tree)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), tree)
+    return dict(ck.restore(path, target))

@@ -1,0 +1,583 @@
+"""The GKE backend: TPU slices, the JobSet that runs one training job on them, and their capacity.
+
+One training job is one JobSet with one replicated job, ``slice``, whose
+``replicas`` is the number of TPU slices ``k`` the job runs on.  Each replica is
+an Indexed Job with one pod per TPU host (VM) of the slice; every pod is one
+JAX process with all the chips of its host:
+
+    process id    = slice index * hosts per slice + completion index
+    process count = k * hosts per slice
+    coordinator   = <jobset>-slice-0-0.<subdomain>:<port>   (process 0's pod)
+
+Kubernetes cannot compute the process id in a manifest, so each pod gets its
+slice index and host index from the downward API (the labels and annotations the
+JobSet and Job controllers put on it) and a two-line ``sh`` entrypoint does the
+arithmetic before it ``exec``s ``python -m training.worker``.
+
+The JobSet never restarts by itself (``failurePolicy.maxRestarts: 0``): when a
+host is lost the whole JobSet fails, and our elastic agent relaunches a new one
+(a new name per attempt) with the ``k`` the node pools can give now, which the
+workers resume from the newest committed checkpoint.
+
+Everything here is pure (manifests are dicts) except :class:`GKECapacity`, which
+reads nodes through a callable.  Nothing here imports Airflow or JAX.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from training.config import Config
+
+# --- GKE / JobSet names we rely on -------------------------------------------
+JOBSET_GROUP = "jobset.x-k8s.io"
+JOBSET_VERSION = "v1alpha2"
+JOBSET_PLURAL = "jobsets"
+JOBSET_API_VERSION = f"{JOBSET_GROUP}/{JOBSET_VERSION}"
+
+NODEPOOL_LABEL = "cloud.google.com/gke-nodepool"
+ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
+TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
+SPOT_LABEL = "cloud.google.com/gke-spot"
+TPU_RESOURCE = "google.com/tpu"
+
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"  # the replica (slice) index, on the Job and its pods
+EXCLUSIVE_TOPOLOGY_ANNOTATION = "alpha.jobset.sigs.k8s.io/exclusive-topology"
+COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+
+REPLICATED_JOB = "slice"
+CONTAINER_NAME = "worker"
+RUN_LABEL = "rtrain.dev/run"
+ATTEMPT_LABEL = "rtrain.dev/attempt"
+RUN_URI_ANNOTATION = "rtrain.dev/run-uri"
+
+DEFAULT_COORDINATOR_PORT = 8476  # the port JAX's own GKE/TPU cluster detection uses
+DEFAULT_MEGASCALE_PORT = 8080  # libtpu's DCN transport between slices
+TPU_RUNTIME_PORT = 8471
+
+# The worker command; the entrypoint script ``exec``s it after computing the process id.
+WORKER_ARGS = ("python", "-m", "training.worker")
+ENTRYPOINT_SCRIPT = (
+    "set -eu\n"
+    'export RTRAIN_PROCESS_ID="$(( RTRAIN_SLICE_INDEX * RTRAIN_HOSTS_PER_SLICE + RTRAIN_HOST_INDEX ))"\n'
+    'exec "$@"\n'
+)
+
+# A JobSet's pod names are <jobset>-slice-<j>-<i>-<5 random>, at most 63
+# characters (the JobSet webhook refuses longer ones).  30 leaves room for a
+# thousand slices of a thousand hosts.
+MAX_JOBSET_NAME = 30
+
+# Node taints that mean "this host is going away or unusable" even while Ready.
+UNUSABLE_TAINTS = frozenset(
+    {
+        "node.kubernetes.io/not-ready",
+        "node.kubernetes.io/unreachable",
+        "node.kubernetes.io/unschedulable",
+        "node.kubernetes.io/out-of-disk",
+        "cloud.google.com/impending-node-termination",
+        "ToBeDeletedByClusterAutoscaler",
+    }
+)
+
+_DNS_LABEL_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_LABEL_VALUE_RE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+
+class GKEConfigError(ValueError):
+    """A TPU shape or run config that cannot run on GKE, with a message that names the key."""
+
+
+# --- TPU machine types -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TPUMachineType:
+    """One GKE TPU machine type: what one host (VM) of it has."""
+
+    machine_type: str
+    generation: str
+    accelerator: str  # the value of the node label cloud.google.com/gke-tpu-accelerator
+    chips_per_host: int
+    dims: int  # 2: a 2D torus topology "AxB"; 3: a 3D topology "AxBxC"
+    topologies: tuple[str, ...] | None = None  # the topologies GKE offers; None: any whose chips fill whole hosts
+
+
+_2D_MULTI = ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
+
+#: The one table of TPU machine types this project knows.  chips_per_host is
+#: Config.devices_per_worker (JAX shows a v4/v5p megacore chip as one device).
+TPU_MACHINE_TYPES: dict[str, TPUMachineType] = {
+    t.machine_type: t
+    for t in (
+        TPUMachineType("ct4p-hightpu-4t", "v4", "tpu-v4-podslice", 4, 3),
+        TPUMachineType("ct5lp-hightpu-1t", "v5e", "tpu-v5-lite-podslice", 1, 2, ("1x1",)),
+        TPUMachineType("ct5lp-hightpu-4t", "v5e", "tpu-v5-lite-podslice", 4, 2, _2D_MULTI),
+        TPUMachineType("ct5lp-hightpu-8t", "v5e", "tpu-v5-lite-podslice", 8, 2, ("2x4",)),
+        TPUMachineType("ct5p-hightpu-4t", "v5p", "tpu-v5p-slice", 4, 3),
+        TPUMachineType("ct6e-standard-1t", "v6e", "tpu-v6e-slice", 1, 2, ("1x1",)),
+        TPUMachineType("ct6e-standard-4t", "v6e", "tpu-v6e-slice", 4, 2, _2D_MULTI),
+        TPUMachineType("ct6e-standard-8t", "v6e", "tpu-v6e-slice", 8, 2, ("2x4",)),
+    )
+}
+
+
+def machine_type_info(machine_type: str) -> TPUMachineType:
+    try:
+        return TPU_MACHINE_TYPES[machine_type]
+    except KeyError:
+        raise GKEConfigError(
+            f"machine_type: unknown TPU machine type {machine_type!r}; known: {', '.join(sorted(TPU_MACHINE_TYPES))}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class TPUSlice:
+    """A TPU slice shape: a machine type and a topology; it knows its chips and hosts."""
+
+    machine_type: str
+    topology: str
+
+    def __post_init__(self) -> None:
+        info = machine_type_info(self.machine_type)
+        parts = self.topology.split("x")
+        if len(parts) != info.dims or not all(p.isdigit() and int(p) >= 1 for p in parts):
+            shape = "AxB" if info.dims == 2 else "AxBxC"
+            raise GKEConfigError(f"tpu_topology: {self.topology!r} is not a {shape} topology for {self.machine_type}")
+        if info.topologies is not None and self.topology not in info.topologies:
+            raise GKEConfigError(
+                f"tpu_topology: {self.machine_type} offers {', '.join(info.topologies)}, not {self.topology!r}"
+            )
+        if self.chips % info.chips_per_host:
+            raise GKEConfigError(
+                f"tpu_topology: {self.topology} has {self.chips} chips, not a whole number of "
+                f"{self.machine_type} hosts ({info.chips_per_host} chips each)"
+            )
+
+    @property
+    def info(self) -> TPUMachineType:
+        return TPU_MACHINE_TYPES[self.machine_type]
+
+    @property
+    def accelerator(self) -> str:
+        return self.info.accelerator
+
+    @property
+    def chips(self) -> int:
+        return math.prod(int(p) for p in self.topology.split("x"))
+
+    @property
+    def chips_per_host(self) -> int:
+        return self.info.chips_per_host
+
+    @property
+    def hosts(self) -> int:
+        """Hosts (VMs, so JAX processes) of one slice."""
+        return self.chips // self.chips_per_host
+
+    @property
+    def multi_host(self) -> bool:
+        """A slice of several VMs: its node pool holds exactly this one slice."""
+        return self.hosts > 1
+
+
+# --- names ---------------------------------------------------------------------------
+
+
+def dns_label(text: str, max_len: int = 63) -> str:
+    """``text`` as an RFC 1035 label (lowercase, starts with a letter), at most ``max_len`` long."""
+    out = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
+    out = re.sub(r"-{2,}", "-", out)
+    if not out or not out[0].isalpha():
+        out = "r-" + out
+    return out[:max_len].rstrip("-")
+
+
+def label_value(text: str) -> str:
+    """``text`` as a Kubernetes label value (63 characters, alphanumeric at both ends)."""
+    out = re.sub(r"[^A-Za-z0-9_.-]", "-", text)[:63]
+    return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", out)
+
+
+def jobset_name(run_name: str, attempt: int) -> str:
+    """The JobSet (and headless Service) name of one launch attempt of a run.
+
+    A new name per attempt: the failed JobSet of the last attempt may still be
+    terminating when the next one is created.  A short hash of the exact run
+    name keeps two runs apart whose names differ only where the DNS form loses
+    information (``a_b`` and ``a.b``, case, truncation).
+    """
+    if attempt < 0:
+        raise GKEConfigError(f"attempt must be >= 0, got {attempt}")
+    digest = hashlib.sha256(run_name.encode()).hexdigest()[:5]
+    suffix = f"-{digest}-a{attempt}"
+    base = dns_label(run_name, MAX_JOBSET_NAME - len(suffix))
+    return base + suffix
+
+
+def pod_hostname(name: str, slice_index: int, host_index: int) -> str:
+    """The hostname the JobSet gives a pod: ``<jobset>-<replicated job>-<job index>-<pod index>``."""
+    return f"{name}-{REPLICATED_JOB}-{slice_index}-{host_index}"
+
+
+def coordinator_address(name: str, port: int = DEFAULT_COORDINATOR_PORT, subdomain: str | None = None) -> str:
+    """host:port of process 0 (slice 0, host 0), resolvable through the headless Service."""
+    return f"{pod_hostname(name, 0, 0)}.{subdomain or name}:{port}"
+
+
+# --- launch options and the run config --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GKELaunch:
+    """Where and how the workers run on the cluster (what the run config does not say)."""
+
+    image: str
+    namespace: str = "default"
+    service_account: str = "rtrain-worker"  # the Kubernetes SA bound to a Google identity (Workload Identity)
+    coordinator_port: int = DEFAULT_COORDINATOR_PORT
+    megascale_port: int = DEFAULT_MEGASCALE_PORT
+    node_pools: tuple[str, ...] = ()  # restrict the pods to these node pools (empty: any pool of the TPU shape)
+    spot: bool = False  # select Spot VMs (node label cloud.google.com/gke-spot=true)
+    host_network: bool = False  # pods on the host network: faster DCN between slices
+    cpu: str | None = None  # CPU / memory requests of the worker container (None: none)
+    memory: str | None = None
+    termination_grace_period_s: int = 30
+    env: Mapping[str, str] = field(default_factory=dict)  # more environment for every worker
+    labels: Mapping[str, str] = field(default_factory=dict)  # more labels for the JobSet and its pods
+
+    def __post_init__(self) -> None:
+        if not self.image or any(c.isspace() for c in self.image):
+            raise GKEConfigError(f"image: a container image reference is required, got {self.image!r}")
+        if not _DNS_LABEL_RE.match(self.namespace) or len(self.namespace) > 63:
+            raise GKEConfigError(f"namespace: {self.namespace!r} is not a Kubernetes namespace name")
+        if self.service_account and not re.match(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", self.service_account):
+            raise GKEConfigError(f"service_account: {self.service_account!r} is not a Kubernetes service account name")
+        for key in ("coordinator_port", "megascale_port"):
+            port = getattr(self, key)
+            if not 1 <= port <= 65535:
+                raise GKEConfigError(f"{key}: {port} is not a TCP port")
+        if self.coordinator_port in (self.megascale_port, TPU_RUNTIME_PORT):
+            raise GKEConfigError(f"coordinator_port: {self.coordinator_port} collides with a TPU runtime port")
+        for pool in self.node_pools:
+            if not _DNS_LABEL_RE.match(pool):
+                raise GKEConfigError(f"node_pools: {pool!r} is not a node pool name")
+        reserved = [k for k in self.env if k.startswith(("RTRAIN_", "MEGASCALE_"))]
+        if reserved:
+            raise GKEConfigError(f"env: {', '.join(reserved)} are set by the backend and cannot be overridden")
+        for k, v in self.labels.items():
+            if not _LABEL_VALUE_RE.match(v) or len(v) > 63:
+                raise GKEConfigError(f"labels: {k}={v!r} is not a valid label value")
+
+
+def check_config(cfg: Config, tpu: TPUSlice) -> None:
+    """Refuse a run config that cannot run on this TPU shape; messages name the key."""
+    if cfg.backend != "gke":
+        raise GKEConfigError(f"backend: the GKE launch needs backend=gke, got {cfg.backend!r}")
+    if not cfg.root.startswith("gs://"):
+        raise GKEConfigError(f"root: workers on GKE need a gs:// run root, got {cfg.root!r}")
+    if cfg.devices_per_worker != tpu.chips_per_host:
+        raise GKEConfigError(
+            f"devices_per_worker: {tpu.machine_type} has {tpu.chips_per_host} chips per host, "
+            f"but devices_per_worker={cfg.devices_per_worker}"
+        )
+    slice_bounds(cfg, tpu)
+
+
+def slice_bounds(cfg: Config, tpu: TPUSlice) -> tuple[int, int]:
+    """The numbers of slices ``k`` whose hosts ``k * hosts`` lie in ``min_workers..max_workers``.
+
+    A single-host slice cannot join others (GKE Multislice needs multi-host
+    slices), so with one host per slice ``k`` is 1.
+    """
+    k_min = max(1, math.ceil(cfg.min_workers / tpu.hosts))
+    k_max = cfg.max_workers // tpu.hosts
+    if not tpu.multi_host:
+        k_max = min(k_max, 1)
+    if k_min > k_max:
+        raise GKEConfigError(
+            f"min_workers/max_workers: a {tpu.machine_type} {tpu.topology} slice has {tpu.hosts} host(s); "
+            f"no number of slices gives {cfg.min_workers}..{cfg.max_workers} workers"
+            + ("" if tpu.multi_host else " (single-host slices cannot form a multislice: k is 1)")
+        )
+    return k_min, k_max
+
+
+def plan_slices(cfg: Config, tpu: TPUSlice, available_hosts: int) -> int:
+    """The most slices the job may take of ``available_hosts`` ready hosts; 0 below the minimum."""
+    k_min, k_max = slice_bounds(cfg, tpu)
+    k = min(k_max, available_hosts // tpu.hosts)
+    return k if k >= k_min else 0
+
+
+# --- manifests -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GKEManifests:
+    """What one launch attempt creates: the headless Service first, then the JobSet."""
+
+    name: str
+    namespace: str
+    service: dict[str, Any]
+    jobset: dict[str, Any]
+    num_slices: int
+    num_processes: int
+    coordinator: str
+
+
+def _env(name: str, value: str | int) -> dict[str, Any]:
+    return {"name": name, "value": str(value)}
+
+
+def _env_field(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
+
+
+def render_service(name: str, namespace: str, labels: Mapping[str, str]) -> dict[str, Any]:
+    """The headless Service that gives every pod of the JobSet a DNS name before it is ready.
+
+    The JobSet controller uses an existing Service named like the subdomain
+    instead of making its own; ours publishes not-ready addresses so that
+    process 0's name resolves while the other processes are still starting.
+    """
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": namespace, "labels": dict(labels)},
+        "spec": {
+            "clusterIP": "None",
+            "selector": {JOBSET_NAME_LABEL: name},
+            "publishNotReadyAddresses": True,
+        },
+    }
+
+
+def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, num_slices: int, attempt: int) -> GKEManifests:
+    """The Service and JobSet of one launch attempt on ``num_slices`` slices of shape ``tpu``."""
+    check_config(cfg, tpu)
+    k_min, k_max = slice_bounds(cfg, tpu)
+    if not k_min <= num_slices <= k_max:
+        raise GKEConfigError(
+            f"num_slices: {num_slices} slices of {tpu.hosts} host(s) is outside min_workers..max_workers "
+            f"({cfg.min_workers}..{cfg.max_workers}); allowed: {k_min}..{k_max}"
+        )
+    name = jobset_name(cfg.run_name, attempt)
+    hosts = tpu.hosts
+    num_processes = num_slices * hosts
+    coordinator = coordinator_address(name, launch.coordinator_port)
+    labels = {
+        "app.kubernetes.io/name": "rtrain",
+        "app.kubernetes.io/component": "worker",
+        RUN_LABEL: label_value(cfg.run_name),
+        ATTEMPT_LABEL: str(attempt),
+        **launch.labels,
+    }
+    annotations = {RUN_URI_ANNOTATION: cfg.run_uri}
+
+    env = [
+        _env("RTRAIN_RUN_URI", cfg.run_uri),
+        _env("RTRAIN_COORDINATOR", coordinator),
+        _env("RTRAIN_NUM_PROCESSES", num_processes),
+        _env("RTRAIN_ATTEMPT", attempt),
+        _env("RTRAIN_NUM_SLICES", num_slices),
+        _env("RTRAIN_HOSTS_PER_SLICE", hosts),
+        _env_field("RTRAIN_SLICE_INDEX", f"metadata.labels['{JOB_INDEX_LABEL}']"),
+        _env_field("RTRAIN_HOST_INDEX", f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"),
+    ]
+    if num_slices > 1:
+        # libtpu joins the slices over the data-center network (Multislice).
+        env += [
+            _env("MEGASCALE_COORDINATOR_ADDRESS", f"{pod_hostname(name, 0, 0)}.{name}"),
+            _env("MEGASCALE_NUM_SLICES", num_slices),
+            _env("MEGASCALE_PORT", launch.megascale_port),
+            _env_field("MEGASCALE_SLICE_ID", f"metadata.labels['{JOB_INDEX_LABEL}']"),
+        ]
+    env += [_env(k, v) for k, v in sorted(launch.env.items())]
+
+    chips = str(tpu.chips_per_host)
+    resources: dict[str, dict[str, str]] = {"requests": {TPU_RESOURCE: chips}, "limits": {TPU_RESOURCE: chips}}
+    if launch.cpu:
+        resources["requests"]["cpu"] = launch.cpu
+    if launch.memory:
+        resources["requests"]["memory"] = launch.memory
+
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": launch.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["/bin/sh", "-c", ENTRYPOINT_SCRIPT, "rtrain-entrypoint"],
+        "args": list(WORKER_ARGS),
+        "env": env,
+        "ports": [
+            {"name": "coordinator", "containerPort": launch.coordinator_port, "protocol": "TCP"},
+            {"name": "tpu-runtime", "containerPort": TPU_RUNTIME_PORT, "protocol": "TCP"},
+            {"name": "megascale", "containerPort": launch.megascale_port, "protocol": "TCP"},
+        ],
+        "resources": resources,
+    }
+
+    node_selector = {ACCELERATOR_LABEL: tpu.accelerator, TOPOLOGY_LABEL: tpu.topology}
+    if launch.spot:
+        node_selector[SPOT_LABEL] = "true"
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",  # a lost process fails the job; the agent decides what happens next
+        "terminationGracePeriodSeconds": launch.termination_grace_period_s,
+        "nodeSelector": node_selector,
+        "tolerations": [{"key": TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
+        "containers": [container],
+    }
+    if launch.service_account:
+        pod_spec["serviceAccountName"] = launch.service_account
+    if launch.node_pools:
+        pod_spec["affinity"] = {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {"matchExpressions": [{"key": NODEPOOL_LABEL, "operator": "In", "values": list(launch.node_pools)}]}
+                    ]
+                }
+            }
+        }
+    if launch.spot:
+        pod_spec["tolerations"].append({"key": SPOT_LABEL, "operator": "Equal", "value": "true", "effect": "NoSchedule"})
+    if launch.host_network:
+        pod_spec["hostNetwork"] = True
+        pod_spec["dnsPolicy"] = "ClusterFirstWithHostNet"
+
+    job_template = {
+        "metadata": {"labels": dict(labels), "annotations": dict(annotations)},
+        "spec": {
+            "parallelism": hosts,
+            "completions": hosts,
+            "completionMode": "Indexed",
+            "backoffLimit": 0,  # no pod retries inside a slice either
+            "template": {
+                "metadata": {"labels": dict(labels), "annotations": dict(annotations)},
+                "spec": pod_spec,
+            },
+        },
+    }
+    jobset_annotations = dict(annotations)
+    if tpu.multi_host:
+        # One slice per node pool: a multi-host pool is exactly one ICI-connected slice.
+        jobset_annotations[EXCLUSIVE_TOPOLOGY_ANNOTATION] = NODEPOOL_LABEL
+    jobset = {
+        "apiVersion": JOBSET_API_VERSION,
+        "kind": "JobSet",
+        "metadata": {"name": name, "namespace": launch.namespace, "labels": dict(labels), "annotations": jobset_annotations},
+        "spec": {
+            "failurePolicy": {"maxRestarts": 0},
+            "successPolicy": {"operator": "All", "targetReplicatedJobs": [REPLICATED_JOB]},
+            "network": {"enableDNSHostnames": True, "subdomain": name, "publishNotReadyAddresses": True},
+            "replicatedJobs": [{"name": REPLICATED_JOB, "replicas": num_slices, "template": job_template}],
+        },
+    }
+    return GKEManifests(
+        name=name,
+        namespace=launch.namespace,
+        service=render_service(name, launch.namespace, labels),
+        jobset=jobset,
+        num_slices=num_slices,
+        num_processes=num_processes,
+        coordinator=coordinator,
+    )
+
+
+def jobset_state(obj: Mapping[str, Any] | None) -> str:
+    """``missing``, ``running``, ``suspended``, ``completed`` or ``failed`` from a JobSet object."""
+    if not obj:
+        return "missing"
+    status = obj.get("status") or {}
+    terminal = (status.get("terminalState") or "").lower()
+    if terminal in ("completed", "failed"):
+        return terminal
+    conditions = {c.get("type"): c.get("status") for c in status.get("conditions") or []}
+    if conditions.get("Failed") == "True":
+        return "failed"
+    if conditions.get("Completed") == "True":
+        return "completed"
+    if conditions.get("Suspended") == "True" or (obj.get("spec") or {}).get("suspend"):
+        return "suspended"
+    return "running"
+
+
+# --- capacity --------------------------------------------------------------------------
+
+
+def node_label_selector(tpu: TPUSlice) -> str:
+    return f"{ACCELERATOR_LABEL}={tpu.accelerator},{TOPOLOGY_LABEL}={tpu.topology}"
+
+
+def node_is_usable(node: Any) -> bool:
+    """Ready, schedulable, and not tainted as going away (a kubernetes.client.V1Node)."""
+    spec = node.spec
+    if spec is not None and spec.unschedulable:
+        return False
+    if spec is not None and any(t.key in UNUSABLE_TAINTS for t in spec.taints or []):
+        return False
+    conditions = (node.status.conditions if node.status is not None else None) or []
+    return any(c.type == "Ready" and c.status == "True" for c in conditions)
+
+
+def complete_slices(nodes: Iterable[Any], tpu: TPUSlice, node_pools: Collection[str] | None = None) -> int:
+    """Slices of shape ``tpu`` all of whose hosts are usable.
+
+    A multi-host TPU node pool is exactly one slice, so a pool counts once all
+    its hosts are usable and not at all before; in a single-host pool every
+    usable node is a slice of its own.
+    """
+    usable: Counter[str] = Counter()
+    for node in nodes:
+        labels = (node.metadata.labels if node.metadata is not None else None) or {}
+        if labels.get(ACCELERATOR_LABEL) != tpu.accelerator or labels.get(TOPOLOGY_LABEL) != tpu.topology:
+            continue
+        pool = labels.get(NODEPOOL_LABEL)
+        if pool is None or (node_pools is not None and pool not in node_pools):
+            continue
+        if node_is_usable(node):
+            usable[pool] += 1
+    return sum(count // tpu.hosts for count in usable.values())
+
+
+class GKECapacity:
+    """The CapacitySource of the GKE backend: hosts in complete, usable TPU slices.
+
+    ``list_nodes(label_selector)`` returns kubernetes V1Node objects, e.g.
+    ``lambda s: CoreV1Api().list_node(label_selector=s).items``
+    (see :meth:`from_core_v1`).
+    """
+
+    def __init__(
+        self,
+        list_nodes: Callable[[str], Iterable[Any]],
+        tpu: TPUSlice,
+        node_pools: Collection[str] | None = None,
+    ) -> None:
+        self.list_nodes = list_nodes
+        self.tpu = tpu
+        self.node_pools = frozenset(node_pools) if node_pools is not None else None
+
+    @classmethod
+    def from_core_v1(cls, core_v1: Any, tpu: TPUSlice, node_pools: Collection[str] | None = None) -> GKECapacity:
+        return cls(lambda selector: core_v1.list_node(label_selector=selector).items, tpu, node_pools)
+
+    def slices(self) -> int:
+        return complete_slices(self.list_nodes(node_label_selector(self.tpu)), self.tpu, self.node_pools)
+
+    def available(self) -> int:
+        return self.slices() * self.tpu.hosts
+
+    def set(self, workers: int, reason: str = "") -> None:
+        raise NotImplementedError(
+            "GKE capacity is the TPU hosts the node pools have; change it by resizing or deleting node pools "
+            "(GKEResizeTPUNodePoolOperator), not through the capacity source"
+        )
