@@ -38,3 +38,11 @@ def test_create_is_write_once(store):
 def test_keys_cannot_escape_the_root(store):
     with pytest.raises(ValueError):
         store.put("../outside", b"x")
+
+
+def test_delete_of_a_prefix_spares_its_siblings(store):
+    store.put("checkpoints/5/a", b"x")
+    store.put("checkpoints/50/a", b"y")
+    store.delete("checkpoints/5")
+    assert store.list("checkpoints/") == ["checkpoints/50/a"]
+    assert store.list("missing/") == []

@@ -67,6 +67,9 @@ class Config(BaseModel):
     # --- checkpoints -----------------------------------------------------------
     checkpoint_every: int = Field(10, ge=1, description="Save a checkpoint every N steps (and at the end).")
     async_checkpoint: bool = Field(True, description="Save in the background while training goes on.")
+    checkpoint_format: Literal["auto", "ocdbt", "zarr"] = Field(
+        "auto", description="Array storage: OCDBT (Orbax's default) or plain zarr; auto = OCDBT except against a GCS emulator."
+    )
 
     # --- elastic job -----------------------------------------------------------
     backend: Literal["local", "gke"] = Field("local", description="Where workers run: the local slice or GKE.")

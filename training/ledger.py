@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -142,10 +142,16 @@ class Ledger:
         keys = sorted(self.store.list(f"{STEPS_PREFIX}{step:012d}/"), key=lambda k: k.rsplit("/", 1)[1])
         return self._fold([k for k in keys if k.endswith(".json")])
 
-    def states(self) -> dict[int, dict[str, Any]]:
-        """The current record of every step the ledger knows, by step."""
+    def states(self, steps: Iterable[int] | None = None) -> dict[int, dict[str, Any]]:
+        """The current record of every step the ledger knows (or of those in ``steps``), by step.
+
+        One listing, then one read per step (two when the metrics are in an older record).
+        """
+        wanted = None if steps is None else set(steps)
         out = {}
         for step, keys in sorted(self._keys_by_step().items()):
+            if wanted is not None and step not in wanted:
+                continue
             rec = self._fold(keys)
             if rec is not None:
                 out[step] = rec

@@ -46,6 +46,9 @@ from training.retention import (
 from training.storage import GCSStore, LocalStore, Store, open_store
 
 CHECKPOINTS = "checkpoints"
+# A committed step being deleted on a local root is first renamed to
+# "<step>.orbax-checkpoint-tmp-pruning-<nonce>": Orbax then sees it as temporary.
+PRUNING = "-pruning-"
 
 
 @dataclass
@@ -169,7 +172,7 @@ def _scan(store: Store, dirname: str) -> tuple[int, float | None]:
 
 
 def _step_infos(ledger: Ledger, committed: dict[int, str]) -> list[StepInfo]:
-    states = ledger.states()
+    states = ledger.states(committed)
     infos = []
     for step in sorted(committed):
         rec = states.get(step)
@@ -201,7 +204,10 @@ def plan_prune(
         plan.sizes[str(step)] = _scan(store, committed[step])[0]
     for name, step in sorted(incomplete.items()):
         size, newest = _scan(store, name)
-        if step in pins:
+        if PRUNING in name:
+            plan.incomplete.append(name)  # our own, left by a prune that died: no save writes here
+            plan.sizes[name] = size
+        elif step in pins:
             plan.left_alone[name] = f"step {step} is pinned by a running job"
         elif newest is not None and now - newest < incomplete_grace_s:
             plan.left_alone[name] = f"written {now - newest:.0f}s ago (< {incomplete_grace_s:g}s): a save may be in flight"
@@ -222,7 +228,7 @@ def _delete_dir(store: Store, dirname: str, committed: bool) -> None:
     if isinstance(store, LocalStore):
         path = Path(store.child(key))
         if committed:
-            doomed = path.with_name(f"{dirname}{atomicity_types.TMP_DIR_SUFFIX}-pruning-{uuid.uuid4().hex[:8]}")
+            doomed = path.with_name(f"{dirname}{atomicity_types.TMP_DIR_SUFFIX}{PRUNING}{uuid.uuid4().hex[:8]}")
             try:
                 path.rename(doomed)
                 path = doomed

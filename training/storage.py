@@ -122,9 +122,11 @@ class LocalStore:
 
     def list(self, prefix: str = "") -> list[str]:
         base = self._path(prefix) if prefix else self.root
-        # A prefix may name a directory or the start of a file name.
+        # A prefix may name a directory ("a/") or the start of a file name ("a/x").
         if base.is_dir():
             walk_root = base
+        elif prefix.endswith("/"):
+            return []
         else:
             walk_root = base.parent
         if not walk_root.exists():
@@ -229,7 +231,9 @@ class GCSStore:
     def delete(self, key: str) -> None:
         from google.api_core import exceptions
 
-        names = [self._name(k) for k in self.list(key)] or [self._name(key)]
+        # The object itself and everything "inside" it (key/...), never key2...
+        under = self.list(key.rstrip("/") + "/")
+        names = [self._name(k) for k in under] + ([self._name(key)] if not key.endswith("/") else [])
         # Batch deletes: one HTTP round trip per 100 objects.
         for i in range(0, len(names), 100):
             with self.client.batch(raise_exception=False):  # type: ignore[attr-defined]

@@ -135,7 +135,26 @@ def checkpoint_manager(cfg: Config, run_uri: str, *, async_save: bool | None = N
         cleanup_tmp_directories=True,  # a save cut off by a crash is never restored, and is cleaned up
         enable_async_checkpointing=cfg.async_checkpoint if async_save is None else async_save,
     )
-    return ocp.CheckpointManager(directory, options=options)
+    handlers = {
+        "state": ocp.StandardCheckpointHandler(use_ocdbt=use_ocdbt(cfg)),
+        "data": ocp.JsonCheckpointHandler(),
+        "config": ocp.JsonCheckpointHandler(),
+    }
+    return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+
+
+def use_ocdbt(cfg: Config) -> bool:
+    """OCDBT (Orbax's default) unless told otherwise.
+
+    ``auto`` picks plain zarr for a gs:// root served by a GCS emulator
+    (STORAGE_EMULATOR_HOST set): OCDBT's manifest needs the object generations
+    and conditional writes that real GCS has and emulators get wrong.
+    """
+    if cfg.checkpoint_format == "auto":
+        import os
+
+        return not (cfg.root.startswith("gs://") and bool(os.environ.get("STORAGE_EMULATOR_HOST")))
+    return cfg.checkpoint_format == "ocdbt"
 
 
 def latest_step(mngr: ocp.CheckpointManager) -> int | None:

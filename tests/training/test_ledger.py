@@ -44,6 +44,7 @@ def test_the_current_state_is_the_newest_record(store: Store) -> None:
     states = ledger.states()
     assert {s: r["state"] for s, r in states.items()} == {10: "promoted", 20: "rejected", 30: "committed"}
     assert states[20]["reason"] == "loss is NaN"
+    assert set(ledger.states([10, 30, 99])) == {10, 30}
     assert ledger.validated_steps() == [10]
     assert ledger.newest_validated() == 10
     # Every record is its own write-once object: nothing was overwritten.
