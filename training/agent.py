@@ -31,10 +31,13 @@ from training.capacity import CapacitySource, LocalCapacity
 from training.chaos import WORKER_SIDE, Fault, parse_chaos
 from training.config import Config, config_from_json
 from training.events import EventLog, write_status
+from training.ledger import Ledger, LockHeld, RunLock
 from training.mesh import MeshPlan, choose_workers, plan_mesh
 from training.storage import Store, open_store
 
 POLL_S = 0.05
+GUARD_EXIT = 17  # training.worker.GUARD_EXIT (not imported: the worker module imports JAX lazily)
+LOCK_LEASE_S = 60.0
 
 
 def _free_port() -> int:
@@ -54,12 +57,13 @@ class Worker:
 
 @dataclass
 class Outcome:
-    kind: str  # finished | rescale | failure
+    kind: str  # finished | rescale | failure | guard
     reason: str = ""
     worker: int | None = None
     returncode: int | None = None
     detected_at: float = 0.0
     fault_at: float | None = None
+    guard: dict[str, Any] | None = None
 
 
 class LocalSlice:
@@ -136,6 +140,10 @@ class Agent:
 
     def __post_init__(self) -> None:
         self.events = EventLog(self.store, source="agent")
+        self.ledger = Ledger(self.store)
+        self.lock = RunLock(self.store, owner=f"agent-{socket.gethostname()}-{os.getpid()}", lease_s=LOCK_LEASE_S,
+                            events=self.events)
+        self._lock_refreshed = 0.0
         self.faults = [parse_chaos(s) for s in self.cfg.chaos]
         self.fired = {e.get("spec") for e in self.events.read(types=("chaos",))}
         self.t_start = time.time()
@@ -174,11 +182,24 @@ class Agent:
                 self.say(f"[chaos] capacity -> {to} hosts")
 
     def _worker_faults(self) -> list[str]:
-        return [f.spec for f in self.faults if f.action in WORKER_SIDE and f.spec not in self.fired]
+        return [f.spec for f in self.faults if f.action in WORKER_SIDE and (f.repeats or f.spec not in self.fired)]
 
     # --- the main loop -----------------------------------------------------------------
     def run(self) -> int:
+        try:
+            self.lock.acquire()
+        except LockHeld as e:
+            self.say(f"[agent] refused: {e}")
+            return 3
+        self._lock_refreshed = time.monotonic()
+        try:
+            return self._run()
+        finally:
+            self.lock.release()
+
+    def _run(self) -> int:
         cfg = self.cfg
+        guards = 0
         failures = 0
         attempt = len(self.events.read(types=("launch",)))
         prev: MeshPlan | None = None
@@ -213,6 +234,12 @@ class Agent:
                 return 0
             if out.kind == "rescale":
                 continue
+            if out.kind == "guard":
+                guards += 1
+                rc = self._guard_rollback(out.guard or {}, guards)
+                if rc is not None:
+                    return rc
+                continue
             failures += 1
             self.emit(
                 "failure",
@@ -233,6 +260,36 @@ class Agent:
                 self.set_status(state="failed", reason=reason)
                 self.say(f"[agent] FAILED: {reason}")
                 return 1
+
+    def _guard_rollback(self, guard: dict[str, Any], guards: int) -> int | None:
+        """In-job rollback after a non-finite or spiking loss: back to the last good
+        checkpoint, past the batches that led here.  Returns an exit code when the job
+        must stop, None to relaunch."""
+        from training.api import committed_steps
+
+        cfg = self.cfg
+        step, reason = int(guard.get("step", -1)), guard.get("reason", "bad loss")
+        states = self.ledger.states()
+        good = [s for s in committed_steps(self.run_uri) if s < step
+                and states.get(s, {}).get("state") not in ("rejected", "quarantined", "pruned")]
+        if guards > cfg.max_guard_rollbacks or not good:
+            why = (f"{guards - 1} rollback(s) did not help (max_guard_rollbacks={cfg.max_guard_rollbacks})"
+                   if good else "no committed checkpoint before it to roll back to")
+            msg = f"in-training guard: {reason} at step {step} (metric {guard.get('metric', 'loss')}); {why}"
+            self.emit("failed", reason=msg, step=step)
+            self.set_status(state="failed", reason=msg)
+            self.say(f"[agent] FAILED: {msg}")
+            return 4
+        target = max(good)
+        how: dict[str, Any] = {"lr_scale": cfg.rollback_lr_scale}
+        if cfg.rollback_skip_data:
+            how["skip_to_batch"] = int(guard["next_batch"])
+        self.ledger.set_pointer(target, f"guard: {reason} at step {step}", resume=how)
+        self.emit("rollback", from_step=step, to_step=target, reason=f"guard: {reason}", kind="in-job", resume=how,
+                  attempt_no=guards)
+        self.say(f"[agent] guard: {reason} at step {step}; rolling back to step {target} "
+                 f"(skipping to batch {how.get('skip_to_batch')})")
+        return None
 
     def _wait_for_capacity(self) -> int | None:
         n = choose_workers(self.cfg, self.capacity.available())
@@ -258,7 +315,7 @@ class Agent:
             sel.register(w.fd, selectors.EVENT_READ, w)
         last_heard = time.monotonic()
         fault_at: float | None = None
-        done = {"finished": False, "rescale": False}
+        done: dict[str, Any] = {"finished": False, "rescale": False, "guard": None}
         rescale_asked = False
         self.store.delete("control.json")
         try:
@@ -277,6 +334,9 @@ class Agent:
                         rescale_asked = True
                         self.say(f"[agent] capacity for {bigger} workers: scaling up at the next checkpoint")
                 self._capacity_faults(self.status.get("step"))
+                if time.monotonic() - self._lock_refreshed > LOCK_LEASE_S / 3:
+                    self.lock.refresh()
+                    self._lock_refreshed = time.monotonic()
                 codes = [w.proc.poll() for w in workers]
                 bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
                 if bad:
@@ -284,6 +344,10 @@ class Agent:
                     for w in workers:  # drain what the dead said before dying (e.g. a chaos report)
                         for msg in self._read(w):
                             fault_at = self._handle(msg, done) or fault_at
+                    if done.get("guard") and all(c in (None, 0, GUARD_EXIT) for c in codes):
+                        self._await_exit(workers, timeout=10)
+                        return Outcome("guard", str(done["guard"]["reason"]), guard=done["guard"],
+                                       detected_at=detected)
                     i, code = bad[0]
                     how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
                     return Outcome("failure", f"worker {i} {how}", i, code, detected, fault_at)
@@ -321,7 +385,14 @@ class Agent:
         *lines, w.buf = w.buf.split(b"\n")
         return [json.loads(line) for line in lines if line.strip()]
 
-    def _handle(self, msg: dict[str, Any], done: dict[str, bool]) -> float | None:
+    @staticmethod
+    def _await_exit(workers: list[Worker], timeout: float) -> None:
+        """Let every worker reach the same guard decision and exit on its own."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(w.proc.poll() is None for w in workers):
+            time.sleep(POLL_S)
+
+    def _handle(self, msg: dict[str, Any], done: dict[str, Any]) -> float | None:
         t = msg.pop("type")
         fault_at = None
         if t == "progress":
@@ -331,6 +402,10 @@ class Agent:
         elif t == "checkpoint":
             if msg["committed"]:
                 self.set_status(latest_committed=msg["step"])
+                self.ledger.record(msg["step"], "committed", attempt=msg.get("attempt"))
+                self.ledger.set_pointer(msg["step"], "committed")
+        elif t == "guard":
+            done["guard"] = dict(msg)
         elif t == "chaos":
             self.fired.add(msg["spec"])
             fault_at = float(msg["time"])

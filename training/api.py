@@ -144,6 +144,42 @@ def set_capacity(run_uri: str, workers: int, reason: str = "manual") -> None:
     EventLog(open_store(run_uri), source="cli").emit("capacity", available=workers, reason=reason)
 
 
+def validate(run_uri: str, step: int | None = None) -> dict[str, Any]:
+    from training import lifecycle
+
+    return lifecycle.validate(run_uri, step)
+
+
+def validate_pending(run_uri: str) -> list[dict[str, Any]]:
+    from training import lifecycle
+
+    return lifecycle.validate_pending(run_uri)
+
+
+def rollback(run_uri: str, to: int | None = None, reason: str = "manual rollback") -> dict[str, Any]:
+    from training import lifecycle
+
+    return lifecycle.rollback(run_uri, to, reason)
+
+
+def promote(run_uri: str, step: int | None = None) -> dict[str, Any]:
+    from training import lifecycle
+
+    return lifecycle.promote(run_uri, step)
+
+
+def prune(run_uri: str, dry_run: bool = False) -> dict[str, Any]:
+    from training import lifecycle
+
+    return lifecycle.prune(run_uri, dry_run)
+
+
+def report(run_uri: str) -> dict[str, Any]:
+    from training import lifecycle
+
+    return lifecycle.report(run_uri)
+
+
 def load_run_config(run_uri: str) -> Config:
     return config_from_json(open_store(run_uri).get("config.json").decode())
 
@@ -152,4 +188,7 @@ def dumps(obj: Any) -> str:
     return json.dumps(obj, indent=2, sort_keys=True, default=str)
 
 
-__all__ = ["LaunchError", "PlanError", "plan", "launch", "status", "events", "set_capacity", "committed_steps"]
+__all__ = [
+    "LaunchError", "PlanError", "plan", "launch", "status", "events", "set_capacity", "committed_steps",
+    "validate", "validate_pending", "rollback", "promote", "prune", "report",
+]

@@ -13,9 +13,12 @@ the same step again does not fire it twice).
                     save of step S is being written.
 ``capacity``        ``to=N`` and ``step=S`` or ``after_s=T``: capacity becomes
                     N hosts at step S, or T seconds after the job started.
-``nan``             ``step=S``: the loss of step S becomes NaN.
+``nan``             ``step=S``: the update of step S is NaN, so the loss goes
+                    non-finite from step S+1; ``repeat=1`` fires it on every
+                    pass over step S (to exhaust the guard's attempts).
 ``lr_spike``        ``step=S,factor=F``: from step S the update is scaled by F.
-``corrupt``         ``step=S``: parameters are overwritten with noise at step S.
+``corrupt``         ``step=S``: the parameters are overwritten with noise just
+                    before the checkpoint of step S is saved.
 ==================  ==========================================================
 """
 
@@ -29,7 +32,7 @@ ACTIONS: dict[str, tuple[set[str], set[str]]] = {
     "crash": ({"worker", "step"}, set()),
     "kill_during_save": ({"worker", "step"}, set()),
     "capacity": ({"to"}, {"step", "after_s"}),
-    "nan": ({"step"}, set()),
+    "nan": ({"step"}, {"repeat"}),
     "lr_spike": ({"step", "factor"}, set()),
     "corrupt": ({"step"}, set()),
 }
@@ -57,6 +60,10 @@ class Fault:
     @property
     def worker(self) -> int:
         return int(self.params.get("worker", 0))
+
+    @property
+    def repeats(self) -> bool:
+        return bool(self.params.get("repeat", 0))
 
     @property
     def key(self) -> str:

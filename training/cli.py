@@ -6,6 +6,10 @@
     rtrain status   RUN
     rtrain events   RUN [--type T ...]
     rtrain capacity RUN N
+    rtrain validate RUN [--step S | --pending]
+    rtrain rollback RUN [--to STEP]
+    rtrain prune    RUN [--dry-run]
+    rtrain report   RUN
     rtrain bench    [--quick] [--out FILE]
 
 RUN is a run directory URI, or a run name under the configured root.
@@ -102,6 +106,43 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_validate(args: argparse.Namespace) -> int:
+    from training.api import validate, validate_pending
+
+    uri = _run_uri(args.run, args.root)
+    results = validate_pending(uri) if args.pending else [validate(uri, args.step)]
+    for r in results:
+        print(json.dumps(r, sort_keys=True))
+    return 0 if all(r["verdict"] == "validated" for r in results) else 1
+
+
+def cmd_rollback(args: argparse.Namespace) -> int:
+    from training.api import rollback
+
+    print(json.dumps(rollback(_run_uri(args.run, args.root), args.to, args.reason), indent=2))
+    return 0
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from training.api import prune
+
+    plan = prune(_run_uri(args.run, args.root), dry_run=args.dry_run)
+    verb = "would delete" if args.dry_run else "deleted"
+    print(f"{verb} steps {plan['deleted']} and incomplete {plan['incomplete']} "
+          f"({plan['bytes_freed'] / 2**20:.1f} MiB); kept {sorted(plan['kept'])}")
+    for step, why in sorted(plan["kept"].items(), key=lambda kv: int(kv[0])):
+        print(f"  keep {step}: {', '.join(why)}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from training.lifecycle import format_report, report
+
+    r = report(_run_uri(args.run, args.root))
+    print(json.dumps(r, indent=2, default=str) if args.json else format_report(r))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from training import bench
 
@@ -143,6 +184,32 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--type", action="append", default=[])
         sp.set_defaults(fn=fn)
 
+    sp = sub.add_parser("validate", help="judge a checkpoint on the held-out split")
+    sp.add_argument("run")
+    sp.add_argument("--step", type=int, default=None, help="default: the newest committed")
+    sp.add_argument("--pending", action="store_true", help="every committed checkpoint without a verdict")
+    sp.add_argument("--root", default=None)
+    sp.set_defaults(fn=cmd_validate)
+
+    sp = sub.add_parser("rollback", help="move the resume pointer back to a validated checkpoint")
+    sp.add_argument("run")
+    sp.add_argument("--to", type=int, default=None, help="default: the newest validated")
+    sp.add_argument("--reason", default="manual rollback")
+    sp.add_argument("--root", default=None)
+    sp.set_defaults(fn=cmd_rollback)
+
+    sp = sub.add_parser("prune", help="apply the retention policy")
+    sp.add_argument("run")
+    sp.add_argument("--dry-run", action="store_true")
+    sp.add_argument("--root", default=None)
+    sp.set_defaults(fn=cmd_prune)
+
+    sp = sub.add_parser("report", help="the run's summary: failures, recoveries, verdicts, goodput")
+    sp.add_argument("run")
+    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--root", default=None)
+    sp.set_defaults(fn=cmd_report)
+
     sp = sub.add_parser("capacity", help="set the local slice's capacity (hosts)")
     sp.add_argument("run")
     sp.add_argument("workers", type=int)
@@ -160,11 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from training.api import LaunchError
+    from training.lifecycle import LifecycleError
     from training.mesh import PlanError
 
     try:
         return int(args.fn(args))
-    except (ConfigError, PlanError, LaunchError) as e:
+    except (ConfigError, PlanError, LaunchError, LifecycleError) as e:
         print(f"rtrain: error: {e}", file=sys.stderr)
         return 2
 

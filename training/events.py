@@ -28,6 +28,8 @@ EVENT_TYPES: dict[str, tuple[str, ...]] = {
     "init": ("step", "mesh"),
     "compiled": ("step", "seconds"),
     "resumed": ("step",),
+    "resumed_with": ("step", "next_batch", "lr_scale"),
+    "guard": ("step", "metric", "value", "reason"),
     "progress": ("step", "loss"),
     "checkpoint": ("step", "committed"),
     "failure": ("attempt", "reason"),

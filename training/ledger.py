@@ -179,11 +179,14 @@ class Ledger:
 
     # -- resume pointer -------------------------------------------------------------------
 
-    def set_pointer(self, step: int, reason: str) -> dict[str, Any]:
-        """Move the resume pointer (a new record; the old ones stay as history)."""
+    def set_pointer(self, step: int, reason: str, **info: Any) -> dict[str, Any]:
+        """Move the resume pointer (a new record; the old ones stay as history).
+
+        ``info`` may carry how to resume (e.g. ``resume={"skip_to_batch": N, "lr_scale": F}``).
+        """
         _check_step(step)
         ns = _stamp()
-        rec = {"step": step, "reason": reason, "time": ns / 1e9, **_whoami()}
+        rec = {**info, "step": step, "reason": reason, "time": ns / 1e9, **_whoami()}
         self.store.create(f"{POINTER_PREFIX}{ns:020d}-{_nonce()}.json", json.dumps(rec, sort_keys=True).encode())
         return rec
 

@@ -42,6 +42,7 @@ class Store(Protocol):
     def exists(self, key: str) -> bool: ...
     def list(self, prefix: str = "") -> list[str]: ...
     def delete(self, key: str) -> None: ...
+    def move(self, src: str, dst: str) -> None: ...
     def child(self, key: str) -> str: ...
 
 
@@ -140,6 +141,12 @@ class LocalStore:
                 if rel.startswith(prefix):
                     keys.append(rel)
         return sorted(keys)
+
+    def move(self, src: str, dst: str) -> None:
+        """Move an object or a whole prefix (a rename on one file system)."""
+        target = self._path(dst)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(self._path(src), target)
 
     def delete(self, key: str) -> None:
         path = self._path(key)

@@ -110,8 +110,19 @@ class Trainer:
     def step(self, state: State, inputs: jax.Array, targets: jax.Array, lr_scale: float = 1.0) -> tuple[State, dict]:
         fn = self._compiled if self._compiled is not None else self._step
         if lr_scale not in self._scales:
-            self._scales[lr_scale] = jax.device_put(np.float32(lr_scale), self.replicated)
+            # (not device_put: its cross-process equality check fails on NaN, which chaos uses)
+            self._scales[lr_scale] = jax.make_array_from_callback(
+                (), self.replicated, lambda _: np.asarray(lr_scale, np.float32)
+            )
         return fn(state, inputs, targets, self._scales[lr_scale])
+
+    def corrupt(self, state: State) -> State:
+        """Chaos: overwrite the parameters with noise (a regression validation must catch)."""
+        noise = jax.jit(
+            lambda p: jax.tree.map(lambda x: jax.random.normal(jax.random.key(7), x.shape, x.dtype) * 3.0, p),
+            out_shardings=self.shardings["params"],
+        )
+        return {**state, "params": noise(state["params"])}
 
     def compile(self) -> None:
         """AOT-compile the step for the current mesh (a hit in the persistent cache on a resume)."""

@@ -93,7 +93,6 @@ def main() -> int:
     t_init = time.time()
     rep.send("worker_started", everyone=True, seconds=t_init - T_START)
 
-    import numpy as np
 
     from training import data as data_lib
     from training import trainer as tr
@@ -107,9 +106,14 @@ def main() -> int:
     manifest = data_lib.load_manifest(cfg.dataset)
 
     # --- restore ----------------------------------------------------------------------
-    # Resume order (written down once): this run's own newest committed checkpoint,
-    # else an explicit step, else scratch.  Orbax lists committed steps only, so a
-    # save cut off mid-write is never a candidate.
+    # Resume order (written down once): this run's newest committed checkpoint that
+    # the ledger does not reject (Orbax lists committed steps only, so a save cut off
+    # mid-write is never a candidate; a rollback moves rejected ones out of the way),
+    # else an explicit step, else scratch.  The ledger's resume pointer, when it names
+    # that step, says how to resume: skip a data window, scale the learning rate.
+    from training.ledger import Ledger
+
+    ledger = Ledger(store)
     t0 = time.time()
     step0: int | None
     if resume == "none":
@@ -129,6 +133,18 @@ def main() -> int:
         rep.send("init", step=0, mesh=plan.shape, workers=num_processes, seconds=time.time() - t0)
     step = int(step0 or 0)
     next_batch = int(data_pos["next_batch"])
+    lr_scale = float(data_pos.get("lr_scale", 1.0))
+    skipped: list[list[int]] = list(data_pos.get("skipped", []))
+    ptr = ledger.pointer_record()
+    if step0 is not None and ptr is not None and int(ptr["step"]) == step0:
+        how = ptr.get("resume") or {}
+        skip_to = int(how.get("skip_to_batch", next_batch))
+        if skip_to > next_batch:
+            skipped.append([next_batch, skip_to])
+            next_batch = skip_to
+        lr_scale *= float(how.get("lr_scale", 1.0))
+        if how:
+            rep.send("resumed_with", step=step0, next_batch=next_batch, lr_scale=lr_scale, skipped=skipped)
 
     # --- compile --------------------------------------------------------------------------
     t0 = time.time()
@@ -150,11 +166,22 @@ def main() -> int:
     pending_save: int | None = None
     t_last = time.time()
     first = True
+    recent: list[float] = []  # logged losses for the spike guard's running median
+    chaos_lr = 1.0
     while step < cfg.steps:
         for f in faults:
             if f.step == step and f.action in ("preempt", "crash") and f.worker == process_id:
                 rep.send("chaos", everyone=True, action=f.action, spec=f.spec, step=step, worker=process_id)
                 os.kill(os.getpid(), signal.SIGKILL)
+        step_lr = lr_scale * chaos_lr
+        for f in faults:
+            if f.step == step and f.action == "lr_spike":
+                chaos_lr = float(f.get("factor") or 1.0)
+                step_lr = lr_scale * chaos_lr
+                rep.send("chaos", action=f.action, spec=f.spec, step=step, worker=process_id)
+            elif f.step == step and f.action == "nan":
+                step_lr = float("nan")
+                rep.send("chaos", action=f.action, spec=f.spec, step=step, worker=process_id)
 
         local = next(batches)
         if cfg.trace_data_ids:
@@ -163,15 +190,23 @@ def main() -> int:
                 json.dumps({"ids": [int(i) for i in local["ids"]], "processes": num_processes}).encode(),
             )
         inputs, targets = trainer.global_batch(local)
-        state, metrics = trainer.step(state, inputs, targets)
+        state, metrics = trainer.step(state, inputs, targets, step_lr)
         step += 1
         next_batch += 1
+        save_now = step % cfg.checkpoint_every == 0 or step == cfg.steps
 
-        if step % cfg.log_every == 0 or step == cfg.steps or first:
-            loss = float(metrics["loss"])  # a host sync: only every log_every steps
+        if step % cfg.log_every == 0 or step == cfg.steps or first or save_now:
+            # A host sync: only on logged and checkpoint steps.  Every process holds the
+            # replicated loss, so all of them take the same decision below.
+            loss = float(metrics["loss"])
             now = time.time()
-            if not np.isfinite(loss):
-                raise FloatingPointError(f"step {step}: loss is {loss}")
+            bad = _guard(loss, recent, cfg.spike_factor, cfg.spike_window)
+            if bad:
+                # big_vision style: fail loudly with the step and the metric; the agent
+                # rolls back to the last good checkpoint and skips the batches since.
+                rep.send("guard", step=step, metric="loss", value=loss, reason=bad, next_batch=next_batch)
+                return GUARD_EXIT
+            recent.append(loss)
             n = 1 if first else cfg.log_every
             rep.send(
                 "progress",
@@ -191,13 +226,19 @@ def main() -> int:
             rep.send("checkpoint", step=pending_save, committed=True)
             pending_save = None
 
-        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+        if save_now:
+            for f in faults:
+                if f.action == "corrupt" and f.step == step:
+                    state = trainer.corrupt(state)
+                    rep.send("chaos", action=f.action, spec=f.spec, step=step, worker=process_id)
             data_pos = {
                 "next_batch": next_batch,
-                "examples_consumed": next_batch * cfg.global_batch,
+                "examples_consumed": (next_batch - sum(b - a for a, b in skipped)) * cfg.global_batch,
                 "global_batch": cfg.global_batch,
                 "seed": cfg.seed,
                 "dataset": manifest["fingerprint"],
+                "lr_scale": lr_scale,
+                "skipped": skipped,
             }
             if pending_save is not None:
                 mngr.wait_until_finished()
@@ -223,6 +264,22 @@ def main() -> int:
     mngr.close()
     rep.send("finished", step=step)
     return 0
+
+
+GUARD_EXIT = 17
+
+
+def _guard(loss: float, recent: list[float], factor: float, window: int) -> str:
+    """Why this loss must not be trained on ('' when it is fine)."""
+    import numpy as np
+
+    if not np.isfinite(loss):
+        return f"loss is {loss}"
+    if factor > 0 and len(recent) >= 3:
+        median = float(np.median(recent[-window:]))
+        if loss > factor * median:
+            return f"loss {loss:.4g} > {factor:g} x running median {median:.4g}"
+    return ""
 
 
 def _stop_requested(store: Any, attempt: int, process_id: int, num_processes: int) -> bool:

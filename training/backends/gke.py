@@ -311,11 +311,19 @@ def slice_bounds(cfg: Config, tpu: TPUSlice) -> tuple[int, int]:
     return k_min, k_max
 
 
-def plan_slices(cfg: Config, tpu: TPUSlice, available_hosts: int) -> int:
-    """The most slices the job may take of ``available_hosts`` ready hosts; 0 below the minimum."""
+def feasible_slices(cfg: Config, tpu: TPUSlice) -> list[int]:
+    """The slice counts in :func:`slice_bounds` whose hosts the mesh and the global batch split over."""
+    from training.mesh import feasible_sizes  # arithmetic only, no JAX
+
     k_min, k_max = slice_bounds(cfg, tpu)
-    k = min(k_max, available_hosts // tpu.hosts)
-    return k if k >= k_min else 0
+    sizes = set(feasible_sizes(cfg))
+    return [k for k in range(k_min, k_max + 1) if k * tpu.hosts in sizes]
+
+
+def plan_slices(cfg: Config, tpu: TPUSlice, available_hosts: int) -> int:
+    """The most slices the job can run on with ``available_hosts`` ready hosts; 0 when none fits."""
+    fits = [k for k in feasible_slices(cfg, tpu) if k * tpu.hosts <= available_hosts]
+    return max(fits) if fits else 0
 
 
 # --- manifests -------------------------------------------------------------------------
@@ -369,6 +377,12 @@ def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, num_slices: int, attem
         raise GKEConfigError(
             f"num_slices: {num_slices} slices of {tpu.hosts} host(s) is outside min_workers..max_workers "
             f"({cfg.min_workers}..{cfg.max_workers}); allowed: {k_min}..{k_max}"
+        )
+    feasible = feasible_slices(cfg, tpu)
+    if num_slices not in feasible:
+        raise GKEConfigError(
+            f"num_slices: the mesh or global_batch={cfg.global_batch} does not split over {num_slices * tpu.hosts} "
+            f"workers of {tpu.chips_per_host} devices; slice counts that do: {feasible or 'none'}"
         )
     name = jobset_name(cfg.run_name, attempt)
     hosts = tpu.hosts

@@ -1,0 +1,492 @@
+"""Hooks for the Google Cloud production path: TPU node pools on GKE, and JobSets on the cluster.
+
+:class:`GKETPUHook` extends the Google provider's ``GKEHook`` (which owns the
+``ClusterManagerClient``) with TPU node pools: it builds the real
+``google.cloud.container_v1`` requests from a :class:`TPUNodePoolSpec`, and
+creates (idempotently), resizes and deletes pools.
+
+:class:`JobSetHook` launches, watches and deletes the JobSet of a training job
+through the cncf-kubernetes provider's ``KubernetesHook`` (custom objects API
+for ``jobset.x-k8s.io/v1alpha2``); the manifests come from
+``training.backends.gke``.
+
+No JAX here: the TPU table and the manifests are plain Python.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from airflow.providers.google.cloud.hooks.kubernetes_engine import GKEHook
+from airflow.providers.google.common.hooks.base_google import PROVIDE_PROJECT_ID, GoogleBaseHook
+from google.api_core.exceptions import AlreadyExists, NotFound
+from google.cloud import container_v1
+
+from training.backends.gke import (
+    ACCELERATOR_LABEL,
+    JOBSET_API_VERSION,
+    JOBSET_GROUP,
+    JOBSET_PLURAL,
+    JOBSET_VERSION,
+    NODEPOOL_LABEL,
+    GKECapacity,
+    GKEConfigError,
+    GKEManifests,
+    TPUSlice,
+    jobset_state,
+    node_is_usable,
+)
+
+if TYPE_CHECKING:
+    from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
+    from airflow.providers.google.cloud.hooks.kubernetes_engine import GKEKubernetesHook
+
+RESERVATION_KEY = "compute.googleapis.com/reservation-name"
+_POOL_NAME_RE = re.compile(r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")  # GKE: <= 40 characters
+_RESERVATION_RE = re.compile(r"^(projects/[a-z][-a-z0-9]{4,28}[a-z0-9]/reservations/)?[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+class TPUNodePoolError(RuntimeError):
+    """A node pool operation that failed, or an existing pool that is not the one asked for."""
+
+
+class JobSetError(RuntimeError):
+    """A JobSet that could not be created or attached to."""
+
+
+@dataclass(frozen=True)
+class TPUNodePoolSpec:
+    """One TPU node pool: for a multi-host shape exactly one slice, for a single-host shape ``num_slices`` VMs.
+
+    :param name: node pool name (lowercase letters, digits and ``-``; at most 40).
+    :param machine_type: a TPU machine type from ``training.backends.gke.TPU_MACHINE_TYPES``.
+    :param tpu_topology: the slice topology, e.g. ``4x4`` (v5e/v6e) or ``2x2x2`` (v4/v5p).
+    :param num_slices: single-host shapes only: how many one-VM slices the pool holds.
+    :param spot: Spot VMs (cheap, preemptible; the elastic agent absorbs their loss).
+    :param reservation: consume this reservation (``NAME`` or ``projects/P/reservations/NAME``).
+    :param placement_policy: a workload / resource policy name (``PlacementPolicy.policy_name``).
+    :param compact_placement: ask for ``COMPACT`` placement.
+    :param additional_networks: extra node networks, ``(network, subnetwork)`` pairs (multi-networking clusters).
+    :param node_locations: zones of the pool (TPUs are zonal; a regional cluster must say which zone).
+    :param service_account: the nodes' Google service account (defaults to the cluster's).
+    :param node_labels: extra Kubernetes labels on the nodes.
+    :param workload_identity: run the GKE metadata server on the nodes, so that the worker pods
+        act as their Kubernetes service account's Google identity (Workload Identity).
+    """
+
+    name: str
+    machine_type: str
+    tpu_topology: str
+    num_slices: int = 1
+    spot: bool = False
+    reservation: str | None = None
+    placement_policy: str | None = None
+    compact_placement: bool = False
+    additional_networks: tuple[tuple[str, str], ...] = ()
+    node_locations: tuple[str, ...] = ()
+    service_account: str | None = None
+    node_labels: Mapping[str, str] = field(default_factory=dict)
+    disk_size_gb: int | None = None
+    disk_type: str | None = None
+    workload_identity: bool = True
+
+    def __post_init__(self) -> None:
+        if not _POOL_NAME_RE.match(self.name):
+            raise GKEConfigError(
+                f"node_pool_name: {self.name!r} must be lowercase letters, digits and '-', start with a letter, "
+                "and be at most 40 characters"
+            )
+        tpu = TPUSlice(self.machine_type, self.tpu_topology)  # validates both
+        if self.num_slices < 1:
+            raise GKEConfigError(f"num_slices: must be >= 1, got {self.num_slices}")
+        if tpu.multi_host and self.num_slices != 1:
+            raise GKEConfigError(
+                f"num_slices: a {self.machine_type} {self.tpu_topology} pool is one {tpu.hosts}-host slice; "
+                f"create {self.num_slices} node pools instead of one with num_slices={self.num_slices}"
+            )
+        if self.spot and self.reservation:
+            raise GKEConfigError("spot/reservation: Spot VMs cannot consume a reservation; choose one")
+        if self.reservation is not None and not _RESERVATION_RE.match(self.reservation):
+            raise GKEConfigError(f"reservation: {self.reservation!r} is not NAME or projects/PROJECT/reservations/NAME")
+        for pair in self.additional_networks:
+            if len(pair) != 2 or not all(isinstance(p, str) and p for p in pair):
+                raise GKEConfigError(f"additional_networks: {pair!r} is not a (network, subnetwork) pair")
+        if self.disk_size_gb is not None and self.disk_size_gb < 10:
+            raise GKEConfigError(f"disk_size_gb: at least 10, got {self.disk_size_gb}")
+
+    @property
+    def tpu(self) -> TPUSlice:
+        return TPUSlice(self.machine_type, self.tpu_topology)
+
+    @property
+    def node_count(self) -> int:
+        """Nodes (TPU VMs) of the pool: the hosts of its one slice, or one per single-host slice."""
+        tpu = self.tpu
+        return tpu.hosts if tpu.multi_host else self.num_slices
+
+    def to_node_pool(self) -> container_v1.NodePool:
+        """The ``container_v1.NodePool`` of this spec."""
+        tpu = self.tpu
+        config = container_v1.NodeConfig(
+            machine_type=self.machine_type,
+            spot=self.spot,
+            labels=dict(self.node_labels),
+        )
+        if self.reservation:
+            config.reservation_affinity = container_v1.ReservationAffinity(
+                consume_reservation_type=container_v1.ReservationAffinity.Type.SPECIFIC_RESERVATION,
+                key=RESERVATION_KEY,
+                values=[self.reservation],
+            )
+        if self.service_account:
+            config.service_account = self.service_account
+        if self.workload_identity:
+            config.workload_metadata_config = container_v1.WorkloadMetadataConfig(
+                mode=container_v1.WorkloadMetadataConfig.Mode.GKE_METADATA
+            )
+        if self.disk_size_gb is not None:
+            config.disk_size_gb = self.disk_size_gb
+        if self.disk_type:
+            config.disk_type = self.disk_type
+        pool = container_v1.NodePool(
+            name=self.name,
+            config=config,
+            initial_node_count=self.node_count,
+            locations=list(self.node_locations),
+            management=container_v1.NodeManagement(auto_repair=True, auto_upgrade=True),
+        )
+        if tpu.multi_host or self.placement_policy or self.compact_placement:
+            placement: dict[str, Any] = {}
+            if tpu.multi_host:
+                # The topology makes GKE provision the VMs as one ICI-connected slice.
+                placement["tpu_topology"] = self.tpu_topology
+            if self.compact_placement:
+                placement["type_"] = container_v1.NodePool.PlacementPolicy.Type.COMPACT
+            if self.placement_policy:
+                placement["policy_name"] = self.placement_policy
+            pool.placement_policy = container_v1.NodePool.PlacementPolicy(**placement)
+        if self.additional_networks:
+            pool.network_config = container_v1.NodeNetworkConfig(
+                additional_node_network_configs=[
+                    container_v1.AdditionalNodeNetworkConfig(network=net, subnetwork=sub)
+                    for net, sub in self.additional_networks
+                ]
+            )
+        return pool
+
+
+def operation_error(operation: container_v1.Operation) -> str | None:
+    """The error of a finished operation (a DONE operation can still have failed), else None."""
+    pb = container_v1.Operation.pb(operation)
+    if pb.HasField("error") and pb.error.code != 0:
+        return f"{operation.error.message or 'error'} (code {operation.error.code})"
+    if operation.status not in (
+        container_v1.Operation.Status.DONE,
+        container_v1.Operation.Status.RUNNING,
+        container_v1.Operation.Status.PENDING,
+    ):
+        return f"operation {operation.name} is {operation.status.name}: {operation.status_message}"
+    return None
+
+
+class GKETPUHook(GKEHook):
+    """GKE TPU node pools through the cluster manager client the provider's ``GKEHook`` owns.
+
+    All methods taking ``project_id`` must be called with keyword arguments (the
+    provider's convention: ``project_id`` falls back to the connection's project).
+    """
+
+    def __init__(
+        self,
+        gcp_conn_id: str = "google_cloud_default",
+        location: str | None = None,
+        impersonation_chain: str | Sequence[str] | None = None,
+        poll_interval: float = 15.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(gcp_conn_id=gcp_conn_id, location=location, impersonation_chain=impersonation_chain, **kwargs)
+        self.poll_interval = poll_interval
+
+    # --- resource names and requests (pure) -------------------------------------------------
+
+    def cluster_path(self, project_id: str, cluster_name: str) -> str:
+        if not self.location:
+            raise GKEConfigError("location: the cluster's region or zone is required")
+        return f"projects/{project_id}/locations/{self.location}/clusters/{cluster_name}"
+
+    def node_pool_path(self, project_id: str, cluster_name: str, node_pool_name: str) -> str:
+        return f"{self.cluster_path(project_id, cluster_name)}/nodePools/{node_pool_name}"
+
+    def create_request(
+        self, spec: TPUNodePoolSpec, *, project_id: str, cluster_name: str
+    ) -> container_v1.CreateNodePoolRequest:
+        return container_v1.CreateNodePoolRequest(
+            parent=self.cluster_path(project_id, cluster_name), node_pool=spec.to_node_pool()
+        )
+
+    def resize_request(
+        self, node_pool_name: str, node_count: int, *, project_id: str, cluster_name: str
+    ) -> container_v1.SetNodePoolSizeRequest:
+        return container_v1.SetNodePoolSizeRequest(
+            name=self.node_pool_path(project_id, cluster_name, node_pool_name), node_count=node_count
+        )
+
+    def delete_request(
+        self, node_pool_name: str, *, project_id: str, cluster_name: str
+    ) -> container_v1.DeleteNodePoolRequest:
+        return container_v1.DeleteNodePoolRequest(name=self.node_pool_path(project_id, cluster_name, node_pool_name))
+
+    # --- calls --------------------------------------------------------------------------------
+
+    @GoogleBaseHook.fallback_to_default_project_id
+    def get_node_pool(
+        self, cluster_name: str, node_pool_name: str, project_id: str = PROVIDE_PROJECT_ID
+    ) -> container_v1.NodePool:
+        request = container_v1.GetNodePoolRequest(name=self.node_pool_path(project_id, cluster_name, node_pool_name))
+        return self.get_cluster_manager_client().get_node_pool(request=request)
+
+    @GoogleBaseHook.fallback_to_default_project_id
+    def create_tpu_node_pool(
+        self,
+        cluster_name: str,
+        spec: TPUNodePoolSpec,
+        project_id: str = PROVIDE_PROJECT_ID,
+        wait_to_complete: bool = True,
+    ) -> container_v1.Operation | None:
+        """Start creating the pool; ``None`` when a pool of that name and shape exists already.
+
+        An existing pool of another machine type or topology is an error (the
+        job would run on the wrong shape), and so is one being deleted.
+        """
+        request = self.create_request(spec, project_id=project_id, cluster_name=cluster_name)
+        self.log.info("Creating TPU node pool %s (%s, %s, %d nodes)", request.parent + "/nodePools/" + spec.name,
+                      spec.machine_type, spec.tpu_topology, spec.node_count)
+        try:
+            operation = self.get_cluster_manager_client().create_node_pool(request=request)
+        except AlreadyExists:
+            existing = self.get_node_pool(cluster_name=cluster_name, node_pool_name=spec.name, project_id=project_id)
+            check_same_shape(existing, spec)
+            if existing.status == container_v1.NodePool.Status.STOPPING:
+                raise TPUNodePoolError(f"node pool {spec.name} exists but is being deleted; retry once it is gone") from None
+            self.log.info("Node pool %s exists already (%s): assuming success", spec.name, existing.status.name)
+            return None
+        if wait_to_complete:
+            operation = self.wait_for_operation(operation, project_id=project_id)
+        return operation
+
+    @GoogleBaseHook.fallback_to_default_project_id
+    def resize_tpu_node_pool(
+        self,
+        cluster_name: str,
+        node_pool_name: str,
+        node_count: int,
+        project_id: str = PROVIDE_PROJECT_ID,
+        wait_to_complete: bool = True,
+    ) -> container_v1.Operation:
+        """Set the number of nodes; a multi-host slice pool is all or nothing (0 or its hosts)."""
+        if node_count < 0:
+            raise GKEConfigError(f"node_count: must be >= 0, got {node_count}")
+        pool = self.get_node_pool(cluster_name=cluster_name, node_pool_name=node_pool_name, project_id=project_id)
+        topology = pool.placement_policy.tpu_topology
+        if topology:
+            tpu = TPUSlice(pool.config.machine_type, topology)
+            if tpu.multi_host and node_count not in (0, tpu.hosts):
+                raise GKEConfigError(
+                    f"node_count: {node_pool_name} is one {tpu.hosts}-host {topology} slice; "
+                    f"it can have 0 or {tpu.hosts} nodes, not {node_count}"
+                )
+        request = self.resize_request(node_pool_name, node_count, project_id=project_id, cluster_name=cluster_name)
+        self.log.info("Resizing node pool %s to %d nodes", request.name, node_count)
+        operation = self.get_cluster_manager_client().set_node_pool_size(request=request)
+        if wait_to_complete:
+            operation = self.wait_for_operation(operation, project_id=project_id)
+        return operation
+
+    @GoogleBaseHook.fallback_to_default_project_id
+    def delete_tpu_node_pool(
+        self,
+        cluster_name: str,
+        node_pool_name: str,
+        project_id: str = PROVIDE_PROJECT_ID,
+        wait_to_complete: bool = True,
+    ) -> container_v1.Operation | None:
+        """Start deleting the pool; ``None`` when there is no such pool (nothing to tear down)."""
+        request = self.delete_request(node_pool_name, project_id=project_id, cluster_name=cluster_name)
+        self.log.info("Deleting node pool %s", request.name)
+        try:
+            operation = self.get_cluster_manager_client().delete_node_pool(request=request)
+        except NotFound:
+            self.log.info("Node pool %s does not exist: nothing to delete", request.name)
+            return None
+        if wait_to_complete:
+            operation = self.wait_for_operation(operation, project_id=project_id)
+        return operation
+
+    def wait_for_operation(
+        self, operation: container_v1.Operation, project_id: str = PROVIDE_PROJECT_ID
+    ) -> container_v1.Operation:
+        """Poll until the operation is done; raise TPUNodePoolError if it failed (also when DONE with an error)."""
+        while operation.status in (container_v1.Operation.Status.PENDING, container_v1.Operation.Status.RUNNING):
+            time.sleep(self.poll_interval)
+            operation = self.get_operation(operation.name, project_id=project_id or self.project_id)
+        error = operation_error(operation)
+        if error:
+            raise TPUNodePoolError(f"operation {operation.name} failed: {error}")
+        return operation
+
+    # --- the cluster's Kubernetes API ----------------------------------------------------------
+
+    @GoogleBaseHook.fallback_to_default_project_id
+    def get_kubernetes_hook(
+        self,
+        cluster_name: str,
+        project_id: str = PROVIDE_PROJECT_ID,
+        use_internal_ip: bool = False,
+        use_dns_endpoint: bool = False,
+    ) -> GKEKubernetesHook:
+        """A KubernetesHook for the cluster, authenticated with this hook's Google credentials."""
+        from airflow.providers.google.cloud.hooks.kubernetes_engine import GKEKubernetesHook
+
+        cluster = self.get_cluster(name=cluster_name, project_id=project_id)
+        if use_dns_endpoint:
+            url = f"https://{cluster.control_plane_endpoints_config.dns_endpoint_config.endpoint}"
+        elif use_internal_ip:
+            url = f"https://{cluster.private_cluster_config.private_endpoint}"
+        else:
+            url = f"https://{cluster.endpoint}"
+        return GKEKubernetesHook(
+            gcp_conn_id=self.gcp_conn_id,
+            impersonation_chain=self.impersonation_chain,
+            cluster_url=url,
+            ssl_ca_cert=cluster.master_auth.cluster_ca_certificate,
+            use_dns_endpoint=use_dns_endpoint,
+        )
+
+
+def check_same_shape(existing: container_v1.NodePool, spec: TPUNodePoolSpec) -> None:
+    """An existing pool counts as the one asked for only if its TPU shape is the same."""
+    problems = []
+    if existing.config.machine_type != spec.machine_type:
+        problems.append(f"machine type {existing.config.machine_type!r}, not {spec.machine_type!r}")
+    if spec.tpu.multi_host and existing.placement_policy.tpu_topology != spec.tpu_topology:
+        problems.append(f"topology {existing.placement_policy.tpu_topology!r}, not {spec.tpu_topology!r}")
+    if existing.config.spot != spec.spot:
+        problems.append(f"spot={existing.config.spot}, not {spec.spot}")
+    if problems:
+        raise TPUNodePoolError(f"node pool {spec.name} exists with {'; '.join(problems)}: delete it or pick another name")
+
+
+class JobSetHook:
+    """The JobSet of a training job, through the provider's KubernetesHook.
+
+    :param kube: a ``KubernetesHook`` (or the GKE one from ``GKETPUHook.get_kubernetes_hook``).
+    """
+
+    def __init__(self, kube: KubernetesHook) -> None:
+        self.kube = kube
+
+    def create(self, manifests: GKEManifests) -> dict[str, Any]:
+        """Create the JobSet and its headless Service; a JobSet of the same name is re-attached to.
+
+        The Service is owned by the JobSet (``ownerReferences``), so deleting the
+        JobSet, by us or by anyone, takes the Service with it.  If the JobSet
+        controller made its own Service of that name first, that one is used.
+        """
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            jobset = dict(
+                self.kube.create_custom_object(
+                    group=JOBSET_GROUP,
+                    version=JOBSET_VERSION,
+                    plural=JOBSET_PLURAL,
+                    body=manifests.jobset,
+                    namespace=manifests.namespace,
+                )
+            )
+        except ApiException as e:
+            if e.status != 409:
+                raise
+            existing = self.get(manifests.name, manifests.namespace)
+            if existing is None:  # deleted between the two calls
+                raise JobSetError(f"JobSet {manifests.name} was deleted while we created it; launch again") from None
+            jobset = existing
+        service = copy.deepcopy(manifests.service)
+        uid = (jobset.get("metadata") or {}).get("uid")
+        if uid:
+            service["metadata"]["ownerReferences"] = [
+                {"apiVersion": JOBSET_API_VERSION, "kind": "JobSet", "name": manifests.name, "uid": uid,
+                 "blockOwnerDeletion": True}
+            ]
+        try:
+            self.kube.core_v1_client.create_namespaced_service(namespace=manifests.namespace, body=service)
+        except ApiException as e:
+            if e.status != 409:
+                raise
+        return jobset
+
+    def get(self, name: str, namespace: str) -> dict[str, Any] | None:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            return dict(
+                self.kube.get_custom_object(
+                    group=JOBSET_GROUP, version=JOBSET_VERSION, plural=JOBSET_PLURAL, name=name, namespace=namespace
+                )
+            )
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def state(self, name: str, namespace: str) -> str:
+        """``missing``, ``running``, ``suspended``, ``completed`` or ``failed``."""
+        return jobset_state(self.get(name, namespace))
+
+    def delete(self, name: str, namespace: str) -> bool:
+        """Delete the JobSet (its Jobs and pods with it) and its Service; False if neither existed."""
+        from kubernetes.client.exceptions import ApiException
+
+        deleted = False
+        try:
+            self.kube.delete_custom_object(
+                group=JOBSET_GROUP,
+                version=JOBSET_VERSION,
+                plural=JOBSET_PLURAL,
+                name=name,
+                namespace=namespace,
+                propagation_policy="Foreground",
+            )
+            deleted = True
+        except ApiException as e:
+            if e.status != 404:
+                raise
+        try:
+            self.kube.core_v1_client.delete_namespaced_service(name=name, namespace=namespace)
+            deleted = True
+        except ApiException as e:
+            if e.status != 404:
+                raise
+        return deleted
+
+    def capacity(self, tpu: TPUSlice, node_pools: Sequence[str] | None = None) -> GKECapacity:
+        """The capacity source over this cluster's nodes."""
+        return GKECapacity.from_core_v1(self.kube.core_v1_client, tpu, node_pools)
+
+    def list_nodes(self, node_pool_name: str | None = None, accelerator: str | None = None) -> list[Any]:
+        """V1Node objects of a pool (or of a TPU accelerator type), ready or not."""
+        selectors = []
+        if node_pool_name:
+            selectors.append(f"{NODEPOOL_LABEL}={node_pool_name}")
+        if accelerator:
+            selectors.append(f"{ACCELERATOR_LABEL}={accelerator}")
+        return list(self.kube.core_v1_client.list_node(label_selector=",".join(selectors)).items)
+
+    def list_ready_nodes(self, node_pool_name: str) -> list[Any]:
+        """The pool's nodes that are Ready, schedulable and not about to go away."""
+        return [n for n in self.list_nodes(node_pool_name) if node_is_usable(n)]

@@ -1,0 +1,568 @@
+"""Operators for TPU node pools on GKE and the JobSet of a training job.
+
+Thin, in the Google provider's manner: the hooks own the clients
+(``rtrain_airflow.hooks.gke_tpu``), the long waits are a deferrable trigger
+(``rtrain_airflow.triggers.gke_tpu``), and every operator checks its inputs
+before it calls anything, with errors that name the parameter.  A DAG reads as
+setup (create pools), body (launch and watch the job), teardown (delete the
+JobSet, delete the pools, both ``ALL_DONE``).
+
+Inputs that are Jinja templates are checked when rendered (in ``execute``);
+plain values already when the DAG is parsed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+from airflow.configuration import conf
+from airflow.providers.common.compat.sdk import AirflowException
+from airflow.providers.google.cloud.operators.cloud_base import GoogleCloudBaseOperator
+from airflow.sdk import TriggerRule
+
+from rtrain_airflow.hooks.gke_tpu import GKETPUHook, JobSetHook, TPUNodePoolSpec
+from rtrain_airflow.triggers.gke_tpu import GKETPUNodePoolOperationTrigger
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+    from google.cloud.container_v1 import Operation
+
+    from training.config import Config
+
+
+def _templated(*values: Any) -> bool:
+    """Whether any value still holds a Jinja template (so it can only be checked once rendered)."""
+    for v in values:
+        if isinstance(v, str) and ("{{" in v or "{%" in v):
+            return True
+        if isinstance(v, Mapping) and _templated(*v.keys(), *v.values()):
+            return True
+        if isinstance(v, (list, tuple)) and _templated(*v):
+            return True
+    return False
+
+
+def _networks(value: Iterable[Any]) -> tuple[tuple[str, str], ...]:
+    out = []
+    for item in value or ():
+        if isinstance(item, Mapping):
+            if set(item) != {"network", "subnetwork"}:
+                raise ValueError(f"additional_networks: each item needs exactly 'network' and 'subnetwork', got {dict(item)}")
+            out.append((str(item["network"]), str(item["subnetwork"])))
+        elif isinstance(item, (list, tuple)) and len(item) == 2:
+            out.append((str(item[0]), str(item[1])))
+        else:
+            raise ValueError(f"additional_networks: {item!r} is not {{'network': ..., 'subnetwork': ...}}")
+    return tuple(out)
+
+
+class _GKETPUNodePoolBaseOperator(GoogleCloudBaseOperator):
+    """What the node pool operators share: the cluster, the hook, the deferral."""
+
+    template_fields: Sequence[str] = (
+        "project_id",
+        "location",
+        "cluster_name",
+        "node_pool_name",
+        "gcp_conn_id",
+        "impersonation_chain",
+    )
+
+    def __init__(
+        self,
+        *,
+        location: str,
+        cluster_name: str,
+        node_pool_name: str,
+        project_id: str | None = None,
+        gcp_conn_id: str = "google_cloud_default",
+        impersonation_chain: str | Sequence[str] | None = None,
+        deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
+        poll_interval: float = 15.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.project_id = project_id
+        self.location = location
+        self.cluster_name = cluster_name
+        self.node_pool_name = node_pool_name
+        self.gcp_conn_id = gcp_conn_id
+        self.impersonation_chain = impersonation_chain
+        self.deferrable = deferrable
+        self.poll_interval = poll_interval
+        for key in ("location", "cluster_name", "node_pool_name"):
+            if not getattr(self, key):
+                raise ValueError(f"{key}: required")
+        if poll_interval <= 0:
+            raise ValueError(f"poll_interval: must be > 0, got {poll_interval}")
+
+    @cached_property
+    def hook(self) -> GKETPUHook:
+        return GKETPUHook(
+            gcp_conn_id=self.gcp_conn_id,
+            location=self.location,
+            impersonation_chain=self.impersonation_chain,
+            poll_interval=self.poll_interval,
+        )
+
+    def _defer(self, operation: Operation, method_name: str) -> None:
+        self.defer(
+            trigger=GKETPUNodePoolOperationTrigger(
+                operation_name=operation.name,
+                project_id=self.project_id or self.hook.project_id,
+                location=self.location,
+                node_pool_name=self.node_pool_name,
+                gcp_conn_id=self.gcp_conn_id,
+                impersonation_chain=self.impersonation_chain,
+                poll_interval=self.poll_interval,
+            ),
+            method_name=method_name,
+        )
+
+    @staticmethod
+    def _check_event(event: Mapping[str, Any]) -> None:
+        if event.get("status") != "success":
+            raise AirflowException(event.get("message") or f"operation failed: {event}")
+
+
+class GKECreateTPUNodePoolOperator(_GKETPUNodePoolBaseOperator):
+    """Create a TPU node pool in a GKE Standard cluster; an existing pool of the same shape is success.
+
+    A multi-host shape (e.g. ``ct6e-standard-4t`` ``4x4``: 4 hosts) makes a pool
+    that is exactly one slice: create one pool per slice (``.partial(...).expand(node_pool_name=[...])``).
+    A single-host shape (``ct6e-standard-4t`` ``2x2``) makes ``num_slices`` VMs.
+
+    A pool left in ``ERROR`` by an earlier try (e.g. a stockout) is deleted and
+    created again once when ``recreate_failed_pool`` is set.
+
+    Returns (XCom) ``node_pool``, ``cluster``, ``machine_type``, ``tpu_topology``,
+    ``hosts_per_slice``, ``chips_per_host``, ``node_count``, ``spot``, ``created``.
+
+    :param machine_type: a TPU machine type (``training.backends.gke.TPU_MACHINE_TYPES``).
+    :param tpu_topology: e.g. ``4x4`` (v5e/v6e), ``2x2x2`` (v4/v5p).
+    :param spot: Spot VMs. Mutually exclusive with ``reservation``.
+    :param reservation: a specific reservation to consume (``NAME`` or ``projects/P/reservations/NAME``).
+    :param placement_policy: a workload policy name for the pool's placement.
+    :param compact_placement: ask for ``COMPACT`` placement.
+    :param additional_networks: extra node networks, ``[{"network": ..., "subnetwork": ...}]``.
+    :param node_locations: the zone(s) of the pool (TPUs are zonal).
+    :param node_service_account: the nodes' Google service account (least privilege: see docs/gke.md).
+    :param deferrable: wait for the operation in the triggerer.
+    """
+
+    template_fields: Sequence[str] = (
+        *_GKETPUNodePoolBaseOperator.template_fields,
+        "machine_type",
+        "tpu_topology",
+        "num_slices",
+        "reservation",
+        "placement_policy",
+        "node_locations",
+        "node_service_account",
+        "node_labels",
+    )
+
+    def __init__(
+        self,
+        *,
+        machine_type: str,
+        tpu_topology: str,
+        num_slices: int | str = 1,
+        spot: bool = False,
+        reservation: str | None = None,
+        placement_policy: str | None = None,
+        compact_placement: bool = False,
+        additional_networks: Sequence[Mapping[str, str] | Sequence[str]] = (),
+        node_locations: Sequence[str] = (),
+        node_service_account: str | None = None,
+        node_labels: Mapping[str, str] | None = None,
+        disk_size_gb: int | None = None,
+        disk_type: str | None = None,
+        recreate_failed_pool: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.machine_type = machine_type
+        self.tpu_topology = tpu_topology
+        self.num_slices = num_slices
+        self.spot = spot
+        self.reservation = reservation
+        self.placement_policy = placement_policy
+        self.compact_placement = compact_placement
+        self.additional_networks = additional_networks
+        self.node_locations = node_locations
+        self.node_service_account = node_service_account
+        self.node_labels = dict(node_labels or {})
+        self.disk_size_gb = disk_size_gb
+        self.disk_type = disk_type
+        self.recreate_failed_pool = recreate_failed_pool
+        if not _templated(*(getattr(self, f) for f in self.template_fields)):
+            self.spec()  # refuse a bad shape when the DAG is parsed
+
+    def spec(self) -> TPUNodePoolSpec:
+        try:
+            num_slices = int(self.num_slices)
+        except (TypeError, ValueError):
+            raise ValueError(f"num_slices: an integer, got {self.num_slices!r}") from None
+        return TPUNodePoolSpec(
+            name=self.node_pool_name,
+            machine_type=self.machine_type,
+            tpu_topology=self.tpu_topology,
+            num_slices=num_slices,
+            spot=self.spot,
+            reservation=self.reservation or None,
+            placement_policy=self.placement_policy or None,
+            compact_placement=self.compact_placement,
+            additional_networks=_networks(self.additional_networks),
+            node_locations=tuple(self.node_locations or ()),
+            service_account=self.node_service_account or None,
+            node_labels=self.node_labels,
+            disk_size_gb=self.disk_size_gb,
+            disk_type=self.disk_type,
+        )
+
+    def _result(self, spec: TPUNodePoolSpec, created: bool) -> dict[str, Any]:
+        tpu = spec.tpu
+        return {
+            "node_pool": spec.name,
+            "cluster": self.cluster_name,
+            "machine_type": spec.machine_type,
+            "tpu_topology": spec.tpu_topology,
+            "hosts_per_slice": tpu.hosts,
+            "chips_per_host": tpu.chips_per_host,
+            "node_count": spec.node_count,
+            "spot": spec.spot,
+            "created": created,
+        }
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        return self._create(recreated=False)
+
+    def _create(self, recreated: bool) -> dict[str, Any]:
+        from google.cloud.container_v1 import NodePool
+
+        spec = self.spec()
+        operation = self.hook.create_tpu_node_pool(
+            cluster_name=self.cluster_name, spec=spec, project_id=self.project_id, wait_to_complete=not self.deferrable
+        )
+        if operation is None:  # it exists, with this shape
+            pool = self.hook.get_node_pool(
+                cluster_name=self.cluster_name, node_pool_name=spec.name, project_id=self.project_id
+            )
+            if pool.status == NodePool.Status.ERROR:
+                if not self.recreate_failed_pool or recreated:
+                    raise AirflowException(
+                        f"node pool {spec.name} exists in state ERROR ({pool.status_message}); delete it and retry"
+                    )
+                self.log.warning("Node pool %s is in ERROR (%s): deleting it to create it again", spec.name,
+                                 pool.status_message)
+                delete = self.hook.delete_tpu_node_pool(
+                    cluster_name=self.cluster_name, node_pool_name=spec.name, project_id=self.project_id,
+                    wait_to_complete=not self.deferrable,
+                )
+                if delete is not None and self.deferrable:
+                    self._defer(delete, "recreate_after_delete")
+                return self._create(recreated=True)
+            return self._result(spec, created=False)
+        if self.deferrable:
+            self._defer(operation, "execute_complete")
+        return self._result(spec, created=True)
+
+    def recreate_after_delete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
+        self._check_event(event)
+        return self._create(recreated=True)
+
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
+        self._check_event(event)
+        self.log.info(event.get("message"))
+        return self._result(self.spec(), created=True)
+
+
+class GKEResizeTPUNodePoolOperator(_GKETPUNodePoolBaseOperator):
+    """Set the number of nodes of a TPU node pool.
+
+    A multi-host slice pool is all or nothing: 0 (release the slice) or its hosts
+    (take it back).  For a single-host pool, each node is one slice.
+    """
+
+    template_fields: Sequence[str] = (*_GKETPUNodePoolBaseOperator.template_fields, "node_count")
+
+    def __init__(self, *, node_count: int | str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.node_count = node_count
+        if not _templated(node_count):
+            self._count()
+
+    def _count(self) -> int:
+        try:
+            count = int(self.node_count)
+        except (TypeError, ValueError):
+            raise ValueError(f"node_count: an integer, got {self.node_count!r}") from None
+        if count < 0:
+            raise ValueError(f"node_count: must be >= 0, got {count}")
+        return count
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        count = self._count()
+        operation = self.hook.resize_tpu_node_pool(
+            cluster_name=self.cluster_name,
+            node_pool_name=self.node_pool_name,
+            node_count=count,
+            project_id=self.project_id,
+            wait_to_complete=not self.deferrable,
+        )
+        if self.deferrable:
+            self._defer(operation, "execute_complete")
+        return {"node_pool": self.node_pool_name, "node_count": count}
+
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
+        self._check_event(event)
+        return {"node_pool": self.node_pool_name, "node_count": self._count()}
+
+
+class GKEDeleteTPUNodePoolOperator(_GKETPUNodePoolBaseOperator):
+    """Delete a TPU node pool: the teardown of a training DAG. A missing pool is success.
+
+    ``trigger_rule`` is ``ALL_DONE`` by default, and stays so under
+    ``as_teardown()``: a create that *failed* can still leave a pool (in ERROR,
+    or half provisioned) that holds quota and costs money, so the delete must run
+    whatever happened upstream (Airflow's ``ALL_DONE_SETUP_SUCCESS`` would skip
+    it exactly then).
+    """
+
+    def __init__(self, *, trigger_rule: str = TriggerRule.ALL_DONE, **kwargs: Any) -> None:
+        super().__init__(trigger_rule=trigger_rule, **kwargs)
+
+    def as_teardown(self, *, setups: Any = None, on_failure_fail_dagrun: bool | None = None) -> GKEDeleteTPUNodePoolOperator:
+        super().as_teardown(setups=setups, on_failure_fail_dagrun=on_failure_fail_dagrun)
+        self.trigger_rule = TriggerRule.ALL_DONE
+        return self
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        operation = self.hook.delete_tpu_node_pool(
+            cluster_name=self.cluster_name,
+            node_pool_name=self.node_pool_name,
+            project_id=self.project_id,
+            wait_to_complete=not self.deferrable,
+        )
+        if operation is not None and self.deferrable:
+            self._defer(operation, "execute_complete")
+        return {"node_pool": self.node_pool_name, "deleted": operation is not None}
+
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
+        self._check_event(event)
+        return {"node_pool": self.node_pool_name, "deleted": True}
+
+
+# --- the JobSet of a training job ----------------------------------------------------------
+
+
+class _GKEJobSetBaseOperator(GoogleCloudBaseOperator):
+    """The cluster's Kubernetes API: through a ``kubernetes_conn_id``, or the GKE cluster's endpoint."""
+
+    template_fields: Sequence[str] = ("project_id", "location", "cluster_name", "namespace", "gcp_conn_id")
+
+    def __init__(
+        self,
+        *,
+        location: str | None = None,
+        cluster_name: str | None = None,
+        project_id: str | None = None,
+        namespace: str = "default",
+        kubernetes_conn_id: str | None = None,
+        use_internal_ip: bool = False,
+        use_dns_endpoint: bool = False,
+        gcp_conn_id: str = "google_cloud_default",
+        impersonation_chain: str | Sequence[str] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.location = location
+        self.cluster_name = cluster_name
+        self.project_id = project_id
+        self.namespace = namespace
+        self.kubernetes_conn_id = kubernetes_conn_id
+        self.use_internal_ip = use_internal_ip
+        self.use_dns_endpoint = use_dns_endpoint
+        self.gcp_conn_id = gcp_conn_id
+        self.impersonation_chain = impersonation_chain
+        if not kubernetes_conn_id and not (location and cluster_name):
+            raise ValueError("location/cluster_name: give the GKE cluster (or a kubernetes_conn_id)")
+
+    @cached_property
+    def jobset_hook(self) -> JobSetHook:
+        if self.kubernetes_conn_id:
+            from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
+
+            return JobSetHook(KubernetesHook(conn_id=self.kubernetes_conn_id))
+        gke = GKETPUHook(gcp_conn_id=self.gcp_conn_id, location=self.location, impersonation_chain=self.impersonation_chain)
+        return JobSetHook(
+            gke.get_kubernetes_hook(
+                cluster_name=self.cluster_name,
+                project_id=self.project_id,
+                use_internal_ip=self.use_internal_ip,
+                use_dns_endpoint=self.use_dns_endpoint,
+            )
+        )
+
+
+class GKEStartTPUJobSetOperator(_GKEJobSetBaseOperator):
+    """Launch (or re-attach to) the JobSet of one training attempt on TPU slices.
+
+    Renders the headless Service and the JobSet from the run config
+    (``training.backends.gke.render``), writes the run's ``config.json`` (unless
+    ``prepare_run=False``), and creates both; a JobSet of the same name (the same
+    run and attempt) is re-attached to, never replaced.
+
+    :param config: the run config as ``key: value`` overrides over ``configs/base.yml`` and the preset
+        it names (``backend: gke``, a gs:// ``root``); checked when the DAG is parsed.
+    :param machine_type: TPU machine type of the slices.
+    :param tpu_topology: topology of one slice.
+    :param image: the training image (docker/Dockerfile.train).
+    :param num_slices: slices to run on; ``None``: as many as the ready nodes give within min..max workers.
+    :param attempt: the launch attempt (distinct per relaunch: it names the JobSet), e.g. ``"{{ ti.try_number }}"``.
+    :param service_account: the Kubernetes service account of the workers (Workload Identity).
+    :param node_pools: restrict the workers to these node pools.
+
+    Returns ``jobset``, ``namespace``, ``num_slices``, ``num_processes``, ``coordinator``, ``run_uri``, ``state``.
+    """
+
+    template_fields: Sequence[str] = (
+        *_GKEJobSetBaseOperator.template_fields,
+        "config",
+        "machine_type",
+        "tpu_topology",
+        "image",
+        "num_slices",
+        "attempt",
+        "service_account",
+        "node_pools",
+    )
+    template_fields_renderers = {"config": "json"}
+
+    def __init__(
+        self,
+        *,
+        config: Mapping[str, Any],
+        machine_type: str,
+        tpu_topology: str,
+        image: str,
+        num_slices: int | str | None = None,
+        attempt: int | str = 0,
+        service_account: str = "rtrain-worker",
+        node_pools: Sequence[str] = (),
+        spot: bool = False,
+        host_network: bool = False,
+        cpu: str | None = None,
+        memory: str | None = None,
+        env: Mapping[str, str] | None = None,
+        prepare_run: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.config = dict(config)
+        self.machine_type = machine_type
+        self.tpu_topology = tpu_topology
+        self.image = image
+        self.num_slices = num_slices
+        self.attempt = attempt
+        self.service_account = service_account
+        self.node_pools = list(node_pools)
+        self.spot = spot
+        self.host_network = host_network
+        self.cpu = cpu
+        self.memory = memory
+        self.env = dict(env or {})
+        self.prepare_run = prepare_run
+        static = ("config", "machine_type", "tpu_topology", "image", "namespace", "service_account", "node_pools")
+        if not _templated(*(getattr(self, f) for f in static)):
+            self._static_inputs()  # refuse a config that cannot run on the shape when the DAG is parsed
+        if not _templated(num_slices, attempt):
+            self._numbers()
+
+    def _static_inputs(self) -> tuple[Config, Any, Any]:
+        from training.backends.gke import GKELaunch, TPUSlice, check_config
+        from training.config import load_config
+
+        cfg = load_config(overrides=dict(self.config))  # base, then the preset it names, then these keys
+        tpu = TPUSlice(self.machine_type, self.tpu_topology)
+        check_config(cfg, tpu)
+        launch = GKELaunch(
+            image=self.image,
+            namespace=self.namespace,
+            service_account=self.service_account,
+            node_pools=tuple(self.node_pools),
+            spot=self.spot,
+            host_network=self.host_network,
+            cpu=self.cpu,
+            memory=self.memory,
+            env=self.env,
+        )
+        return cfg, tpu, launch
+
+    def _numbers(self) -> tuple[int | None, int]:
+        try:
+            num_slices = None if self.num_slices in (None, "", "None") else int(self.num_slices)  # type: ignore[arg-type]
+            attempt = int(self.attempt)
+        except (TypeError, ValueError):
+            raise ValueError(f"num_slices/attempt: integers, got {self.num_slices!r} / {self.attempt!r}") from None
+        if attempt < 0 or (num_slices is not None and num_slices < 1):
+            raise ValueError(f"num_slices/attempt: num_slices >= 1 and attempt >= 0, got {num_slices} / {attempt}")
+        return num_slices, attempt
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        from training.backends.gke import jobset_state, plan_slices, render
+        from training.mesh import check_fit
+
+        cfg, tpu, launch = self._static_inputs()
+        num_slices, attempt = self._numbers()
+        check_fit(cfg)  # a model that cannot fit at the minimum topology is refused before any TPU is used
+        if num_slices is None:
+            available = self.jobset_hook.capacity(tpu, self.node_pools or None).available()
+            num_slices = plan_slices(cfg, tpu, available)
+            self.log.info("%d ready %s %s hosts: %d slice(s)", available, tpu.machine_type, tpu.topology, num_slices)
+            if num_slices == 0:
+                raise AirflowException(
+                    f"capacity: {available} ready hosts, fewer than min_workers={cfg.min_workers} "
+                    f"(slices of {tpu.hosts}); the task's retries wait for the node pools"
+                )
+        manifests = render(cfg, tpu, launch, num_slices, attempt)
+        if self.prepare_run:
+            from training.api import prepare_run
+
+            prepare_run(cfg)
+        obj = self.jobset_hook.create(manifests)
+        result = {
+            "jobset": manifests.name,
+            "namespace": manifests.namespace,
+            "num_slices": manifests.num_slices,
+            "num_processes": manifests.num_processes,
+            "coordinator": manifests.coordinator,
+            "run_uri": cfg.run_uri,
+            "state": jobset_state(obj),
+        }
+        self.log.info("JobSet %s/%s: %s", manifests.namespace, manifests.name, result)
+        return result
+
+
+class GKEDeleteTPUJobSetOperator(_GKEJobSetBaseOperator):
+    """Delete a training JobSet and its headless Service (teardown; ``ALL_DONE``; a missing one is success)."""
+
+    template_fields: Sequence[str] = (*_GKEJobSetBaseOperator.template_fields, "jobset_name")
+
+    def __init__(self, *, jobset_name: str, trigger_rule: str = TriggerRule.ALL_DONE, **kwargs: Any) -> None:
+        super().__init__(trigger_rule=trigger_rule, **kwargs)
+        self.jobset_name = jobset_name
+        if not jobset_name:
+            raise ValueError("jobset_name: required")
+
+    def as_teardown(self, *, setups: Any = None, on_failure_fail_dagrun: bool | None = None) -> GKEDeleteTPUJobSetOperator:
+        super().as_teardown(setups=setups, on_failure_fail_dagrun=on_failure_fail_dagrun)
+        self.trigger_rule = TriggerRule.ALL_DONE
+        return self
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        deleted = self.jobset_hook.delete(self.jobset_name, self.namespace)
+        return {"jobset": self.jobset_name, "namespace": self.namespace, "deleted": deleted}

@@ -1,0 +1,906 @@
+"""The Google Cloud production path, from the Airflow side: TPU node pools, the operation trigger, JobSets.
+
+GKE cannot be reached from here, so:
+
+* the requests the hook builds are real ``google.cloud.container_v1`` types,
+  checked field by field (and as the JSON that goes on the wire) for each TPU
+  machine type and topology;
+* the hook's and operators' create / resize / delete logic runs against a small
+  in-memory fake of the ``ClusterManagerClient`` methods it calls, which takes
+  the real request types, answers with real ``Operation`` / ``NodePool``
+  objects and raises the real ``google.api_core`` exceptions;
+* the JobSet hook talks, through the provider's real ``KubernetesHook`` and
+  the real kubernetes client, to a small fake Kubernetes API server on
+  127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from datetime import datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+import kubernetes_validate
+import pytest
+import yaml
+from airflow.sdk import DAG, TriggerRule
+from airflow.sdk.exceptions import TaskDeferred
+from google.api_core.exceptions import AlreadyExists, NotFound, ResourceExhausted
+from google.cloud import container_v1
+from rtrain_airflow.hooks.gke_tpu import (
+    GKETPUHook,
+    JobSetHook,
+    TPUNodePoolError,
+    TPUNodePoolSpec,
+)
+from rtrain_airflow.operators.gke_tpu import (
+    GKECreateTPUNodePoolOperator,
+    GKEDeleteTPUJobSetOperator,
+    GKEDeleteTPUNodePoolOperator,
+    GKEResizeTPUNodePoolOperator,
+    GKEStartTPUJobSetOperator,
+)
+from rtrain_airflow.triggers.gke_tpu import GKETPUNodePoolOperationTrigger
+
+from training.backends.gke import GKEConfigError, GKELaunch, TPUSlice, render
+from training.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+PROJECT = "rtrain-prod"
+LOCATION = "us-east5"
+CLUSTER = "train"
+CONN_ID = "rtrain_test_gcp"
+Status = container_v1.Operation.Status
+PoolStatus = container_v1.NodePool.Status
+
+
+@pytest.fixture(autouse=True)
+def gcp_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Google connection as Airflow reads it from the environment (anonymous: nothing is called)."""
+    monkeypatch.setenv(
+        f"AIRFLOW_CONN_{CONN_ID.upper()}",
+        json.dumps({"conn_type": "google_cloud_platform", "extra": {"project": PROJECT, "is_anonymous": True}}),
+    )
+
+
+# --- a fake of the ClusterManagerClient methods the hook calls ------------------------------------
+
+
+class FakeClusterManager:
+    """An in-memory cluster's node pools behind the ClusterManagerClient methods the hook uses.
+
+    Requests must be the real request types with well-formed resource names;
+    answers are real container_v1 objects; errors are the real exceptions.
+    An operation is RUNNING for ``polls`` polls, then DONE and in effect.
+    """
+
+    CLUSTER_RE = re.compile(r"^projects/([^/]+)/locations/([^/]+)/clusters/([^/]+)$")
+    POOL_RE = re.compile(r"^(projects/[^/]+/locations/[^/]+/clusters/[^/]+)/nodePools/([a-z][-a-z0-9]*)$")
+    OP_RE = re.compile(r"^projects/([^/]+)/locations/([^/]+)/operations/(operation-\d+)$")
+
+    def __init__(self, polls: int = 2) -> None:
+        self.polls = polls
+        self.pools: dict[str, container_v1.NodePool] = {}
+        self.ops: dict[str, dict[str, Any]] = {}
+        self.calls: list[str] = []
+        self.create_fails_with: str | None = None  # the create operation ends DONE with this error; pool left in ERROR
+        self.refuse_create: Exception | None = None  # raised by the create call itself; nothing is made
+        self._ids = itertools.count(1)
+
+    def _start(self, type_: container_v1.Operation.Type, path: str, effect: Any, error: str | None = None) -> container_v1.Operation:
+        project, location = path.split("/")[1], path.split("/")[3]
+        name = f"operation-{next(self._ids)}"
+        self.ops[name] = {"project": project, "location": location, "type": type_, "target": path,
+                          "effect": effect, "error": error, "polls": 0}
+        return container_v1.Operation(name=name, operation_type=type_, status=Status.PENDING, target_link=path,
+                                      location=location)
+
+    def _pool(self, name: str) -> container_v1.NodePool:
+        if not self.POOL_RE.match(name):
+            raise ValueError(f"bad node pool name {name}")
+        if name not in self.pools:
+            raise NotFound(f"Node pool \"{name}\" not found.")
+        return self.pools[name]
+
+    def create_node_pool(self, request: container_v1.CreateNodePoolRequest) -> container_v1.Operation:
+        assert isinstance(request, container_v1.CreateNodePoolRequest)
+        self.calls.append("create")
+        assert self.CLUSTER_RE.match(request.parent), request.parent
+        path = f"{request.parent}/nodePools/{request.node_pool.name}"
+        if self.refuse_create is not None:
+            raise self.refuse_create
+        if path in self.pools:
+            raise AlreadyExists(f"Already exists: {path}.")
+        pool = container_v1.NodePool(request.node_pool)
+        pool.status = PoolStatus.PROVISIONING
+        self.pools[path] = pool
+        error = self.create_fails_with
+
+        def effect() -> None:
+            if error:
+                pool.status, pool.status_message = PoolStatus.ERROR, error
+            else:
+                pool.status = PoolStatus.RUNNING
+
+        return self._start(container_v1.Operation.Type.CREATE_NODE_POOL, path, effect, error)
+
+    def get_node_pool(self, request: container_v1.GetNodePoolRequest) -> container_v1.NodePool:
+        assert isinstance(request, container_v1.GetNodePoolRequest)
+        self.calls.append("get")
+        return container_v1.NodePool(self._pool(request.name))
+
+    def set_node_pool_size(self, request: container_v1.SetNodePoolSizeRequest) -> container_v1.Operation:
+        assert isinstance(request, container_v1.SetNodePoolSizeRequest)
+        self.calls.append("resize")
+        pool = self._pool(request.name)
+
+        def effect() -> None:
+            pool.initial_node_count = request.node_count
+
+        return self._start(container_v1.Operation.Type.SET_NODE_POOL_SIZE, request.name, effect)
+
+    def delete_node_pool(self, request: container_v1.DeleteNodePoolRequest) -> container_v1.Operation:
+        assert isinstance(request, container_v1.DeleteNodePoolRequest)
+        self.calls.append("delete")
+        pool = self._pool(request.name)
+        pool.status = PoolStatus.STOPPING
+        return self._start(container_v1.Operation.Type.DELETE_NODE_POOL, request.name,
+                           lambda: self.pools.pop(request.name))
+
+    def get_operation(self, name: str) -> container_v1.Operation:
+        m = self.OP_RE.match(name)
+        assert m, name
+        op = self.ops.get(m.group(3))
+        if op is None or (op["project"], op["location"]) != (m.group(1), m.group(2)):
+            raise NotFound(f"Operation {name} not found.")
+        op["polls"] += 1
+        done = op["polls"] >= self.polls
+        if done and op["effect"] is not None:
+            op["effect"]()
+            op["effect"] = None
+        out = container_v1.Operation(name=m.group(3), operation_type=op["type"], target_link=op["target"],
+                                     status=Status.DONE if done else Status.RUNNING)
+        if done and op["error"]:
+            out.error = {"code": 8, "message": op["error"]}  # RESOURCE_EXHAUSTED
+        return out
+
+    def pool(self, name: str) -> container_v1.NodePool | None:
+        return self.pools.get(f"projects/{PROJECT}/locations/{LOCATION}/clusters/{CLUSTER}/nodePools/{name}")
+
+
+class FakeAsyncHook:
+    """GKEAsyncHook.get_operation over the same fake (what the trigger calls)."""
+
+    def __init__(self, fake: FakeClusterManager, location: str = LOCATION, fail_times: int = 0) -> None:
+        self.fake = fake
+        self.location = location
+        self.fail_times = fail_times
+
+    async def get_operation(self, operation_name: str, project_id: str | None) -> container_v1.Operation:
+        if self.fail_times:
+            self.fail_times -= 1
+            raise ConnectionResetError("connection reset by peer")
+        return self.fake.get_operation(name=f"projects/{project_id}/locations/{self.location}/operations/{operation_name}")
+
+
+@pytest.fixture
+def fake() -> FakeClusterManager:
+    return FakeClusterManager()
+
+
+@pytest.fixture
+def hook(fake: FakeClusterManager) -> GKETPUHook:
+    h = GKETPUHook(gcp_conn_id=CONN_ID, location=LOCATION, poll_interval=0.001)
+    h._client = fake  # type: ignore[assignment]  # the provider's hook keeps its client here
+    return h
+
+
+def pool_kwargs(**overrides: Any) -> dict[str, Any]:
+    return {
+        "task_id": overrides.pop("task_id", "pool"),
+        "project_id": PROJECT,
+        "location": LOCATION,
+        "cluster_name": CLUSTER,
+        "node_pool_name": "slice-0",
+        "gcp_conn_id": CONN_ID,
+        "poll_interval": 0.001,
+        **overrides,
+    }
+
+
+def create_op(hook: GKETPUHook, **overrides: Any) -> GKECreateTPUNodePoolOperator:
+    op = GKECreateTPUNodePoolOperator(
+        **pool_kwargs(**{"machine_type": "ct6e-standard-4t", "tpu_topology": "4x4", **overrides})
+    )
+    op.hook = hook  # the operator's cached hook, with the fake client
+    return op
+
+
+def delete_op(hook: GKETPUHook, **overrides: Any) -> GKEDeleteTPUNodePoolOperator:
+    op = GKEDeleteTPUNodePoolOperator(**pool_kwargs(task_id="delete", **overrides))
+    op.hook = hook
+    return op
+
+
+def collect(trigger: GKETPUNodePoolOperationTrigger) -> list[dict[str, Any]]:
+    async def run() -> list[dict[str, Any]]:
+        return [event.payload async for event in trigger.run()]
+
+    return asyncio.run(run())
+
+
+# --- the requests the hook builds ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("machine_type", "topology", "nodes", "placement_topology"),
+    [
+        ("ct6e-standard-4t", "4x4", 4, "4x4"),
+        ("ct6e-standard-4t", "2x4", 2, "2x4"),
+        ("ct6e-standard-4t", "2x2", 1, ""),  # single host: no slice topology to place
+        ("ct5p-hightpu-4t", "2x2x2", 2, "2x2x2"),
+        ("ct5p-hightpu-4t", "2x4x4", 8, "2x4x4"),
+        ("ct5lp-hightpu-4t", "4x8", 8, "4x8"),
+        ("ct4p-hightpu-4t", "2x2x1", 1, ""),
+        ("ct6e-standard-8t", "2x4", 1, ""),
+    ],
+)
+def test_create_request_for_each_tpu_shape(
+    hook: GKETPUHook, machine_type: str, topology: str, nodes: int, placement_topology: str
+) -> None:
+    spec = TPUNodePoolSpec(name="slice-0", machine_type=machine_type, tpu_topology=topology)
+    req = hook.create_request(spec, project_id=PROJECT, cluster_name=CLUSTER)
+    assert isinstance(req, container_v1.CreateNodePoolRequest)
+    assert req.parent == f"projects/{PROJECT}/locations/{LOCATION}/clusters/{CLUSTER}"
+    pool = req.node_pool
+    assert pool.name == "slice-0"
+    assert pool.config.machine_type == machine_type
+    assert pool.initial_node_count == nodes == TPUSlice(machine_type, topology).hosts
+    assert pool.placement_policy.tpu_topology == placement_topology
+    assert not pool.config.spot
+    assert pool.config.workload_metadata_config.mode == container_v1.WorkloadMetadataConfig.Mode.GKE_METADATA
+    assert pool.config.reservation_affinity.consume_reservation_type == container_v1.ReservationAffinity.Type.UNSPECIFIED
+    # What goes on the wire (the REST/JSON form of the same message).
+    wire = json.loads(container_v1.CreateNodePoolRequest.to_json(req))
+    assert wire["nodePool"]["config"]["machineType"] == machine_type
+    assert wire["nodePool"]["initialNodeCount"] == nodes
+    assert wire["nodePool"].get("placementPolicy", {}).get("tpuTopology", "") == placement_topology
+
+
+def test_create_request_for_spot_networks_zones_and_placement(hook: GKETPUHook) -> None:
+    spec = TPUNodePoolSpec(
+        name="slice-spot",
+        machine_type="ct6e-standard-4t",
+        tpu_topology="8x8",
+        spot=True,
+        placement_policy="tpu-v6e-8x8-policy",
+        compact_placement=True,
+        additional_networks=(("rdma-net", "rdma-subnet"), ("data-net", "data-subnet")),
+        node_locations=("us-east5-b",),
+        service_account="tpu-nodes@rtrain-prod.iam.gserviceaccount.com",
+        node_labels={"team": "lm"},
+    )
+    pool = hook.create_request(spec, project_id=PROJECT, cluster_name=CLUSTER).node_pool
+    assert pool.config.spot is True
+    assert pool.initial_node_count == 16
+    assert pool.placement_policy.tpu_topology == "8x8"
+    assert pool.placement_policy.type_ == container_v1.NodePool.PlacementPolicy.Type.COMPACT
+    assert pool.placement_policy.policy_name == "tpu-v6e-8x8-policy"
+    assert [(n.network, n.subnetwork) for n in pool.network_config.additional_node_network_configs] == [
+        ("rdma-net", "rdma-subnet"), ("data-net", "data-subnet")]
+    assert list(pool.locations) == ["us-east5-b"]
+    assert pool.config.service_account == "tpu-nodes@rtrain-prod.iam.gserviceaccount.com"
+    assert dict(pool.config.labels) == {"team": "lm"}
+
+
+def test_create_request_for_a_reservation(hook: GKETPUHook) -> None:
+    spec = TPUNodePoolSpec(name="slice-r", machine_type="ct5p-hightpu-4t", tpu_topology="2x2x2",
+                           reservation="projects/shared-capacity/reservations/v5p-res")
+    affinity = hook.create_request(spec, project_id=PROJECT, cluster_name=CLUSTER).node_pool.config.reservation_affinity
+    assert affinity.consume_reservation_type == container_v1.ReservationAffinity.Type.SPECIFIC_RESERVATION
+    assert affinity.key == "compute.googleapis.com/reservation-name"
+    assert list(affinity.values) == ["projects/shared-capacity/reservations/v5p-res"]
+
+
+def test_single_host_pools_hold_num_slices_nodes(hook: GKETPUHook) -> None:
+    spec = TPUNodePoolSpec(name="singles", machine_type="ct6e-standard-4t", tpu_topology="2x2", num_slices=6)
+    assert hook.create_request(spec, project_id=PROJECT, cluster_name=CLUSTER).node_pool.initial_node_count == 6
+
+
+def test_resize_and_delete_requests_name_the_pool(hook: GKETPUHook) -> None:
+    path = f"projects/{PROJECT}/locations/{LOCATION}/clusters/{CLUSTER}/nodePools/slice-0"
+    resize = hook.resize_request("slice-0", 0, project_id=PROJECT, cluster_name=CLUSTER)
+    assert isinstance(resize, container_v1.SetNodePoolSizeRequest) and resize.name == path and resize.node_count == 0
+    delete = hook.delete_request("slice-0", project_id=PROJECT, cluster_name=CLUSTER)
+    assert isinstance(delete, container_v1.DeleteNodePoolRequest) and delete.name == path
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"name": "Slice_0"}, "node_pool_name"),
+        ({"name": "x" * 41}, "node_pool_name"),
+        ({"machine_type": "n2-standard-8"}, "machine_type"),
+        ({"tpu_topology": "3x3"}, "tpu_topology"),
+        ({"num_slices": 2}, "num_slices"),  # a 4x4 pool is one slice
+        ({"spot": True, "reservation": "res"}, "spot/reservation"),
+        ({"reservation": "Bad Name"}, "reservation"),
+        ({"additional_networks": (("net",),)}, "additional_networks"),
+    ],
+)
+def test_node_pool_spec_refuses_bad_inputs_naming_them(kwargs: dict[str, Any], key: str) -> None:
+    base = {"name": "slice-0", "machine_type": "ct6e-standard-4t", "tpu_topology": "4x4"}
+    with pytest.raises(GKEConfigError, match=f"^{key}:"):
+        TPUNodePoolSpec(**{**base, **kwargs})
+
+
+def test_operators_refuse_bad_inputs_when_the_dag_is_parsed(hook: GKETPUHook) -> None:
+    with pytest.raises(GKEConfigError, match="^tpu_topology:"):
+        create_op(hook, tpu_topology="2x2x2")
+    with pytest.raises(ValueError, match="^additional_networks:"):
+        create_op(hook, additional_networks=[{"network": "n"}])
+    with pytest.raises(ValueError, match="^node_count:"):
+        GKEResizeTPUNodePoolOperator(**pool_kwargs(node_count=-1))
+    with pytest.raises(ValueError, match="^cluster_name:"):
+        GKEDeleteTPUNodePoolOperator(**pool_kwargs(cluster_name=""))
+    # A templated value is checked once rendered, not at parse time.
+    op = create_op(hook, tpu_topology="{{ params.topology }}")
+    op.tpu_topology = "2x2x2"
+    with pytest.raises(GKEConfigError, match="^tpu_topology:"):
+        op.execute(context={})
+
+
+# --- create / resize / delete against the fake cluster manager ------------------------------------
+
+
+def test_create_waits_for_the_operation_and_returns_the_pool(hook: GKETPUHook, fake: FakeClusterManager) -> None:
+    result = create_op(hook).execute(context={})
+    assert result == {
+        "node_pool": "slice-0", "cluster": CLUSTER, "machine_type": "ct6e-standard-4t", "tpu_topology": "4x4",
+        "hosts_per_slice": 4, "chips_per_host": 4, "node_count": 4, "spot": False, "created": True,
+    }
+    pool = fake.pool("slice-0")
+    assert pool is not None and pool.status == PoolStatus.RUNNING and pool.initial_node_count == 4
+
+
+def test_an_existing_pool_is_success(hook: GKETPUHook, fake: FakeClusterManager) -> None:
+    create_op(hook).execute(context={})
+    fake.calls.clear()
+    result = create_op(hook).execute(context={})
+    assert result["created"] is False
+    assert fake.calls[0] == "create" and "delete" not in fake.calls  # AlreadyExists was raised and absorbed
+    assert fake.pool("slice-0").status == PoolStatus.RUNNING
+
+
+def test_an_existing_pool_of_another_shape_is_an_error(hook: GKETPUHook, fake: FakeClusterManager) -> None:
+    create_op(hook, tpu_topology="4x8").execute(context={})
+    with pytest.raises(TPUNodePoolError, match="topology '4x8', not '4x4'"):
+        create_op(hook, tpu_topology="4x4").execute(context={})
+
+
+def test_the_project_falls_back_to_the_connection(hook: GKETPUHook, fake: FakeClusterManager) -> None:
+    op = create_op(hook, project_id=None)
+    op.execute(context={})
+    assert fake.pool("slice-0") is not None  # created under projects/<the connection's project>
+
+
+def test_a_failed_create_operation_fails_the_task(hook: GKETPUHook, fake: FakeClusterManager) -> None:
+    fake.create_fails_with = "There is no more capacity in the zone us-east5-b"
+    with pytest.raises(TPUNodePoolError, match="no more capacity"):
+        create_op(hook).execute(context={})
+    assert fake.pool("slice-0").status == PoolStatus.ERROR  # what a stockout leaves behind
+
+
+def test_a_pool_left_in_error_is_deleted_and_created_again(hook: GKETPUHook, fake: FakeClusterManager) -> None:
+    fake.create_fails_with = "stockout"
+    with pytest.raises(TPUNodePoolError):
+        create_op(hook).execute(context={})
+    fake.create_fails_with = None
+    fake.calls.clear()
+    result = create_op(hook).execute(context={})  # the Airflow retry
+    assert result["created"] is True
+    assert fake.calls.count("delete") == 1 and fake.calls.count("create") == 2
+    assert fake.pool("slice-0").status == PoolStatus.RUNNING
+
+
+def test_a_pool_left_in_error_is_an_error_when_recreating_is_off(hook: GKETPUHook, fake: FakeClusterManager) -> None:
+    fake.create_fails_with = "stockout"
+    with pytest.raises(TPUNodePoolError):
+        create_op(hook).execute(context={})
+    with pytest.raises(Exception, match="state ERROR"):
+        create_op(hook, recreate_failed_pool=False).execute(context={})
+
+
+def test_delete_removes_the_pool_and_a_missing_pool_is_fine(hook: GKETPUHook, fake: FakeClusterManager) -> None:
+    create_op(hook).execute(context={})
+    assert delete_op(hook).execute(context={}) == {"node_pool": "slice-0", "deleted": True}
+    assert fake.pool("slice-0") is None
+    assert delete_op(hook).execute(context={}) == {"node_pool": "slice-0", "deleted": False}  # NotFound absorbed
+
+
+def test_resize_sets_the_node_count_all_or_nothing_for_a_multi_host_slice(hook: GKETPUHook, fake: FakeClusterManager) -> None:
+    create_op(hook).execute(context={})
+    resize = GKEResizeTPUNodePoolOperator(**pool_kwargs(node_count=0))
+    resize.hook = hook
+    assert resize.execute(context={}) == {"node_pool": "slice-0", "node_count": 0}
+    assert fake.pool("slice-0").initial_node_count == 0
+    partial = GKEResizeTPUNodePoolOperator(**pool_kwargs(node_count=2))
+    partial.hook = hook
+    with pytest.raises(GKEConfigError, match="0 or 4 nodes, not 2"):
+        partial.execute(context={})
+
+
+def test_resize_of_a_missing_pool_raises_not_found(hook: GKETPUHook) -> None:
+    resize = GKEResizeTPUNodePoolOperator(**pool_kwargs(node_count=4))
+    resize.hook = hook
+    with pytest.raises(NotFound):
+        resize.execute(context={})
+
+
+# --- teardown ----------------------------------------------------------------------------------------
+
+
+def test_delete_is_requested_whatever_happened_upstream(hook: GKETPUHook) -> None:
+    assert delete_op(hook).trigger_rule == TriggerRule.ALL_DONE
+    with DAG("gke_teardown", schedule=None, start_date=datetime(2025, 1, 1)):
+        create = create_op(hook)
+        delete = delete_op(hook).as_teardown(setups=create)
+    assert delete.is_teardown and create.is_setup
+    assert create.task_id in delete.upstream_task_ids
+    # Not ALL_DONE_SETUP_SUCCESS: that would skip the delete exactly when the create failed.
+    assert delete.trigger_rule == TriggerRule.ALL_DONE
+    with DAG("gke_teardown_mapped", schedule=None, start_date=datetime(2025, 1, 1)):
+        mapped = GKEDeleteTPUNodePoolOperator.partial(**{k: v for k, v in pool_kwargs(task_id="rm").items()
+                                                          if k != "node_pool_name"}).expand(node_pool_name=["a", "b"])
+    assert mapped.trigger_rule == TriggerRule.ALL_DONE
+
+
+def test_teardown_after_a_failed_create_deletes_what_it_left(hook: GKETPUHook, fake: FakeClusterManager) -> None:
+    fake.create_fails_with = "stockout"
+    with pytest.raises(TPUNodePoolError):
+        create_op(hook).execute(context={})
+    assert fake.pool("slice-0") is not None  # a pool in ERROR still holds quota
+    assert delete_op(hook).execute(context={})["deleted"] is True
+    assert fake.pool("slice-0") is None
+
+
+def test_teardown_after_a_refused_create_is_a_no_op(hook: GKETPUHook, fake: FakeClusterManager) -> None:
+    fake.refuse_create = ResourceExhausted("Quota 'TPU_V6E_CHIPS' exceeded")
+    with pytest.raises(ResourceExhausted):
+        create_op(hook).execute(context={})
+    assert delete_op(hook).execute(context={}) == {"node_pool": "slice-0", "deleted": False}
+
+
+# --- deferral and the trigger -----------------------------------------------------------------------
+
+
+TRIGGER_KWARGS: dict[str, Any] = {
+    "operation_name": "operation-1717171717-abc",
+    "project_id": PROJECT,
+    "location": LOCATION,
+    "node_pool_name": "slice-0",
+    "gcp_conn_id": CONN_ID,
+    "impersonation_chain": ["a@b.iam.gserviceaccount.com"],
+    "poll_interval": 2.5,
+    "max_poll_errors": 4,
+}
+
+
+def test_trigger_serialize_round_trips_exactly() -> None:
+    classpath, kwargs = GKETPUNodePoolOperationTrigger(**TRIGGER_KWARGS).serialize()
+    assert classpath == "rtrain_airflow.triggers.gke_tpu.GKETPUNodePoolOperationTrigger"
+    assert kwargs == TRIGGER_KWARGS
+    module, _, name = classpath.rpartition(".")
+    cls = getattr(__import__(module, fromlist=[name]), name)
+    assert cls is GKETPUNodePoolOperationTrigger
+    assert cls(**kwargs).serialize() == (classpath, kwargs)
+
+
+def test_trigger_reports_success_once_the_operation_is_done(fake: FakeClusterManager) -> None:
+    op = fake.create_node_pool(request=container_v1.CreateNodePoolRequest(
+        parent=f"projects/{PROJECT}/locations/{LOCATION}/clusters/{CLUSTER}",
+        node_pool=TPUNodePoolSpec(name="slice-0", machine_type="ct6e-standard-4t", tpu_topology="4x4").to_node_pool(),
+    ))
+    fake.polls = 3
+    trigger = GKETPUNodePoolOperationTrigger(operation_name=op.name, project_id=PROJECT, location=LOCATION, poll_interval=0)
+    trigger._hook = FakeAsyncHook(fake, fail_times=1)  # one transient poll failure is absorbed
+    (event,) = collect(trigger)
+    assert event["status"] == "success" and event["operation_name"] == op.name
+    assert fake.ops[op.name]["polls"] == 3
+    assert fake.pool("slice-0").status == PoolStatus.RUNNING
+
+
+def test_trigger_reports_a_done_operation_with_an_error_as_failed(fake: FakeClusterManager) -> None:
+    fake.create_fails_with = "stockout in us-east5-b"
+    op = fake.create_node_pool(request=container_v1.CreateNodePoolRequest(
+        parent=f"projects/{PROJECT}/locations/{LOCATION}/clusters/{CLUSTER}",
+        node_pool=TPUNodePoolSpec(name="slice-0", machine_type="ct6e-standard-4t", tpu_topology="4x4").to_node_pool(),
+    ))
+    trigger = GKETPUNodePoolOperationTrigger(operation_name=op.name, project_id=PROJECT, location=LOCATION, poll_interval=0)
+    trigger._hook = FakeAsyncHook(fake)
+    (event,) = collect(trigger)
+    assert event["status"] == "failed" and "stockout in us-east5-b" in event["message"]
+
+
+def test_trigger_gives_up_after_repeated_poll_errors(fake: FakeClusterManager) -> None:
+    trigger = GKETPUNodePoolOperationTrigger(operation_name="operation-9", project_id=PROJECT, location=LOCATION,
+                                             poll_interval=0, max_poll_errors=2)
+    trigger._hook = FakeAsyncHook(fake, fail_times=5)
+    (event,) = collect(trigger)
+    assert event["status"] == "error" and "connection reset" in event["message"]
+
+
+def test_deferrable_create_defers_to_the_trigger_and_completes(hook: GKETPUHook, fake: FakeClusterManager) -> None:
+    op = create_op(hook, deferrable=True)
+    with pytest.raises(TaskDeferred) as deferred:
+        op.execute(context={})
+    trigger = deferred.value.trigger
+    assert isinstance(trigger, GKETPUNodePoolOperationTrigger)
+    assert deferred.value.method_name == "execute_complete"
+    assert (trigger.project_id, trigger.location, trigger.node_pool_name) == (PROJECT, LOCATION, "slice-0")
+    trigger.poll_interval = 0
+    trigger._hook = FakeAsyncHook(fake)
+    (event,) = collect(trigger)
+    assert op.execute_complete(context={}, event=event)["created"] is True
+    with pytest.raises(Exception, match="stockout"):
+        op.execute_complete(context={}, event={"status": "failed", "message": "stockout"})
+
+
+def test_deferrable_recreate_of_a_failed_pool_chains_two_deferrals(hook: GKETPUHook, fake: FakeClusterManager) -> None:
+    fake.create_fails_with = "stockout"
+    with pytest.raises(TPUNodePoolError):
+        create_op(hook).execute(context={})
+    fake.create_fails_with = None
+    op = create_op(hook, deferrable=True)
+    with pytest.raises(TaskDeferred) as deleting:
+        op.execute(context={})
+    assert deleting.value.method_name == "recreate_after_delete"
+    deleting.value.trigger.poll_interval, deleting.value.trigger._hook = 0, FakeAsyncHook(fake)
+    (event,) = collect(deleting.value.trigger)
+    assert fake.pool("slice-0") is None
+    with pytest.raises(TaskDeferred) as creating:
+        op.recreate_after_delete(context={}, event=event)
+    assert creating.value.method_name == "execute_complete"
+    creating.value.trigger.poll_interval, creating.value.trigger._hook = 0, FakeAsyncHook(fake)
+    (event,) = collect(creating.value.trigger)
+    assert op.execute_complete(context={}, event=event)["created"] is True
+    assert fake.pool("slice-0").status == PoolStatus.RUNNING
+
+
+def test_deferrable_delete_defers_only_when_there_is_something_to_delete(hook: GKETPUHook, fake: FakeClusterManager) -> None:
+    assert delete_op(hook, deferrable=True).execute(context={})["deleted"] is False
+    create_op(hook).execute(context={})
+    with pytest.raises(TaskDeferred) as deferred:
+        delete_op(hook, deferrable=True).execute(context={})
+    deferred.value.trigger.poll_interval = 0
+    deferred.value.trigger._hook = FakeAsyncHook(fake)
+    (event,) = collect(deferred.value.trigger)
+    assert event["status"] == "success" and fake.pool("slice-0") is None
+
+
+# --- JobSets through the KubernetesHook, against a fake Kubernetes API server --------------------------
+
+
+class FakeKubernetes:
+    """Services, JobSets and Nodes of one cluster, served over HTTP as the Kubernetes API does."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}  # (kind, namespace, name)
+        self.nodes: list[dict[str, Any]] = []
+        self.requests: list[tuple[str, str]] = []
+        self.lock = threading.Lock()
+
+    def handle(self, method: str, url: str, body: dict[str, Any] | None) -> tuple[int, dict[str, Any]]:
+        path, query = urlparse(url).path, parse_qs(urlparse(url).query)
+        self.requests.append((method, path))
+        if path == "/api/v1/nodes" and method == "GET":
+            wanted = dict(kv.split("=", 1) for kv in query.get("labelSelector", [""])[0].split(",") if kv)
+            items = [n for n in self.nodes if all(n["metadata"].get("labels", {}).get(k) == v for k, v in wanted.items())]
+            return 200, {"apiVersion": "v1", "kind": "NodeList", "metadata": {}, "items": items}
+        m = re.fullmatch(r"/api/v1/namespaces/([^/]+)/services(?:/([^/]+))?", path) or re.fullmatch(
+            r"/apis/jobset\.x-k8s\.io/v1alpha2/namespaces/([^/]+)/jobsets(?:/([^/]+))?", path)
+        if not m:
+            return 404, status(404, "NotFound", path)
+        kind = "Service" if "/services" in path else "JobSet"
+        ns, name = m.group(1), m.group(2)
+        with self.lock:
+            if method == "POST" and name is None:
+                assert body is not None and body["kind"] == kind
+                key = (kind, ns, body["metadata"]["name"])
+                if key in self.objects:
+                    return 409, status(409, "AlreadyExists", f'{kind.lower()}s "{key[2]}" already exists')
+                obj = copy.deepcopy(body)
+                obj["metadata"].update(namespace=ns, uid=f"uid-{len(self.objects)}")
+                self.objects[key] = obj
+                return 201, obj
+            key = (kind, ns, name or "")
+            if key not in self.objects:
+                return 404, status(404, "NotFound", f'{kind.lower()}s "{name}" not found')
+            if method == "GET":
+                return 200, self.objects[key]
+            if method == "DELETE":
+                self.objects[key]["deleteOptions"] = body
+                return 200, self.objects.pop(key)
+        return 405, status(405, "MethodNotAllowed", method)
+
+
+def status(code: int, reason: str, message: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Status", "status": "Failure", "reason": reason, "message": message, "code": code}
+
+
+@pytest.fixture
+def k8s() -> Iterator[tuple[FakeKubernetes, str]]:
+    api = FakeKubernetes()
+
+    class Handler(BaseHTTPRequestHandler):
+        def _serve(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length) if length else b""
+            code, payload = api.handle(self.command, self.path, json.loads(raw) if raw else None)
+            data = json.dumps(payload).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_POST = do_DELETE = _serve
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield api, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def jobset_hook(url: str) -> JobSetHook:
+    from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
+    from kubernetes.client import Configuration
+
+    kubeconfig = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "fake", "cluster": {"server": url}}],
+        "users": [{"name": "airflow", "user": {"token": "t0ken"}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "airflow"}}],
+        "current-context": "fake",
+    }
+    kube = KubernetesHook(conn_id=None, kubernetes_conn_id=None, config_dict=kubeconfig,
+                          client_configuration=Configuration())
+    return JobSetHook(kube)
+
+
+def tpu_node(name: str, pool: str, ready: bool = True, topology: str = "4x4") -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "labels": {
+            "cloud.google.com/gke-nodepool": pool,
+            "cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice",
+            "cloud.google.com/gke-tpu-topology": topology,
+        }},
+        "spec": {},
+        "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+    }
+
+
+CONFIG = {
+    "preset": "tiny", "backend": "gke", "root": "gs://rtrain-prod/runs", "run_name": "llama-8b",
+    "devices_per_worker": 4, "min_workers": 4, "max_workers": 16, "global_batch": 64,
+}
+
+
+def start_op(url: str, **overrides: Any) -> GKEStartTPUJobSetOperator:
+    op = GKEStartTPUJobSetOperator(**{
+        "task_id": "launch", "location": LOCATION, "cluster_name": CLUSTER, "project_id": PROJECT,
+        "gcp_conn_id": CONN_ID, "namespace": "training", "config": load_config(overrides=CONFIG).model_dump(),
+        "machine_type": "ct6e-standard-4t", "tpu_topology": "4x4", "image": "us-docker.pkg.dev/p/rtrain/train:1",
+        "attempt": 1, "prepare_run": False, **overrides,
+    })
+    op.jobset_hook = jobset_hook(url)
+    return op
+
+
+def test_start_plans_slices_from_ready_nodes_and_creates_the_jobset(k8s: tuple[FakeKubernetes, str]) -> None:
+    api, url = k8s
+    api.nodes = (
+        [tpu_node(f"a-{i}", "slice-a") for i in range(4)]
+        + [tpu_node(f"b-{i}", "slice-b") for i in range(4)]
+        + [tpu_node(f"c-{i}", "slice-c", ready=i != 2) for i in range(4)]  # a host is down
+        + [tpu_node(f"d-{i}", "slice-d", topology="2x4") for i in range(2)]  # another shape
+    )
+    result = start_op(url).execute(context={})
+    assert result["num_slices"] == 2 and result["num_processes"] == 8
+    assert result["run_uri"] == "gs://rtrain-prod/runs/llama-8b" and result["state"] == "running"
+    jobset = api.objects[("JobSet", "training", result["jobset"])]
+    assert jobset["spec"]["replicatedJobs"][0]["replicas"] == 2
+    assert jobset["spec"]["failurePolicy"] == {"maxRestarts": 0}
+    service = api.objects[("Service", "training", result["jobset"])]
+    # The Service belongs to the JobSet: deleting the JobSet (anyone's delete) takes it along.
+    assert service["metadata"]["ownerReferences"] == [{
+        "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "name": result["jobset"],
+        "uid": jobset["metadata"]["uid"], "blockOwnerDeletion": True}]
+    kubernetes_validate.validate({k: v for k, v in service.items() if k != "deleteOptions"},
+                                 kubernetes_validate.latest_version(), strict=True)
+    assert result["coordinator"] == f"{result['jobset']}-slice-0-0.{result['jobset']}:8476"
+
+
+def test_start_again_reattaches_to_the_same_jobset(k8s: tuple[FakeKubernetes, str]) -> None:
+    api, url = k8s
+    first = start_op(url, num_slices=1).execute(context={})
+    api.objects[("JobSet", "training", first["jobset"])]["status"] = {"restarts": 0}
+    second = start_op(url, num_slices=1).execute(context={})  # e.g. the task retried after a worker crash
+    assert second == first
+    assert sum(1 for k in api.objects if k[0] == "JobSet") == 1
+    assert len([r for r in api.requests if r[0] == "POST"]) == 4  # jobset + service, twice (409s the second time)
+
+
+def test_start_without_enough_capacity_fails_for_airflow_to_retry(k8s: tuple[FakeKubernetes, str]) -> None:
+    api, url = k8s
+    api.nodes = [tpu_node(f"a-{i}", "slice-a") for i in range(3)]
+    with pytest.raises(Exception, match="capacity: 0 ready hosts"):
+        start_op(url).execute(context={})
+    assert not api.objects
+
+
+def test_start_refuses_a_config_that_cannot_run_on_gke_when_parsed(k8s: tuple[FakeKubernetes, str]) -> None:
+    _, url = k8s
+    with pytest.raises(GKEConfigError, match="^root:"):
+        start_op(url, config={**load_config(overrides=CONFIG).model_dump(), "root": "var/runs"})
+    with pytest.raises(GKEConfigError, match="^devices_per_worker:"):
+        start_op(url, machine_type="ct6e-standard-8t", tpu_topology="2x4")
+
+
+def test_jobset_state_and_delete(k8s: tuple[FakeKubernetes, str]) -> None:
+    api, url = k8s
+    hook = jobset_hook(url)
+    cfg = load_config(overrides=CONFIG)
+    m = render(cfg, TPUSlice("ct6e-standard-4t", "4x4"), GKELaunch(image="img:1", namespace="training"), 1, 5)
+    hook.create(m)
+    assert hook.state(m.name, "training") == "running"
+    api.objects[("JobSet", "training", m.name)]["status"] = {"terminalState": "Failed", "restarts": 0}
+    assert hook.state(m.name, "training") == "failed"
+
+    delete = GKEDeleteTPUJobSetOperator(task_id="rm", location=LOCATION, cluster_name=CLUSTER, gcp_conn_id=CONN_ID,
+                                        namespace="training", jobset_name=m.name)
+    assert delete.trigger_rule == TriggerRule.ALL_DONE
+    delete.jobset_hook = hook
+    assert delete.execute(context={})["deleted"] is True
+    assert not api.objects
+    assert hook.state(m.name, "training") == "missing"
+    assert delete.execute(context={})["deleted"] is False
+
+
+def test_capacity_and_ready_nodes_through_the_kubernetes_client(k8s: tuple[FakeKubernetes, str]) -> None:
+    api, url = k8s
+    api.nodes = [tpu_node(f"a-{i}", "slice-a") for i in range(4)] + [tpu_node("b-0", "slice-b", ready=False)]
+    hook = jobset_hook(url)
+    assert hook.capacity(TPUSlice("ct6e-standard-4t", "4x4")).available() == 4
+    assert [n.metadata.name for n in hook.list_ready_nodes("slice-a")] == ["a-0", "a-1", "a-2", "a-3"]
+    assert hook.list_ready_nodes("slice-b") == []
+    assert len(hook.list_nodes("slice-b")) == 1
+
+
+def _docs_dag_source() -> str:
+    text = (REPO / "docs" / "gke.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "with DAG(" in b]
+    return block
+
+
+def test_the_dag_in_docs_gke_md_parses_with_these_operators() -> None:
+    namespace: dict[str, Any] = {}
+    exec(compile(_docs_dag_source(), "docs/gke.md", "exec"), namespace)  # noqa: S102 - our own documentation
+    dag = namespace["launch"].dag  # the block opens its DAG as a context manager; its tasks know it
+    assert set(dag.task_ids) == {"create_tpu_pools", "launch", "delete_jobset", "delete_tpu_pools"}
+    assert dag.get_task("delete_tpu_pools").trigger_rule == TriggerRule.ALL_DONE
+    assert dag.get_task("delete_jobset").trigger_rule == TriggerRule.ALL_DONE
+    assert "launch" in dag.get_task("delete_jobset").upstream_task_ids
+    # The example's run config fits the shape it names: slices, mesh, batch and memory.
+    from training.backends.gke import feasible_slices
+    from training.mesh import check_fit
+
+    launch = dag.get_task("launch")
+    cfg, tpu, _ = launch._static_inputs()
+    assert (cfg.preset, tpu.machine_type, tpu.hosts) == ("llama3-8b", "ct5p-hightpu-4t", 4)
+    assert feasible_slices(cfg, tpu) == [1, 2, 4]
+    check_fit(cfg)
+
+
+def test_the_docs_dag_refuses_a_config_that_cannot_run_when_parsed() -> None:
+    source = _docs_dag_source().replace('"devices_per_worker": 4', '"devices_per_worker": 8')
+    with pytest.raises(GKEConfigError, match="^devices_per_worker:"):
+        exec(compile(source, "docs/gke.md", "exec"), {})  # noqa: S102
+
+
+# --- module hygiene ------------------------------------------------------------------------------------
+
+
+def test_plugins_import_no_ml_framework() -> None:
+    code = (
+        "import sys; sys.path.insert(0, 'plugins')\n"
+        "import rtrain_airflow.hooks.gke_tpu, rtrain_airflow.operators.gke_tpu, rtrain_airflow.triggers.gke_tpu\n"
+        "heavy = ('jax', 'flax', 'optax', 'orbax', 'grain', 'tensorstore')\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in heavy)\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
+
+
+# --- the production-like Airflow: docker/ ------------------------------------------------------------------
+
+COMPOSE = REPO / "docker" / "compose.yaml"
+COMPOSE_ENV = {"POSTGRES_PASSWORD": "pw", "AIRFLOW_JWT_SECRET": "jwt", "AIRFLOW_FERNET_KEY": "fernet", "GCP_PROJECT": PROJECT}
+
+
+def test_compose_file_runs_airflow_3_components_on_postgres_with_local_executor() -> None:
+    spec = yaml.safe_load(COMPOSE.read_text())  # PyYAML resolves the << merge keys as compose does
+    services = spec["services"]
+    commands = {name: s.get("command") for name, s in services.items()}
+    for component in ("api-server", "scheduler", "dag-processor", "triggerer"):
+        assert component in commands.values(), f"no {component} service"
+    assert "webserver" not in commands.values()  # the Airflow 2 name
+    assert services["postgres"]["image"].startswith("postgres:")
+    assert "healthcheck" in services["postgres"]
+    airflow = {n: s for n, s in services.items() if n.startswith("airflow-")}
+    for name, s in airflow.items():
+        env = s["environment"]
+        assert env["AIRFLOW__CORE__EXECUTOR"] == "LocalExecutor", name
+        assert env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"].startswith("postgresql+psycopg2://airflow:"), name
+        assert "@postgres:5432/airflow" in env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"], name
+        assert env["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"] == "http://airflow-apiserver:8080/execution/"
+        assert s["depends_on"]["postgres"]["condition"] == "service_healthy", name
+        assert s["build"]["dockerfile"] == "docker/Dockerfile.airflow"
+        assert json.loads(re.sub(r"\$\{[^}]*\}", "", env["AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT"]))["conn_type"] == "google_cloud_platform"
+        if name != "airflow-init":
+            assert s["depends_on"]["airflow-init"]["condition"] == "service_completed_successfully", name
+            assert "healthcheck" in s, name
+    assert airflow["airflow-init"]["environment"]["_AIRFLOW_DB_MIGRATE"] == "true"
+    assert (REPO / services["airflow-scheduler"]["build"]["dockerfile"]).exists()
+
+
+def test_airflow_image_is_the_official_one_with_our_code() -> None:
+    text = (REPO / "docker" / "Dockerfile.airflow").read_text()
+    version = re.search(r"^ARG AIRFLOW_VERSION=(\S+)$", text, re.M)
+    assert version and "FROM apache/airflow:${AIRFLOW_VERSION}-python3.11" in text
+    pinned = re.search(r"^apache-airflow==(\S+)$", (REPO / "constraints.txt").read_text(), re.M)
+    assert pinned and version.group(1) == pinned.group(1) == "3.3.2"
+    assert "--constraint constraints.txt" in text
+    for path in ("dags /opt/airflow/dags", "plugins /opt/airflow/plugins"):
+        assert path in text
+
+
+def _compose_cli() -> list[str] | None:
+    if shutil.which("docker") is None:
+        return None
+    ok = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30).returncode == 0
+    return ["docker", "compose"] if ok else None
+
+
+@pytest.mark.skipif(_compose_cli() is None, reason="the docker CLI with the compose plugin is not installed")
+def test_docker_compose_validates_the_file_offline() -> None:
+    cli = _compose_cli()
+    assert cli is not None
+    env = {**os.environ, **COMPOSE_ENV}
+    subprocess.run([*cli, "-f", str(COMPOSE), "config", "--quiet"], env=env, check=True, timeout=60)
+    missing = {k: v for k, v in env.items() if k != "AIRFLOW_JWT_SECRET"}
+    bad = subprocess.run([*cli, "-f", str(COMPOSE), "config", "--quiet"], env=missing, capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "AIRFLOW_JWT_SECRET" in bad.stderr

@@ -1,0 +1,575 @@
+"""The GKE backend: TPU shapes, the JobSet and Service of a launch, and capacity from nodes.
+
+The manifests are checked against the Kubernetes schemas (kubernetes_validate,
+strict: unknown fields are errors).  The JobSet CRD has no schema there, so
+its embedded Job and pod templates are validated as core objects, the JobSet's
+own fields are checked against the v1alpha2 API and its webhook's rules, and
+the pods the JobSet and Job controllers would make are built and validated.
+Then each pod's environment is resolved as the kubelet would (downward API)
+and its real entrypoint runs under /bin/sh to show the JAX distributed
+environment of every process.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+from kubernetes.client import (
+    V1Node,
+    V1NodeCondition,
+    V1NodeSpec,
+    V1NodeStatus,
+    V1ObjectMeta,
+    V1Taint,
+)
+
+from training.backends import gke
+from training.backends.gke import (
+    GKECapacity,
+    GKEConfigError,
+    GKELaunch,
+    TPUSlice,
+    complete_slices,
+    jobset_name,
+    jobset_state,
+    plan_slices,
+    render,
+    slice_bounds,
+)
+from training.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+K8S_VERSION = kubernetes_validate.latest_version()
+DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+# The fields of JobSetSpec, ReplicatedJob, Network, FailurePolicy, SuccessPolicy in jobset.x-k8s.io/v1alpha2.
+JOBSET_SPEC_FIELDS = {
+    "replicatedJobs", "network", "successPolicy", "failurePolicy", "startupPolicy", "suspend",
+    "coordinator", "managedBy", "ttlSecondsAfterFinished", "volumeClaimPolicies",
+}
+REPLICATED_JOB_FIELDS = {"name", "groupName", "template", "replicas", "dependsOn"}
+NETWORK_FIELDS = {"enableDNSHostnames", "subdomain", "publishNotReadyAddresses"}
+FAILURE_POLICY_FIELDS = {"maxRestarts", "restartStrategy", "rules"}
+SUCCESS_POLICY_FIELDS = {"operator", "targetReplicatedJobs"}
+
+
+def gke_config(**overrides: Any) -> Any:
+    base = {
+        "backend": "gke",
+        "root": "gs://rtrain-prod/runs",
+        "run_name": "Llama3_8B.v2",
+        "devices_per_worker": 4,
+        "min_workers": 4,
+        "max_workers": 16,
+        "global_batch": 192,  # splits over 2, 4, 6, 8, 12 and 16 workers of 4 devices
+    }
+    return load_config(preset="tiny", overrides={**base, **overrides})
+
+
+LAUNCH = GKELaunch(image="us-docker.pkg.dev/proj/rtrain/train:1.0", namespace="training")
+
+
+# --- TPU shapes -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("machine_type", "topology", "chips", "hosts", "accelerator"),
+    [
+        ("ct6e-standard-4t", "4x4", 16, 4, "tpu-v6e-slice"),
+        ("ct6e-standard-4t", "2x4", 8, 2, "tpu-v6e-slice"),
+        ("ct6e-standard-4t", "2x2", 4, 1, "tpu-v6e-slice"),
+        ("ct6e-standard-8t", "2x4", 8, 1, "tpu-v6e-slice"),
+        ("ct6e-standard-1t", "1x1", 1, 1, "tpu-v6e-slice"),
+        ("ct5p-hightpu-4t", "2x2x2", 8, 2, "tpu-v5p-slice"),
+        ("ct5p-hightpu-4t", "4x4x4", 64, 16, "tpu-v5p-slice"),
+        ("ct5lp-hightpu-4t", "4x8", 32, 8, "tpu-v5-lite-podslice"),
+        ("ct4p-hightpu-4t", "2x2x1", 4, 1, "tpu-v4-podslice"),
+        ("ct4p-hightpu-4t", "2x2x4", 16, 4, "tpu-v4-podslice"),
+    ],
+)
+def test_tpu_slice_knows_its_chips_hosts_and_node_label(
+    machine_type: str, topology: str, chips: int, hosts: int, accelerator: str
+) -> None:
+    tpu = TPUSlice(machine_type, topology)
+    assert (tpu.chips, tpu.hosts, tpu.accelerator) == (chips, hosts, accelerator)
+    assert tpu.chips_per_host * tpu.hosts == tpu.chips
+    assert tpu.multi_host == (hosts > 1)
+
+
+@pytest.mark.parametrize(
+    ("machine_type", "topology", "key"),
+    [
+        ("ct9z-huge-4t", "2x2", "machine_type"),
+        ("ct6e-standard-4t", "2x2x2", "tpu_topology"),  # v6e is a 2D torus
+        ("ct5p-hightpu-4t", "4x4", "tpu_topology"),  # v5p is 3D
+        ("ct6e-standard-4t", "3x3", "tpu_topology"),  # not offered
+        ("ct6e-standard-8t", "4x4", "tpu_topology"),  # 8t is single-host 2x4 only
+        ("ct5p-hightpu-4t", "1x1x2", "tpu_topology"),  # 2 chips: not a whole host
+        ("ct5p-hightpu-4t", "2x0x2", "tpu_topology"),
+    ],
+)
+def test_tpu_slice_refuses_shapes_gke_does_not_offer(machine_type: str, topology: str, key: str) -> None:
+    with pytest.raises(GKEConfigError, match=f"^{key}:"):
+        TPUSlice(machine_type, topology)
+
+
+# --- names -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("run_name", ["Llama3_8B.v2", "a_b", "a.b", "7b-run", "x" * 63, "demo"])
+@pytest.mark.parametrize("attempt", [0, 7, 123])
+def test_jobset_name_is_a_short_dns_label(run_name: str, attempt: int) -> None:
+    name = jobset_name(run_name, attempt)
+    assert DNS_1035.match(name), name
+    assert len(name) <= gke.MAX_JOBSET_NAME
+    assert name.endswith(f"-a{attempt}")
+
+
+def test_jobset_names_differ_by_run_and_attempt() -> None:
+    names = {jobset_name(r, a) for r in ("a_b", "a.b", "A_B", "x" * 63, "x" * 62 + "y") for a in (1, 2)}
+    assert len(names) == 10
+
+
+# --- how many slices -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("machine_type", "topology", "min_w", "max_w", "bounds"),
+    [
+        ("ct6e-standard-4t", "4x4", 4, 16, (1, 4)),
+        ("ct6e-standard-4t", "4x4", 5, 16, (2, 4)),  # 5 hosts need 2 slices of 4
+        ("ct6e-standard-4t", "4x4", 4, 11, (1, 2)),  # 11 hosts hold 2 slices of 4
+        ("ct5p-hightpu-4t", "2x2x2", 2, 6, (1, 3)),
+        ("ct6e-standard-4t", "2x2", 1, 8, (1, 1)),  # single-host slices cannot form a multislice
+    ],
+)
+def test_slice_bounds_keep_hosts_within_min_max_workers(
+    machine_type: str, topology: str, min_w: int, max_w: int, bounds: tuple[int, int]
+) -> None:
+    tpu = TPUSlice(machine_type, topology)
+    cfg = gke_config(min_workers=min_w, max_workers=max_w, devices_per_worker=tpu.chips_per_host)
+    assert slice_bounds(cfg, tpu) == bounds
+    k_min, k_max = bounds
+    assert min_w <= k_min * tpu.hosts and k_max * tpu.hosts <= max_w
+
+
+def test_slice_bounds_refuse_a_range_no_whole_slice_fits() -> None:
+    cfg = gke_config(min_workers=5, max_workers=7)
+    with pytest.raises(GKEConfigError, match="min_workers/max_workers"):
+        slice_bounds(cfg, TPUSlice("ct6e-standard-4t", "4x4"))
+
+
+@pytest.mark.parametrize(("available", "k"), [(0, 0), (3, 0), (4, 1), (7, 1), (8, 2), (15, 3), (16, 4), (40, 4)])
+def test_plan_slices_takes_whole_slices_up_to_max(available: int, k: int) -> None:
+    assert plan_slices(gke_config(), TPUSlice("ct6e-standard-4t", "4x4"), available) == k
+
+
+def test_plan_slices_takes_only_slice_counts_the_batch_splits_over() -> None:
+    cfg = gke_config(global_batch=32)  # 32 sequences over 4-device hosts: 4 or 8 hosts, not 12 or 16
+    tpu = TPUSlice("ct6e-standard-4t", "4x4")
+    assert gke.feasible_slices(cfg, tpu) == [1, 2]
+    assert plan_slices(cfg, tpu, 16) == 2
+    with pytest.raises(GKEConfigError, match="^num_slices: the mesh or global_batch=32"):
+        render(cfg, tpu, LAUNCH, 3, 0)
+
+
+def test_plan_slices_is_zero_below_min_workers() -> None:
+    cfg = gke_config(min_workers=8)
+    assert plan_slices(cfg, TPUSlice("ct6e-standard-4t", "4x4"), 7) == 0
+    assert plan_slices(cfg, TPUSlice("ct6e-standard-4t", "4x4"), 8) == 2
+
+
+# --- config checks ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ({"root": "var/runs"}, "root"),
+        ({"backend": "local"}, "backend"),
+        ({"devices_per_worker": 8}, "devices_per_worker"),
+        ({"min_workers": 1, "max_workers": 3}, "min_workers/max_workers"),
+    ],
+)
+def test_render_refuses_a_config_that_cannot_run_on_the_slice(overrides: dict[str, Any], key: str) -> None:
+    with pytest.raises(GKEConfigError, match=f"^{key}:"):
+        render(gke_config(**overrides), TPUSlice("ct6e-standard-4t", "4x4"), LAUNCH, 1, 0)
+
+
+@pytest.mark.parametrize("k", [0, 5])
+def test_render_refuses_slices_outside_min_max(k: int) -> None:
+    with pytest.raises(GKEConfigError, match="^num_slices:"):
+        render(gke_config(), TPUSlice("ct6e-standard-4t", "4x4"), LAUNCH, k, 0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"image": ""}, "image"),
+        ({"namespace": "Training"}, "namespace"),
+        ({"coordinator_port": 8471}, "coordinator_port"),
+        ({"megascale_port": 70000}, "megascale_port"),
+        ({"env": {"RTRAIN_PROCESS_ID": "3"}}, "env"),
+        ({"node_pools": ("Pool_1",)}, "node_pools"),
+    ],
+)
+def test_launch_options_are_checked(kwargs: dict[str, Any], key: str) -> None:
+    with pytest.raises(GKEConfigError, match=f"^{key}:"):
+        GKELaunch(**{"image": "img:1", **kwargs})
+
+
+# --- the manifests -----------------------------------------------------------------------------
+
+
+def expand_pods(jobset: dict[str, Any]) -> list[dict[str, Any]]:
+    """The pods the JobSet controller (Jobs) and the Job controller (Indexed pods) make of a JobSet."""
+    name = jobset["metadata"]["name"]
+    namespace = jobset["metadata"]["namespace"]
+    subdomain = jobset["spec"]["network"].get("subdomain") or name
+    pods = []
+    for rjob in jobset["spec"]["replicatedJobs"]:
+        job_spec = rjob["template"]["spec"]
+        assert job_spec["completionMode"] == "Indexed"
+        for j in range(rjob["replicas"]):
+            for i in range(job_spec["completions"]):
+                tmpl = job_spec["template"]
+                index_meta = {
+                    gke.JOBSET_NAME_LABEL: name,
+                    "jobset.sigs.k8s.io/replicatedjob-name": rjob["name"],
+                    gke.JOB_INDEX_LABEL: str(j),
+                    gke.COMPLETION_INDEX_ANNOTATION: str(i),
+                }
+                pods.append(
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Pod",
+                        "metadata": {
+                            "name": f"{name}-{rjob['name']}-{j}-{i}-abcde",
+                            "namespace": namespace,
+                            "labels": {**tmpl["metadata"]["labels"], **index_meta},
+                            "annotations": {**tmpl["metadata"]["annotations"], **index_meta},
+                        },
+                        "spec": {**tmpl["spec"], "hostname": f"{name}-{rjob['name']}-{j}-{i}", "subdomain": subdomain},
+                    }
+                )
+    return pods
+
+
+def resolve_env(pod: dict[str, Any], container: dict[str, Any]) -> dict[str, str]:
+    """Environment values as the kubelet sets them (values and downward-API field refs)."""
+    env = {}
+    for item in container["env"]:
+        if "value" in item:
+            env[item["name"]] = item["value"]
+            continue
+        path = item["valueFrom"]["fieldRef"]["fieldPath"]
+        m = re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", path)
+        assert m, f"unsupported fieldPath {path}"
+        meta = pod["metadata"][m.group(1)]
+        assert m.group(2) in meta, f"{path} is not set on the pod"
+        env[item["name"]] = meta[m.group(2)]
+    return env
+
+
+def run_entrypoint(container: dict[str, Any], env: dict[str, str]) -> dict[str, str]:
+    """Run the container's real command with ``env`` in place of the worker; return what the worker sees."""
+    assert container["command"][:2] == ["/bin/sh", "-c"]
+    assert container["args"] == ["python", "-m", "training.worker"]
+    out = subprocess.run(
+        [*container["command"], "env"],
+        env={**env, "PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=10,
+    ).stdout
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def check_jobset_structure(jobset: dict[str, Any]) -> None:
+    """The JobSet's own fields (v1alpha2) and the rules its validating webhook applies."""
+    assert jobset["apiVersion"] == "jobset.x-k8s.io/v1alpha2" and jobset["kind"] == "JobSet"
+    name = jobset["metadata"]["name"]
+    assert DNS_1035.match(name)
+    spec = jobset["spec"]
+    assert set(spec) <= JOBSET_SPEC_FIELDS
+    assert set(spec["network"]) <= NETWORK_FIELDS
+    assert set(spec["failurePolicy"]) <= FAILURE_POLICY_FIELDS
+    assert set(spec["successPolicy"]) <= SUCCESS_POLICY_FIELDS
+    assert spec["successPolicy"]["operator"] in ("All", "Any")
+    names = [r["name"] for r in spec["replicatedJobs"]]
+    assert set(spec["successPolicy"].get("targetReplicatedJobs", [])) <= set(names)
+    assert DNS_1035.match(spec["network"]["subdomain"]) and len(spec["network"]["subdomain"]) <= 63
+    for rjob in spec["replicatedJobs"]:
+        assert set(rjob) <= REPLICATED_JOB_FIELDS
+        assert isinstance(rjob["replicas"], int) and rjob["replicas"] >= 1
+        longest_job = f"{name}-{rjob['name']}-{rjob['replicas'] - 1}"
+        assert DNS_1035.match(longest_job) and len(longest_job) <= 63
+        longest_pod = f"{longest_job}-{rjob['template']['spec']['completions'] - 1}-abcde"
+        assert DNS_1035.match(longest_pod) and len(longest_pod) <= 63, longest_pod
+
+
+def validate_core(obj: dict[str, Any]) -> None:
+    kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+CASES = [
+    # machine type, topology, min, max, k
+    ("ct6e-standard-4t", "4x4", 4, 16, 1),
+    ("ct6e-standard-4t", "4x4", 4, 16, 4),
+    ("ct5p-hightpu-4t", "2x2x2", 2, 6, 3),
+    ("ct6e-standard-4t", "2x2", 1, 1, 1),
+]
+
+
+@pytest.mark.parametrize(("machine_type", "topology", "min_w", "max_w", "k"), CASES)
+def test_service_and_jobset_validate_against_kubernetes_schemas(
+    machine_type: str, topology: str, min_w: int, max_w: int, k: int
+) -> None:
+    tpu = TPUSlice(machine_type, topology)
+    cfg = gke_config(min_workers=min_w, max_workers=max_w, devices_per_worker=tpu.chips_per_host)
+    m = render(cfg, tpu, LAUNCH, k, attempt=2)
+
+    validate_core(m.service)
+    assert m.service["spec"]["clusterIP"] == "None"
+    assert m.service["spec"]["publishNotReadyAddresses"] is True
+    assert m.service["metadata"]["name"] == m.jobset["spec"]["network"]["subdomain"] == m.name
+    assert m.service["spec"]["selector"] == {gke.JOBSET_NAME_LABEL: m.name}
+
+    check_jobset_structure(m.jobset)
+    rjob = m.jobset["spec"]["replicatedJobs"][0]
+    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": f"{m.name}-slice-0", **rjob["template"]["metadata"]},
+           "spec": rjob["template"]["spec"]}
+    validate_core(job)
+    validate_core({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": rjob["template"]["spec"]["template"]})
+    pods = expand_pods(m.jobset)
+    assert len(pods) == k * tpu.hosts
+    for pod in pods:
+        validate_core(pod)
+
+
+def test_a_broken_manifest_fails_the_schema_check() -> None:
+    """The validation above can fail: a typo in a pod field is caught."""
+    m = render(gke_config(), TPUSlice("ct6e-standard-4t", "4x4"), LAUNCH, 1, 0)
+    tmpl = m.jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    tmpl["spec"]["restartPolicyy"] = "Never"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate_core({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": tmpl})
+
+
+def test_the_jobset_never_restarts_itself_and_asks_for_tpu_chips() -> None:
+    tpu = TPUSlice("ct6e-standard-4t", "4x4")
+    m = render(gke_config(), tpu, LAUNCH, 2, 0)
+    spec = m.jobset["spec"]
+    assert spec["failurePolicy"] == {"maxRestarts": 0}
+    job = spec["replicatedJobs"][0]["template"]["spec"]
+    assert (job["parallelism"], job["completions"], job["backoffLimit"]) == (4, 4, 0)
+    pod = job["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    assert pod["nodeSelector"] == {
+        "cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice",
+        "cloud.google.com/gke-tpu-topology": "4x4",
+    }
+    (container,) = pod["containers"]
+    assert container["resources"]["limits"] == {"google.com/tpu": "4"}
+    assert container["resources"]["requests"]["google.com/tpu"] == "4"
+    assert m.jobset["metadata"]["annotations"][gke.EXCLUSIVE_TOPOLOGY_ANNOTATION] == "cloud.google.com/gke-nodepool"
+
+
+def test_a_single_host_slice_is_not_bound_to_a_node_pool_of_its_own() -> None:
+    tpu = TPUSlice("ct6e-standard-4t", "2x2")
+    m = render(gke_config(min_workers=1, max_workers=1), tpu, LAUNCH, 1, 0)
+    assert gke.EXCLUSIVE_TOPOLOGY_ANNOTATION not in m.jobset["metadata"]["annotations"]
+
+
+@pytest.mark.parametrize(("machine_type", "topology", "min_w", "max_w", "k"), CASES)
+def test_every_pod_gets_the_jax_distributed_environment(
+    machine_type: str, topology: str, min_w: int, max_w: int, k: int
+) -> None:
+    tpu = TPUSlice(machine_type, topology)
+    cfg = gke_config(min_workers=min_w, max_workers=max_w, devices_per_worker=tpu.chips_per_host)
+    m = render(cfg, tpu, LAUNCH, k, attempt=3)
+    n = k * tpu.hosts
+    assert m.num_processes == n
+
+    seen: dict[int, dict[str, Any]] = {}
+    for pod in expand_pods(m.jobset):
+        (container,) = pod["spec"]["containers"]
+        env = run_entrypoint(container, resolve_env(pod, container))
+        pid = int(env["RTRAIN_PROCESS_ID"])
+        assert pid not in seen, f"process id {pid} twice"
+        seen[pid] = pod
+        assert env["RTRAIN_COORDINATOR"] == m.coordinator
+        assert env["RTRAIN_NUM_PROCESSES"] == str(n)
+        assert env["RTRAIN_RUN_URI"] == "gs://rtrain-prod/runs/Llama3_8B.v2" == cfg.run_uri
+        assert env["RTRAIN_ATTEMPT"] == "3"
+        if k > 1:
+            assert env["MEGASCALE_NUM_SLICES"] == str(k)
+            assert env["MEGASCALE_SLICE_ID"] == pod["metadata"]["labels"][gke.JOB_INDEX_LABEL]
+            assert env["MEGASCALE_COORDINATOR_ADDRESS"] == m.coordinator.rsplit(":", 1)[0]
+        else:
+            assert not any(key.startswith("MEGASCALE_") for key in env)
+    assert sorted(seen) == list(range(n))
+
+    # The coordinator is the DNS name (hostname.subdomain) of process 0's pod, on a port it listens on.
+    host, port = m.coordinator.rsplit(":", 1)
+    p0 = seen[0]["spec"]
+    assert host == f"{p0['hostname']}.{p0['subdomain']}"
+    assert p0["subdomain"] == m.service["metadata"]["name"]
+    assert int(port) in {p["containerPort"] for p in p0["containers"][0]["ports"]}
+    # Processes of one slice are consecutive: slice s holds s*hosts .. (s+1)*hosts-1.
+    for pid, pod in seen.items():
+        assert int(pod["metadata"]["labels"][gke.JOB_INDEX_LABEL]) == pid // tpu.hosts
+
+
+def test_launch_options_reach_the_pods() -> None:
+    launch = GKELaunch(
+        image="img:1", namespace="ml", service_account="trainer", node_pools=("tpu-a", "tpu-b"), spot=True,
+        host_network=True, cpu="8", memory="64Gi", env={"XLA_FLAGS": "--xla_dump_to=/tmp"}, labels={"team": "lm"},
+    )
+    m = render(gke_config(), TPUSlice("ct6e-standard-4t", "4x4"), launch, 1, 0)
+    pod = m.jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    validate_core({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": pod})
+    spec = pod["spec"]
+    assert spec["serviceAccountName"] == "trainer"
+    assert spec["nodeSelector"]["cloud.google.com/gke-spot"] == "true"
+    terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms[0]["matchExpressions"][0] == {"key": "cloud.google.com/gke-nodepool", "operator": "In", "values": ["tpu-a", "tpu-b"]}
+    assert spec["hostNetwork"] is True and spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+    c = spec["containers"][0]
+    assert c["resources"]["requests"]["memory"] == "64Gi"
+    assert {"name": "XLA_FLAGS", "value": "--xla_dump_to=/tmp"} in c["env"]
+    assert pod["metadata"]["labels"]["team"] == "lm"
+    assert m.jobset["metadata"]["namespace"] == m.service["metadata"]["namespace"] == "ml"
+
+
+@pytest.mark.parametrize(
+    ("obj", "state"),
+    [
+        (None, "missing"),
+        ({"spec": {}, "status": {}}, "running"),
+        ({"spec": {}}, "running"),
+        ({"status": {"terminalState": "Completed"}}, "completed"),
+        ({"status": {"terminalState": "Failed"}}, "failed"),
+        ({"status": {"conditions": [{"type": "Failed", "status": "True"}]}}, "failed"),
+        ({"status": {"conditions": [{"type": "Completed", "status": "True"}]}}, "completed"),
+        ({"status": {"conditions": [{"type": "Completed", "status": "False"}]}}, "running"),
+        ({"spec": {"suspend": True}, "status": {}}, "suspended"),
+    ],
+)
+def test_jobset_state(obj: dict[str, Any] | None, state: str) -> None:
+    assert jobset_state(obj) == state
+
+
+# --- capacity from nodes -------------------------------------------------------------------------
+
+
+def node(
+    name: str,
+    pool: str,
+    ready: bool = True,
+    topology: str = "4x4",
+    accelerator: str = "tpu-v6e-slice",
+    unschedulable: bool | None = None,
+    taints: list[V1Taint] | None = None,
+) -> V1Node:
+    return V1Node(
+        metadata=V1ObjectMeta(
+            name=name,
+            labels={
+                "cloud.google.com/gke-nodepool": pool,
+                "cloud.google.com/gke-tpu-accelerator": accelerator,
+                "cloud.google.com/gke-tpu-topology": topology,
+            },
+        ),
+        spec=V1NodeSpec(unschedulable=unschedulable, taints=taints),
+        status=V1NodeStatus(
+            conditions=[
+                V1NodeCondition(type="MemoryPressure", status="False"),
+                V1NodeCondition(type="Ready", status="True" if ready else "False"),
+            ]
+        ),
+    )
+
+
+def pool_nodes(pool: str, n: int = 4, **kwargs: Any) -> list[V1Node]:
+    return [node(f"gke-{pool}-{i}", pool, **kwargs) for i in range(n)]
+
+
+TPU_4X4 = TPUSlice("ct6e-standard-4t", "4x4")
+
+
+def test_capacity_counts_hosts_of_complete_ready_slices() -> None:
+    nodes = (
+        pool_nodes("slice-a")  # complete
+        + pool_nodes("slice-b")  # complete
+        + pool_nodes("slice-c", n=3)  # incomplete: a host is missing
+        + pool_nodes("slice-d")[:3] + [node("gke-slice-d-3", "slice-d", ready=False)]  # a host is not ready
+        + pool_nodes("other", topology="2x4")  # another shape
+        + pool_nodes("v5e", accelerator="tpu-v5-lite-podslice")  # another TPU
+    )
+    cap = GKECapacity(lambda selector: nodes, TPU_4X4)
+    assert cap.slices() == 2
+    assert cap.available() == 8
+
+
+def test_capacity_only_counts_the_pools_it_is_given() -> None:
+    nodes = pool_nodes("slice-a") + pool_nodes("slice-b") + pool_nodes("someone-elses")
+    assert GKECapacity(lambda s: nodes, TPU_4X4, node_pools=["slice-a", "slice-b"]).available() == 8
+    assert GKECapacity(lambda s: nodes, TPU_4X4).available() == 12
+
+
+def test_capacity_leaves_out_cordoned_and_terminating_hosts() -> None:
+    cordoned = pool_nodes("slice-a")
+    cordoned[0].spec.unschedulable = True
+    going = pool_nodes("slice-b")
+    going[2].spec.taints = [V1Taint(key="cloud.google.com/impending-node-termination", effect="NoSchedule")]
+    tpu_taint = pool_nodes("slice-c", taints=[V1Taint(key="google.com/tpu", value="present", effect="NoSchedule")])
+    assert complete_slices(cordoned + going + tpu_taint, TPU_4X4) == 1
+
+
+def test_capacity_of_single_host_slices_is_one_per_ready_node() -> None:
+    tpu = TPUSlice("ct6e-standard-4t", "2x2")
+    nodes = pool_nodes("single", n=5, topology="2x2") + [node("gke-single-x", "single", ready=False, topology="2x2")]
+    assert GKECapacity(lambda s: nodes, tpu).available() == 5
+
+
+def test_capacity_asks_for_the_tpu_shape_and_cannot_be_set() -> None:
+    asked: list[str] = []
+    cap = GKECapacity(lambda s: asked.append(s) or [], TPU_4X4)
+    assert cap.available() == 0
+    assert asked == ["cloud.google.com/gke-tpu-accelerator=tpu-v6e-slice,cloud.google.com/gke-tpu-topology=4x4"]
+    with pytest.raises(NotImplementedError):
+        cap.set(4)
+
+
+def test_the_backend_imports_neither_airflow_nor_jax() -> None:
+    code = (
+        "import sys, training.backends.gke\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('airflow', 'jax', 'flax', 'orbax'))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
+
+
+# --- the training image ----------------------------------------------------------------------------
+
+
+def test_training_image_installs_every_runtime_dependency() -> None:
+    """Dockerfile.train installs the package without Airflow: it must list the rest of pyproject's deps."""
+    import tomllib
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.split(r"[<>=!~\[ ]", d, maxsplit=1)[0].lower().replace("_", "-") for d in deps}
+    not_in_image = {n for n in names if n.startswith("apache-airflow") or n == "google-cloud-container"}
+    text = (REPO / "docker" / "Dockerfile.train").read_text().lower().replace("_", "-")
+    missing = sorted(n for n in names - not_in_image if not re.search(rf"(^|[\s\"']){re.escape(n)}([\[<>=\s\"']|$)", text, re.M))
+    assert not missing, f"docker/Dockerfile.train does not install {missing}"
+    assert "jax[tpu]" in text and "--constraint constraints.txt" in text and "--no-deps" in text

@@ -1,0 +1,275 @@
+"""Checkpoint lifecycle: validate, roll back, promote, prune, and the run report.
+
+Surviving a failure is half of resilience; the other half is never training on
+from a bad state.  A checkpoint is *committed* when Orbax finalised it,
+*validated* or *rejected* when ``validate`` has judged it on the held-out split,
+*quarantined* when a rollback moved it out of the resume path (kept for
+inspection under ``<run>/quarantine/``), *promoted* when a pipeline blessed it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from typing import Any
+
+from training.config import Config, config_from_json
+from training.events import EventLog
+from training.ledger import Ledger
+from training.storage import Store, open_store
+
+
+class LifecycleError(RuntimeError):
+    pass
+
+
+def _run(run_uri: str) -> tuple[Store, Config, Ledger, EventLog]:
+    store = open_store(run_uri)
+    cfg = config_from_json(store.get("config.json").decode())
+    return store, cfg, Ledger(store), EventLog(store, source="lifecycle")
+
+
+def evaluate(cfg: Config, params: Any) -> dict[str, float]:
+    """Loss, perplexity and token accuracy on the fixed evaluation set (one device)."""
+    import jax
+    import numpy as np
+
+    from training.data import eval_batches
+    from training.model import Transformer, loss_fn
+
+    model = Transformer(cfg)
+
+    @jax.jit
+    def metrics(p: Any, inputs: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+        loss, aux = loss_fn(model.apply({"params": p}, inputs), targets)
+        return loss, aux["accuracy"]
+
+    losses, accs = [], []
+    for b in eval_batches(cfg.dataset, batch=cfg.val_batch, max_batches=cfg.val_batches):
+        loss, acc = metrics(params, b["inputs"], b["targets"])
+        losses.append(float(loss))
+        accs.append(float(acc))
+    loss = float(np.mean(losses))
+    return {"loss": loss, "perplexity": float(math.exp(min(loss, 80.0))), "accuracy": float(np.mean(accs))}
+
+
+def validate(run_uri: str, step: int | None = None) -> dict[str, Any]:
+    """Judge a committed checkpoint (default: the newest) and record the verdict in the ledger."""
+    from training.api import committed_steps
+    from training.trainer import all_finite, load_state_host
+
+    store, cfg, ledger, events = _run(run_uri)
+    steps = committed_steps(run_uri)
+    if not steps:
+        raise LifecycleError(f"run {run_uri} has no committed checkpoint to validate")
+    step = steps[-1] if step is None else step
+    if step not in steps:
+        raise LifecycleError(f"step {step} is not a committed checkpoint of {run_uri} (committed: {steps})")
+    params = load_state_host(run_uri, step)["params"]
+
+    reasons: list[str] = []
+    if not all_finite(params):
+        reasons.append("parameters are not all finite")
+        metrics = {"loss": float("nan"), "perplexity": float("nan"), "accuracy": 0.0}
+    else:
+        metrics = evaluate(cfg, params)
+        if not math.isfinite(metrics["loss"]):
+            reasons.append(f"validation loss is {metrics['loss']}")
+    best = [s for s in ledger.best("loss", 1) if s != step]
+    if best and math.isfinite(metrics["loss"]):
+        best_loss = float(ledger.state(best[0])["metrics"]["loss"])  # type: ignore[index]
+        if metrics["loss"] > best_loss * (1 + cfg.val_tolerance):
+            reasons.append(f"loss {metrics['loss']:.4f} is worse than the best validated {best_loss:.4f} "
+                           f"(step {best[0]}) by more than {cfg.val_tolerance:.0%}")
+    if cfg.val_max_loss and metrics["loss"] > cfg.val_max_loss:
+        reasons.append(f"loss {metrics['loss']:.4f} > val_max_loss {cfg.val_max_loss}")
+    if cfg.val_min_accuracy and metrics["accuracy"] < cfg.val_min_accuracy:
+        reasons.append(f"accuracy {metrics['accuracy']:.4f} < val_min_accuracy {cfg.val_min_accuracy}")
+
+    # NaN is not JSON: record non-finite numbers as strings.
+    clean = {k: (v if math.isfinite(v) else str(v)) for k, v in metrics.items()}
+    verdict = "rejected" if reasons else "validated"
+    reason = "; ".join(reasons)
+    if verdict == "validated":
+        ledger.record(step, "validated", metrics=clean)
+    else:
+        ledger.record(step, "rejected", metrics=clean, reason=reason)
+    events.emit("validation", step=step, verdict=verdict, metrics=clean, reason=reason)
+    return {"step": step, "verdict": verdict, "metrics": clean, "reason": reason}
+
+
+def validate_pending(run_uri: str) -> list[dict[str, Any]]:
+    """Validate every committed checkpoint the ledger has no verdict for, oldest first."""
+    from training.api import committed_steps
+
+    _, _, ledger, _ = _run(run_uri)
+    states = ledger.states()
+    todo = [s for s in committed_steps(run_uri) if states.get(s, {}).get("state") in (None, "committed")]
+    return [validate(run_uri, s) for s in todo]
+
+
+def _data_position(run_uri: str, step: int) -> dict[str, Any]:
+    from training.storage import join
+
+    store = open_store(join(run_uri, "checkpoints", str(step), "data"))
+    for key in store.list():
+        if not key.startswith("_"):
+            try:
+                return dict(json.loads(store.get(key)))
+            except (ValueError, UnicodeDecodeError):
+                continue
+    return {}
+
+
+def rollback(run_uri: str, to: int | None = None, reason: str = "manual rollback") -> dict[str, Any]:
+    """Move the resume pointer back to a validated checkpoint and quarantine what is newer.
+
+    The next launch resumes from ``to`` (default: the newest validated checkpoint),
+    skipping the data window since it (``rollback_skip_data``) and scaling the
+    learning rate (``rollback_lr_scale``) as configured.  Refused while a job holds the run.
+    """
+    from training.api import committed_steps
+    from training.ledger import RunLock
+
+    store, cfg, ledger, events = _run(run_uri)
+    holder = RunLock(store, owner="rollback").held_by()
+    if holder:
+        raise LifecycleError(f"run {run_uri} is held by {holder.get('owner')} (pid {holder.get('pid')}); stop it first")
+    steps = committed_steps(run_uri)
+    target = ledger.newest_validated() if to is None else to
+    if target is None:
+        raise LifecycleError(f"run {run_uri} has no validated checkpoint to roll back to")
+    if target not in steps:
+        raise LifecycleError(f"step {target} is not a committed checkpoint of {run_uri} (committed: {steps})")
+    state = ledger.state(target)
+    if state and state["state"] in ("rejected", "quarantined"):
+        raise LifecycleError(f"step {target} is {state['state']}; roll back to a good checkpoint")
+    from_step = steps[-1]
+    how: dict[str, Any] = {"lr_scale": cfg.rollback_lr_scale}
+    if cfg.rollback_skip_data and from_step > target:
+        how["skip_to_batch"] = int(_data_position(run_uri, from_step).get("next_batch", 0))
+    quarantined = []
+    for s in steps:
+        if s > target:
+            dest = f"quarantine/{s}-{time.time_ns()}"
+            store.move(f"checkpoints/{s}", dest)
+            ledger.record(s, "quarantined", reason=reason, location=dest)
+            quarantined.append(s)
+    ledger.set_pointer(target, reason, resume=how)
+    events.emit("rollback", from_step=from_step, to_step=target, reason=reason, quarantined=quarantined,
+                kind="validation", resume=how)
+    return {"from_step": from_step, "to_step": target, "quarantined": quarantined, "resume": how}
+
+
+def promote(run_uri: str, step: int | None = None) -> dict[str, Any]:
+    """Bless a validated checkpoint (default: the newest validated)."""
+    _, _, ledger, events = _run(run_uri)
+    step = ledger.newest_validated() if step is None else step
+    st = ledger.state(step) if step is not None else None
+    if step is None or not st or st["state"] not in ("validated", "promoted"):
+        raise LifecycleError(f"step {step} is not validated; only validated checkpoints are promoted")
+    ledger.record(step, "promoted")
+    events.emit("validation", step=step, verdict="promoted", metrics=st.get("metrics"))
+    return {"step": step, "state": "promoted"}
+
+
+def prune(run_uri: str, dry_run: bool = False) -> dict[str, Any]:
+    """Apply the run's retention policy to checkpoints/ and expire old quarantined ones."""
+    from training import prune as prune_lib
+
+    store, cfg, ledger, events = _run(run_uri)
+    policy = prune_lib.policy_from_config(cfg.keep_last, cfg.keep_best, cfg.best_metric, cfg.keep_every,
+                                          cfg.quarantine_ttl_s)
+    plan = prune_lib.prune(run_uri, policy, dry_run=dry_run, events=None if dry_run else events)
+    out = plan.to_dict()
+    now = time.time()
+    expired = []
+    for name in sorted({k.split("/")[1] for k in store.list("quarantine/")}):
+        born = int(name.rsplit("-", 1)[1]) / 1e9 if "-" in name else now
+        if now - born > cfg.quarantine_ttl_s:
+            expired.append(name)
+            if not dry_run:
+                store.delete(f"quarantine/{name}")
+    out["quarantine_expired"] = expired
+    return out
+
+
+def report(run_uri: str) -> dict[str, Any]:
+    """The run's story from its events: steps, failures, recoveries, meshes, verdicts, goodput."""
+    from training.api import committed_steps
+
+    store, cfg, ledger, events = _run(run_uri)
+    evs = events.read()
+    status = json.loads(store.get("status.json")) if store.exists("status.json") else {}
+    launches = [e for e in evs if e["type"] == "launch"]
+    recoveries = []
+    for e in evs:
+        if e["type"] not in ("failure",) and not (e["type"] == "rollback" and e.get("kind") == "in-job"):
+            continue
+        start = e.get("fault_at") or e["time"]
+        resumed = next((r for r in evs if r["type"] == "resumed" and r["time"] > e["time"]), None)
+        restore = next((r for r in evs if r["type"] in ("restore", "init") and r["time"] > e["time"]), None)
+        recoveries.append({
+            "cause": e.get("reason"),
+            "detect_s": e.get("detect_s"),
+            "recovery_s": (resumed["time"] - start) if resumed else None,
+            "restored_step": restore.get("step") if restore else None,
+            "mesh_after": restore.get("mesh") if restore else None,
+        })
+    step_times = [e["step_time"] for e in evs if e["type"] == "progress" and e.get("step_time")]
+    finished = next((e for e in reversed(evs) if e["type"] in ("finished", "failed")), None)
+    wall = (finished["time"] - launches[0]["time"]) if finished and launches else None
+    useful = cfg.steps * statistics.median(step_times) if step_times else None
+    pruned = sorted({s for e in evs if e["type"] == "prune" for s in e.get("deleted", [])})
+    return {
+        "run": run_uri,
+        "state": status.get("state"),
+        "steps": status.get("step"),
+        "steps_total": cfg.steps,
+        "final_loss": status.get("loss"),
+        "launches": [{"attempt": e["attempt"], "workers": e["workers"], "mesh": e["mesh"]} for e in launches],
+        "failures": len([e for e in evs if e["type"] == "failure"]),
+        "recoveries": recoveries,
+        "resizes": [{"from": e["old_workers"], "to": e["new_workers"], "old_mesh": e["old_mesh"], "new_mesh": e["new_mesh"]}
+                    for e in evs if e["type"] == "resize"],
+        "validations": [{"step": e["step"], "verdict": e["verdict"], "loss": (e.get("metrics") or {}).get("loss"),
+                         "reason": e.get("reason", "")} for e in evs if e["type"] == "validation"],
+        "rollbacks": [{"from": e["from_step"], "to": e["to_step"], "kind": e.get("kind"), "reason": e["reason"]}
+                      for e in evs if e["type"] == "rollback"],
+        "checkpoints_kept": committed_steps(run_uri),
+        "checkpoints_pruned": pruned,
+        "resume_pointer": ledger.pointer(),
+        "wall_s": wall,
+        "goodput": (useful / wall) if useful and wall else None,
+    }
+
+
+def format_report(r: dict[str, Any]) -> str:
+    def mesh(m: dict[str, int] | None) -> str:
+        return "x".join(f"{k}{v}" for k, v in (m or {}).items())
+
+    lines = [
+        f"run            {r['run']}",
+        f"state          {r['state']}  step {r['steps']}/{r['steps_total']}  final loss {r['final_loss']}",
+        "launches       " + ", ".join(f"#{x['attempt']}: {x['workers']} workers ({mesh(x['mesh'])})" for x in r["launches"]),
+        f"failures       {r['failures']}",
+    ]
+    for i, rec in enumerate(r["recoveries"], 1):
+        det = f"{rec['detect_s']:.2f}s" if rec["detect_s"] is not None else "-"
+        rs = f"{rec['recovery_s']:.1f}s" if rec["recovery_s"] is not None else "-"
+        lines.append(f"  recovery {i}   {rec['cause']}: detected in {det}, training again after {rs}, "
+                     f"from step {rec['restored_step']} on {mesh(rec['mesh_after'])}")
+    for z in r["resizes"]:
+        lines.append(f"  resize       {z['from']} -> {z['to']} workers: {mesh(z['old_mesh'])} -> {mesh(z['new_mesh'])}")
+    for v in r["validations"]:
+        loss = v["loss"] if isinstance(v["loss"], str) else (f"{v['loss']:.4f}" if v["loss"] is not None else "-")
+        lines.append(f"  validation   step {v['step']}: {v['verdict']} (loss {loss}) {v['reason']}".rstrip())
+    for b in r["rollbacks"]:
+        lines.append(f"  rollback     {b['kind']}: step {b['from']} -> {b['to']} ({b['reason']})")
+    lines.append(f"checkpoints    kept {r['checkpoints_kept']}  pruned {r['checkpoints_pruned']}  "
+                 f"resume pointer {r['resume_pointer']}")
+    if r["goodput"] is not None:
+        lines.append(f"goodput        {r['goodput']:.1%} of {r['wall_s']:.0f}s wall time spent on steps that count")
+    return "\n".join(lines)
