@@ -46,3 +46,13 @@ def test_delete_of_a_prefix_spares_its_siblings(store):
     store.delete("checkpoints/5")
     assert store.list("checkpoints/") == ["checkpoints/50/a"]
     assert store.list("missing/") == []
+
+
+def test_move_relocates_a_prefix(store):
+    store.put("checkpoints/15/state/a", b"1")
+    store.put("checkpoints/15/data/b", b"2")
+    store.put("checkpoints/150/x", b"3")
+    store.move("checkpoints/15", "quarantine/15-1")
+    assert store.list("checkpoints/") == ["checkpoints/150/x"]
+    assert store.list("quarantine/") == ["quarantine/15-1/data/b", "quarantine/15-1/state/a"]
+    assert store.get("quarantine/15-1/state/a") == b"1"

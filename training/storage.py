@@ -235,6 +235,18 @@ class GCSStore:
         ]
         return sorted(names)
 
+    def move(self, src: str, dst: str) -> None:
+        """Copy then delete, object by object (GCS has no rename)."""
+        from google.cloud.storage.retry import DEFAULT_RETRY
+
+        src_p = src.rstrip("/")
+        keys = self.list(src_p + "/") or ([src_p] if self.exists(src_p) else [])
+        for key in keys:
+            blob = self.bucket.blob(self._name(key))
+            dest = self._name(dst.rstrip("/") + key[len(src_p) :])
+            self.bucket.copy_blob(blob, self.bucket, dest, retry=DEFAULT_RETRY)
+        self.delete(src_p)
+
     def delete(self, key: str) -> None:
         from google.api_core import exceptions
 

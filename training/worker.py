@@ -122,8 +122,28 @@ def main() -> int:
         step0 = tr.latest_step(mngr)
     else:
         step0 = int(resume)
+    from training.ledger import pin, unpin
+
+    owner = f"worker{process_id}-a{attempt}-{os.getpid()}"
+    # A running job pins the step it reads or writes, so a pruner never deletes it underneath.
+    pins: dict[int, str] = {}
+
+    def pin_step(s: int, kind: str) -> None:
+        if process_id == 0:
+            pins[s] = pin(store, s, owner, kind)  # type: ignore[arg-type]
+
+    def unpin_step(s: int) -> None:
+        if s in pins:
+            unpin(store, pins.pop(s))
+
+    def committed(s: int) -> None:
+        rep.send("checkpoint", step=s, committed=True)
+        unpin_step(s)
+
     if step0 is not None:
+        pin_step(step0, "restore")
         state, data_pos = tr.restore(mngr, step0, trainer)
+        unpin_step(step0)
         if data_pos.get("dataset") not in (None, manifest["fingerprint"]):
             raise SystemExit(f"checkpoint {step0} was trained on dataset {data_pos.get('dataset')}, not {manifest['fingerprint']}")
         rep.send("restore", step=step0, mesh=plan.shape, workers=num_processes, seconds=time.time() - t0)
@@ -223,7 +243,7 @@ def main() -> int:
             t_last = now
 
         if pending_save is not None and not mngr.is_saving_in_progress():
-            rep.send("checkpoint", step=pending_save, committed=True)
+            committed(pending_save)
             pending_save = None
 
         if save_now:
@@ -242,7 +262,8 @@ def main() -> int:
             }
             if pending_save is not None:
                 mngr.wait_until_finished()
-                rep.send("checkpoint", step=pending_save, committed=True)
+                committed(pending_save)
+            pin_step(step, "save")
             tr.save(mngr, step, state, data_pos, cfg)
             pending_save = step
             rep.send("checkpoint", step=step, committed=False)
@@ -252,7 +273,7 @@ def main() -> int:
                     os.kill(os.getpid(), signal.SIGKILL)
             if step < cfg.steps and _stop_requested(store, attempt, process_id, num_processes):
                 mngr.wait_until_finished()
-                rep.send("checkpoint", step=step, committed=True)
+                committed(step)
                 rep.send("rescale_requested", step=step, workers=num_processes)
                 mngr.close()
                 return 0
@@ -260,7 +281,7 @@ def main() -> int:
 
     mngr.wait_until_finished()
     if pending_save is not None:
-        rep.send("checkpoint", step=pending_save, committed=True)
+        committed(pending_save)
     mngr.close()
     rep.send("finished", step=step)
     return 0
