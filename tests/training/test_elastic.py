@@ -127,3 +127,68 @@ def test_gcs_root_survives_a_worker_kill_and_resumes_on_another_mesh(gcs_root, t
     assert api.committed_steps(cfg.run_uri) == [4, 8, 12]
     store = open_store(cfg.run_uri)
     assert store.exists("config.json") and store.list("events/")
+
+
+def test_returning_capacity_is_taken_at_the_next_checkpoint(tmp_path, tiny_dataset, jax_cache):
+    cfg = job_config(
+        str(tmp_path), tiny_dataset, jax_cache, run_name="grow", steps=25, checkpoint_every=5, min_workers=2,
+        max_workers=4, chaos=["preempt:worker=3,step=8", "capacity:to=4,step=12"], trace_data_ids=True,
+    )
+    assert run_job(cfg) == 0, worker_logs(cfg.run_uri)
+    assert [e["workers"] for e in _events(cfg.run_uri, "launch")] == [4, 2, 4]
+    assert [(e["old_workers"], e["new_workers"]) for e in _events(cfg.run_uri, "resize")] == [(4, 2), (2, 4)]
+    [rescale] = _events(cfg.run_uri, "rescale_requested")
+    # The scale-up waits for a checkpoint boundary, saves there and resumes exactly from it.
+    assert rescale["step"] % 5 == 0 and rescale["step"] >= 15
+    assert _events(cfg.run_uri, "restore")[-1]["step"] == rescale["step"]
+    assert len(_events(cfg.run_uri, "failure")) == 1, "growing is not a failure"
+    _assert_exact_data_position(cfg.run_uri, tiny_dataset, cfg)
+
+
+def test_below_minimum_capacity_the_agent_waits_then_goes_on(tmp_path, tiny_dataset, jax_cache):
+    cfg = job_config(
+        str(tmp_path), tiny_dataset, jax_cache, run_name="wait", steps=12, checkpoint_every=4, min_workers=2,
+        max_workers=2, capacity_timeout_s=60, chaos=["preempt:worker=1,step=6"],
+    )
+    import threading
+    import time
+
+    def give_back_a_host() -> None:  # capacity returns while the agent waits, as an operator would do it
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            st = api.status(cfg.run_uri) if (tmp_path / "wait").exists() else None
+            if st and st.get("state") == "waiting_for_capacity":
+                api.set_capacity(cfg.run_uri, 2, reason="host repaired")
+                return
+            time.sleep(0.2)
+
+    helper = threading.Thread(target=give_back_a_host, daemon=True)
+    helper.start()
+    assert run_job(cfg) == 0, worker_logs(cfg.run_uri)
+    helper.join(timeout=5)
+    [wait] = _events(cfg.run_uri, "waiting_for_capacity")
+    assert (wait["available"], wait["min_workers"]) == (1, 2)
+    assert [e["workers"] for e in _events(cfg.run_uri, "launch")] == [2, 2]
+    assert api.status(cfg.run_uri)["state"] == "finished"
+
+
+def test_capacity_that_never_returns_fails_the_job_clearly(tmp_path, tiny_dataset, jax_cache):
+    cfg = job_config(
+        str(tmp_path), tiny_dataset, jax_cache, run_name="starved", steps=12, checkpoint_every=4, min_workers=2,
+        max_workers=2, capacity_timeout_s=2, chaos=["preempt:worker=1,step=5"],
+    )
+    assert run_job(cfg) == 2
+    st = api.status(cfg.run_uri)
+    assert st["state"] == "failed"
+    assert st["reason"] == "capacity stayed below min_workers=2 for 2s (available: 1)"
+
+
+def test_a_spent_failure_budget_fails_the_job_with_the_reason(tmp_path, tiny_dataset, jax_cache):
+    cfg = job_config(
+        str(tmp_path), tiny_dataset, jax_cache, run_name="budget", steps=12, checkpoint_every=4, min_workers=1,
+        max_workers=1, max_failures=1, chaos=["crash:worker=0,step=3", "crash:worker=0,step=6"],
+    )
+    assert run_job(cfg) == 1
+    st = api.status(cfg.run_uri)
+    assert st["state"] == "failed"
+    assert st["reason"].startswith("failure budget spent: 2 failures > max_failures=1; last: worker 0 killed by signal 9")
