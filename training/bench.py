@@ -150,7 +150,8 @@ def _window_step_time(evs: list[dict], lo: int, hi: int) -> float:
 
 def bench_checkpoint_overhead(ws: Path, repeats: int, k: int = 5) -> dict[str, Any]:
     steps, lo, hi = 45, 10, 40
-    with_ck, without = [], []
+    with_ck: list[float] = []
+    without: list[float] = []
     for r in range(repeats):
         for every, sink in ((k, with_ck), (10_000, without)):
             cfg = _cfg(ws, f"ckpt-{every}-{r}", steps=steps, checkpoint_every=every)

@@ -13,7 +13,7 @@ import json
 import math
 import statistics
 import time
-from typing import Any
+from typing import Any, cast
 
 from training.config import Config, config_from_json
 from training.events import EventLog
@@ -43,7 +43,7 @@ def evaluate(cfg: Config, params: Any) -> dict[str, float]:
 
     @jax.jit
     def metrics(p: Any, inputs: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
-        loss, aux = loss_fn(model.apply({"params": p}, inputs), targets)
+        loss, aux = loss_fn(cast(jax.Array, model.apply({"params": p}, inputs)), targets)
         return loss, aux["accuracy"]
 
     losses, accs = [], []

@@ -34,7 +34,8 @@ class NotFound(Exception):
 
 
 class Store(Protocol):
-    uri: str
+    @property
+    def uri(self) -> str: ...
 
     def put(self, key: str, data: bytes) -> None: ...
     def create(self, key: str, data: bytes) -> None: ...

@@ -10,7 +10,7 @@ reshards a checkpoint written on any other mesh; no code of ours moves shards.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import flax.linen as nn
 import jax
@@ -87,7 +87,7 @@ class Trainer:
     # --- the step ------------------------------------------------------------------
     def _train_step(self, state: State, inputs: jax.Array, targets: jax.Array, lr_scale: jax.Array) -> tuple[State, dict]:
         def compute_loss(params: Any) -> tuple[jax.Array, dict]:
-            logits = self.model.apply({"params": params}, inputs)
+            logits = cast(jax.Array, self.model.apply({"params": params}, inputs))
             return loss_fn(logits, targets)
 
         (loss, aux), grads = jax.value_and_grad(compute_loss, has_aux=True)(state["params"])
