@@ -141,8 +141,9 @@ class Agent:
     def __post_init__(self) -> None:
         self.events = EventLog(self.store, source="agent")
         self.ledger = Ledger(self.store)
-        self.lock = RunLock(self.store, owner=f"agent-{socket.gethostname()}-{os.getpid()}", lease_s=LOCK_LEASE_S,
-                            events=self.events)
+        self.lock = RunLock(
+            self.store, owner=f"agent-{socket.gethostname()}-{os.getpid()}", lease_s=LOCK_LEASE_S, events=self.events
+        )
         self._lock_refreshed = 0.0
         self.faults = [parse_chaos(s) for s in self.cfg.chaos]
         self.fired = {e.get("spec") for e in self.events.read(types=("chaos",))}
@@ -204,13 +205,22 @@ class Agent:
         attempt = len(self.events.read(types=("launch",)))
         prev: MeshPlan | None = None
         resume = cfg.resume_from
-        self.set_status(state="starting", run_uri=self.run_uri, steps_total=cfg.steps, failures=0, agent_pid=os.getpid(),
-                        host=socket.gethostname(), step=self.status.get("step", 0))
+        self.set_status(
+            state="starting",
+            run_uri=self.run_uri,
+            steps_total=cfg.steps,
+            failures=0,
+            agent_pid=os.getpid(),
+            host=socket.gethostname(),
+            step=self.status.get("step", 0),
+        )
         while True:
             n = self._wait_for_capacity()
             if n is None:
-                reason = (f"capacity stayed below min_workers={cfg.min_workers} for {cfg.capacity_timeout_s:.0f}s "
-                          f"(available: {self.capacity.available()})")
+                reason = (
+                    f"capacity stayed below min_workers={cfg.min_workers} for {cfg.capacity_timeout_s:.0f}s "
+                    f"(available: {self.capacity.available()})"
+                )
                 self.emit("failed", reason=reason)
                 self.set_status(state="failed", reason=reason)
                 self.say(f"[agent] FAILED: {reason}")
@@ -220,15 +230,23 @@ class Agent:
                 self.emit("resize", old_workers=prev.workers, new_workers=n, old_mesh=prev.shape, new_mesh=plan.shape)
                 self.say(f"[agent] resize {prev.workers} -> {n} workers, mesh {prev.shape} -> {plan.shape}")
             self.emit("launch", attempt=attempt, workers=n, mesh=plan.shape, resume=resume)
-            self.set_status(state="starting" if prev is None else "recovering", attempt=attempt, workers=n, mesh=plan.shape)
-            self.say(f"[agent] launch attempt {attempt}: {n} workers x {cfg.devices_per_worker} devices, mesh {plan.shape}")
-            workers = self.backend.launch(n, attempt, {"RTRAIN_RESUME": resume, "RTRAIN_CHAOS": json.dumps(self._worker_faults())})
+            self.set_status(
+                state="starting" if prev is None else "recovering", attempt=attempt, workers=n, mesh=plan.shape
+            )
+            self.say(
+                f"[agent] launch attempt {attempt}: {n} workers x {cfg.devices_per_worker} devices, mesh {plan.shape}"
+            )
+            workers = self.backend.launch(
+                n, attempt, {"RTRAIN_RESUME": resume, "RTRAIN_CHAOS": json.dumps(self._worker_faults())}
+            )
             out = self._supervise(workers, attempt, plan)
             prev = plan
             attempt += 1
             resume = "latest"  # every relaunch resumes from the newest committed checkpoint
             if out.kind == "finished":
-                self.emit("finished", step=self.status.get("step"), failures=failures, seconds=time.time() - self.t_start)
+                self.emit(
+                    "finished", step=self.status.get("step"), failures=failures, seconds=time.time() - self.t_start
+                )
                 self.set_status(state="finished")
                 self.say(f"[agent] finished at step {self.status.get('step')} with {failures} failure(s)")
                 return 0
@@ -255,7 +273,9 @@ class Agent:
             self.set_status(state="recovering", failures=failures)
             self.say(f"[agent] failure {failures}/{cfg.max_failures}: {out.reason}")
             if failures > cfg.max_failures:
-                reason = f"failure budget spent: {failures} failures > max_failures={cfg.max_failures}; last: {out.reason}"
+                reason = (
+                    f"failure budget spent: {failures} failures > max_failures={cfg.max_failures}; last: {out.reason}"
+                )
                 self.emit("failed", reason=reason)
                 self.set_status(state="failed", reason=reason)
                 self.say(f"[agent] FAILED: {reason}")
@@ -270,11 +290,17 @@ class Agent:
         cfg = self.cfg
         step, reason = int(guard.get("step", -1)), guard.get("reason", "bad loss")
         states = self.ledger.states()
-        good = [s for s in committed_steps(self.run_uri) if s < step
-                and states.get(s, {}).get("state") not in ("rejected", "quarantined", "pruned")]
+        good = [
+            s
+            for s in committed_steps(self.run_uri)
+            if s < step and states.get(s, {}).get("state") not in ("rejected", "quarantined", "pruned")
+        ]
         if guards > cfg.max_guard_rollbacks or not good:
-            why = (f"{guards - 1} rollback(s) did not help (max_guard_rollbacks={cfg.max_guard_rollbacks})"
-                   if good else "no committed checkpoint before it to roll back to")
+            why = (
+                f"{guards - 1} rollback(s) did not help (max_guard_rollbacks={cfg.max_guard_rollbacks})"
+                if good
+                else "no committed checkpoint before it to roll back to"
+            )
             msg = f"in-training guard: {reason} at step {step} (metric {guard.get('metric', 'loss')}); {why}"
             self.emit("failed", reason=msg, step=step)
             self.set_status(state="failed", reason=msg)
@@ -285,10 +311,19 @@ class Agent:
         if cfg.rollback_skip_data:
             how["skip_to_batch"] = int(guard["next_batch"])
         self.ledger.set_pointer(target, f"guard: {reason} at step {step}", resume=how)
-        self.emit("rollback", from_step=step, to_step=target, reason=f"guard: {reason}", kind="in-job", resume=how,
-                  attempt_no=guards)
-        self.say(f"[agent] guard: {reason} at step {step}; rolling back to step {target} "
-                 f"(skipping to batch {how.get('skip_to_batch')})")
+        self.emit(
+            "rollback",
+            from_step=step,
+            to_step=target,
+            reason=f"guard: {reason}",
+            kind="in-job",
+            resume=how,
+            attempt_no=guards,
+        )
+        self.say(
+            f"[agent] guard: {reason} at step {step}; rolling back to step {target} "
+            f"(skipping to batch {how.get('skip_to_batch')})"
+        )
         return None
 
     def _wait_for_capacity(self) -> int | None:
@@ -330,7 +365,9 @@ class Agent:
                 if not rescale_asked and not done["finished"]:
                     bigger = choose_workers(self.cfg, self.capacity.available())
                     if bigger is not None and bigger > plan.workers:
-                        self.store.put("control.json", json.dumps({"action": "stop_at_checkpoint", "attempt": attempt}).encode())
+                        self.store.put(
+                            "control.json", json.dumps({"action": "stop_at_checkpoint", "attempt": attempt}).encode()
+                        )
                         rescale_asked = True
                         self.say(f"[agent] capacity for {bigger} workers: scaling up at the next checkpoint")
                 self._capacity_faults(self.status.get("step"))
@@ -346,8 +383,7 @@ class Agent:
                             fault_at = self._handle(msg, done) or fault_at
                     if done.get("guard") and all(c in (None, 0, GUARD_EXIT) for c in codes):
                         self._await_exit(workers, timeout=10)
-                        return Outcome("guard", str(done["guard"]["reason"]), guard=done["guard"],
-                                       detected_at=detected)
+                        return Outcome("guard", str(done["guard"]["reason"]), guard=done["guard"], detected_at=detected)
                     i, code = bad[0]
                     how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
                     return Outcome("failure", f"worker {i} {how}", i, code, detected, fault_at)
@@ -358,8 +394,14 @@ class Agent:
                         return Outcome("finished")
                     return Outcome("failure", "workers exited without finishing", None, 0, time.time(), fault_at)
                 if time.monotonic() - last_heard > self.cfg.hang_timeout_s:
-                    return Outcome("failure", f"no progress for {self.cfg.hang_timeout_s:.0f}s (hang)", None, None,
-                                   time.time(), fault_at)
+                    return Outcome(
+                        "failure",
+                        f"no progress for {self.cfg.hang_timeout_s:.0f}s (hang)",
+                        None,
+                        None,
+                        time.time(),
+                        fault_at,
+                    )
         finally:
             sel.close()
             self.backend.kill(workers)
@@ -396,8 +438,9 @@ class Agent:
         t = msg.pop("type")
         fault_at = None
         if t == "progress":
-            self.set_status(force=False, state="running", step=msg["step"], loss=msg["loss"],
-                            tokens_per_s=msg.get("tokens_per_s"))
+            self.set_status(
+                force=False, state="running", step=msg["step"], loss=msg["loss"], tokens_per_s=msg.get("tokens_per_s")
+            )
             self._progress_line(msg)
         elif t == "checkpoint":
             if msg["committed"]:
@@ -421,8 +464,10 @@ class Agent:
         elif t == "rescale_requested":
             done["rescale"] = True
         elif t in ("restore", "init"):
-            self.say(f"[agent] {'restored step ' + str(msg['step']) if t == 'restore' else 'initialised'} on mesh "
-                     f"{msg['mesh']} in {msg['seconds']:.2f}s")
+            self.say(
+                f"[agent] {'restored step ' + str(msg['step']) if t == 'restore' else 'initialised'} on mesh "
+                f"{msg['mesh']} in {msg['seconds']:.2f}s"
+            )
             self.set_status(step=msg["step"])
         elif t == "resumed":
             self.set_status(state="running")
@@ -435,8 +480,10 @@ class Agent:
         steps_left = self.cfg.steps - msg["step"]
         eta = steps_left * msg.get("step_time", 0)
         mesh = ",".join(f"{k}={v}" for k, v in (st.get("mesh") or {}).items())
-        self.say(f"step {msg['step']:>5}/{self.cfg.steps}  loss {msg['loss']:.4f}  {tps:9.0f} tok/s  "
-                 f"eta {eta:6.1f}s  workers {st.get('workers')}  mesh {mesh}")
+        self.say(
+            f"step {msg['step']:>5}/{self.cfg.steps}  loss {msg['loss']:.4f}  {tps:9.0f} tok/s  "
+            f"eta {eta:6.1f}s  workers {st.get('workers')}  mesh {mesh}"
+        )
 
 
 def run_agent(run_uri: str, display: Callable[[str], None] | None = print) -> int:

@@ -69,14 +69,29 @@ def prepare_run(cfg: Config) -> Store:
     except NotFound:
         old = None
     if old is not None and cfg.resume_from == "none":
-        raise LaunchError(f"run {cfg.run_name!r} already exists at {cfg.run_uri} and resume_from=none; "
-                          "pick another run_name or resume_from=latest")
+        raise LaunchError(
+            f"run {cfg.run_name!r} already exists at {cfg.run_uri} and resume_from=none; "
+            "pick another run_name or resume_from=latest"
+        )
     if old is not None:
-        fixed = ("seq_len", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "param_dtype", "global_batch", "dataset")
+        fixed = (
+            "seq_len",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "d_ff",
+            "vocab_size",
+            "param_dtype",
+            "global_batch",
+            "dataset",
+        )
         changed = [k for k in fixed if getattr(old, k) != getattr(cfg, k)]
         if changed:
-            raise LaunchError(f"run {cfg.run_name!r} exists with different {', '.join(changed)}; "
-                              "these cannot change on resume (start a new run_name)")
+            raise LaunchError(
+                f"run {cfg.run_name!r} exists with different {', '.join(changed)}; "
+                "these cannot change on resume (start a new run_name)"
+            )
     data = cfg.to_json().encode()
     store.put("config.json", data)
     store.create(f"config-history/{time.time_ns():020d}.json", data)
@@ -189,6 +204,18 @@ def dumps(obj: Any) -> str:
 
 
 __all__ = [
-    "LaunchError", "PlanError", "plan", "launch", "status", "events", "set_capacity", "committed_steps",
-    "validate", "validate_pending", "rollback", "promote", "prune", "report",
+    "LaunchError",
+    "PlanError",
+    "plan",
+    "launch",
+    "status",
+    "events",
+    "set_capacity",
+    "committed_steps",
+    "validate",
+    "validate_pending",
+    "rollback",
+    "promote",
+    "prune",
+    "report",
 ]

@@ -86,16 +86,18 @@ def bench_recovery(ws: Path, repeats: int) -> dict[str, Any]:
         # is building the mesh, the abstract state and the checkpoint manager.
         compiled = _first(evs, "compiled", launch["time"], attempt=att)
         resumed = _first(evs, "resumed", launch["time"], attempt=att)
-        rows.append({
-            "restored_step": restore["step"],
-            "detect_s": fail["detected_at"] - t0,
-            "relaunch_init_s": started["time"] - fail["detected_at"],
-            "setup_s": restore["time"] - restore["seconds"] - started["time"],
-            "restore_s": restore["seconds"],
-            "compile_s": compiled["seconds"],
-            "first_step_s": resumed["time"] - compiled["time"],
-            "total_s": resumed["time"] - t0,
-        })
+        rows.append(
+            {
+                "restored_step": restore["step"],
+                "detect_s": fail["detected_at"] - t0,
+                "relaunch_init_s": started["time"] - fail["detected_at"],
+                "setup_s": restore["time"] - restore["seconds"] - started["time"],
+                "restore_s": restore["seconds"],
+                "compile_s": compiled["seconds"],
+                "first_step_s": resumed["time"] - compiled["time"],
+                "total_s": resumed["time"] - t0,
+            }
+        )
     colds = [_cold_start(ws, cfg, r["restored_step"], i) for i, r in enumerate(rows)]
     med = statistics.median(r["total_s"] for r in rows)
     cold = statistics.median(colds)
@@ -123,8 +125,12 @@ def _cold_start(ws: Path, src: Config, step: int, i: int) -> float:
     spec = ws / f"cold-{i}.yml"
     spec.write_text(cfg.to_json())  # JSON is YAML: the whole resolved config as one layer
     t0 = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "training.cli", "train", "--config", str(spec)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "training.cli", "train", "--config", str(spec)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -157,8 +163,13 @@ def bench_checkpoint_overhead(ws: Path, repeats: int, k: int = 5) -> dict[str, A
             cfg = _cfg(ws, f"ckpt-{every}-{r}", steps=steps, checkpoint_every=every)
             sink.append(_window_step_time(_run(cfg), lo, hi))
     a, b = statistics.median(with_ck), statistics.median(without)
-    return {"step_s_with_async_every_k": with_ck, "step_s_without": without, "k": k, "ratio": a / b,
-            "target": "<= 1.03"}
+    return {
+        "step_s_with_async_every_k": with_ck,
+        "step_s_without": without,
+        "k": k,
+        "ratio": a / b,
+        "target": "<= 1.03",
+    }
 
 
 # --- 3. cost of resilience ---------------------------------------------------------------------
@@ -179,8 +190,9 @@ def plain_loop() -> int:
     tr = Trainer(cfg, build_mesh(plan_mesh(cfg, n)))
     state = tr.init()
     tr.compile()
-    batches = data.make_batches(cfg.dataset, "train", seed=cfg.seed, global_batch=cfg.global_batch,
-                                process_index=pid, process_count=n)
+    batches = data.make_batches(
+        cfg.dataset, "train", seed=cfg.seed, global_batch=cfg.global_batch, process_index=pid, process_count=n
+    )
     times = []
     for _ in range(cfg.steps):
         state, m = tr.step(state, *tr.global_batch(next(batches)))
@@ -204,12 +216,25 @@ def bench_cost(ws: Path, repeats: int) -> dict[str, Any]:
         port = _free_port()
         procs = []
         for pid in range(WORKERS):
-            env = {**os.environ, "BENCH_CFG": json.dumps(over), "BENCH_N": str(WORKERS), "BENCH_PID": str(pid),
-                   "BENCH_COORD": f"127.0.0.1:{port}", "JAX_PLATFORMS": "cpu",
-                   "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
-                   "XLA_FLAGS": f"--xla_force_host_platform_device_count={cfg.devices_per_worker}"}
-            procs.append(subprocess.Popen([sys.executable, "-m", "training.bench", "plain"], env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
+            env = {
+                **os.environ,
+                "BENCH_CFG": json.dumps(over),
+                "BENCH_N": str(WORKERS),
+                "BENCH_PID": str(pid),
+                "BENCH_COORD": f"127.0.0.1:{port}",
+                "JAX_PLATFORMS": "cpu",
+                "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
+                "XLA_FLAGS": f"--xla_force_host_platform_device_count={cfg.devices_per_worker}",
+            }
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "training.bench", "plain"],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    text=True,
+                )
+            )
         outs = [p.communicate(timeout=600)[0] for p in procs]
         times = json.loads(outs[0].strip().splitlines()[-1])["times"]
         # times[i] is the end of step i+1, as the engine's progress event for step i+1.
@@ -222,8 +247,19 @@ def bench_cost(ws: Path, repeats: int) -> dict[str, Any]:
 
 
 def bench_restore(ws: Path, repeats: int) -> dict[str, Any]:
-    cfg = _cfg(ws, "restore", steps=1, checkpoint_every=1, d_model=512, n_layers=4, d_ff=2048, n_heads=8,
-               min_workers=1, max_workers=1, devices_per_worker=1)
+    cfg = _cfg(
+        ws,
+        "restore",
+        steps=1,
+        checkpoint_every=1,
+        d_model=512,
+        n_layers=4,
+        d_ff=2048,
+        n_heads=8,
+        min_workers=1,
+        max_workers=1,
+        devices_per_worker=1,
+    )
     _run(cfg)
     ck = Path(cfg.run_uri) / "checkpoints" / "1"
     files = [p for p in ck.rglob("*") if p.is_file()]
@@ -232,6 +268,7 @@ def bench_restore(ws: Path, repeats: int) -> dict[str, Any]:
         "import sys,time,json; from training.trainer import load_state_host; import jax;"
         "t=time.time(); s=load_state_host(sys.argv[1],1); jax.block_until_ready(s); print(json.dumps(time.time()-t))"
     )
+
     def evict() -> None:
         # Both reads start from the disk, not from the page cache (no root needed).
         for p in files:
@@ -245,8 +282,13 @@ def bench_restore(ws: Path, repeats: int) -> dict[str, Any]:
     restore, raw = [], []
     for _ in range(repeats):
         evict()
-        out = subprocess.run([sys.executable, "-c", code, cfg.run_uri], capture_output=True, text=True, check=True,
-                             env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        out = subprocess.run(
+            [sys.executable, "-c", code, cfg.run_uri],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        )
         restore.append(nbytes / json.loads(out.stdout.strip().splitlines()[-1]))
         evict()
         t = time.time()
@@ -256,9 +298,14 @@ def bench_restore(ws: Path, repeats: int) -> dict[str, Any]:
                     pass
         raw.append(nbytes / (time.time() - t))
     a, b = statistics.median(restore), statistics.median(raw)
-    return {"bytes": nbytes, "restore_MBps": [x / 1e6 for x in restore], "raw_read_MBps": [x / 1e6 for x in raw],
-            "ratio": a / b, "target": ">= 0.5",
-            "note": "same files, same disk; each read starts with the files evicted from the page cache"}
+    return {
+        "bytes": nbytes,
+        "restore_MBps": [x / 1e6 for x in restore],
+        "raw_read_MBps": [x / 1e6 for x in raw],
+        "ratio": a / b,
+        "target": ">= 0.5",
+        "note": "same files, same disk; each read starts with the files evicted from the page cache",
+    }
 
 
 # --- main -----------------------------------------------------------------------------------
@@ -271,10 +318,17 @@ def main(args: argparse.Namespace) -> int:
     ws.mkdir(parents=True, exist_ok=True)
     data.prepare(None, str(ws / "data"), 64, max_bytes=2_000_000)
     repeats = 1 if args.quick else args.repeats
-    results: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "workers": WORKERS, "devices_per_worker": 2},
-                               "repeats": repeats, "time": time.time()}
-    for name, fn in (("recovery", bench_recovery), ("checkpoint_overhead", bench_checkpoint_overhead),
-                     ("cost_of_resilience", bench_cost), ("restore_throughput", bench_restore)):
+    results: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "workers": WORKERS, "devices_per_worker": 2},
+        "repeats": repeats,
+        "time": time.time(),
+    }
+    for name, fn in (
+        ("recovery", bench_recovery),
+        ("checkpoint_overhead", bench_checkpoint_overhead),
+        ("cost_of_resilience", bench_cost),
+        ("restore_throughput", bench_restore),
+    ):
         print(f"[bench] {name} ...", flush=True)
         results[name] = fn(ws, max(repeats, 3) if name == "recovery" and not args.quick else repeats)
         print(f"[bench] {name}: ratio {results[name]['ratio']:.3f} (target {results[name]['target']})", flush=True)
@@ -297,14 +351,20 @@ def format_table(r: dict[str, Any]) -> str:
         f"{b['restore_s']:.2f}s compile {b['compile_s']:.2f}s first step {b['first_step_s']:.2f}s",
     ]
     c = r["checkpoint_overhead"]
-    lines.append(f"{'checkpoint overhead':<22} {statistics.median(c['step_s_with_async_every_k']) * 1e3:>9.1f} ms/step vs "
-                 f"{statistics.median(c['step_s_without']) * 1e3:>6.1f} ms/step{'':>7} {c['ratio']:>8.3f} {c['target']:>8}")
+    lines.append(
+        f"{'checkpoint overhead':<22} {statistics.median(c['step_s_with_async_every_k']) * 1e3:>9.1f} ms/step vs "
+        f"{statistics.median(c['step_s_without']) * 1e3:>6.1f} ms/step{'':>7} {c['ratio']:>8.3f} {c['target']:>8}"
+    )
     k = r["cost_of_resilience"]
-    lines.append(f"{'cost of resilience':<22} {statistics.median(k['engine_tokens_per_s']):>9.0f} tok/s vs "
-                 f"{statistics.median(k['plain_tokens_per_s']):>8.0f} tok/s{'':>8} {k['ratio']:>8.3f} {k['target']:>8}")
+    lines.append(
+        f"{'cost of resilience':<22} {statistics.median(k['engine_tokens_per_s']):>9.0f} tok/s vs "
+        f"{statistics.median(k['plain_tokens_per_s']):>8.0f} tok/s{'':>8} {k['ratio']:>8.3f} {k['target']:>8}"
+    )
     s = r["restore_throughput"]
-    lines.append(f"{'restore throughput':<22} {statistics.median(s['restore_MBps']):>9.0f} MB/s vs "
-                 f"{statistics.median(s['raw_read_MBps']):>7.0f} MB/s raw{'':>6} {s['ratio']:>8.3f} {s['target']:>8}")
+    lines.append(
+        f"{'restore throughput':<22} {statistics.median(s['restore_MBps']):>9.0f} MB/s vs "
+        f"{statistics.median(s['raw_read_MBps']):>7.0f} MB/s raw{'':>6} {s['ratio']:>8.3f} {s['target']:>8}"
+    )
     return "\n".join(lines)
 
 

@@ -52,8 +52,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         progress=lambda line: print(f"[prepare] {line}", flush=True),
     )
     splits = manifest["splits"]
-    print(f"dataset {out}: {splits['train']['records']} train / {splits['validation']['records']} validation records "
-          f"of {manifest['seq_len'] + 1} bytes, fingerprint {manifest['fingerprint'][:12]}")
+    print(
+        f"dataset {out}: {splits['train']['records']} train / {splits['validation']['records']} validation records "
+        f"of {manifest['seq_len'] + 1} bytes, fingerprint {manifest['fingerprint'][:12]}"
+    )
     return 0
 
 
@@ -128,8 +130,10 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
     plan = prune(_run_uri(args.run, args.root), dry_run=args.dry_run)
     verb = "would delete" if args.dry_run else "deleted"
-    print(f"{verb} steps {plan['deleted']} and incomplete {plan['incomplete']} "
-          f"({plan['bytes_freed'] / 2**20:.1f} MiB); kept {sorted(plan['kept'])}")
+    print(
+        f"{verb} steps {plan['deleted']} and incomplete {plan['incomplete']} "
+        f"({plan['bytes_freed'] / 2**20:.1f} MiB); kept {sorted(plan['kept'])}"
+    )
     for step, why in sorted(plan["kept"].items(), key=lambda kv: int(kv[0])):
         print(f"  keep {step}: {', '.join(why)}")
     return 0
@@ -176,7 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--detach", action="store_true", help="start the agent in the background and return")
     sp.set_defaults(fn=cmd_train)
 
-    for name, fn, hlp in (("status", cmd_status, "the run's status document"), ("events", cmd_events, "the run's events")):
+    for name, fn, hlp in (
+        ("status", cmd_status, "the run's status document"),
+        ("events", cmd_events, "the run's events"),
+    ):
         sp = sub.add_parser(name, help=hlp)
         sp.add_argument("run")
         sp.add_argument("--root", default=None)

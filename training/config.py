@@ -68,26 +68,45 @@ class Config(BaseModel):
     checkpoint_every: int = Field(10, ge=1, description="Save a checkpoint every N steps (and at the end).")
     async_checkpoint: bool = Field(True, description="Save in the background while training goes on.")
     checkpoint_format: Literal["auto", "ocdbt", "zarr"] = Field(
-        "auto", description="Array storage: OCDBT (Orbax's default) or plain zarr; auto = OCDBT except against a GCS emulator."
+        "auto",
+        description="Array storage: OCDBT (Orbax's default) or plain zarr; auto = OCDBT except against a GCS emulator.",
     )
 
     # --- checkpoint lifecycle: validation, rollback, guard, retention ---------------
     val_batches: int = Field(4, ge=1, description="Evaluation batches of the held-out split per validation.")
     val_batch: int = Field(16, ge=1, description="Sequences per evaluation batch.")
-    val_tolerance: float = Field(0.05, ge=0, description="Reject a checkpoint whose loss exceeds the best validated loss by this fraction.")
-    val_max_loss: float = Field(0.0, ge=0, description="Reject a checkpoint whose validation loss is above this (0: no threshold).")
-    val_min_accuracy: float = Field(0.0, ge=0, le=1, description="Reject a checkpoint whose token accuracy is below this (0: none).")
-    rollback_skip_data: bool = Field(True, description="After a rollback, skip the data window since the good checkpoint.")
+    val_tolerance: float = Field(
+        0.05, ge=0, description="Reject a checkpoint whose loss exceeds the best validated loss by this fraction."
+    )
+    val_max_loss: float = Field(
+        0.0, ge=0, description="Reject a checkpoint whose validation loss is above this (0: no threshold)."
+    )
+    val_min_accuracy: float = Field(
+        0.0, ge=0, le=1, description="Reject a checkpoint whose token accuracy is below this (0: none)."
+    )
+    rollback_skip_data: bool = Field(
+        True, description="After a rollback, skip the data window since the good checkpoint."
+    )
     rollback_lr_scale: float = Field(1.0, gt=0, description="After a rollback, scale the learning rate by this factor.")
-    max_rollbacks: int = Field(2, ge=0, description="Validation rollbacks (with resumed training) a pipeline run may do.")
-    spike_factor: float = Field(4.0, ge=0, description="In-training guard: a loss above this x the running median is a spike (0: off).")
+    max_rollbacks: int = Field(
+        2, ge=0, description="Validation rollbacks (with resumed training) a pipeline run may do."
+    )
+    spike_factor: float = Field(
+        4.0, ge=0, description="In-training guard: a loss above this x the running median is a spike (0: off)."
+    )
     spike_window: int = Field(10, ge=3, description="Logged losses in the running median of the guard.")
-    max_guard_rollbacks: int = Field(2, ge=0, description="In-job rollbacks for non-finite or spiking loss before the job fails.")
+    max_guard_rollbacks: int = Field(
+        2, ge=0, description="In-job rollbacks for non-finite or spiking loss before the job fails."
+    )
     keep_last: int = Field(3, ge=0, description="Pruning: keep the newest N checkpoints (0: rule off).")
-    keep_best: int = Field(1, ge=0, description="Pruning: keep the best N validated checkpoints by `best_metric` (0: off).")
+    keep_best: int = Field(
+        1, ge=0, description="Pruning: keep the best N validated checkpoints by `best_metric` (0: off)."
+    )
     best_metric: str = Field("loss", description="Validation metric for keep_best (lower is better).")
     keep_every: int = Field(0, ge=0, description="Pruning: keep every K-th step as a milestone (0: off).")
-    quarantine_ttl_s: float = Field(7 * 86400.0, ge=0, description="Pruning: delete quarantined checkpoints after this long.")
+    quarantine_ttl_s: float = Field(
+        7 * 86400.0, ge=0, description="Pruning: delete quarantined checkpoints after this long."
+    )
 
     # --- elastic job -----------------------------------------------------------
     backend: Literal["local", "gke"] = Field("local", description="Where workers run: the local slice or GKE.")

@@ -41,8 +41,17 @@ from training.storage import AlreadyExists, NotFound, Store
 STATES: tuple[str, ...] = ("committed", "validated", "rejected", "quarantined", "promoted", "pruned")
 
 __all__ = [
-    "STATES", "USABLE_STATES", "VALIDATED_STATES", "Ledger", "RunLock", "LockHeld", "LockLost",
-    "pin", "unpin", "pinned", "pinned_steps",
+    "STATES",
+    "USABLE_STATES",
+    "VALIDATED_STATES",
+    "Ledger",
+    "RunLock",
+    "LockHeld",
+    "LockLost",
+    "pin",
+    "unpin",
+    "pinned",
+    "pinned_steps",
 ]
 
 STEPS_PREFIX = "ledger/steps/"

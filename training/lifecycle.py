@@ -81,8 +81,10 @@ def validate(run_uri: str, step: int | None = None) -> dict[str, Any]:
     if best and math.isfinite(metrics["loss"]):
         best_loss = float(ledger.state(best[0])["metrics"]["loss"])  # type: ignore[index]
         if metrics["loss"] > best_loss * (1 + cfg.val_tolerance):
-            reasons.append(f"loss {metrics['loss']:.4f} is worse than the best validated {best_loss:.4f} "
-                           f"(step {best[0]}) by more than {cfg.val_tolerance:.0%}")
+            reasons.append(
+                f"loss {metrics['loss']:.4f} is worse than the best validated {best_loss:.4f} "
+                f"(step {best[0]}) by more than {cfg.val_tolerance:.0%}"
+            )
     if cfg.val_max_loss and metrics["loss"] > cfg.val_max_loss:
         reasons.append(f"loss {metrics['loss']:.4f} > val_max_loss {cfg.val_max_loss}")
     if cfg.val_min_accuracy and metrics["accuracy"] < cfg.val_min_accuracy:
@@ -158,8 +160,15 @@ def rollback(run_uri: str, to: int | None = None, reason: str = "manual rollback
             ledger.record(s, "quarantined", reason=reason, location=dest)
             quarantined.append(s)
     ledger.set_pointer(target, reason, resume=how)
-    events.emit("rollback", from_step=from_step, to_step=target, reason=reason, quarantined=quarantined,
-                kind="validation", resume=how)
+    events.emit(
+        "rollback",
+        from_step=from_step,
+        to_step=target,
+        reason=reason,
+        quarantined=quarantined,
+        kind="validation",
+        resume=how,
+    )
     return {"from_step": from_step, "to_step": target, "quarantined": quarantined, "resume": how}
 
 
@@ -180,8 +189,9 @@ def prune(run_uri: str, dry_run: bool = False) -> dict[str, Any]:
     from training import prune as prune_lib
 
     store, cfg, ledger, events = _run(run_uri)
-    policy = prune_lib.policy_from_config(cfg.keep_last, cfg.keep_best, cfg.best_metric, cfg.keep_every,
-                                          cfg.quarantine_ttl_s)
+    policy = prune_lib.policy_from_config(
+        cfg.keep_last, cfg.keep_best, cfg.best_metric, cfg.keep_every, cfg.quarantine_ttl_s
+    )
     plan = prune_lib.prune(run_uri, policy, dry_run=dry_run, events=None if dry_run else events)
     out = plan.to_dict()
     now = time.time()
@@ -211,13 +221,15 @@ def report(run_uri: str) -> dict[str, Any]:
         start = e.get("fault_at") or e["time"]
         resumed = next((r for r in evs if r["type"] == "resumed" and r["time"] > e["time"]), None)
         restore = next((r for r in evs if r["type"] in ("restore", "init") and r["time"] > e["time"]), None)
-        recoveries.append({
-            "cause": e.get("reason"),
-            "detect_s": e.get("detect_s"),
-            "recovery_s": (resumed["time"] - start) if resumed else None,
-            "restored_step": restore.get("step") if restore else None,
-            "mesh_after": restore.get("mesh") if restore else None,
-        })
+        recoveries.append(
+            {
+                "cause": e.get("reason"),
+                "detect_s": e.get("detect_s"),
+                "recovery_s": (resumed["time"] - start) if resumed else None,
+                "restored_step": restore.get("step") if restore else None,
+                "mesh_after": restore.get("mesh") if restore else None,
+            }
+        )
     step_times = [e["step_time"] for e in evs if e["type"] == "progress" and e.get("step_time")]
     finished = next((e for e in reversed(evs) if e["type"] in ("finished", "failed")), None)
     wall = (finished["time"] - launches[0]["time"]) if finished and launches else None
@@ -232,12 +244,26 @@ def report(run_uri: str) -> dict[str, Any]:
         "launches": [{"attempt": e["attempt"], "workers": e["workers"], "mesh": e["mesh"]} for e in launches],
         "failures": len([e for e in evs if e["type"] == "failure"]),
         "recoveries": recoveries,
-        "resizes": [{"from": e["old_workers"], "to": e["new_workers"], "old_mesh": e["old_mesh"], "new_mesh": e["new_mesh"]}
-                    for e in evs if e["type"] == "resize"],
-        "validations": [{"step": e["step"], "verdict": e["verdict"], "loss": (e.get("metrics") or {}).get("loss"),
-                         "reason": e.get("reason", "")} for e in evs if e["type"] == "validation"],
-        "rollbacks": [{"from": e["from_step"], "to": e["to_step"], "kind": e.get("kind"), "reason": e["reason"]}
-                      for e in evs if e["type"] == "rollback"],
+        "resizes": [
+            {"from": e["old_workers"], "to": e["new_workers"], "old_mesh": e["old_mesh"], "new_mesh": e["new_mesh"]}
+            for e in evs
+            if e["type"] == "resize"
+        ],
+        "validations": [
+            {
+                "step": e["step"],
+                "verdict": e["verdict"],
+                "loss": (e.get("metrics") or {}).get("loss"),
+                "reason": e.get("reason", ""),
+            }
+            for e in evs
+            if e["type"] == "validation"
+        ],
+        "rollbacks": [
+            {"from": e["from_step"], "to": e["to_step"], "kind": e.get("kind"), "reason": e["reason"]}
+            for e in evs
+            if e["type"] == "rollback"
+        ],
         "checkpoints_kept": committed_steps(run_uri),
         "checkpoints_pruned": pruned,
         "resume_pointer": ledger.pointer(),
@@ -253,14 +279,17 @@ def format_report(r: dict[str, Any]) -> str:
     lines = [
         f"run            {r['run']}",
         f"state          {r['state']}  step {r['steps']}/{r['steps_total']}  final loss {r['final_loss']}",
-        "launches       " + ", ".join(f"#{x['attempt']}: {x['workers']} workers ({mesh(x['mesh'])})" for x in r["launches"]),
+        "launches       "
+        + ", ".join(f"#{x['attempt']}: {x['workers']} workers ({mesh(x['mesh'])})" for x in r["launches"]),
         f"failures       {r['failures']}",
     ]
     for i, rec in enumerate(r["recoveries"], 1):
         det = f"{rec['detect_s']:.2f}s" if rec["detect_s"] is not None else "-"
         rs = f"{rec['recovery_s']:.1f}s" if rec["recovery_s"] is not None else "-"
-        lines.append(f"  recovery {i}   {rec['cause']}: detected in {det}, training again after {rs}, "
-                     f"from step {rec['restored_step']} on {mesh(rec['mesh_after'])}")
+        lines.append(
+            f"  recovery {i}   {rec['cause']}: detected in {det}, training again after {rs}, "
+            f"from step {rec['restored_step']} on {mesh(rec['mesh_after'])}"
+        )
     for z in r["resizes"]:
         lines.append(f"  resize       {z['from']} -> {z['to']} workers: {mesh(z['old_mesh'])} -> {mesh(z['new_mesh'])}")
     for v in r["validations"]:
@@ -268,8 +297,10 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"  validation   step {v['step']}: {v['verdict']} (loss {loss}) {v['reason']}".rstrip())
     for b in r["rollbacks"]:
         lines.append(f"  rollback     {b['kind']}: step {b['from']} -> {b['to']} ({b['reason']})")
-    lines.append(f"checkpoints    kept {r['checkpoints_kept']}  pruned {r['checkpoints_pruned']}  "
-                 f"resume pointer {r['resume_pointer']}")
+    lines.append(
+        f"checkpoints    kept {r['checkpoints_kept']}  pruned {r['checkpoints_pruned']}  "
+        f"resume pointer {r['resume_pointer']}"
+    )
     if r["goodput"] is not None:
         lines.append(f"goodput        {r['goodput']:.1%} of {r['wall_s']:.0f}s wall time spent on steps that count")
     return "\n".join(lines)

@@ -45,7 +45,9 @@ def _fill(knobs: list[int], total: int, where: str) -> list[int]:
             raise PlanError(f"{where}: {total} devices cannot be split with fixed axes {knobs}")
         knobs = [total // fixed if k == -1 else k for k in knobs]
     if math.prod(knobs) != total:
-        raise PlanError(f"{where}: axes {dict(zip(AXES, knobs, strict=True))} multiply to {math.prod(knobs)}, not {total}")
+        raise PlanError(
+            f"{where}: axes {dict(zip(AXES, knobs, strict=True))} multiply to {math.prod(knobs)}, not {total}"
+        )
     return knobs
 
 
@@ -213,7 +215,8 @@ def plan_report(cfg: Config) -> dict[str, Any]:
         "feasible_workers": feasible_sizes(cfg),
         "min_plan": plan.describe(),
         "max_plan": plan_mesh(cfg, max(feasible_sizes(cfg))).describe(),
-        "memory_gib": {k: v / 2**30 for k, v in asdict(est).items() if k.startswith("bytes")} | {"total": est.total / 2**30},
+        "memory_gib": {k: v / 2**30 for k, v in asdict(est).items() if k.startswith("bytes")}
+        | {"total": est.total / 2**30},
         "params": est.params,
     }
 

@@ -34,9 +34,15 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale: jax.Array = cast(jax.Array, self.param(
-            "scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (x.shape[-1],), DTYPES[self.cfg.param_dtype]
-        ))
+        scale: jax.Array = cast(
+            jax.Array,
+            self.param(
+                "scale",
+                nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                (x.shape[-1],),
+                DTYPES[self.cfg.param_dtype],
+            ),
+        )
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
         return (y * scale.astype(jnp.float32)).astype(x.dtype)
@@ -90,12 +96,24 @@ class Transformer(nn.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg = self.cfg
         pdt = DTYPES[cfg.param_dtype]
-        embed: jax.Array = cast(jax.Array, self.param(
-            "embed", nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed")), (cfg.vocab_size, cfg.d_model), pdt
-        ))
-        pos: jax.Array = cast(jax.Array, self.param(
-            "pos", nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, "embed")), (cfg.seq_len, cfg.d_model), pdt
-        ))
+        embed: jax.Array = cast(
+            jax.Array,
+            self.param(
+                "embed",
+                nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed")),
+                (cfg.vocab_size, cfg.d_model),
+                pdt,
+            ),
+        )
+        pos: jax.Array = cast(
+            jax.Array,
+            self.param(
+                "pos",
+                nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, "embed")),
+                (cfg.seq_len, cfg.d_model),
+                pdt,
+            ),
+        )
         x = (jnp.take(embed, tokens, axis=0) + pos[None, : tokens.shape[1]]).astype(DTYPES[cfg.dtype])
         block = nn.remat(Block) if cfg.activation_checkpointing else Block
         for i in range(cfg.n_layers):

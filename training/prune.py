@@ -210,7 +210,9 @@ def plan_prune(
         elif step in pins:
             plan.left_alone[name] = f"step {step} is pinned by a running job"
         elif newest is not None and now - newest < incomplete_grace_s:
-            plan.left_alone[name] = f"written {now - newest:.0f}s ago (< {incomplete_grace_s:g}s): a save may be in flight"
+            plan.left_alone[name] = (
+                f"written {now - newest:.0f}s ago (< {incomplete_grace_s:g}s): a save may be in flight"
+            )
         else:
             plan.incomplete.append(name)
             plan.sizes[name] = size

@@ -139,9 +139,7 @@ class ExpireQuarantined(Policy):
     after_s: float
 
     def keep(self, steps: Sequence[StepInfo], now: float) -> set[int]:
-        return {
-            s.step for s in steps if s.state == "quarantined" and (s.since is None or now - s.since < self.after_s)
-        }
+        return {s.step for s in steps if s.state == "quarantined" and (s.since is None or now - s.since < self.after_s)}
 
     def __str__(self) -> str:
         return f"quarantine_ttl({self.after_s:g}s)"

@@ -85,7 +85,9 @@ class Trainer:
         return self._init(jax.random.key(self.cfg.seed))
 
     # --- the step ------------------------------------------------------------------
-    def _train_step(self, state: State, inputs: jax.Array, targets: jax.Array, lr_scale: jax.Array) -> tuple[State, dict]:
+    def _train_step(
+        self, state: State, inputs: jax.Array, targets: jax.Array, lr_scale: jax.Array
+    ) -> tuple[State, dict]:
         def compute_loss(params: Any) -> tuple[jax.Array, dict]:
             logits = cast(jax.Array, self.model.apply({"params": params}, inputs))
             return loss_fn(logits, targets)

@@ -93,7 +93,6 @@ def main() -> int:
     t_init = time.time()
     rep.send("worker_started", everyone=True, seconds=t_init - T_START)
 
-
     from training import data as data_lib
     from training import trainer as tr
     from training.mesh import build_mesh, check_batch, plan_mesh
@@ -145,7 +144,9 @@ def main() -> int:
         state, data_pos = tr.restore(mngr, step0, trainer)
         unpin_step(step0)
         if data_pos.get("dataset") not in (None, manifest["fingerprint"]):
-            raise SystemExit(f"checkpoint {step0} was trained on dataset {data_pos.get('dataset')}, not {manifest['fingerprint']}")
+            raise SystemExit(
+                f"checkpoint {step0} was trained on dataset {data_pos.get('dataset')}, not {manifest['fingerprint']}"
+            )
         rep.send("restore", step=step0, mesh=plan.shape, workers=num_processes, seconds=time.time() - t0)
     else:
         state = trainer.init()

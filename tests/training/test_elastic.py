@@ -34,8 +34,16 @@ def _assert_exact_data_position(run_uri: str, dataset: str, cfg) -> None:
 
 def test_losing_one_of_four_hosts_resizes_and_finishes_every_step(tmp_path, tiny_dataset, jax_cache):
     cfg = job_config(
-        str(tmp_path), tiny_dataset, jax_cache, run_name="lose-host", steps=24, min_workers=2, max_workers=4,
-        checkpoint_every=8, chaos=["preempt:worker=1,step=13"], trace_data_ids=True,
+        str(tmp_path),
+        tiny_dataset,
+        jax_cache,
+        run_name="lose-host",
+        steps=24,
+        min_workers=2,
+        max_workers=4,
+        checkpoint_every=8,
+        chaos=["preempt:worker=1,step=13"],
+        trace_data_ids=True,
     )
     assert run_job(cfg) == 0, worker_logs(cfg.run_uri)
 
@@ -67,8 +75,12 @@ def test_losing_one_of_four_hosts_resizes_and_finishes_every_step(tmp_path, tiny
 def test_resume_parity_same_topology_bitwise_and_across_topologies_within_tolerance(tmp_path, tiny_dataset, jax_cache):
     common = dict(steps=20, checkpoint_every=5, min_workers=1, max_workers=2, trace_data_ids=True)
     plain = job_config(str(tmp_path), tiny_dataset, jax_cache, run_name="plain", **common)
-    same = job_config(str(tmp_path), tiny_dataset, jax_cache, run_name="same", chaos=["crash:worker=1,step=12"], **common)
-    moved = job_config(str(tmp_path), tiny_dataset, jax_cache, run_name="moved", chaos=["preempt:worker=1,step=12"], **common)
+    same = job_config(
+        str(tmp_path), tiny_dataset, jax_cache, run_name="same", chaos=["crash:worker=1,step=12"], **common
+    )
+    moved = job_config(
+        str(tmp_path), tiny_dataset, jax_cache, run_name="moved", chaos=["preempt:worker=1,step=12"], **common
+    )
     for cfg in (plain, same, moved):
         assert run_job(cfg) == 0, worker_logs(cfg.run_uri)
 
@@ -94,8 +106,15 @@ def test_resume_parity_same_topology_bitwise_and_across_topologies_within_tolera
 
 def test_kill_during_async_save_restores_previous_committed_checkpoint(tmp_path, tiny_dataset, jax_cache):
     cfg = job_config(
-        str(tmp_path), tiny_dataset, jax_cache, run_name="cut-save", steps=15, checkpoint_every=5, min_workers=2,
-        max_workers=2, chaos=["kill_during_save:worker=0,step=10"],
+        str(tmp_path),
+        tiny_dataset,
+        jax_cache,
+        run_name="cut-save",
+        steps=15,
+        checkpoint_every=5,
+        min_workers=2,
+        max_workers=2,
+        chaos=["kill_during_save:worker=0,step=10"],
     )
     assert run_job(cfg) == 0, worker_logs(cfg.run_uri)
     [chaos] = _events(cfg.run_uri, "chaos")
@@ -111,8 +130,15 @@ def test_kill_during_async_save_restores_previous_committed_checkpoint(tmp_path,
 @pytest.mark.gcs
 def test_gcs_root_survives_a_worker_kill_and_resumes_on_another_mesh(gcs_root, tiny_dataset, jax_cache):
     cfg = job_config(
-        gcs_root, tiny_dataset, jax_cache, run_name="gcs-run", steps=12, checkpoint_every=4, min_workers=1,
-        max_workers=2, chaos=["preempt:worker=1,step=10"],
+        gcs_root,
+        tiny_dataset,
+        jax_cache,
+        run_name="gcs-run",
+        steps=12,
+        checkpoint_every=4,
+        min_workers=1,
+        max_workers=2,
+        chaos=["preempt:worker=1,step=10"],
     )
     assert run_job(cfg) == 0
     assert cfg.run_uri.startswith("gs://")
@@ -131,8 +157,16 @@ def test_gcs_root_survives_a_worker_kill_and_resumes_on_another_mesh(gcs_root, t
 
 def test_returning_capacity_is_taken_at_the_next_checkpoint(tmp_path, tiny_dataset, jax_cache):
     cfg = job_config(
-        str(tmp_path), tiny_dataset, jax_cache, run_name="grow", steps=25, checkpoint_every=5, min_workers=2,
-        max_workers=4, chaos=["preempt:worker=3,step=8", "capacity:to=4,step=12"], trace_data_ids=True,
+        str(tmp_path),
+        tiny_dataset,
+        jax_cache,
+        run_name="grow",
+        steps=25,
+        checkpoint_every=5,
+        min_workers=2,
+        max_workers=4,
+        chaos=["preempt:worker=3,step=8", "capacity:to=4,step=12"],
+        trace_data_ids=True,
     )
     assert run_job(cfg) == 0, worker_logs(cfg.run_uri)
     assert [e["workers"] for e in _events(cfg.run_uri, "launch")] == [4, 2, 4]
@@ -147,8 +181,16 @@ def test_returning_capacity_is_taken_at_the_next_checkpoint(tmp_path, tiny_datas
 
 def test_below_minimum_capacity_the_agent_waits_then_goes_on(tmp_path, tiny_dataset, jax_cache):
     cfg = job_config(
-        str(tmp_path), tiny_dataset, jax_cache, run_name="wait", steps=12, checkpoint_every=4, min_workers=2,
-        max_workers=2, capacity_timeout_s=60, chaos=["preempt:worker=1,step=6"],
+        str(tmp_path),
+        tiny_dataset,
+        jax_cache,
+        run_name="wait",
+        steps=12,
+        checkpoint_every=4,
+        min_workers=2,
+        max_workers=2,
+        capacity_timeout_s=60,
+        chaos=["preempt:worker=1,step=6"],
     )
     import threading
     import time
@@ -174,8 +216,16 @@ def test_below_minimum_capacity_the_agent_waits_then_goes_on(tmp_path, tiny_data
 
 def test_capacity_that_never_returns_fails_the_job_clearly(tmp_path, tiny_dataset, jax_cache):
     cfg = job_config(
-        str(tmp_path), tiny_dataset, jax_cache, run_name="starved", steps=12, checkpoint_every=4, min_workers=2,
-        max_workers=2, capacity_timeout_s=2, chaos=["preempt:worker=1,step=5"],
+        str(tmp_path),
+        tiny_dataset,
+        jax_cache,
+        run_name="starved",
+        steps=12,
+        checkpoint_every=4,
+        min_workers=2,
+        max_workers=2,
+        capacity_timeout_s=2,
+        chaos=["preempt:worker=1,step=5"],
     )
     assert run_job(cfg) == 2
     st = api.status(cfg.run_uri)
@@ -185,10 +235,20 @@ def test_capacity_that_never_returns_fails_the_job_clearly(tmp_path, tiny_datase
 
 def test_a_spent_failure_budget_fails_the_job_with_the_reason(tmp_path, tiny_dataset, jax_cache):
     cfg = job_config(
-        str(tmp_path), tiny_dataset, jax_cache, run_name="budget", steps=12, checkpoint_every=4, min_workers=1,
-        max_workers=1, max_failures=1, chaos=["crash:worker=0,step=3", "crash:worker=0,step=6"],
+        str(tmp_path),
+        tiny_dataset,
+        jax_cache,
+        run_name="budget",
+        steps=12,
+        checkpoint_every=4,
+        min_workers=1,
+        max_workers=1,
+        max_failures=1,
+        chaos=["crash:worker=0,step=3", "crash:worker=0,step=6"],
     )
     assert run_job(cfg) == 1
     st = api.status(cfg.run_uri)
     assert st["state"] == "failed"
-    assert st["reason"].startswith("failure budget spent: 2 failures > max_failures=1; last: worker 0 killed by signal 9")
+    assert st["reason"].startswith(
+        "failure budget spent: 2 failures > max_failures=1; last: worker 0 killed by signal 9"
+    )

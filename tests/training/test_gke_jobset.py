@@ -51,8 +51,16 @@ DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 # The fields of JobSetSpec, ReplicatedJob, Network, FailurePolicy, SuccessPolicy in jobset.x-k8s.io/v1alpha2.
 JOBSET_SPEC_FIELDS = {
-    "replicatedJobs", "network", "successPolicy", "failurePolicy", "startupPolicy", "suspend",
-    "coordinator", "managedBy", "ttlSecondsAfterFinished", "volumeClaimPolicies",
+    "replicatedJobs",
+    "network",
+    "successPolicy",
+    "failurePolicy",
+    "startupPolicy",
+    "suspend",
+    "coordinator",
+    "managedBy",
+    "ttlSecondsAfterFinished",
+    "volumeClaimPolicies",
 }
 REPLICATED_JOB_FIELDS = {"name", "groupName", "template", "replicas", "dependsOn"}
 NETWORK_FIELDS = {"enableDNSHostnames", "subdomain", "publishNotReadyAddresses"}
@@ -345,10 +353,21 @@ def test_service_and_jobset_validate_against_kubernetes_schemas(
 
     check_jobset_structure(m.jobset)
     rjob = m.jobset["spec"]["replicatedJobs"][0]
-    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": f"{m.name}-slice-0", **rjob["template"]["metadata"]},
-           "spec": rjob["template"]["spec"]}
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": f"{m.name}-slice-0", **rjob["template"]["metadata"]},
+        "spec": rjob["template"]["spec"],
+    }
     validate_core(job)
-    validate_core({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": rjob["template"]["spec"]["template"]})
+    validate_core(
+        {
+            "apiVersion": "v1",
+            "kind": "PodTemplate",
+            "metadata": {"name": "t"},
+            "template": rjob["template"]["spec"]["template"],
+        }
+    )
     pods = expand_pods(m.jobset)
     assert len(pods) == k * tpu.hosts
     for pod in pods:
@@ -431,8 +450,16 @@ def test_every_pod_gets_the_jax_distributed_environment(
 
 def test_launch_options_reach_the_pods() -> None:
     launch = GKELaunch(
-        image="img:1", namespace="ml", service_account="trainer", node_pools=("tpu-a", "tpu-b"), spot=True,
-        host_network=True, cpu="8", memory="64Gi", env={"XLA_FLAGS": "--xla_dump_to=/tmp"}, labels={"team": "lm"},
+        image="img:1",
+        namespace="ml",
+        service_account="trainer",
+        node_pools=("tpu-a", "tpu-b"),
+        spot=True,
+        host_network=True,
+        cpu="8",
+        memory="64Gi",
+        env={"XLA_FLAGS": "--xla_dump_to=/tmp"},
+        labels={"team": "lm"},
     )
     m = render(gke_config(), TPUSlice("ct6e-standard-4t", "4x4"), launch, 1, 0)
     pod = m.jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
@@ -441,7 +468,11 @@ def test_launch_options_reach_the_pods() -> None:
     assert spec["serviceAccountName"] == "trainer"
     assert spec["nodeSelector"]["cloud.google.com/gke-spot"] == "true"
     terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-    assert terms[0]["matchExpressions"][0] == {"key": "cloud.google.com/gke-nodepool", "operator": "In", "values": ["tpu-a", "tpu-b"]}
+    assert terms[0]["matchExpressions"][0] == {
+        "key": "cloud.google.com/gke-nodepool",
+        "operator": "In",
+        "values": ["tpu-a", "tpu-b"],
+    }
     assert spec["hostNetwork"] is True and spec["dnsPolicy"] == "ClusterFirstWithHostNet"
     c = spec["containers"][0]
     assert c["resources"]["requests"]["memory"] == "64Gi"
@@ -511,7 +542,8 @@ def test_capacity_counts_hosts_of_complete_ready_slices() -> None:
         pool_nodes("slice-a")  # complete
         + pool_nodes("slice-b")  # complete
         + pool_nodes("slice-c", n=3)  # incomplete: a host is missing
-        + pool_nodes("slice-d")[:3] + [node("gke-slice-d-3", "slice-d", ready=False)]  # a host is not ready
+        + pool_nodes("slice-d")[:3]
+        + [node("gke-slice-d-3", "slice-d", ready=False)]  # a host is not ready
         + pool_nodes("other", topology="2x4")  # another shape
         + pool_nodes("v5e", accelerator="tpu-v5-lite-podslice")  # another TPU
     )
@@ -570,6 +602,8 @@ def test_training_image_installs_every_runtime_dependency() -> None:
     names = {re.split(r"[<>=!~\[ ]", d, maxsplit=1)[0].lower().replace("_", "-") for d in deps}
     not_in_image = {n for n in names if n.startswith("apache-airflow") or n == "google-cloud-container"}
     text = (REPO / "docker" / "Dockerfile.train").read_text().lower().replace("_", "-")
-    missing = sorted(n for n in names - not_in_image if not re.search(rf"(^|[\s\"']){re.escape(n)}([\[<>=\s\"']|$)", text, re.M))
+    missing = sorted(
+        n for n in names - not_in_image if not re.search(rf"(^|[\s\"']){re.escape(n)}([\[<>=\s\"']|$)", text, re.M)
+    )
     assert not missing, f"docker/Dockerfile.train does not install {missing}"
     assert "jax[tpu]" in text and "--constraint constraints.txt" in text and "--no-deps" in text

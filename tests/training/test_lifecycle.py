@@ -15,8 +15,19 @@ pytestmark = pytest.mark.slow
 def test_nan_loss_rolls_back_in_job_and_skips_the_offending_batches(tmp_path, tiny_dataset, jax_cache):
     from training.data import global_batch_ids
 
-    cfg = job_config(str(tmp_path), tiny_dataset, jax_cache, run_name="nan", steps=16, checkpoint_every=5,
-                     min_workers=2, max_workers=2, log_every=1, chaos=["nan:step=12"], trace_data_ids=True)
+    cfg = job_config(
+        str(tmp_path),
+        tiny_dataset,
+        jax_cache,
+        run_name="nan",
+        steps=16,
+        checkpoint_every=5,
+        min_workers=2,
+        max_workers=2,
+        log_every=1,
+        chaos=["nan:step=12"],
+        trace_data_ids=True,
+    )
     assert run_job(cfg) == 0, worker_logs(cfg.run_uri)
     [rb] = api.events(cfg.run_uri, ("rollback",))
     # The update of step 12 is NaN, so the loss reported at step 14 (computed on the
@@ -30,18 +41,32 @@ def test_nan_loss_rolls_back_in_job_and_skips_the_offending_batches(tmp_path, ti
     # After the rollback, step 10 trains on global batch 14: batches 10..13 are skipped.
     ids = step_ids(cfg.run_uri)
     for step in range(10, 16):
-        want = sorted(int(i) for i in global_batch_ids(tiny_dataset, seed=cfg.seed, global_batch=16, batch_index=step + 4))
+        want = sorted(
+            int(i) for i in global_batch_ids(tiny_dataset, seed=cfg.seed, global_batch=16, batch_index=step + 4)
+        )
         assert ids[step] == want
 
 
 def test_guard_gives_up_past_its_attempt_limit_naming_step_and_metric(tmp_path, tiny_dataset, jax_cache):
-    cfg = job_config(str(tmp_path), tiny_dataset, jax_cache, run_name="nan-forever", steps=12, checkpoint_every=5,
-                     min_workers=1, max_workers=1, log_every=1, chaos=["nan:step=7,repeat=1"], max_guard_rollbacks=1)
+    cfg = job_config(
+        str(tmp_path),
+        tiny_dataset,
+        jax_cache,
+        run_name="nan-forever",
+        steps=12,
+        checkpoint_every=5,
+        min_workers=1,
+        max_workers=1,
+        log_every=1,
+        chaos=["nan:step=7,repeat=1"],
+        max_guard_rollbacks=1,
+    )
     assert run_job(cfg) == 4
     st = api.status(cfg.run_uri)
     assert st["state"] == "failed"
-    assert st["reason"] == ("in-training guard: loss is nan at step 9 (metric loss); "
-                            "1 rollback(s) did not help (max_guard_rollbacks=1)")
+    assert st["reason"] == (
+        "in-training guard: loss is nan at step 9 (metric loss); 1 rollback(s) did not help (max_guard_rollbacks=1)"
+    )
     assert len(api.events(cfg.run_uri, ("rollback",))) == 1
 
 
@@ -50,8 +75,19 @@ def test_validation_rejects_a_regression_and_training_resumes_from_the_last_good
     where, request, tmp_path, tiny_dataset, jax_cache
 ):
     root = str(tmp_path) if where == "local" else request.getfixturevalue("gcs_root")
-    cfg = job_config(root, tiny_dataset, jax_cache, run_name="regress", steps=15, checkpoint_every=5,
-                     min_workers=1, max_workers=1, chaos=["corrupt:step=15"], keep_last=2, keep_best=1)
+    cfg = job_config(
+        root,
+        tiny_dataset,
+        jax_cache,
+        run_name="regress",
+        steps=15,
+        checkpoint_every=5,
+        min_workers=1,
+        max_workers=1,
+        chaos=["corrupt:step=15"],
+        keep_last=2,
+        keep_best=1,
+    )
     assert run_job(cfg) == 0
     verdicts = api.validate_pending(cfg.run_uri)
     assert [(v["step"], v["verdict"]) for v in verdicts] == [(5, "validated"), (10, "validated"), (15, "rejected")]

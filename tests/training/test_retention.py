@@ -89,7 +89,12 @@ def test_policy_keeps_exactly(policy: Policy, steps: list[StepInfo], kept: set[i
 @pytest.mark.parametrize(
     "steps, pointer, pinned, protected",
     [
-        ([S(1, "validated", 0.1), S(2), S(3, "rejected")], None, (), {1: ["newest validated"], 2: ["newest committed"]}),
+        (
+            [S(1, "validated", 0.1), S(2), S(3, "rejected")],
+            None,
+            (),
+            {1: ["newest validated"], 2: ["newest committed"]},
+        ),
         (committed(1, 2, 3), 1, (), {1: ["resume pointer"], 3: ["newest committed"]}),
         (committed(1, 2, 3), 9, (2, 7), {2: ["pinned"], 3: ["newest committed"]}),
         (
@@ -157,7 +162,10 @@ def test_decide_gives_every_reason() -> None:
 @pytest.mark.parametrize(
     "args, expected",
     [
-        ((3, 2, "loss", 1000, 86400.0), AnyOf(KeepLastN(3), KeepBestN(2, "loss"), KeepEveryNSteps(1000), ExpireQuarantined(86400.0))),
+        (
+            (3, 2, "loss", 1000, 86400.0),
+            AnyOf(KeepLastN(3), KeepBestN(2, "loss"), KeepEveryNSteps(1000), ExpireQuarantined(86400.0)),
+        ),
         ((3, 0, "loss", 0, 0.0), AnyOf(KeepLastN(3))),
         ((0, 0, "loss", 0, 0.0), AnyOf()),
     ],

@@ -456,13 +456,19 @@ def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, num_slices: int, attem
             "nodeAffinity": {
                 "requiredDuringSchedulingIgnoredDuringExecution": {
                     "nodeSelectorTerms": [
-                        {"matchExpressions": [{"key": NODEPOOL_LABEL, "operator": "In", "values": list(launch.node_pools)}]}
+                        {
+                            "matchExpressions": [
+                                {"key": NODEPOOL_LABEL, "operator": "In", "values": list(launch.node_pools)}
+                            ]
+                        }
                     ]
                 }
             }
         }
     if launch.spot:
-        pod_spec["tolerations"].append({"key": SPOT_LABEL, "operator": "Equal", "value": "true", "effect": "NoSchedule"})
+        pod_spec["tolerations"].append(
+            {"key": SPOT_LABEL, "operator": "Equal", "value": "true", "effect": "NoSchedule"}
+        )
     if launch.host_network:
         pod_spec["hostNetwork"] = True
         pod_spec["dnsPolicy"] = "ClusterFirstWithHostNet"
@@ -487,7 +493,12 @@ def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, num_slices: int, attem
     jobset = {
         "apiVersion": JOBSET_API_VERSION,
         "kind": "JobSet",
-        "metadata": {"name": name, "namespace": launch.namespace, "labels": dict(labels), "annotations": jobset_annotations},
+        "metadata": {
+            "name": name,
+            "namespace": launch.namespace,
+            "labels": dict(labels),
+            "annotations": jobset_annotations,
+        },
         "spec": {
             "failurePolicy": {"maxRestarts": 0},
             "successPolicy": {"operator": "All", "targetReplicatedJobs": [REPLICATED_JOB]},
