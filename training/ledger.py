@@ -84,6 +84,22 @@ def _whoami() -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": os.getpid()}
 
 
+def _dead_local_holder(rec: dict[str, Any]) -> bool:
+    """A holder on this very host whose process is gone cannot refresh: its lease is void.
+
+    (An agent killed with SIGKILL would otherwise block its own Airflow retry for a lease.)
+    """
+    if rec.get("host") != socket.gethostname() or not rec.get("pid") or int(rec["pid"]) == os.getpid():
+        return False
+    try:
+        os.kill(int(rec["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
 def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -278,7 +294,12 @@ class RunLock:
 
     @staticmethod
     def _active(rec: dict[str, Any] | None, now: float) -> bool:
-        return rec is not None and rec["action"] != "release" and float(rec["expires_at"]) > now
+        return (
+            rec is not None
+            and rec["action"] != "release"
+            and float(rec["expires_at"]) > now
+            and not _dead_local_holder(rec)
+        )
 
     def held_by(self, now: float | None = None) -> dict[str, Any] | None:
         """The holder's record (owner, host, pid, acquired_at, expires_at, ...) while its lease runs, else None."""

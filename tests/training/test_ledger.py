@@ -190,3 +190,21 @@ def test_pins_mark_steps_in_use_until_unpinned_or_stale(store: Store) -> None:
     assert pinned_steps(store) == {7}
     with pytest.raises(ValueError):
         pin(store, 1, "x", "read")  # type: ignore[arg-type]
+
+
+def test_a_dead_holder_on_this_host_loses_its_lease_at_once(tmp_path):
+    import subprocess
+    import sys
+
+    from training.ledger import RunLock
+    from training.storage import open_store
+
+    store = open_store(str(tmp_path / "run"))
+    code = (
+        "import sys; from training.ledger import RunLock; from training.storage import open_store;"
+        "RunLock(open_store(sys.argv[1]), owner='killed-agent', lease_s=600).acquire()"
+    )
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], check=True)  # exits holding the lock
+    lock = RunLock(store, owner="retry", lease_s=60)
+    rec = lock.acquire()
+    assert rec["action"] == "takeover" and rec["previous"]["owner"] == "killed-agent"
