@@ -17,10 +17,12 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+# The main job: the resilient_training DAG end to end (airflow dags test, Airflow home ./airflow_home,
+# SQLite) on the local slice: `small` preset, one host lost at step 40, capacity back at step 80, a
+# learning-rate spike at step 105 that validation rejects (rollback branch); then the run's summary.
+# Options: make demo DEMO_ARGS="--no-regression" (host loss and capacity only), "--steps N", ...
 demo: $(STAMP)
-	$(BIN)/rtrain prepare
-	$(BIN)/rtrain train --preset small run_name=demo-cli resume_from=latest \
-	    --chaos preempt:worker=1,step=40 --chaos capacity:to=4,step=80
+	$(BIN)/python .ci/demo.py $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
@@ -33,6 +35,11 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
+
+# The UI: airflow standalone on 127.0.0.1:$(AIRFLOW_PORT), DAGs unpaused; prints the admin password.
+AIRFLOW_PORT ?= 8080
+airflow: $(STAMP)
+	$(BIN)/python .ci/airflow_ui.py --port $(AIRFLOW_PORT)
 
 bench: $(STAMP)
 	$(BIN)/rtrain bench

@@ -1,0 +1,107 @@
+"""`make airflow`: the Airflow UI on 127.0.0.1 for this project (`airflow standalone`, SQLite, ./airflow_home).
+
+Low parallelism (the default would fork 32 workers on a laptop), no example DAGs, this
+repository's dags/ and plugins/, our DAGs unpaused; prints the admin password and a REST
+call that triggers a run with conf.  Ctrl-C stops it all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+from demo import HOME, airflow_env  # noqa: E402
+
+BIN = Path(sys.executable).parent
+DAGS = ("resilient_training", "resilient_training_continual")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--port", type=int, default=int(os.environ.get("AIRFLOW_PORT", "8080")))
+    args = ap.parse_args()
+    HOME.mkdir(exist_ok=True)
+    env = {**airflow_env(), "AIRFLOW__API__HOST": "127.0.0.1", "AIRFLOW__API__PORT": str(args.port),
+           "AIRFLOW__API__WORKERS": "1", "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
+           "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{args.port}"}
+    subprocess.run([str(BIN / "airflow"), "db", "migrate"], env=env, check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+    log = open(HOME / "logs" / "standalone.log", "ab") if (HOME / "logs").exists() else subprocess.DEVNULL
+    proc = subprocess.Popen([str(BIN / "airflow"), "standalone"], env=env, cwd=REPO, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{args.port}"
+    print(f"starting airflow standalone on {base} (log: airflow_home/logs/standalone.log) ...", flush=True)
+
+    def interrupted(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupted)
+    try:
+        return serve(proc, base, env)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(timeout=wait)
+                break
+            except ProcessLookupError:
+                break
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def serve(proc: subprocess.Popen[bytes], base: str, env: dict[str, str]) -> int:
+    deadline = time.time() + 180
+    while True:
+        if proc.poll() is not None:
+            print(f"airflow standalone exited with {proc.returncode}; see airflow_home/logs/standalone.log")
+            return 1
+        try:
+            with urllib.request.urlopen(f"{base}/api/v2/monitor/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if time.time() > deadline:
+            print("the API server did not come up within 180 s")
+            return 1
+        time.sleep(1)
+    # The DAG processor serializes our DAGs within a few seconds; then unpause them.
+    for _ in range(60):
+        done = [subprocess.run([str(BIN / "airflow"), "dags", "unpause", d], env=env, capture_output=True).returncode
+                == 0 for d in DAGS]
+        if all(done):
+            break
+        time.sleep(2)
+    pw_file = HOME / "simple_auth_manager_passwords.json.generated"
+    password = json.loads(pw_file.read_text()).get("admin") if pw_file.exists() else "(see the log)"
+    conf = {"run_name": "ui-1", "preset": "tiny", "steps": 40, "max_workers": 2,
+            "chaos": ["preempt:worker=1,step=15", "capacity:to=2,step=30"]}
+    print(f"""
+Airflow UI   {base}    user admin   password {password}
+DAGs         {', '.join(DAGS)} (unpaused; the continual one first runs at its next 03:00 UTC)
+
+Trigger a run with conf through the REST API:
+  TOKEN=$(curl -s -X POST {base}/auth/token -H 'Content-Type: application/json' \\
+      -d '{{"username": "admin", "password": "{password}"}}' | python3 -c 'import json,sys; print(json.load(sys.stdin)["access_token"])')
+  curl -s -X POST {base}/api/v2/dags/resilient_training/dagRuns -H "Authorization: Bearer $TOKEN" \\
+      -H 'Content-Type: application/json' -d '{json.dumps({"logical_date": None, "conf": conf})}'
+
+Ctrl-C stops Airflow.""", flush=True)
+    proc.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

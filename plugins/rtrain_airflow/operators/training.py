@@ -1,0 +1,513 @@
+"""Operators of the training pipeline: thin, each one verb of the engine (``RTrainHook``).
+
+Read in the DAG's order:
+
+========================================  ==============================================================
+``RTrainResolveRunConfigOperator``        DAG params -> the validated run config (refuses bad conf first)
+``RTrainPrepareDatasetOperator``          the byte-level dataset, idempotent by fingerprint
+``RTrainProvisionCapacityOperator``       setup: the local slice's hosts, or TPU node pools on GKE
+``RTrainPlanTopologyOperator``            mesh plans and the memory-fit check at the minimum topology
+``RTrainStartTrainingJobOperator``        launch the job, or re-attach to the live one
+(``RTrainTrainingJobSensor``)             watch it; its retries relaunch (rtrain_airflow.sensors.training)
+``RTrainValidateCheckpointsOperator``     judge every checkpoint without a verdict, oldest first
+``RTrainBranchValidationOperator``        promote, or roll back
+``RTrainPromoteCheckpointOperator``       bless the newest validated checkpoint
+``RTrainRollbackAndResumeOperator``       roll back to the newest validated, train on, validate (bounded)
+``RTrainPruneCheckpointsOperator``        the run's retention policy
+``RTrainReportRunOperator``               teardown: the run's story (steps, failures, recoveries, goodput)
+``RTrainReleaseCapacityOperator``         teardown (ALL_DONE): stop what still runs, give capacity back
+========================================  ==============================================================
+
+Operators check their inputs in ``__init__`` (when the DAG is parsed) where the
+values are plain, and in ``execute`` once templates and XComs are resolved.
+Nothing here imports JAX: validation and dataset preparation import it inside
+the engine's calls, i.e. inside ``execute()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+from airflow.sdk import BaseBranchOperator, BaseOperator, TriggerRule
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
+
+from rtrain_airflow.hooks.training import LocalSliceBackend, RTrainConfigError, RTrainHook
+from rtrain_airflow.triggers.training import RTrainTrainingJobTrigger
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+RESOLVE_TASK_ID = "resolve_config"
+
+
+def _is_deferred_value(value: Any) -> bool:
+    """An XComArg or a Jinja template: only checkable once resolved."""
+    from airflow.sdk.definitions.xcom_arg import XComArg
+
+    return isinstance(value, XComArg) or (isinstance(value, str) and "{{" in value)
+
+
+def check_spec(spec: Any, who: str) -> dict[str, Any]:
+    """A resolved run spec (what RTrainResolveRunConfigOperator returned), or an error naming the problem."""
+    if not isinstance(spec, Mapping):
+        raise AirflowFailException(f"{who}: spec must be the mapping {RESOLVE_TASK_ID} returns, got {type(spec).__name__}")
+    missing = [k for k in ("config", "run_uri", "backend") if k not in spec]
+    if missing:
+        raise AirflowFailException(f"{who}: spec lacks {', '.join(missing)}")
+    return dict(spec)
+
+
+class _RTrainBaseOperator(BaseOperator):
+    """What the pipeline's operators share: the run spec, the hook, the backend."""
+
+    template_fields: Sequence[str] = ("spec",)
+    ui_color = "#e8f1fb"
+
+    def __init__(self, *, spec: Any = None, spec_from: str | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if spec is None and spec_from is None:
+            raise ValueError(f"{type(self).__name__}: give spec (the output of {RESOLVE_TASK_ID}) or spec_from (its task id)")
+        if spec is not None and not _is_deferred_value(spec):
+            check_spec(spec, type(self).__name__)
+        self.spec = spec
+        self.spec_from = spec_from
+
+    @cached_property
+    def hook(self) -> RTrainHook:
+        return RTrainHook()
+
+    def resolved_spec(self, context: Context) -> dict[str, Any] | None:
+        if self.spec is not None:
+            return check_spec(self.spec, self.task_id)
+        value = context["ti"].xcom_pull(task_ids=self.spec_from)
+        return None if value is None else check_spec(value, self.task_id)
+
+    def run_config(self, spec: Mapping[str, Any]) -> Any:
+        return self.hook.config_from_dict(spec["config"])
+
+    def backend(self, spec: Mapping[str, Any]) -> Any:
+        return self.hook.backend(spec["backend"], spec.get("gke"))
+
+
+class RTrainResolveRunConfigOperator(BaseOperator):
+    """Turn the DAG run's params into the validated run config; refuse bad conf before anything runs.
+
+    The Params' JSON schemas already refused wrong types and ranges when the run was
+    triggered; this adds what a schema cannot say: cross-field rules (``min_workers <=
+    max_workers``, divisibility, chaos grammar), unknown ``overrides`` keys, a gke
+    backend without its cluster.  Failures are ``AirflowFailException``: no retry
+    can fix a config.
+
+    :param continual: continual training: train ``steps_per_run`` more steps from the
+        newest validated checkpoint of the run (``resume_from`` is set to it).
+
+    Returns the run *spec*: ``config`` (the resolved Config as JSON), ``run_uri``,
+    ``run_name``, ``backend``, ``dataset`` (``source``, ``max_bytes``), ``gke``.
+    """
+
+    template_fields: Sequence[str] = ()
+
+    def __init__(self, *, continual: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.continual = continual
+
+    @cached_property
+    def hook(self) -> RTrainHook:
+        return RTrainHook()
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        params = dict(context["params"])
+        try:
+            overrides = self.hook.overrides_from_params(params)
+            if self.continual:
+                overrides.update(self._continue_from(overrides, params))
+            cfg = self.hook.build_config(overrides)
+            if params.get("dataset") is None:
+                # One prepared dataset per sequence length: records hold seq_len + 1 bytes.
+                cfg = self.hook.build_config({**overrides, "dataset": f"{cfg.dataset}-seq{cfg.seq_len}"})
+            if cfg.backend == "gke":
+                self.hook.backend("gke", params.get("gke") or {})
+        except RTrainConfigError as e:
+            raise AirflowFailException(f"invalid conf: {e}") from None
+        spec = {
+            "config": cfg.model_dump(mode="json"),
+            "run_uri": cfg.run_uri,
+            "run_name": cfg.run_name,
+            "backend": cfg.backend,
+            "dataset": {"source": params.get("dataset_source") or "stdlib", "max_bytes": params.get("dataset_max_bytes"),
+                        "uri": cfg.dataset},
+            "gke": dict(params.get("gke") or {}),
+        }
+        self.log.info("Run %s at %s: preset %s, %s steps, %s..%s workers, backend %s, resume_from %s, chaos %s",
+                      cfg.run_name, cfg.run_uri, cfg.preset, cfg.steps, cfg.min_workers, cfg.max_workers, cfg.backend,
+                      cfg.resume_from, cfg.chaos or "off")
+        return spec
+
+    def _continue_from(self, overrides: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
+        """steps and resume_from for one more stretch of continual training."""
+        probe = self.hook.build_config({**overrides, "resume_from": "latest"})
+        per_run = int(params.get("steps_per_run") or 0)
+        if per_run < 1:
+            raise RTrainConfigError(f"steps_per_run: at least 1, got {params.get('steps_per_run')!r}")
+        base = None
+        if self.hook.run_exists(probe.run_uri):
+            base = self.hook.ledger(probe.run_uri).newest_validated()
+        self.log.info("Continual training of %s: newest validated checkpoint %s, %d more steps", probe.run_name,
+                      base, per_run)
+        return {"steps": (base or 0) + per_run, "resume_from": str(base) if base is not None else "latest"}
+
+
+class RTrainPrepareDatasetOperator(_RTrainBaseOperator):
+    """Prepare the run's dataset (``training.data.prepare``): idempotent, a same-fingerprint dataset is kept.
+
+    Returns ``dataset``, ``fingerprint``, ``train_records``, ``validation_records``, ``seq_len``.
+    """
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        spec = self.resolved_spec(context)
+        assert spec is not None
+        cfg = self.run_config(spec)
+        data = spec.get("dataset") or {}
+        max_bytes = data.get("max_bytes")
+        if max_bytes is not None and int(max_bytes) < 1:
+            raise AirflowFailException(f"dataset_max_bytes: positive or null, got {max_bytes!r}")
+        from training.data import DatasetError
+
+        try:
+            return self.hook.prepare_dataset(data.get("source"), cfg.dataset, cfg.seq_len,
+                                             None if max_bytes is None else int(max_bytes),
+                                             progress=lambda line: self.log.info("[prepare] %s", line))
+        except DatasetError as e:  # a different dataset at the output, a bad source: a retry cannot help
+            raise AirflowFailException(str(e)) from None
+
+
+class RTrainProvisionCapacityOperator(_RTrainBaseOperator):
+    """Setup: capacity for the job (the local slice's hosts, or TPU node pools on GKE)."""
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        spec = self.resolved_spec(context)
+        assert spec is not None
+        result = self.backend(spec).provision(self.run_config(spec), spec)
+        self.log.info("Provisioned: %s", result)
+        return dict(result)
+
+
+class RTrainPlanTopologyOperator(_RTrainBaseOperator):
+    """Mesh plans for every worker count in ``min..max_workers``, and the memory-fit check.
+
+    A model that does not fit at the minimum topology is refused here, before any
+    worker starts; ``AirflowFailException`` (the plan is arithmetic: a retry cannot help).
+    """
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        from training.mesh import PlanError
+
+        spec = self.resolved_spec(context)
+        assert spec is not None
+        try:
+            report = self.hook.plan(self.run_config(spec))
+        except PlanError as e:
+            raise AirflowFailException(f"plan refused: {e}") from None
+        self.log.info("Plan: %s", report)
+        return report
+
+
+class RTrainStartTrainingJobOperator(_RTrainBaseOperator):
+    """Launch the training job, or re-attach to the live one.  Never starts over, never overwrites.
+
+    ``resume_from`` (of the run config) is honoured on this DAG run's *first* launch:
+
+    * ``latest``: the run's newest committed checkpoint (scratch for a new run);
+    * ``none``: a new run; an existing run of that name is refused;
+    * a step: the run is rolled back to that committed step first (newer ones are
+      quarantined, not deleted), and trains on from it.
+
+    What the first launch did is marked in the run root (``airflow/<dag run id>.json``),
+    so a retry or a cleared task relaunches from the newest committed checkpoint
+    instead of redoing it (no second rollback, no refusing its own run).
+
+    Returns the job *handle*: ``backend``, ``run_uri``, ``attached``, ``agent_pid`` /
+    ``jobset``, ``launched_at``.
+    """
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        spec = self.resolved_spec(context)
+        assert spec is not None
+        cfg = self.run_config(spec)
+        run_uri, run_id = cfg.run_uri, context["run_id"]
+        mark = self.hook.dag_run_mark(run_uri, run_id)
+        exists = self.hook.run_exists(run_uri)
+        resume = cfg.resume_from
+        if mark is None:
+            if exists and resume == "none":
+                raise AirflowFailException(
+                    f"run {cfg.run_name!r} exists at {run_uri} and resume_from=none; pick another run_name, "
+                    "or trigger with resume_from=latest (or a step) to continue it")
+            if resume.isdigit():
+                self._rewind(cfg, int(resume), run_id, exists)
+            self.hook.set_dag_run_mark(run_uri, run_id, resume_from=resume, existed=exists)
+        else:
+            self.log.info("This DAG run launched %s before (%s): relaunching from the newest committed checkpoint",
+                          cfg.run_name, mark)
+        launch_cfg = cfg if (mark is None and resume == "none") else cfg.model_copy(update={"resume_from": "latest"})
+        try:
+            handle = self.backend(spec).launch(launch_cfg, spec, attempt=context["ti"].try_number)
+        except Exception as e:
+            from training.api import LaunchError
+            from training.mesh import PlanError
+
+            if isinstance(e, LaunchError | PlanError):
+                raise AirflowFailException(str(e)) from None
+            raise
+        verb = "Re-attached to" if handle.get("attached") else "Launched"
+        self.log.info("%s %s: %s", verb, cfg.run_name, handle)
+        return dict(handle)
+
+    def _rewind(self, cfg: Any, step: int, run_id: str, exists: bool) -> None:
+        if not exists:
+            raise AirflowFailException(f"resume_from={step}: run {cfg.run_name!r} does not exist yet (use latest)")
+        committed = self.hook.committed_steps(cfg.run_uri)
+        if step not in committed:
+            raise AirflowFailException(f"resume_from={step}: not a committed checkpoint of {cfg.run_name} "
+                                       f"(committed: {committed})")
+        if committed[-1] > step:
+            rb = self.hook.rollback(cfg.run_uri, to=step, reason=f"rerun from step {step} (dag run {run_id})")
+            self.log.info("Rolled back to step %s for this rerun: %s", step, rb)
+
+
+class RTrainValidateCheckpointsOperator(_RTrainBaseOperator):
+    """Validate every committed checkpoint that has no verdict yet (oldest first), on the held-out split.
+
+    Thresholds come from the run config (``val_tolerance``, ``val_max_loss``,
+    ``val_min_accuracy``).  Returns ``verdict`` and ``step`` of the newest committed
+    checkpoint, ``reason``, ``newest_validated`` and every verdict of this call.
+    """
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        spec = self.resolved_spec(context)
+        assert spec is not None
+        return validation_summary(self.hook, spec["run_uri"], self.log)
+
+
+def validation_summary(hook: RTrainHook, run_uri: str, log: Any) -> dict[str, Any]:
+    results = hook.validate_pending(run_uri)
+    for r in results:
+        log.info("[rtrain] validation of step %s: %s %s %s", r["step"], r["verdict"], r.get("metrics"), r.get("reason", ""))
+    committed = hook.committed_steps(run_uri)
+    if not committed:
+        raise AirflowException(f"run {run_uri} has no committed checkpoint to validate")
+    ledger = hook.ledger(run_uri)
+    newest = ledger.state(committed[-1]) or {}
+    state = newest.get("state")
+    verdict = "validated" if state in ("validated", "promoted") else "rejected"
+    return {
+        "step": committed[-1],
+        "verdict": verdict,
+        "reason": newest.get("reason", ""),
+        "metrics": newest.get("metrics"),
+        "newest_validated": ledger.newest_validated(),
+        "results": results,
+    }
+
+
+class RTrainBranchValidationOperator(BaseBranchOperator):
+    """Follow ``promote_task_id`` when the newest checkpoint is validated, else ``rollback_task_id``.
+
+    :param validation: what RTrainValidateCheckpointsOperator returned (an XComArg).
+    """
+
+    template_fields: Sequence[str] = ("validation",)
+
+    def __init__(self, *, validation: Any, promote_task_id: str, rollback_task_id: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if not promote_task_id or not rollback_task_id or promote_task_id == rollback_task_id:
+            raise ValueError("promote_task_id/rollback_task_id: two different task ids")
+        self.validation = validation
+        self.promote_task_id = promote_task_id
+        self.rollback_task_id = rollback_task_id
+
+    def choose_branch(self, context: Context) -> str:
+        v = self.validation
+        if not isinstance(v, Mapping) or v.get("verdict") not in ("validated", "rejected"):
+            raise AirflowFailException(f"validation: expected a verdict of validated/rejected, got {v!r}")
+        if v["verdict"] == "validated":
+            return self.promote_task_id
+        self.log.warning("Checkpoint %s rejected (%s): rolling back", v.get("step"), v.get("reason"))
+        return self.rollback_task_id
+
+
+class RTrainPromoteCheckpointOperator(_RTrainBaseOperator):
+    """Promote the newest validated checkpoint (the ledger's ``promoted`` state)."""
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        spec = self.resolved_spec(context)
+        assert spec is not None
+        result = self.hook.promote(spec["run_uri"])
+        self.log.info("Promoted: %s", result)
+        return result
+
+
+class RTrainRollbackAndResumeOperator(_RTrainBaseOperator):
+    """Roll back to the newest validated checkpoint, train on from it, validate again; at most ``max_rollbacks`` times.
+
+    Each round: ``rollback`` (the resume pointer goes back, newer checkpoints are
+    quarantined, the data window since is skipped as the run config says), launch
+    from the pointer, defer to the watching trigger, validate what the resumed job
+    committed.  Validated: promote and succeed.  Rejected again: next round, or,
+    past ``max_rollbacks`` (the run config's), fail with the pointer on a validated
+    checkpoint: the run is safe for a parameterised rerun.
+
+    A retry of this task does not roll back twice: it looks at the ledger first
+    (a rejected newest checkpoint is rolled back; otherwise it relaunches from the
+    newest committed one and goes on validating).
+    """
+
+    def __init__(self, *, poll_interval: float = 5.0, start_timeout_s: float = 300.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if poll_interval <= 0:
+            raise ValueError(f"poll_interval: must be > 0, got {poll_interval}")
+        self.poll_interval = poll_interval
+        self.start_timeout_s = start_timeout_s
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        spec = self.resolved_spec(context)
+        assert spec is not None
+        return self._round(context, spec)
+
+    def _rollbacks(self, context: Context, run_uri: str) -> list[dict[str, Any]]:
+        """This DAG run's validation rollbacks so far, from the run's events (earlier tries count too)."""
+        return [{"from_step": e["from_step"], "to_step": e["to_step"], "quarantined": e.get("quarantined", [])}
+                for e in self.hook.events(run_uri, ("rollback",))
+                if e.get("kind") == "validation" and f"(dag run {context['run_id']})" in str(e.get("reason"))]
+
+    def _round(self, context: Context, spec: dict[str, Any]) -> dict[str, Any]:
+        cfg = self.run_config(spec)
+        run_uri = spec["run_uri"]
+        rounds = self._rollbacks(context, run_uri)
+        summary = validation_summary(self.hook, run_uri, self.log)
+        if summary["verdict"] == "validated":
+            promoted = self.hook.promote(run_uri)
+            self.log.info("Step %s validated after %d rollback(s): promoted", summary["step"], len(rounds))
+            return {"rollbacks": rounds, "promoted": promoted, "validation": summary}
+        if len(rounds) >= cfg.max_rollbacks:
+            if summary["newest_validated"] is not None and summary["step"] != summary["newest_validated"]:
+                self.hook.rollback(run_uri, reason=f"rollback budget spent (max_rollbacks={cfg.max_rollbacks})")
+            raise AirflowFailException(
+                f"step {summary['step']} rejected ({summary['reason']}) after {len(rounds)} rollback(s) "
+                f"(max_rollbacks={cfg.max_rollbacks}); the resume pointer is on validated step "
+                f"{summary['newest_validated']}: rerun with resume_from and other overrides")
+        if summary["newest_validated"] is None:
+            raise AirflowFailException(f"step {summary['step']} rejected ({summary['reason']}) and no checkpoint of "
+                                       f"{cfg.run_name} was ever validated: nothing to roll back to")
+        backend = self.backend(spec)  # checks the backend before touching the ledger
+        if isinstance(backend, LocalSliceBackend):
+            backend.wait_for_stale_lock(run_uri)
+        rb = self.hook.rollback(run_uri, reason=f"validation rejected step {summary['step']}: {summary['reason']} "
+                                               f"(dag run {context['run_id']})")
+        self.log.warning("[rtrain] rollback %d/%d: step %s -> %s (quarantined %s)", len(rounds) + 1, cfg.max_rollbacks,
+                         rb["from_step"], rb["to_step"], rb["quarantined"])
+        rounds = [*rounds, rb]
+        handle = backend.launch(cfg.model_copy(update={"resume_from": "latest"}), spec,
+                                attempt=context["ti"].try_number + 100 * len(rounds))
+        context["ti"].xcom_push(key="handle", value=handle)  # for the teardown
+        self.defer(
+            trigger=RTrainTrainingJobTrigger(run_uri=run_uri, handle=handle, poll_interval=self.poll_interval,
+                                             start_timeout_s=self.start_timeout_s,
+                                             stale_after_s=cfg.hang_timeout_s * 2 + 120,
+                                             events_after=handle.get("events_after")),
+            method_name="resume_complete",
+        )
+        raise AssertionError("defer() returns only by raising")  # pragma: no cover
+
+    def resume_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
+        if event.get("status") != "success":
+            raise AirflowException(f"the resumed job failed: {event.get('message')}")
+        spec = self.resolved_spec(context)
+        assert spec is not None
+        self.log.info("Resumed job finished at step %s", event.get("step"))
+        return self._round(context, spec)
+
+
+class RTrainPruneCheckpointsOperator(_RTrainBaseOperator):
+    """Apply the run's retention policy (keep_last, keep_best, keep_every; quarantine TTL).
+
+    The protected set (newest usable, newest validated, resume pointer, promoted,
+    pinned) is kept whatever the policy says.  Returns what was kept and deleted.
+    """
+
+    def __init__(self, *, dry_run: bool = False, **kwargs: Any) -> None:
+        kwargs.setdefault("trigger_rule", TriggerRule.NONE_FAILED_MIN_ONE_SUCCESS)
+        super().__init__(**kwargs)
+        self.plan_only = dry_run  # (BaseOperator.dry_run is a method)
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        spec = self.resolved_spec(context)
+        assert spec is not None
+        result = self.hook.prune(spec["run_uri"], dry_run=self.plan_only)
+        self.log.info("Pruned %s: deleted %s, kept %s", spec["run_name"], result.get("deleted"), sorted(result.get("kept", {})))
+        return {"deleted": result.get("deleted", []), "kept": sorted(int(k) for k in result.get("kept", {})),
+                "bytes_freed": result.get("bytes_freed"), "quarantine_expired": result.get("quarantine_expired", [])}
+
+
+class RTrainReportRunOperator(_RTrainBaseOperator):
+    """The run's story, from its events: steps, failures, recoveries with their times, meshes,
+    validation verdicts, rollbacks, checkpoints kept and pruned, goodput.
+
+    Wired as a teardown with ``ALL_DONE``: it reports failed runs too, and does not
+    decide the DAG run's state.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("trigger_rule", TriggerRule.ALL_DONE)
+        super().__init__(**kwargs)
+
+    def as_teardown(self, *, setups: Any = None, on_failure_fail_dagrun: bool | None = None) -> RTrainReportRunOperator:
+        super().as_teardown(setups=setups, on_failure_fail_dagrun=on_failure_fail_dagrun)
+        self.trigger_rule = TriggerRule.ALL_DONE
+        return self
+
+    def execute(self, context: Context) -> dict[str, Any] | None:
+        spec = self.resolved_spec(context)
+        if spec is None or not self.hook.run_exists(spec["run_uri"]):
+            self.log.info("No run to report on")
+            return None
+        report = self.hook.report(spec["run_uri"])
+        self.log.info("Run report:\n%s", self.hook.format_report(report))
+        return report
+
+
+class RTrainReleaseCapacityOperator(_RTrainBaseOperator):
+    """Teardown: stop a job that still runs and give its capacity back (local slice hosts, GKE JobSets and pools).
+
+    ``trigger_rule`` is ``ALL_DONE`` and stays so under ``as_teardown()``: a provision
+    that failed half way, or a sensor that gave up on a live job, still holds capacity.
+    Only the jobs this DAG run launched are stopped (the handles in the XComs of
+    ``handle_from``): a job of the same run name started elsewhere is left alone.
+    """
+
+    def __init__(self, *, handle_from: Sequence[str] = (), **kwargs: Any) -> None:
+        kwargs.setdefault("trigger_rule", TriggerRule.ALL_DONE)
+        super().__init__(**kwargs)
+        self.handle_from = list(handle_from)
+
+    def as_teardown(self, *, setups: Any = None, on_failure_fail_dagrun: bool | None = None) -> RTrainReleaseCapacityOperator:
+        super().as_teardown(setups=setups, on_failure_fail_dagrun=on_failure_fail_dagrun)
+        self.trigger_rule = TriggerRule.ALL_DONE
+        return self
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        spec = self.resolved_spec(context)
+        if spec is None:
+            self.log.info("No run config (the run was refused before it started): nothing to release")
+            return {"released": False}
+        handles = []
+        for task_id in self.handle_from:
+            for key in ("return_value", "handle"):
+                value = context["ti"].xcom_pull(task_ids=task_id, key=key)
+                if isinstance(value, Mapping) and value.get("backend"):
+                    handles.append(dict(value))
+        result = self.backend(spec).release(self.run_config(spec), spec, handles)
+        self.log.info("Released: %s", result)
+        return dict(result)

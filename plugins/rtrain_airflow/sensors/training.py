@@ -1,0 +1,187 @@
+"""The sensor that watches a training job, and whose retries relaunch it.
+
+Why a sensor whose *retry relaunches* (rather than one operator that launches and
+watches, or a sensor that only watches):
+
+* the graph keeps the three steps a person looks for (plan, launch, watch), and
+  the launch task's log holds the launch;
+* a job that dies beyond what its own agent absorbs (failure budget spent,
+  capacity below the minimum past its timeout, the agent killed, the JobSet
+  failed or vanished) makes this sensor fail; Airflow's retry of the sensor then
+  *relaunches* the job through the same idempotent launch (``RTrainHook`` ->
+  ``training.api.launch``: re-attach if alive, else start an agent that resumes
+  from the newest committed checkpoint; never from scratch, never overwriting);
+* a watching sensor that retried without relaunching would only watch a dead job
+  again, and a launch task downstream of nothing cannot be re-run by a sensor's
+  retry; putting the relaunch where the failure is seen closes that loop.
+
+The first try never relaunches: it watches the job the launch task started (so a
+job that is already dead counts as this try's failure, and the retry, after
+``retry_delay``, relaunches).  Every try defers to :class:`RTrainTrainingJobTrigger`,
+so the wait holds no worker slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+from airflow.sdk import BaseOperatorLink, BaseSensorOperator, PokeReturnValue
+from airflow.sdk.exceptions import AirflowException
+
+from rtrain_airflow.hooks.training import ALIVE, RTrainHook, absolute
+from rtrain_airflow.operators.training import _is_deferred_value, check_spec
+from rtrain_airflow.triggers.training import RTrainTrainingJobTrigger
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+
+def check_handle(handle: Any, who: str) -> dict[str, Any]:
+    if not isinstance(handle, Mapping) or not handle.get("backend") or not handle.get("run_uri"):
+        raise AirflowException(f"{who}: handle must be what the launch task returned, got {handle!r}")
+    return dict(handle)
+
+
+class RTrainRunStatusLink(BaseOperatorLink):
+    """A "Run status" button on the sensor's task page: the run's status through the plugin's API (/rtrain)."""
+
+    name = "Run status"
+
+    def get_link(self, operator: Any, *, ti_key: Any) -> str:
+        # Called by the task runner when the task ends, on the task whose templates (the spec XComArg)
+        # are resolved; the API server then serves the stored link.
+        spec = getattr(operator, "spec", None)
+        run_uri = spec.get("run_uri") if isinstance(spec, Mapping) else None
+        if not run_uri:
+            return ""
+        name = str(run_uri).rstrip("/").rsplit("/", 1)[-1]
+        root = str(run_uri).rstrip("/")[: -len(name) - 1]
+        query = "" if root == absolute("var/runs") else f"?root={quote(root)}"
+        return f"/rtrain/runs/{name}/status{query}"
+
+
+class RTrainTrainingJobSensor(BaseSensorOperator):
+    """Wait for a training job to finish; fail when it is gone for good; a retry relaunches it.
+
+    :param spec: the run spec (output of the resolve task).
+    :param handle: the job handle (output of the launch task).
+    :param poll_interval: seconds between looks at the run's status and events.
+    :param start_timeout_s: a launched agent that never reports is failed after this long.
+    :param deferrable: wait in the triggerer (default); else poke in a worker slot.
+
+    Returns (XCom) the trigger's final event: ``state``, ``step``, ``latest_committed``,
+    ``failures``, ``recoveries`` (each with ``recovery_s``, as seen from the events),
+    and the ``handle`` that finished.
+    """
+
+    template_fields: Sequence[str] = ("spec", "handle")
+    ui_color = "#fdf0d5"
+    operator_extra_links = (RTrainRunStatusLink(),)
+
+    def __init__(
+        self,
+        *,
+        spec: Any,
+        handle: Any,
+        poll_interval: float = 5.0,
+        start_timeout_s: float = 300.0,
+        deferrable: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("timeout", timedelta(days=7))
+        super().__init__(poke_interval=poll_interval, mode="poke", **kwargs)
+        if poll_interval <= 0:
+            raise ValueError(f"poll_interval: must be > 0, got {poll_interval}")
+        if start_timeout_s <= 0:
+            raise ValueError(f"start_timeout_s: must be > 0, got {start_timeout_s}")
+        if not _is_deferred_value(spec):
+            check_spec(spec, type(self).__name__)
+        if not _is_deferred_value(handle):
+            check_handle(handle, type(self).__name__)
+        self.spec = spec
+        self.handle = handle
+        self.poll_interval = poll_interval
+        self.start_timeout_s = start_timeout_s
+        self.deferrable = deferrable
+
+    @cached_property
+    def hook(self) -> RTrainHook:
+        return RTrainHook()
+
+    def _timeouts(self, cfg: Any) -> dict[str, float]:
+        return {"start_timeout_s": self.start_timeout_s, "stale_after_s": cfg.hang_timeout_s * 2 + 120}
+
+    def _job(self, context: Context) -> tuple[dict[str, Any], Any, dict[str, Any]]:
+        """(spec, config, handle of the job to watch), relaunching on a retry when the job is gone."""
+        spec = check_spec(self.spec, self.task_id)
+        handle = check_handle(self.handle, self.task_id)
+        cfg = self.hook.config_from_dict(spec["config"])
+        backend = self.hook.backend(spec["backend"], spec.get("gke"))
+        try_number = int(context["ti"].try_number)
+        if try_number > 1:
+            look = backend.poll(handle, self._timeouts(cfg))
+            if look["state"] == "failed":
+                self.log.warning("[rtrain] try %d: the job is gone (%s); relaunching from the newest committed checkpoint",
+                                 try_number, look.get("reason"))
+                committed = self.hook.committed_steps(cfg.run_uri)[-1:] or None
+                handle = backend.launch(cfg.model_copy(update={"resume_from": "latest"}), spec, attempt=try_number)
+                self.log.warning("[rtrain] relaunched %s (newest committed step %s): %s", cfg.run_name, committed, handle)
+            else:
+                self.log.info("[rtrain] try %d: the job is %s; watching it again", try_number, look["state"])
+        return spec, cfg, handle
+
+    def execute(self, context: Context) -> Any:
+        spec, cfg, handle = self._job(context)
+        self._watching = handle
+        context["ti"].xcom_push(key="handle", value=handle)  # for the teardown: what to stop if still alive
+        if not self.deferrable:
+            return super().execute(context)
+        self.defer(
+            trigger=RTrainTrainingJobTrigger(
+                run_uri=spec["run_uri"],
+                handle=handle,
+                poll_interval=self.poll_interval,
+                start_timeout_s=self.start_timeout_s,
+                stale_after_s=cfg.hang_timeout_s * 2 + 120,
+                events_after=handle.get("events_after"),
+            ),
+            method_name="execute_complete",
+            timeout=timedelta(seconds=self.timeout) if self.timeout else None,
+        )
+
+    def poke(self, context: Context) -> PokeReturnValue:
+        spec = check_spec(self.spec, self.task_id)
+        cfg = self.hook.config_from_dict(spec["config"])
+        handle = getattr(self, "_watching", None) or check_handle(self.handle, self.task_id)
+        look = self.hook.backend(spec["backend"], spec.get("gke")).poll(handle, self._timeouts(cfg))
+        st = look.get("status") or {}
+        if look["state"] == "failed":
+            raise AirflowException(f"training job {spec['run_name']} failed: {look.get('reason')}")
+        if look["state"] == "finished":
+            return PokeReturnValue(True, {"status": "success", "state": "finished", "step": st.get("step"),
+                                          "latest_committed": st.get("latest_committed"),
+                                          "failures": st.get("failures"), "handle": handle})
+        if look["state"] not in ALIVE:
+            raise AirflowException(f"training job {spec['run_name']}: unexpected state {look['state']!r}")
+        self.log.info("[rtrain] %s: %s at step %s", spec["run_name"], look["state"], st.get("step"))
+        return PokeReturnValue(False)
+
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
+        if event.get("status") != "success":
+            raise AirflowException(
+                f"training job at {event.get('run_uri')} is gone: {event.get('message')} "
+                f"(state {event.get('state')}, step {event.get('step')}, newest committed {event.get('latest_committed')}); "
+                "a retry of this task relaunches it from the newest committed checkpoint")
+        for rec in event.get("recoveries") or []:
+            self.log.info("[rtrain] recovery: %s -> training again at step %s after %.1fs", rec.get("cause"),
+                          rec.get("resumed_step"), rec.get("recovery_s") or 0)
+        self.log.info("[rtrain] job finished at step %s with %s failure(s) absorbed in the job", event.get("step"),
+                      event.get("failures"))
+        return event
+
+
+RTrainRunStatusLink.operators = [RTrainTrainingJobSensor]

@@ -1,0 +1,278 @@
+"""Operators, sensor, hook, callbacks and the plugin: each refuses bad inputs, with a reason that names them."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from airflow.sdk import DAG
+from airflow.sdk.exceptions import AirflowFailException
+from rtrain_airflow.callbacks import RTrainAlertNotifier, alert_callbacks
+from rtrain_airflow.hooks.training import GKEBackend, RTrainConfigError, RTrainHook, absolute
+from rtrain_airflow.operators.training import (
+    RTrainBranchValidationOperator,
+    RTrainPlanTopologyOperator,
+    RTrainPrepareDatasetOperator,
+    RTrainReleaseCapacityOperator,
+    RTrainResolveRunConfigOperator,
+    RTrainRollbackAndResumeOperator,
+    RTrainStartTrainingJobOperator,
+)
+from rtrain_airflow.sensors.training import RTrainTrainingJobSensor
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def spec_for(tmp_path: Path, **overrides: Any) -> dict[str, Any]:
+    hook = RTrainHook()
+    cfg = hook.build_config({"run_name": "op", "root": str(tmp_path / "runs"), **overrides})
+    return {"config": cfg.model_dump(mode="json"), "run_uri": cfg.run_uri, "run_name": cfg.run_name,
+            "backend": cfg.backend, "dataset": {"source": "stdlib", "max_bytes": None}, "gke": {}}
+
+
+@pytest.fixture
+def dag() -> Any:
+    with DAG("t", schedule=None) as d:
+        yield d
+
+
+# --- construction refuses what it can see ------------------------------------------------------
+
+
+def test_operators_need_a_spec(dag: Any) -> None:
+    with pytest.raises(ValueError, match="give spec"):
+        RTrainPlanTopologyOperator(task_id="p")
+
+
+@pytest.mark.parametrize("spec", [["not", "a", "mapping"], {"config": {}}, {"run_uri": "x", "backend": "local"}])
+def test_operators_refuse_a_spec_that_is_not_one(dag: Any, spec: Any) -> None:
+    with pytest.raises(AirflowFailException, match="spec"):
+        RTrainStartTrainingJobOperator(task_id="l", spec=spec)
+
+
+def test_templated_and_xcom_specs_are_checked_at_run_time(dag: Any, tmp_path: Path) -> None:
+    RTrainPlanTopologyOperator(task_id="a", spec="{{ ti.xcom_pull('resolve_config') }}")
+    resolve = RTrainResolveRunConfigOperator(task_id="resolve_config")
+    RTrainPlanTopologyOperator(task_id="b", spec=resolve.output)
+    RTrainPlanTopologyOperator(task_id="c", spec=spec_for(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"poll_interval": 0}, "poll_interval"),
+        ({"start_timeout_s": -1}, "start_timeout_s"),
+        ({"handle": {"backend": "local"}}, "handle"),
+        ({"handle": "not a handle"}, "handle"),
+    ],
+)
+def test_sensor_refuses_bad_inputs(dag: Any, tmp_path: Path, kwargs: dict[str, Any], match: str) -> None:
+    args = {"spec": spec_for(tmp_path), "handle": {"backend": "local", "run_uri": "/x"}, **kwargs}
+    with pytest.raises(Exception, match=match):
+        RTrainTrainingJobSensor(task_id="w", **args)
+
+
+def test_sensor_links_to_the_runs_status(dag: Any, tmp_path: Path) -> None:
+    from rtrain_airflow.sensors.training import RTrainRunStatusLink
+
+    spec = spec_for(tmp_path)
+    sensor = RTrainTrainingJobSensor(task_id="w", spec=spec, handle={"backend": "local", "run_uri": spec["run_uri"]})
+    link = RTrainRunStatusLink().get_link(sensor, ti_key=None)
+    from urllib.parse import quote
+
+    assert link == f"/rtrain/runs/op/status?root={quote(str(tmp_path / 'runs'))}"
+    sensor.spec = "{{ not rendered }}"
+    assert RTrainRunStatusLink().get_link(sensor, ti_key=None) == ""
+
+
+def test_branch_and_rollback_refuse_bad_inputs(dag: Any, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="two different task ids"):
+        RTrainBranchValidationOperator(task_id="b", validation={}, promote_task_id="x", rollback_task_id="x")
+    with pytest.raises(ValueError, match="poll_interval"):
+        RTrainRollbackAndResumeOperator(task_id="r", spec=spec_for(tmp_path), poll_interval=0)
+    branch = RTrainBranchValidationOperator(task_id="b2", validation={"verdict": "maybe"}, promote_task_id="p",
+                                            rollback_task_id="r")
+    with pytest.raises(AirflowFailException, match="validated/rejected"):
+        branch.choose_branch({})
+    branch.validation = {"verdict": "rejected", "step": 30, "reason": "loss"}
+    assert branch.choose_branch({}) == "r"
+    branch.validation = {"verdict": "validated", "step": 30}
+    assert branch.choose_branch({}) == "p"
+
+
+# --- running the light operators for real -----------------------------------------------------------
+
+
+def test_resolve_refuses_bad_conf_with_the_reason(dag: Any, tmp_path: Path) -> None:
+    op = RTrainResolveRunConfigOperator(task_id="resolve_config")
+    base = {"run_name": "r", "storage_root": str(tmp_path), "preset": "tiny", "steps": None, "chaos": [],
+            "overrides": {}}
+    cases = [
+        ({"min_workers": 3, "max_workers": 2}, "min_workers (3) > max_workers (2)"),
+        ({"overrides": {"learning_rat": 0.1}}, "learning_rat: unknown key"),
+        ({"overrides": {"steps": 3}}, "steps are params of their own"),
+        ({"chaos": ["preempt:worker=1"]}, "missing step"),
+        ({"backend": "gke", "gke": {"location": "us-east5"}}, "gke.cluster_name"),
+        ({"run_name": "../x"}, "run_name"),
+    ]
+    for params, reason in cases:
+        with pytest.raises(AirflowFailException, match="invalid conf") as e:
+            op.execute({"params": {**base, **params}})
+        assert reason in str(e.value), (params, str(e.value))
+
+
+def test_resolve_returns_the_spec_with_absolute_paths(dag: Any) -> None:
+    op = RTrainResolveRunConfigOperator(task_id="resolve_config")
+    spec = op.execute({"params": {"run_name": "r", "storage_root": "var/runs", "preset": "small", "steps": None,
+                                  "max_workers": 2, "chaos": [], "overrides": {"learning_rate": 0.001}}})
+    cfg = spec["config"]
+    assert cfg["steps"] == 150 and cfg["max_workers"] == 2 and cfg["learning_rate"] == 0.001  # null = the preset's
+    assert spec["run_uri"] == str(REPO / "var" / "runs" / "r") and cfg["dataset"].startswith(str(REPO))
+    assert absolute("gs://b/p") == "gs://b/p"
+
+
+def test_plan_refuses_a_model_that_does_not_fit(dag: Any, tmp_path: Path) -> None:
+    spec = spec_for(tmp_path, preset="llama3-70b", min_workers=1, max_workers=2, devices_per_worker=2,
+                    device_memory_gib=2)
+    with pytest.raises(AirflowFailException, match="plan refused"):
+        RTrainPlanTopologyOperator(task_id="p", spec=spec).execute({})
+    report = RTrainPlanTopologyOperator(task_id="p2", spec=spec_for(tmp_path)).execute({})
+    assert report
+
+
+def test_launch_refuses_resume_none_on_an_existing_run(dag: Any, tmp_path: Path) -> None:
+    spec = spec_for(tmp_path, resume_from="none")
+    store_dir = Path(spec["run_uri"])
+    store_dir.mkdir(parents=True)
+    (store_dir / "config.json").write_text(json.dumps(spec["config"]))
+    op = RTrainStartTrainingJobOperator(task_id="l", spec=spec)
+    with pytest.raises(AirflowFailException, match="resume_from=none"):
+        op.execute({"run_id": "manual__1", "ti": None})
+
+
+def test_launch_refuses_a_step_that_is_not_committed(dag: Any, tmp_path: Path) -> None:
+    spec = spec_for(tmp_path, resume_from="30")
+    with pytest.raises(AirflowFailException, match="does not exist yet"):
+        RTrainStartTrainingJobOperator(task_id="l", spec=spec).execute({"run_id": "manual__1", "ti": None})
+
+
+def test_prepare_refuses_a_bad_source(dag: Any, tmp_path: Path) -> None:
+    spec = spec_for(tmp_path, dataset=str(tmp_path / "data"))
+    spec["dataset"] = {"source": str(tmp_path / "nothing-here-*.py"), "max_bytes": None}
+    with pytest.raises(AirflowFailException):
+        RTrainPrepareDatasetOperator(task_id="d", spec=spec).execute({})
+
+
+def test_release_without_a_spec_releases_nothing(dag: Any) -> None:
+    class TI:
+        def xcom_pull(self, task_ids: str) -> None:
+            return None
+
+    op = RTrainReleaseCapacityOperator(task_id="release", spec_from="resolve_config")
+    assert op.execute({"ti": TI()}) == {"released": False}
+
+
+def test_release_stops_the_jobs_this_dag_run_launched(tmp_path: Path) -> None:
+    """A stand-in agent with a worker child (real processes): the teardown kills both, gives the hosts back."""
+    import socket
+    import subprocess
+    import sys
+
+    from rtrain_airflow.hooks.training import LocalSliceBackend, pid_alive
+
+    from training.api import events
+
+    spec = spec_for(tmp_path)
+    cfg = RTrainHook().config_from_dict(spec["config"])
+    backend = LocalSliceBackend()
+    backend.provision(cfg, spec)
+    agent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                              "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # not ours: left alone
+    try:
+        import psutil
+
+        deadline = time.monotonic() + 20
+        while not psutil.Process(agent.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        [worker] = psutil.Process(agent.pid).children()
+        handle = {"backend": "local", "run_uri": cfg.run_uri, "agent_pid": agent.pid, "host": socket.gethostname()}
+        result = backend.release(cfg, spec, [handle])
+        assert set(result["stopped_pids"]) == {agent.pid, worker.pid}
+        assert not pid_alive(agent.pid)
+        assert not psutil.pid_exists(worker.pid) or worker.status() == psutil.STATUS_ZOMBIE
+        assert pid_alive(other.pid)
+        assert not Path(cfg.run_uri, "capacity.json").exists()
+        assert [e["available"] for e in events(cfg.run_uri, ("capacity",))] == [cfg.max_workers, 0]
+    finally:
+        for p in (agent, other):
+            p.kill()
+            p.wait()
+
+
+def test_gke_backend_names_what_is_missing() -> None:
+    with pytest.raises(RTrainConfigError, match="gke.image, gke.node_pools"):
+        GKEBackend({"location": "l", "cluster_name": "c", "machine_type": "ct5p-hightpu-4t", "tpu_topology": "2x2x2"})
+    with pytest.raises(RTrainConfigError, match="backend"):
+        RTrainHook().backend("slurm")
+
+
+# --- alerts ------------------------------------------------------------------------------------------
+
+
+def test_alerts_log_write_and_forward(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="kind"):
+        RTrainAlertNotifier("panic")
+    sink = tmp_path / "alerts.jsonl"
+    monkeypatch.setenv("RTRAIN_ALERTS_FILE", str(sink))
+    got: list[Any] = []
+
+    class TI:
+        dag_id, task_id, run_id, try_number = "d", "training.watch_job", "manual__1", 2
+
+    callbacks = alert_callbacks(forward=[got.append])
+    context = {"ti": TI(), "params": {"run_name": "demo"}, "exception": RuntimeError("agent pid 7 is gone")}
+    callbacks["on_retry_callback"][0].notify(context)
+    callbacks["on_failure_callback"][0].notify(context)
+    alerts = [json.loads(line) for line in sink.read_text().splitlines()]
+    assert [a["kind"] for a in alerts] == ["retry", "failure"]
+    assert alerts[0]["reason"] == "RuntimeError: agent pid 7 is gone" and alerts[0]["run_name"] == "demo"
+    assert alerts[0]["task_id"] == "training.watch_job" and alerts[0]["try_number"] == 2
+    assert got == [context, context]
+
+
+# --- the plugin -----------------------------------------------------------------------------------------
+
+
+def test_plugin_registers_its_parts_and_serves_run_status() -> None:
+    import rtrain_plugin
+    from fastapi.testclient import TestClient
+
+    from training.events import write_status
+    from training.storage import open_store
+
+    plugin = rtrain_plugin.RTrainPlugin
+    assert plugin.name == "rtrain_plugin"
+    assert rtrain_plugin.run_uri in plugin.macros
+    assert type(plugin.operator_extra_links[0]).__name__ == "RTrainRunStatusLink"
+    assert RTrainTrainingJobSensor in type(plugin.operator_extra_links[0]).operators
+    assert rtrain_plugin.run_uri({"run_name": "x", "storage_root": "var/runs"}) == str(REPO / "var/runs/x")
+
+    client = TestClient(rtrain_plugin.create_app())
+    assert client.get("/runs/..%2Fetc/status").status_code in (400, 404)
+    assert client.get("/runs/nope-" + uuid.uuid4().hex[:6] + "/status").status_code == 404
+    assert client.get("/runs/x/status", params={"root": "/etc"}).status_code == 400
+    name = "plugin-test-" + uuid.uuid4().hex[:8]
+    uri = str(REPO / "var" / "runs" / name)
+    try:
+        write_status(open_store(uri), state="running", step=3, agent_pid=os.getpid(), host="h")
+        body = client.get(f"/runs/{name}/status").json()
+        assert body["state"] == "running" and body["step"] == 3
+    finally:
+        shutil.rmtree(uri, ignore_errors=True)
