@@ -86,6 +86,8 @@ def prepare_run(cfg: Config) -> Store:
             "global_batch",
             "dataset",
         )
+        if cfg.on_dataset_change == "restart":
+            fixed = tuple(k for k in fixed if k != "dataset")
         changed = [k for k in fixed if getattr(old, k) != getattr(cfg, k)]
         if changed:
             raise LaunchError(

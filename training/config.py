@@ -43,6 +43,12 @@ class Config(BaseModel):
         "`none` (refuse to reuse an existing run), or a step number of this run.",
     )
 
+    on_dataset_change: Literal["refuse", "restart"] = Field(
+        "refuse",
+        description="When a resumed checkpoint was trained on another dataset (a refreshed one): `refuse`, or "
+        "`restart` the data position at the new dataset's first example (continual training).",
+    )
+
     # --- model -----------------------------------------------------------------
     vocab_size: int = Field(256, ge=2, description="Vocabulary size (byte-level tokens: 256).")
     seq_len: int = Field(64, ge=8, description="Tokens per training sequence.")

@@ -29,6 +29,7 @@ EVENT_TYPES: dict[str, tuple[str, ...]] = {
     "compiled": ("step", "seconds"),
     "resumed": ("step",),
     "resumed_with": ("step", "next_batch", "lr_scale"),
+    "data_refreshed": ("step", "old", "new"),
     "guard": ("step", "metric", "value", "reason"),
     "progress": ("step", "loss"),
     "checkpoint": ("step", "committed"),

@@ -80,6 +80,13 @@ def main() -> int:
     rep = Reporter(process_id, attempt, store)
     faults = [parse_chaos(s) for s in json.loads(faults_json)]
 
+    # The input pipeline's imports (grain: ~1 s of Python) overlap JAX's start-up and
+    # the distributed handshake, which release the GIL for most of their time.
+    import threading
+
+    warm = threading.Thread(target=lambda: __import__("training.data"), daemon=True)
+    warm.start()
+
     import jax
 
     # The persistent compilation cache makes a relaunch on a mesh seen before skip XLA compilation.
@@ -144,9 +151,14 @@ def main() -> int:
         state, data_pos = tr.restore(mngr, step0, trainer)
         unpin_step(step0)
         if data_pos.get("dataset") not in (None, manifest["fingerprint"]):
-            raise SystemExit(
-                f"checkpoint {step0} was trained on dataset {data_pos.get('dataset')}, not {manifest['fingerprint']}"
-            )
+            if cfg.on_dataset_change != "restart":
+                raise SystemExit(
+                    f"checkpoint {step0} was trained on dataset {data_pos.get('dataset')}, not "
+                    f"{manifest['fingerprint']} (on_dataset_change=restart continues on the new data)"
+                )
+            # Continual training on refreshed data: the model goes on, the data position starts over.
+            rep.send("data_refreshed", step=step0, old=data_pos.get("dataset"), new=manifest["fingerprint"])
+            data_pos = {"next_batch": 0, "lr_scale": data_pos.get("lr_scale", 1.0)}
         rep.send("restore", step=step0, mesh=plan.shape, workers=num_processes, seconds=time.time() - t0)
     else:
         state = trainer.init()

@@ -116,3 +116,23 @@ def test_validation_rejects_a_regression_and_training_resumes_from_the_last_good
     assert api.committed_steps(cfg.run_uri) == [10, 15]
     [ev] = api.events(cfg.run_uri, ("prune",))
     assert ev["deleted"] == [5]
+
+
+def test_continual_training_on_a_refreshed_dataset_restarts_the_data_position(tmp_path, tiny_dataset, jax_cache):
+    from training import data
+
+    cfg = job_config(str(tmp_path), tiny_dataset, jax_cache, run_name="continual", steps=6, checkpoint_every=3,
+                     min_workers=1, max_workers=1)
+    assert run_job(cfg) == 0
+    fresh = str(tmp_path / "refreshed")
+    data.prepare(None, fresh, 64, max_bytes=200_000)  # other content: another fingerprint
+
+    refused = cfg.model_copy(update={"dataset": fresh, "steps": 9})
+    with pytest.raises(api.LaunchError, match="different dataset"):
+        api.launch(refused, detach=False, display=None)
+
+    onward = refused.model_copy(update={"on_dataset_change": "restart"})
+    assert run_job(onward) == 0
+    [ev] = api.events(cfg.run_uri, ("data_refreshed",))
+    assert ev["step"] == 6 and ev["new"] == data.load_manifest(fresh)["fingerprint"] != ev["old"]
+    assert api.status(cfg.run_uri)["step"] == 9

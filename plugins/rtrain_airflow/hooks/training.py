@@ -414,12 +414,16 @@ class RTrainHook(BaseHook):
         return dict(api.plan(cfg))
 
     def prepare_dataset(self, source: str | None, output: str, seq_len: int, max_bytes: int | None,
-                        progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-        """Prepare (idempotently) the byte-level dataset; imports numpy/array_record, so call it in execute()."""
+                        progress: Callable[[str], None] | None = None, refresh: bool = False) -> dict[str, Any]:
+        """Prepare (idempotently) the byte-level dataset; imports numpy/array_record, so call it in execute().
+
+        ``refresh``: a source whose content changed replaces the prepared dataset (continual training);
+        otherwise a different dataset at ``output`` is refused.
+        """
         from training import data
 
         src = None if source in (None, "", "stdlib") else (source if source.startswith("gs://") else absolute(source))
-        manifest = data.prepare(src, output, seq_len, max_bytes=max_bytes, progress=progress)
+        manifest = data.prepare(src, output, seq_len, max_bytes=max_bytes, progress=progress, overwrite=refresh)
         return {
             "dataset": output,
             "fingerprint": manifest["fingerprint"],

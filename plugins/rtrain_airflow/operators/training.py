@@ -123,6 +123,8 @@ class RTrainResolveRunConfigOperator(BaseOperator):
             overrides = self.hook.overrides_from_params(params)
             if self.continual:
                 overrides.update(self._continue_from(overrides, params))
+                # Refreshed data: the model trains on, the data position restarts on the new dataset.
+                overrides.setdefault("on_dataset_change", "restart")
             cfg = self.hook.build_config(overrides)
             if params.get("dataset") is None:
                 # One prepared dataset per sequence length: records hold seq_len + 1 bytes.
@@ -137,7 +139,7 @@ class RTrainResolveRunConfigOperator(BaseOperator):
             "run_name": cfg.run_name,
             "backend": cfg.backend,
             "dataset": {"source": params.get("dataset_source") or "stdlib", "max_bytes": params.get("dataset_max_bytes"),
-                        "uri": cfg.dataset},
+                        "uri": cfg.dataset, "refresh": self.continual},
             "gke": dict(params.get("gke") or {}),
         }
         self.log.info("Run %s at %s: preset %s, %s steps, %s..%s workers, backend %s, resume_from %s, chaos %s",
@@ -178,7 +180,8 @@ class RTrainPrepareDatasetOperator(_RTrainBaseOperator):
         try:
             return self.hook.prepare_dataset(data.get("source"), cfg.dataset, cfg.seq_len,
                                              None if max_bytes is None else int(max_bytes),
-                                             progress=lambda line: self.log.info("[prepare] %s", line))
+                                             progress=lambda line: self.log.info("[prepare] %s", line),
+                                             refresh=bool(data.get("refresh")))
         except DatasetError as e:  # a different dataset at the output, a bad source: a retry cannot help
             raise AirflowFailException(str(e)) from None
 
