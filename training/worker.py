@@ -80,13 +80,6 @@ def main() -> int:
     rep = Reporter(process_id, attempt, store)
     faults = [parse_chaos(s) for s in json.loads(faults_json)]
 
-    # The input pipeline's imports (grain: ~1 s of Python) overlap JAX's start-up and
-    # the distributed handshake, which release the GIL for most of their time.
-    import threading
-
-    warm = threading.Thread(target=lambda: __import__("training.data"), daemon=True)
-    warm.start()
-
     import jax
 
     # The persistent compilation cache makes a relaunch on a mesh seen before skip XLA compilation.
