@@ -269,15 +269,17 @@ def main() -> int:
             if pending_save is not None:
                 mngr.wait_until_finished()
                 committed(pending_save)
+            t_save = time.time()
             pin_step(step, "save")
             tr.save(mngr, step, state, data_pos, cfg)
             pending_save = step
-            rep.send("checkpoint", step=step, committed=False)
+            rep.send("checkpoint", step=step, committed=False, blocking_s=time.time() - t_save)
             for f in faults:
                 if f.action == "kill_during_save" and f.step == step and f.worker == process_id:
                     rep.send("chaos", everyone=True, action=f.action, spec=f.spec, step=step, worker=process_id)
                     os.kill(os.getpid(), signal.SIGKILL)
-            if step < cfg.steps and _stop_requested(store, attempt, process_id, num_processes):
+            stop = step < cfg.steps and _stop_requested(store, attempt, process_id, num_processes)
+            if stop:
                 mngr.wait_until_finished()
                 committed(step)
                 rep.send("rescale_requested", step=step, workers=num_processes)
