@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from training.capacity import CapacitySource, LocalCapacity
-from training.chaos import WORKER_SIDE, Fault, parse_chaos
+from training.chaos import WORKER_SIDE, parse_chaos
 from training.config import Config, config_from_json
 from training.events import EventLog, write_status
 from training.ledger import Ledger, LockHeld, RunLock
@@ -503,4 +503,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["Agent", "Fault", "LocalSlice", "run_agent"]
+__all__ = ["Agent", "LocalSlice", "run_agent"]

@@ -74,7 +74,7 @@ def prepare_run(cfg: Config) -> Store:
             "pick another run_name or resume_from=latest"
         )
     if old is not None:
-        fixed = (
+        fixed: tuple[str, ...] = (
             "seq_len",
             "d_model",
             "n_layers",

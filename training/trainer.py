@@ -170,12 +170,6 @@ def use_ocdbt(cfg: Config) -> bool:
     return cfg.checkpoint_format == "ocdbt"
 
 
-def latest_step(mngr: ocp.CheckpointManager) -> int | None:
-    """Newest committed step (Orbax lists finalized checkpoints only)."""
-    mngr.reload()
-    return mngr.latest_step()
-
-
 def save(mngr: ocp.CheckpointManager, step: int, state: State, data: dict, cfg: Config) -> bool:
     return bool(
         mngr.save(

@@ -118,7 +118,15 @@ def main() -> int:
     if resume == "none":
         step0 = None
     elif resume == "latest":
-        step0 = tr.latest_step(mngr)
+        mngr.reload()
+        states = ledger.states()
+        committed_steps = list(mngr.all_steps())
+        usable = [
+            s for s in committed_steps if states.get(s, {}).get("state") not in ("rejected", "quarantined", "pruned")
+        ]
+        if committed_steps and not usable:
+            raise SystemExit(f"every committed checkpoint of {run_uri} is rejected; roll back or start a new run")
+        step0 = max(usable) if usable else None
     else:
         step0 = int(resume)
     from training.ledger import pin, unpin
