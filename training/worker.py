@@ -238,6 +238,10 @@ def main() -> int:
             if bad:
                 # big_vision style: fail loudly with the step and the metric; the agent
                 # rolls back to the last good checkpoint and skips the batches since.
+                # A save still in flight holds a state from before the bad step: let it commit.
+                mngr.wait_until_finished()
+                if pending_save is not None:
+                    committed(pending_save)
                 rep.send("guard", step=step, metric="loss", value=loss, reason=bad, next_batch=next_batch)
                 return GUARD_EXIT
             recent.append(loss)
