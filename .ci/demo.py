@@ -167,7 +167,7 @@ def summary(run_uri: Path, run_name: str, dag_wall: float, total: float, env: di
     from airflow.utils.session import create_session
 
     from training import api
-    from training.lifecycle import format_report
+    from training.checkpoint.lifecycle import format_report
 
     with create_session() as s:
         dr = (s.query(DagRun).filter(DagRun.dag_id == "resilient_training")

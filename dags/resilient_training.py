@@ -22,7 +22,7 @@ from datetime import datetime, timedelta
 
 from airflow.sdk import DAG, CronTriggerTimetable, Param, TaskGroup
 from rtrain_airflow.callbacks import alert_callbacks, rollback_alert
-from rtrain_airflow.hooks.training import RUN_NAME_PATTERN
+from rtrain_airflow.hooks.training import CHAOS_PATTERN, RUN_NAME_PATTERN
 from rtrain_airflow.operators.training import (
     RTrainBranchValidationOperator,
     RTrainPlanTopologyOperator,
@@ -40,7 +40,6 @@ from rtrain_airflow.operators.training import (
 from rtrain_airflow.sensors.training import RTrainTrainingJobSensor
 
 PRESETS = ["tiny", "small", "llama3-8b", "llama3-70b"]  # training/configs/*.yml (checked by the integrity test)
-CHAOS_PATTERN = r"^(preempt|crash|kill_during_save|capacity|nan|lr_spike|corrupt):[a-z_]+=[0-9.]+(,[a-z_]+=[0-9.]+)*$"
 # Seconds between a failed try of a training task and its retry (the relaunch).
 RETRY_DELAY = timedelta(seconds=float(os.environ.get("RTRAIN_RETRY_DELAY_S", "30")))
 TRAINING_RETRIES = 2

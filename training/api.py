@@ -1,29 +1,167 @@
-"""The small API the CLI and the Airflow plugins call (plan, launch, status, ...).
+"""The small API the CLI and the Airflow plugin call: plan, launch, watch, stop, and the checkpoint lifecycle.
 
-Nothing here imports JAX at module level: planning is arithmetic, and launching
-starts the agent in its own process.
+This is the one door into ``training`` for the Airflow side (``plugins/`` imports
+nothing else of ours), so it stays cheap to import: no JAX, Orbax or grain at
+module level.  The calls that need them (validation, listing committed steps
+with Orbax's rule, dataset preparation) import them when they run, which is
+inside a task's ``execute()`` or a CLI command.
+
+A *job* is one incarnation of a run: :func:`begin_job` takes the run lock,
+writes the config (only then: a refused launch writes nothing), and hands the
+lock to the job's host agents, which take it from there (``training.elastic``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
-from typing import Any
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any, TypedDict
 
-from training.config import Config, config_from_json
-from training.events import EventLog, read_status
-from training.mesh import PlanError, plan_report
-from training.storage import NotFound, Store, open_store
+# The GKE backend's manifests and capacity (pure Python), re-exported: the Airflow side imports this module only.
+from training.backends.gke import (
+    ACCELERATOR_LABEL,
+    JOBSET_API_VERSION,
+    JOBSET_GROUP,
+    JOBSET_PLURAL,
+    JOBSET_VERSION,
+    NODEPOOL_LABEL,
+    GKECapacity,
+    GKEConfigError,
+    GKELaunch,
+    GKEManifests,
+    TPUSlice,
+    check_config,
+    jobset_state,
+    node_is_usable,
+    render,
+)
+from training.checkpoint import lifecycle
+from training.checkpoint.ledger import Ledger
+from training.checkpoint.lifecycle import LifecycleError, RunNotFound
+from training.checkpoint.lock import LockHeld, RunLock
+from training.config import RUN_NAME_PATTERN, Config, ConfigError, absolute, config_from_json, load_config
+from training.data import DatasetError
+from training.elastic.capacity import LocalCapacity
+from training.elastic.chaos import ACTIONS as CHAOS_ACTIONS
+from training.elastic.chaos import ChaosError, parse_chaos, spec_pattern
+from training.elastic.rendezvous import Rendezvous
+from training.elastic.status import STALE_STATUS_S
+from training.elastic.status import status as run_status
+from training.events import ALIVE_STATES, FINAL_STATES, EventLog, RunState, describe, read_status, write_status
+from training.layout import AIRFLOW, CAPACITY, CONFIG, CONFIG_HISTORY, CONTROL
+from training.mesh import PlanError, check_fit, plan_report
+from training.records import stamp
+from training.storage import AlreadyExists, NotFound, Store, open_store
 
-ALIVE_STATES = ("starting", "running", "recovering", "waiting_for_capacity")
+__all__ = [
+    "ACCELERATOR_LABEL",
+    "ALIVE_STATES",
+    "CHAOS_ACTIONS",
+    "FINAL_STATES",
+    "JOBSET_API_VERSION",
+    "JOBSET_GROUP",
+    "JOBSET_PLURAL",
+    "JOBSET_VERSION",
+    "NODEPOOL_LABEL",
+    "RUN_NAME_PATTERN",
+    "ChaosError",
+    "Config",
+    "ConfigError",
+    "DatasetError",
+    "GKECapacity",
+    "GKEConfigError",
+    "GKELaunch",
+    "GKEManifests",
+    "TPUSlice",
+    "absolute",
+    "check_config",
+    "check_fit",
+    "config_from_dict",
+    "describe",
+    "jobset_state",
+    "load_config",
+    "node_is_usable",
+    "parse_chaos",
+    "render",
+    "spec_pattern",
+    "JobHandle",
+    "LaunchError",
+    "LaunchRefused",
+    "LifecycleError",
+    "PlanError",
+    "RunNotFound",
+    "RunSpec",
+    "RunState",
+    "begin_job",
+    "committed_steps",
+    "events",
+    "job_state",
+    "launch",
+    "plan",
+    "promote",
+    "prune",
+    "report",
+    "rollback",
+    "set_capacity",
+    "status",
+    "stop_job",
+    "validate",
+    "validate_pending",
+]
+
+# How long a job's agents have to claim the run lock from its launcher.
+HANDOFF_S = {"local": 120.0, "gke": 900.0}  # GKE: pods must be scheduled and pull their image first
 
 
 class LaunchError(RuntimeError):
-    pass
+    """The job cannot be launched as asked (the message says why and what to do)."""
+
+
+class LaunchRefused(LaunchError):
+    """Another job holds the run (the message names the holder); nothing was written."""
+
+    def __init__(self, message: str, holder: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.holder = holder or {}
+
+
+class JobHandle(TypedDict, total=False):
+    """What a launch returns and a watcher (sensor, trigger, CLI) follows."""
+
+    backend: str  # local | gke
+    run_uri: str
+    job: str  # the job id (the run lock's and the rendezvous' owner)
+    attached: bool  # True: an already running job of the run was found and is followed
+    controller_pid: int  # local: the local slice process (this host)
+    host: str
+    launched_at: float
+    events_after: str | None  # relay events after this key
+    jobset: str  # gke
+    namespace: str
+    num_slices: int
+    state: str
+    gke: dict[str, Any]
+
+
+class RunSpec(TypedDict, total=False):
+    """A DAG run's resolved run: what the resolve task returns and every other task reads."""
+
+    config: dict[str, Any]  # Config.model_dump(mode="json"), paths absolute
+    run_uri: str
+    run_name: str
+    backend: str
+    dataset: dict[str, Any]  # source, max_bytes, uri, refresh
+    gke: dict[str, Any]
+
+
+def new_job_id() -> str:
+    return time.strftime("j%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
 
 
 def plan(cfg: Config) -> dict[str, Any]:
@@ -31,41 +169,61 @@ def plan(cfg: Config) -> dict[str, Any]:
     return plan_report(cfg)
 
 
-def run_store(cfg_or_uri: Config | str) -> Store:
-    uri = cfg_or_uri.run_uri if isinstance(cfg_or_uri, Config) else cfg_or_uri
-    return open_store(uri)
-
-
 def committed_steps(run_uri: str) -> list[int]:
-    """Committed checkpoint steps of a run, as Orbax decides (without JAX devices)."""
-    from orbax.checkpoint import path as ocp_path
+    """Committed checkpoint steps (Orbax's rule; imports Orbax when called)."""
+    from training.checkpoint.steps import committed_steps as steps
 
-    from training.storage import join
-
-    ckpt = join(run_uri, "checkpoints") if run_uri.startswith("gs://") else os.path.join(run_uri, "checkpoints")
-    from etils import epath
-
-    root = epath.Path(ckpt)
-    if not root.exists():
-        return []
-    steps = []
-    for p in root.iterdir():
-        if p.name.isdigit() and ocp_path.step.is_checkpoint_finalized(p):
-            steps.append(int(p.name))
-    return sorted(steps)
+    return steps(run_uri)
 
 
-def prepare_run(cfg: Config) -> Store:
-    """Write the run's resolved config (and keep each version of it)."""
+def load_run_config(run_uri: str) -> Config:
+    try:
+        return config_from_json(open_store(run_uri).get(CONFIG).decode())
+    except NotFound:
+        raise RunNotFound(f"no run at {run_uri} (it has no {CONFIG})") from None
+
+
+def config_from_dict(data: Mapping[str, Any]) -> Config:
+    """A Config from its JSON form (a RunSpec's ``config``), validated."""
+    return Config.model_validate(dict(data))
+
+
+def run_exists(run_uri: str) -> bool:
+    return open_store(run_uri).exists(CONFIG)
+
+
+# --- launching ---------------------------------------------------------------------------------------
+
+FIXED_KEYS = (
+    "seq_len",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "d_ff",
+    "vocab_size",
+    "param_dtype",
+    "global_batch",
+    "dataset",
+)
+
+
+def _check_dataset(cfg: Config) -> None:
     from training import data as data_lib
 
     try:
         data_lib.load_manifest(cfg.dataset)
     except Exception as e:  # noqa: BLE001 - any failure to read it means the same thing
-        raise LaunchError(f"dataset {cfg.dataset!r} is not prepared ({e}); run `rtrain prepare` first") from None
-    store = run_store(cfg)
+        raise LaunchError(
+            f"dataset {cfg.dataset} is not prepared ({e}); prepare it with: "
+            f"rtrain prepare --output {cfg.dataset} --seq-len {cfg.seq_len}"
+        ) from None
+
+
+def _write_config(cfg: Config, store: Store, job: str, by: str) -> list[str]:
+    """config.json for this job (under the run lock), and a history record of who changed what."""
     try:
-        old = config_from_json(store.get("config.json").decode())
+        old: Config | None = config_from_json(store.get(CONFIG).decode())
     except NotFound:
         old = None
     if old is not None and cfg.resume_from == "none":
@@ -73,151 +231,289 @@ def prepare_run(cfg: Config) -> Store:
             f"run {cfg.run_name!r} already exists at {cfg.run_uri} and resume_from=none; "
             "pick another run_name or resume_from=latest"
         )
+    changed: list[str] = []
     if old is not None:
-        fixed: tuple[str, ...] = (
-            "seq_len",
-            "d_model",
-            "n_layers",
-            "n_heads",
-            "n_kv_heads",
-            "d_ff",
-            "vocab_size",
-            "param_dtype",
-            "global_batch",
-            "dataset",
-        )
-        if cfg.on_dataset_change == "restart":
-            fixed = tuple(k for k in fixed if k != "dataset")
-        changed = [k for k in fixed if getattr(old, k) != getattr(cfg, k)]
-        if changed:
+        fixed = tuple(k for k in FIXED_KEYS if not (k == "dataset" and cfg.on_dataset_change == "restart"))
+        bad = [k for k in fixed if getattr(old, k) != getattr(cfg, k)]
+        if bad:
             raise LaunchError(
-                f"run {cfg.run_name!r} exists with different {', '.join(changed)}; "
+                f"run {cfg.run_name!r} exists with different {', '.join(bad)}; "
                 "these cannot change on resume (start a new run_name)"
             )
+        changed = [k for k in Config.model_fields if getattr(old, k) != getattr(cfg, k)]
     data = cfg.to_json().encode()
-    store.put("config.json", data)
-    store.create(f"config-history/{time.time_ns():020d}.json", data)
-    return store
+    store.put(CONFIG, data)
+    record = {"by": by, "job": job, "time": time.time(), "changed": changed, "config": cfg.model_dump(mode="json")}
+    store.create(f"{CONFIG_HISTORY}{stamp():020d}.json", json.dumps(record, sort_keys=True).encode())
+    EventLog(store, source="launcher").emit("config", by=by, job=job, changed=changed)
+    return changed
 
 
-def agent_alive(store: Store) -> dict[str, Any] | None:
-    """The status of a live agent for this run on this machine, else None."""
-    st = read_status(store)
-    if not st or st.get("state") not in ALIVE_STATES:
-        return None
-    pid = st.get("agent_pid")
-    if not pid or st.get("host") != os.uname().nodename:
-        return None
-    try:
-        os.kill(int(pid), 0)
-    except OSError:
-        return None
-    return st
+def begin_job(cfg: Config, *, backend: str = "local", by: str | None = None, provision: bool = False) -> str:
+    """Take the run for a new job: lock, config, a fresh rendezvous, then hand the lock to the job.
 
+    ``provision`` (the local slice, ``rtrain train``): give the slice its ``max_workers`` hosts.
+    Otherwise the pool is what it is (Airflow's provision task sets it; chaos and
+    ``rtrain capacity`` change it), as a node pool is on GKE.
 
-def launch(cfg: Config, *, detach: bool = True, display: Any = print, log_dir: str = "var/logs") -> dict[str, Any]:
-    """Launch the run's agent, or re-attach to the live one. Never starts over, never overwrites.
-
-    The plan and the memory-fit check run first, so a config that cannot run is
-    refused before any worker starts.
+    Raises LaunchRefused (nothing written) when another job holds the run, and
+    LaunchError (nothing written) when the config cannot resume this run.
     """
-    plan(cfg)
-    store = run_store(cfg)
-    live = agent_alive(store)
-    if live:
-        return {"attached": True, "agent_pid": live["agent_pid"], "run_uri": cfg.run_uri}
-    prepare_run(cfg)
-    if not detach:
-        from training.agent import run_agent
+    plan(cfg)  # a config that cannot run is refused before anything is written
+    store = open_store(cfg.run_uri)
+    job = new_job_id()
+    who = by or f"{os.environ.get('USER', 'someone')}@{socket.gethostname()} pid {os.getpid()}"
+    lock = RunLock(store, owner=f"launcher of job {job} ({who})", lease_s=60.0)
+    try:
+        lock.acquire()
+    except LockHeld as e:
+        raise LaunchRefused(f"refused: {e}", e.holder) from None
+    try:
+        _check_dataset(cfg)
+        _write_config(cfg, store, job, who)
+        Rendezvous(store).clear()
+        store.delete(CONTROL)
+        if backend == "local" and provision:
+            LocalCapacity(store, default=cfg.max_workers).set(cfg.max_workers, reason=f"job {job} launched")
+        write_status(store, state=RunState.PENDING.value, job=job, run_uri=cfg.run_uri, steps_total=cfg.steps)
+        lock.handoff(job, HANDOFF_S.get(backend, 120.0))
+    except BaseException:
+        lock.release()
+        raise
+    return job
 
-        rc = run_agent(cfg.run_uri, display=display)
-        return {"attached": False, "returncode": rc, "run_uri": cfg.run_uri}
-    logs = Path(log_dir)
-    logs.mkdir(parents=True, exist_ok=True)
-    log = open(logs / f"agent-{cfg.run_name}.log", "ab")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "training.agent", cfg.run_uri],
-        stdin=subprocess.DEVNULL,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # outlives the caller (an Airflow task, a shell)
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+
+def launch(
+    cfg: Config,
+    *,
+    detach: bool = True,
+    allow_attach: bool = False,
+    provision: bool = False,
+    on_line: Callable[[str], None] | None = None,
+    on_status: Callable[[dict[str, Any]], None] | None = None,
+) -> JobHandle:
+    """Start a job of the run on the local slice; never starts over, never overwrites.
+
+    ``detach``: the local slice runs in a process of its own and this returns at
+    once; otherwise this waits for the job's end (``returncode`` in the handle).
+    ``allow_attach``: when a live job holds the run, follow it instead of refusing
+    (an Airflow retry re-attaches to the job its first try started).
+    ``provision``: give the local slice its ``max_workers`` hosts first (``rtrain train``).
+    """
+    store = open_store(cfg.run_uri)
+    after = EventLog(store).newest_key()
+    try:
+        job = begin_job(cfg, provision=provision)
+    except LaunchRefused as e:
+        holder = e.holder
+        if allow_attach and holder.get("job") and not _job_alive(store, str(holder["job"])):
+            # The holder's job is gone and its lease about to lapse (a retry right after the job died).
+            _wait_for_lock(store, float(holder.get("expires_at", 0)))
+            return launch(cfg, detach=detach, provision=provision, on_line=on_line, on_status=on_status)
+        if allow_attach and holder.get("job"):
+            return JobHandle(
+                backend="local",
+                run_uri=cfg.run_uri,
+                job=str(holder["job"]),
+                attached=True,
+                host=socket.gethostname(),
+                launched_at=time.time(),
+                events_after=after,
+            )
+        raise
+    handle = JobHandle(
+        backend="local",
+        run_uri=cfg.run_uri,
+        job=job,
+        attached=False,
+        host=socket.gethostname(),
+        launched_at=time.time(),
+        events_after=after,
     )
-    return {"attached": False, "agent_pid": proc.pid, "run_uri": cfg.run_uri}
+    from training.elastic.local_slice import LocalSlice, log_dir_for
+
+    if detach:
+        logs = log_dir_for(cfg, job)
+        logs.mkdir(parents=True, exist_ok=True)
+        with open(logs / "local-slice.log", "ab") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "training.elastic.local_slice", cfg.run_uri, "--job", job],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # outlives the caller (an Airflow task, a shell)
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        handle["controller_pid"] = proc.pid
+        return handle
+    slice_ = LocalSlice(cfg, job, on_line=on_line, on_status=on_status)
+    handle["controller_pid"] = os.getpid()
+    try:
+        rc = slice_.run()
+    except KeyboardInterrupt:
+        slice_.stop("interrupted (Ctrl-C)")
+        rc = slice_.run()
+    handle["returncode"] = rc  # type: ignore[typeddict-unknown-key]
+    return handle
 
 
-def status(run_uri: str) -> dict[str, Any] | None:
-    return read_status(open_store(run_uri))
+def _job_alive(store: Store, job: str) -> bool:
+    """Has ``job`` shown life lately (its status written, or its launch just handed the lock over)?"""
+    st = read_status(store) or {}
+    return st.get("job") == job and time.time() - float(st.get("updated_at", 0)) < STALE_STATUS_S
 
 
-def events(run_uri: str, types: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
-    return EventLog(open_store(run_uri)).read(types=types)
+def _wait_for_lock(store: Store, expires_at: float) -> None:
+    lock = RunLock(store, owner="launcher", lease_s=60.0)
+    deadline = max(expires_at, time.time()) + lock.margin_s + 30.0
+    while time.time() < deadline and lock.held_by() is not None:
+        time.sleep(0.5)
 
 
-def set_capacity(run_uri: str, workers: int, reason: str = "manual") -> None:
-    from training.capacity import LocalCapacity
+def stop_job(run_uri: str, reason: str = "asked to stop") -> None:
+    """Ask the run's job to stop (its leader ends it as failed with ``reason``; resumable)."""
+    open_store(run_uri).put(CONTROL, json.dumps({"action": "stop_job", "reason": reason}).encode())
 
-    LocalCapacity(open_store(run_uri), default=workers).set(workers, reason=reason)
-    EventLog(open_store(run_uri), source="cli").emit("capacity", available=workers, reason=reason)
+
+# --- watching ----------------------------------------------------------------------------------------
+
+
+def status(run_uri: str, repair: bool = True) -> dict[str, Any] | None:
+    """The run's status document; a job nobody leads any more is recorded failed (``training.elastic.status``)."""
+    return run_status(run_uri, repair=repair)
+
+
+def job_state(handle: Mapping[str, Any], start_timeout_s: float = 300.0) -> dict[str, Any]:
+    """One look at a job: ``{"state", "reason", "status"}``; state is alive, finished or failed.
+
+    Whose job: the status carries the job id; until the job's agents write one,
+    the job is ``pending`` (failed after ``start_timeout_s``).
+    """
+    st = status(str(handle["run_uri"])) or {}
+    if st.get("job") != handle.get("job"):
+        if time.time() - float(handle.get("launched_at", time.time())) > start_timeout_s:
+            return {"state": "failed", "status": st, "reason": f"job {handle.get('job')} did not start"}
+        return {"state": "pending", "status": st, "reason": ""}
+    state = str(st.get("state") or "pending")
+    return {"state": state, "status": st, "reason": st.get("reason", "") if state == "failed" else ""}
+
+
+def events(run_uri: str, types: tuple[str, ...] | None = None, after: str | None = None) -> list[dict[str, Any]]:
+    return EventLog(open_store(run_uri)).read(types=types, after_key=after)
+
+
+def newest_event_key(run_uri: str) -> str | None:
+    return EventLog(open_store(run_uri)).newest_key()
+
+
+# --- capacity (the local slice) ------------------------------------------------------------------------
+
+
+def set_capacity(run_uri: str, workers: int, reason: str = "manual", source: str = "cli") -> None:
+    """The local slice's host count: fewer takes hosts away, more gives them back (agents join)."""
+    if workers < 0:
+        raise ValueError("capacity cannot be negative")
+    store = open_store(run_uri)
+    LocalCapacity(store, default=workers).set(workers, reason=reason)
+    EventLog(store, source=source).emit("capacity", available=workers, reason=reason)
+
+
+def local_job_pids(run_uri: str) -> list[int]:
+    """Process ids of the run's host agents on this machine (from their heartbeats)."""
+    node = socket.gethostname()
+    return sorted(rec.pid for rec in Rendezvous(open_store(run_uri)).hosts().values() if rec.node == node)
+
+
+def release_capacity(run_uri: str, reason: str = "released") -> None:
+    store = open_store(run_uri)
+    store.delete(CAPACITY)
+    EventLog(store, source="airflow").emit("capacity", available=0, reason=reason)
+
+
+# --- the checkpoint lifecycle --------------------------------------------------------------------------
 
 
 def validate(run_uri: str, step: int | None = None) -> dict[str, Any]:
-    from training import lifecycle
-
     return lifecycle.validate(run_uri, step)
 
 
 def validate_pending(run_uri: str) -> list[dict[str, Any]]:
-    from training import lifecycle
-
     return lifecycle.validate_pending(run_uri)
 
 
 def rollback(run_uri: str, to: int | None = None, reason: str = "manual rollback") -> dict[str, Any]:
-    from training import lifecycle
-
     return lifecycle.rollback(run_uri, to, reason)
 
 
 def promote(run_uri: str, step: int | None = None) -> dict[str, Any]:
-    from training import lifecycle
-
     return lifecycle.promote(run_uri, step)
 
 
 def prune(run_uri: str, dry_run: bool = False) -> dict[str, Any]:
-    from training import lifecycle
-
     return lifecycle.prune(run_uri, dry_run)
 
 
 def report(run_uri: str) -> dict[str, Any]:
-    from training import lifecycle
-
     return lifecycle.report(run_uri)
 
 
-def load_run_config(run_uri: str) -> Config:
-    return config_from_json(open_store(run_uri).get("config.json").decode())
+def format_report(r: Mapping[str, Any]) -> str:
+    return lifecycle.format_report(dict(r))
 
 
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, indent=2, sort_keys=True, default=str)
+def checkpoint_states(run_uri: str) -> dict[int, dict[str, Any]]:
+    """The ledger's current record of every step it knows."""
+    return Ledger(open_store(run_uri)).states()
 
 
-__all__ = [
-    "LaunchError",
-    "PlanError",
-    "plan",
-    "launch",
-    "status",
-    "events",
-    "set_capacity",
-    "committed_steps",
-    "validate",
-    "validate_pending",
-    "rollback",
-    "promote",
-    "prune",
-    "report",
-]
+def newest_validated(run_uri: str) -> int | None:
+    return Ledger(open_store(run_uri)).newest_validated()
+
+
+# --- a DAG run's own marks -----------------------------------------------------------------------------
+# What a DAG run's first launch did, so that a retry or a cleared task does not redo it
+# (roll back again, refuse its own run as "existing").
+
+
+def _mark_key(dag_run_id: str) -> str:
+    import re
+
+    return f"{AIRFLOW}{re.sub(r'[^A-Za-z0-9_.-]', '_', dag_run_id)[:200]}.json"
+
+
+def dag_run_mark(run_uri: str, dag_run_id: str) -> dict[str, Any] | None:
+    try:
+        return dict(json.loads(open_store(run_uri).get(_mark_key(dag_run_id))))
+    except NotFound:
+        return None
+
+
+def set_dag_run_mark(run_uri: str, dag_run_id: str, **info: Any) -> None:
+    data = json.dumps({"dag_run_id": dag_run_id, "time": time.time(), **info}, sort_keys=True).encode()
+    try:
+        open_store(run_uri).create(_mark_key(dag_run_id), data)
+    except AlreadyExists:
+        pass
+
+
+def prepare_dataset(
+    source: str | None,
+    output: str,
+    seq_len: int,
+    max_bytes: int | None = None,
+    progress: Callable[[str], None] | None = None,
+    refresh: bool = False,
+) -> dict[str, Any]:
+    """Prepare (idempotently) the byte-level dataset (imports numpy and array_record when called)."""
+    from training import data
+
+    manifest = data.prepare(source, output, seq_len, max_bytes=max_bytes, progress=progress, overwrite=refresh)
+    return {
+        "dataset": output,
+        "fingerprint": manifest["fingerprint"],
+        "train_records": manifest["splits"]["train"]["records"],
+        "validation_records": manifest["splits"]["validation"]["records"],
+        "seq_len": manifest["seq_len"],
+    }
+
+

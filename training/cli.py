@@ -3,26 +3,58 @@
     rtrain prepare  [--source GLOB|gs://...] [--output URI] [--seq-len N]
     rtrain plan     [--preset P] [--config FILE] [key=value ...]
     rtrain train    [--preset P] [--config FILE] [--chaos SPEC ...] [--detach] [key=value ...]
-    rtrain status   RUN
-    rtrain events   RUN [--type T ...]
+    rtrain status   RUN [--json]
+    rtrain events   RUN [--type T ...] [--json]
     rtrain capacity RUN N
+    rtrain stop     RUN
     rtrain validate RUN [--step S | --pending]
     rtrain rollback RUN [--to STEP]
     rtrain prune    RUN [--dry-run]
-    rtrain report   RUN
-    rtrain bench    [--quick] [--out FILE]
+    rtrain report   RUN [--json]
+    rtrain config   [--show [--preset P] [key=value ...]]
+    rtrain agent    RUN --job J --host H        (one host's agent; what a pod runs)
+    rtrain bench    [--quick]
 
-RUN is a run directory URI, or a run name under the configured root.
+RUN is a run name under the configured root (``--root``, default var/runs) or a
+run URI (a path or gs://...).  Errors are one line on stderr (``--debug`` for the
+traceback); exit codes: 0 ok, 1 the job (or a verdict) failed, 2 usage,
+3 config, 4 not found, 5 refused (the run is held by another job), 6 other errors.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
+from enum import IntEnum
 from typing import Any
 
-from training.config import ConfigError, load_config
+from training.config import ConfigError, describe_keys, load_config
+
+
+class Exit(IntEnum):
+    OK = 0
+    FAILED = 1
+    USAGE = 2
+    CONFIG = 3
+    NOT_FOUND = 4
+    REFUSED = 5
+    ERROR = 6
+
+
+class NotFoundError(LookupError):
+    pass
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("resilient-training")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def _config(args: argparse.Namespace, extra: list[str] | None = None) -> Any:
@@ -33,21 +65,44 @@ def _config(args: argparse.Namespace, extra: list[str] | None = None) -> Any:
 
 
 def _run_uri(run: str, root: str | None) -> str:
+    """A run name under the root, or a run URI as given (made absolute)."""
+    from training.config import absolute
+
     if "/" in run or run.startswith("gs://"):
-        return run
+        return absolute(run.rstrip("/"))
     cfg = load_config(None, None, [f"root={root}"] if root else [])
     return cfg.model_copy(update={"run_name": run}).run_uri
 
 
+def _existing_run(args: argparse.Namespace) -> str:
+    from training.api import run_exists
+
+    uri = _run_uri(args.run, args.root)
+    if not run_exists(uri):
+        raise NotFoundError(f"no run {args.run!r} at {uri} (nothing was ever launched there)")
+    return uri
+
+
+def _dump(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, sort_keys=True, default=str))
+
+
+# --- commands -----------------------------------------------------------------------------------
+
+
 def cmd_prepare(args: argparse.Namespace) -> int:
     from training import data
+    from training.config import absolute
 
     cfg = load_config(args.preset, args.config, list(args.overrides))
-    out = args.output or cfg.dataset
+    seq_len = args.seq_len or cfg.seq_len
+    out = absolute(args.output) if args.output else cfg.dataset
+    if not args.output and args.seq_len and args.seq_len != cfg.seq_len:
+        out = load_config(args.preset, args.config, [*args.overrides, f"seq_len={seq_len}"]).dataset
     manifest = data.prepare(
         args.source,
         out,
-        args.seq_len or cfg.seq_len,
+        seq_len,
         max_bytes=args.max_bytes,
         progress=lambda line: print(f"[prepare] {line}", flush=True),
     )
@@ -56,95 +111,284 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         f"dataset {out}: {splits['train']['records']} train / {splits['validation']['records']} validation records "
         f"of {manifest['seq_len'] + 1} bytes, fingerprint {manifest['fingerprint'][:12]}"
     )
-    return 0
+    return Exit.OK
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from training.api import plan
 
-    print(json.dumps(plan(_config(args)), indent=2))
-    return 0
+    report = plan(_config(args))
+    if args.json:
+        _dump(report)
+        return Exit.OK
+    print(f"feasible worker counts: {report['feasible_workers']}")
+    for key in ("min_plan", "max_plan"):
+        p = report[key]
+        print(f"{key.replace('_', ' '):<9} {p['workers']} hosts, {p['devices']} devices, mesh {_mesh(p['shape'])}")
+    mem = report["memory_gib"]
+    print(f"memory per device at the minimum: {mem['total']:.2f} GiB ({report['params'] / 1e6:.1f}M parameters)")
+    return Exit.OK
+
+
+def _mesh(m: dict[str, int] | None) -> str:
+    return " x ".join(f"{k}{v}" for k, v in (m or {}).items()) or "-"
+
+
+class Progress:
+    """The job's progress: a live bar on a terminal (rich), else one plain line per step change."""
+
+    def __init__(self, steps: int) -> None:
+        self.tty = sys.stdout.isatty()
+        self.steps = steps
+        self.last_step: Any = None
+        self._bar: Any = None
+        if self.tty:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._bar = Progress(
+                TextColumn("step {task.completed}/{task.total}"),
+                BarColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeRemainingColumn(),
+                transient=False,
+            )
+            self._task = self._bar.add_task("train", total=steps, info="starting")
+            self._bar.start()
+
+    def line(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.console.print(text, markup=False, highlight=False)
+        else:
+            print(text, flush=True)
+
+    def status(self, st: dict[str, Any]) -> None:
+        step = st.get("step")
+        loss = st.get("loss")
+        tps = st.get("tokens_per_s")
+        info = (
+            f"{st.get('state')}  loss {loss:.4f}" if isinstance(loss, float) else f"{st.get('state')}"
+        ) + (f"  {tps:.0f} tok/s" if isinstance(tps, int | float) else "")
+        info += f"  {st.get('workers', '-')} hosts  mesh {_mesh(st.get('mesh'))}"
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step or 0, info=info)
+        elif step != self.last_step and step is not None:
+            print(f"step {step:>6}/{self.steps}  {info}", flush=True)
+        self.last_step = step
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from training.api import launch
+    from training.api import launch, status
 
     cfg = _config(args)
-    res = launch(cfg, detach=args.detach, display=lambda line: print(line, flush=True))
     if args.detach:
-        print(json.dumps(res, indent=2))
-        return 0
-    if res.get("attached"):
-        print(f"run {cfg.run_name} already has a live agent (pid {res['agent_pid']}); watch it with `rtrain status`")
-        return 0
-    return int(res["returncode"])
+        handle = launch(cfg, detach=True, provision=True)
+        print(
+            f"job {handle['job']} of run {cfg.run_name} started on the local slice ({cfg.run_uri}); "
+            f"follow it with `rtrain status {cfg.run_name}`" + ("" if cfg.root.endswith("var/runs") else f" --root {cfg.root}")
+        )
+        return Exit.OK
+    progress = Progress(cfg.steps)
+    progress.line(f"run {cfg.run_name} at {cfg.run_uri}: {cfg.min_workers}..{cfg.max_workers} hosts, {cfg.steps} steps")
+    try:
+        handle = launch(cfg, detach=False, provision=True, on_line=progress.line, on_status=progress.status)
+    finally:
+        progress.close()
+    st = status(cfg.run_uri) or {}
+    rc = int(handle.get("returncode", 1))  # type: ignore[call-overload]
+    if rc == 0:
+        print(f"finished: step {st.get('step')}/{cfg.steps}, loss {st.get('loss')}, {st.get('failures', 0)} failure(s) absorbed")
+        return Exit.OK
+    print(f"rtrain: the job failed: {st.get('reason') or 'see the events'}", file=sys.stderr)
+    _show_worker_failure(cfg.run_uri)
+    return Exit.FAILED
+
+
+def _show_worker_failure(run_uri: str) -> None:
+    """The newest failure's worker error and the end of that worker's log."""
+    from training.api import events
+
+    fails = [e for e in events(run_uri, ("failure",)) if e.get("log")]
+    if not fails:
+        return
+    f = fails[-1]
+    print(f"last worker failure: {f.get('reason')}", file=sys.stderr)
+    try:
+        with open(f["log"], "rb") as fh:
+            tail = fh.read()[-4000:].decode(errors="replace").splitlines()[-12:]
+    except OSError:
+        return
+    print(f"--- the end of {f['log']}:", file=sys.stderr)
+    for line in tail:
+        print(f"    {line}", file=sys.stderr)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     from training.api import status
 
-    st = status(_run_uri(args.run, args.root))
+    uri = _run_uri(args.run, args.root)
+    st = status(uri)
     if st is None:
-        print(f"no status for {args.run}", file=sys.stderr)
-        return 1
-    print(json.dumps(st, indent=2, sort_keys=True))
-    return 0
+        raise NotFoundError(f"no status for run {args.run!r} at {uri} (never launched)")
+    if args.json:
+        _dump(st)
+        return Exit.OK
+    age = time.time() - float(st.get("updated_at", time.time()))
+    loss = st.get("loss")
+    rows = [
+        ("run", f"{uri.rstrip('/').rsplit('/', 1)[-1]} ({uri})"),
+        ("state", f"{st.get('state')}" + (f": {st['reason']}" if st.get("reason") else "")),
+        (
+            "step",
+            f"{st.get('step', '-')}/{st.get('steps_total', '-')}"
+            + (f"  loss {loss:.4f}" if isinstance(loss, float) else "")
+            + (f"  {st['tokens_per_s']:.0f} tok/s" if isinstance(st.get("tokens_per_s"), int | float) else ""),
+        ),
+        ("hosts", f"{st.get('workers', '-')} training, mesh {_mesh(st.get('mesh'))}; alive {st.get('hosts_alive', '-')}"),
+        ("job", f"{st.get('job', '-')}  leader {st.get('leader', '-')}  round {st.get('round', '-')}"),
+        ("checkpoint", f"newest committed {st.get('latest_committed', '-')}; failures absorbed {st.get('failures', 0)}"),
+        ("updated", f"{age:.0f}s ago"),
+    ]
+    for k, v in rows:
+        print(f"{k:<11} {v}")
+    return Exit.OK
 
 
 def cmd_events(args: argparse.Namespace) -> int:
-    from training.api import events
+    from datetime import datetime
 
-    for ev in events(_run_uri(args.run, args.root), tuple(args.type) if args.type else None):
+    from training.api import events
+    from training.events import describe
+
+    uri = _existing_run(args)
+    for ev in events(uri, tuple(args.type) if args.type else None):
         ev.pop("_key", None)
-        print(json.dumps(ev, sort_keys=True))
-    return 0
+        if args.json:
+            print(json.dumps(ev, sort_keys=True, default=str))
+        else:
+            when = datetime.fromtimestamp(float(ev["time"])).strftime("%H:%M:%S.%f")[:-3]
+            print(f"{when}  {ev['type']:<20} {describe(ev)}")
+    return Exit.OK
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:
     from training.api import set_capacity
 
-    set_capacity(_run_uri(args.run, args.root), args.workers)
+    uri = _existing_run(args)
+    set_capacity(uri, args.workers)
     print(f"capacity of {args.run}: {args.workers} hosts")
-    return 0
+    return Exit.OK
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from training.api import stop_job
+
+    uri = _existing_run(args)
+    stop_job(uri, args.reason)
+    print(f"asked the job of {args.run} to stop; it ends at its next look (resumable with `rtrain train`)")
+    return Exit.OK
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from training.api import validate, validate_pending
 
-    uri = _run_uri(args.run, args.root)
+    uri = _existing_run(args)
     results = validate_pending(uri) if args.pending else [validate(uri, args.step)]
+    if args.json:
+        for r in results:
+            print(json.dumps(r, sort_keys=True, default=str))
+    else:
+        print(format_validations(results))
+    return Exit.OK if all(r["verdict"] == "validated" for r in results) else Exit.FAILED
+
+
+def format_validations(results: list[dict[str, Any]]) -> str:
+    """One aligned table of verdicts with rounded numbers."""
+    if not results:
+        return "no checkpoint waits for a verdict"
+
+    def num(v: Any, fmt: str) -> str:
+        return format(v, fmt) if isinstance(v, int | float) else str(v)
+
+    lines = [f"{'step':>8}  {'verdict':<10} {'loss':>8} {'perplexity':>11} {'accuracy':>9}  reason"]
     for r in results:
-        print(json.dumps(r, sort_keys=True))
-    return 0 if all(r["verdict"] == "validated" for r in results) else 1
+        m = r.get("metrics") or {}
+        lines.append(
+            f"{r['step']:>8}  {r['verdict']:<10} {num(m.get('loss'), '.4f'):>8} {num(m.get('perplexity'), '.2f'):>11} "
+            f"{num(m.get('accuracy'), '.3f'):>9}  {r.get('reason', '')}".rstrip()
+        )
+    return "\n".join(lines)
 
 
 def cmd_rollback(args: argparse.Namespace) -> int:
     from training.api import rollback
 
-    print(json.dumps(rollback(_run_uri(args.run, args.root), args.to, args.reason), indent=2))
-    return 0
+    r = rollback(_existing_run(args), args.to, args.reason)
+    if args.json:
+        _dump(r)
+    else:
+        print(f"resume pointer: step {r['from_step']} -> {r['to_step']}; quarantined {r['quarantined'] or 'nothing'}")
+    return Exit.OK
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
     from training.api import prune
 
-    plan = prune(_run_uri(args.run, args.root), dry_run=args.dry_run)
+    plan = prune(_existing_run(args), dry_run=args.dry_run)
+    if args.json:
+        _dump(plan)
+        return Exit.OK
     verb = "would delete" if args.dry_run else "deleted"
     print(
         f"{verb} steps {plan['deleted']} and incomplete {plan['incomplete']} "
-        f"({plan['bytes_freed'] / 2**20:.1f} MiB); kept {sorted(plan['kept'])}"
+        f"({plan['bytes_freed'] / 2**20:.1f} MiB); kept {sorted(int(k) for k in plan['kept'])}"
     )
     for step, why in sorted(plan["kept"].items(), key=lambda kv: int(kv[0])):
         print(f"  keep {step}: {', '.join(why)}")
-    return 0
+    return Exit.OK
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from training.lifecycle import format_report, report
+    from training.api import format_report, report
 
-    r = report(_run_uri(args.run, args.root))
-    print(json.dumps(r, indent=2, default=str) if args.json else format_report(r))
-    return 0
+    r = report(_existing_run(args))
+    if args.json:
+        _dump(r)
+    else:
+        print(format_report(r))
+    return Exit.OK
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    if args.show:
+        cfg = load_config(args.preset, args.config, list(args.overrides))
+        if args.json:
+            print(cfg.to_json())
+        else:
+            for key, value in cfg.model_dump(mode="json").items():
+                print(f"{key:<24} {json.dumps(value)}")
+        return Exit.OK
+    keys = describe_keys()
+    if args.json:
+        _dump(keys)
+        return Exit.OK
+    for k in keys:
+        print(f"{k['key']:<24} {k['type']:<22} {k['default']:<16} {k['description']}")
+    return Exit.OK
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from training.elastic.agent import main as agent_main
+
+    argv = [args.run, "--job", args.job, "--host", args.host]
+    for flag in ("coordinator_host", "coordinator_port", "bind_host"):
+        value = getattr(args, flag)
+        if value is not None:
+            argv += [f"--{flag.replace('_', '-')}", str(value)]
+    return agent_main(argv)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -153,96 +397,143 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench.main(args)
 
 
+# --- the parser -----------------------------------------------------------------------------------
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rtrain", description="Elastic JAX training that survives losing hosts.")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = argparse.ArgumentParser(
+        prog="rtrain",
+        description="Elastic JAX training that survives losing hosts.",
+        epilog="Exit codes: 0 ok, 1 job/verdict failed, 2 usage, 3 config, 4 not found, 5 refused, 6 other errors.",
+    )
+    p.add_argument("--version", action="version", version=f"rtrain {_version()}")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     def config_args(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--preset", default=None, help="tiny | small | llama3-8b | llama3-70b")
-        sp.add_argument("--config", action="append", default=[], help="YAML file (repeatable)")
-        sp.add_argument("overrides", nargs="*", help="key=value overrides")
+        sp.add_argument("--preset", default=None, help="tiny | small | llama3-8b | llama3-70b (default: tiny)")
+        sp.add_argument("--config", action="append", default=[], metavar="FILE", help="a YAML file of keys (repeatable)")
+        sp.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (see `rtrain config`)")
 
-    sp = sub.add_parser("prepare", help="turn text into ArrayRecord shards")
+    def run_args(sp: argparse.ArgumentParser, json_flag: bool = True) -> None:
+        sp.add_argument("run", metavar="RUN", help="a run name under --root, or a run URI (path or gs://...)")
+        sp.add_argument("--root", default=None, help="the run root RUN is under (default: the config's, var/runs)")
+        if json_flag:
+            sp.add_argument("--json", action="store_true", help="machine-readable output")
+
+    sp = sub.add_parser("prepare", help="turn text into ArrayRecord shards (the dataset)")
     config_args(sp)
     sp.add_argument("--source", default=None, help="glob or gs://prefix (default: this Python's stdlib sources)")
     sp.add_argument("--output", default=None, help="dataset URI (default: the config's dataset)")
-    sp.add_argument("--seq-len", type=int, default=None)
+    sp.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the config's)")
     sp.add_argument("--max-bytes", type=int, default=None, help="cap the input bytes read")
     sp.set_defaults(fn=cmd_prepare)
 
-    sp = sub.add_parser("plan", help="mesh plans and the memory-fit check")
+    sp = sub.add_parser("plan", help="mesh plans and the memory-fit check at the minimum topology")
     config_args(sp)
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
     sp.set_defaults(fn=cmd_plan)
 
-    sp = sub.add_parser("train", help="run (or resume) a training job")
+    sp = sub.add_parser("train", help="run (or resume) a training job on the local slice")
     config_args(sp)
     sp.add_argument("--chaos", action="append", default=[], help="fault to inject, e.g. preempt:worker=1,step=12")
-    sp.add_argument("--detach", action="store_true", help="start the agent in the background and return")
+    sp.add_argument("--detach", action="store_true", help="start the job in the background and return")
     sp.set_defaults(fn=cmd_train)
 
-    for name, fn, hlp in (
-        ("status", cmd_status, "the run's status document"),
-        ("events", cmd_events, "the run's events"),
-    ):
-        sp = sub.add_parser(name, help=hlp)
-        sp.add_argument("run")
-        sp.add_argument("--root", default=None)
-        if name == "events":
-            sp.add_argument("--type", action="append", default=[])
-        sp.set_defaults(fn=fn)
+    sp = sub.add_parser("status", help="the run's state, step, loss, hosts and mesh")
+    run_args(sp)
+    sp.set_defaults(fn=cmd_status)
 
-    sp = sub.add_parser("validate", help="judge a checkpoint on the held-out split")
-    sp.add_argument("run")
+    sp = sub.add_parser("events", help="the run's events, one sentence each")
+    run_args(sp)
+    sp.add_argument("--type", action="append", default=[], help="only events of this type (repeatable)")
+    sp.set_defaults(fn=cmd_events)
+
+    sp = sub.add_parser("capacity", help="set the local slice's number of hosts (take hosts away, give them back)")
+    run_args(sp, json_flag=False)
+    sp.add_argument("workers", type=int, metavar="N", help="hosts")
+    sp.set_defaults(fn=cmd_capacity)
+
+    sp = sub.add_parser("stop", help="stop the run's job (resumable)")
+    run_args(sp, json_flag=False)
+    sp.add_argument("--reason", default="stopped with rtrain stop", help="recorded as the job's end")
+    sp.set_defaults(fn=cmd_stop)
+
+    sp = sub.add_parser("validate", help="judge checkpoints on the held-out split")
+    run_args(sp)
     sp.add_argument("--step", type=int, default=None, help="default: the newest committed")
     sp.add_argument("--pending", action="store_true", help="every committed checkpoint without a verdict")
-    sp.add_argument("--root", default=None)
     sp.set_defaults(fn=cmd_validate)
 
     sp = sub.add_parser("rollback", help="move the resume pointer back to a validated checkpoint")
-    sp.add_argument("run")
+    run_args(sp)
     sp.add_argument("--to", type=int, default=None, help="default: the newest validated")
-    sp.add_argument("--reason", default="manual rollback")
-    sp.add_argument("--root", default=None)
+    sp.add_argument("--reason", default="manual rollback", help="recorded with the rollback")
     sp.set_defaults(fn=cmd_rollback)
 
     sp = sub.add_parser("prune", help="apply the retention policy")
-    sp.add_argument("run")
-    sp.add_argument("--dry-run", action="store_true")
-    sp.add_argument("--root", default=None)
+    run_args(sp)
+    sp.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
     sp.set_defaults(fn=cmd_prune)
 
-    sp = sub.add_parser("report", help="the run's summary: failures, recoveries, verdicts, goodput")
-    sp.add_argument("run")
-    sp.add_argument("--json", action="store_true")
-    sp.add_argument("--root", default=None)
+    sp = sub.add_parser("report", help="the run's story: failures, recoveries, verdicts, goodput")
+    run_args(sp)
     sp.set_defaults(fn=cmd_report)
 
-    sp = sub.add_parser("capacity", help="set the local slice's capacity (hosts)")
-    sp.add_argument("run")
-    sp.add_argument("workers", type=int)
-    sp.add_argument("--root", default=None)
-    sp.set_defaults(fn=cmd_capacity)
+    sp = sub.add_parser("config", help="every config key with its type, default and description")
+    config_args(sp)
+    sp.add_argument("--show", action="store_true", help="print the resolved config instead")
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+    sp.set_defaults(fn=cmd_config)
+
+    sp = sub.add_parser("agent", help="one host's agent of a job (what each pod runs)")
+    sp.add_argument("run", metavar="RUN_URI")
+    sp.add_argument("--job", required=True, help="the job id the launcher handed the run to")
+    sp.add_argument("--host", required=True, help="this host's id: h<N>, or s<slice>-h<N>")
+    sp.add_argument("--coordinator-host", default=None, help="the address peers reach this host on")
+    sp.add_argument("--coordinator-port", type=int, default=None, help="the jax.distributed port (0: a free one)")
+    sp.add_argument("--bind-host", default=None, help="the address the coordinator binds")
+    sp.set_defaults(fn=cmd_agent)
 
     sp = sub.add_parser("bench", help="recovery, checkpoint overhead, cost of resilience, restore throughput")
     sp.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
-    sp.add_argument("--repeats", type=int, default=3)
-    sp.add_argument("--out", default="var/bench/bench.json")
+    sp.add_argument("--repeats", type=int, default=3, help="repeats of each measurement")
+    sp.add_argument("--out", default="var/bench/bench.json", help="where the JSON goes")
+    sp.add_argument("--only", action="append", default=[], help="run only these figures (repeatable)")
     sp.set_defaults(fn=cmd_bench)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from training.api import LaunchError
-    from training.lifecycle import LifecycleError
+    from training.api import LaunchError, LaunchRefused, LifecycleError, RunNotFound
+    from training.checkpoint.resume import ResumeError
+    from training.data import DatasetError
     from training.mesh import PlanError
+
+    def fail(code: Exit, e: BaseException) -> int:
+        if args.debug:
+            import traceback
+
+            traceback.print_exc()
+        print(f"rtrain: error: {e}", file=sys.stderr)
+        return int(code)
 
     try:
         return int(args.fn(args))
-    except (ConfigError, PlanError, LaunchError, LifecycleError) as e:
-        print(f"rtrain: error: {e}", file=sys.stderr)
-        return 2
+    except (ConfigError, PlanError, ResumeError) as e:
+        return fail(Exit.CONFIG, e)
+    except (NotFoundError, RunNotFound) as e:
+        return fail(Exit.NOT_FOUND, e)
+    except LaunchRefused as e:
+        return fail(Exit.REFUSED, e)
+    except (LaunchError, LifecycleError, DatasetError, ValueError, OSError) as e:
+        return fail(Exit.ERROR, e)
+    except KeyboardInterrupt:
+        print("rtrain: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     sys.exit(main())

@@ -14,6 +14,7 @@ that nothing downstream has to.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -21,8 +22,18 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from training.elastic.chaos import ChaosError, parse_chaos
+from training.layout import run_uri
+from training.storage import is_gcs
+
 CONFIG_DIR = Path(__file__).parent / "configs"
-RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+# A run name is one directory name: no "/", no "..", not hidden.  (The DAG's param schema uses the same pattern.)
+RUN_NAME_PATTERN = r"^(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+RUN_NAME_RE = re.compile(RUN_NAME_PATTERN)
+# Config keys that name local paths: made absolute once, when the config is resolved.
+PATH_KEYS = ("root", "dataset", "compilation_cache")
+DEFAULT_DATASET = "var/data/stdlib-seq{seq_len}"
+GCS_TIMING = {"heartbeat_s": 1.0, "heartbeat_timeout_s": 10.0, "lease_s": 8.0}
 
 
 class ConfigError(ValueError):
@@ -34,8 +45,16 @@ class Config(BaseModel):
 
     # --- the run ---------------------------------------------------------------
     run_name: str = Field("demo", description="Run name; the run's directory under `root`. Letters, digits, `_.-`.")
-    root: str = Field("var/runs", description="Run root URI: a local path or gs://bucket/prefix.")
-    dataset: str = Field("var/data/stdlib", description="Prepared dataset URI (output of `rtrain prepare`).")
+    root: str = Field(
+        "var/runs",
+        description="Run root URI: a local path (made absolute against the directory the command runs in) or "
+        "gs://bucket/prefix.",
+    )
+    dataset: str = Field(
+        "",
+        description="Prepared dataset URI (output of `rtrain prepare`); empty: var/data/stdlib-seq<seq_len>, one "
+        "dataset of this Python's standard library per sequence length.",
+    )
     preset: str = Field("tiny", description="Preset the config was built from (informational once resolved).")
     resume_from: str = Field(
         "latest",
@@ -119,9 +138,31 @@ class Config(BaseModel):
     min_workers: int = Field(1, ge=1, description="Fewest workers (hosts) the job may run on.")
     max_workers: int = Field(2, ge=1, description="Most workers (hosts) the job may use.")
     devices_per_worker: int = Field(2, ge=1, description="Accelerator devices per worker (local slice: CPU devices).")
-    max_failures: int = Field(3, ge=0, description="Worker-group failures the agent absorbs before the job fails.")
+    hosts_per_slice: int = Field(
+        1,
+        ge=1,
+        description="Hosts of one slice (a multi-host TPU slice is lost and gained whole); min/max_workers and every "
+        "size the job runs on are whole slices.",
+    )
+    max_failures: int = Field(3, ge=0, description="Worker-group failures the job absorbs before it fails.")
     capacity_timeout_s: float = Field(120.0, gt=0, description="How long to wait for capacity >= min_workers.")
     hang_timeout_s: float = Field(300.0, gt=0, description="No progress from the workers for this long is a failure.")
+    heartbeat_s: float = Field(
+        0.5, gt=0, description="Host agents write a heartbeat to the rendezvous this often (gs:// root: 1 s)."
+    )
+    heartbeat_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="A host whose heartbeat is older than this is lost (a frozen or vanished host; gs:// root: 10 s).",
+    )
+    lease_s: float = Field(
+        2.0,
+        gt=0,
+        description="The leader's lease on the run; another agent takes over when it lapses (gs:// root: 8 s).",
+    )
+    join_timeout_s: float = Field(
+        15.0, gt=0, description="How long the first round waits for every expected host before it starts with fewer."
+    )
 
     # --- mesh --------------------------------------------------------------------
     ici_data: int = Field(1, description="Data parallelism inside a host (-1: fill).")
@@ -140,10 +181,29 @@ class Config(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> Config:
-        if not RUN_NAME_RE.match(self.run_name) or ".." in self.run_name:
-            raise ValueError(f"run_name {self.run_name!r} must match {RUN_NAME_RE.pattern} and contain no '..'")
+        if not RUN_NAME_RE.match(self.run_name):
+            raise ValueError(
+                f"run_name {self.run_name!r}: letters, digits and _.- (up to 63), not starting with one of _.-, no '..'"
+            )
+        if not self.dataset:
+            self.dataset = DEFAULT_DATASET.format(seq_len=self.seq_len)
+        if is_gcs(self.root):
+            # Every look at a gs:// root is an HTTP request: beat, and renew the lease, less often
+            # (unless told otherwise).
+            for key, value in GCS_TIMING.items():
+                if key not in self.model_fields_set:
+                    setattr(self, key, value)
         if self.min_workers > self.max_workers:
             raise ValueError(f"min_workers ({self.min_workers}) > max_workers ({self.max_workers})")
+        if self.min_workers % self.hosts_per_slice or self.max_workers % self.hosts_per_slice:
+            raise ValueError(
+                f"min_workers ({self.min_workers}) and max_workers ({self.max_workers}) must be whole slices of "
+                f"hosts_per_slice={self.hosts_per_slice} hosts"
+            )
+        if self.heartbeat_timeout_s < 2 * self.heartbeat_s:
+            raise ValueError(
+                f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must be at least twice heartbeat_s ({self.heartbeat_s})"
+            )
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if self.kv_heads and self.n_heads % self.kv_heads:
@@ -151,9 +211,10 @@ class Config(BaseModel):
         if self.resume_from not in ("latest", "none") and not self.resume_from.isdigit():
             raise ValueError(f"resume_from must be 'latest', 'none' or a step number, got {self.resume_from!r}")
         for spec in self.chaos:
-            from training.chaos import parse_chaos
-
-            parse_chaos(spec)
+            try:
+                parse_chaos(spec)
+            except ChaosError as e:
+                raise ValueError(str(e)) from None
         return self
 
     @property
@@ -166,18 +227,41 @@ class Config(BaseModel):
 
     @property
     def run_uri(self) -> str:
-        from training.storage import join
+        return run_uri(self.root, self.run_name)
 
-        return join(self.root, self.run_name) if self.root.startswith("gs://") else str(Path(self.root) / self.run_name)
+    def with_absolute_paths(self, base: str | Path | None = None) -> Config:
+        """Local paths made absolute against ``base`` (default: the current directory); gs:// kept."""
+        return self.model_copy(update={k: absolute(getattr(self, k), base) for k in PATH_KEYS})
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=2)
 
 
+def absolute(path: str, base: str | Path | None = None) -> str:
+    """A local path made absolute against ``base`` (default: the current directory); gs:// URIs unchanged."""
+    if not path or is_gcs(path):
+        return path
+    p = Path(path).expanduser()
+    if not p.is_absolute():
+        p = Path(base if base is not None else os.getcwd()) / p
+    return os.path.normpath(p)
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot be read ({e.strerror})") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise ConfigError(f"--config {path}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of key: value")
+        raise ConfigError(f"--config {path}: expected a mapping of key: value, got {type(data).__name__}")
     return data
 
 
@@ -186,7 +270,12 @@ def parse_override(item: str) -> tuple[str, Any]:
         raise ConfigError(f"override {item!r} is not key=value")
     key, _, raw = item.partition("=")
     key = key.strip()
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    if not key:
+        raise ConfigError(f"override {item!r} has no key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {key}: {raw!r} is not a value ({getattr(e, 'problem', None) or e})") from None
     return key, value
 
 
@@ -198,8 +287,13 @@ def load_config(
     preset: str | None = None,
     files: list[str] | None = None,
     overrides: list[str] | dict[str, Any] | None = None,
+    base_dir: str | Path | None = None,
 ) -> Config:
-    """Build a Config from the layers; raises ConfigError naming the bad key."""
+    """Build a Config from the layers; raises ConfigError naming the bad key.
+
+    Local paths are made absolute here, once, against ``base_dir`` (default: the
+    directory the command runs in), so every process of the run sees the same ones.
+    """
     layers: dict[str, Any] = dict(_read_yaml(CONFIG_DIR / "base.yml"))
     ov: dict[str, Any] = {}
     if isinstance(overrides, dict):
@@ -219,7 +313,7 @@ def load_config(
     for u in user_files:
         layers.update(u)
     layers.update(ov)
-    return validate_dict(layers)
+    return validate_dict(layers).with_absolute_paths(base_dir)
 
 
 def validate_dict(data: dict[str, Any]) -> Config:
@@ -228,12 +322,31 @@ def validate_dict(data: dict[str, Any]) -> Config:
     except ValidationError as e:
         msgs = []
         for err in e.errors():
-            loc = ".".join(str(p) for p in err["loc"]) or "config"
+            loc = ".".join(str(p) for p in err["loc"])
             if err["type"] == "extra_forbidden":
                 msgs.append(f"{loc}: unknown key")
-            else:
+            elif loc:
                 msgs.append(f"{loc}: {err['msg']} (got {err.get('input')!r})")
+            else:  # a cross-field rule: its message names the keys (the input is the whole config)
+                msgs.append(str(err["msg"]).removeprefix("Value error, "))
         raise ConfigError("invalid config: " + "; ".join(msgs)) from None
+
+
+def describe_keys() -> list[dict[str, str]]:
+    """Every config key with its type, default and description (``rtrain config``)."""
+    out = []
+    for name, field in Config.model_fields.items():
+        ann = field.annotation
+        typ = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
+        out.append(
+            {
+                "key": name,
+                "type": typ,
+                "default": repr(field.get_default(call_default_factory=True)),
+                "description": field.description or "",
+            }
+        )
+    return out
 
 
 def config_from_json(text: str) -> Config:

@@ -21,6 +21,7 @@ version or download, and any text on any machine is a valid corpus.
 from __future__ import annotations
 
 import datetime
+import functools
 import glob
 import hashlib
 import json
@@ -452,6 +453,7 @@ def local_shards(dataset_uri: str, split: str, cache_dir: str | None = None) -> 
         missing = [str(p) for p in paths if not p.is_file()]
         if missing:
             raise DatasetError(f"{dataset_uri}: shards named in the manifest are missing: {missing[:3]}")
+        _verify_local(root, shards)
         return [str(p) for p in paths]
 
     cache = Path(cache_dir or Path.home() / ".cache" / "rtrain" / "datasets" / manifest["fingerprint"]).expanduser()
@@ -477,6 +479,54 @@ def local_shards(dataset_uri: str, split: str, cache_dir: str | None = None) -> 
                     os.unlink(tmp)
         out.append(str(path))
     return out
+
+
+VERIFIED = ".verified.json"  # shard -> [size, mtime_ns] of the copy whose sha256 matched the manifest
+_verified_here: dict[str, tuple[int, int]] = {}
+
+
+def _verify_local(root: Path, shards: list[dict[str, Any]]) -> None:
+    """Check each shard's size and sha256 against the manifest before it is trained on.
+
+    A shard is hashed once per (size, mtime): the result is remembered in this
+    process and in ``<dataset>/.verified.json``, so a relaunch does not hash again
+    unless the file changed.  A mismatch names the shard and both checksums.
+    """
+    cache_path = root / VERIFIED
+    try:
+        cache: dict[str, list[int]] = json.loads(cache_path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    changed = False
+    for s in shards:
+        path = root / s["name"]
+        st = path.stat()
+        key = (st.st_size, st.st_mtime_ns)
+        if _verified_here.get(str(path)) == key or cache.get(s["name"]) == list(key):
+            _verified_here[str(path)] = key
+            continue
+        if st.st_size != s["bytes"]:
+            raise DatasetError(
+                f"{path}: {st.st_size} bytes, the manifest says {s['bytes']} (a truncated or replaced shard); "
+                "prepare the dataset again"
+            )
+        digest = _sha256_file(path)
+        if digest != s["sha256"]:
+            raise DatasetError(
+                f"{path}: sha256 {digest[:16]}... does not match the manifest's {s['sha256'][:16]}... "
+                "(the shard changed after it was prepared); prepare the dataset again"
+            )
+        _verified_here[str(path)] = key
+        cache[s["name"]] = list(key)
+        changed = True
+    if changed:
+        try:
+            fd, tmp = tempfile.mkstemp(dir=root, prefix=f"{VERIFIED}.")
+            with os.fdopen(fd, "w") as f:
+                json.dump(cache, f)
+            os.replace(tmp, cache_path)
+        except OSError:  # a read-only dataset: verified again next time, nothing lost
+            pass
 
 
 # ----------------------------------------------------------------------------
@@ -518,8 +568,9 @@ def _shuffle_seed(seed: int) -> int:
     return int.from_bytes(hashlib.sha256(f"rtrain-data-shuffle:{seed}".encode()).digest()[:4], "big")
 
 
+@functools.lru_cache(maxsize=8)
 def _records(dataset_uri: str, split: str, cache_dir: str | None) -> Any:
-    """A grain MapDataset of ``(id, record)`` over one split."""
+    """A grain MapDataset of ``(id, record)`` over one split (opened once per process: datasets are immutable)."""
     import grain
 
     paths = local_shards(dataset_uri, split, cache_dir)
@@ -527,6 +578,11 @@ def _records(dataset_uri: str, split: str, cache_dir: str | None) -> Any:
         raise DatasetError(f"the {split} split of {dataset_uri} is empty")
     source = grain.sources.ArrayRecordDataSource(paths)
     return grain.MapDataset.source(source).map_with_index(_AttachId(len(source)))
+
+
+def warm(dataset_uri: str, split: str = "train", cache_dir: str | None = None) -> None:
+    """Open (and verify) a split before it is needed: a standby worker does this while it waits."""
+    _records(dataset_uri, split, cache_dir)
 
 
 def _check_layout(batch: int, process_index: int, process_count: int, what: str) -> int:

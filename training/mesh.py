@@ -1,8 +1,10 @@
 """Mesh planning, batch splitting and the memory-fit check.
 
 The same code runs at the first launch and after every resize: from the number
-of hosts and devices per host, and the parallelism knobs (``ici_*`` inside a
-host, ``dcn_*`` across hosts, as in MaxText), it derives the mesh shape; it
+of hosts, devices per host and hosts per slice, and the parallelism knobs
+(``ici_*`` inside a slice, ``dcn_*`` across slices, as in MaxText; with one
+host per slice, the local default, that is inside a host and across hosts), it
+derives the mesh shape; it
 then checks that the constant global batch splits over it, and (before
 anything is provisioned) that the model fits at the *minimum* topology.
 
@@ -57,6 +59,11 @@ class MeshPlan:
     devices_per_worker: int
     ici: tuple[int, int, int]
     dcn: tuple[int, int, int]
+    hosts_per_slice: int = 1
+
+    @property
+    def slices(self) -> int:
+        return self.workers // self.hosts_per_slice
 
     @property
     def shape(self) -> dict[str, int]:
@@ -81,11 +88,16 @@ class MeshPlan:
 
 
 def plan_mesh(cfg: Config, workers: int) -> MeshPlan:
-    """The mesh for ``workers`` hosts of ``cfg.devices_per_worker`` devices each."""
-    d = cfg.devices_per_worker
-    ici = _fill([cfg.ici_data, cfg.ici_fsdp, cfg.ici_tensor], d, f"ici axes over {d} devices per host")
-    dcn = _fill([cfg.dcn_data, cfg.dcn_fsdp, 1], workers, f"dcn axes over {workers} hosts")
-    return MeshPlan(workers, d, tuple(ici), tuple(dcn))  # type: ignore[arg-type]
+    """The mesh for ``workers`` hosts of ``cfg.devices_per_worker`` devices each, in slices of ``hosts_per_slice``."""
+    h = cfg.hosts_per_slice
+    if workers % h:
+        raise PlanError(f"{workers} hosts are not whole slices of hosts_per_slice={h}")
+    d = cfg.devices_per_worker * h
+    where = f"{d} devices per host" if h == 1 else f"{d} devices per slice ({h} hosts)"
+    ici = _fill([cfg.ici_data, cfg.ici_fsdp, cfg.ici_tensor], d, f"ici axes over {where}")
+    n = workers // h
+    dcn = _fill([cfg.dcn_data, cfg.dcn_fsdp, 1], n, f"dcn axes over {n} {'hosts' if h == 1 else 'slices'}")
+    return MeshPlan(workers, cfg.devices_per_worker, tuple(ici), tuple(dcn), h)  # type: ignore[arg-type]
 
 
 def check_batch(cfg: Config, plan: MeshPlan) -> int:
@@ -101,9 +113,9 @@ def check_batch(cfg: Config, plan: MeshPlan) -> int:
 
 
 def feasible_sizes(cfg: Config) -> list[int]:
-    """Worker counts in min..max on which the job can run (mesh and batch both split)."""
+    """Worker counts in min..max, whole slices, on which the job can run (mesh and batch both split)."""
     out = []
-    for n in range(cfg.min_workers, cfg.max_workers + 1):
+    for n in range(cfg.min_workers, cfg.max_workers + 1, cfg.hosts_per_slice):
         try:
             check_batch(cfg, plan_mesh(cfg, n))
         except PlanError:
@@ -234,6 +246,33 @@ def build_mesh(plan: MeshPlan) -> Any:
         arr = mesh_utils.create_device_mesh(
             tuple(i * d for i, d in zip(plan.ici, plan.dcn, strict=True)), devices, allow_split_physical_axes=True
         )
-    else:
+    elif plan.hosts_per_slice == 1:
         arr = mesh_utils.create_hybrid_device_mesh(plan.ici, plan.dcn, devices, process_is_granule=True)
+    else:
+        arr = _slice_mesh(plan, devices)
     return Mesh(arr, AXES)
+
+
+def _slice_mesh(plan: MeshPlan, devices: list[Any]) -> Any:
+    """A hybrid mesh whose granule is a slice of ``hosts_per_slice`` processes.
+
+    On TPUs ``create_hybrid_device_mesh`` groups by ``device.slice_index``; CPU
+    devices have none, so slices are formed from consecutive process indices
+    (process id = slice * hosts_per_slice + host in slice, as the agents assign
+    them): ICI axes inside a slice, DCN axes across slices.
+    """
+    import numpy as np
+
+    by_slice: dict[int, list[Any]] = {}
+    for dev in sorted(devices, key=lambda d: (d.process_index, d.id)):
+        by_slice.setdefault(dev.process_index // plan.hosts_per_slice, []).append(dev)
+    granules = [np.array(by_slice[s], dtype=object).reshape(plan.ici) for s in sorted(by_slice)]
+    grid = np.empty(plan.dcn, dtype=object)
+    for i, idx in enumerate(np.ndindex(*plan.dcn)):
+        grid[idx] = granules[i]
+    # Each mesh axis a is dcn[a] blocks of ici[a] devices.
+    out = np.empty(tuple(i * d for i, d in zip(plan.ici, plan.dcn, strict=True)), dtype=object)
+    for idx in np.ndindex(*plan.dcn):
+        sl = tuple(slice(k * i, (k + 1) * i) for k, i in zip(idx, plan.ici, strict=True))
+        out[sl] = grid[idx]
+    return out

@@ -1,6 +1,6 @@
 """One small object-store interface over a local directory or ``gs://bucket/prefix``.
 
-The run root (see DESIGN.md §4) is written by several processes and read by
+The run root (see docs/architecture.md) is written by several processes and read by
 others (sensors, the CLI, Airflow retries on another machine).  GCS has no
 atomic rename and no append, so everything here is expressed in terms a bucket
 can honour on its own:
@@ -45,6 +45,7 @@ class Store(Protocol):
     def delete(self, key: str) -> None: ...
     def move(self, src: str, dst: str) -> None: ...
     def child(self, key: str) -> str: ...
+    def checksums(self, prefix: str = "") -> dict[str, list[int]]: ...
 
 
 def is_gcs(uri: str) -> bool:
@@ -143,6 +144,22 @@ class LocalStore:
                     keys.append(rel)
         return sorted(keys)
 
+    def checksums(self, prefix: str = "") -> dict[str, list[int]]:
+        """``{key relative to prefix: [size, crc32c]}`` of the objects under ``prefix``."""
+        import google_crc32c
+
+        out = {}
+        strip = len(prefix.rstrip("/")) + 1 if prefix else 0
+        for key in self.list(prefix.rstrip("/") + "/" if prefix else ""):
+            crc = google_crc32c.Checksum()
+            size = 0
+            with open(self._path(key), "rb") as f:
+                for block in iter(lambda: f.read(1 << 22), b""):
+                    crc.update(block)
+                    size += len(block)
+            out[key[strip:]] = [size, int.from_bytes(crc.digest(), "big")]
+        return out
+
     def move(self, src: str, dst: str) -> None:
         """Move an object or a whole prefix (a rename on one file system)."""
         target = self._path(dst)
@@ -235,6 +252,28 @@ class GCSStore:
             for b in self.client.list_blobs(self.bucket_name, prefix=full, retry=DEFAULT_RETRY)  # type: ignore[attr-defined]
         ]
         return sorted(names)
+
+    def checksums(self, prefix: str = "") -> dict[str, list[int]]:
+        """``{key relative to prefix: [size, crc32c]}``: GCS keeps both for every object.
+
+        (An emulator that keeps no CRC32C: the object is read and summed here.)
+        """
+        import base64
+
+        import google_crc32c
+        from google.cloud.storage.retry import DEFAULT_RETRY
+
+        base = self._name(prefix.rstrip("/")) + "/" if prefix else (self.prefix + "/" if self.prefix else "")
+        out = {}
+        for b in self.client.list_blobs(self.bucket_name, prefix=base, retry=DEFAULT_RETRY):  # type: ignore[attr-defined]
+            if b.crc32c:
+                crc = int.from_bytes(base64.b64decode(b.crc32c), "big")
+                size = int(b.size)
+            else:
+                data = b.download_as_bytes(retry=DEFAULT_RETRY)
+                crc, size = google_crc32c.value(data), len(data)
+            out[b.name[len(base) :]] = [size, crc]
+        return out
 
     def move(self, src: str, dst: str) -> None:
         """Copy then delete, object by object (GCS has no rename)."""

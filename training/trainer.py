@@ -1,15 +1,12 @@
-"""Train state, sharding, the train step and checkpoint verbs.
+"""Train state, sharding and the train step of one run on one mesh.
 
-Everything the run needs to resume is one Orbax checkpoint per step with
-three items: ``state`` (parameters, AdamW state, step, RNG), ``data`` (the
-global data position) and ``config`` (the resolved config).  Restores are
-given abstract targets carrying the *current* mesh's shardings, so Orbax
-reshards a checkpoint written on any other mesh; no code of ours moves shards.
+The abstract state (shapes, dtypes and the current mesh's shardings, from an
+abstract init that costs no FLOPs) is what a restore is given, so Orbax
+reshards a checkpoint written on any other mesh (``training.checkpoint.manager``).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, cast
 
 import flax.linen as nn
@@ -17,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -132,89 +128,3 @@ class Trainer:
         batch = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=self.batch_sharding)
         scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.replicated)
         self._compiled = self._step.lower(self.abstract, batch, batch, scalar).compile()
-
-
-# --- checkpoint verbs (MaxText's small vocabulary) -------------------------------------
-
-
-def checkpoint_manager(cfg: Config, run_uri: str, *, async_save: bool | None = None) -> ocp.CheckpointManager:
-    from training.storage import join
-
-    directory = join(run_uri, "checkpoints") if run_uri.startswith("gs://") else f"{run_uri}/checkpoints"
-    options = ocp.CheckpointManagerOptions(
-        save_interval_steps=1,  # we decide when to save (maybe_save)
-        max_to_keep=None,  # retention is the pruner's job: it knows validation and pins
-        create=True,
-        cleanup_tmp_directories=True,  # a save cut off by a crash is never restored, and is cleaned up
-        enable_async_checkpointing=cfg.async_checkpoint if async_save is None else async_save,
-    )
-    handlers = {
-        "state": ocp.StandardCheckpointHandler(use_ocdbt=use_ocdbt(cfg)),
-        "data": ocp.JsonCheckpointHandler(),
-        "config": ocp.JsonCheckpointHandler(),
-    }
-    return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
-
-
-def use_ocdbt(cfg: Config) -> bool:
-    """OCDBT (Orbax's default) unless told otherwise.
-
-    ``auto`` picks plain zarr for a gs:// root served by a GCS emulator
-    (STORAGE_EMULATOR_HOST set): OCDBT's manifest needs the object generations
-    and conditional writes that real GCS has and emulators get wrong.
-    """
-    if cfg.checkpoint_format == "auto":
-        import os
-
-        return not (cfg.root.startswith("gs://") and bool(os.environ.get("STORAGE_EMULATOR_HOST")))
-    return cfg.checkpoint_format == "ocdbt"
-
-
-def save(mngr: ocp.CheckpointManager, step: int, state: State, data: dict, cfg: Config) -> bool:
-    return bool(
-        mngr.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                data=ocp.args.JsonSave(data),
-                config=ocp.args.JsonSave(cfg.model_dump()),
-            ),
-            force=True,
-        )
-    )
-
-
-def restore(mngr: ocp.CheckpointManager, step: int, trainer: Trainer) -> tuple[State, dict]:
-    out = mngr.restore(
-        step,
-        args=ocp.args.Composite(state=ocp.args.StandardRestore(trainer.abstract), data=ocp.args.JsonRestore()),
-    )
-    return out["state"], dict(out["data"])
-
-
-def all_finite(tree: Any) -> bool:
-    return all(bool(np.isfinite(np.asarray(x)).all()) for x in jax.tree.leaves(jax.device_get(tree)))
-
-
-def nbytes(tree: Any) -> int:
-    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
-def load_state_host(run_uri: str, step: int) -> State:
-    """A checkpoint's state on this process's first device (audits, validation, tests).
-
-    The abstract target is read from the checkpoint's own metadata and given a
-    single-device sharding: Orbax reshards whatever mesh wrote it.
-    """
-    from etils import epath
-
-    from training.storage import join
-
-    path = epath.Path(join(run_uri, "checkpoints", str(step), "state"))
-    ck = ocp.StandardCheckpointer()
-    meta = ck.metadata(path)
-    tree = getattr(meta, "item_metadata", meta)
-    tree = getattr(tree, "tree", tree)
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), tree)
-    return dict(ck.restore(path, target))

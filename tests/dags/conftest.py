@@ -61,14 +61,13 @@ def run_conf(shared: dict[str, str], tmp_path: Path) -> Any:
 
 @pytest.fixture
 def stop_agents() -> Iterator[list[str]]:
-    """Run roots whose live agents are stopped after the test, whatever happened."""
+    """Run roots whose jobs' processes (the local slice, agents, workers) are stopped after the test, whatever happened."""
     uris: list[str] = []
     yield uris
-    from rtrain_airflow.hooks.training import pid_alive, stop_process_tree
+    import psutil
+    from rtrain_airflow.hooks.training import stop_process_tree
 
-    from training.api import status
-
-    for uri in uris:
-        st = status(uri) or {}
-        if st.get("agent_pid") and pid_alive(st["agent_pid"]):
-            stop_process_tree(int(st["agent_pid"]))
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = " ".join(proc.info.get("cmdline") or [])
+        if "training.elastic" in cmdline and any(uri in cmdline for uri in uris):
+            stop_process_tree(proc.info["pid"])

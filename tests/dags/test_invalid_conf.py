@@ -37,7 +37,7 @@ def test_continual_training_continues_from_the_newest_validated_checkpoint(dagba
     """The scheduled DAG's config: steps = newest validated + steps_per_run, resume_from = that step."""
     from rtrain_airflow.operators.training import RTrainResolveRunConfigOperator
 
-    from training.ledger import Ledger
+    from training.checkpoint.ledger import Ledger
     from training.storage import open_store
 
     dag = dagbag.dags["resilient_training_continual"]

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from airflow_test_env import alerts, events, task_states, xcom
 
-from training.ledger import Ledger
+from training.checkpoint.ledger import Ledger
 from training.storage import open_store
 
 pytestmark = pytest.mark.slow
@@ -41,7 +41,7 @@ def test_worker_killed_then_regression_rolls_back_and_resumes(dagbag: Any, run_c
 
     # Recovered inside the job: one failure, then a restore of step 10 on the same mesh.
     [failure] = events(run_uri, "failure")
-    assert "worker 1 killed" in failure["reason"]
+    assert "worker 1 on host h1 killed by signal 9" in failure["reason"]
     restores = [e for e in events(run_uri, "restore") if e["time"] > failure["time"]]
     assert restores[0]["step"] == 10
     watch = xcom(dr, "training.watch_job")

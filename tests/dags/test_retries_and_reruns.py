@@ -4,8 +4,6 @@ triggering again with ``resume_from`` and overrides.  All with dag.test() and re
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 from typing import Any
 
@@ -47,16 +45,17 @@ def test_sensor_retry_relaunches_from_the_newest_committed_checkpoint(
         try:
             st = wait_for(lambda: (status(run_uri) or {}).get("state") == "waiting_for_capacity" and status(run_uri),
                           240, what="the job waiting for capacity")
-            # One writer per run: a second agent is refused by the lock, a second launch re-attaches.
-            second = subprocess.run([sys.executable, "-m", "training.agent", run_uri], capture_output=True, text=True,
-                                    timeout=60)
-            seen["second_agent_rc"] = second.returncode
+            # One job per run: a second job is refused by the lock (naming the holder), a relaunch re-attaches.
             from rtrain_airflow.hooks.training import LocalSliceBackend
 
-            from training.api import load_run_config
+            from training.api import LaunchRefused, launch, load_run_config
 
+            try:
+                launch(load_run_config(run_uri), detach=True)
+            except LaunchRefused as e:
+                seen["second_job_refused"] = str(e)
             seen["relaunch"] = LocalSliceBackend().launch(load_run_config(run_uri), {}, attempt=1)
-            seen["first_agent"] = st["agent_pid"]
+            seen["first_job"] = st["job"]
             wait_for(lambda: events(run_uri, "failed"), 240, what="the job giving up")
             seen["capacity_back_at"] = __import__("time").time()
             set_capacity(run_uri, 2, reason="test: hosts are back")
@@ -73,8 +72,8 @@ def test_sensor_retry_relaunches_from_the_newest_committed_checkpoint(
     assert dr.state == "success", states
     assert states["training.watch_job"] == ("success", 2)  # failed once, relaunched by its retry
     assert states["training.launch_job"] == ("success", 1)
-    assert seen["second_agent_rc"] == 3  # LockHeld
-    assert seen["relaunch"]["attached"] and seen["relaunch"]["agent_pid"] == seen["first_agent"]
+    assert f"of job {seen['first_job']}" in seen["second_job_refused"]
+    assert seen["relaunch"]["attached"] and seen["relaunch"]["job"] == seen["first_job"]
 
     [failed] = events(run_uri, "failed")
     assert "capacity stayed below min_workers" in failed["reason"]

@@ -55,8 +55,7 @@ from rtrain_airflow.operators.gke_tpu import (
 )
 from rtrain_airflow.triggers.gke_tpu import GKETPUNodePoolOperationTrigger
 
-from training.backends.gke import GKEConfigError, GKELaunch, TPUSlice, render
-from training.config import load_config
+from training.api import GKEConfigError, GKELaunch, TPUSlice, load_config, render
 
 REPO = Path(__file__).resolve().parents[2]
 PROJECT = "rtrain-prod"
@@ -709,31 +708,48 @@ CONFIG = {
 }
 
 
-def start_op(url: str, **overrides: Any) -> GKEStartTPUJobSetOperator:
+@pytest.fixture(scope="module")
+def gs_config(gcs_emulator: str) -> dict[str, Any]:
+    """CONFIG with a gs:// run root and a prepared gs:// dataset in the emulator (a launch checks both)."""
+    import uuid
+
+    from training import data
+
+    prefix = f"gs://rtrain-test/gke-{uuid.uuid4().hex[:8]}"
+    data.prepare(None, f"{prefix}/data", 64, max_bytes=60_000)
+    return {**CONFIG, "root": f"{prefix}/runs", "dataset": f"{prefix}/data"}
+
+
+def start_op(url: str, config: dict[str, Any] | None = None, **overrides: Any) -> GKEStartTPUJobSetOperator:
     op = GKEStartTPUJobSetOperator(**{
         "task_id": "launch", "location": LOCATION, "cluster_name": CLUSTER, "project_id": PROJECT,
-        "gcp_conn_id": CONN_ID, "namespace": "training", "config": load_config(overrides=CONFIG).model_dump(),
+        "gcp_conn_id": CONN_ID, "namespace": "training", "config": config or CONFIG,
         "machine_type": "ct6e-standard-4t", "tpu_topology": "4x4", "image": "us-docker.pkg.dev/p/rtrain/train:1",
-        "attempt": 1, "prepare_run": False, **overrides,
+        **overrides,
     })
     op.jobset_hook = jobset_hook(url)
     return op
 
 
-def test_start_plans_slices_from_ready_nodes_and_creates_the_jobset(k8s: tuple[FakeKubernetes, str]) -> None:
+@pytest.mark.gcs
+def test_start_takes_the_run_writes_its_config_and_creates_a_jobset_of_agents(
+    k8s: tuple[FakeKubernetes, str], gs_config: dict[str, Any]
+) -> None:
+    from training import api as engine
+
     api, url = k8s
-    api.nodes = (
-        [tpu_node(f"a-{i}", "slice-a") for i in range(4)]
-        + [tpu_node(f"b-{i}", "slice-b") for i in range(4)]
-        + [tpu_node(f"c-{i}", "slice-c", ready=i != 2) for i in range(4)]  # a host is down
-        + [tpu_node(f"d-{i}", "slice-d", topology="2x4") for i in range(2)]  # another shape
-    )
-    result = start_op(url).execute(context={})
-    assert result["num_slices"] == 2 and result["num_processes"] == 8
-    assert result["run_uri"] == "gs://rtrain-prod/runs/llama-8b" and result["state"] == "running"
+    cfg = dict(gs_config, run_name="start-1")
+    result = start_op(url, cfg).execute(context={})
+    # Every slice max_workers allows is asked for (missing nodes leave pods Pending; the job is elastic).
+    assert result["num_slices"] == 4 and result["backend"] == "gke" and result["state"] == "running"
+    run_uri = f"{gs_config['root']}/start-1"
+    assert result["run_uri"] == run_uri
     jobset = api.objects[("JobSet", "training", result["jobset"])]
-    assert jobset["spec"]["replicatedJobs"][0]["replicas"] == 2
+    assert jobset["spec"]["replicatedJobs"][0]["replicas"] == 4
     assert jobset["spec"]["failurePolicy"] == {"maxRestarts": 0}
+    (container,) = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"]
+    assert container["args"] == ["rtrain", "agent", run_uri]
+    assert {"name": "RTRAIN_JOB", "value": result["job"]} in container["env"]
     service = api.objects[("Service", "training", result["jobset"])]
     # The Service belongs to the JobSet: deleting the JobSet (anyone's delete) takes it along.
     assert service["metadata"]["ownerReferences"] == [{
@@ -741,31 +757,35 @@ def test_start_plans_slices_from_ready_nodes_and_creates_the_jobset(k8s: tuple[F
         "uid": jobset["metadata"]["uid"], "blockOwnerDeletion": True}]
     kubernetes_validate.validate({k: v for k, v in service.items() if k != "deleteOptions"},
                                  kubernetes_validate.latest_version(), strict=True)
-    assert result["coordinator"] == f"{result['jobset']}-slice-0-0.{result['jobset']}:8476"
+    # The run is the job's: its config (hosts_per_slice from the TPU shape), a pending status, the lock handed over.
+    written = engine.load_run_config(run_uri)
+    assert (written.hosts_per_slice, written.backend) == (4, "gke")
+    assert engine.status(run_uri)["job"] == result["job"]
+    assert engine.job_state(result)["state"] == "pending"
 
 
-def test_start_again_reattaches_to_the_same_jobset(k8s: tuple[FakeKubernetes, str]) -> None:
+@pytest.mark.gcs
+def test_a_second_start_while_a_job_holds_the_run_is_refused_and_writes_nothing(
+    k8s: tuple[FakeKubernetes, str], gs_config: dict[str, Any]
+) -> None:
+    from training import api as engine
+
     api, url = k8s
-    first = start_op(url, num_slices=1).execute(context={})
-    api.objects[("JobSet", "training", first["jobset"])]["status"] = {"restarts": 0}
-    second = start_op(url, num_slices=1).execute(context={})  # e.g. the task retried after a worker crash
-    assert second == first
+    cfg = dict(gs_config, run_name="start-2")
+    first = start_op(url, cfg).execute(context={})
+    run_uri = f"{gs_config['root']}/start-2"
+    before = engine.load_run_config(run_uri).learning_rate
+    with pytest.raises(Exception, match="refused: run .* is locked by") as e:
+        start_op(url, {**cfg, "learning_rate": 0.5}).execute(context={})
+    assert first["job"] in str(e.value)
+    assert engine.load_run_config(run_uri).learning_rate == before  # the refused launch wrote nothing
     assert sum(1 for k in api.objects if k[0] == "JobSet") == 1
-    assert len([r for r in api.requests if r[0] == "POST"]) == 4  # jobset + service, twice (409s the second time)
-
-
-def test_start_without_enough_capacity_fails_for_airflow_to_retry(k8s: tuple[FakeKubernetes, str]) -> None:
-    api, url = k8s
-    api.nodes = [tpu_node(f"a-{i}", "slice-a") for i in range(3)]
-    with pytest.raises(Exception, match="capacity: 0 ready hosts"):
-        start_op(url).execute(context={})
-    assert not api.objects
 
 
 def test_start_refuses_a_config_that_cannot_run_on_gke_when_parsed(k8s: tuple[FakeKubernetes, str]) -> None:
     _, url = k8s
     with pytest.raises(GKEConfigError, match="^root:"):
-        start_op(url, config={**load_config(overrides=CONFIG).model_dump(), "root": "var/runs"})
+        start_op(url, {**CONFIG, "root": "var/runs"})
     with pytest.raises(GKEConfigError, match="^devices_per_worker:"):
         start_op(url, machine_type="ct6e-standard-8t", tpu_topology="2x4")
 
@@ -773,8 +793,8 @@ def test_start_refuses_a_config_that_cannot_run_on_gke_when_parsed(k8s: tuple[Fa
 def test_jobset_state_and_delete(k8s: tuple[FakeKubernetes, str]) -> None:
     api, url = k8s
     hook = jobset_hook(url)
-    cfg = load_config(overrides=CONFIG)
-    m = render(cfg, TPUSlice("ct6e-standard-4t", "4x4"), GKELaunch(image="img:1", namespace="training"), 1, 5)
+    cfg = load_config(overrides={**CONFIG, "hosts_per_slice": 4})
+    m = render(cfg, TPUSlice("ct6e-standard-4t", "4x4"), GKELaunch(image="img:1", namespace="training"), "j5")
     hook.create(m)
     assert hook.state(m.name, "training") == "running"
     api.objects[("JobSet", "training", m.name)]["status"] = {"terminalState": "Failed", "restarts": 0}
@@ -810,10 +830,11 @@ def test_the_dag_in_docs_gke_md_parses_with_these_operators() -> None:
     namespace: dict[str, Any] = {}
     exec(compile(_docs_dag_source(), "docs/gke.md", "exec"), namespace)  # noqa: S102 - our own documentation
     dag = namespace["launch"].dag  # the block opens its DAG as a context manager; its tasks know it
-    assert set(dag.task_ids) == {"create_tpu_pools", "launch", "delete_jobset", "delete_tpu_pools"}
+    assert set(dag.task_ids) == {"create_tpu_pools", "launch", "watch", "delete_jobset", "delete_tpu_pools"}
     assert dag.get_task("delete_tpu_pools").trigger_rule == TriggerRule.ALL_DONE
     assert dag.get_task("delete_jobset").trigger_rule == TriggerRule.ALL_DONE
-    assert "launch" in dag.get_task("delete_jobset").upstream_task_ids
+    assert "watch" in dag.get_task("delete_jobset").upstream_task_ids
+    assert dag.get_task("watch").upstream_task_ids == {"launch"}
     # The example's run config fits the shape it names: slices, mesh, batch and memory.
     from training.backends.gke import feasible_slices
     from training.mesh import check_fit

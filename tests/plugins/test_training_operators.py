@@ -56,11 +56,21 @@ def test_operators_refuse_a_spec_that_is_not_one(dag: Any, spec: Any) -> None:
         RTrainStartTrainingJobOperator(task_id="l", spec=spec)
 
 
-def test_templated_and_xcom_specs_are_checked_at_run_time(dag: Any, tmp_path: Path) -> None:
-    RTrainPlanTopologyOperator(task_id="a", spec="{{ ti.xcom_pull('resolve_config') }}")
+def test_templated_and_xcom_specs_are_accepted_when_parsed_and_checked_at_run_time(dag: Any, tmp_path: Path) -> None:
+    from airflow.sdk.exceptions import AirflowFailException
+
+    templated = RTrainPlanTopologyOperator(task_id="a", spec="{{ ti.xcom_pull('resolve_config') }}")
     resolve = RTrainResolveRunConfigOperator(task_id="resolve_config")
-    RTrainPlanTopologyOperator(task_id="b", spec=resolve.output)
-    RTrainPlanTopologyOperator(task_id="c", spec=spec_for(tmp_path))
+    from_xcom = RTrainPlanTopologyOperator(task_id="b", spec=resolve.output)
+    assert templated.spec.startswith("{{") and from_xcom.spec == resolve.output  # unknown until the run
+    # A plain value is checked at once, when the DAG is parsed ...
+    with pytest.raises(AirflowFailException, match="spec lacks run_uri, backend"):
+        RTrainPlanTopologyOperator(task_id="c", spec={"config": {}})
+    assert RTrainPlanTopologyOperator(task_id="d", spec=spec_for(tmp_path)).spec["backend"] == "local"
+    # ... a deferred one once resolved, in execute().
+    templated.spec = "what the template rendered to"
+    with pytest.raises(AirflowFailException, match="spec must be the mapping resolve_config returns, got str"):
+        templated.resolved_spec({})
 
 
 @pytest.mark.parametrize(
@@ -202,7 +212,8 @@ def test_release_stops_the_jobs_this_dag_run_launched(tmp_path: Path) -> None:
         while not psutil.Process(agent.pid).children() and time.monotonic() < deadline:
             time.sleep(0.05)
         [worker] = psutil.Process(agent.pid).children()
-        handle = {"backend": "local", "run_uri": cfg.run_uri, "agent_pid": agent.pid, "host": socket.gethostname()}
+        handle = {"backend": "local", "run_uri": cfg.run_uri, "job": "j1", "controller_pid": agent.pid,
+                  "host": socket.gethostname()}
         result = backend.release(cfg, spec, [handle])
         assert set(result["stopped_pids"]) == {agent.pid, worker.pid}
         assert not pid_alive(agent.pid)

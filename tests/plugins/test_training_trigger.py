@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,12 +16,6 @@ from rtrain_airflow.triggers.training import CLASSPATH, RTrainTrainingJobTrigger
 
 from training.events import EventLog, write_status
 from training.storage import open_store
-
-
-def dead_pid() -> int:
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
 
 
 def run_trigger(trigger: RTrainTrainingJobTrigger, timeout: float = 20) -> dict[str, Any]:
@@ -42,14 +34,22 @@ def run(tmp_path: Path) -> tuple[str, Any, EventLog]:
     return uri, store, EventLog(store, source="agent")
 
 
-def handle(uri: str, pid: int, launched_at: float = 0.0) -> dict[str, Any]:
-    return {"backend": "local", "run_uri": uri, "attached": False, "agent_pid": pid, "launched_at": launched_at,
-            "host": socket.gethostname(), "events_after": None}
+def handle(uri: str, job: str = "j1", launched_at: float | None = None) -> dict[str, Any]:
+    return {"backend": "local", "run_uri": uri, "job": job, "attached": False, "controller_pid": os.getpid(),
+            "launched_at": time.time() if launched_at is None else launched_at, "host": socket.gethostname(),
+            "events_after": None}
+
+
+def old_status(store: Any, age_s: float, **fields: Any) -> None:
+    """A status document last written ``age_s`` ago (by a job that has stopped writing)."""
+    import json
+
+    store.put("status.json", json.dumps({**fields, "updated_at": time.time() - age_s}).encode())
 
 
 def test_serialize_round_trips_exactly() -> None:
-    h = {"backend": "local", "run_uri": "/r/x", "attached": False, "agent_pid": 12, "launched_at": 1.5,
-         "host": "h", "events_after": None}
+    h = {"backend": "local", "run_uri": "/r/x", "job": "j1", "attached": False, "controller_pid": 12,
+         "launched_at": 1.5, "host": "h", "events_after": None}
     trigger = RTrainTrainingJobTrigger(run_uri="/r/x", handle=h, poll_interval=2.0, start_timeout_s=60.0,
                                        stale_after_s=360.0, events_after="events/0001-agent-ab.json")
     classpath, kwargs = trigger.serialize()
@@ -70,9 +70,8 @@ def test_finished_job_succeeds_and_reports_recoveries(run: tuple[str, Any, Event
     time.sleep(0.05)
     log.emit("resumed", step=10)
     log.emit("finished", step=20)
-    write_status(store, state="finished", step=20, latest_committed=20, failures=1, agent_pid=os.getpid(),
-                 host=socket.gethostname())
-    event = run_trigger(RTrainTrainingJobTrigger(uri, handle(uri, os.getpid()), poll_interval=0.05))
+    write_status(store, state="finished", step=20, latest_committed=20, failures=1, job="j1")
+    event = run_trigger(RTrainTrainingJobTrigger(uri, handle(uri), poll_interval=0.05))
     assert event["status"] == "success" and event["step"] == 20 and event["failures"] == 1
     [rec] = event["recoveries"]
     assert rec["cause"] == "worker 1 killed by signal 9" and rec["resumed_step"] == 10
@@ -82,40 +81,46 @@ def test_finished_job_succeeds_and_reports_recoveries(run: tuple[str, Any, Event
 
 def test_failed_job_fails_with_the_agents_reason(run: tuple[str, Any, EventLog]) -> None:
     uri, store, _ = run
-    write_status(store, state="failed", reason="failure budget spent: 4 failures > max_failures=3", step=17,
-                 agent_pid=os.getpid(), host=socket.gethostname())
-    event = run_trigger(RTrainTrainingJobTrigger(uri, handle(uri, os.getpid()), poll_interval=0.05))
+    write_status(store, state="failed", reason="failure budget spent: 4 failures > max_failures=3", step=17, job="j1")
+    event = run_trigger(RTrainTrainingJobTrigger(uri, handle(uri), poll_interval=0.05))
     assert event["status"] == "failed" and "failure budget spent" in event["message"]
 
 
-def test_killed_agent_fails_the_wait(run: tuple[str, Any, EventLog]) -> None:
+def test_a_job_whose_hosts_are_all_gone_fails_the_wait_and_its_status_says_so(run: tuple[str, Any, EventLog]) -> None:
+    from training import api
+
     uri, store, _ = run
-    pid = dead_pid()
-    write_status(store, state="running", step=12, agent_pid=pid, host=socket.gethostname())
-    event = run_trigger(RTrainTrainingJobTrigger(uri, handle(uri, pid), poll_interval=0.05))
-    assert event["status"] == "failed" and f"agent pid {pid} is gone" in event["message"]
+    # Its last status says running, but no agent holds the run's lease any more (every host was killed).
+    old_status(store, 60, state="running", step=12, job="j1")
+    event = run_trigger(RTrainTrainingJobTrigger(uri, handle(uri), poll_interval=0.05))
+    assert event["status"] == "failed" and "job j1 is gone" in event["message"]
+    st = api.status(uri)
+    assert st["state"] == "failed" and "job j1 is gone" in st["reason"]  # status never says running for it again
 
 
-def test_agent_that_never_reports_fails(run: tuple[str, Any, EventLog]) -> None:
+def test_a_job_that_never_starts_fails_after_start_timeout_s(run: tuple[str, Any, EventLog]) -> None:
     uri, store, _ = run
-    # A status left by an earlier agent is not this launch's (its pid and time are older).
-    write_status(store, state="failed", reason="an old failure", agent_pid=1, host=socket.gethostname())
-    pid = dead_pid()
-    event = run_trigger(RTrainTrainingJobTrigger(uri, handle(uri, pid, launched_at=time.time() + 1), poll_interval=0.05))
-    assert event["status"] == "failed" and "exited before it reported" in event["message"]
+    # A status left by an earlier job is not this job's.
+    write_status(store, state="failed", reason="an old failure", job="j0")
+    trigger = RTrainTrainingJobTrigger(uri, handle(uri, "j1"), poll_interval=0.05, start_timeout_s=0.3)
+    event = run_trigger(trigger)
+    assert event["status"] == "failed" and "job j1 did not start" in event["message"]
     assert "an old failure" not in event["message"]
 
 
-def test_silent_job_is_failed_after_stale_after_s(run: tuple[str, Any, EventLog]) -> None:
+def test_a_silent_job_is_failed_after_stale_after_s(run: tuple[str, Any, EventLog]) -> None:
+    from training.checkpoint.lock import RunLock
+
     uri, store, _ = run
-    write_status(store, state="running", step=3, agent_pid=os.getpid(), host=socket.gethostname())
-    time.sleep(0.3)
-    event = run_trigger(RTrainTrainingJobTrigger(uri, handle(uri, os.getpid()), poll_interval=0.05, stale_after_s=0.2))
+    lock = RunLock(store, "a leader that stopped writing its status", lease_s=60, job="j1")
+    lock.acquire()
+    old_status(store, 1.0, state="running", step=3, job="j1")
+    event = run_trigger(RTrainTrainingJobTrigger(uri, handle(uri), poll_interval=0.05, stale_after_s=0.5))
     assert event["status"] == "failed" and "no status update" in event["message"]
 
 
 def test_live_job_keeps_the_trigger_waiting(run: tuple[str, Any, EventLog]) -> None:
     uri, store, _ = run
-    write_status(store, state="recovering", step=5, agent_pid=os.getpid(), host=socket.gethostname())
+    write_status(store, state="recovering", step=5, job="j1")
     with pytest.raises(TimeoutError):
-        run_trigger(RTrainTrainingJobTrigger(uri, handle(uri, os.getpid()), poll_interval=0.05), timeout=0.5)
+        run_trigger(RTrainTrainingJobTrigger(uri, handle(uri), poll_interval=0.05), timeout=0.5)

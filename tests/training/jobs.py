@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,15 +27,77 @@ def job_config(root: str, dataset: str, cache: str, **overrides: Any) -> Config:
 
 
 def run_job(cfg: Config) -> int:
+    """Run a job on the local slice to its end (as `rtrain train` does); its exit code."""
     from training.api import launch
 
     lines: list[str] = []
-    res = launch(cfg, detach=False, display=lines.append)
-    return int(res["returncode"])
+    res = launch(cfg, detach=False, on_line=lines.append)
+    return int(res["returncode"])  # type: ignore[typeddict-item]
+
+
+def start_job(cfg: Config) -> dict[str, Any]:
+    """Start a job in the background (as `rtrain train --detach` and Airflow do); its handle."""
+    from training.api import launch
+
+    return dict(launch(cfg, detach=True))
+
+
+def wait_for(check: Callable[[], Any], timeout: float, what: str, every: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def wait_finished(handle: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
+    from training.api import job_state
+
+    def over() -> dict[str, Any] | None:
+        look = job_state(handle)
+        return look if look["state"] in ("finished", "failed") else None
+
+    look = wait_for(over, timeout, f"job {handle['job']} to end", every=0.5)
+    pid = handle.get("controller_pid")
+    if pid:
+        wait_for(lambda: not pid_running(int(pid)), 60, "the local slice to exit", every=0.2)
+    return dict(look["status"])
+
+
+def pid_running(pid: int) -> bool:
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done == pid:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        import psutil
+
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+    except Exception:  # noqa: BLE001 - gone
+        return False
+
+
+def hosts(run_uri: str) -> dict[str, Any]:
+    """The rendezvous' host records (heartbeats) by host id."""
+    from training.elastic.rendezvous import Rendezvous
+    from training.storage import open_store
+
+    return Rendezvous(open_store(run_uri)).hosts()
+
+
+def kill_host(run_uri: str, host: str, sig: int = signal.SIGKILL) -> int:
+    """Take a simulated host down: its agent's process group (agent, worker, standby). Returns the agent pid."""
+    pid = hosts(run_uri)[host].pid
+    os.killpg(os.getpgid(pid), sig)
+    return pid
 
 
 def step_ids(run_uri: str) -> dict[int, list[int]]:
-    """Per step, the sorted example ids the final attempt covering that step consumed."""
+    """Per step, the sorted example ids the final round covering that step consumed."""
     from training.storage import open_store
 
     store = open_store(run_uri)

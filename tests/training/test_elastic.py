@@ -1,10 +1,22 @@
-"""The elastic engine end to end: real JAX processes, real gloo collectives, real SIGKILLs."""
+"""The elastic engine end to end: one host agent per simulated host, real JAX processes, gloo, SIGKILLs.
+
+Each test runs the production design on the local slice: N host agents that
+meet in the rendezvous on the run root, a leader holding the run lock's lease,
+and a real multi-process JAX program per round.  Hosts are lost by killing
+their agent's process group (agent, worker, standby), frozen with SIGSTOP,
+and given back through the pool's capacity, as Kubernetes would.
+"""
 
 from __future__ import annotations
 
+import json
+import signal
+import threading
+import time
+
 import numpy as np
 import pytest
-from jobs import job_config, run_job, step_ids, worker_logs
+from jobs import hosts, job_config, kill_host, run_job, start_job, step_ids, wait_finished, wait_for, worker_logs
 
 from training import api
 from training.storage import open_store
@@ -17,17 +29,17 @@ def _events(run_uri: str, *types: str) -> list[dict]:
 
 
 def _final_state(run_uri: str, step: int) -> dict:
-    from training.trainer import load_state_host
+    from training.checkpoint.manager import load_state_host
 
     return load_state_host(run_uri, step)
 
 
-def _newest_committed_before_failure(run_uri: str) -> int:
-    # Async saves commit in the background: which one had committed when the worker
-    # died depends on timing, so the contract is "the newest committed", not a step number.
+def _newest_committed_before(run_uri: str, event_type: str = "failure") -> int:
+    # Async saves commit in the background: which one had committed when a host died depends on
+    # timing, so the contract is "the newest committed before the failure", not a step number.
     evs = _events(run_uri)
-    i_fail = next(i for i, e in enumerate(evs) if e["type"] == "failure")
-    return max(e["step"] for e in evs[:i_fail] if e["type"] == "checkpoint" and e["committed"])
+    i = next(i for i, e in enumerate(evs) if e["type"] == event_type)
+    return max(e["step"] for e in evs[:i] if e["type"] == "checkpoint" and e["committed"])
 
 
 def _assert_exact_data_position(run_uri: str, dataset: str, cfg) -> None:
@@ -40,41 +52,137 @@ def _assert_exact_data_position(run_uri: str, dataset: str, cfg) -> None:
         assert got == sorted(int(i) for i in want), f"step {step}: wrong examples after a resize"
 
 
-def test_losing_one_of_four_hosts_resizes_and_finishes_every_step(tmp_path, tiny_dataset, jax_cache):
+def test_a_lost_host_leaves_the_survivors_training_and_its_return_grows_the_group(tmp_path, tiny_dataset, jax_cache):
     cfg = job_config(
         str(tmp_path),
         tiny_dataset,
         jax_cache,
         run_name="lose-host",
-        steps=24,
+        steps=28,
         min_workers=2,
         max_workers=4,
-        checkpoint_every=8,
-        chaos=["preempt:worker=1,step=13"],
+        checkpoint_every=4,
+        chaos=["preempt:worker=1,step=11", "capacity:to=4,step=16"],
         trace_data_ids=True,
     )
     assert run_job(cfg) == 0, worker_logs(cfg.run_uri)
-
     st = api.status(cfg.run_uri)
-    assert st["state"] == "finished" and st["step"] == 24 and st["workers"] == 2
+    assert st["state"] == "finished" and st["step"] == 28 and st["workers"] == 4
 
+    # The host was lost (agent and worker): the leader saw it go within a second or two.
     [failure] = _events(cfg.run_uri, "failure")
-    assert failure["worker"] == 1 and failure["returncode"] == -9
-    assert 0 <= failure["detect_s"] < 2.0, "the agent must see a dead worker within about a second"
-    [resize] = _events(cfg.run_uri, "resize")
-    # 3 hosts are left, but 16 sequences do not split over 3: the plan takes 2.
-    assert (resize["old_workers"], resize["new_workers"]) == (4, 2)
-    assert resize["old_mesh"] == {"data": 4, "fsdp": 2, "tensor": 1}
-    assert resize["new_mesh"] == {"data": 2, "fsdp": 2, "tensor": 1}
-
-    # The restore is of the newest checkpoint committed before the failure.
-    [restore] = _events(cfg.run_uri, "restore")
-    assert restore["step"] == _newest_committed_before_failure(cfg.run_uri)
-    assert restore["mesh"] == resize["new_mesh"]
-    resumed = [e for e in _events(cfg.run_uri, "resumed") if e["attempt"] == 1]
-    assert resumed and resumed[0]["step"] == 9
-
+    [lost] = _events(cfg.run_uri, "host_lost")
+    assert failure["hosts"] == [lost["host"]] and "lost" in failure["reason"]
+    assert 0 <= failure["detect_s"] < 2.5, "the survivors' workers see a vanished peer within about a second"
+    # 3 hosts are left, but 16 sequences do not split over 3: the round takes 2; then the host
+    # comes back (a new agent joins) and the group grows at a checkpoint boundary.
+    assert [e["workers"] for e in _events(cfg.run_uri, "launch")] == [4, 2, 4]
+    assert [(e["old_workers"], e["new_workers"]) for e in _events(cfg.run_uri, "resize")] == [(4, 2), (2, 4)]
+    restores = _events(cfg.run_uri, "restore")
+    assert restores[0]["step"] == _newest_committed_before(cfg.run_uri)
+    assert restores[0]["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1}
+    rescale = _events(cfg.run_uri, "rescale_requested")[0]
+    assert rescale["step"] % 4 == 0 and restores[-1]["step"] == rescale["step"]
+    assert len(_events(cfg.run_uri, "failure")) == 1, "growing is not a failure"
+    # The survivors' agents stayed up the whole time (started before the loss); the lost host's
+    # agent is a new one.
+    records = hosts(cfg.run_uri)
+    survivors = {h for h in records if h != lost["host"]}
+    assert len(survivors) == 3 and all(records[h].started < failure["time"] for h in survivors)
+    assert records[lost["host"]].started > failure["time"]
     _assert_exact_data_position(cfg.run_uri, tiny_dataset, cfg)
+
+
+def test_losing_the_leader_s_host_another_agent_leads_and_the_run_goes_on(tmp_path, tiny_dataset, jax_cache):
+    cfg = job_config(
+        str(tmp_path),
+        tiny_dataset,
+        jax_cache,
+        run_name="lose-leader",
+        steps=24,
+        min_workers=2,
+        max_workers=4,
+        checkpoint_every=4,
+        trace_data_ids=True,
+    )
+    handle = start_job(cfg)
+    st = wait_for(lambda: (s := api.status(cfg.run_uri)) and (s.get("step") or 0) >= 9 and s, 240, "step 9")
+    first_leader = st["leader"]
+    api.set_capacity(cfg.run_uri, 3, reason="the leader's node is gone")  # the pool shrinks with it
+    kill_host(cfg.run_uri, first_leader)
+    st = wait_finished(handle)
+    assert st["state"] == "finished" and st["step"] == 24, worker_logs(cfg.run_uri)
+
+    leaders = _events(cfg.run_uri, "leader")
+    assert [e["host"] for e in leaders][0] == first_leader
+    assert leaders[-1]["host"] != first_leader and leaders[-1]["reason"] == "took over a running job"
+    [failure] = _events(cfg.run_uri, "failure")
+    assert failure["hosts"] == [first_leader]
+    assert [e["workers"] for e in _events(cfg.run_uri, "launch")] == [4, 2]
+    assert _events(cfg.run_uri, "restore")[0]["step"] == _newest_committed_before(cfg.run_uri)
+    _assert_exact_data_position(cfg.run_uri, tiny_dataset, cfg)
+
+
+def test_a_killed_agent_takes_its_worker_along_and_a_frozen_host_is_dropped_after_its_heartbeat(
+    tmp_path, tiny_dataset, jax_cache
+):
+    import psutil
+
+    cfg = job_config(
+        str(tmp_path),
+        tiny_dataset,
+        jax_cache,
+        run_name="agents",
+        steps=30,
+        min_workers=2,
+        max_workers=4,
+        checkpoint_every=4,
+        heartbeat_timeout_s=3.0,
+        # Rank 1's agent is killed at step 6 (its host stays, so the agent comes back and the group
+        # grows again at a checkpoint); rank 2's whole host freezes at step 21: no error anywhere,
+        # only a heartbeat that stops.
+        chaos=["kill_agent:worker=1,step=6", "freeze:worker=2,step=21"],
+        trace_data_ids=True,
+    )
+    assert run_job(cfg) == 0, worker_logs(cfg.run_uri)
+    assert api.status(cfg.run_uri)["step"] == 30
+
+    kill, freeze = _events(cfg.run_uri, "chaos")[:2]
+    assert (kill["action"], freeze["action"]) == ("kill_agent", "freeze")
+    # The killed agent's worker died with it (PR_SET_PDEATHSIG): its pid is gone.
+    dead = [e for e in _events(cfg.run_uri, "worker_started") if e["host"] == kill["host"]][0]
+    assert not psutil.pid_exists(dead["pid"]) or psutil.Process(dead["pid"]).status() == psutil.STATUS_ZOMBIE
+    failures = _events(cfg.run_uri, "failure")
+    assert len(failures) == 2
+    assert 0 <= failures[0]["detect_s"] < 2.5
+    # The frozen host raised no error: it is found by its heartbeat, within the timeout (and a poll).
+    [frozen] = [e for e in _events(cfg.run_uri, "host_lost") if e["host"] == freeze["host"]]
+    assert failures[1]["hosts"] == [freeze["host"]]
+    assert failures[1]["detect_s"] < cfg.heartbeat_timeout_s + 2.0
+    assert frozen["time"] > freeze["time"]
+    assert [e["workers"] for e in _events(cfg.run_uri, "launch")] == [4, 2, 4, 2]
+    _assert_exact_data_position(cfg.run_uri, tiny_dataset, cfg)
+
+
+def test_two_launches_of_one_run_one_trains_the_other_is_refused_naming_the_holder_and_writes_nothing(
+    tmp_path, tiny_dataset, jax_cache
+):
+    cfg = job_config(str(tmp_path), tiny_dataset, jax_cache, run_name="twice", steps=12, min_workers=1, max_workers=1)
+    handle = start_job(cfg)
+    store = open_store(cfg.run_uri)
+    config_before = store.get("config.json")
+    history_before = store.list("config-history/")
+    wait_for(lambda: (api.status(cfg.run_uri) or {}).get("leader"), 120, "a leader")
+    other = cfg.model_copy(update={"learning_rate": 0.5, "chaos": ["crash:worker=0,step=3"]})
+    with pytest.raises(api.LaunchRefused, match=rf"run {cfg.run_uri} is locked by 'agent h0 of job {handle['job']}'"):
+        api.launch(other, detach=True)
+    # Nothing of the refused launch was written: config, its history, the capacity, the status.
+    assert store.get("config.json") == config_before and store.list("config-history/") == history_before
+    assert api.status(cfg.run_uri)["job"] == handle["job"]
+    st = wait_finished(handle)
+    assert st["state"] == "finished" and st["step"] == 12
+    assert json.loads(store.get("config.json"))["learning_rate"] == cfg.learning_rate
+    assert not _events(cfg.run_uri, "chaos")
 
 
 def test_resume_parity_same_topology_bitwise_and_across_topologies_within_tolerance(tmp_path, tiny_dataset, jax_cache):
@@ -89,10 +197,10 @@ def test_resume_parity_same_topology_bitwise_and_across_topologies_within_tolera
     for cfg in (plain, same, moved):
         assert run_job(cfg) == 0, worker_logs(cfg.run_uri)
 
-    # The crash kept the topology; the preemption moved the job from 2 hosts to 1.
+    # The crash kept the host (its agent restarts the worker); the preemption moved the job from 2 hosts to 1.
     assert [e["workers"] for e in _events(same.run_uri, "launch")] == [2, 2]
     assert [e["workers"] for e in _events(moved.run_uri, "launch")] == [2, 1]
-    assert _events(same.run_uri, "restore")[0]["step"] == _newest_committed_before_failure(same.run_uri)
+    assert _events(same.run_uri, "restore")[0]["step"] == _newest_committed_before(same.run_uri)
 
     a, b, c = (_final_state(cfg.run_uri, 20) for cfg in (plain, same, moved))
     import jax
@@ -133,7 +241,7 @@ def test_kill_during_async_save_restores_previous_committed_checkpoint(tmp_path,
 
 
 @pytest.mark.gcs
-def test_gcs_root_survives_a_worker_kill_and_resumes_on_another_mesh(gcs_root, tiny_dataset, jax_cache):
+def test_on_a_gcs_root_the_rendezvous_and_a_recovery_work_too(gcs_root, tiny_dataset, jax_cache):
     cfg = job_config(
         gcs_root,
         tiny_dataset,
@@ -143,45 +251,49 @@ def test_gcs_root_survives_a_worker_kill_and_resumes_on_another_mesh(gcs_root, t
         checkpoint_every=4,
         min_workers=1,
         max_workers=2,
+        # The GCS emulator serves one request at a time: under a checkpoint's uploads a heartbeat can wait long.
+        heartbeat_timeout_s=30.0,
+        lease_s=15.0,
         chaos=["preempt:worker=1,step=10"],
     )
     assert run_job(cfg) == 0
     assert cfg.run_uri.startswith("gs://")
     [restore] = _events(cfg.run_uri, "restore")
     # Saving step 8 waited for step 4's commit, so at least step 4 is there to resume from.
-    assert restore["step"] == _newest_committed_before_failure(cfg.run_uri) >= 4
+    assert restore["step"] == _newest_committed_before(cfg.run_uri) >= 4
     assert restore["mesh"] == {"data": 1, "fsdp": 2, "tensor": 1}
     assert api.status(cfg.run_uri)["state"] == "finished"
     assert api.committed_steps(cfg.run_uri) == [4, 8, 12]
     store = open_store(cfg.run_uri)
-    assert store.exists("config.json") and store.list("events/")
+    assert store.exists("config.json") and store.list("events/") and store.list("rendezvous/rounds/")
+    assert sorted(hosts(cfg.run_uri)) == ["h0", "h1"]
 
 
-def test_returning_capacity_is_taken_at_the_next_checkpoint(tmp_path, tiny_dataset, jax_cache):
+def test_whole_slices_a_host_lost_takes_its_slice_out_of_the_next_round(tmp_path, tiny_dataset, jax_cache):
     cfg = job_config(
         str(tmp_path),
         tiny_dataset,
         jax_cache,
-        run_name="grow",
-        steps=25,
-        checkpoint_every=5,
+        run_name="slices",
+        steps=16,
+        checkpoint_every=4,
         min_workers=2,
         max_workers=4,
-        chaos=["preempt:worker=3,step=8", "capacity:to=4,step=12"],
+        hosts_per_slice=2,
+        chaos=["preempt:worker=3,step=9"],
         trace_data_ids=True,
     )
     assert run_job(cfg) == 0, worker_logs(cfg.run_uri)
-    assert [e["workers"] for e in _events(cfg.run_uri, "launch")] == [4, 2, 4]
-    assert [(e["old_workers"], e["new_workers"]) for e in _events(cfg.run_uri, "resize")] == [(4, 2), (2, 4)]
-    [rescale] = _events(cfg.run_uri, "rescale_requested")
-    # The scale-up waits for a checkpoint boundary, saves there and resumes exactly from it.
-    assert rescale["step"] % 5 == 0 and rescale["step"] >= 15
-    assert _events(cfg.run_uri, "restore")[-1]["step"] == rescale["step"]
-    assert len(_events(cfg.run_uri, "failure")) == 1, "growing is not a failure"
+    launches = _events(cfg.run_uri, "launch")
+    assert [e["workers"] for e in launches] == [4, 2]
+    # Slice 1 lost one host: both of its hosts leave the round; slice 0 trains on (ICI inside it).
+    assert launches[0]["members"] == ["s0-h0", "s0-h1", "s1-h0", "s1-h1"]
+    assert launches[1]["members"] == ["s0-h0", "s0-h1"]
+    assert launches[1]["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}  # ici fsdp over the slice's 4 devices
     _assert_exact_data_position(cfg.run_uri, tiny_dataset, cfg)
 
 
-def test_below_minimum_capacity_the_agent_waits_then_goes_on(tmp_path, tiny_dataset, jax_cache):
+def test_below_minimum_capacity_the_job_waits_keeping_its_lease_then_goes_on(tmp_path, tiny_dataset, jax_cache):
     cfg = job_config(
         str(tmp_path),
         tiny_dataset,
@@ -194,14 +306,18 @@ def test_below_minimum_capacity_the_agent_waits_then_goes_on(tmp_path, tiny_data
         capacity_timeout_s=60,
         chaos=["preempt:worker=1,step=6"],
     )
-    import threading
-    import time
+    refused: list[str] = []
 
-    def give_back_a_host() -> None:  # capacity returns while the agent waits, as an operator would do it
+    def give_back_a_host() -> None:  # capacity returns while the job waits, as an operator would do it
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             st = api.status(cfg.run_uri) if (tmp_path / "wait").exists() else None
             if st and st.get("state") == "waiting_for_capacity":
+                time.sleep(3 * cfg.lease_s)  # longer than a lease: the waiting leader must keep it
+                try:
+                    api.launch(cfg.model_copy(update={"learning_rate": 0.1}), detach=True)
+                except api.LaunchRefused as e:
+                    refused.append(str(e))
                 api.set_capacity(cfg.run_uri, 2, reason="host repaired")
                 return
             time.sleep(0.2)
@@ -210,10 +326,13 @@ def test_below_minimum_capacity_the_agent_waits_then_goes_on(tmp_path, tiny_data
     helper.start()
     assert run_job(cfg) == 0, worker_logs(cfg.run_uri)
     helper.join(timeout=5)
+    assert refused and "is locked by 'agent" in refused[0], "a waiting job still owns its run"
     [wait] = _events(cfg.run_uri, "waiting_for_capacity")
     assert (wait["available"], wait["min_workers"]) == (1, 2)
     assert [e["workers"] for e in _events(cfg.run_uri, "launch")] == [2, 2]
     assert api.status(cfg.run_uri)["state"] == "finished"
+    # While it waited (longer than a lease), nobody took the run from the waiting leader.
+    assert not [e for e in _events(cfg.run_uri, "lock") if e["action"] == "takeover" and e["time"] > wait["time"]]
 
 
 def test_capacity_that_never_returns_fails_the_job_clearly(tmp_path, tiny_dataset, jax_cache):
@@ -229,13 +348,13 @@ def test_capacity_that_never_returns_fails_the_job_clearly(tmp_path, tiny_datase
         capacity_timeout_s=2,
         chaos=["preempt:worker=1,step=5"],
     )
-    assert run_job(cfg) == 2
+    assert run_job(cfg) == 1
     st = api.status(cfg.run_uri)
     assert st["state"] == "failed"
-    assert st["reason"] == "capacity stayed below min_workers=2 for 2s (available: 1)"
+    assert st["reason"] == "capacity stayed below min_workers=2 for 2s (available: 1 hosts)"
 
 
-def test_a_spent_failure_budget_fails_the_job_with_the_reason(tmp_path, tiny_dataset, jax_cache):
+def test_a_spent_failure_budget_fails_the_job_with_the_worker_s_own_reason(tmp_path, tiny_dataset, jax_cache):
     cfg = job_config(
         str(tmp_path),
         tiny_dataset,
@@ -252,5 +371,40 @@ def test_a_spent_failure_budget_fails_the_job_with_the_reason(tmp_path, tiny_dat
     st = api.status(cfg.run_uri)
     assert st["state"] == "failed"
     assert st["reason"].startswith(
-        "failure budget spent: 2 failures > max_failures=1; last: worker 0 killed by signal 9"
+        "failure budget spent: 2 failures > max_failures=1; last: worker 0 on host h0 killed by signal 9"
     )
+
+
+def test_every_listener_of_a_job_is_on_loopback_and_nothing_outlives_a_killed_job(tmp_path, tiny_dataset, jax_cache):
+    import psutil
+
+    cfg = job_config(
+        str(tmp_path), tiny_dataset, jax_cache, run_name="listen", steps=400, min_workers=2, max_workers=2
+    )
+    handle = start_job(cfg)
+    wait_for(lambda: ((api.status(cfg.run_uri) or {}).get("step") or 0) >= 3, 240, "training")
+    controller = psutil.Process(handle["controller_pid"])
+    procs = [controller, *controller.children(recursive=True)]
+    assert len(procs) >= 5  # the local slice, 2 agents, their workers (and standbys)
+    listening = [
+        c.laddr for p in procs for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN
+    ]
+    assert listening, "the coordinator of jax.distributed listens"
+
+    def loopback(ip: str) -> bool:
+        import ipaddress
+
+        addr = ipaddress.ip_address(ip.split("%")[0])
+        mapped = getattr(addr, "ipv4_mapped", None)
+        return bool((mapped or addr).is_loopback)
+
+    assert all(loopback(addr.ip) for addr in listening), listening
+    # Every host of the job is gone at once (the local slice first, so that nothing restarts them):
+    # no worker outlives its agent, and the run's status is not left saying "running".
+    controller.kill()
+    for h in hosts(cfg.run_uri):
+        kill_host(cfg.run_uri, h, signal.SIGKILL)
+    gone, alive = psutil.wait_procs(procs, timeout=5)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
+    st = wait_for(lambda: (s := api.status(cfg.run_uri)) and s["state"] == "failed" and s, 60, "the final state")
+    assert f"job {handle['job']} is gone" in st["reason"]

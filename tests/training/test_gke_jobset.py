@@ -1,4 +1,4 @@
-"""The GKE backend: TPU shapes, the JobSet and Service of a launch, and capacity from nodes.
+"""The GKE backend: TPU shapes, the JobSet and Service of a job, and capacity from nodes.
 
 The manifests are checked against the Kubernetes schemas (kubernetes_validate,
 strict: unknown fields are errors).  The JobSet CRD has no schema there, so
@@ -6,8 +6,8 @@ its embedded Job and pod templates are validated as core objects, the JobSet's
 own fields are checked against the v1alpha2 API and its webhook's rules, and
 the pods the JobSet and Job controllers would make are built and validated.
 Then each pod's environment is resolved as the kubelet would (downward API)
-and its real entrypoint runs under /bin/sh to show the JAX distributed
-environment of every process.
+and its real entrypoint runs under /bin/sh to show the host agent each pod
+starts: its host id, and the addresses its worker serves and binds.
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ def gke_config(**overrides: Any) -> Any:
         "min_workers": 4,
         "max_workers": 16,
         "global_batch": 192,  # splits over 2, 4, 6, 8, 12 and 16 workers of 4 devices
+        "hosts_per_slice": 4,  # ct6e-standard-4t 4x4
     }
     return load_config(preset="tiny", overrides={**base, **overrides})
 
@@ -132,16 +133,15 @@ def test_tpu_slice_refuses_shapes_gke_does_not_offer(machine_type: str, topology
 
 
 @pytest.mark.parametrize("run_name", ["Llama3_8B.v2", "a_b", "a.b", "7b-run", "x" * 63, "demo"])
-@pytest.mark.parametrize("attempt", [0, 7, 123])
-def test_jobset_name_is_a_short_dns_label(run_name: str, attempt: int) -> None:
-    name = jobset_name(run_name, attempt)
+@pytest.mark.parametrize("job", ["j20261129-101500-abc123", "j1"])
+def test_jobset_name_is_a_short_dns_label(run_name: str, job: str) -> None:
+    name = jobset_name(run_name, job)
     assert DNS_1035.match(name), name
     assert len(name) <= gke.MAX_JOBSET_NAME
-    assert name.endswith(f"-a{attempt}")
 
 
-def test_jobset_names_differ_by_run_and_attempt() -> None:
-    names = {jobset_name(r, a) for r in ("a_b", "a.b", "A_B", "x" * 63, "x" * 62 + "y") for a in (1, 2)}
+def test_jobset_names_differ_by_run_and_job() -> None:
+    names = {jobset_name(r, j) for r in ("a_b", "a.b", "A_B", "x" * 63, "x" * 62 + "y") for j in ("j1", "j2")}
     assert len(names) == 10
 
 
@@ -162,14 +162,14 @@ def test_slice_bounds_keep_hosts_within_min_max_workers(
     machine_type: str, topology: str, min_w: int, max_w: int, bounds: tuple[int, int]
 ) -> None:
     tpu = TPUSlice(machine_type, topology)
-    cfg = gke_config(min_workers=min_w, max_workers=max_w, devices_per_worker=tpu.chips_per_host)
+    cfg = gke_config(min_workers=min_w, max_workers=max_w, devices_per_worker=tpu.chips_per_host, hosts_per_slice=1)
     assert slice_bounds(cfg, tpu) == bounds
     k_min, k_max = bounds
     assert min_w <= k_min * tpu.hosts and k_max * tpu.hosts <= max_w
 
 
 def test_slice_bounds_refuse_a_range_no_whole_slice_fits() -> None:
-    cfg = gke_config(min_workers=5, max_workers=7)
+    cfg = gke_config(min_workers=5, max_workers=7, hosts_per_slice=1)
     with pytest.raises(GKEConfigError, match="min_workers/max_workers"):
         slice_bounds(cfg, TPUSlice("ct6e-standard-4t", "4x4"))
 
@@ -184,8 +184,8 @@ def test_plan_slices_takes_only_slice_counts_the_batch_splits_over() -> None:
     tpu = TPUSlice("ct6e-standard-4t", "4x4")
     assert gke.feasible_slices(cfg, tpu) == [1, 2]
     assert plan_slices(cfg, tpu, 16) == 2
-    with pytest.raises(GKEConfigError, match="^num_slices: the mesh or global_batch=32"):
-        render(cfg, tpu, LAUNCH, 3, 0)
+    with pytest.raises(GKEConfigError, match="^min_workers/max_workers: the mesh or global_batch=20"):
+        render(gke_config(global_batch=20), tpu, LAUNCH, "j1")
 
 
 def test_plan_slices_is_zero_below_min_workers() -> None:
@@ -203,18 +203,19 @@ def test_plan_slices_is_zero_below_min_workers() -> None:
         ({"root": "var/runs"}, "root"),
         ({"backend": "local"}, "backend"),
         ({"devices_per_worker": 8}, "devices_per_worker"),
-        ({"min_workers": 1, "max_workers": 3}, "min_workers/max_workers"),
+        ({"hosts_per_slice": 2}, "hosts_per_slice"),
+        ({"min_workers": 1, "max_workers": 3, "hosts_per_slice": 1}, "hosts_per_slice"),
     ],
 )
 def test_render_refuses_a_config_that_cannot_run_on_the_slice(overrides: dict[str, Any], key: str) -> None:
     with pytest.raises(GKEConfigError, match=f"^{key}:"):
-        render(gke_config(**overrides), TPUSlice("ct6e-standard-4t", "4x4"), LAUNCH, 1, 0)
+        render(gke_config(**overrides), TPUSlice("ct6e-standard-4t", "4x4"), LAUNCH, "j1")
 
 
 @pytest.mark.parametrize("k", [0, 5])
 def test_render_refuses_slices_outside_min_max(k: int) -> None:
     with pytest.raises(GKEConfigError, match="^num_slices:"):
-        render(gke_config(), TPUSlice("ct6e-standard-4t", "4x4"), LAUNCH, k, 0)
+        render(gke_config(), TPUSlice("ct6e-standard-4t", "4x4"), LAUNCH, "j1", k)
 
 
 @pytest.mark.parametrize(
@@ -278,6 +279,9 @@ def resolve_env(pod: dict[str, Any], container: dict[str, Any]) -> dict[str, str
             env[item["name"]] = item["value"]
             continue
         path = item["valueFrom"]["fieldRef"]["fieldPath"]
+        if path == "status.podIP":
+            env[item["name"]] = pod["status"]["podIP"]
+            continue
         m = re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", path)
         assert m, f"unsupported fieldPath {path}"
         meta = pod["metadata"][m.group(1)]
@@ -286,19 +290,29 @@ def resolve_env(pod: dict[str, Any], container: dict[str, Any]) -> dict[str, str
     return env
 
 
-def run_entrypoint(container: dict[str, Any], env: dict[str, str]) -> dict[str, str]:
-    """Run the container's real command with ``env`` in place of the worker; return what the worker sees."""
+def run_entrypoint(container: dict[str, Any], env: dict[str, str]) -> list[str]:
+    """Run the container's real command with ``env``, ``echo`` in place of the program; return the agent's argv."""
     assert container["command"][:2] == ["/bin/sh", "-c"]
-    assert container["args"] == ["python", "-m", "training.worker"]
+    assert container["args"][:2] == ["rtrain", "agent"]
     out = subprocess.run(
-        [*container["command"], "env"],
+        [*container["command"], "echo", *container["args"]],
         env={**env, "PATH": os.environ.get("PATH", "/usr/bin:/bin")},
         capture_output=True,
         text=True,
         check=True,
         timeout=10,
     ).stdout
-    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    return out.split()
+
+
+def agent_args(argv: list[str]) -> dict[str, str]:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("cmd", nargs=3)  # rtrain agent RUN_URI
+    for flag in ("--job", "--host", "--coordinator-host", "--coordinator-port", "--bind-host"):
+        p.add_argument(flag, required=True)
+    return {k: v for k, v in vars(p.parse_args(argv)).items() if k != "cmd"} | {"run": argv[2]}
 
 
 def check_jobset_structure(jobset: dict[str, Any]) -> None:
@@ -342,8 +356,8 @@ def test_service_and_jobset_validate_against_kubernetes_schemas(
     machine_type: str, topology: str, min_w: int, max_w: int, k: int
 ) -> None:
     tpu = TPUSlice(machine_type, topology)
-    cfg = gke_config(min_workers=min_w, max_workers=max_w, devices_per_worker=tpu.chips_per_host)
-    m = render(cfg, tpu, LAUNCH, k, attempt=2)
+    cfg = gke_config(min_workers=min_w, max_workers=max_w, devices_per_worker=tpu.chips_per_host, hosts_per_slice=tpu.hosts)
+    m = render(cfg, tpu, LAUNCH, "j20261129-101500-abc123", k)
 
     validate_core(m.service)
     assert m.service["spec"]["clusterIP"] == "None"
@@ -376,20 +390,34 @@ def test_service_and_jobset_validate_against_kubernetes_schemas(
 
 def test_a_broken_manifest_fails_the_schema_check() -> None:
     """The validation above can fail: a typo in a pod field is caught."""
-    m = render(gke_config(), TPUSlice("ct6e-standard-4t", "4x4"), LAUNCH, 1, 0)
+    m = render(gke_config(), TPUSlice("ct6e-standard-4t", "4x4"), LAUNCH, "j1")
     tmpl = m.jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
     tmpl["spec"]["restartPolicyy"] = "Never"
     with pytest.raises(kubernetes_validate.ValidationError):
         validate_core({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": tmpl})
 
 
-def test_the_jobset_never_restarts_itself_and_asks_for_tpu_chips() -> None:
+def test_a_lost_host_is_recreated_while_the_jobset_itself_never_restarts() -> None:
     tpu = TPUSlice("ct6e-standard-4t", "4x4")
-    m = render(gke_config(), tpu, LAUNCH, 2, 0)
+    m = render(gke_config(), tpu, LAUNCH, "j1")
     spec = m.jobset["spec"]
+    # The job as a whole is never restarted by the JobSet (Airflow's retry is that second level) ...
     assert spec["failurePolicy"] == {"maxRestarts": 0}
+    assert spec["successPolicy"] == {"operator": "Any", "targetReplicatedJobs": ["slice"]}
+    # ... and it asks for every slice max_workers allows: 16 hosts of 4-host slices.
+    assert spec["replicatedJobs"][0]["replicas"] == 4 and m.num_slices == 4
     job = spec["replicatedJobs"][0]["template"]["spec"]
-    assert (job["parallelism"], job["completions"], job["backoffLimit"]) == (4, 4, 0)
+    assert (job["parallelism"], job["completions"], job["completionMode"]) == (4, 4, "Indexed")
+    # A failed pod is recreated for its index (its agent rejoins); a preemption does not count;
+    # an agent that says the job failed for good fails the Job at once.
+    assert job["backoffLimitPerIndex"] >= 1 and "backoffLimit" not in job
+    rules = job["podFailurePolicy"]["rules"]
+    assert rules[0] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    assert rules[1]["action"] == "FailJob"
+    assert rules[1]["onExitCodes"] == {"containerName": "agent", "operator": "In", "values": [3, 5]}
+    from training.elastic.codes import AgentExit
+
+    assert {int(AgentExit.FAILED), int(AgentExit.SUPERSEDED)} == set(rules[1]["onExitCodes"]["values"])
     pod = job["template"]["spec"]
     assert pod["restartPolicy"] == "Never"
     assert pod["nodeSelector"] == {
@@ -404,48 +432,39 @@ def test_the_jobset_never_restarts_itself_and_asks_for_tpu_chips() -> None:
 
 def test_a_single_host_slice_is_not_bound_to_a_node_pool_of_its_own() -> None:
     tpu = TPUSlice("ct6e-standard-4t", "2x2")
-    m = render(gke_config(min_workers=1, max_workers=1), tpu, LAUNCH, 1, 0)
+    m = render(gke_config(min_workers=1, max_workers=1, hosts_per_slice=1), tpu, LAUNCH, "j1")
     assert gke.EXCLUSIVE_TOPOLOGY_ANNOTATION not in m.jobset["metadata"]["annotations"]
 
 
 @pytest.mark.parametrize(("machine_type", "topology", "min_w", "max_w", "k"), CASES)
-def test_every_pod_gets_the_jax_distributed_environment(
+def test_every_pod_runs_one_host_agent_with_its_identity_and_addresses(
     machine_type: str, topology: str, min_w: int, max_w: int, k: int
 ) -> None:
     tpu = TPUSlice(machine_type, topology)
-    cfg = gke_config(min_workers=min_w, max_workers=max_w, devices_per_worker=tpu.chips_per_host)
-    m = render(cfg, tpu, LAUNCH, k, attempt=3)
-    n = k * tpu.hosts
-    assert m.num_processes == n
-
-    seen: dict[int, dict[str, Any]] = {}
-    for pod in expand_pods(m.jobset):
+    cfg = gke_config(min_workers=min_w, max_workers=max_w, devices_per_worker=tpu.chips_per_host, hosts_per_slice=tpu.hosts)
+    m = render(cfg, tpu, LAUNCH, "j20261129-101500-abc123", k)
+    seen: dict[str, dict[str, Any]] = {}
+    for n, pod in enumerate(expand_pods(m.jobset)):
+        pod["status"] = {"podIP": f"10.8.0.{n + 2}"}
         (container,) = pod["spec"]["containers"]
-        env = run_entrypoint(container, resolve_env(pod, container))
-        pid = int(env["RTRAIN_PROCESS_ID"])
-        assert pid not in seen, f"process id {pid} twice"
-        seen[pid] = pod
-        assert env["RTRAIN_COORDINATOR"] == m.coordinator
-        assert env["RTRAIN_NUM_PROCESSES"] == str(n)
-        assert env["RTRAIN_RUN_URI"] == "gs://rtrain-prod/runs/Llama3_8B.v2" == cfg.run_uri
-        assert env["RTRAIN_ATTEMPT"] == "3"
-        if k > 1:
-            assert env["MEGASCALE_NUM_SLICES"] == str(k)
-            assert env["MEGASCALE_SLICE_ID"] == pod["metadata"]["labels"][gke.JOB_INDEX_LABEL]
-            assert env["MEGASCALE_COORDINATOR_ADDRESS"] == m.coordinator.rsplit(":", 1)[0]
-        else:
-            assert not any(key.startswith("MEGASCALE_") for key in env)
-    assert sorted(seen) == list(range(n))
-
-    # The coordinator is the DNS name (hostname.subdomain) of process 0's pod, on a port it listens on.
-    host, port = m.coordinator.rsplit(":", 1)
-    p0 = seen[0]["spec"]
-    assert host == f"{p0['hostname']}.{p0['subdomain']}"
-    assert p0["subdomain"] == m.service["metadata"]["name"]
-    assert int(port) in {p["containerPort"] for p in p0["containers"][0]["ports"]}
-    # Processes of one slice are consecutive: slice s holds s*hosts .. (s+1)*hosts-1.
-    for pid, pod in seen.items():
-        assert int(pod["metadata"]["labels"][gke.JOB_INDEX_LABEL]) == pid // tpu.hosts
+        env = resolve_env(pod, container)
+        env["HOSTNAME"] = pod["spec"]["hostname"]  # the kubelet sets it to the pod's hostname
+        args = agent_args(run_entrypoint(container, env))
+        assert args["host"] not in seen, f"host id {args['host']} twice"
+        seen[args["host"]] = pod
+        assert args["run"] == "gs://rtrain-prod/runs/Llama3_8B.v2" == cfg.run_uri
+        assert args["job"] == "j20261129-101500-abc123"
+        # The host id names its slice and its place in it: what the agents' membership counts in.
+        j = pod["metadata"]["labels"][gke.JOB_INDEX_LABEL]
+        i = pod["metadata"]["annotations"][gke.COMPLETION_INDEX_ANNOTATION]
+        assert args["host"] == f"s{j}-h{i}"
+        # Peers reach its worker (as rank 0) at hostname.subdomain, on a port the pod declares; it binds the pod IP.
+        assert args["coordinator_host"] == f"{pod['spec']['hostname']}.{pod['spec']['subdomain']}"
+        assert pod["spec"]["subdomain"] == m.service["metadata"]["name"]
+        assert int(args["coordinator_port"]) in {p["containerPort"] for p in container["ports"]}
+        assert args["bind_host"] == pod["status"]["podIP"]
+        assert not any(key.startswith("MEGASCALE_") and key != "MEGASCALE_PORT" for key in env)
+    assert len(seen) == k * tpu.hosts
 
 
 def test_launch_options_reach_the_pods() -> None:
@@ -461,7 +480,7 @@ def test_launch_options_reach_the_pods() -> None:
         env={"XLA_FLAGS": "--xla_dump_to=/tmp"},
         labels={"team": "lm"},
     )
-    m = render(gke_config(), TPUSlice("ct6e-standard-4t", "4x4"), launch, 1, 0)
+    m = render(gke_config(), TPUSlice("ct6e-standard-4t", "4x4"), launch, "j1")
     pod = m.jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
     validate_core({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": pod})
     spec = pod["spec"]

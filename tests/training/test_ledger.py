@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from training.events import EventLog
-from training.ledger import Ledger, LockHeld, LockLost, RunLock, pin, pinned, pinned_steps, unpin
+from training.checkpoint.ledger import Ledger, pin, pinned, pinned_steps, unpin
+from training.checkpoint.lock import LeaseKeeper, LockHeld, LockLost, RunLock
 from training.storage import Store, open_store
 
 
@@ -99,7 +100,7 @@ def test_a_held_lock_is_refused_with_a_clear_message(store: Store) -> None:
         b.acquire()
     msg = str(err.value)
     assert "'trainer-a'" in msg and socket.gethostname() in msg and f"pid {os.getpid()}" in msg
-    assert "lease expires at" in msg and store.uri in msg
+    assert "lease runs out in" in msg and store.uri in msg
     holder = b.held_by()
     assert holder is not None and holder["owner"] == "trainer-a"
 
@@ -109,13 +110,16 @@ def test_a_held_lock_is_refused_with_a_clear_message(store: Store) -> None:
     assert b.held_by()["owner"] == "trainer-b"  # type: ignore[index]
 
 
-def test_an_expired_lease_is_taken_over_and_recorded(store: Store) -> None:
+def test_an_expired_lease_is_taken_over_after_its_margin_and_recorded(store: Store) -> None:
     events = EventLog(store, source="test")
-    a = RunLock(store, "trainer-a", lease_s=0.2, events=events)
+    a = RunLock(store, "trainer-a", lease_s=0.3, margin_s=0.4, on_event=events.emit)
     a.acquire()
-    time.sleep(0.3)
-    assert a.held_by() is None  # expired
-    b = RunLock(store, "trainer-b", lease_s=60, events=events)
+    time.sleep(0.4)
+    b = RunLock(store, "trainer-b", lease_s=60, margin_s=0.4, on_event=events.emit)
+    with pytest.raises(LockHeld):  # lapsed, but not by the margin yet: a takeover could overlap a slow holder
+        b.acquire()
+    time.sleep(0.4)
+    assert a.held_by() is None  # lapsed by more than the margin
     rec = b.acquire()
     assert rec["action"] == "takeover" and rec["previous"]["owner"] == "trainer-a"
     with pytest.raises(LockLost, match="trainer-b"):
@@ -125,6 +129,50 @@ def test_an_expired_lease_is_taken_over_and_recorded(store: Store) -> None:
         ("acquire", "trainer-a"),
         ("takeover", "trainer-b"),
     ]
+
+
+def test_a_handoff_is_claimed_at_once_by_the_job_and_keeps_everyone_else_out(tmp_path: Path) -> None:
+    store = open_store(str(tmp_path))
+    launcher = RunLock(store, "launcher", lease_s=60)
+    launcher.acquire()
+    launcher.handoff("job-1", lease_s=60)
+    with pytest.raises(LockHeld, match="job-1"):
+        RunLock(store, "agent of another job", job="job-2").acquire()
+    with pytest.raises(LockHeld):
+        RunLock(store, "someone").acquire()
+    agent = RunLock(store, "agent h0", job="job-1")
+    rec = agent.acquire()
+    assert rec["action"] == "takeover" and rec["previous"]["owner"] == "launcher" and rec["job"] == "job-1"
+    with pytest.raises(LockHeld):  # held now, not a handoff any more: not even the job's other agents take it
+        RunLock(store, "agent h1", job="job-1").acquire()
+
+
+def test_the_lease_keeper_keeps_a_busy_holder_s_lease_and_fences_a_holder_that_lost_it(tmp_path: Path) -> None:
+    store = open_store(str(tmp_path))
+    lock = RunLock(store, "leader", lease_s=0.4, margin_s=0.1)
+    lock.acquire()
+    keeper = LeaseKeeper(lock).start()
+    time.sleep(1.5)  # the holder's main loop is busy (waiting for capacity, restoring): the thread refreshes
+    other = RunLock(store, "other", lease_s=0.3, margin_s=0.1)
+    with pytest.raises(LockHeld):
+        other.acquire()
+    assert keeper.valid()
+    keeper.check()
+    keeper.stop()
+    time.sleep(0.6)  # no more refreshes: the lease lapses (and the holder knows before anyone may take it)
+    assert not keeper.valid()
+    with pytest.raises(LockLost):
+        keeper.check()
+    other.acquire()
+    with pytest.raises(LockLost):
+        LeaseKeeper(RunLock(store, "leader-2", lease_s=0.4))  # nothing to keep: it does not hold the lock
+    # A keeper whose lock was taken over learns it at its next refresh, stops being valid, and says so.
+    lost: list[str] = []
+    other_keeper = LeaseKeeper(other, on_lost=lost.append)
+    time.sleep(0.5)
+    RunLock(store, "intruder", lease_s=60, margin_s=0.1).acquire()
+    other_keeper._run_once()
+    assert not other_keeper.valid() and lost
 
 
 def test_refresh_extends_the_lease_and_keeps_few_objects(tmp_path: Path) -> None:
@@ -190,21 +238,3 @@ def test_pins_mark_steps_in_use_until_unpinned_or_stale(store: Store) -> None:
     assert pinned_steps(store) == {7}
     with pytest.raises(ValueError):
         pin(store, 1, "x", "read")  # type: ignore[arg-type]
-
-
-def test_a_dead_holder_on_this_host_loses_its_lease_at_once(tmp_path):
-    import subprocess
-    import sys
-
-    from training.ledger import RunLock
-    from training.storage import open_store
-
-    store = open_store(str(tmp_path / "run"))
-    code = (
-        "import sys; from training.ledger import RunLock; from training.storage import open_store;"
-        "RunLock(open_store(sys.argv[1]), owner='killed-agent', lease_s=600).acquire()"
-    )
-    subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], check=True)  # exits holding the lock
-    lock = RunLock(store, owner="retry", lease_s=60)
-    rec = lock.acquire()
-    assert rec["action"] == "takeover" and rec["previous"]["owner"] == "killed-agent"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from training.chaos import ChaosError, parse_chaos
+from training.elastic.chaos import ChaosError, parse_chaos
 from training.cli import main
 from training.config import ConfigError, load_config
 from training.mesh import PlanError, check_batch, choose_workers, feasible_sizes, plan_mesh
@@ -56,7 +56,7 @@ def test_the_global_batch_stays_constant_and_the_per_device_batch_adapts():
 def test_memory_fit_refusal_shows_the_numbers_before_any_worker_starts(tmp_path, capsys):
     rc = main(["train", "--preset", "llama3-70b", "min_workers=2", f"root={tmp_path}", "run_name=big"])
     err = capsys.readouterr().err
-    assert rc == 2
+    assert rc == 3  # a config that cannot run (exit code 3), before anything starts
     assert "does not fit at the minimum topology (2 workers x 4 devices" in err
     assert "optimizer (AdamW mu, nu)" in err and "GiB" in err and "70.62B parameters" in err
     assert not (tmp_path / "big").exists(), "nothing may be written for a refused run"
@@ -64,7 +64,7 @@ def test_memory_fit_refusal_shows_the_numbers_before_any_worker_starts(tmp_path,
 
 def test_indivisible_global_batch_is_refused_before_launch(tmp_path, capsys):
     rc = main(["train", "global_batch=6", "min_workers=4", "max_workers=4", f"root={tmp_path}", "run_name=odd"])
-    assert rc == 2
+    assert rc == 3
     assert "global_batch=6 cannot be split over 4 workers x 2 devices" in capsys.readouterr().err
     assert not (tmp_path / "odd").exists()
     with pytest.raises(PlanError):
@@ -74,7 +74,11 @@ def test_indivisible_global_batch_is_refused_before_launch(tmp_path, capsys):
 def test_real_model_presets_fit_at_their_minimum_topology(capsys):
     for preset in ("llama3-8b", "llama3-70b"):
         assert main(["plan", "--preset", preset]) == 0
-    assert "feasible_workers" in capsys.readouterr().out
+    assert "feasible worker counts: [4, 8]" in capsys.readouterr().out
+    assert main(["plan", "--preset", "llama3-8b", "--json"]) == 0
+    import json
+
+    assert json.loads(capsys.readouterr().out)["feasible_workers"] == [4, 8]
 
 
 def test_param_count_matches_the_flax_model():

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from training.prune import policy_from_config
-from training.retention import (
+from training.checkpoint.prune import policy_from_config
+from training.checkpoint.retention import (
     AnyOf,
     ExpireQuarantined,
     KeepBestN,
@@ -187,7 +187,7 @@ def test_invalid_rules_are_refused(bad) -> None:
 def test_planning_imports_no_ml_library() -> None:
     # The Airflow side imports these to plan and report; DAG parsing must stay cheap.
     code = (
-        "import sys, training.retention, training.ledger, training.prune;"
+        "import sys, training.checkpoint.retention, training.checkpoint.ledger, training.checkpoint.prune, training.api;"
         "bad = [m for m in ('jax', 'orbax', 'flax') if m in sys.modules]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

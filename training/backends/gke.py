@@ -1,23 +1,31 @@
 """The GKE backend: TPU slices, the JobSet that runs one training job on them, and their capacity.
 
-One training job is one JobSet with one replicated job, ``slice``, whose
-``replicas`` is the number of TPU slices ``k`` the job runs on.  Each replica is
-an Indexed Job with one pod per TPU host (VM) of the slice; every pod is one
-JAX process with all the chips of its host:
+One training job is one JobSet with one replicated job, ``slice``, of
+``replicas`` = the most TPU slices the job may use (``max_workers`` in whole
+slices).  Each replica is an Indexed Job with one pod per TPU host (VM) of the
+slice, and every pod runs one *host agent* (``rtrain agent``,
+``training.elastic.agent``): the agents meet in the rendezvous on the gs:// run
+root, the lease holder leads, and each agent runs its host's JAX worker for the
+rounds it is a member of.  Kubernetes cannot compute a host's identity in a
+manifest, so each pod gets its slice index and host index from the downward API
+(the labels and annotations the JobSet and Job controllers put on it) and a
+short ``sh`` entrypoint turns them into the agent's arguments:
 
-    process id    = slice index * hosts per slice + completion index
-    process count = k * hosts per slice
-    coordinator   = <jobset>-slice-0-0.<subdomain>:<port>   (process 0's pod)
+    host id          = s<slice index>-h<host index>
+    coordinator host = <pod hostname>.<subdomain>   (resolvable through the headless Service)
+    bind address     = the pod's IP                 (the coordinator listens on the pod network only)
 
-Kubernetes cannot compute the process id in a manifest, so each pod gets its
-slice index and host index from the downward API (the labels and annotations the
-JobSet and Job controllers put on it) and a two-line ``sh`` entrypoint does the
-arithmetic before it ``exec``s ``python -m training.worker``.
-
-The JobSet never restarts by itself (``failurePolicy.maxRestarts: 0``): when a
-host is lost the whole JobSet fails, and our elastic agent relaunches a new one
-(a new name per attempt) with the ``k`` the node pools can give now, which the
-workers resume from the newest committed checkpoint.
+A lost host does not take the job down: its pod fails (or is evicted), the
+survivors go on in a new round, and the Job recreates the pod for that index
+(``backoffLimitPerIndex``; a preemption or eviction, ``DisruptionTarget``, does
+not count against it, by ``podFailurePolicy``); the new pod waits Pending until
+its node is back, then its agent joins and the group grows at the next
+checkpoint.  Slices whose nodes are not there yet simply stay Pending while the
+others train.  The JobSet itself never restarts (``failurePolicy.maxRestarts: 0``):
+when the job as a whole ends in failure (its budget spent), the agents exit with
+``AgentExit.FAILED`` and ``podFailurePolicy`` fails the Job at once; the Airflow
+sensor's retry is the second level of recovery.  The JobSet succeeds when any
+slice's Job does (``successPolicy: Any``): at the end every live agent exits 0.
 
 Everything here is pure (manifests are dicts) except :class:`GKECapacity`, which
 reads nodes through a callable.  Nothing here imports Airflow or JAX.
@@ -54,22 +62,26 @@ EXCLUSIVE_TOPOLOGY_ANNOTATION = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 
 REPLICATED_JOB = "slice"
-CONTAINER_NAME = "worker"
+CONTAINER_NAME = "agent"
 RUN_LABEL = "rtrain.dev/run"
-ATTEMPT_LABEL = "rtrain.dev/attempt"
+JOB_LABEL = "rtrain.dev/job"
 RUN_URI_ANNOTATION = "rtrain.dev/run-uri"
 
 DEFAULT_COORDINATOR_PORT = 8476  # the port JAX's own GKE/TPU cluster detection uses
 DEFAULT_MEGASCALE_PORT = 8080  # libtpu's DCN transport between slices
 TPU_RUNTIME_PORT = 8471
 
-# The worker command; the entrypoint script ``exec``s it after computing the process id.
-WORKER_ARGS = ("python", "-m", "training.worker")
+# The agent command; the entrypoint script ``exec``s it with this host's identity and addresses.
+AGENT_ARGS = ("rtrain", "agent")
 ENTRYPOINT_SCRIPT = (
     "set -eu\n"
-    'export RTRAIN_PROCESS_ID="$(( RTRAIN_SLICE_INDEX * RTRAIN_HOSTS_PER_SLICE + RTRAIN_HOST_INDEX ))"\n'
-    'exec "$@"\n'
+    'exec "$@" --job "$RTRAIN_JOB" --host "s${RTRAIN_SLICE_INDEX}-h${RTRAIN_HOST_INDEX}" '
+    '--coordinator-host "${HOSTNAME}.${RTRAIN_SUBDOMAIN}" --coordinator-port "$RTRAIN_COORDINATOR_PORT" '
+    '--bind-host "$RTRAIN_POD_IP"\n'
 )
+# Agent exit codes that end the job for good (training.elastic.codes.AgentExit.FAILED and SUPERSEDED):
+# the Job fails at once instead of recreating the pod.
+FINAL_EXIT_CODES = (3, 5)
 
 # A JobSet's pod names are <jobset>-slice-<j>-<i>-<5 random>, at most 63
 # characters (the JobSet webhook refuses longer ones).  30 leaves room for a
@@ -207,18 +219,18 @@ def label_value(text: str) -> str:
     return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", out)
 
 
-def jobset_name(run_name: str, attempt: int) -> str:
-    """The JobSet (and headless Service) name of one launch attempt of a run.
+def jobset_name(run_name: str, job: str) -> str:
+    """The JobSet (and headless Service) name of one job of a run.
 
-    A new name per attempt: the failed JobSet of the last attempt may still be
+    A new name per job: the failed JobSet of the last job may still be
     terminating when the next one is created.  A short hash of the exact run
-    name keeps two runs apart whose names differ only where the DNS form loses
-    information (``a_b`` and ``a.b``, case, truncation).
+    name and job id keeps two runs apart whose names differ only where the DNS
+    form loses information (``a_b`` and ``a.b``, case, truncation).
     """
-    if attempt < 0:
-        raise GKEConfigError(f"attempt must be >= 0, got {attempt}")
-    digest = hashlib.sha256(run_name.encode()).hexdigest()[:5]
-    suffix = f"-{digest}-a{attempt}"
+    if not job:
+        raise GKEConfigError("job: a job id is required")
+    digest = hashlib.sha256(f"{run_name}/{job}".encode()).hexdigest()[:8]
+    suffix = f"-{digest}"
     base = dns_label(run_name, MAX_JOBSET_NAME - len(suffix))
     return base + suffix
 
@@ -288,6 +300,11 @@ def check_config(cfg: Config, tpu: TPUSlice) -> None:
         raise GKEConfigError(
             f"devices_per_worker: {tpu.machine_type} has {tpu.chips_per_host} chips per host, "
             f"but devices_per_worker={cfg.devices_per_worker}"
+        )
+    if cfg.hosts_per_slice != tpu.hosts:
+        raise GKEConfigError(
+            f"hosts_per_slice: a {tpu.machine_type} {tpu.topology} slice has {tpu.hosts} host(s), "
+            f"but hosts_per_slice={cfg.hosts_per_slice} (a slice is lost and gained whole)"
         )
     slice_bounds(cfg, tpu)
 
@@ -369,52 +386,48 @@ def render_service(name: str, namespace: str, labels: Mapping[str, str]) -> dict
     }
 
 
-def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, num_slices: int, attempt: int) -> GKEManifests:
-    """The Service and JobSet of one launch attempt on ``num_slices`` slices of shape ``tpu``."""
+def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, job: str, num_slices: int | None = None) -> GKEManifests:
+    """The Service and JobSet of one job: one host agent per pod, on up to ``num_slices`` slices of shape ``tpu``.
+
+    ``num_slices`` defaults to the most the job may use (``max_workers`` in whole
+    slices); the slices whose nodes are missing stay Pending and join when they come.
+    """
     check_config(cfg, tpu)
     k_min, k_max = slice_bounds(cfg, tpu)
+    num_slices = k_max if num_slices is None else num_slices
     if not k_min <= num_slices <= k_max:
         raise GKEConfigError(
             f"num_slices: {num_slices} slices of {tpu.hosts} host(s) is outside min_workers..max_workers "
             f"({cfg.min_workers}..{cfg.max_workers}); allowed: {k_min}..{k_max}"
         )
-    feasible = feasible_slices(cfg, tpu)
-    if num_slices not in feasible:
+    if not feasible_slices(cfg, tpu):
         raise GKEConfigError(
-            f"num_slices: the mesh or global_batch={cfg.global_batch} does not split over {num_slices * tpu.hosts} "
-            f"workers of {tpu.chips_per_host} devices; slice counts that do: {feasible or 'none'}"
+            f"min_workers/max_workers: the mesh or global_batch={cfg.global_batch} splits over no number of "
+            f"{tpu.machine_type} {tpu.topology} slices in {cfg.min_workers}..{cfg.max_workers} hosts"
         )
-    name = jobset_name(cfg.run_name, attempt)
+    name = jobset_name(cfg.run_name, job)
     hosts = tpu.hosts
     num_processes = num_slices * hosts
     coordinator = coordinator_address(name, launch.coordinator_port)
     labels = {
         "app.kubernetes.io/name": "rtrain",
-        "app.kubernetes.io/component": "worker",
+        "app.kubernetes.io/component": "agent",
         RUN_LABEL: label_value(cfg.run_name),
-        ATTEMPT_LABEL: str(attempt),
+        JOB_LABEL: label_value(job),
         **launch.labels,
     }
     annotations = {RUN_URI_ANNOTATION: cfg.run_uri}
 
     env = [
-        _env("RTRAIN_RUN_URI", cfg.run_uri),
-        _env("RTRAIN_COORDINATOR", coordinator),
-        _env("RTRAIN_NUM_PROCESSES", num_processes),
-        _env("RTRAIN_ATTEMPT", attempt),
-        _env("RTRAIN_NUM_SLICES", num_slices),
+        _env("RTRAIN_JOB", job),
+        _env("RTRAIN_SUBDOMAIN", name),
+        _env("RTRAIN_COORDINATOR_PORT", launch.coordinator_port),
         _env("RTRAIN_HOSTS_PER_SLICE", hosts),
+        _env("MEGASCALE_PORT", launch.megascale_port),
         _env_field("RTRAIN_SLICE_INDEX", f"metadata.labels['{JOB_INDEX_LABEL}']"),
         _env_field("RTRAIN_HOST_INDEX", f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"),
+        _env_field("RTRAIN_POD_IP", "status.podIP"),
     ]
-    if num_slices > 1:
-        # libtpu joins the slices over the data-center network (Multislice).
-        env += [
-            _env("MEGASCALE_COORDINATOR_ADDRESS", f"{pod_hostname(name, 0, 0)}.{name}"),
-            _env("MEGASCALE_NUM_SLICES", num_slices),
-            _env("MEGASCALE_PORT", launch.megascale_port),
-            _env_field("MEGASCALE_SLICE_ID", f"metadata.labels['{JOB_INDEX_LABEL}']"),
-        ]
     env += [_env(k, v) for k, v in sorted(launch.env.items())]
 
     chips = str(tpu.chips_per_host)
@@ -429,7 +442,7 @@ def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, num_slices: int, attem
         "image": launch.image,
         "imagePullPolicy": "IfNotPresent",
         "command": ["/bin/sh", "-c", ENTRYPOINT_SCRIPT, "rtrain-entrypoint"],
-        "args": list(WORKER_ARGS),
+        "args": [*AGENT_ARGS, cfg.run_uri],
         "env": env,
         "ports": [
             {"name": "coordinator", "containerPort": launch.coordinator_port, "protocol": "TCP"},
@@ -443,7 +456,7 @@ def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, num_slices: int, attem
     if launch.spot:
         node_selector[SPOT_LABEL] = "true"
     pod_spec: dict[str, Any] = {
-        "restartPolicy": "Never",  # a lost process fails the job; the agent decides what happens next
+        "restartPolicy": "Never",  # the Job recreates a failed pod (podFailurePolicy needs Never)
         "terminationGracePeriodSeconds": launch.termination_grace_period_s,
         "nodeSelector": node_selector,
         "tolerations": [{"key": TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
@@ -479,7 +492,22 @@ def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, num_slices: int, attem
             "parallelism": hosts,
             "completions": hosts,
             "completionMode": "Indexed",
-            "backoffLimit": 0,  # no pod retries inside a slice either
+            # A host's pod is recreated when it fails (its agent rejoins); preemptions and evictions
+            # do not count, and a job that has failed for good fails the Job at once.
+            "backoffLimitPerIndex": max(cfg.max_failures, 1),
+            "podFailurePolicy": {
+                "rules": [
+                    {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+                    {
+                        "action": "FailJob",
+                        "onExitCodes": {
+                            "containerName": CONTAINER_NAME,
+                            "operator": "In",
+                            "values": list(FINAL_EXIT_CODES),
+                        },
+                    },
+                ]
+            },
             "template": {
                 "metadata": {"labels": dict(labels), "annotations": dict(annotations)},
                 "spec": pod_spec,
@@ -501,7 +529,7 @@ def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, num_slices: int, attem
         },
         "spec": {
             "failurePolicy": {"maxRestarts": 0},
-            "successPolicy": {"operator": "All", "targetReplicatedJobs": [REPLICATED_JOB]},
+            "successPolicy": {"operator": "Any", "targetReplicatedJobs": [REPLICATED_JOB]},
             "network": {"enableDNSHostnames": True, "subdomain": name, "publishNotReadyAddresses": True},
             "replicatedJobs": [{"name": REPLICATED_JOB, "replicas": num_slices, "template": job_template}],
         },

@@ -7,8 +7,9 @@ creates (idempotently), resizes and deletes pools.
 
 :class:`JobSetHook` launches, watches and deletes the JobSet of a training job
 through the cncf-kubernetes provider's ``KubernetesHook`` (custom objects API
-for ``jobset.x-k8s.io/v1alpha2``); the manifests come from
-``training.backends.gke``.
+for ``jobset.x-k8s.io/v1alpha2``); the manifests come from the engine
+(``training.api.render``).  :meth:`JobSetHook.start_job` is the one GKE launch
+path: the pipeline's GKE backend and ``GKEStartTPUJobSetOperator`` both use it.
 
 No JAX here: the TPU table and the manifests are plain Python.
 """
@@ -27,7 +28,7 @@ from airflow.providers.google.common.hooks.base_google import PROVIDE_PROJECT_ID
 from google.api_core.exceptions import AlreadyExists, NotFound
 from google.cloud import container_v1
 
-from training.backends.gke import (
+from training.api import (
     ACCELERATOR_LABEL,
     JOBSET_API_VERSION,
     JOBSET_GROUP,
@@ -36,7 +37,9 @@ from training.backends.gke import (
     NODEPOOL_LABEL,
     GKECapacity,
     GKEConfigError,
+    GKELaunch,
     GKEManifests,
+    JobHandle,
     TPUSlice,
     jobset_state,
     node_is_usable,
@@ -64,7 +67,7 @@ class TPUNodePoolSpec:
     """One TPU node pool: for a multi-host shape exactly one slice, for a single-host shape ``num_slices`` VMs.
 
     :param name: node pool name (lowercase letters, digits and ``-``; at most 40).
-    :param machine_type: a TPU machine type from ``training.backends.gke.TPU_MACHINE_TYPES``.
+    :param machine_type: a TPU machine type (``training.api.TPUSlice`` knows them).
     :param tpu_topology: the slice topology, e.g. ``4x4`` (v5e/v6e) or ``2x2x2`` (v4/v5p).
     :param num_slices: single-host shapes only: how many one-VM slices the pool holds.
     :param spot: Spot VMs (cheap, preemptible; the elastic agent absorbs their loss).
@@ -429,6 +432,39 @@ class JobSetHook:
             if e.status != 409:
                 raise
         return jobset
+
+    def start_job(
+        self, cfg: Any, tpu: TPUSlice, launch: GKELaunch, by: str = "Airflow", num_slices: int | None = None
+    ) -> JobHandle:
+        """Start a job of the run on GKE: take the run for it (lock, config), then create its JobSet.
+
+        The one launch path of the GKE backend and of ``GKEStartTPUJobSetOperator``.
+        Refused (``training.api.LaunchRefused``, nothing written) while another job
+        holds the run.  The JobSet runs one host agent per pod on up to ``num_slices``
+        slices (default: as many as ``max_workers`` allows; missing slices wait Pending).
+        """
+        import time
+
+        from training import api
+
+        api.check_config(cfg, tpu)
+        api.check_fit(cfg)  # a model that cannot fit at the minimum topology is refused before any TPU is used
+        after = api.newest_event_key(cfg.run_uri)
+        job = api.begin_job(cfg, backend="gke", by=by)
+        manifests = api.render(cfg, tpu, launch, job, num_slices)
+        obj = self.create(manifests)
+        return JobHandle(
+            backend="gke",
+            run_uri=cfg.run_uri,
+            job=job,
+            attached=False,
+            jobset=manifests.name,
+            namespace=manifests.namespace,
+            num_slices=manifests.num_slices,
+            launched_at=time.time(),
+            state=jobset_state(obj),
+            events_after=after,
+        )
 
     def get(self, name: str, namespace: str) -> dict[str, Any] | None:
         from kubernetes.client.exceptions import ApiException

@@ -1,31 +1,32 @@
 """The hook of the training engine: the one place the Airflow side talks to ``training/``.
 
 In the Google provider's manner the hook owns the clients and the operators
-stay thin.  Here the "client" is the small engine API (``training.api``: plan,
-launch, status, events, validate, rollback, promote, prune, report) plus a
-*backend*, chosen by the run config:
+stay thin.  Here the "client" is the engine's small API, ``training.api`` (the
+only module of ``training`` the plugin imports: plan, launch, job state,
+events, the checkpoint lifecycle, run marks), plus a *backend*, chosen by the
+run config:
 
 * :class:`LocalSliceBackend` (the embedded default): N simulated hosts on this
-  machine; capacity is ``<run>/capacity.json``; a job is the elastic agent
-  process ``training.agent`` and its workers;
-* :class:`GKEBackend`: TPU node pools and a JobSet per launch attempt, through
-  the hooks in ``rtrain_airflow.hooks.gke_tpu`` (imported only when used).
+  machine, one host agent each, kept running by the local slice process;
+* :class:`GKEBackend`: TPU node pools and one JobSet per job, one host agent per
+  pod, through the hooks in ``rtrain_airflow.hooks.gke_tpu`` (imported only when used).
 
 Both answer the same four verbs (``provision``, ``launch``, ``poll``,
 ``release``), so the DAG, the operators and the watching trigger do not care
-where the workers run.
+where the workers run.  A job recovers from lost hosts by itself (its agents);
+Airflow's retry is the second level, when the job as a whole is gone.
 
-Import cost: this module imports nothing heavy.  ``training.api`` and the
-other modules it reaches at module level are plain Python; JAX, Orbax and grain
-are imported by the engine only inside the calls that need them (validation,
-dataset preparation), which run inside ``execute()``.
+Import cost: ``training.api`` imports nothing heavy at module level; JAX, Orbax
+and grain are imported by the engine inside the calls that need them
+(validation, dataset preparation), which run inside ``execute()``.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import re
+import signal
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -33,6 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from airflow.sdk import BaseHook
+
+from training import api
+from training.api import RUN_NAME_PATTERN, Config, ConfigError, JobHandle
 
 # The repository root (plugins/rtrain_airflow/hooks/training.py -> parents[3]).  Relative
 # local paths in a run config (``var/runs``) are taken from here, not from the
@@ -42,11 +46,12 @@ PROJECT_ROOT = Path(os.environ.get("RTRAIN_PROJECT_ROOT") or Path(__file__).reso
 # DAG params that are not Config keys (the rest map 1:1, or by PARAM_TO_CONFIG).
 PARAM_TO_CONFIG = {"storage_root": "root"}
 NON_CONFIG_PARAMS = frozenset({"dataset_source", "dataset_max_bytes", "overrides", "gke", "steps_per_run"})
-LOCAL_PATH_KEYS = ("root", "dataset", "compilation_cache")
-RUN_NAME_PATTERN = r"^(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 
-# Terminal and live job states as the backends report them (training.events.STATES).
-ALIVE = ("pending", "starting", "running", "recovering", "waiting_for_capacity")
+# The param schemas of the DAGs: one run-name rule and one chaos grammar, the engine's.
+CHAOS_PATTERN = api.spec_pattern()
+
+# Live and final states as the backends report them (``training.api.RunState``).
+ALIVE = tuple(sorted(api.ALIVE_STATES))
 
 
 class RTrainConfigError(ValueError):
@@ -55,14 +60,7 @@ class RTrainConfigError(ValueError):
 
 def absolute(uri: str, root: Path = PROJECT_ROOT) -> str:
     """A local path made absolute against the project root; gs:// URIs unchanged."""
-    if uri.startswith("gs://") or os.path.isabs(uri):
-        return uri
-    return str((root / uri).resolve())
-
-
-def safe_key(text: str) -> str:
-    """A store key component from free text (an Airflow run id has ``:`` and ``+``)."""
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:200]
+    return api.absolute(uri, root)
 
 
 def pid_alive(pid: int | None) -> bool:
@@ -88,11 +86,31 @@ def pid_alive(pid: int | None) -> bool:
         return True
 
 
+def stop_process_tree(pid: int) -> list[int]:
+    """SIGKILL a process and everything under it (the local slice, its agents and their workers)."""
+    import psutil
+
+    try:
+        parent = psutil.Process(pid)
+        children = parent.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    killed = []
+    for proc in [parent, *children]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+            killed.append(proc.pid)
+    for proc in [parent, *children]:
+        pid_alive(proc.pid)  # reap ours
+    psutil.wait_procs([parent, *children], timeout=10)
+    return killed
+
+
 # --- backends ------------------------------------------------------------------------------------
 
 
 class LocalSliceBackend:
-    """The embedded default: the elastic agent and its workers on this machine."""
+    """The embedded default: a job's host agents (and their workers) on this machine."""
 
     name = "local"
 
@@ -103,151 +121,66 @@ class LocalSliceBackend:
         if self.log is not None:
             self.log.info(msg, *args)
 
-    def provision(self, cfg: Any, spec: Mapping[str, Any]) -> dict[str, Any]:
+    def provision(self, cfg: Config, spec: Mapping[str, Any]) -> dict[str, Any]:
         """Give the simulated slice its hosts: capacity = max_workers."""
-        from training.capacity import LocalCapacity
-        from training.events import EventLog
-        from training.storage import open_store
-
-        store = open_store(cfg.run_uri)
-        LocalCapacity(store, default=cfg.max_workers).set(cfg.max_workers, reason="provisioned by Airflow")
-        EventLog(store, source="airflow").emit("capacity", available=cfg.max_workers, reason="provisioned")
+        api.set_capacity(cfg.run_uri, cfg.max_workers, reason="provisioned by Airflow", source="airflow")
         return {"backend": self.name, "hosts": cfg.max_workers, "run_uri": cfg.run_uri}
 
-    def wait_for_stale_lock(self, run_uri: str, max_wait_s: float = 90.0) -> None:
-        """Launch only when no other live writer holds the run.
-
-        A live holder on this host is the agent launch() re-attaches to; a holder on another
-        host is refused (two writers never share a run).  A dead holder on this host loses its
-        lease at once (training.ledger); one the lock still sees alive (our own unreaped child,
-        a zombie) is reaped here, or at worst waited out (<= the 60 s lease).
-        """
-        from training.ledger import RunLock
-        from training.storage import open_store
-
-        lock = RunLock(open_store(run_uri), owner="airflow-probe")
-        deadline = time.time() + max_wait_s
-        while True:
-            holder = lock.held_by()
-            if holder is None:
-                return
-            local = holder.get("host") == socket.gethostname()
-            if local and pid_alive(holder.get("pid")):
-                return  # a live agent: launch() re-attaches to it
-            if local and lock.held_by() is None:
-                return  # it was our own unreaped child; reaped now, the lock sees it dead
-            if not local:
-                raise RuntimeError(
-                    f"run {run_uri} is locked by {holder.get('owner')} on host {holder.get('host')} "
-                    f"until {holder.get('expires_at'):.0f}; not launching a second writer"
-                )
-            wait = float(holder["expires_at"]) - time.time() + 0.5
-            if time.time() + wait > deadline:
-                raise RuntimeError(f"run {run_uri}: the lease of dead agent pid {holder.get('pid')} outlasts {max_wait_s}s")
-            self._say("The lock of %s is held by dead agent pid %s; waiting %.0fs for its lease to expire",
-                      run_uri, holder.get("pid"), wait)
-            time.sleep(max(wait, 0.1))
-
-    def launch(self, cfg: Any, spec: Mapping[str, Any], attempt: int) -> dict[str, Any]:
-        """Launch the agent, or re-attach to the live one (``training.api.launch`` is idempotent)."""
-        from training import api
-
-        self.wait_for_stale_lock(cfg.run_uri)
-        after = RTrainHook().newest_event_key(cfg.run_uri)
-        launched_at = time.time()
-        # The agent's log lives with the run (its workers' logs are in <run>/logs/attempt-*/ already).
-        logs = str(Path(cfg.run_uri) / "logs") if not cfg.run_uri.startswith("gs://") else absolute("var/logs")
-        res = api.launch(cfg, detach=True, log_dir=logs)
-        return {
-            "backend": self.name,
-            "run_uri": cfg.run_uri,
-            "attached": bool(res.get("attached")),
-            "agent_pid": int(res["agent_pid"]),
-            "launched_at": launched_at,
-            "host": socket.gethostname(),
-            "events_after": after,
-        }
+    def launch(self, cfg: Config, spec: Mapping[str, Any], attempt: int) -> JobHandle:
+        """Start a job, or follow the live one (``training.api.launch`` never starts over, never overwrites)."""
+        handle = api.launch(cfg, detach=True, allow_attach=True)
+        self._say("%s job %s of %s", "Following the live" if handle.get("attached") else "Started", handle["job"],
+                  cfg.run_name)
+        return handle
 
     def poll(self, handle: Mapping[str, Any], timeouts: Mapping[str, float], now: float | None = None) -> dict[str, Any]:
-        """One look at the job: ``{"state", "reason", "status"}``; state is one of ALIVE, finished, failed."""
-        from training import api
+        """One look at the job: ``{"state", "reason", "status"}``; state is one of ALIVE, finished, failed.
 
+        A job whose hosts are all gone is failed by ``training.api.status`` (its lease lapsed); one
+        whose leader holds the lease but has not written its status for ``stale_after_s`` is failed here.
+        """
+        look = api.job_state(handle, timeouts.get("start_timeout_s", 300.0))
+        st = look.get("status") or {}
         now = time.time() if now is None else now
-        st = api.status(handle["run_uri"]) or {}
-        pid = handle.get("agent_pid")
-        ours = bool(st) and (handle.get("attached") or st.get("agent_pid") == pid or
-                             float(st.get("updated_at", 0)) >= float(handle.get("launched_at", 0)))
-        if not ours:
-            if pid and not pid_alive(pid):
-                return {"state": "failed", "status": st,
-                        "reason": f"agent pid {pid} exited before it reported; see {handle['run_uri']}/logs/agent-*.log"}
-            if now - float(handle.get("launched_at", now)) > timeouts.get("start_timeout_s", 300):
-                return {"state": "failed", "status": st,
-                        "reason": f"the agent did not report within {timeouts.get('start_timeout_s')}s"}
-            return {"state": "pending", "status": st, "reason": ""}
-        state = st.get("state")
-        if state in ("finished", "failed"):
-            return {"state": state, "status": st, "reason": st.get("reason", "")}
-        agent = st.get("agent_pid")
-        if st.get("host") == socket.gethostname() and not pid_alive(agent):
-            return {"state": "failed", "status": st,
-                    "reason": f"agent pid {agent} is gone while the job was {state} (killed?)"}
         age = now - float(st.get("updated_at", now))
-        if age > timeouts.get("stale_after_s", 900):
-            return {"state": "failed", "status": st, "reason": f"no status update for {age:.0f}s while {state}"}
-        return {"state": state or "pending", "status": st, "reason": ""}
+        if look["state"] in ALIVE and look["state"] != "pending" and age > timeouts.get("stale_after_s", 900.0):
+            return {**look, "state": "failed", "reason": f"no status update for {age:.0f}s while {look['state']}"}
+        return look
 
-    def release(self, cfg: Any, spec: Mapping[str, Any], handles: list[Mapping[str, Any]]) -> dict[str, Any]:
-        """Stop the jobs of ``handles`` still running (agent first, so it relaunches nothing); give the hosts back."""
-        from training.events import EventLog
-        from training.storage import open_store
+    def release(self, cfg: Config, spec: Mapping[str, Any], handles: list[Mapping[str, Any]]) -> dict[str, Any]:
+        """Stop the jobs of ``handles`` still running (their leader ends them), kill what is left here, give the hosts back."""
 
+        def running(job: str) -> bool:
+            look = api.job_state({"run_uri": cfg.run_uri, "job": job, "launched_at": time.time()})
+            return look["state"] in ALIVE and look["state"] != "pending"
+
+        live = [job for job in {str(h["job"]) for h in handles if h.get("job")} if running(job)]
+        for job in live:
+            api.stop_job(cfg.run_uri, f"stopped by the Airflow teardown (job {job})")
+        deadline = time.time() + 3 * cfg.lease_s + 5
+        while live and time.time() < deadline:
+            live = [job for job in live if running(job)]
+            time.sleep(0.5)
+        pids = {int(h["controller_pid"]) for h in handles
+                if h.get("controller_pid") and h.get("host") == socket.gethostname() and int(h["controller_pid"]) != os.getpid()}
+        pids |= set(api.local_job_pids(cfg.run_uri))
         stopped: list[int] = []
-        pids = {int(h["agent_pid"]) for h in handles if h.get("agent_pid") and h.get("host") == socket.gethostname()}
         for pid in sorted(pids):
             if pid_alive(pid):
                 stopped.extend(stop_process_tree(pid))
-        store = open_store(cfg.run_uri)
-        store.delete("capacity.json")
-        EventLog(store, source="airflow").emit("capacity", available=0, reason="released by Airflow teardown",
-                                               stopped=stopped)
+        api.release_capacity(cfg.run_uri, "released by the Airflow teardown")
         return {"backend": self.name, "stopped_pids": stopped, "released": True}
 
 
-def stop_process_tree(pid: int) -> list[int]:
-    """SIGKILL an agent, then its workers (each is its own session leader)."""
-    import signal
-
-    import psutil
-
-    try:
-        parent = psutil.Process(pid)
-        children = parent.children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-    killed = []
-    for proc in [parent, *children]:
-        try:
-            os.kill(proc.pid, signal.SIGKILL)
-            killed.append(proc.pid)
-        except ProcessLookupError:
-            pass
-    for proc in [parent, *children]:
-        pid_alive(proc.pid)  # reap ours
-    psutil.wait_procs([parent, *children], timeout=10)
-    return killed
-
-
 class GKEBackend:
-    """TPU node pools and one JobSet per launch attempt on GKE (``rtrain_airflow.hooks.gke_tpu``).
+    """TPU node pools and one JobSet per job on GKE (``rtrain_airflow.hooks.gke_tpu``).
 
     ``spec["gke"]`` carries the cluster and the slice shape: ``project_id``, ``location``,
     ``cluster_name``, ``machine_type``, ``tpu_topology``, ``image``, ``node_pools`` (one per
     slice), and optionally ``namespace``, ``spot``, ``node_locations``, ``service_account``,
-    ``gcp_conn_id``.  The workers write the run's events to the gs:// run root; the
-    JobSet's state says whether the attempt is alive.  A lost host fails the JobSet
-    (``maxRestarts: 0``) and the sensor's retry relaunches a new attempt that resumes
-    from the newest committed checkpoint.
+    ``gcp_conn_id``.  The JobSet runs one host agent per pod; the agents recover from lost
+    hosts among themselves (a lost pod is recreated and rejoins), and write the run's
+    status to the gs:// run root, which the sensor follows.
     """
 
     name = "gke"
@@ -272,12 +205,7 @@ class GKEBackend:
                                                     project_id=self.gke.get("project_id"))
         return JobSetHook(kube)
 
-    def _tpu(self) -> Any:
-        from training.backends.gke import TPUSlice
-
-        return TPUSlice(self.gke["machine_type"], self.gke["tpu_topology"])
-
-    def provision(self, cfg: Any, spec: Mapping[str, Any]) -> dict[str, Any]:
+    def provision(self, cfg: Config, spec: Mapping[str, Any]) -> dict[str, Any]:
         from rtrain_airflow.hooks.gke_tpu import TPUNodePoolSpec
 
         hook = self._gke_hook()
@@ -293,43 +221,25 @@ class GKEBackend:
             created.append({"node_pool": pool, "created": op is not None})
         return {"backend": self.name, "node_pools": created}
 
-    def launch(self, cfg: Any, spec: Mapping[str, Any], attempt: int) -> dict[str, Any]:
-        from training.api import prepare_run
-        from training.backends.gke import GKELaunch, check_config, jobset_state, plan_slices, render
-        from training.mesh import check_fit
-
-        tpu = self._tpu()
-        check_config(cfg, tpu)
-        check_fit(cfg)
-        jobsets = self._jobsets()
-        available = jobsets.capacity(tpu, self.gke["node_pools"]).available()
-        num_slices = plan_slices(cfg, tpu, available)
-        if num_slices == 0:
-            raise RuntimeError(f"capacity: {available} ready hosts, fewer than min_workers={cfg.min_workers}")
-        launch = GKELaunch(image=self.gke["image"], namespace=self.gke.get("namespace", "default"),
-                           service_account=self.gke.get("service_account", "rtrain-worker"),
-                           node_pools=tuple(self.gke["node_pools"]), spot=bool(self.gke.get("spot", False)))
-        manifests = render(cfg, tpu, launch, num_slices, attempt)
-        after = RTrainHook().newest_event_key(cfg.run_uri)
-        prepare_run(cfg)
-        obj = jobsets.create(manifests)
-        return {"backend": self.name, "run_uri": cfg.run_uri, "attached": False, "jobset": manifests.name,
-                "namespace": manifests.namespace, "num_slices": num_slices, "launched_at": time.time(),
-                "state": jobset_state(obj), "gke": self.gke, "events_after": after}
+    def launch(self, cfg: Config, spec: Mapping[str, Any], attempt: int) -> JobHandle:
+        launch = api.GKELaunch(image=self.gke["image"], namespace=self.gke.get("namespace", "default"),
+                               service_account=self.gke.get("service_account", "rtrain-worker"),
+                               node_pools=tuple(self.gke["node_pools"]), spot=bool(self.gke.get("spot", False)))
+        tpu = api.TPUSlice(self.gke["machine_type"], self.gke["tpu_topology"])
+        handle = self._jobsets().start_job(cfg, tpu, launch, by=f"Airflow (try {attempt})")
+        handle["gke"] = self.gke
+        return handle
 
     def poll(self, handle: Mapping[str, Any], timeouts: Mapping[str, float], now: float | None = None) -> dict[str, Any]:
-        from training import api
-
+        look = api.job_state(handle, timeouts.get("start_timeout_s", 900.0))
+        if look["state"] in ("finished", "failed"):
+            return look
         state = self._jobsets().state(handle["jobset"], handle["namespace"])
-        finished = [e for e in api.events(handle["run_uri"], ("finished", "failed"))
-                    if e["time"] >= float(handle.get("launched_at", 0))]
-        if state == "completed" or (finished and finished[-1]["type"] == "finished"):
-            return {"state": "finished", "status": {"jobset": state}, "reason": ""}
         if state in ("failed", "missing"):
-            return {"state": "failed", "status": {"jobset": state}, "reason": f"JobSet {handle['jobset']} is {state}"}
-        return {"state": "running" if state == "running" else "pending", "status": {"jobset": state}, "reason": ""}
+            return {**look, "state": "failed", "reason": f"JobSet {handle['jobset']} is {state}"}
+        return look
 
-    def release(self, cfg: Any, spec: Mapping[str, Any], handles: list[Mapping[str, Any]]) -> dict[str, Any]:
+    def release(self, cfg: Config, spec: Mapping[str, Any], handles: list[Mapping[str, Any]]) -> dict[str, Any]:
         deleted = []
         jobsets = self._jobsets()
         for h in handles:
@@ -382,35 +292,25 @@ class RTrainHook(BaseHook):
         out.update(extra)
         return out
 
-    def build_config(self, overrides: Mapping[str, Any]) -> Any:
-        """The validated Config (``training.config.load_config``), local paths made absolute."""
-        from training.config import ConfigError, load_config
-
+    def build_config(self, overrides: Mapping[str, Any]) -> Config:
+        """The validated Config (``training.api.load_config``), local paths absolute against the project."""
         ov = dict(overrides)
         name = str(ov.get("run_name", ""))
         if name and not re.match(RUN_NAME_PATTERN, name):
-            raise RTrainConfigError(f"run_name: {name!r} must match {RUN_NAME_PATTERN} (no '..', no '/')")
+            raise RTrainConfigError(f"run_name: {name!r}: letters, digits and _.- (no '..', no '/')")
         try:
-            cfg = load_config(str(ov.get("preset") or "tiny"), None, ov)
-        except ConfigError as e:
+            return api.load_config(str(ov.get("preset") or "tiny"), None, ov, base_dir=PROJECT_ROOT)
+        except (ConfigError, ValueError) as e:
             raise RTrainConfigError(str(e)) from None
-        except ValueError as e:  # chaos grammar and the like
-            raise RTrainConfigError(str(e)) from None
-        updates = {k: absolute(getattr(cfg, k)) for k in LOCAL_PATH_KEYS}
-        return cfg.model_copy(update=updates)
 
     @staticmethod
-    def config_from_dict(data: Mapping[str, Any]) -> Any:
-        from training.config import Config
-
-        return Config.model_validate(dict(data))
+    def config_from_dict(data: Mapping[str, Any]) -> Config:
+        return api.config_from_dict(data)
 
     # --- planning and data -------------------------------------------------------------------
 
-    def plan(self, cfg: Any) -> dict[str, Any]:
-        """Mesh plans and the memory-fit check; raises ``training.mesh.PlanError`` with the numbers."""
-        from training import api
-
+    def plan(self, cfg: Config) -> dict[str, Any]:
+        """Mesh plans and the memory-fit check; raises ``training.api.PlanError`` with the numbers."""
         return dict(api.plan(cfg))
 
     def prepare_dataset(self, source: str | None, output: str, seq_len: int, max_bytes: int | None,
@@ -420,17 +320,8 @@ class RTrainHook(BaseHook):
         ``refresh``: a source whose content changed replaces the prepared dataset (continual training);
         otherwise a different dataset at ``output`` is refused.
         """
-        from training import data
-
         src = None if source in (None, "", "stdlib") else (source if source.startswith("gs://") else absolute(source))
-        manifest = data.prepare(src, output, seq_len, max_bytes=max_bytes, progress=progress, overwrite=refresh)
-        return {
-            "dataset": output,
-            "fingerprint": manifest["fingerprint"],
-            "train_records": manifest["splits"]["train"]["records"],
-            "validation_records": manifest["splits"]["validation"]["records"],
-            "seq_len": manifest["seq_len"],
-        }
+        return api.prepare_dataset(src, output, seq_len, max_bytes=max_bytes, progress=progress, refresh=refresh)
 
     # --- the job -------------------------------------------------------------------------------
 
@@ -442,86 +333,49 @@ class RTrainHook(BaseHook):
         raise RTrainConfigError(f"backend: 'local' or 'gke', not {name!r}")
 
     def status(self, run_uri: str) -> dict[str, Any] | None:
-        from training import api
-
         return api.status(run_uri)
 
     def events(self, run_uri: str, types: tuple[str, ...] | None = None, after: str | None = None) -> list[dict[str, Any]]:
-        from training.events import EventLog
-        from training.storage import open_store
-
-        return EventLog(open_store(run_uri)).read(types=types, after_key=after)
+        return api.events(run_uri, types, after)
 
     def newest_event_key(self, run_uri: str) -> str | None:
-        from training.storage import open_store
-
-        keys = [k for k in open_store(run_uri).list("events/") if k.endswith(".json")]
-        return max(keys) if keys else None
+        return api.newest_event_key(run_uri)
 
     def run_exists(self, run_uri: str) -> bool:
-        from training.storage import open_store
-
-        return bool(open_store(run_uri).exists("config.json"))
+        return api.run_exists(run_uri)
 
     def committed_steps(self, run_uri: str) -> list[int]:
-        from training import api
-
         return list(api.committed_steps(run_uri))
 
-    def ledger(self, run_uri: str) -> Any:
-        from training.ledger import Ledger
-        from training.storage import open_store
+    def newest_validated(self, run_uri: str) -> int | None:
+        return api.newest_validated(run_uri)
 
-        return Ledger(open_store(run_uri))
+    def checkpoint_state(self, run_uri: str, step: int) -> dict[str, Any]:
+        return api.checkpoint_states(run_uri).get(step, {})
 
-    # A DAG run's own marks in the run root: what its first launch did, so that a retry
-    # or a cleared task does not redo it (roll back again, refuse its own run as "existing").
     def dag_run_mark(self, run_uri: str, dag_run_id: str) -> dict[str, Any] | None:
-        from training.storage import NotFound, open_store
-
-        try:
-            return dict(json.loads(open_store(run_uri).get(f"airflow/{safe_key(dag_run_id)}.json")))
-        except NotFound:
-            return None
+        return api.dag_run_mark(run_uri, dag_run_id)
 
     def set_dag_run_mark(self, run_uri: str, dag_run_id: str, **info: Any) -> None:
-        from training.storage import AlreadyExists, open_store
-
-        data = json.dumps({"dag_run_id": dag_run_id, "time": time.time(), **info}, sort_keys=True).encode()
-        try:
-            open_store(run_uri).create(f"airflow/{safe_key(dag_run_id)}.json", data)
-        except AlreadyExists:
-            pass
+        api.set_dag_run_mark(run_uri, dag_run_id, **info)
 
     # --- the checkpoint lifecycle ------------------------------------------------------------------
 
     def validate_pending(self, run_uri: str) -> list[dict[str, Any]]:
-        from training import api
-
         return list(api.validate_pending(run_uri))
 
     def rollback(self, run_uri: str, to: int | None = None, reason: str = "") -> dict[str, Any]:
-        from training import api
-
         return dict(api.rollback(run_uri, to=to, reason=reason or "rollback from Airflow"))
 
     def promote(self, run_uri: str, step: int | None = None) -> dict[str, Any]:
-        from training import api
-
         return dict(api.promote(run_uri, step))
 
     def prune(self, run_uri: str, dry_run: bool = False) -> dict[str, Any]:
-        from training import api
-
         return dict(api.prune(run_uri, dry_run=dry_run))
 
     def report(self, run_uri: str) -> dict[str, Any]:
-        from training import api
-
         return dict(api.report(run_uri))
 
     @staticmethod
     def format_report(report: Mapping[str, Any]) -> str:
-        from training.lifecycle import format_report
-
-        return str(format_report(dict(report)))
+        return api.format_report(report)

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from airflow.sdk import Context
     from google.cloud.container_v1 import Operation
 
-    from training.config import Config
+    from training.api import Config
 
 
 def _templated(*values: Any) -> bool:
@@ -409,24 +409,24 @@ class _GKEJobSetBaseOperator(GoogleCloudBaseOperator):
 
 
 class GKEStartTPUJobSetOperator(_GKEJobSetBaseOperator):
-    """Launch (or re-attach to) the JobSet of one training attempt on TPU slices.
+    """Start a training job on TPU slices: take the run for it, then create its JobSet (one host agent per pod).
 
-    Renders the headless Service and the JobSet from the run config
-    (``training.backends.gke.render``), writes the run's ``config.json`` (unless
-    ``prepare_run=False``), and creates both; a JobSet of the same name (the same
-    run and attempt) is re-attached to, never replaced.
+    The same launch path as the pipeline's GKE backend (``JobSetHook.start_job``):
+    the run lock is taken and ``config.json`` written only then (a run held by
+    another job is refused and nothing is written), the Service and JobSet are
+    rendered from the run config (``training.api.render``) and created.
 
     :param config: the run config as ``key: value`` overrides over ``configs/base.yml`` and the preset
         it names (``backend: gke``, a gs:// ``root``); checked when the DAG is parsed.
+        ``hosts_per_slice`` is taken from the TPU shape when not given.
     :param machine_type: TPU machine type of the slices.
     :param tpu_topology: topology of one slice.
     :param image: the training image (docker/Dockerfile.train).
-    :param num_slices: slices to run on; ``None``: as many as the ready nodes give within min..max workers.
-    :param attempt: the launch attempt (distinct per relaunch: it names the JobSet), e.g. ``"{{ ti.try_number }}"``.
-    :param service_account: the Kubernetes service account of the workers (Workload Identity).
-    :param node_pools: restrict the workers to these node pools.
+    :param num_slices: slices to ask for; ``None``: as many as ``max_workers`` allows (missing ones wait Pending).
+    :param service_account: the Kubernetes service account of the agents (Workload Identity).
+    :param node_pools: restrict the agents to these node pools.
 
-    Returns ``jobset``, ``namespace``, ``num_slices``, ``num_processes``, ``coordinator``, ``run_uri``, ``state``.
+    Returns the job handle: ``job``, ``jobset``, ``namespace``, ``num_slices``, ``run_uri``, ``state``, ...
     """
 
     template_fields: Sequence[str] = (
@@ -436,7 +436,6 @@ class GKEStartTPUJobSetOperator(_GKEJobSetBaseOperator):
         "tpu_topology",
         "image",
         "num_slices",
-        "attempt",
         "service_account",
         "node_pools",
     )
@@ -450,7 +449,6 @@ class GKEStartTPUJobSetOperator(_GKEJobSetBaseOperator):
         tpu_topology: str,
         image: str,
         num_slices: int | str | None = None,
-        attempt: int | str = 0,
         service_account: str = "rtrain-worker",
         node_pools: Sequence[str] = (),
         spot: bool = False,
@@ -458,7 +456,6 @@ class GKEStartTPUJobSetOperator(_GKEJobSetBaseOperator):
         cpu: str | None = None,
         memory: str | None = None,
         env: Mapping[str, str] | None = None,
-        prepare_run: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -467,7 +464,6 @@ class GKEStartTPUJobSetOperator(_GKEJobSetBaseOperator):
         self.tpu_topology = tpu_topology
         self.image = image
         self.num_slices = num_slices
-        self.attempt = attempt
         self.service_account = service_account
         self.node_pools = list(node_pools)
         self.spot = spot
@@ -475,19 +471,17 @@ class GKEStartTPUJobSetOperator(_GKEJobSetBaseOperator):
         self.cpu = cpu
         self.memory = memory
         self.env = dict(env or {})
-        self.prepare_run = prepare_run
         static = ("config", "machine_type", "tpu_topology", "image", "namespace", "service_account", "node_pools")
         if not _templated(*(getattr(self, f) for f in static)):
             self._static_inputs()  # refuse a config that cannot run on the shape when the DAG is parsed
-        if not _templated(num_slices, attempt):
-            self._numbers()
+        if not _templated(num_slices):
+            self._num_slices()
 
     def _static_inputs(self) -> tuple[Config, Any, Any]:
-        from training.backends.gke import GKELaunch, TPUSlice, check_config
-        from training.config import load_config
+        from training.api import GKELaunch, TPUSlice, check_config, load_config
 
-        cfg = load_config(overrides=dict(self.config))  # base, then the preset it names, then these keys
         tpu = TPUSlice(self.machine_type, self.tpu_topology)
+        cfg = load_config(overrides={"hosts_per_slice": tpu.hosts, **self.config})  # base, preset, these keys
         check_config(cfg, tpu)
         launch = GKELaunch(
             image=self.image,
@@ -502,49 +496,25 @@ class GKEStartTPUJobSetOperator(_GKEJobSetBaseOperator):
         )
         return cfg, tpu, launch
 
-    def _numbers(self) -> tuple[int | None, int]:
+    def _num_slices(self) -> int | None:
         try:
             num_slices = None if self.num_slices in (None, "", "None") else int(self.num_slices)  # type: ignore[arg-type]
-            attempt = int(self.attempt)
         except (TypeError, ValueError):
-            raise ValueError(f"num_slices/attempt: integers, got {self.num_slices!r} / {self.attempt!r}") from None
-        if attempt < 0 or (num_slices is not None and num_slices < 1):
-            raise ValueError(f"num_slices/attempt: num_slices >= 1 and attempt >= 0, got {num_slices} / {attempt}")
-        return num_slices, attempt
+            raise ValueError(f"num_slices: an integer, got {self.num_slices!r}") from None
+        if num_slices is not None and num_slices < 1:
+            raise ValueError(f"num_slices: at least 1, got {num_slices}")
+        return num_slices
 
     def execute(self, context: Context) -> dict[str, Any]:
-        from training.backends.gke import jobset_state, plan_slices, render
-        from training.mesh import check_fit
+        from training.api import LaunchError
 
         cfg, tpu, launch = self._static_inputs()
-        num_slices, attempt = self._numbers()
-        check_fit(cfg)  # a model that cannot fit at the minimum topology is refused before any TPU is used
-        if num_slices is None:
-            available = self.jobset_hook.capacity(tpu, self.node_pools or None).available()
-            num_slices = plan_slices(cfg, tpu, available)
-            self.log.info("%d ready %s %s hosts: %d slice(s)", available, tpu.machine_type, tpu.topology, num_slices)
-            if num_slices == 0:
-                raise AirflowException(
-                    f"capacity: {available} ready hosts, fewer than min_workers={cfg.min_workers} "
-                    f"(slices of {tpu.hosts}); the task's retries wait for the node pools"
-                )
-        manifests = render(cfg, tpu, launch, num_slices, attempt)
-        if self.prepare_run:
-            from training.api import prepare_run
-
-            prepare_run(cfg)
-        obj = self.jobset_hook.create(manifests)
-        result = {
-            "jobset": manifests.name,
-            "namespace": manifests.namespace,
-            "num_slices": manifests.num_slices,
-            "num_processes": manifests.num_processes,
-            "coordinator": manifests.coordinator,
-            "run_uri": cfg.run_uri,
-            "state": jobset_state(obj),
-        }
-        self.log.info("JobSet %s/%s: %s", manifests.namespace, manifests.name, result)
-        return result
+        try:
+            handle = self.jobset_hook.start_job(cfg, tpu, launch, by=f"{self.task_id}", num_slices=self._num_slices())
+        except LaunchError as e:
+            raise AirflowException(str(e)) from None
+        self.log.info("Job %s: JobSet %s/%s (%s)", handle["job"], handle["namespace"], handle["jobset"], handle["state"])
+        return dict(handle)
 
 
 class GKEDeleteTPUJobSetOperator(_GKEJobSetBaseOperator):

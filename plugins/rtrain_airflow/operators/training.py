@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseBranchOperator, BaseOperator, TriggerRule
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from rtrain_airflow.hooks.training import LocalSliceBackend, RTrainConfigError, RTrainHook
+from rtrain_airflow.hooks.training import RTrainConfigError, RTrainHook
 from rtrain_airflow.triggers.training import RTrainTrainingJobTrigger
 
 if TYPE_CHECKING:
@@ -125,10 +125,16 @@ class RTrainResolveRunConfigOperator(BaseOperator):
                 overrides.update(self._continue_from(overrides, params))
                 # Refreshed data: the model trains on, the data position restarts on the new dataset.
                 overrides.setdefault("on_dataset_change", "restart")
+            gke = params.get("gke") or {}
+            if params.get("backend") == "gke" and gke.get("machine_type") and gke.get("tpu_topology"):
+                # A slice of the TPU shape is lost and gained whole: the job counts hosts in slices of it.
+                from training.api import GKEConfigError, TPUSlice
+
+                try:
+                    overrides.setdefault("hosts_per_slice", TPUSlice(gke["machine_type"], gke["tpu_topology"]).hosts)
+                except GKEConfigError as e:
+                    raise RTrainConfigError(f"gke: {e}") from None
             cfg = self.hook.build_config(overrides)
-            if params.get("dataset") is None:
-                # One prepared dataset per sequence length: records hold seq_len + 1 bytes.
-                cfg = self.hook.build_config({**overrides, "dataset": f"{cfg.dataset}-seq{cfg.seq_len}"})
             if cfg.backend == "gke":
                 self.hook.backend("gke", params.get("gke") or {})
         except RTrainConfigError as e:
@@ -155,7 +161,7 @@ class RTrainResolveRunConfigOperator(BaseOperator):
             raise RTrainConfigError(f"steps_per_run: at least 1, got {params.get('steps_per_run')!r}")
         base = None
         if self.hook.run_exists(probe.run_uri):
-            base = self.hook.ledger(probe.run_uri).newest_validated()
+            base = self.hook.newest_validated(probe.run_uri)
         self.log.info("Continual training of %s: newest validated checkpoint %s, %d more steps", probe.run_name,
                       base, per_run)
         return {"steps": (base or 0) + per_run, "resume_from": str(base) if base is not None else "latest"}
@@ -175,7 +181,7 @@ class RTrainPrepareDatasetOperator(_RTrainBaseOperator):
         max_bytes = data.get("max_bytes")
         if max_bytes is not None and int(max_bytes) < 1:
             raise AirflowFailException(f"dataset_max_bytes: positive or null, got {max_bytes!r}")
-        from training.data import DatasetError
+        from training.api import DatasetError
 
         try:
             return self.hook.prepare_dataset(data.get("source"), cfg.dataset, cfg.seq_len,
@@ -205,7 +211,7 @@ class RTrainPlanTopologyOperator(_RTrainBaseOperator):
     """
 
     def execute(self, context: Context) -> dict[str, Any]:
-        from training.mesh import PlanError
+        from training.api import PlanError
 
         spec = self.resolved_spec(context)
         assert spec is not None
@@ -258,8 +264,7 @@ class RTrainStartTrainingJobOperator(_RTrainBaseOperator):
         try:
             handle = self.backend(spec).launch(launch_cfg, spec, attempt=context["ti"].try_number)
         except Exception as e:
-            from training.api import LaunchError
-            from training.mesh import PlanError
+            from training.api import LaunchError, PlanError
 
             if isinstance(e, LaunchError | PlanError):
                 raise AirflowFailException(str(e)) from None
@@ -301,8 +306,7 @@ def validation_summary(hook: RTrainHook, run_uri: str, log: Any) -> dict[str, An
     committed = hook.committed_steps(run_uri)
     if not committed:
         raise AirflowException(f"run {run_uri} has no committed checkpoint to validate")
-    ledger = hook.ledger(run_uri)
-    newest = ledger.state(committed[-1]) or {}
+    newest = hook.checkpoint_state(run_uri, committed[-1])
     state = newest.get("state")
     verdict = "validated" if state in ("validated", "promoted") else "rejected"
     return {
@@ -310,7 +314,7 @@ def validation_summary(hook: RTrainHook, run_uri: str, log: Any) -> dict[str, An
         "verdict": verdict,
         "reason": newest.get("reason", ""),
         "metrics": newest.get("metrics"),
-        "newest_validated": ledger.newest_validated(),
+        "newest_validated": hook.newest_validated(run_uri),
         "results": results,
     }
 
@@ -405,8 +409,6 @@ class RTrainRollbackAndResumeOperator(_RTrainBaseOperator):
             raise AirflowFailException(f"step {summary['step']} rejected ({summary['reason']}) and no checkpoint of "
                                        f"{cfg.run_name} was ever validated: nothing to roll back to")
         backend = self.backend(spec)  # checks the backend before touching the ledger
-        if isinstance(backend, LocalSliceBackend):
-            backend.wait_for_stale_lock(run_uri)
         rb = self.hook.rollback(run_uri, reason=f"validation rejected step {summary['step']}: {summary['reason']} "
                                                f"(dag run {context['run_id']})")
         self.log.warning("[rtrain] rollback %d/%d: step %s -> %s (quarantined %s)", len(rounds) + 1, cfg.max_rollbacks,

@@ -23,6 +23,7 @@ so the wait holds no worker slot.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from functools import cached_property
@@ -123,6 +124,10 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
         backend = self.hook.backend(spec["backend"], spec.get("gke"))
         try_number = int(context["ti"].try_number)
         if try_number > 1:
+            # The run's current job: the one an earlier try relaunched, if it did (its status names it).
+            current = (self.hook.status(cfg.run_uri) or {}).get("job")
+            if current and current != handle.get("job"):
+                handle = {**handle, "job": current, "attached": True, "launched_at": time.time()}
             look = backend.poll(handle, self._timeouts(cfg))
             if look["state"] == "failed":
                 self.log.warning("[rtrain] try %d: the job is gone (%s); relaunching from the newest committed checkpoint",

@@ -20,33 +20,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+from training.api import describe
+
 CLASSPATH = "rtrain_airflow.triggers.training.RTrainTrainingJobTrigger"
 RELAYED = ("launch", "failure", "resize", "restore", "resumed", "waiting_for_capacity", "capacity", "chaos",
-           "rollback", "guard", "finished", "failed", "lock")
-
-
-def describe(ev: Mapping[str, Any]) -> str:
-    """One readable line for an event."""
-    t = ev["type"]
-    if t == "launch":
-        return f"launch attempt {ev.get('attempt')}: {ev.get('workers')} workers, mesh {ev.get('mesh')}"
-    if t == "failure":
-        return f"failure: {ev.get('reason')} (detected in {ev.get('detect_s') or 0:.2f}s)"
-    if t == "resize":
-        return f"resize {ev.get('old_workers')} -> {ev.get('new_workers')} workers: {ev.get('old_mesh')} -> {ev.get('new_mesh')}"
-    if t == "restore":
-        return f"restored step {ev.get('step')} on mesh {ev.get('mesh')} in {ev.get('seconds', 0):.2f}s"
-    if t == "resumed":
-        return f"training again at step {ev.get('step')}"
-    if t == "rollback":
-        return f"rollback ({ev.get('kind')}): step {ev.get('from_step')} -> {ev.get('to_step')}: {ev.get('reason')}"
-    fields = {k: v for k, v in ev.items() if k not in ("type", "time", "source", "_key")}
-    return f"{t}: {fields}"
+           "rollback", "guard", "finished", "failed", "leader", "host_lost", "checkpoint_corrupt")
 
 
 class RTrainTrainingJobTrigger(BaseTrigger):

@@ -44,8 +44,3 @@ class LocalCapacity:
         if workers < 0:
             raise ValueError("capacity cannot be negative")
         self.store.put(self.KEY, json.dumps({"workers": workers, "reason": reason}).encode())
-
-    def add(self, delta: int, reason: str = "") -> int:
-        n = max(0, self.available() + delta)
-        self.set(n, reason)
-        return n

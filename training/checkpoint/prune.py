@@ -31,9 +31,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from training.events import EventLog
-from training.ledger import Ledger, pinned_steps
-from training.retention import (
+from training.checkpoint.ledger import Ledger, pinned_steps
+from training.checkpoint.retention import (
     AnyOf,
     ExpireQuarantined,
     KeepBestN,
@@ -43,9 +42,10 @@ from training.retention import (
     StepInfo,
     decide,
 )
+from training.events import EventLog
+from training.layout import CHECKPOINTS
 from training.storage import GCSStore, LocalStore, Store, open_store
 
-CHECKPOINTS = "checkpoints"
 # A committed step being deleted on a local root is first renamed to
 # "<step>.orbax-checkpoint-tmp-pruning-<nonce>": Orbax then sees it as temporary.
 PRUNING = "-pruning-"

@@ -15,24 +15,48 @@ import statistics
 import time
 from typing import Any, cast
 
+from training.checkpoint import prune as prune_lib
+from training.checkpoint.ledger import Ledger
+from training.checkpoint.lock import RunLock
+from training.checkpoint.steps import committed_steps
 from training.config import Config, config_from_json
 from training.events import EventLog
-from training.ledger import Ledger
-from training.storage import Store, open_store
+from training.layout import CHECKPOINTS, CONFIG, QUARANTINE, STATUS, step_uri
+from training.storage import NotFound, Store, join, open_store
 
 
 class LifecycleError(RuntimeError):
     pass
 
 
+class RunNotFound(LifecycleError):
+    """There is no run at that URI (no config.json)."""
+
+
 def _run(run_uri: str) -> tuple[Store, Config, Ledger, EventLog]:
     store = open_store(run_uri)
-    cfg = config_from_json(store.get("config.json").decode())
+    try:
+        cfg = config_from_json(store.get(CONFIG).decode())
+    except NotFound:
+        raise RunNotFound(f"no run at {run_uri} (it has no {CONFIG})") from None
     return store, cfg, Ledger(store), EventLog(store, source="lifecycle")
+
+
+def quarantine(store: Store, ledger: Ledger, step: int, reason: str, state: str = "quarantined") -> str:
+    """Move checkpoint ``step`` out of the resume path into ``quarantine/`` (kept for inspection).
+
+    ``state`` is the ledger state recorded (``quarantined``; ``corrupt`` for a
+    step that failed its integrity check).  Returns where it went.
+    """
+    dest = f"{QUARANTINE}{step}-{time.time_ns()}"
+    store.move(f"{CHECKPOINTS}/{step}", dest)
+    ledger.record(step, state, reason=reason, location=dest)
+    return dest
 
 
 def evaluate(cfg: Config, params: Any) -> dict[str, float]:
     """Loss, perplexity and token accuracy on the fixed evaluation set (one device)."""
+    # JAX, flax and grain: only when a validation runs (this module is imported by the Airflow side).
     import jax
     import numpy as np
 
@@ -57,8 +81,7 @@ def evaluate(cfg: Config, params: Any) -> dict[str, float]:
 
 def validate(run_uri: str, step: int | None = None) -> dict[str, Any]:
     """Judge a committed checkpoint (default: the newest) and record the verdict in the ledger."""
-    from training.api import committed_steps
-    from training.trainer import all_finite, load_state_host
+    from training.checkpoint.manager import all_finite, load_state_host  # JAX: only for a validation
 
     store, cfg, ledger, events = _run(run_uri)
     steps = committed_steps(run_uri)
@@ -104,8 +127,6 @@ def validate(run_uri: str, step: int | None = None) -> dict[str, Any]:
 
 def validate_pending(run_uri: str) -> list[dict[str, Any]]:
     """Validate every committed checkpoint the ledger has no verdict for, oldest first."""
-    from training.api import committed_steps
-
     _, _, ledger, _ = _run(run_uri)
     states = ledger.states()
     todo = [s for s in committed_steps(run_uri) if states.get(s, {}).get("state") in (None, "committed")]
@@ -113,9 +134,7 @@ def validate_pending(run_uri: str) -> list[dict[str, Any]]:
 
 
 def _data_position(run_uri: str, step: int) -> dict[str, Any]:
-    from training.storage import join
-
-    store = open_store(join(run_uri, "checkpoints", str(step), "data"))
+    store = open_store(join(step_uri(run_uri, step), "data"))
     for key in store.list():
         if not key.startswith("_"):
             try:
@@ -132,9 +151,6 @@ def rollback(run_uri: str, to: int | None = None, reason: str = "manual rollback
     skipping the data window since it (``rollback_skip_data``) and scaling the
     learning rate (``rollback_lr_scale``) as configured.  Refused while a job holds the run.
     """
-    from training.api import committed_steps
-    from training.ledger import RunLock
-
     store, cfg, ledger, events = _run(run_uri)
     holder = RunLock(store, owner="rollback").held_by()
     if holder:
@@ -155,9 +171,7 @@ def rollback(run_uri: str, to: int | None = None, reason: str = "manual rollback
     quarantined = []
     for s in steps:
         if s > target:
-            dest = f"quarantine/{s}-{time.time_ns()}"
-            store.move(f"checkpoints/{s}", dest)
-            ledger.record(s, "quarantined", reason=reason, location=dest)
+            quarantine(store, ledger, s, reason)
             quarantined.append(s)
     ledger.set_pointer(target, reason, resume=how)
     events.emit(
@@ -186,8 +200,6 @@ def promote(run_uri: str, step: int | None = None) -> dict[str, Any]:
 
 def prune(run_uri: str, dry_run: bool = False) -> dict[str, Any]:
     """Apply the run's retention policy to checkpoints/ and expire old quarantined ones."""
-    from training import prune as prune_lib
-
     store, cfg, ledger, events = _run(run_uri)
     policy = prune_lib.policy_from_config(
         cfg.keep_last, cfg.keep_best, cfg.best_metric, cfg.keep_every, cfg.quarantine_ttl_s
@@ -196,23 +208,21 @@ def prune(run_uri: str, dry_run: bool = False) -> dict[str, Any]:
     out = plan.to_dict()
     now = time.time()
     expired = []
-    for name in sorted({k.split("/")[1] for k in store.list("quarantine/")}):
+    for name in sorted({k.split("/")[1] for k in store.list(QUARANTINE)}):
         born = int(name.rsplit("-", 1)[1]) / 1e9 if "-" in name else now
         if now - born > cfg.quarantine_ttl_s:
             expired.append(name)
             if not dry_run:
-                store.delete(f"quarantine/{name}")
+                store.delete(f"{QUARANTINE}{name}")
     out["quarantine_expired"] = expired
     return out
 
 
 def report(run_uri: str) -> dict[str, Any]:
     """The run's story from its events: steps, failures, recoveries, meshes, verdicts, goodput."""
-    from training.api import committed_steps
-
     store, cfg, ledger, events = _run(run_uri)
     evs = events.read()
-    status = json.loads(store.get("status.json")) if store.exists("status.json") else {}
+    status = json.loads(store.get(STATUS)) if store.exists(STATUS) else {}
     launches = [e for e in evs if e["type"] == "launch"]
     recoveries = []
     for e in evs:

@@ -1,0 +1,330 @@
+"""The run lock: one job owns a run at a time, as a lease built from write-once generations.
+
+``lock/<gen>.json`` records each change (acquire, refresh, takeover, handoff,
+release); the newest generation is the lock's state.  Taking or changing the
+lock means creating generation ``g+1``: ``create`` is exclusive (``link(2)`` on a
+local root, ``ifGenerationMatch=0`` on GCS), so of two writers racing for a free
+lock exactly one creates it.  After each write the writer re-lists and checks
+that the newest generation is its own; that also makes it safe to delete old
+generations (we keep the newest two) without a late writer reusing a freed name.
+
+Who holds it: the launcher of a job holds it while it checks and writes the
+run's config, then *hands it off* to the job (``handoff``): any host agent of
+that job may claim it at once, while anyone else still sees it held.  From then
+on the job's leader (the agent holding the lease) keeps it alive with a
+:class:`LeaseKeeper`, a thread independent of the agent's main loop, so the
+lease is refreshed in every state (waiting for capacity, restoring, saving).
+
+Guarantees (multi-process and multi-host safe; the clocks of the machines must
+agree to well within ``margin_s``):
+
+* a lease is in force until ``expires_at + margin_s``; only then may another
+  owner take it over (the takeover record names the previous holder);
+* the holder treats its lease as lost ``lease_s`` after it *began* its last
+  successful refresh (monotonic clock), which is before ``expires_at``; so a
+  holder that can no longer refresh stops writing before anyone else may start
+  (fencing; :meth:`LeaseKeeper.check` is called before each write of a leader).
+
+Emulator caveat: gcp-storage-emulator ignores ``ifGenerationMatch``, so on it
+``create`` is an exists-check followed by an upload, and two writers racing
+within milliseconds could both believe they won.  The guarantee holds on a
+local root and on real GCS; tests race processes on a local root only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from training.layout import LOCK
+from training.records import iso, whoami
+from training.storage import AlreadyExists, NotFound, Store
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MARGIN_S = 0.5
+
+
+class LockHeld(RuntimeError):
+    """Another owner holds an unexpired lease on the run."""
+
+    def __init__(self, message: str, holder: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.holder = holder
+
+
+class LockLost(RuntimeError):
+    """We believed we held the lock, but someone else has it now (our lease ran out)."""
+
+
+class RunLock:
+    """One owner per run (see the module docstring).
+
+    :param owner: who we are, for messages (``agent h1 of job J``).
+    :param job: the job we belong to; a handoff to this job may be claimed at once.
+    :param lease_s: how long a refresh keeps the lease.
+    :param margin_s: how long after its expiry a lease still keeps others out.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        owner: str,
+        lease_s: float = 60.0,
+        *,
+        job: str | None = None,
+        margin_s: float = DEFAULT_MARGIN_S,
+        on_event: Callable[..., Any] | None = None,
+    ) -> None:
+        if lease_s <= 0:
+            raise ValueError("lease_s must be positive")
+        self.store = store
+        self.owner = owner
+        self.job = job
+        self.lease_s = float(lease_s)
+        self.margin_s = float(margin_s)
+        self.on_event = on_event
+        self.token = uuid.uuid4().hex
+        self.gen: int | None = None  # the generation we last wrote while holding the lock
+        self._acquired_at = 0.0
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def _generations(self) -> list[tuple[int, str]]:
+        gens = []
+        for key in self.store.list(LOCK):
+            name = key[len(LOCK) :]
+            if name.endswith(".json") and name[:-5].isdigit():
+                gens.append((int(name[:-5]), key))
+        return sorted(gens)
+
+    def newest(self) -> tuple[int, dict[str, Any] | None]:
+        """(generation, record) of the lock's current state; (0, None) for a lock never taken."""
+        for _ in range(5):
+            gens = self._generations()
+            if not gens:
+                return 0, None
+            gen, key = gens[-1]
+            try:
+                return gen, dict(json.loads(self.store.get(key)))
+            except NotFound:  # dropped by the holder between list and get: look again
+                continue
+        raise RuntimeError(f"could not read the lock of {self.store.uri}")
+
+    def active(self, rec: dict[str, Any] | None, now: float) -> bool:
+        """Does ``rec`` keep others out at ``now``?"""
+        return rec is not None and rec["action"] != "release" and now < float(rec["expires_at"]) + self.margin_s
+
+    def held_by(self, now: float | None = None) -> dict[str, Any] | None:
+        """The holder's record (owner, job, host, pid, acquired_at, expires_at, ...) while in force, else None."""
+        _gen, rec = self.newest()
+        return rec if self.active(rec, time.time() if now is None else now) else None
+
+    def message(self, rec: dict[str, Any], now: float | None = None) -> str:
+        now = time.time() if now is None else now
+        left = float(rec["expires_at"]) + self.margin_s - now
+        job = f" of job {rec['job']}" if rec.get("job") else ""
+        return (
+            f"run {self.store.uri} is locked by {rec['owner']!r}{job} (host {rec['host']}, pid {rec['pid']}), "
+            f"held since {iso(float(rec['acquired_at']))}; its lease runs out in {max(left, 0):.0f}s unless "
+            "refreshed. Stop that job (or wait for its lease to run out) and retry."
+        )
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def _write(
+        self, gen: int, action: str, previous: dict[str, Any] | None, acquired_at: float, lease_s: float | None = None
+    ) -> dict[str, Any]:
+        now = time.time()
+        rec = {
+            "gen": gen,
+            "action": action,
+            "owner": self.owner,
+            "job": self.job,
+            "token": self.token,
+            "acquired_at": acquired_at,
+            "time": now,
+            "expires_at": now if action == "release" else now + (lease_s or self.lease_s),
+            **whoami(),
+        }
+        if previous is not None:
+            rec["previous"] = {k: previous.get(k) for k in ("owner", "job", "host", "pid", "acquired_at", "expires_at")}
+        self.store.create(f"{LOCK}{gen:012d}.json", json.dumps(rec, sort_keys=True).encode())
+        return rec
+
+    def _confirm(self, gen: int) -> bool:
+        """Is generation ``gen`` still the newest, and ours?  Also drops generations older than gen-1."""
+        gens = self._generations()
+        if not gens or gens[-1][0] != gen:
+            return False
+        try:
+            rec = json.loads(self.store.get(gens[-1][1]))
+        except NotFound:
+            return False
+        if rec.get("token") != self.token:
+            return False
+        for old, key in gens:
+            if old < gen - 1:
+                self.store.delete(key)
+        return True
+
+    def _emit(self, action: str, **fields: Any) -> None:
+        if self.on_event is not None:
+            self.on_event("lock", owner=self.owner, action=action, job=self.job, **whoami(), **fields)
+
+    def _claimable(self, rec: dict[str, Any] | None, now: float) -> bool:
+        if not self.active(rec, now):
+            return True
+        assert rec is not None
+        return rec["action"] == "handoff" and self.job is not None and rec.get("job") == self.job
+
+    def acquire(self) -> dict[str, Any]:
+        """Take the lock (a free one, a lapsed lease, or a handoff to our job); else raise LockHeld."""
+        for _ in range(5):
+            gen, rec = self.newest()
+            now = time.time()
+            if rec is not None and rec.get("token") == self.token and self.active(rec, now):
+                return self.refresh()
+            if not self._claimable(rec, now):
+                assert rec is not None
+                raise LockHeld(self.message(rec, now), rec)
+            takeover = rec is not None and rec["action"] != "release"
+            try:
+                new = self._write(gen + 1, "takeover" if takeover else "acquire", rec if takeover else None, now)
+            except AlreadyExists:
+                continue  # someone else got generation gen+1 first; look at what they wrote
+            if not self._confirm(gen + 1):
+                continue
+            self.gen, self._acquired_at = gen + 1, now
+            if takeover:
+                assert rec is not None
+                self._emit(
+                    "takeover",
+                    previous_owner=rec["owner"],
+                    previous_job=rec.get("job"),
+                    previous_expires_at=rec["expires_at"],
+                    handoff=rec["action"] == "handoff",
+                )
+            else:
+                self._emit("acquire")
+            return new
+        gen, rec = self.newest()
+        now = time.time()
+        if rec is not None and not self._claimable(rec, now):
+            raise LockHeld(self.message(rec, now), rec)
+        raise LockHeld(f"run {self.store.uri}: lost the race for its lock five times in a row; retry")
+
+    def refresh(self) -> dict[str, Any]:
+        """Extend our lease; raise LockLost if the lock has moved on without us."""
+        return self._advance("refresh")
+
+    def handoff(self, job: str, lease_s: float) -> dict[str, Any]:
+        """Keep the lock for ``job`` for ``lease_s``: its agents may claim it at once, others are kept out."""
+        self.job = job
+        rec = self._advance("handoff", lease_s)
+        self.gen = None  # it is the job's now
+        return rec
+
+    def _advance(self, action: str, lease_s: float | None = None) -> dict[str, Any]:
+        if self.gen is None:
+            raise LockLost(f"{self.owner!r} does not hold the lock of {self.store.uri}")
+        try:
+            rec: dict[str, Any] | None = self._write(self.gen + 1, action, None, self._acquired_at, lease_s)
+        except AlreadyExists:
+            rec = None
+        if rec is None or not self._confirm(self.gen + 1):
+            self.gen = None
+            holder = self.held_by()
+            who = f"{holder['owner']!r} (host {holder['host']}, pid {holder['pid']})" if holder else "nobody now"
+            raise LockLost(f"the lock of {self.store.uri} was taken over; it is held by {who}")
+        self.gen += 1
+        return rec
+
+    def release(self) -> None:
+        """Give the lock up (a no-op when we no longer hold it)."""
+        if self.gen is None:
+            return
+        gen, self.gen = self.gen, None
+        try:
+            self._write(gen + 1, "release", None, time.time())
+        except AlreadyExists:
+            return  # it had already moved on: nothing of ours to release
+        if self._confirm(gen + 1):
+            self._emit("release")
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class LeaseKeeper:
+    """Keeps a held lock's lease alive from a thread of its own, and says when it is no longer ours.
+
+    Refreshes every ``lease_s / 4``.  :meth:`valid` turns false ``lease_s`` after
+    the start of the last successful refresh (monotonic clock), or at once when a
+    refresh finds the lock taken over; ``on_lost`` is called then (once).
+    """
+
+    def __init__(self, lock: RunLock, on_lost: Callable[[str], None] | None = None) -> None:
+        if lock.gen is None:
+            raise LockLost(f"{lock.owner!r} does not hold the lock of {lock.store.uri}")
+        self.lock = lock
+        self.on_lost = on_lost
+        self._valid_until = time.monotonic() + lock.lease_s
+        self._lost: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
+
+    def start(self) -> LeaseKeeper:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+
+    def valid(self) -> bool:
+        return self._lost is None and time.monotonic() < self._valid_until
+
+    def check(self) -> None:
+        """Raise LockLost unless the lease is still ours (call before each write of the holder)."""
+        if not self.valid():
+            raise LockLost(self._lost or f"the lease of {self.lock.store.uri} ran out before it could be refreshed")
+
+    def _lose(self, why: str) -> None:
+        if self._lost is None:
+            self._lost = why
+            if self.on_lost is not None:
+                self.on_lost(why)
+
+    def _run(self) -> None:
+        period = self.lock.lease_s / 4
+        while not self._stop.wait(period):
+            if not self._run_once():
+                return
+
+    def _run_once(self) -> bool:
+        """One refresh; False when the lease is lost for good."""
+        t0 = time.monotonic()
+        try:
+            self.lock.refresh()
+        except LockLost as e:
+            self._lose(str(e))
+            return False
+        except Exception as e:  # noqa: BLE001 - a store hiccup: try again; the lease runs out if it lasts
+            log.warning("refreshing the lease of %s failed: %s", self.lock.store.uri, e)
+            if time.monotonic() >= self._valid_until:
+                self._lose(f"the lease of {self.lock.store.uri} could not be refreshed: {e}")
+                return False
+            return True
+        self._valid_until = t0 + self.lock.lease_s
+        return True

@@ -1,0 +1,62 @@
+"""Which checkpoint steps of a run exist, by Orbax's own rule; and their integrity records.
+
+Light on purpose: the Airflow side and the CLI list committed steps and check
+integrity records without loading JAX.  ``orbax.checkpoint`` (which imports JAX)
+is imported inside :func:`committed_steps` only, the one place that needs it.
+
+Integrity: when a step commits, its host agent records the size and CRC32C of
+every file of the step in the ledger's ``committed`` record (:func:`file_checksums`;
+on gs:// the object metadata GCS keeps anyway, elsewhere computed with
+google-crc32c).  A restore first compares the files with that record
+(:func:`verify`): a flipped byte, a truncated or a missing file is found before
+any of it is trusted, and named.  Orbax and TensorStore have no such check of
+their own for our formats (zarr and OCDBT chunks carry no checksums).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from training.layout import checkpoints_uri, step_uri
+from training.storage import open_store
+
+
+def committed_steps(run: str) -> list[int]:
+    """Committed (finalised) checkpoint steps of a run, ascending, as Orbax decides."""
+    from etils import epath
+
+    # Orbax's own rule (a renamed directory locally, a commit marker on gs://): imported here,
+    # not at module level, because it loads JAX.
+    from orbax.checkpoint import path as ocp_path
+
+    root = epath.Path(checkpoints_uri(run))
+    if not root.exists():
+        return []
+    return sorted(
+        int(p.name) for p in root.iterdir() if p.name.isdigit() and ocp_path.step.is_checkpoint_finalized(p)
+    )
+
+
+def file_checksums(run: str, step: int) -> dict[str, list[int]]:
+    """``{relative file name: [size, crc32c]}`` of every file of a committed step."""
+    return open_store(step_uri(run, step)).checksums()
+
+
+def verify(run: str, step: int, expected: dict[str, Any] | None) -> str:
+    """'' when the step's files match its integrity record, else what is wrong (naming the file).
+
+    A step without a record (committed by an older version, or before its
+    agent could record it) is not checked.
+    """
+    if not expected:
+        return ""
+    found = file_checksums(run, step)
+    for name, (size, crc) in sorted(expected.items()):
+        got = found.get(name)
+        if got is None:
+            return f"file {name} of checkpoint {step} is missing"
+        if int(got[0]) != int(size):
+            return f"file {name} of checkpoint {step} has {got[0]} bytes, {size} when committed (truncated?)"
+        if int(got[1]) != int(crc):
+            return f"file {name} of checkpoint {step} fails its CRC32C check (changed since it was committed)"
+    return ""

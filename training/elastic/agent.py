@@ -1,0 +1,641 @@
+"""The host agent: one per host (a pod on GKE, a simulated host on the local slice).
+
+Level one of recovery (docs/architecture.md).  Each agent supervises its own
+host's single worker process and nothing else: it keeps a warmed-up standby
+worker ready, starts it when a round names this host, restarts only its own
+worker, and writes a heartbeat to the rendezvous on the run root
+(``training.elastic.rendezvous``).  The agents of a job find each other there;
+none is special for longer than its lease:
+
+* the agent holding the run lock's lease *leads* (``training.elastic.leader``):
+  it writes each round (members, mesh, coordinator, resume step) and the run's
+  status, and decides what a failure means;
+* every agent *follows* the rounds: it starts, stops or keeps its worker as the
+  newest round says, and reports how its worker ended;
+* when the leader's lease lapses (its host is gone or frozen), another agent of
+  the job takes the lease and leads the next round.
+
+A host that is lost takes its agent and worker with it; the survivors' workers
+see the peer vanish (a collective error within a second), their agents report
+it, and the leader opens a new round on the hosts that are left.  A host whose
+heartbeat stops (frozen) is treated the same way.  Pods and agents stay up.
+
+The agent's threads: the main loop (rounds, the worker's pipe, leading), a
+heartbeat thread, and, while leading, the lease keeper.  Workers die with their
+agent (``PR_SET_PDEATHSIG``), so no process outlives the host it belongs to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import logging
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from training.checkpoint.ledger import Ledger
+from training.checkpoint.lock import LeaseKeeper, LockHeld, LockLost, RunLock
+from training.checkpoint.steps import file_checksums
+from training.config import Config, config_from_json
+from training.elastic.capacity import CapacitySource, LocalCapacity
+from training.elastic.codes import AgentExit, WorkerExit
+from training.elastic.rendezvous import HostRecord, Outcome, Rendezvous, Report, Round
+from training.events import EventLog
+from training.layout import CONFIG, LOGS
+from training.storage import Store, is_gcs, join, open_store
+
+log = logging.getLogger("rtrain.agent")
+
+POLL_S = 0.05  # the main loop's period on a local root (a round starts, a worker ends: seen this fast)
+POLL_S_GCS = 0.2  # on gs://, where every look is an HTTP request
+HOST_RE = re.compile(r"^(?:s(?P<slice>\d+)-)?h(?P<index>\d+)$")
+# Worker reports that become events (rank 0's; worker_started and chaos come from every rank).
+EVENT_REPORTS = frozenset(
+    {
+        "worker_started",
+        "restore",
+        "init",
+        "compiled",
+        "resumed",
+        "resumed_with",
+        "data_refreshed",
+        "progress",
+        "checkpoint",
+        "guard",
+        "chaos",
+        "rescale_requested",
+    }
+)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def slice_and_index(host: str, hosts_per_slice: int) -> tuple[int, int]:
+    """``h5`` -> (5 // hosts_per_slice, 5 % hosts_per_slice); ``s2-h1`` -> (2, 1)."""
+    m = HOST_RE.match(host)
+    if not m:
+        raise ValueError(f"host id {host!r} is not h<N> or s<slice>-h<N>")
+    i = int(m["index"])
+    if m["slice"] is not None:
+        return int(m["slice"]), i
+    return i // hosts_per_slice, i % hosts_per_slice
+
+
+@dataclass
+class WorkerProc:
+    """A worker process: a standby until assigned, then this round's worker."""
+
+    proc: subprocess.Popen[bytes]
+    fd: int
+    log: Path
+    round: int = -1
+    rank: int = -1
+    buf: bytes = b""
+    eof: bool = False
+    seen: dict[str, Any] = field(default_factory=dict)  # finished / rescale / guard / corrupt / error / chaos
+
+    @property
+    def assigned(self) -> bool:
+        return self.round >= 0
+
+
+class HostAgent:
+    """One host's agent (see the module docstring)."""
+
+    def __init__(
+        self,
+        run: str,
+        job: str,
+        host: str,
+        *,
+        coordinator_host: str = "127.0.0.1",
+        coordinator_port: int = 0,
+        bind_host: str | None = None,
+        capacity: CapacitySource | None = None,
+        log_dir: str | None = None,
+    ) -> None:
+        self.run_uri = run
+        self.job = job
+        self.host = host
+        self.store: Store = open_store(run)
+        self.cfg: Config = config_from_json(self.store.get(CONFIG).decode())
+        self.events = EventLog(self.store, source=f"agent-{host}")
+        self.rdv = Rendezvous(self.store)
+        self.ledger = Ledger(self.store)
+        self.lock = RunLock(
+            self.store, owner=f"agent {host} of job {job}", lease_s=self.cfg.lease_s, job=job, on_event=self.emit
+        )
+        self.capacity = capacity
+        self.coordinator_host = coordinator_host
+        self.coordinator_port = coordinator_port  # 0: a free port for each round (the local slice)
+        self.bind_host = bind_host if bind_host is not None else coordinator_host
+        base = log_dir or (join(run, LOGS) if not is_gcs(run) else os.path.join("var", "logs", self.cfg.run_name))
+        self.log_dir = Path(base) / job / host
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        slice_, index = slice_and_index(host, self.cfg.hosts_per_slice)
+        self.record = HostRecord(
+            host=host,
+            job=job,
+            slice=slice_,
+            index=index,
+            seq=0,
+            time=time.time(),
+            pid=os.getpid(),
+            node=socket.gethostname(),
+            coordinator=self._coordinator_address(),
+            started=time.time(),
+        )
+        self._rec_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.worker: WorkerProc | None = None
+        self.standby: WorkerProc | None = None
+        self.spawned = 0
+        self.seen_round = 0
+        self.max_gen = 0
+        self.keeper: LeaseKeeper | None = None
+        self.leader: Any = None  # training.elastic.leader.Leader while this agent leads
+        self.exit_code: AgentExit | None = None
+        self._next_lead_try = 0.0
+        self._signal: int | None = None
+        self.poll_s = POLL_S_GCS if is_gcs(run) else POLL_S
+        self._writes: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._writer_thread = threading.Thread(target=self._writer, name="writer", daemon=True)
+
+    # --- small helpers ------------------------------------------------------------------------
+
+    def emit(self, type_: str, **fields: Any) -> None:
+        """Write an event now (the leader's decisions: they must be on record before what follows)."""
+        fields.setdefault("host", self.host)
+        try:
+            self.events.emit(type_, **fields)
+        except Exception as e:  # noqa: BLE001 - an event that cannot be written must not take the host down
+            log.warning("[%s] could not write a %s event: %s", self.host, type_, e)
+
+    def emit_later(self, type_: str, **fields: Any) -> None:
+        """Write an event from the writer thread, in order: the main loop does not wait for the store."""
+        self._writes.put(lambda: self.emit(type_, **fields))
+
+    def _writer(self) -> None:
+        while True:
+            job = self._writes.get()
+            if job is None:
+                return
+            try:
+                job()
+            except Exception as e:  # noqa: BLE001 - logged; the next write goes on
+                log.warning("[%s] a background write failed: %s", self.host, e)
+
+    def _coordinator_address(self) -> str:
+        port = self.coordinator_port or free_port(self.coordinator_host)
+        return f"{self.coordinator_host}:{port}"
+
+    def update(self, **fields: Any) -> None:
+        """Change this host's heartbeat record and write it now."""
+        with self._rec_lock:
+            for k, v in fields.items():
+                setattr(self.record, k, v)
+        self._wake.set()
+
+    # --- heartbeat thread ---------------------------------------------------------------------
+
+    def _heartbeat(self) -> None:
+        while not self._stop.is_set():
+            with self._rec_lock:
+                self.record.seq += 1
+                self.record.time = time.time()
+                rec = copy.copy(self.record)
+            try:
+                self.rdv.beat(rec)
+            except Exception as e:  # noqa: BLE001 - a store hiccup: the next beat tries again
+                log.warning("[%s] heartbeat failed: %s", self.host, e)
+            self._wake.wait(self.cfg.heartbeat_s)
+            self._wake.clear()
+
+    # --- the main loop ------------------------------------------------------------------------
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        newest = self.rdv.newest_round(self.job)
+        if newest is not None:
+            # A round already running cannot take a new process; if it counted on this host, say
+            # at once that this host's worker is gone (this agent was restarted).
+            self.seen_round = max(self.rdv.round_numbers() or [0])
+            if self.host in newest.members and newest.action == "train":
+                self._report(newest.round, newest.rank(self.host), Outcome.FAILED, reason="host agent restarted")
+            if newest.action == "stop":
+                return int(AgentExit.FINISHED if newest.final == "finished" else AgentExit.FAILED)
+        beat = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
+        beat.start()
+        self._writer_thread.start()
+        self.standby = self._spawn()
+        log.info("[%s] agent of job %s on %s, pid %d", self.host, self.job, self.run_uri, os.getpid())
+        try:
+            while self.exit_code is None:
+                if self._signal is not None:
+                    self._leave(f"signal {signal.Signals(self._signal).name}")
+                    break
+                self._follow()
+                self._pump()
+                self._maybe_lead()
+                if self.leader is not None:
+                    self._lead_tick()
+                time.sleep(self.poll_s)
+        finally:
+            self._shutdown()
+        return int(self.exit_code if self.exit_code is not None else AgentExit.INTERRUPTED)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self._signal = signum
+
+    def _leave(self, why: str) -> None:
+        """This host leaves the job (SIGTERM): its worker stops; a leader hands the lease on."""
+        log.warning("[%s] leaving: %s", self.host, why)
+        self.update(state="leaving")
+        if self.worker is not None and self.worker.assigned:
+            self._report(self.worker.round, self.worker.rank, Outcome.FAILED, reason=f"host {self.host} left ({why})")
+        self.exit_code = AgentExit.INTERRUPTED
+
+    def _shutdown(self) -> None:
+        for w in (self.worker, self.standby):
+            if w is not None:
+                self._kill(w)
+        self.worker = self.standby = None
+        self._writes.put(None)
+        if self._writer_thread.is_alive():
+            self._writer_thread.join(timeout=30)  # what the worker reported is on record before the agent goes
+        if self.keeper is not None:
+            self.keeper.stop()
+        with contextlib.suppress(Exception):
+            self.lock.release()  # a no-op unless this agent still holds it
+        self._stop.set()
+        self._wake.set()
+        with contextlib.suppress(Exception):
+            with self._rec_lock:
+                self.record.state = "leaving" if self.exit_code == AgentExit.INTERRUPTED else "gone"
+                self.record.time = time.time()
+                self.record.seq += 1
+                rec = copy.copy(self.record)
+            self.rdv.beat(rec)
+
+    # --- following the rounds -----------------------------------------------------------------
+
+    def _follow(self) -> None:
+        for rnd in self.rdv.rounds_after(self.seen_round):
+            self.seen_round = max(self.seen_round, rnd.round)
+            if rnd.job != self.job or rnd.gen < self.max_gen:
+                continue  # another job's round, or one written by a leader that has lost its lease
+            self.max_gen = rnd.gen
+            self._apply(rnd)
+
+    def _apply(self, rnd: Round) -> None:
+        if rnd.action == "stop":
+            if self.worker is not None:
+                self._kill(self.worker)
+                self.worker = None
+            self.exit_code = AgentExit.FINISHED if rnd.final == "finished" else AgentExit.FAILED
+            return
+        if self.worker is not None:  # a worker of an older round: that round is over
+            self._kill(self.worker)
+            self.worker = None
+        rank = rnd.rank(self.host)
+        if rank < 0:
+            self.update(state="idle", round=rnd.round, rank=-1)
+            return
+        w = self.standby if self.standby is not None and self.standby.proc.poll() is None else self._spawn()
+        self.standby = None
+        w.round, w.rank = rnd.round, rank
+        bind = self.bind_host if rank == 0 else ""
+        assignment = {
+            "round": rnd.round,
+            "rank": rank,
+            "processes": rnd.workers,
+            "coordinator": rnd.coordinator,
+            "bind": f"{bind}:{rnd.coordinator.rsplit(':', 1)[1]}" if bind else "",
+            "resume": rnd.resume,
+            "faults": rnd.faults,
+            "env": self._round_env(rnd, rank),
+        }
+        try:
+            assert w.proc.stdin is not None
+            w.proc.stdin.write((json.dumps(assignment) + "\n").encode())
+            w.proc.stdin.flush()
+        except (BrokenPipeError, OSError) as e:
+            self._report(rnd.round, rank, Outcome.FAILED, reason=f"worker could not be started: {e}")
+            self._kill(w)
+            return
+        self.worker = w
+        self.update(state="training", round=rnd.round, rank=rank, step=None, loss=None)
+
+    def _round_env(self, rnd: Round, rank: int) -> dict[str, str]:
+        """What the worker's runtime must know of this round before it starts (TPU multislice)."""
+        slices = rnd.workers // self.cfg.hosts_per_slice
+        if self.cfg.backend != "gke" or slices < 2:
+            return {}
+        # libtpu joins the slices of this round over the data-center network (Multislice).
+        return {
+            "MEGASCALE_COORDINATOR_ADDRESS": rnd.coordinator.rsplit(":", 1)[0],
+            "MEGASCALE_NUM_SLICES": str(slices),
+            "MEGASCALE_SLICE_ID": str(rank // self.cfg.hosts_per_slice),
+        }
+
+    # --- the worker processes -----------------------------------------------------------------
+
+    def _spawn(self) -> WorkerProc:
+        """A standby worker: it warms up (imports, config, dataset) and waits for its assignment."""
+        self.spawned += 1
+        r, w = os.pipe()
+        path = self.log_dir / f"worker-{os.getpid()}-{self.spawned}.log"
+        env = {
+            **os.environ,
+            "RTRAIN_RUN_URI": self.run_uri,
+            "RTRAIN_HOST": self.host,
+            "RTRAIN_JOB": self.job,
+            "RTRAIN_CONTROL_FD": str(w),
+            "RTRAIN_AGENT_PID": str(os.getpid()),
+            "TF_CPP_MIN_LOG_LEVEL": "2",
+            "PYTHONUNBUFFERED": "1",
+        }
+        if self.cfg.backend == "local":
+            # The local slice: each simulated host is a JAX process with D CPU devices, gloo collectives.
+            env.update(
+                {
+                    "JAX_PLATFORMS": "cpu",
+                    "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
+                    "XLA_FLAGS": f"--xla_force_host_platform_device_count={self.cfg.devices_per_worker}",
+                }
+            )
+        with open(path, "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "training.elastic.worker"],
+                env=env,
+                pass_fds=(w,),
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        os.close(w)
+        os.set_blocking(r, False)
+        return WorkerProc(proc, r, path)
+
+    @staticmethod
+    def _kill(w: WorkerProc) -> None:
+        if w.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                w.proc.kill()
+        w.proc.wait()
+        if not w.eof:
+            w.eof = True
+            os.close(w.fd)
+        if w.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                w.proc.stdin.close()
+
+    def _read(self, w: WorkerProc) -> list[dict[str, Any]]:
+        if w.eof:
+            return []
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(w.fd, 1 << 16)
+            except BlockingIOError:
+                break
+            if not chunk:
+                w.eof = True
+                os.close(w.fd)
+                break
+            chunks.append(chunk)
+        w.buf += b"".join(chunks)
+        *lines, w.buf = w.buf.split(b"\n")
+        out = []
+        for line in lines:
+            if line.strip():
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    log.warning("[%s] unreadable report from the worker: %r", self.host, line[:200])
+        return out
+
+    def _pump(self) -> None:
+        w = self.worker
+        if self.standby is not None and self.standby.proc.poll() is not None:
+            log.warning("[%s] the standby worker exited (%s); see %s", self.host, self.standby.proc.returncode,
+                        self.standby.log)
+            self._kill(self.standby)
+            self.standby = None
+        if w is None:
+            return
+        for msg in self._read(w):
+            self._handle(w, msg)
+        code = w.proc.poll()
+        if code is None:
+            return
+        for msg in self._read(w):  # what it said before it went
+            self._handle(w, msg)
+        self._kill(w)
+        self.worker = None
+        self._worker_ended(w, code)
+
+    def _handle(self, w: WorkerProc, msg: dict[str, Any]) -> None:
+        t = str(msg.pop("type", ""))
+        if t == "progress":
+            self.update(
+                step=msg.get("step"),
+                loss=msg.get("loss"),
+                tokens_per_s=msg.get("tokens_per_s"),
+                step_time=msg.get("step_time"),
+            )
+        elif t == "checkpoint" and msg.get("committed"):
+            step = int(msg["step"])
+            self._writes.put(lambda: self._committed(step, msg))
+        elif t in ("finished", "rescale_requested", "guard", "corrupt", "error"):
+            w.seen[t] = msg
+        elif t == "chaos":
+            w.seen["fault_at"] = msg.get("at") or msg.get("time")
+        if t == "resumed":
+            self.update(step=msg.get("step"))
+            if self.standby is None:
+                # The next worker warms up now, while this one trains: a recovery then starts at
+                # jax.distributed, not at `import jax` (and the warm-up does not slow this round's start).
+                self.standby = self._spawn()
+        host_fault = t == "chaos" and msg.get("action") in ("preempt", "kill_agent", "freeze")
+        committed = t == "checkpoint" and bool(msg.get("committed"))  # its event follows the ledger record
+        if t in EVENT_REPORTS and not committed and (msg.get("process_id") == 0 or t in ("worker_started", "chaos")):
+            msg.pop("time", None)
+            if host_fault:
+                self.emit(t, **msg)  # on record before the host goes down
+            else:
+                self.emit_later(t, **msg)
+        if host_fault:
+            self._host_fault(str(msg["action"]), msg)
+
+    def _committed(self, step: int, msg: dict[str, Any]) -> None:
+        """Rank 0's agent records a commit (writer thread): the step's file checksums go into the ledger."""
+        try:
+            files = file_checksums(self.run_uri, step)
+        except Exception as e:  # noqa: BLE001 - the step stays usable, just unverified
+            log.warning("[%s] could not checksum checkpoint %s: %s", self.host, step, e)
+            files = None
+        self.ledger.record(step, "committed", attempt=msg.get("attempt"), files=files)
+        self.ledger.set_pointer(step, "committed")
+        self.update(committed=step)
+        fields = {k: v for k, v in msg.items() if k != "time"}
+        self.emit("checkpoint", **fields)
+
+    def _host_fault(self, action: str, msg: dict[str, Any]) -> None:
+        """Chaos carried out on this whole host (the worker said so, then waits)."""
+        if action == "preempt" and self.capacity is not None:
+            left = max(self.capacity.available() - 1, 0)
+            self.capacity.set(left, reason=f"chaos {msg.get('spec')}: host {self.host} lost")
+            self.emit("capacity", available=left, reason=f"host {self.host} preempted")
+        log.warning("[%s] chaos %s: taking this host down", self.host, action)
+        sig = signal.SIGSTOP if action == "freeze" else signal.SIGKILL
+        if action == "kill_agent":
+            os.kill(os.getpid(), sig)  # the worker dies with its agent (PR_SET_PDEATHSIG)
+        os.killpg(os.getpgid(0), sig)  # the agent, its worker and its standby: the host is gone (or frozen)
+
+    def _worker_ended(self, w: WorkerProc, code: int) -> None:
+        seen = w.seen
+        # What the worker said decides, not how it exited: when the first process of a group exits,
+        # the coordination service goes with it and a peer that has already said "finished" may abort.
+        if "finished" in seen:
+            outcome, reason = Outcome.FINISHED, ""
+        elif "rescale_requested" in seen:
+            outcome, reason = Outcome.RESCALE, ""
+        elif "guard" in seen:
+            outcome, reason = Outcome.GUARD, str(seen["guard"].get("reason"))
+        elif code == WorkerExit.CORRUPT:
+            outcome, reason = Outcome.CORRUPT, str(seen.get("corrupt", {}).get("reason", "checkpoint corrupt"))
+        else:
+            how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+            outcome, reason = Outcome.FAILED, f"worker {w.rank} on host {self.host} {how}"
+        error = str(seen.get("error", {}).get("error", "")) or (_last_error(w.log) if outcome == Outcome.FAILED else "")
+        fields = dict(
+            returncode=code,
+            reason=reason,
+            error=error,
+            log=str(w.log),
+            step=self.record.step,
+            guard=seen.get("guard"),
+            corrupt=seen.get("corrupt"),
+            fault_at=seen.get("fault_at"),
+        )
+        if outcome == Outcome.FAILED:
+            self._report(w.round, w.rank, outcome, **fields)  # at once: the survivors are waiting
+        else:
+            # An orderly end is reported after what the worker said before it (its commit records):
+            # the leader's next decision reads them.
+            self._writes.put(lambda: self._report(w.round, w.rank, outcome, **fields))
+        self.update(state="idle", coordinator=self._coordinator_address())
+        if self.standby is None and self.exit_code is None:
+            self.standby = self._spawn()
+        self._next_lead_try = 0.0  # something happened: is there still a leader?
+
+    def _report(self, round_: int, rank: int, outcome: Outcome, **fields: Any) -> None:
+        try:
+            self.rdv.report(Report(round=round_, host=self.host, rank=rank, outcome=outcome.value, **fields))
+        except Exception as e:  # noqa: BLE001 - the leader also sees the heartbeat
+            log.warning("[%s] could not report round %s: %s", self.host, round_, e)
+
+    # --- leading ------------------------------------------------------------------------------
+
+    def _maybe_lead(self) -> None:
+        now = time.monotonic()
+        if self.leader is not None or now < self._next_lead_try:
+            return
+        self._next_lead_try = now + self.cfg.heartbeat_s
+        try:
+            holder = self.lock.held_by()
+        except Exception as e:  # noqa: BLE001 - try again at the next beat
+            log.warning("[%s] cannot read the run lock: %s", self.host, e)
+            return
+        if holder is not None and holder.get("job") != self.job:
+            log.warning("[%s] the run now belongs to job %s; this job's agents stop", self.host, holder.get("job"))
+            self.exit_code = AgentExit.SUPERSEDED
+            return
+        if holder is not None and holder.get("action") != "handoff":
+            return  # a live leader of this job
+        try:
+            self.lock.acquire()
+        except LockHeld:
+            return
+        from training.elastic.leader import Leader
+
+        self.keeper = LeaseKeeper(self.lock, on_lost=lambda why: log.warning("[%s] %s", self.host, why)).start()
+        self.update(leader=True)
+        self.leader = Leader(self)
+        log.warning("[%s] leads job %s (lease generation %s)", self.host, self.job, self.lock.gen)
+
+    def _lead_tick(self) -> None:
+        try:
+            self.leader.tick()
+        except LockLost as e:
+            self._step_down(str(e))
+
+    def _step_down(self, why: str) -> None:
+        log.warning("[%s] no longer leads: %s", self.host, why)
+        if self.keeper is not None:
+            self.keeper.stop()
+        self.keeper = None
+        self.leader = None
+        self.lock.gen = None
+        self.update(leader=False)
+
+
+def _last_error(path: Path, lines: int = 40) -> str:
+    """The last line of a worker's log that looks like an error (its own exception)."""
+    try:
+        tail = path.read_bytes()[-20000:].decode(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return ""
+    for line in reversed(tail):
+        if re.match(r"^\w[\w.]*(Error|Exception|Interrupt)\b", line.strip()) or "Error:" in line:
+            return line.strip()[:500]
+    return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="rtrain agent", description="One host's agent of a training job.")
+    p.add_argument("run", help="the run's URI (<root>/<run_name>)")
+    p.add_argument("--job", required=True, help="the job id the launcher handed the run lock to")
+    p.add_argument("--host", required=True, help="this host's id: h<N>, or s<slice>-h<N> on multi-host slices")
+    p.add_argument("--coordinator-host", default="127.0.0.1", help="the address peers reach this host on")
+    p.add_argument("--coordinator-port", type=int, default=0, help="jax.distributed port (0: a free one)")
+    p.add_argument("--bind-host", default=None, help="the address the coordinator binds (default: --coordinator-host)")
+    p.add_argument("--local-capacity", action="store_true", help="the local slice: preempt lowers capacity.json")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    store = open_store(args.run)
+    capacity = LocalCapacity(store, default=0) if args.local_capacity else None
+    agent = HostAgent(
+        args.run,
+        args.job,
+        args.host,
+        coordinator_host=args.coordinator_host,
+        coordinator_port=args.coordinator_port,
+        bind_host=args.bind_host,
+        capacity=capacity,
+    )
+    return agent.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,599 @@
+"""The leader of a job: the host agent that holds the run lock's lease.
+
+Policy, separated from mechanism (torch elastic's lesson): the agent runs
+processes and follows rounds; the leader decides *what happens next*, as an
+explicit state machine driven by what the rendezvous shows (heartbeats,
+reports) and what the run root holds (ledger, events):
+
+==========  ===================================================================
+``gather``  the job's first round: wait (``join_timeout_s``) for the hosts it expects
+``form``    a new round is due: let the members of the last one show they are
+            alive (a settle of ~2.5 heartbeats), then choose the members
+``wait``    fewer hosts than ``min_workers``: wait ``capacity_timeout_s``
+``running`` a round trains: watch its reports and its members' heartbeats
+``done``    the job ended; the stop round is written
+==========  ===================================================================
+
+What ends a round, and what follows (a membership change is not a failure):
+
+* every member finished -> the job finished;
+* every member stopped at a checkpoint because the leader asked (hosts came
+  back) -> a new, larger round;
+* the in-training guard -> the pointer goes back to the newest good checkpoint
+  (never to the one the round restored from, when that one produced the bad
+  loss), the bad batches are skipped, a new round (``max_guard_rollbacks``);
+* a checkpoint that fails its integrity check -> marked corrupt, quarantined,
+  and a new round resumes from the next newest one;
+* a worker failed or a member's heartbeat lapsed -> a failure (``max_failures``);
+  the new round is formed on the hosts that showed life since.
+
+The leader is the single writer of ``status.json`` and of the job's lifecycle
+events; every write is fenced by the lease (``LeaseKeeper.check``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+from training.checkpoint.lifecycle import quarantine
+from training.checkpoint.lock import LockLost
+from training.checkpoint.retention import USABLE_STATES
+from training.elastic.chaos import WORKER_SIDE, parse_chaos
+from training.elastic.membership import choose_members
+from training.elastic.rendezvous import HostRecord, Outcome, Report, Round
+from training.events import RunState, read_status, write_status
+from training.layout import CONTROL
+from training.mesh import MeshPlan, feasible_sizes, plan_mesh
+from training.storage import AlreadyExists, NotFound
+
+if TYPE_CHECKING:
+    from training.elastic.agent import HostAgent
+
+log = logging.getLogger("rtrain.leader")
+
+KEEP_ROUNDS = 20  # rounds (and their reports) kept in the rendezvous; the events keep the history
+
+
+class Phase(StrEnum):
+    GATHER = "gather"
+    FORM = "form"
+    WAIT = "wait"
+    RUNNING = "running"
+    DONE = "done"
+
+
+class Leader:
+    def __init__(self, agent: HostAgent) -> None:
+        self.agent = agent
+        self.cfg = agent.cfg
+        self.rdv = agent.rdv
+        self.store = agent.store
+        self.ledger = agent.ledger
+        self.job = agent.job
+        now = time.time()
+        self.hosts: dict[str, HostRecord] = {}
+        self.lost: dict[str, tuple[float, int]] = {}  # host -> (agent start, heartbeat seq) when declared lost
+        self._seen: dict[str, tuple[int, float]] = {}  # host -> (seq, local time it last changed)
+        self._hosts_at = 0.0
+        self.round: Round | None = self.rdv.newest_round(self.job)
+        self.failures = self.round.failures if self.round else 0
+        self.guards = self.round.guards if self.round else 0
+        self.prev_plan: MeshPlan | None = plan_mesh(self.cfg, self.round.workers) if self.round else None
+        self.prev_members: list[str] = list(self.round.members) if self.round else []
+        self.fired = {str(e.get("spec")) for e in agent.events.read(types=("chaos",))}
+        st = read_status(self.store) or {}
+        mine = st.get("job") == self.job
+        self.started_at = float(st.get("started_at", now)) if mine else now
+        self.status: dict[str, Any] = {k: st[k] for k in ("step", "loss", "latest_committed") if mine and k in st}
+        self.phase = Phase.GATHER
+        if self.round is not None:
+            self.phase = Phase.DONE if self.round.action == "stop" else Phase.RUNNING
+        self.t_phase = now
+        self.fail_at: float | None = None
+        self.seq_at_fail: dict[str, int] = {}
+        self.failure: dict[str, Any] | None = None  # what went wrong, blamed once the settle is over
+        self.rescale_asked = False
+        self._form_reason = "recovery"
+        self.last_step: int | None = None
+        self.last_step_change = now
+        self._status_at = 0.0
+        self._control_at = 0.0
+        self.agent.emit(
+            "leader",
+            host=agent.host,
+            job=self.job,
+            gen=agent.lock.gen,
+            round=self.round.round if self.round else None,
+            reason="took over a running job" if self.round else "the job's first leader",
+        )
+        self._write_status(force=True)
+
+    # --- the loop -------------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        self._fence()
+        now = time.time()
+        if now - self._hosts_at >= min(0.25, self.cfg.heartbeat_s / 2):
+            self._read_hosts(now)
+        if now - self._control_at >= 0.5:
+            self._control_at = now
+            self._control()
+        self._capacity_chaos(now)
+        {
+            Phase.GATHER: self._gather,
+            Phase.FORM: self._form,
+            Phase.WAIT: self._wait,
+            Phase.RUNNING: self._running,
+            Phase.DONE: lambda _now: None,
+        }[self.phase](now)
+        self._write_status()
+
+    def _fence(self) -> None:
+        keeper = self.agent.keeper
+        if keeper is None:
+            raise LockLost("no lease keeper")
+        keeper.check()
+
+    def _set_phase(self, phase: Phase) -> None:
+        if phase != self.phase:
+            self.phase = phase
+            self.t_phase = time.time()
+            self._write_status(force=True)
+
+    # --- hosts ----------------------------------------------------------------------------------
+
+    def _read_hosts(self, now: float) -> None:
+        self._hosts_at = now
+        mono = time.monotonic()
+        self.hosts = self.rdv.hosts(self.job)
+        for h, rec in self.hosts.items():
+            seen = self._seen.get(h)
+            if seen is None:
+                # First sight: date its last beat by the writer's clock (the only time there is).
+                self._seen[h] = (rec.seq, mono - max(now - rec.time, 0.0))
+            elif rec.seq != seen[0]:
+                self._seen[h] = (rec.seq, mono)
+
+    def _age(self, host: str) -> float:
+        if host == self.agent.host:
+            return 0.0  # the leader's own host is alive: it is running this
+        seen = self._seen.get(host)
+        return float("inf") if seen is None else time.monotonic() - seen[1]
+
+    def alive(self) -> set[str]:
+        """Hosts not yet lost: a heartbeat within ``heartbeat_timeout_s``."""
+        return {
+            h
+            for h, r in self.hosts.items()
+            if r.state not in ("leaving", "gone") and self._age(h) < self.cfg.heartbeat_timeout_s
+        }
+
+    def fresh(self) -> set[str]:
+        """Hosts a new round may count on: beating now (within ~3 heartbeats), and not declared lost.
+
+        A host declared lost stays lost until it beats again (a later sequence number of the
+        same agent, or a new agent on that host).
+        """
+        return {
+            h
+            for h, r in self.hosts.items()
+            if r.state not in ("leaving", "gone")
+            and self._age(h) < 3 * self.cfg.heartbeat_s
+            and not (h in self.lost and self.lost[h] >= (r.started, r.seq))
+        }
+
+    def _declare_lost(self, hosts: list[str]) -> None:
+        for h in hosts:
+            rec = self.hosts.get(h)
+            self.lost[h] = (rec.started, rec.seq) if rec is not None else (float("inf"), 0)
+
+    def _shown_life(self, host: str) -> bool:
+        rec = self.hosts.get(host)
+        return rec is not None and rec.state not in ("leaving", "gone") and rec.seq > self.seq_at_fail.get(host, -1)
+
+    # --- phases ---------------------------------------------------------------------------------
+
+    def _expected_hosts(self) -> int:
+        cap = self.agent.capacity.available() if self.agent.capacity is not None else self.cfg.max_workers
+        return min(cap or self.cfg.max_workers, self.cfg.max_workers)
+
+    def _gather(self, now: float) -> None:
+        expected = self._expected_hosts()
+        want = max([n for n in feasible_sizes(self.cfg) if n <= expected] or [0])
+        members = choose_members(self.cfg, self.hosts, self.fresh())
+        if members and (len(members) >= want or now - self.t_phase >= self.cfg.join_timeout_s):
+            self._open(members, "start")
+        elif now - self.t_phase >= self.cfg.join_timeout_s:
+            self._start_waiting(now)
+
+    def _form(self, now: float) -> None:
+        settle = 2.5 * self.cfg.heartbeat_s
+        if self.fail_at is not None:
+            pending = [h for h in self.prev_members if not self._shown_life(h) and self._age(h) < settle]
+            if pending and now - self.fail_at < self.cfg.heartbeat_timeout_s:
+                return  # let the members of the failed round show they are alive
+        lost = [h for h in self.prev_members if self.fail_at is not None and not self._shown_life(h)]
+        self._declare_lost(lost)
+        if self.failure is not None:
+            if not self._record_failure(lost):
+                return
+        alive = self.fresh() - set(lost)
+        members = choose_members(self.cfg, self.hosts, alive, prefer=self.prev_members)
+        if members is None:
+            self._start_waiting(now)
+        else:
+            self._open(members, self._form_reason)
+
+    def _start_waiting(self, now: float) -> None:
+        n = len(self.fresh())
+        self.agent.emit("waiting_for_capacity", available=n, min_workers=self.cfg.min_workers)
+        self.status["available"] = n
+        self._set_phase(Phase.WAIT)
+
+    def _wait(self, now: float) -> None:
+        members = choose_members(self.cfg, self.hosts, self.fresh(), prefer=self.prev_members)
+        if members is not None:
+            self.agent.emit("capacity", available=len(self.fresh()))
+            self._open(members, "capacity returned")
+        elif now - self.t_phase >= self.cfg.capacity_timeout_s:
+            self._fail(
+                f"capacity stayed below min_workers={self.cfg.min_workers} for {self.cfg.capacity_timeout_s:.0f}s "
+                f"(available: {len(self.fresh())} hosts)"
+            )
+
+    def _open(self, members: list[str], reason: str) -> None:
+        plan = plan_mesh(self.cfg, len(members))
+        first = self.round is None
+        if any(parse_chaos(spec).action in WORKER_SIDE for spec in self.cfg.chaos):
+            self.fired |= {str(e.get("spec")) for e in self.agent.events.read(types=("chaos",))}
+        number = (self.round.round + 1) if self.round else max([0, *self.rdv.round_numbers()]) + 1
+        faults = [
+            spec
+            for spec in self.cfg.chaos
+            if parse_chaos(spec).action in WORKER_SIDE and (parse_chaos(spec).repeats or spec not in self.fired)
+        ]
+        rnd = Round(
+            round=number,
+            job=self.job,
+            gen=int(self.agent.lock.gen or 0),
+            leader=self.agent.host,
+            members=members,
+            mesh=plan.shape,
+            coordinator=self.hosts[members[0]].coordinator,
+            resume=self.cfg.resume_from if first else "latest",
+            faults=faults,
+            reason=reason,
+            failures=self.failures,
+            guards=self.guards,
+        )
+        self._fence()
+        self.store.delete(CONTROL)
+        try:
+            rnd = self.rdv.open_round(rnd)
+        except AlreadyExists:
+            raise LockLost(f"another leader of job {self.job} opened round {number}") from None
+        if self.prev_plan is not None and (self.prev_plan.workers, self.prev_plan.shape) != (plan.workers, plan.shape):
+            self.agent.emit(
+                "resize",
+                old_workers=self.prev_plan.workers,
+                new_workers=plan.workers,
+                old_mesh=self.prev_plan.shape,
+                new_mesh=plan.shape,
+                round=rnd.round,
+            )
+        self.agent.emit(
+            "launch",
+            attempt=rnd.round,
+            round=rnd.round,
+            workers=plan.workers,
+            mesh=plan.shape,
+            members=members,
+            resume=rnd.resume,
+            reason=reason,
+        )
+        log.warning("[%s] round %d: %s on %s (%s)", self.agent.host, rnd.round, plan.shape, members, reason)
+        self.round = rnd
+        self.prev_plan = plan
+        self.prev_members = list(members)
+        self.fail_at = None
+        self.failure = None
+        self.rescale_asked = False
+        self.last_step_change = time.time()
+        self.status.update(workers=plan.workers, mesh=plan.shape, members=members, round=rnd.round)
+        self.status.pop("available", None)
+        self._set_phase(Phase.RUNNING)
+        self._write_status(force=True)
+        if number > KEEP_ROUNDS:
+            self.rdv.forget_rounds_before(number - KEEP_ROUNDS)
+
+    def _running(self, now: float) -> None:
+        rnd = self.round
+        assert rnd is not None
+        reps = self.rdv.reports(rnd.round)
+        if set(rnd.members) <= set(reps):
+            self._round_over(rnd, reps)
+            return
+        failed = [r for r in reps.values() if r.outcome == Outcome.FAILED]
+        lapsed = [h for h in rnd.members if h not in reps and self._age(h) >= self.cfg.heartbeat_timeout_s]
+        if failed or lapsed:
+            self._failed(rnd, failed, lapsed, now)
+            return
+        if reps:
+            first = min(r.time for r in reps.values())
+            if now - first > max(2 * self.cfg.heartbeat_timeout_s, 10.0):
+                missing = sorted(set(rnd.members) - set(reps))
+                self._failed(rnd, [], [], now, f"hosts {missing} did not end round {rnd.round} with the others")
+                return
+        rank0 = self.hosts.get(rnd.members[0])
+        if rank0 is not None and rank0.round == rnd.round and rank0.step is not None:
+            if rank0.step != self.last_step:
+                self.last_step, self.last_step_change = rank0.step, now
+            self.status.update(step=rank0.step, loss=rank0.loss, tokens_per_s=rank0.tokens_per_s)
+            self.status["progressing"] = True
+        if rank0 is not None and rank0.committed is not None:
+            self.status["latest_committed"] = max(rank0.committed, int(self.status.get("latest_committed") or 0))
+        if now - self.last_step_change > self.cfg.hang_timeout_s:
+            self._failed(rnd, [], [], now, f"no progress for {self.cfg.hang_timeout_s:.0f}s (hang)")
+            return
+        if not self.rescale_asked:
+            # Spares that beat now, members that still do: is a larger round possible?
+            bigger = choose_members(self.cfg, self.hosts, self.fresh(), prefer=rnd.members)
+            if bigger is not None and len(bigger) > rnd.workers:
+                self._fence()
+                self.store.put(CONTROL, json.dumps({"round": rnd.round, "action": "stop_at_checkpoint"}).encode())
+                self.rescale_asked = True
+                log.warning("[%s] %d hosts available: growing at the next checkpoint", self.agent.host, len(bigger))
+
+    def _round_over(self, rnd: Round, reps: dict[str, Report]) -> None:
+        outcomes = {r.outcome for r in reps.values()}
+        if outcomes == {Outcome.FINISHED}:
+            self._finish()
+        elif Outcome.CORRUPT in outcomes:
+            self._corrupt(next((r for r in reps.values() if r.outcome == Outcome.CORRUPT and r.corrupt), None), rnd)
+        elif Outcome.FAILED in outcomes:
+            self._failed(rnd, [r for r in reps.values() if r.outcome == Outcome.FAILED], [], time.time())
+        elif Outcome.GUARD in outcomes:
+            self._guard(next(r for r in reps.values() if r.outcome == Outcome.GUARD), rnd)
+        else:  # every member stopped at a checkpoint to grow the group
+            self._next_round(rnd, "resize: hosts came back")
+
+    def _next_round(self, rnd: Round, reason: str) -> None:
+        self.prev_members = list(rnd.members)
+        self.fail_at = None
+        self.failure = None
+        self._form_reason = reason
+        self._set_phase(Phase.FORM)
+
+    # --- failures -------------------------------------------------------------------------------
+
+    def _failed(self, rnd: Round, failed: list[Report], lapsed: list[str], now: float, why: str = "") -> None:
+        """Something broke the round: settle (who is still alive?), then blame, count and re-form."""
+        self.fail_at = now
+        self.seq_at_fail = {h: r.seq for h, r in self.hosts.items()}
+        for h in lapsed:  # a heartbeat that lapsed is no sign of life, whatever its sequence number
+            self.seq_at_fail[h] = 1 << 62
+        self.failure = {"round": rnd.round, "reports": failed, "why": why, "detected_at": now}
+        self.prev_members = list(rnd.members)
+        self._form_reason = "recovery"
+        self.status["progressing"] = False
+        self._set_phase(Phase.FORM)
+
+    def _record_failure(self, lost: list[str]) -> bool:
+        """Emit the failure with its best explanation; False when the job has failed."""
+        assert self.failure is not None
+        f, self.failure = self.failure, None
+        reports: list[Report] = f["reports"]
+        rnd = self.round
+        assert rnd is not None
+        blame: Report | None = None
+        if lost:
+            reason = f"host {', '.join(lost)} lost (no heartbeat since the failure)"
+            for h in lost:
+                self.agent.emit("host_lost", host=h, reason="no heartbeat", round=rnd.round)
+        elif f["why"]:
+            reason = f["why"]
+        else:
+            signalled = [r for r in reports if r.returncode is not None and r.returncode < 0]
+            blame = (signalled or reports or [None])[0]
+            reason = blame.reason if blame is not None else "the round failed"
+            if blame is not None and blame.error:
+                reason += f": {blame.error}"
+        fault_at = next((r.fault_at for r in reports if r.fault_at), None) or self._fault_time(rnd)
+        self.failures += 1
+        self.agent.emit(
+            "failure",
+            attempt=rnd.round,
+            round=rnd.round,
+            reason=reason,
+            worker=blame.rank if blame is not None else (rnd.rank(lost[0]) if lost else None),
+            hosts=lost or ([blame.host] if blame is not None else []),
+            returncode=blame.returncode if blame is not None else None,
+            error=blame.error if blame is not None else "",
+            log=blame.log if blame is not None else "",
+            fault_at=fault_at,
+            detected_at=f["detected_at"],
+            detect_s=(f["detected_at"] - fault_at) if fault_at else None,
+            failures=self.failures,
+        )
+        self.status["failures"] = self.failures
+        log.warning("[%s] failure %d/%d: %s", self.agent.host, self.failures, self.cfg.max_failures, reason)
+        if self.failures > self.cfg.max_failures:
+            self._fail(
+                f"failure budget spent: {self.failures} failures > max_failures={self.cfg.max_failures}; last: {reason}"
+            )
+            return False
+        return True
+
+    def _fault_time(self, rnd: Round) -> float | None:
+        """When chaos struck in this round (its event, written before the fault), if it did."""
+        times = [
+            float(e.get("at") or e["time"])
+            for e in self.agent.events.read(types=("chaos",))
+            if e.get("attempt") == rnd.round and e.get("action") in WORKER_SIDE
+        ]
+        return max(times) if times else None
+
+    def _guard(self, rep: Report, rnd: Round) -> None:
+        g = rep.guard or {}
+        self.guards += 1
+        step, reason = int(g.get("step", -1)), str(g.get("reason", "bad loss"))
+        restored = g.get("restored_from")
+        states = self.ledger.states()
+        good = sorted(s for s, r in states.items() if r["state"] in USABLE_STATES and s < step)
+        suspect: list[int] = []
+        if restored is not None and not g.get("committed_since_restore"):
+            # The bad loss came right after restoring that step: never roll back to it again.
+            suspect = [s for s in good if s >= int(restored)]
+            good = [s for s in good if s < int(restored)]
+        if self.guards > self.cfg.max_guard_rollbacks or not good:
+            if self.guards > self.cfg.max_guard_rollbacks:
+                why = f"{self.guards - 1} rollback(s) did not help (max_guard_rollbacks={self.cfg.max_guard_rollbacks})"
+            elif suspect:
+                why = f"no checkpoint before step {suspect[0]}, which gave this loss right after it was restored"
+            else:
+                why = "no committed checkpoint before it to roll back to"
+            self._fail(f"in-training guard: {reason} at step {step} (metric {g.get('metric', 'loss')}); {why}")
+            return
+        target = good[-1]
+        self._fence()
+        for s in suspect:
+            quarantine(self.store, self.ledger, s, f"in-training guard: {reason} right after restoring step {s}")
+        how: dict[str, Any] = {"lr_scale": self.cfg.rollback_lr_scale}
+        if self.cfg.rollback_skip_data and g.get("next_batch") is not None:
+            how["skip_to_batch"] = int(g["next_batch"])
+        self.ledger.set_pointer(target, f"guard: {reason} at step {step}", resume=how)
+        self.agent.emit(
+            "rollback",
+            from_step=step,
+            to_step=target,
+            reason=f"guard: {reason}",
+            kind="in-job",
+            resume=how,
+            attempt_no=self.guards,
+            quarantined=suspect,
+            round=rnd.round,
+        )
+        self._next_round(rnd, f"guard rollback to step {target}")
+
+    def _corrupt(self, rep: Report | None, rnd: Round) -> None:
+        info = (rep.corrupt if rep is not None else None) or {}
+        step = info.get("step")
+        if step is None:
+            self._failed(rnd, [rep] if rep else [], [], time.time(), "a restore failed")
+            return
+        self._fence()
+        reason = str(info.get("reason") or "failed its integrity check")
+        try:
+            where = quarantine(self.store, self.ledger, int(step), reason, state="corrupt")
+        except (NotFound, OSError):
+            self.ledger.record(int(step), "corrupt", reason=reason)
+            where = ""
+        self.agent.emit("checkpoint_corrupt", step=int(step), reason=reason, location=where, round=rnd.round)
+        log.warning("[%s] checkpoint %s is corrupt (%s); resuming from an older one", self.agent.host, step, reason)
+        self._next_round(rnd, f"checkpoint {step} corrupt")
+
+    # --- the end --------------------------------------------------------------------------------
+
+    def _finish(self) -> None:
+        self._read_hosts(time.time())  # the members' last word: the final step and its commit
+        rank0 = self.hosts.get(self.round.members[0]) if self.round is not None else None
+        if rank0 is not None:
+            if rank0.step is not None:
+                self.status.update(step=rank0.step, loss=rank0.loss)
+            if rank0.committed is not None:
+                self.status["latest_committed"] = max(rank0.committed, int(self.status.get("latest_committed") or 0))
+        step = self.status.get("step")
+        self.agent.emit("finished", step=step, failures=self.failures, seconds=time.time() - self.started_at)
+        self._end(RunState.FINISHED, "")
+
+    def _fail(self, reason: str) -> None:
+        self.agent.emit("failed", reason=reason, step=self.status.get("step"))
+        log.warning("[%s] the job failed: %s", self.agent.host, reason)
+        self._end(RunState.FAILED, reason)
+
+    def _end(self, state: RunState, reason: str) -> None:
+        self._fence()
+        self.status["reason"] = reason
+        self.phase = Phase.DONE
+        self._write_status(force=True, state=state)
+        number = (self.round.round + 1) if self.round else max([0, *self.rdv.round_numbers()]) + 1
+        stop = Round(
+            round=number,
+            job=self.job,
+            gen=int(self.agent.lock.gen or 0),
+            leader=self.agent.host,
+            action="stop",
+            final=state.value,
+            reason=reason,
+            failures=self.failures,
+            guards=self.guards,
+        )
+        self.rdv.open_round(stop)
+        self.round = stop
+
+    # --- requests, chaos, status ----------------------------------------------------------------
+
+    def _control(self) -> None:
+        try:
+            req = json.loads(self.store.get(CONTROL))
+        except (NotFound, ValueError):
+            return
+        if req.get("action") == "stop_job" and self.phase != Phase.DONE:
+            self._fail(f"stopped: {req.get('reason') or 'asked to stop'}")
+
+    def _capacity_chaos(self, now: float) -> None:
+        if self.agent.capacity is None:
+            return
+        step = self.status.get("step")
+        for spec in self.cfg.chaos:
+            f = parse_chaos(spec)
+            if f.action != "capacity" or spec in self.fired:
+                continue
+            after = f.get("after_s")
+            due = (f.step is not None and step is not None and int(step) >= f.step) or (
+                after is not None and now - self.started_at >= float(after)
+            )
+            if due:
+                self.fired.add(spec)
+                to = int(f.get("to") or 0)
+                self.agent.capacity.set(to, reason=f"chaos {spec}")
+                self.agent.emit("chaos", action="capacity", spec=spec, to=to, step=step)
+                self.agent.emit("capacity", available=to, reason="chaos")
+
+    def _state(self) -> RunState:
+        if self.phase == Phase.GATHER:
+            return RunState.STARTING
+        if self.phase == Phase.WAIT:
+            return RunState.WAITING_FOR_CAPACITY
+        if self.phase == Phase.FORM:
+            return RunState.RECOVERING
+        if self.status.get("progressing"):
+            return RunState.RUNNING
+        return RunState.STARTING if self.round is not None and self.round.reason == "start" else RunState.RECOVERING
+
+    def _write_status(self, force: bool = False, state: RunState | None = None) -> None:
+        now = time.time()
+        if not force and now - self._status_at < 1.0:
+            return
+        self._status_at = now
+        self._fence()
+        fields = {k: v for k, v in self.status.items() if k != "progressing"}
+        write_status(
+            self.store,
+            **{
+                **fields,
+                "state": (state or self._state()).value,
+                "run_uri": self.agent.run_uri,
+                "job": self.job,
+                "leader": self.agent.host,
+                "steps_total": self.cfg.steps,
+                "failures": self.failures,
+                "hosts_alive": sorted(self.alive()),
+                "started_at": self.started_at,
+                "phase": self.phase.value,
+            },
+        )

@@ -1,0 +1,56 @@
+"""Who trains in the next round: pure policy, no I/O (tested with tables, no processes).
+
+A multi-host TPU slice is lost and gained whole, so hosts count only in whole
+slices: a slice whose hosts are not all alive contributes nothing.  Of the
+complete slices the leader takes the largest number whose hosts the mesh and
+the constant global batch split over (``training.mesh.feasible_sizes``), within
+``min_workers..max_workers``.  Ranks are slice-major (process id = slice rank x
+hosts per slice + host index in the slice), as TPU multislice expects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+from training.config import Config
+from training.elastic.rendezvous import HostRecord
+from training.mesh import feasible_sizes
+
+
+def complete_slices(cfg: Config, hosts: Mapping[str, HostRecord], alive: Collection[str]) -> dict[int, list[str]]:
+    """Slice index -> its hosts in index order, for the slices whose every host is alive."""
+    by_slice: dict[int, dict[int, str]] = {}
+    for name in alive:
+        rec = hosts.get(name)
+        if rec is not None:
+            by_slice.setdefault(rec.slice, {})[rec.index] = name
+    return {
+        s: [members[i] for i in range(cfg.hosts_per_slice)]
+        for s, members in sorted(by_slice.items())
+        if all(i in members for i in range(cfg.hosts_per_slice))
+    }
+
+
+def choose_members(
+    cfg: Config, hosts: Mapping[str, HostRecord], alive: Collection[str], prefer: Collection[str] = ()
+) -> list[str] | None:
+    """The members of the next round in rank order, or None when fewer hosts than ``min_workers`` can train.
+
+    Slices holding hosts of ``prefer`` (the current members) come first, so a
+    resize keeps as many processes in place as it can.
+    """
+    slices = complete_slices(cfg, hosts, alive)
+    sizes = [n for n in feasible_sizes(cfg) if n <= len(slices) * cfg.hosts_per_slice]
+    if not sizes:
+        return None
+    want = max(sizes) // cfg.hosts_per_slice
+    keep = set(prefer)
+    order = sorted(slices, key=lambda s: (not any(h in keep for h in slices[s]), s))
+    chosen = sorted(order[:want])
+    return [h for s in chosen for h in slices[s]]
+
+
+def possible_size(cfg: Config, hosts: Mapping[str, HostRecord], alive: Collection[str]) -> int:
+    """How many hosts a round could have with ``alive`` (0: below the minimum)."""
+    members = choose_members(cfg, hosts, alive)
+    return len(members) if members else 0

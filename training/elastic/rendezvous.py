@@ -1,0 +1,242 @@
+"""The rendezvous on the run root: how the host agents of a job find each other.
+
+Three kinds of objects under ``<run>/rendezvous/`` (a local path and gs://
+behave the same: no rename, no append, no server of our own):
+
+``hosts/<host>.json``
+    each agent's heartbeat, replaced whole every ``heartbeat_s`` by the agent's
+    heartbeat thread: job, slice, address, a sequence number, what its worker
+    is doing (round, step, loss).  A host whose heartbeat is older than
+    ``heartbeat_timeout_s`` is lost; one whose sequence number moved on since a
+    failure was seen is alive after it.
+``rounds/<round>.json``
+    write-once, by the leader (the holder of the run lock's lease): for each
+    round the members in rank order, the world size, the mesh, the coordinator
+    address, the resume step, the faults still to fire; or ``stop`` with the
+    job's final state.  The lease generation it was written under fences out a
+    leader that lost its lease.
+``reports/<round>/<host>.json``
+    write-once, by each member's agent: how its worker ended in that round
+    (finished, rescale, guard, corrupt, failed) and why.
+
+Concurrency: each host record has one writer (its agent); rounds have one
+writer at a time (the leaseholder; ``create`` makes a race for the same round
+number have one winner); reports are write-once per (round, host).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from training.layout import RDV_HOSTS, RDV_REPORTS, RDV_ROUNDS, RENDEZVOUS
+from training.storage import AlreadyExists, NotFound, Store
+
+
+class Outcome(StrEnum):
+    """How a host's worker ended a round (its agent's report)."""
+
+    FINISHED = "finished"  # reached the last step and saved it
+    RESCALE = "rescale"  # stopped at a checkpoint because the leader asked (the group grows)
+    GUARD = "guard"  # the in-training guard saw a non-finite or spiking loss
+    CORRUPT = "corrupt"  # the checkpoint to restore failed its integrity check
+    FAILED = "failed"  # died or failed (a crash, a collective error when a peer vanished)
+
+
+@dataclass
+class HostRecord:
+    """One agent's heartbeat."""
+
+    host: str
+    job: str
+    slice: int
+    index: int  # the host's index inside its slice
+    seq: int
+    time: float
+    pid: int
+    node: str  # the machine (pod) it runs on
+    coordinator: str  # host:port its worker would serve jax.distributed on, as rank 0
+    state: str = "idle"  # idle | training | leaving
+    round: int = -1  # the round of its current (or last) worker
+    rank: int = -1
+    step: int | None = None
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    step_time: float | None = None
+    committed: int | None = None  # the newest step its worker committed (rank 0)
+    leader: bool = False
+    started: float = 0.0  # when the agent started
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> HostRecord:
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass
+class Round:
+    """The leader's plan for one round (or, with ``action='stop'``, the job's end)."""
+
+    round: int
+    job: str
+    gen: int  # the lease generation of the leader that wrote it
+    leader: str
+    action: str = "train"  # train | stop
+    members: list[str] = field(default_factory=list)
+    mesh: dict[str, int] = field(default_factory=dict)
+    coordinator: str = ""
+    resume: str = "latest"
+    faults: list[str] = field(default_factory=list)
+    reason: str = ""
+    failures: int = 0
+    guards: int = 0
+    final: str = ""  # stop: finished | failed
+    time: float = 0.0
+
+    @property
+    def workers(self) -> int:
+        return len(self.members)
+
+    def rank(self, host: str) -> int:
+        return self.members.index(host) if host in self.members else -1
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Round:
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass
+class Report:
+    """How one host's worker ended a round."""
+
+    round: int
+    host: str
+    rank: int
+    outcome: str
+    returncode: int | None = None
+    reason: str = ""
+    error: str = ""  # the worker's own last error line
+    log: str = ""  # where its log is
+    step: int | None = None
+    guard: dict[str, Any] | None = None
+    corrupt: dict[str, Any] | None = None
+    fault_at: float | None = None
+    time: float = 0.0
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Report:
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def _dump(obj: Any) -> bytes:
+    return json.dumps(asdict(obj), sort_keys=True, default=str).encode()
+
+
+class Rendezvous:
+    """Reads and writes the rendezvous objects of one run."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    # -- heartbeats ----------------------------------------------------------------------
+
+    def beat(self, rec: HostRecord) -> None:
+        self.store.put(f"{RDV_HOSTS}{rec.host}.json", _dump(rec))
+
+    def hosts(self, job: str | None = None) -> dict[str, HostRecord]:
+        out = {}
+        for key in self.store.list(RDV_HOSTS):
+            if not key.endswith(".json"):
+                continue
+            try:
+                rec = HostRecord.from_json(json.loads(self.store.get(key)))
+            except (NotFound, ValueError, TypeError):
+                continue
+            if job is None or rec.job == job:
+                out[rec.host] = rec
+        return out
+
+    # -- rounds --------------------------------------------------------------------------
+
+    def round_numbers(self) -> list[int]:
+        nums = []
+        for key in self.store.list(RDV_ROUNDS):
+            name = key[len(RDV_ROUNDS) :]
+            if name.endswith(".json") and name[:-5].isdigit():
+                nums.append(int(name[:-5]))
+        return sorted(nums)
+
+    def round(self, number: int) -> Round | None:
+        try:
+            return Round.from_json(json.loads(self.store.get(f"{RDV_ROUNDS}{number:08d}.json")))
+        except NotFound:
+            return None
+
+    def rounds_after(self, number: int) -> list[Round]:
+        out = []
+        for n in self.round_numbers():
+            if n > number:
+                r = self.round(n)
+                if r is not None:
+                    out.append(r)
+        return out
+
+    def newest_round(self, job: str | None = None) -> Round | None:
+        for n in reversed(self.round_numbers()):
+            r = self.round(n)
+            if r is not None and (job is None or r.job == job):
+                return r
+        return None
+
+    def open_round(self, rnd: Round) -> Round:
+        """Write round ``rnd.round`` (or the next free number: a stale job's round may hold it)."""
+        while True:
+            rnd.time = time.time()
+            try:
+                self.store.create(f"{RDV_ROUNDS}{rnd.round:08d}.json", _dump(rnd))
+                return rnd
+            except AlreadyExists:
+                other = self.round(rnd.round)
+                if other is not None and other.job == rnd.job:
+                    raise  # another leader of this job wrote it: we are not the leader any more
+                rnd.round += 1
+
+    # -- reports -------------------------------------------------------------------------
+
+    def report(self, rep: Report) -> None:
+        rep.time = rep.time or time.time()
+        try:
+            self.store.create(f"{RDV_REPORTS}{rep.round:08d}/{rep.host}.json", _dump(rep))
+        except AlreadyExists:
+            pass  # reported already (an agent restarted mid-round)
+
+    def reports(self, number: int) -> dict[str, Report]:
+        out = {}
+        prefix = f"{RDV_REPORTS}{number:08d}/"
+        for key in self.store.list(prefix):
+            if not key.endswith(".json"):
+                continue
+            try:
+                rep = Report.from_json(json.loads(self.store.get(key)))
+            except (NotFound, ValueError, TypeError):
+                continue
+            out[rep.host] = rep
+        return out
+
+    # -- housekeeping --------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Forget every host, round and report (a new job starts, under the run lock)."""
+        self.store.delete(RENDEZVOUS.rstrip("/"))
+
+    def forget_rounds_before(self, number: int) -> None:
+        """Drop rounds and reports older than ``number`` (the events keep the history)."""
+        for n in self.round_numbers():
+            if n < number:
+                self.store.delete(f"{RDV_ROUNDS}{n:08d}.json")
+                self.store.delete(f"{RDV_REPORTS}{n:08d}")

@@ -1,0 +1,493 @@
+"""One training process of the multi-controller program (one per host), started by its host agent.
+
+The agent starts a worker *before* it is needed (a standby): the process dies
+with its agent (``PR_SET_PDEATHSIG``), imports JAX, Flax, Orbax and grain, reads
+the run's config, opens and verifies the dataset, and then waits for its
+assignment on stdin.  So a recovery pays none of that; it starts at
+``jax.distributed``.  The program below is read top to bottom, in sections:
+
+1. warm-up     imports, config, dataset (before the assignment);
+2. assignment  one JSON line from the agent: round, rank, processes, coordinator,
+               resume, faults;
+3. set-up      ``jax.distributed``, the mesh for this round, the train state's shardings;
+4. restore     which step (``training.checkpoint.resume``), its integrity check, Orbax's
+               resharding restore;
+5. compile     AOT, a hit in the persistent cache on a mesh seen before;
+6. train       the loop; saves and the stop-at-checkpoint decision at checkpoint steps.
+
+Every outcome goes to the agent over a pipe (JSON lines); the exit code says
+how it ended (``training.elastic.codes.WorkerExit``).  On any error the process
+reports the error line and leaves at once with ``os._exit``: a collective error
+means a peer is gone, and a clean ``jax.distributed`` shutdown would wait for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from training.elastic.codes import WorkerExit
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its agent dies (Linux), and check it has not already."""
+    parent = int(os.environ.get("RTRAIN_AGENT_PID", "0"))
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: the pipe to the agent still breaks when it dies
+        pass
+    if parent and os.getppid() != parent:
+        os._exit(WorkerExit.ERROR)
+
+
+class Reporter:
+    """JSON lines to the agent through the pipe it passed (``RTRAIN_CONTROL_FD``)."""
+
+    def __init__(self) -> None:
+        fd = int(os.environ["RTRAIN_CONTROL_FD"])
+        self.pipe = os.fdopen(fd, "w", buffering=1)
+        self.rank = -1
+        self.round = -1
+
+    def send(self, type_: str, *, everyone: bool = False, **fields: Any) -> None:
+        """Report to the agent; most reports come from rank 0 only (``everyone``: from every rank)."""
+        if self.rank != 0 and not everyone:
+            return
+        msg = {"type": type_, "time": time.time(), "attempt": self.round, "process_id": self.rank, **fields}
+        self.pipe.write(json.dumps(msg, default=str) + "\n")
+        self.pipe.flush()
+
+
+@dataclass(frozen=True)
+class Assignment:
+    round: int
+    rank: int
+    processes: int
+    coordinator: str
+    bind: str
+    resume: str
+    faults: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def read(cls, stream: Any) -> Assignment:
+        line = stream.readline()
+        if not line:
+            os._exit(0)  # the agent closed the pipe before assigning anything: not needed
+        a = json.loads(line)
+        return cls(
+            int(a["round"]),
+            int(a["rank"]),
+            int(a["processes"]),
+            str(a["coordinator"]),
+            str(a.get("bind") or ""),
+            str(a["resume"]),
+            tuple(a.get("faults") or ()),
+            tuple(sorted((str(k), str(v)) for k, v in (a.get("env") or {}).items())),
+        )
+
+
+def share_cpu_compilation_cache() -> None:
+    """Let every process of a CPU slice find the program process 0 compiled.
+
+    JAX keys its persistent compilation cache on, among others, the devices'
+    topology fingerprint, and only process 0 writes entries.  On TPU the
+    fingerprint is the slice's, the same in every process, so all of them hit
+    process 0's entry.  On CPU each process's fingerprint describes its own
+    devices, so every other process misses and compiles again after each
+    restart, and the group's first step waits for the slowest compile.  Here the
+    CPU key is made of the global device ids instead, as TPU's is in effect:
+    the same SPMD program, the same key.  Nothing changes for other platforms.
+    """
+    from jax._src import cache_key
+
+    original = cache_key._hash_accelerator_config
+
+    def global_devices(hash_obj: Any, accelerators: Any) -> None:
+        devices = list(accelerators.flat)
+        if devices and all(d.platform == "cpu" for d in devices):
+            hash_obj.update(repr(sorted((d.id, d.process_index) for d in devices)).encode())
+        else:
+            original(hash_obj, accelerators)
+
+    cache_key._hash_accelerator_config = global_devices
+
+
+def leave(rep: Reporter, code: WorkerExit, error: str = "") -> NoReturn:
+    if error:
+        try:
+            rep.send("error", everyone=True, error=error)
+        except OSError:
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(code))
+
+
+def main() -> int:
+    die_with_parent()
+    rep = Reporter()
+    run = os.environ["RTRAIN_RUN_URI"]
+
+    # --- 1. warm-up ----------------------------------------------------------------------------
+    import jax
+
+    import training.checkpoint.manager  # noqa: F401 - imported now, while nothing waits for this process
+    import training.trainer  # noqa: F401
+    from training import data as data_lib
+    from training.checkpoint.ledger import Ledger
+    from training.config import config_from_json
+    from training.layout import CONFIG
+    from training.storage import open_store
+
+    store = open_store(run)
+    cfg = config_from_json(store.get(CONFIG).decode())
+    # The persistent compilation cache makes a relaunch on a mesh seen before skip XLA compilation.
+    jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    share_cpu_compilation_cache()
+    try:
+        manifest = data_lib.load_manifest(cfg.dataset)
+        data_lib.warm(cfg.dataset, "train")  # opened, and checked against the manifest's sha256
+    except Exception as e:  # noqa: BLE001 - reported with its reason once this worker has a round
+        a = Assignment.read(sys.stdin)
+        rep.rank, rep.round = a.rank, a.round
+        leave(rep, WorkerExit.ERROR, f"dataset: {e}")
+
+    # --- 2. assignment -------------------------------------------------------------------------
+    a = Assignment.read(sys.stdin)
+    rep.rank, rep.round = a.rank, a.round
+    try:
+        return train(cfg, run, store, a, rep, manifest, Ledger(store))
+    except BaseException as e:  # noqa: BLE001 - every error leaves the same way: reported, at once
+        traceback.print_exc()
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        leave(rep, WorkerExit.ERROR, f"{type(e).__name__}: {first}")
+
+
+def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, manifest: dict[str, Any], ledger: Any) -> int:
+    import jax
+
+    from training import data as data_lib
+    from training import trainer as tr
+    from training.checkpoint import manager as ckpt
+    from training.checkpoint.resume import ResumeError, choose_resume
+    from training.checkpoint.steps import committed_steps
+    from training.elastic.chaos import WorkerChaos
+    from training.layout import TRACE
+    from training.mesh import build_mesh, check_batch, plan_mesh
+
+    t_assigned = time.time()
+
+    # --- 3. set-up -----------------------------------------------------------------------------
+    os.environ.update(dict(a.env))  # e.g. MEGASCALE_* for TPU multislice: read when the backend starts, below
+    if a.processes > 1:
+        jax.distributed.initialize(
+            a.coordinator,
+            a.processes,
+            a.rank,
+            coordinator_bind_address=a.bind or None,  # process 0 listens on this host's address only
+            heartbeat_timeout_seconds=10,
+            initialization_timeout=120,
+        )
+    rep.send(
+        "worker_started", everyone=True, seconds=time.time() - t_assigned, host=os.environ.get("RTRAIN_HOST"), pid=os.getpid()
+    )
+    plan = plan_mesh(cfg, a.processes)
+    check_batch(cfg, plan)
+    trainer = tr.Trainer(cfg, build_mesh(plan))
+    mngr = ckpt.checkpoint_manager(cfg, run)
+    chaos = WorkerChaos(list(a.faults), a.rank, rep.send)
+
+    # --- 4. restore ----------------------------------------------------------------------------
+    # Every process computes the same decision from the same objects (committed steps, ledger).
+    t0 = time.time()
+    try:
+        decision = choose_resume(a.resume, committed_steps(run), ledger.states(), ledger.pointer_record())
+    except ResumeError as e:
+        leave(rep, WorkerExit.ERROR, str(e))
+    pins = Pins(store, a.rank, a.round)
+    step0 = decision.step
+    if step0 is not None:
+        check_integrity(run, step0, ledger, a, rep)
+        pins.pin(step0, "restore")
+        try:
+            state, pos = ckpt.restore(mngr, step0, trainer.abstract)
+        except Exception as e:  # noqa: BLE001 - unreadable data is a corrupt checkpoint; anything else an error
+            if looks_unreadable(e):
+                rep.send("corrupt", step=step0, reason=f"restore failed: {str(e).strip().splitlines()[0]}")
+                leave(rep, WorkerExit.CORRUPT)
+            raise
+        pins.unpin(step0)
+        if pos.get("dataset") not in (None, manifest["fingerprint"]):
+            if cfg.on_dataset_change != "restart":
+                leave(
+                    rep,
+                    WorkerExit.ERROR,
+                    f"checkpoint {step0} was trained on dataset {pos.get('dataset')}, not {manifest['fingerprint']} "
+                    "(on_dataset_change=restart continues on the new data)",
+                )
+            # Continual training on refreshed data: the model goes on, the data position starts over.
+            rep.send("data_refreshed", step=step0, old=pos.get("dataset"), new=manifest["fingerprint"])
+            pos = {"next_batch": 0, "lr_scale": pos.get("lr_scale", 1.0)}
+        rep.send("restore", step=step0, mesh=plan.shape, workers=a.processes, seconds=time.time() - t0)
+    else:
+        state = trainer.init()
+        pos = {"next_batch": 0}
+        rep.send("init", step=0, mesh=plan.shape, workers=a.processes, seconds=time.time() - t0)
+    step = int(step0 or 0)
+    next_batch = int(pos["next_batch"])
+    lr_scale = float(pos.get("lr_scale", 1.0))
+    skipped: list[list[int]] = list(pos.get("skipped", []))
+    if decision.hint is not None:
+        if decision.hint.skip_to_batch is not None and decision.hint.skip_to_batch > next_batch:
+            skipped.append([next_batch, decision.hint.skip_to_batch])
+            next_batch = decision.hint.skip_to_batch
+        lr_scale *= decision.hint.lr_scale
+        rep.send("resumed_with", step=step, next_batch=next_batch, lr_scale=lr_scale, skipped=skipped)
+
+    # --- 5. compile ----------------------------------------------------------------------------
+    t0 = time.time()
+    trainer.compile()
+    rep.send("compiled", step=step, seconds=time.time() - t0)
+    batches = data_lib.make_batches(
+        cfg.dataset,
+        "train",
+        seed=cfg.seed,
+        global_batch=cfg.global_batch,
+        process_index=a.rank,
+        process_count=a.processes,
+        start_batch=next_batch,
+    )
+
+    # --- 6. train ------------------------------------------------------------------------------
+    saver = Saver(mngr, rep, pins)
+    tokens_per_step = cfg.global_batch * cfg.seq_len
+    t_last = time.time()
+    first = True
+    recent: list[float] = []  # logged losses for the spike guard's running median
+    while step < cfg.steps:
+        chaos.before_step(step)
+        step_lr = lr_scale * chaos.learning_rate_scale(step)
+        local = next(batches)
+        if cfg.trace_data_ids:
+            store.put(
+                f"{TRACE}{step:08d}/a{a.round:03d}-p{a.rank:03d}.json",
+                json.dumps({"ids": [int(i) for i in local["ids"]], "processes": a.processes}).encode(),
+            )
+        inputs, targets = trainer.global_batch(local)
+        state, metrics = trainer.step(state, inputs, targets, step_lr)
+        step += 1
+        next_batch += 1
+        save_now = step % cfg.checkpoint_every == 0 or step == cfg.steps
+
+        if step % cfg.log_every == 0 or step == cfg.steps or first or save_now:
+            # A host sync: only on logged and checkpoint steps.  Every process holds the
+            # replicated loss, so all of them take the same decision below.
+            loss = float(metrics["loss"])
+            now = time.time()
+            bad = guard_verdict(loss, recent, cfg.spike_factor, cfg.spike_window)
+            if bad:
+                # big_vision style: fail loudly with the step and the metric; the leader rolls
+                # back to the last good checkpoint and skips the batches since.  A save still in
+                # flight holds a state from before the bad step: let it commit.
+                saver.wait()
+                rep.send(
+                    "guard",
+                    everyone=True,
+                    step=step,
+                    metric="loss",
+                    value=loss,
+                    reason=bad,
+                    next_batch=next_batch,
+                    restored_from=step0,
+                    committed_since_restore=saver.committed_any,
+                )
+                leave(rep, WorkerExit.GUARD)
+            recent.append(loss)
+            n = 1 if first else cfg.log_every
+            rep.send(
+                "progress",
+                step=step,
+                loss=loss,
+                grad_norm=float(metrics["grad_norm"]),
+                accuracy=float(metrics["accuracy"]),
+                tokens_per_s=tokens_per_step * n / max(now - t_last, 1e-9),
+                step_time=(now - t_last) / n,
+            )
+            if first:
+                rep.send("resumed", step=step, seconds=now - t_assigned)
+                first = False
+            t_last = now
+
+        saver.poll()
+        if save_now:
+            if chaos.corrupts(step):
+                state = trainer.corrupt(state)
+            data_pos = {
+                "next_batch": next_batch,
+                "examples_consumed": (next_batch - sum(end - start for start, end in skipped)) * cfg.global_batch,
+                "global_batch": cfg.global_batch,
+                "seed": cfg.seed,
+                "dataset": manifest["fingerprint"],
+                "lr_scale": lr_scale,
+                "skipped": skipped,
+            }
+            saver.save(step, state, data_pos, cfg)
+            chaos.after_save_started(step)
+            if step < cfg.steps and stop_requested(store, a):
+                saver.wait()
+                rep.send("rescale_requested", everyone=True, step=step, workers=a.processes)
+                mngr.close()
+                return 0
+            t_last = time.time()  # saving time is not step time
+
+    saver.wait()
+    mngr.close()
+    rep.send("finished", everyone=True, step=step)
+    return 0
+
+
+class Pins:
+    """A running job pins the steps it reads or writes, so a pruner never deletes them underneath (rank 0)."""
+
+    def __init__(self, store: Any, rank: int, round_: int) -> None:
+        self.store = store
+        self.rank = rank
+        self.owner = f"worker{rank}-r{round_}-{os.getpid()}"
+        self.keys: dict[int, str] = {}
+
+    def pin(self, step: int, kind: str) -> None:
+        from training.checkpoint.ledger import pin
+
+        if self.rank == 0:
+            self.keys[step] = pin(self.store, step, self.owner, kind)  # type: ignore[arg-type]
+
+    def unpin(self, step: int) -> None:
+        from training.checkpoint.ledger import unpin
+
+        if step in self.keys:
+            unpin(self.store, self.keys.pop(step))
+
+
+class Saver:
+    """The checkpoint pipeline: async saves, and a commit reported only once Orbax finalised the step."""
+
+    def __init__(self, mngr: Any, rep: Reporter, pins: Pins) -> None:
+        self.mngr = mngr
+        self.rep = rep
+        self.pins = pins
+        self.pending: int | None = None
+        self.committed_any = False
+
+    def _commit(self, step: int) -> None:
+        # An async save that failed raises here; a step is reported committed only when finalised.
+        self.mngr.check_for_errors()
+        if step not in self.mngr.all_steps(read=True):
+            raise RuntimeError(f"checkpoint {step} did not commit (no finalised step directory)")
+        self.rep.send("checkpoint", step=step, committed=True)
+        self.pins.unpin(step)
+        self.committed_any = True
+
+    def poll(self) -> None:
+        if self.pending is not None and not self.mngr.is_saving_in_progress():
+            step, self.pending = self.pending, None
+            self._commit(step)
+
+    def wait(self) -> None:
+        self.mngr.wait_until_finished()
+        self.poll()
+
+    def save(self, step: int, state: Any, data_pos: dict[str, Any], cfg: Any) -> None:
+        from training.checkpoint import manager as ckpt
+
+        if self.pending is not None:
+            self.wait()
+        t0 = time.time()
+        self.pins.pin(step, "save")
+        ckpt.save(self.mngr, step, state, data_pos, cfg)
+        self.pending = step
+        self.rep.send("checkpoint", step=step, committed=False, blocking_s=time.time() - t0)
+
+
+def check_integrity(run: str, step: int, ledger: Any, a: Assignment, rep: Reporter) -> None:
+    """Process 0 checks the step's files against its ledger record; every process learns the verdict."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from training.checkpoint.steps import verify
+
+    problem = ""
+    if a.rank == 0:
+        record = ledger.state(step) or {}
+        try:
+            problem = verify(run, step, record.get("files"))
+        except Exception as e:  # noqa: BLE001 - an unreadable step is as bad as a changed one
+            problem = f"cannot check checkpoint {step}: {e}"
+    bad = int(bool(problem))
+    if a.processes > 1:
+        bad = int(multihost_utils.broadcast_one_to_all(np.int32(bad)))
+    if bad:
+        if a.rank == 0:
+            rep.send("corrupt", step=step, reason=problem)
+        leave(rep, WorkerExit.CORRUPT)
+
+
+def looks_unreadable(e: BaseException) -> bool:
+    """A restore error about the checkpoint's own bytes (not a vanished peer)."""
+    text = f"{type(e).__name__} {e}".lower()
+    return any(k in text for k in ("data_loss", "not_found", "error reading", "error opening", "corrupt", "decode"))
+
+
+def guard_verdict(loss: float, recent: list[float], factor: float, window: int) -> str:
+    """Why this loss must not be trained on ('' when it is fine)."""
+    import math
+    import statistics
+
+    if not math.isfinite(loss):
+        return f"loss is {loss}"
+    if factor > 0 and len(recent) >= 3:
+        median = statistics.median(recent[-window:])
+        if loss > factor * median:
+            return f"loss {loss:.4g} > {factor:g} x running median {median:.4g}"
+    return ""
+
+
+def stop_requested(store: Any, a: Assignment) -> bool:
+    """Did the leader ask this round to stop at this checkpoint (to grow the group)?
+
+    Only process 0 reads the request; its answer is broadcast so that every
+    process stops at the same step.
+    """
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from training.layout import CONTROL
+    from training.storage import NotFound
+
+    flag = 0
+    if a.rank == 0:
+        try:
+            req = json.loads(store.get(CONTROL))
+            flag = int(req.get("action") == "stop_at_checkpoint" and req.get("round") == a.round)
+        except (NotFound, ValueError):
+            flag = 0
+    if a.processes > 1:
+        flag = int(multihost_utils.broadcast_one_to_all(np.int32(flag)))
+    return bool(flag)
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)

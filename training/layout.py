@@ -1,0 +1,45 @@
+"""The run root: every object name under ``<root>/<run_name>/``, in one place.
+
+This is the contract between the layers (the CLI, the host agents, the
+workers, the Airflow plugin): any process, any retry, any machine can pick a
+run up from these names alone.  ``docs/architecture.md`` describes each one.
+A local directory and ``gs://bucket/prefix`` hold the same names.
+"""
+
+from __future__ import annotations
+
+from training.storage import join
+
+CONFIG = "config.json"  # the resolved, validated config (replaced whole, under the run lock)
+CONFIG_HISTORY = "config-history/"  # each version of it, write-once, with who wrote it
+STATUS = "status.json"  # the current state, for sensors and the CLI (one writer: the leader)
+EVENTS = "events/"  # typed write-once JSON records
+CHECKPOINTS = "checkpoints"  # Orbax steps: checkpoints/<step>/{state,data,config}
+QUARANTINE = "quarantine/"  # checkpoints moved out of the resume path (rolled back, corrupt)
+LEDGER_STEPS = "ledger/steps/"  # each checkpoint's state changes
+LEDGER_POINTER = "ledger/pointer/"  # the resume pointer's moves
+LEDGER_PINS = "ledger/pins/"  # steps a running job reads or writes
+LOCK = "lock/"  # the run lock: one object per lease generation
+RENDEZVOUS = "rendezvous/"  # the host agents' meeting point
+RDV_HOSTS = RENDEZVOUS + "hosts/"  # <host>.json: each agent's heartbeat (replaced whole)
+RDV_ROUNDS = RENDEZVOUS + "rounds/"  # <round>.json: the leader's plan for each round (write-once)
+RDV_REPORTS = RENDEZVOUS + "reports/"  # <round>/<host>.json: how each host's worker ended (write-once)
+CAPACITY = "capacity.json"  # the local slice's host count (the stand-in for a node pool's size)
+CONTROL = "control.json"  # the leader's request to the workers: stop at the next checkpoint
+TRACE = "trace/"  # per-step example ids (trace_data_ids=true)
+AIRFLOW = "airflow/"  # what each DAG run's first launch did
+LOGS = "logs"  # local roots: agent and worker logs
+
+
+def run_uri(root: str, run_name: str) -> str:
+    """``<root>/<run_name>`` for a local root or a ``gs://`` root."""
+    return join(root, run_name)
+
+
+def checkpoints_uri(run: str) -> str:
+    """Where Orbax keeps a run's steps."""
+    return join(run, CHECKPOINTS)
+
+
+def step_uri(run: str, step: int) -> str:
+    return join(run, CHECKPOINTS, str(step))

@@ -1,0 +1,46 @@
+"""Names and stamps of write-once records.
+
+Everything a run records (events, ledger entries, pins, lock generations,
+rendezvous reports) is a write-once object whose name sorts in time order,
+because GCS has neither an atomic rename nor an append.  These helpers make
+the names: a wall-clock stamp that never repeats within a process, a short
+nonce that keeps two processes' names apart, and who wrote the record.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+_clock_lock = threading.Lock()
+_last_ns = 0
+
+
+def stamp() -> int:
+    """Wall-clock nanoseconds, strictly increasing within this process.
+
+    Two records written back to back must not tie: their order *is* the log.
+    """
+    global _last_ns
+    with _clock_lock:
+        _last_ns = max(time.time_ns(), _last_ns + 1)
+        return _last_ns
+
+
+def nonce() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+def whoami() -> dict[str, Any]:
+    """The writer of a record: host name and process id."""
+    return {"host": socket.gethostname(), "pid": os.getpid()}
+
+
+def iso(t: float) -> str:
+    """A UTC time for messages people read."""
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
