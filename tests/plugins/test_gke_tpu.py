@@ -852,6 +852,55 @@ def test_the_docs_dag_refuses_a_config_that_cannot_run_when_parsed() -> None:
         exec(compile(source, "docs/gke.md", "exec"), {})  # noqa: S102
 
 
+
+def _shipped_dag_params() -> dict[str, Any]:
+    """The trigger form (Params) of the shipped DAG ``resilient_training``, from dags/resilient_training.py."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rtrain_shipped_dags", REPO / "dags" / "resilient_training.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return dict(module.training_params(continual=False))
+
+
+def test_the_gke_conf_in_docs_gke_md_triggers_the_shipped_dag() -> None:
+    """The conf of §7.1 passes the DAG's params, resolves, and fits the TPU shape it names."""
+    from airflow.sdk.definitions.param import ParamsDict
+    from rtrain_airflow.operators.training import RTrainResolveRunConfigOperator
+
+    from training.api import TPUSlice, check_config, check_fit, config_from_dict
+    from training.backends.gke import feasible_slices, slice_bounds
+
+    text = (REPO / "docs" / "gke.md").read_text()
+    (raw,) = [b for b in re.findall(r"```json\n(.*?)```", text, re.S) if '"backend": "gke"' in b]
+    conf = json.loads(raw)
+    params = ParamsDict(_shipped_dag_params())
+    params.update(conf)
+    values = params.validate()  # what the REST API and the CLI check before they create the DAG run
+    spec = RTrainResolveRunConfigOperator(task_id="resolve_config").execute({"params": values})
+    assert spec["backend"] == "gke" and spec["run_uri"].startswith("gs://") and spec["config"]["dataset"].startswith("gs://")
+    gke = spec["gke"]
+    cfg, tpu = config_from_dict(spec["config"]), TPUSlice(gke["machine_type"], gke["tpu_topology"])
+    check_config(cfg, tpu)
+    assert feasible_slices(cfg, tpu) == [1, 2, 4]
+    assert len(gke["node_pools"]) == slice_bounds(cfg, tpu)[1]  # one pool per slice the job may use
+    check_fit(cfg)
+    # The REST call and the CLI both send this file.
+    assert '/api/v2/dags/resilient_training/dagRuns' in text and '"conf\\": $(cat conf.json)' in text
+    assert 'airflow dags trigger resilient_training --conf "$(cat conf.json)"' in text
+
+
+def test_docs_gke_md_uses_one_zone_and_cites_only_the_repository() -> None:
+    text = (REPO / "docs" / "gke.md").read_text()
+    zones = set(re.findall(r"\bus-east5-[a-z]\b", text))
+    assert zones == {"us-east5-a"}, zones
+    assert "ZONE=us-east5-a" in text
+    assert not re.search(r"\.\./|DESIGN\.md|shared/", text)
+    for path in set(re.findall(r"`((?:docker|docs|dags|plugins|training|tests)/[\w./-]+\.\w+)`", text)):
+        assert (REPO / path).exists(), path
+
+
 # --- module hygiene ------------------------------------------------------------------------------------
 
 
@@ -909,19 +958,109 @@ def test_airflow_image_is_the_official_one_with_our_code() -> None:
         assert path in text
 
 
+# The Airflow containers that read or write run roots and prepared data: the scheduler (its LocalExecutor task
+# processes launch the local slice and its agents, prepare data, validate), the triggerer (the deferrable watch
+# reads the run root), the api-server (the plugin's /rtrain API) and the dag-processor (callbacks of tasks that
+# died outside a task process run there).
+RUN_ROOT_READERS = ("airflow-scheduler", "airflow-triggerer", "airflow-apiserver", "airflow-dag-processor")
+
+
+def test_compose_shares_the_project_var_volume_and_names_the_training_image_once() -> None:
+    spec = yaml.safe_load(COMPOSE.read_text())
+    services = spec["services"]
+    mounts = {}
+    for name in RUN_ROOT_READERS:
+        s = services[name]
+        root = s["environment"]["RTRAIN_PROJECT_ROOT"]
+        assert root.startswith("/"), name
+        targets = {v.split(":")[1]: v.split(":")[0] for v in s["volumes"]}
+        assert f"{root}/var" in targets, f"{name}: nothing mounted at {root}/var"
+        mounts[name] = (root, targets[f"{root}/var"])
+    ((root, volume),) = set(mounts.values())  # one volume, at one path, in all of them
+    assert volume in spec["volumes"], "the shared var/ must be a named volume of the file"
+    # The image seeds the new volume writable for the airflow user (uid 50000, the compose file's user).
+    dockerfile = (REPO / "docker" / "Dockerfile.airflow").read_text()
+    assert f"mkdir -p {root}/var" in dockerfile and f"chown -R airflow:root {root}" in dockerfile
+    assert all(s.get("user", "").startswith("50000:") for n, s in services.items() if n.startswith("airflow-"))
+
+    # The training image: one variable, defined once (in the common environment), seen by every Airflow
+    # container, and no image reference for the pods anywhere else in the file.
+    text = COMPOSE.read_text()
+    assert len(re.findall(r"^\s+RTRAIN_TRAIN_IMAGE:", text, re.M)) == 1
+    assert all(s["environment"]["RTRAIN_TRAIN_IMAGE"] == "${RTRAIN_TRAIN_IMAGE:-}"
+               for n, s in services.items() if n.startswith("airflow-"))
+
+    def strings(node: Any) -> Iterator[str]:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                yield str(k)
+                yield from strings(v)
+        elif isinstance(node, list):
+            for v in node:
+                yield from strings(v)
+        elif isinstance(node, str):
+            yield node
+
+    assert not [s for s in strings(spec) if "/rtrain/train" in s or "Dockerfile.train" in s]
+
+
+def test_resolve_takes_the_training_image_from_the_environment_unless_the_conf_names_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from airflow.sdk.exceptions import AirflowFailException
+    from rtrain_airflow.operators.training import RTrainResolveRunConfigOperator
+
+    gke = {"project_id": PROJECT, "location": LOCATION, "cluster_name": CLUSTER, "machine_type": "ct5p-hightpu-4t",
+           "tpu_topology": "2x2x4", "node_pools": ["p0", "p1"], "namespace": "training"}
+    params = {"run_name": "img", "preset": "tiny", "storage_root": "gs://rtrain-prod-runs/runs",
+              "dataset": "gs://rtrain-prod-runs/data/stdlib", "backend": "gke", "gke": gke,
+              "min_workers": 4, "max_workers": 8, "devices_per_worker": 4, "chaos": [], "overrides": {}}
+    op = RTrainResolveRunConfigOperator(task_id="resolve_config")
+    monkeypatch.delenv("RTRAIN_TRAIN_IMAGE", raising=False)
+    with pytest.raises(AirflowFailException, match="gke.image"):
+        op.execute({"params": params})
+    monkeypatch.setenv("RTRAIN_TRAIN_IMAGE", "")  # compose's default when the host leaves it unset
+    with pytest.raises(AirflowFailException, match="gke.image"):
+        op.execute({"params": params})
+    monkeypatch.setenv("RTRAIN_TRAIN_IMAGE", "us-east5-docker.pkg.dev/rtrain-prod/rtrain/train:env")
+    spec = op.execute({"params": params})
+    assert spec["gke"] == {**gke, "image": "us-east5-docker.pkg.dev/rtrain-prod/rtrain/train:env"}
+    assert spec["config"]["hosts_per_slice"] == 4
+    named = op.execute({"params": {**params, "gke": {**gke, "image": "conf/train:1"}}})
+    assert named["gke"]["image"] == "conf/train:1"  # the conf wins
+    local = op.execute({"params": {**params, "backend": "local", "storage_root": "var/runs", "dataset": None,
+                                   "devices_per_worker": None, "gke": {}}})
+    assert local["gke"] == {}  # only a gke run takes it
+
+
 def _compose_cli() -> list[str] | None:
-    if shutil.which("docker") is None:
-        return None
-    ok = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30).returncode == 0
-    return ["docker", "compose"] if ok else None
+    """``docker compose`` (the v2 plugin), else ``docker-compose`` (v1, e.g. Debian's package); None: neither."""
+    if shutil.which("docker") is not None:
+        ok = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30).returncode == 0
+        if ok:
+            return ["docker", "compose"]
+    if shutil.which("docker-compose") is not None:
+        ok = subprocess.run(["docker-compose", "version"], capture_output=True, timeout=60).returncode == 0
+        if ok:
+            return ["docker-compose"]
+    return None
 
 
-@pytest.mark.skipif(_compose_cli() is None, reason="the docker CLI with the compose plugin is not installed")
+@pytest.mark.skipif(_compose_cli() is None,
+                    reason="neither `docker compose` (the v2 plugin) nor `docker-compose` (v1) is installed")
 def test_docker_compose_validates_the_file_offline() -> None:
     cli = _compose_cli()
     assert cli is not None
-    env = {**os.environ, **COMPOSE_ENV}
+    image = "us-east5-docker.pkg.dev/rtrain-prod/rtrain/train:abc1234"
+    env = {**os.environ, **COMPOSE_ENV, "RTRAIN_TRAIN_IMAGE": image}
     subprocess.run([*cli, "-f", str(COMPOSE), "config", "--quiet"], env=env, check=True, timeout=60)
+    # The resolved file: the image given once on the host reaches every Airflow container, with the project root.
+    out = subprocess.run([*cli, "-f", str(COMPOSE), "config"], env=env, check=True, capture_output=True, text=True,
+                         timeout=60)
+    resolved = yaml.safe_load(out.stdout)["services"]
+    for name in RUN_ROOT_READERS:
+        assert resolved[name]["environment"]["RTRAIN_TRAIN_IMAGE"] == image, name
+        assert resolved[name]["environment"]["RTRAIN_PROJECT_ROOT"] == "/opt/rtrain", name
     missing = {k: v for k, v in env.items() if k != "AIRFLOW_JWT_SECRET"}
     bad = subprocess.run([*cli, "-f", str(COMPOSE), "config", "--quiet"], env=missing, capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "AIRFLOW_JWT_SECRET" in bad.stderr

@@ -26,6 +26,7 @@ the engine's calls, i.e. inside ``execute()``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -105,6 +106,10 @@ class RTrainResolveRunConfigOperator(BaseOperator):
 
     Returns the run *spec*: ``config`` (the resolved Config as JSON), ``run_uri``,
     ``run_name``, ``backend``, ``dataset`` (``source``, ``max_bytes``), ``gke``.
+
+    With ``backend: gke`` and no ``gke.image`` in the conf, ``gke.image`` is the
+    environment variable ``RTRAIN_TRAIN_IMAGE`` of the Airflow process when it is
+    set (docker/compose.yaml names the training image there, once).
     """
 
     template_fields: Sequence[str] = ()
@@ -126,6 +131,9 @@ class RTrainResolveRunConfigOperator(BaseOperator):
                 # Refreshed data: the model trains on, the data position restarts on the new dataset.
                 overrides.setdefault("on_dataset_change", "restart")
             gke = params.get("gke") or {}
+            if params.get("backend") == "gke" and not gke.get("image") and os.environ.get("RTRAIN_TRAIN_IMAGE"):
+                # The training image is named once where Airflow runs (docker/compose.yaml): the conf may leave it out.
+                gke = {**gke, "image": os.environ["RTRAIN_TRAIN_IMAGE"]}
             if params.get("backend") == "gke" and gke.get("machine_type") and gke.get("tpu_topology"):
                 # A slice of the TPU shape is lost and gained whole: the job counts hosts in slices of it.
                 from training.api import GKEConfigError, TPUSlice
@@ -136,7 +144,7 @@ class RTrainResolveRunConfigOperator(BaseOperator):
                     raise RTrainConfigError(f"gke: {e}") from None
             cfg = self.hook.build_config(overrides)
             if cfg.backend == "gke":
-                self.hook.backend("gke", params.get("gke") or {})
+                self.hook.backend("gke", gke)
         except RTrainConfigError as e:
             raise AirflowFailException(f"invalid conf: {e}") from None
         spec = {
@@ -146,7 +154,7 @@ class RTrainResolveRunConfigOperator(BaseOperator):
             "backend": cfg.backend,
             "dataset": {"source": params.get("dataset_source") or "stdlib", "max_bytes": params.get("dataset_max_bytes"),
                         "uri": cfg.dataset, "refresh": self.continual},
-            "gke": dict(params.get("gke") or {}),
+            "gke": dict(gke),
         }
         self.log.info("Run %s at %s: preset %s, %s steps, %s..%s workers, backend %s, resume_from %s, chaos %s",
                       cfg.run_name, cfg.run_uri, cfg.preset, cfg.steps, cfg.min_workers, cfg.max_workers, cfg.backend,
