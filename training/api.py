@@ -54,10 +54,10 @@ from training.elastic.rendezvous import Rendezvous
 from training.elastic.status import STALE_STATUS_S
 from training.elastic.status import status as run_status
 from training.events import ALIVE_STATES, FINAL_STATES, EventLog, RunState, describe, read_status, write_status
-from training.layout import AIRFLOW, CAPACITY, CONFIG, CONFIG_HISTORY, CONTROL
+from training.layout import AIRFLOW, CAPACITY, CONFIG, CONFIG_HISTORY, CONTROL, RDV_RESERVE
 from training.mesh import PlanError, check_fit, plan_report
 from training.records import stamp
-from training.storage import AlreadyExists, NotFound, Store, open_store
+from training.storage import AlreadyExists, NotFound, Store, is_gcs, open_store
 
 __all__ = [
     "ACCELERATOR_LABEL",
@@ -115,6 +115,7 @@ __all__ = [
     "validate_pending",
 ]
 
+RESERVE_BYTES = 1 << 20
 # How long a job's agents have to claim the run lock from its launcher.
 HANDOFF_S = {"local": 120.0, "gke": 900.0}  # GKE: pods must be scheduled and pull their image first
 
@@ -270,8 +271,13 @@ def begin_job(cfg: Config, *, backend: str = "local", by: str | None = None, pro
         raise LaunchRefused(f"refused: {e}", e.holder) from None
     try:
         _check_dataset(cfg)
+        if cfg.resume_from.isdigit() and int(cfg.resume_from) not in (steps := committed_steps(cfg.run_uri)):
+            raise LaunchError(f"resume_from={cfg.resume_from}: not a committed checkpoint of {cfg.run_uri} (committed: {steps})")
         _write_config(cfg, store, job, who)
         Rendezvous(store).clear()
+        if not is_gcs(cfg.run_uri):
+            # Space held back on a local disk: if it fills up, the leader frees this to record the end.
+            store.put(RDV_RESERVE, bytes(RESERVE_BYTES))
         store.delete(CONTROL)
         if backend == "local" and provision:
             LocalCapacity(store, default=cfg.max_workers).set(cfg.max_workers, reason=f"job {job} launched")

@@ -179,10 +179,18 @@ def write_status(store: Store, **fields: Any) -> dict[str, Any]:
 
 
 def read_status(store: Store) -> dict[str, Any] | None:
-    try:
-        return dict(json.loads(store.get(STATUS)))
-    except NotFound:
-        return None
+    import time
+
+    for attempt in range(5):
+        try:
+            return dict(json.loads(store.get(STATUS)))
+        except NotFound:
+            return None
+        except ValueError:  # caught mid-rewrite (an in-place write on a full disk): read again
+            if attempt == 4:
+                raise
+            time.sleep(0.05)
+    return None
 
 
 # --- one sentence per event type, for people --------------------------------------------------

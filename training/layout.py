@@ -24,6 +24,7 @@ RENDEZVOUS = "rendezvous/"  # the host agents' meeting point
 RDV_HOSTS = RENDEZVOUS + "hosts/"  # <host>.json: each agent's heartbeat (replaced whole)
 RDV_ROUNDS = RENDEZVOUS + "rounds/"  # <round>.json: the leader's plan for each round (write-once)
 RDV_REPORTS = RENDEZVOUS + "reports/"  # <round>/<host>.json: how each host's worker ended (write-once)
+RDV_RESERVE = RENDEZVOUS + "reserve"  # local roots: space held back for a job's last words on a full disk
 CAPACITY = "capacity.json"  # the local slice's host count (the stand-in for a node pool's size)
 CONTROL = "control.json"  # the leader's request to the workers: stop at the next checkpoint
 TRACE = "trace/"  # per-step example ids (trace_data_ids=true)

@@ -80,17 +80,37 @@ class LocalStore:
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        except OSError as e:
+            if e.errno == errno.ENOSPC and path.exists():
+                return self._overwrite(path, data)
+            raise
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-        except BaseException:
+        except BaseException as e:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC and path.exists():
+                return self._overwrite(path, data)
             raise
+
+    @staticmethod
+    def _overwrite(path: Path, data: bytes) -> None:
+        """A full disk: replace a small object in place (not atomic: readers retry a torn read).
+
+        Status documents and heartbeats are rewritten whole by one writer; in place they
+        need no new blocks, so the final state of a job can still be recorded.
+        """
+        with open(path, "r+b") as f:
+            f.truncate(0)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
 
     def create(self, key: str, data: bytes) -> None:
         # Write to a temporary name, then hard-link: link(2) fails when the

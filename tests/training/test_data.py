@@ -283,3 +283,30 @@ def test_gcs_round_trip_matches_a_local_preparation(tiny: str, gcs_root: str, tm
     Path(paths[0]).write_bytes(b"torn download")
     data.local_shards(dataset, "train", str(cache))
     assert Path(paths[0]).read_bytes() == (Path(tiny) / Path(paths[0]).name).read_bytes()
+
+
+def test_a_changed_shard_is_refused_at_load_naming_the_shard_and_its_checksum(tmp_path: Path, monkeypatch) -> None:
+    write_corpus(tmp_path / "src")
+    out = tmp_path / "ds"
+    manifest = tiny_prepare(str(tmp_path / "src" / "*.txt"), out)
+    shard = manifest["splits"]["train"]["shards"][0]
+    data.local_shards(str(out), "train")  # verified once ...
+    hashed: list[str] = []
+    real = data._sha256_file
+    monkeypatch.setattr(data, "_sha256_file", lambda p: hashed.append(str(p)) or real(p))
+    data._verified_here.clear()  # (as a new process would start)
+    data.local_shards(str(out), "train")
+    assert hashed == [], "an unchanged shard is not hashed again: its size and mtime are remembered"
+
+    path = out / shard["name"]
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # one flipped byte, same size
+    path.write_bytes(bytes(raw))
+    with pytest.raises(data.DatasetError) as err:
+        data.local_shards(str(out), "train")
+    msg = str(err.value)
+    assert str(path) in msg and shard["sha256"][:16] in msg and "does not match the manifest" in msg
+
+    path.write_bytes(bytes(raw[:-10]))  # truncated
+    with pytest.raises(data.DatasetError, match="bytes, the manifest says"):
+        data.local_shards(str(out), "train")

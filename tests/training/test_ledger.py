@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from training.events import EventLog
 from training.checkpoint.ledger import Ledger, pin, pinned, pinned_steps, unpin
 from training.checkpoint.lock import LeaseKeeper, LockHeld, LockLost, RunLock
+from training.events import EventLog
 from training.storage import Store, open_store
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from training.elastic.chaos import ChaosError, parse_chaos
 from training.cli import main
 from training.config import ConfigError, load_config
+from training.elastic.chaos import ChaosError, parse_chaos
 from training.mesh import PlanError, check_batch, choose_workers, feasible_sizes, plan_mesh
 
 
@@ -97,3 +97,42 @@ def test_param_count_matches_the_flax_model():
 def test_bad_chaos_specs_are_refused(spec):
     with pytest.raises(ChaosError):
         parse_chaos(spec)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--config", "/nonexistent/run.yml"], "--config /nonexistent/run.yml: no such file"),
+        (["steps=[1"], "override steps: '[1' is not a value"),
+        (["nosuchkey=1"], "nosuchkey: unknown key"),
+        (["min_workers=4", "max_workers=2"], "min_workers (4) > max_workers (2)"),
+    ],
+)
+def test_bad_config_input_is_one_line_with_the_config_exit_code(tmp_path, capsys, argv, message):
+    rc = main(["plan", *argv])
+    err = capsys.readouterr().err
+    assert rc == 3
+    assert err.count("\n") == 1 and err.startswith("rtrain: error: ") and message in err
+    assert "Traceback" not in err and "{" not in err  # no stack trace, no dump of the whole config
+
+
+def test_a_config_file_that_is_not_yaml_names_the_line(tmp_path, capsys):
+    bad = tmp_path / "run.yml"
+    bad.write_text("steps: 10\nmodel: [unclosed\n")
+    assert main(["plan", "--config", str(bad)]) == 3
+    err = capsys.readouterr().err
+    assert f"--config {bad}: not valid YAML (line" in err and "Traceback" not in err
+    listed = tmp_path / "list.yml"
+    listed.write_text("- a\n- b\n")
+    assert main(["plan", "--config", str(listed)]) == 3
+    assert "expected a mapping of key: value, got list" in capsys.readouterr().err
+
+
+def test_paths_are_made_absolute_against_the_directory_the_command_runs_in(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config("tiny", None, ["root=runs", "compilation_cache=cache"])
+    assert cfg.root == str(tmp_path / "runs") and cfg.compilation_cache == str(tmp_path / "cache")
+    assert cfg.dataset == str(tmp_path / "var" / "data" / "stdlib-seq64")  # one default per sequence length
+    assert load_config("small").dataset.endswith("var/data/stdlib-seq128")
+    assert load_config("tiny", None, ["root=gs://bucket/runs"]).root == "gs://bucket/runs"
+    assert cfg.run_uri == str(tmp_path / "runs" / "demo")

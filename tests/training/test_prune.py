@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from training.checkpoint import prune as prune_mod
-from training.events import EventLog
 from training.checkpoint.ledger import Ledger, pin
 from training.checkpoint.retention import KeepBestN, KeepLastN
+from training.events import EventLog
 from training.storage import LocalStore, Store, open_store
 
 ocp = pytest.importorskip("orbax.checkpoint")

@@ -273,11 +273,17 @@ class LeaseKeeper:
     refresh finds the lock taken over; ``on_lost`` is called then (once).
     """
 
-    def __init__(self, lock: RunLock, on_lost: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        lock: RunLock,
+        on_lost: Callable[[str], None] | None = None,
+        on_error: Callable[[Exception], None] | None = None,
+    ) -> None:
         if lock.gen is None:
             raise LockLost(f"{lock.owner!r} does not hold the lock of {lock.store.uri}")
         self.lock = lock
         self.on_lost = on_lost
+        self.on_error = on_error
         self._valid_until = time.monotonic() + lock.lease_s
         self._lost: str | None = None
         self._stop = threading.Event()
@@ -322,6 +328,8 @@ class LeaseKeeper:
             return False
         except Exception as e:  # noqa: BLE001 - a store hiccup: try again; the lease runs out if it lasts
             log.warning("refreshing the lease of %s failed: %s", self.lock.store.uri, e)
+            if self.on_error is not None:
+                self.on_error(e)  # e.g. a full disk: the holder makes room and ends the job
             if time.monotonic() >= self._valid_until:
                 self._lose(f"the lease of {self.lock.store.uri} could not be refreshed: {e}")
                 return False

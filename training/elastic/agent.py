@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import errno
 import json
 import logging
 import os
@@ -175,6 +176,7 @@ class HostAgent:
         self.exit_code: AgentExit | None = None
         self._next_lead_try = 0.0
         self._signal: int | None = None
+        self.disk_full = False
         self.poll_s = POLL_S_GCS if is_gcs(run) else POLL_S
         self._writes: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._writer_thread = threading.Thread(target=self._writer, name="writer", daemon=True)
@@ -577,18 +579,39 @@ class HostAgent:
             self.lock.acquire()
         except LockHeld:
             return
+        except OSError as e:
+            log.warning("[%s] cannot take the lease: %s", self.host, e)
+            self._store_error(e)
+            return
         from training.elastic.leader import Leader
 
-        self.keeper = LeaseKeeper(self.lock, on_lost=lambda why: log.warning("[%s] %s", self.host, why)).start()
+        self.keeper = LeaseKeeper(
+            self.lock, on_lost=lambda why: log.warning("[%s] %s", self.host, why), on_error=self._store_error
+        ).start()
         self.update(leader=True)
         self.leader = Leader(self)
         log.warning("[%s] leads job %s (lease generation %s)", self.host, self.job, self.lock.gen)
+
+    def _store_error(self, e: Exception) -> None:
+        """The run root refused a write.  A full disk ends the job: room is made for its last words."""
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            self.disk_full = True
+            if self.rdv.free_reserve():
+                log.warning("[%s] the run root is full: freed the space held back for the job's end", self.host)
 
     def _lead_tick(self) -> None:
         try:
             self.leader.tick()
         except LockLost as e:
             self._step_down(str(e))
+        except Exception as e:  # noqa: BLE001 - leading failed: the job still ends with the reason
+            log.exception("[%s] leading the job failed", self.host)
+            why = f"the leader ({self.host}) failed: {type(e).__name__}: {e}"
+            try:
+                self.leader.fail(why)
+            except Exception:  # noqa: BLE001 - nothing more to do here; whoever looks next records it
+                log.exception("[%s] could not record the job's end", self.host)
+            self.exit_code = AgentExit.FAILED
 
     def _step_down(self, why: str) -> None:
         log.warning("[%s] no longer leads: %s", self.host, why)

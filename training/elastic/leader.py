@@ -33,6 +33,7 @@ events; every write is fenced by the lease (``LeaseKeeper.check``).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import time
@@ -46,7 +47,7 @@ from training.elastic.chaos import WORKER_SIDE, parse_chaos
 from training.elastic.membership import choose_members
 from training.elastic.rendezvous import HostRecord, Outcome, Report, Round
 from training.events import RunState, read_status, write_status
-from training.layout import CONTROL
+from training.layout import CONTROL, RDV_RESERVE
 from training.mesh import MeshPlan, feasible_sizes, plan_mesh
 from training.storage import AlreadyExists, NotFound
 
@@ -116,6 +117,9 @@ class Leader:
 
     def tick(self) -> None:
         self._fence()
+        if self.agent.disk_full and self.phase != Phase.DONE:
+            self._fail("the run root is full (No space left on device): the job cannot record its progress")
+            return
         now = time.time()
         if now - self._hosts_at >= min(0.25, self.cfg.heartbeat_s / 2):
             self._read_hosts(now)
@@ -404,6 +408,11 @@ class Leader:
                 reason += f": {blame.error}"
         fault_at = next((r.fault_at for r in reports if r.fault_at), None) or self._fault_time(rnd)
         self.failures += 1
+        full = [r for r in reports if "No space left on device" in f"{r.reason} {r.error}"]
+        if full:
+            # Another round would fill the same disk again: end the job with the reason now.
+            self._fail(f"the run root is full (No space left on device): {reason}")
+            return False
         self.agent.emit(
             "failure",
             attempt=rnd.round,
@@ -510,16 +519,34 @@ class Leader:
         self.agent.emit("finished", step=step, failures=self.failures, seconds=time.time() - self.started_at)
         self._end(RunState.FINISHED, "")
 
+    def fail(self, reason: str) -> None:
+        """End the job as failed with ``reason`` (the agent, when leading itself failed)."""
+        if self.phase != Phase.DONE:
+            self._fail(reason)
+
     def _fail(self, reason: str) -> None:
         self.agent.emit("failed", reason=reason, step=self.status.get("step"))
         log.warning("[%s] the job failed: %s", self.agent.host, reason)
         self._end(RunState.FAILED, reason)
 
     def _end(self, state: RunState, reason: str) -> None:
+        try:
+            self._write_end(state, reason)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            # A full disk: give back the space held for this moment, and record the end.
+            log.warning("[%s] the run root is full; using the space held back to record the end", self.agent.host)
+            self.store.delete(RDV_RESERVE)
+            self._write_end(state, reason)
+
+    def _write_end(self, state: RunState, reason: str) -> None:
         self._fence()
         self.status["reason"] = reason
         self.phase = Phase.DONE
         self._write_status(force=True, state=state)
+        if self.round is not None and self.round.action == "stop":
+            return  # written already (a retry after a full disk)
         number = (self.round.round + 1) if self.round else max([0, *self.rdv.round_numbers()]) + 1
         stop = Round(
             round=number,

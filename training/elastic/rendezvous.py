@@ -26,13 +26,14 @@ number have one winner); reports are write-once per (round, host).
 
 from __future__ import annotations
 
+import errno
 import json
 import time
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from training.layout import RDV_HOSTS, RDV_REPORTS, RDV_ROUNDS, RENDEZVOUS
+from training.layout import RDV_HOSTS, RDV_REPORTS, RDV_RESERVE, RDV_ROUNDS, RENDEZVOUS
 from training.storage import AlreadyExists, NotFound, Store
 
 
@@ -210,10 +211,22 @@ class Rendezvous:
 
     def report(self, rep: Report) -> None:
         rep.time = rep.time or time.time()
+        key = f"{RDV_REPORTS}{rep.round:08d}/{rep.host}.json"
         try:
-            self.store.create(f"{RDV_REPORTS}{rep.round:08d}/{rep.host}.json", _dump(rep))
+            self.store.create(key, _dump(rep))
         except AlreadyExists:
             pass  # reported already (an agent restarted mid-round)
+        except OSError as e:
+            if e.errno != errno.ENOSPC or not self.free_reserve():
+                raise
+            self.store.create(key, _dump(rep))  # the leader must hear how the round ended
+
+    def free_reserve(self) -> bool:
+        """A full disk: give back the space the launcher held for the job's last words (once)."""
+        if not self.store.exists(RDV_RESERVE):
+            return False
+        self.store.delete(RDV_RESERVE)
+        return True
 
     def reports(self, number: int) -> dict[str, Report]:
         out = {}

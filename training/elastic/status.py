@@ -35,7 +35,7 @@ def status(run_uri: str, repair: bool = True) -> dict[str, Any] | None:
         return st
     try:
         lock.acquire()
-    except LockHeld:
+    except (LockHeld, OSError):  # taken meanwhile; or the run root refuses writes (a full disk)
         return st
     try:
         st = read_status(store)

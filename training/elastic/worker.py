@@ -394,7 +394,7 @@ class Saver:
         # An async save that failed raises here; a step is reported committed only when finalised.
         self.mngr.check_for_errors()
         if step not in self.mngr.all_steps(read=True):
-            raise RuntimeError(f"checkpoint {step} did not commit (no finalised step directory)")
+            raise RuntimeError(f"checkpoint {step} did not commit (no finalised step directory){_why_not(self.mngr)}")
         self.rep.send("checkpoint", step=step, committed=True)
         self.pins.unpin(step)
         self.committed_any = True
@@ -418,6 +418,19 @@ class Saver:
         ckpt.save(self.mngr, step, state, data_pos, cfg)
         self.pending = step
         self.rep.send("checkpoint", step=step, committed=False, blocking_s=time.time() - t0)
+
+
+def _why_not(mngr: Any) -> str:
+    """A likely reason a save did not commit: a full disk (Orbax's background error does not always surface)."""
+    directory = str(mngr.directory)
+    if directory.startswith("gs://"):
+        return ""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return ""
+    free = st.f_bavail * st.f_frsize
+    return f": No space left on device ({free} bytes free)" if free < (1 << 20) else ""
 
 
 def check_integrity(run: str, step: int, ledger: Any, a: Assignment, rep: Reporter) -> None:
