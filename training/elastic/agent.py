@@ -129,7 +129,7 @@ class HostAgent:
         coordinator_host: str = "127.0.0.1",
         coordinator_port: int = 0,
         bind_host: str | None = None,
-        capacity: CapacitySource | None = None,
+        local_capacity: bool = False,
         log_dir: str | None = None,
     ) -> None:
         self.run_uri = run
@@ -143,7 +143,10 @@ class HostAgent:
         self.lock = RunLock(
             self.store, owner=f"agent {host} of job {job}", lease_s=self.cfg.lease_s, job=job, on_event=self.emit
         )
-        self.capacity = capacity
+        # The local slice's pool (a preempted host leaves it); on GKE the node pools are the capacity.
+        self.capacity: CapacitySource | None = (
+            LocalCapacity(self.store, default=self.cfg.max_workers) if local_capacity else None
+        )
         self.coordinator_host = coordinator_host
         self.coordinator_port = coordinator_port  # 0: a free port for each round (the local slice)
         self.bind_host = bind_host if bind_host is not None else coordinator_host
@@ -646,8 +649,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local-capacity", action="store_true", help="the local slice: preempt lowers capacity.json")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
-    store = open_store(args.run)
-    capacity = LocalCapacity(store, default=0) if args.local_capacity else None
     agent = HostAgent(
         args.run,
         args.job,
@@ -655,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
         coordinator_host=args.coordinator_host,
         coordinator_port=args.coordinator_port,
         bind_host=args.bind_host,
-        capacity=capacity,
+        local_capacity=args.local_capacity,
     )
     return agent.run()
 

@@ -215,7 +215,7 @@ class Leader:
             self._start_waiting(now)
 
     def _form(self, now: float) -> None:
-        settle = 2.5 * self.cfg.heartbeat_s
+        settle = 3 * self.cfg.heartbeat_s
         if self.fail_at is not None:
             pending = [h for h in self.prev_members if not self._shown_life(h) and self._age(h) < settle]
             if pending and now - self.fail_at < self.cfg.heartbeat_timeout_s:

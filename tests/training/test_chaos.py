@@ -1,0 +1,215 @@
+"""The chaos suite: randomized fault schedules over many seeds, each checked for what must always hold.
+
+Every schedule runs a real job (3 simulated hosts, min 1) with faults drawn from
+a seed: worker crashes, lost hosts (preempt), kills during a save, killed agents,
+frozen hosts (SIGSTOP), capacity coming back, a corrupted newest checkpoint, and
+on some seeds a run root on a small disk that fills up.  Each is checked for:
+
+* an end: the final step reached, or a final state with its reason;
+* exact data: every step consumed exactly its global batch (when it finished);
+* no orphans: nothing of the job runs once it has ended;
+* one owner at a time: no takeover of a live lease; rounds strictly ordered;
+* a true status: ``status.json`` says how it ended, as the events do.
+
+``make chaos`` runs ``RTRAIN_CHAOS_SEEDS`` seeds (default 3 in ``make test``);
+each result is appended to ``var/chaos/results.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jobs import hosts, job_config, start_job, step_ids, wait_finished
+
+from training import api
+
+pytestmark = [pytest.mark.slow, pytest.mark.chaos]
+
+REPO = Path(__file__).resolve().parents[2]
+SEEDS = int(os.environ.get("RTRAIN_CHAOS_SEEDS", "3"))
+STEPS = 24
+EVERY = 4
+HOSTS = 3
+
+
+def schedule(seed: int) -> dict[str, Any]:
+    """The faults of one seed: chaos specs fired by the job itself, and what the harness does from outside."""
+    rng = random.Random(seed)
+    steps = sorted(rng.sample(range(3, STEPS - 6), 3))
+    kinds = ["crash", "preempt", "kill_during_save", "kill_agent", "freeze"]
+    chaos = []
+    for step in steps:
+        kind = rng.choice(kinds)
+        worker = rng.randrange(2)  # ranks 0 and 1 exist in every round of 2 or 3 hosts
+        if kind == "kill_during_save":
+            step = max(EVERY, step - step % EVERY)
+        chaos.append(f"{kind}:worker={worker},step={step}")
+    if any(c.startswith(("preempt", "freeze")) for c in chaos):
+        chaos.append(f"capacity:to={HOSTS},step={steps[-1] + 2}")  # hosts come back
+    return {
+        "chaos": chaos,
+        "corrupt_newest": rng.random() < 0.5,  # flip a byte in the newest checkpoint, then crash a worker
+        "full_disk": seed % 5 == 2,  # every fifth seed (2, 7, ...): the run root's disk fills up
+    }
+
+
+def _corrupt_newest_then_crash(run_uri: str, stop: threading.Event, out: dict[str, Any]) -> None:
+    """From outside: damage the newest committed checkpoint, then take a host down so that a restore reads it."""
+    while not stop.is_set():
+        st = api.status(run_uri) or {}
+        newest = st.get("latest_committed")
+        if newest and newest >= 2 * EVERY and st.get("state") == "running":
+            step_dir = Path(run_uri) / "checkpoints" / str(newest) / "state"
+            files = [p for p in step_dir.rglob("*") if p.is_file()] if step_dir.exists() else []
+            if files:
+                victim = max(files, key=lambda p: p.stat().st_size)
+                raw = bytearray(victim.read_bytes())
+                raw[len(raw) // 2] ^= 0x01
+                victim.write_bytes(bytes(raw))
+                out["corrupted"] = newest
+                rank0 = next((h for h, r in hosts(run_uri).items() if r.rank == 0 and r.state == "training"), None)
+                if rank0:
+                    worker = [p for p in _children(hosts(run_uri)[rank0].pid)]
+                    for p in worker:
+                        p.kill()  # the worker only: the host stays, its agent restarts it
+                return
+        stop.wait(0.3)
+
+
+def _children(pid: int) -> list[Any]:
+    import psutil
+
+    try:
+        return list(psutil.Process(pid).children())
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _fill_disk(mnt: Path, run_uri: str, stop: threading.Event) -> None:
+    while not stop.is_set():
+        if ((api.status(run_uri) or {}).get("latest_committed") or 0) >= 2 * EVERY:
+            with open(mnt / "filler", "wb") as f:
+                try:
+                    while True:
+                        f.write(b"\0" * (1 << 20))
+                        f.flush()
+                except OSError:
+                    return
+        stop.wait(0.3)
+
+
+def _check_one_owner_at_a_time(run_uri: str, margin_s: float) -> None:
+    takeovers = [e for e in api.events(run_uri, ("lock",)) if e.get("action") == "takeover"]
+    for e in takeovers:
+        if not e.get("handoff"):
+            assert e["time"] >= float(e["previous_expires_at"]) + margin_s - 0.05, f"a live lease was taken over: {e}"
+    rounds = [e["round"] for e in api.events(run_uri, ("launch",))]
+    assert rounds == sorted(set(rounds)), f"rounds out of order or twice: {rounds}"
+
+
+def _check_nothing_runs(run_uri: str) -> None:
+    import psutil
+
+    deadline = time.monotonic() + 20
+    while True:
+        left = []
+        for p in psutil.process_iter(["cmdline", "status"]):
+            try:
+                if run_uri in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE:
+                    left.append(p)
+            except psutil.Error:
+                continue
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not left, f"processes of the job outlived it: {[p.pid for p in left]}"
+
+
+@pytest.mark.parametrize("seed", range(SEEDS))
+def test_a_random_fault_schedule_ends_cleanly_with_exact_data(seed: int, tmp_path, tiny_dataset, jax_cache) -> None:
+    from training.checkpoint.lock import DEFAULT_MARGIN_S
+    from training.data import global_batch_ids
+
+    plan = schedule(seed)
+    root, mnt = tmp_path, None
+    if plan["full_disk"]:
+        mnt = tmp_path / "disk"
+        mnt.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mnt)], capture_output=True).returncode:
+            plan["full_disk"] = False  # no tmpfs here (not root): this seed runs without the full disk
+            mnt = None
+        else:
+            root = mnt
+    cfg = job_config(
+        str(root), tiny_dataset, jax_cache, run_name=f"chaos-{seed}", steps=STEPS, checkpoint_every=EVERY,
+        min_workers=1, max_workers=HOSTS, global_batch=12, heartbeat_timeout_s=3.0, max_failures=8,
+        capacity_timeout_s=20,
+        chaos=plan["chaos"], trace_data_ids=True,
+    )
+    stop = threading.Event()
+    seen: dict[str, Any] = {}
+    helpers = []
+    if plan["corrupt_newest"]:
+        helpers.append(threading.Thread(target=_corrupt_newest_then_crash, args=(cfg.run_uri, stop, seen), daemon=True))
+    if plan["full_disk"] and mnt is not None:
+        helpers.append(threading.Thread(target=_fill_disk, args=(mnt, cfg.run_uri, stop), daemon=True))
+    t0 = time.time()
+    try:
+        handle = start_job(cfg)
+        for h in helpers:
+            h.start()
+        st = wait_finished(handle, timeout=420)
+        stop.set()
+        # An end, and a status that tells it as the events do.
+        final = [e for e in api.events(cfg.run_uri, ("finished", "failed"))]
+        assert st["state"] in ("finished", "failed") and final and final[-1]["type"] == st["state"], st
+        if st["state"] == "failed":
+            assert st.get("reason"), "a failed job says why"
+        else:
+            assert st["step"] == STEPS
+            ids = step_ids(cfg.run_uri)
+            assert sorted(ids) == list(range(STEPS))
+            for step, got in ids.items():
+                want = global_batch_ids(tiny_dataset, seed=cfg.seed, global_batch=cfg.global_batch, batch_index=step)
+                assert got == sorted(int(i) for i in want), f"step {step}: wrong examples"
+        if plan["full_disk"]:
+            assert st["state"] == "failed" and "No space left on device" in st["reason"], st
+        if seen.get("corrupted"):
+            corrupt = api.events(cfg.run_uri, ("checkpoint_corrupt",))
+            restored = [e["step"] for e in api.events(cfg.run_uri, ("restore",))]
+            assert any(e["step"] == seen["corrupted"] for e in corrupt) or seen["corrupted"] not in restored, (
+                "a damaged checkpoint was restored"
+            )
+        _check_one_owner_at_a_time(cfg.run_uri, DEFAULT_MARGIN_S)
+        _check_nothing_runs(cfg.run_uri)
+        outcome = {"seed": seed, "plan": plan, "state": st["state"], "reason": st.get("reason", ""),
+                   "failures": st.get("failures"), "seconds": round(time.time() - t0, 1), "survived": True}
+    except BaseException as e:
+        outcome = {"seed": seed, "plan": plan, "survived": False, "error": f"{type(e).__name__}: {e}"[:500]}
+        import shutil
+
+        logs = Path(cfg.run_uri) / "logs"
+        if logs.exists():  # kept for the post-mortem (the run root may be on a disk about to go)
+            shutil.copytree(logs, REPO / "var" / "chaos" / f"logs-{seed}-{int(t0)}", dirs_exist_ok=True)
+        raise
+    finally:
+        stop.set()
+        out = REPO / "var" / "chaos"
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "results.jsonl", "a") as f:
+            f.write(json.dumps(outcome, default=str) + "\n")
+        if mnt is not None:
+            import psutil
+
+            for p in psutil.process_iter(["cmdline"]):
+                if str(mnt) in " ".join(p.info["cmdline"] or []):
+                    p.kill()
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
