@@ -432,7 +432,7 @@ def load_manifest(dataset_uri: str) -> dict[str, Any]:
 def _split_info(manifest: dict[str, Any], dataset_uri: str, split: str) -> dict[str, Any]:
     if split not in manifest["splits"]:
         raise DatasetError(f"{dataset_uri} has no split {split!r}; it has {sorted(manifest['splits'])}")
-    return manifest["splits"][split]
+    return dict(manifest["splits"][split])
 
 
 def local_shards(dataset_uri: str, split: str, cache_dir: str | None = None) -> list[str]:

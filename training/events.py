@@ -277,6 +277,7 @@ def describe(ev: dict[str, Any]) -> str:
     if t == "host_lost":
         return f"host {g('host')} lost: {g('reason')}"
     if t == "config":
-        return f"config written by {g('by')}" + (f"; changed: {', '.join(g('changed'))}" if g("changed") else "")
+        changed = g("changed") or []
+        return f"config written by {g('by')}" + (f"; changed: {', '.join(map(str, changed))}" if changed else "")
     fields = {k: v for k, v in ev.items() if k not in ("type", "time", "source", "_key")}
     return f"{t}: " + ", ".join(f"{k}={v}" for k, v in fields.items())

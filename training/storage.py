@@ -16,6 +16,7 @@ sortable names, never by appending.
 
 from __future__ import annotations
 
+import builtins
 import errno
 import os
 import shutil
@@ -41,11 +42,11 @@ class Store(Protocol):
     def create(self, key: str, data: bytes) -> None: ...
     def get(self, key: str) -> bytes: ...
     def exists(self, key: str) -> bool: ...
-    def list(self, prefix: str = "") -> list[str]: ...
+    def list(self, prefix: str = "") -> builtins.list[str]: ...
     def delete(self, key: str) -> None: ...
     def move(self, src: str, dst: str) -> None: ...
     def child(self, key: str) -> str: ...
-    def checksums(self, prefix: str = "") -> dict[str, list[int]]: ...
+    def checksums(self, prefix: str = "") -> dict[str, builtins.list[int]]: ...
 
 
 def is_gcs(uri: str) -> bool:
@@ -143,7 +144,7 @@ class LocalStore:
     def exists(self, key: str) -> bool:
         return self._path(key).exists()
 
-    def list(self, prefix: str = "") -> list[str]:
+    def list(self, prefix: str = "") -> builtins.list[str]:
         base = self._path(prefix) if prefix else self.root
         # A prefix may name a directory ("a/") or the start of a file name ("a/x").
         if base.is_dir():
@@ -164,7 +165,7 @@ class LocalStore:
                     keys.append(rel)
         return sorted(keys)
 
-    def checksums(self, prefix: str = "") -> dict[str, list[int]]:
+    def checksums(self, prefix: str = "") -> dict[str, builtins.list[int]]:
         """``{key relative to prefix: [size, crc32c]}`` of the objects under ``prefix``."""
         import google_crc32c
 
@@ -253,7 +254,7 @@ class GCSStore:
         from google.cloud.storage.retry import DEFAULT_RETRY
 
         try:
-            return self.bucket.blob(self._name(key)).download_as_bytes(retry=DEFAULT_RETRY)
+            return bytes(self.bucket.blob(self._name(key)).download_as_bytes(retry=DEFAULT_RETRY))
         except exceptions.NotFound:
             raise NotFound(self.child(key)) from None
 
@@ -262,7 +263,7 @@ class GCSStore:
 
         return bool(self.bucket.blob(self._name(key)).exists(retry=DEFAULT_RETRY))
 
-    def list(self, prefix: str = "") -> list[str]:
+    def list(self, prefix: str = "") -> builtins.list[str]:
         from google.cloud.storage.retry import DEFAULT_RETRY
 
         full = self._name(prefix) if prefix else (self.prefix + "/" if self.prefix else "")
@@ -273,7 +274,7 @@ class GCSStore:
         ]
         return sorted(names)
 
-    def checksums(self, prefix: str = "") -> dict[str, list[int]]:
+    def checksums(self, prefix: str = "") -> dict[str, builtins.list[int]]:
         """``{key relative to prefix: [size, crc32c]}``: GCS keeps both for every object.
 
         (An emulator that keeps no CRC32C: the object is read and summed here.)

@@ -51,7 +51,7 @@ class Trainer:
         # Shapes and logical axes come from an abstract init (no FLOPs, no memory).
         boxed = jax.eval_shape(self._init_boxed, jax.random.key(0))
         specs = nn.get_partition_spec(boxed)
-        self.shardings = nn.logical_to_mesh_sharding(specs, mesh, LOGICAL_RULES)
+        self.shardings = nn.logical_to_mesh_sharding(specs, mesh, LOGICAL_RULES)  # type: ignore[attr-defined]
         self.abstract = jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), nn.unbox(boxed), self.shardings
         )
@@ -78,13 +78,13 @@ class Trainer:
         }
 
     def init(self) -> State:
-        return self._init(jax.random.key(self.cfg.seed))
+        return cast(State, self._init(jax.random.key(self.cfg.seed)))
 
     # --- the step ------------------------------------------------------------------
     def _train_step(
         self, state: State, inputs: jax.Array, targets: jax.Array, lr_scale: jax.Array
-    ) -> tuple[State, dict]:
-        def compute_loss(params: Any) -> tuple[jax.Array, dict]:
+    ) -> tuple[State, dict[str, Any]]:
+        def compute_loss(params: Any) -> tuple[jax.Array, dict[str, Any]]:
             logits = cast(jax.Array, self.model.apply({"params": params}, inputs))
             return loss_fn(logits, targets)
 
@@ -105,14 +105,16 @@ class Trainer:
             arrays.append(jax.make_array_from_process_local_data(self.batch_sharding, x, (b, *x.shape[1:])))
         return arrays[0], arrays[1]
 
-    def step(self, state: State, inputs: jax.Array, targets: jax.Array, lr_scale: float = 1.0) -> tuple[State, dict]:
+    def step(
+        self, state: State, inputs: jax.Array, targets: jax.Array, lr_scale: float = 1.0
+    ) -> tuple[State, dict[str, Any]]:
         fn = self._compiled if self._compiled is not None else self._step
         if lr_scale not in self._scales:
             # (not device_put: its cross-process equality check fails on NaN, which chaos uses)
             self._scales[lr_scale] = jax.make_array_from_callback(
                 (), self.replicated, lambda _: np.asarray(lr_scale, np.float32)
             )
-        return fn(state, inputs, targets, self._scales[lr_scale])
+        return cast(tuple[State, dict[str, Any]], fn(state, inputs, targets, self._scales[lr_scale]))
 
     def corrupt(self, state: State) -> State:
         """Chaos: overwrite the parameters with noise (a regression validation must catch)."""

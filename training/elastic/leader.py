@@ -402,7 +402,7 @@ class Leader:
             reason = f["why"]
         else:
             signalled = [r for r in reports if r.returncode is not None and r.returncode < 0]
-            blame = (signalled or reports or [None])[0]
+            blame = (signalled or reports)[0] if (signalled or reports) else None
             reason = blame.reason if blame is not None else "the round failed"
             if blame is not None and blame.error:
                 reason += f": {blame.error}"
