@@ -1,8 +1,12 @@
-"""`make airflow`: the Airflow UI on 127.0.0.1 for this project (`airflow standalone`, SQLite, ./airflow_home).
+"""`make airflow`: the Airflow UI on 127.0.0.1 for this project (SQLite, ./airflow_home).
 
-Low parallelism (the default would fork 32 workers on a laptop), no example DAGs, this
-repository's dags/ and plugins/, our DAGs unpaused; prints the admin password and a REST
-call that triggers a run with conf.  Ctrl-C stops it all.
+What `airflow standalone` runs, started here one by one so that every listener is on
+loopback: the API server on 127.0.0.1, and the scheduler and the triggerer without their
+log servers (which bind every interface; with all components on one machine the API
+server reads the task logs from ./airflow_home directly).  Low parallelism (the default
+would fork 32 workers on a laptop), no example DAGs, this repository's dags/ and plugins/,
+our DAGs unpaused; prints the admin password and a REST call that triggers a run with
+conf.  Ctrl-C stops it all.
 """
 
 from __future__ import annotations
@@ -35,37 +39,49 @@ def main() -> int:
            "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{args.port}"}
     subprocess.run([str(BIN / "airflow"), "db", "migrate"], env=env, check=True, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL)
-    log = open(HOME / "logs" / "standalone.log", "ab") if (HOME / "logs").exists() else subprocess.DEVNULL
-    proc = subprocess.Popen([str(BIN / "airflow"), "standalone"], env=env, cwd=REPO, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    (HOME / "logs").mkdir(parents=True, exist_ok=True)
+    log = open(HOME / "logs" / "standalone.log", "ab")
+    components = (
+        ["api-server", "--host", "127.0.0.1", "--port", str(args.port), "--workers", "1"],
+        ["scheduler", "--skip-serve-logs"],
+        ["triggerer", "--skip-serve-logs"],
+        ["dag-processor"],
+    )
+    procs = [
+        subprocess.Popen([str(BIN / "airflow"), *cmd], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                         start_new_session=True)
+        for cmd in components
+    ]
     base = f"http://127.0.0.1:{args.port}"
-    print(f"starting airflow standalone on {base} (log: airflow_home/logs/standalone.log) ...", flush=True)
+    print(f"starting Airflow on {base} (log: airflow_home/logs/standalone.log) ...", flush=True)
 
     def interrupted(*_: object) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupted)
     try:
-        return serve(proc, base, env)
+        return serve(procs, base, env)
     except KeyboardInterrupt:
         return 0
     finally:
-        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(proc.pid, sig)
-                proc.wait(timeout=wait)
-                break
-            except ProcessLookupError:
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        for proc in procs:
+            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(proc.pid, sig)
+                    proc.wait(timeout=wait)
+                    break
+                except ProcessLookupError:
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
 
 
-def serve(proc: subprocess.Popen[bytes], base: str, env: dict[str, str]) -> int:
+def serve(procs: list[subprocess.Popen[bytes]], base: str, env: dict[str, str]) -> int:
     deadline = time.time() + 180
     while True:
-        if proc.poll() is not None:
-            print(f"airflow standalone exited with {proc.returncode}; see airflow_home/logs/standalone.log")
+        dead = [p for p in procs if p.poll() is not None]
+        if dead:
+            print(f"an Airflow component exited with {dead[0].returncode}; see airflow_home/logs/standalone.log")
             return 1
         try:
             with urllib.request.urlopen(f"{base}/api/v2/monitor/health", timeout=2) as r:
@@ -99,8 +115,10 @@ Trigger a run with conf through the REST API:
       -H 'Content-Type: application/json' -d '{json.dumps({"logical_date": None, "conf": conf})}'
 
 Ctrl-C stops Airflow.""", flush=True)
-    proc.wait()
-    return 0
+    while all(p.poll() is None for p in procs):
+        time.sleep(1)
+    print("an Airflow component stopped; see airflow_home/logs/standalone.log")
+    return 1
 
 
 if __name__ == "__main__":
