@@ -36,16 +36,25 @@ def api(airflow_db: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     passwords = home / "passwords.json"
     password = os.urandom(8).hex()
     passwords.write_text(json.dumps({"admin": password}))
-    env = {**os.environ, "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
-           "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords)}
+    env = {
+        **os.environ,
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords),
+    }
     # The API server serves DAGs from the metadata DB: serialize ours first (what the DAG processor does).
     subprocess.run([exe, "dags", "reserialize"], env=env, check=True, capture_output=True, timeout=180)
     port = free_port()
     log = open(tmp_path_factory.mktemp("api") / "api-server.log", "wb")
-    proc = subprocess.Popen([exe, "api-server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [exe, "api-server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
+
         def up() -> bool:
             if proc.poll() is not None:
                 raise RuntimeError(f"the API server exited with {proc.returncode}; see {log.name}")
@@ -55,8 +64,9 @@ def api(airflow_db: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
                 return False
 
         wait_for(up, 120, interval=0.5, what="the API server")
-        token = requests.post(f"{base}/auth/token", json={"username": "admin", "password": password},
-                              timeout=10).json()["access_token"]
+        token = requests.post(
+            f"{base}/auth/token", json={"username": "admin", "password": password}, timeout=10
+        ).json()["access_token"]
         yield {"base": base, "headers": {"Authorization": f"Bearer {token}"}}
     finally:
         os.killpg(proc.pid, 15)
@@ -69,8 +79,12 @@ def api(airflow_db: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 
 def trigger(api: dict[str, Any], conf: dict[str, Any]) -> requests.Response:
-    return requests.post(f"{api['base']}/api/v2/dags/{DAG_ID}/dagRuns", headers=api["headers"],
-                         json={"logical_date": None, "conf": conf}, timeout=30)
+    return requests.post(
+        f"{api['base']}/api/v2/dags/{DAG_ID}/dagRuns",
+        headers=api["headers"],
+        json={"logical_date": None, "conf": conf},
+        timeout=30,
+    )
 
 
 def runs(api: dict[str, Any]) -> list[dict[str, Any]]:
@@ -100,15 +114,26 @@ def test_invalid_conf_is_refused_with_the_reason(api: dict[str, Any], conf: dict
 
 
 def test_valid_conf_is_accepted_and_the_plugin_api_is_mounted(api: dict[str, Any]) -> None:
-    r = trigger(api, {"run_name": "rest-ok", "steps": 20, "resume_from": "latest",
-                      "chaos": ["preempt:worker=1,step=12"], "overrides": {"learning_rate": 0.001}})
+    r = trigger(
+        api,
+        {
+            "run_name": "rest-ok",
+            "steps": 20,
+            "resume_from": "latest",
+            "chaos": ["preempt:worker=1,step=12"],
+            "overrides": {"learning_rate": 0.001},
+        },
+    )
     assert r.status_code == 200, r.text
     run = r.json()
     assert run["conf"]["run_name"] == "rest-ok" and run["state"] == "queued"
     # No scheduler runs here: remove the run so it never starts.
-    d = requests.delete(f"{api['base']}/api/v2/dags/{DAG_ID}/dagRuns/{run['dag_run_id']}", headers=api["headers"],
-                        timeout=30)
+    d = requests.delete(
+        f"{api['base']}/api/v2/dags/{DAG_ID}/dagRuns/{run['dag_run_id']}", headers=api["headers"], timeout=30
+    )
     assert d.status_code == 204
     # The rtrain plugin's read-only run API, served by the same server.
-    missing = requests.get(f"{api['base']}/rtrain/runs/no-such-run-{time.time_ns()}/status", timeout=30)
+    url = f"{api['base']}/rtrain/runs/no-such-run-{time.time_ns()}/status"
+    assert requests.get(url, timeout=30).status_code == 401  # the plugin's API is behind Airflow's login
+    missing = requests.get(url, headers=api["headers"], timeout=30)
     assert missing.status_code == 404 and "no run" in missing.text

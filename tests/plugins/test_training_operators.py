@@ -32,8 +32,14 @@ REPO = Path(__file__).resolve().parents[2]
 def spec_for(tmp_path: Path, **overrides: Any) -> dict[str, Any]:
     hook = RTrainHook()
     cfg = hook.build_config({"run_name": "op", "root": str(tmp_path / "runs"), **overrides})
-    return {"config": cfg.model_dump(mode="json"), "run_uri": cfg.run_uri, "run_name": cfg.run_name,
-            "backend": cfg.backend, "dataset": {"source": "stdlib", "max_bytes": None}, "gke": {}}
+    return {
+        "config": cfg.model_dump(mode="json"),
+        "run_uri": cfg.run_uri,
+        "run_name": cfg.run_name,
+        "backend": cfg.backend,
+        "dataset": {"source": "stdlib", "max_bytes": None},
+        "gke": {},
+    }
 
 
 @pytest.fixture
@@ -96,7 +102,7 @@ def test_sensor_links_to_the_runs_status(dag: Any, tmp_path: Path) -> None:
     link = RTrainRunStatusLink().get_link(sensor, ti_key=None)
     from urllib.parse import quote
 
-    assert link == f"/rtrain/runs/op/status?root={quote(str(tmp_path / 'runs'))}"
+    assert link == f"/rtrain/runs/op/view?root={quote(str(tmp_path / 'runs'))}"
     sensor.spec = "{{ not rendered }}"
     assert RTrainRunStatusLink().get_link(sensor, ti_key=None) == ""
 
@@ -106,8 +112,9 @@ def test_branch_and_rollback_refuse_bad_inputs(dag: Any, tmp_path: Path) -> None
         RTrainBranchValidationOperator(task_id="b", validation={}, promote_task_id="x", rollback_task_id="x")
     with pytest.raises(ValueError, match="poll_interval"):
         RTrainRollbackAndResumeOperator(task_id="r", spec=spec_for(tmp_path), poll_interval=0)
-    branch = RTrainBranchValidationOperator(task_id="b2", validation={"verdict": "maybe"}, promote_task_id="p",
-                                            rollback_task_id="r")
+    branch = RTrainBranchValidationOperator(
+        task_id="b2", validation={"verdict": "maybe"}, promote_task_id="p", rollback_task_id="r"
+    )
     with pytest.raises(AirflowFailException, match="validated/rejected"):
         branch.choose_branch({})
     branch.validation = {"verdict": "rejected", "step": 30, "reason": "loss"}
@@ -121,9 +128,15 @@ def test_branch_and_rollback_refuse_bad_inputs(dag: Any, tmp_path: Path) -> None
 
 def test_resolve_refuses_bad_conf_with_the_reason(dag: Any, tmp_path: Path) -> None:
     op = RTrainResolveRunConfigOperator(task_id="resolve_config")
-    base = {"run_name": "r", "storage_root": str(tmp_path), "preset": "tiny", "steps": None, "chaos": [],
-            "overrides": {}}
-    cases = [
+    base: dict[str, Any] = {
+        "run_name": "r",
+        "storage_root": str(tmp_path),
+        "preset": "tiny",
+        "steps": None,
+        "chaos": [],
+        "overrides": {},
+    }
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"min_workers": 3, "max_workers": 2}, "min_workers (3) > max_workers (2)"),
         ({"overrides": {"learning_rat": 0.1}}, "learning_rat: unknown key"),
         ({"overrides": {"steps": 3}}, "steps are params of their own"),
@@ -139,8 +152,19 @@ def test_resolve_refuses_bad_conf_with_the_reason(dag: Any, tmp_path: Path) -> N
 
 def test_resolve_returns_the_spec_with_absolute_paths(dag: Any) -> None:
     op = RTrainResolveRunConfigOperator(task_id="resolve_config")
-    spec = op.execute({"params": {"run_name": "r", "storage_root": "var/runs", "preset": "small", "steps": None,
-                                  "max_workers": 2, "chaos": [], "overrides": {"learning_rate": 0.001}}})
+    spec = op.execute(
+        {
+            "params": {
+                "run_name": "r",
+                "storage_root": "var/runs",
+                "preset": "small",
+                "steps": None,
+                "max_workers": 2,
+                "chaos": [],
+                "overrides": {"learning_rate": 0.001},
+            }
+        }
+    )
     cfg = spec["config"]
     assert cfg["steps"] == 150 and cfg["max_workers"] == 2 and cfg["learning_rate"] == 0.001  # null = the preset's
     assert spec["run_uri"] == str(REPO / "var" / "runs" / "r") and cfg["dataset"].startswith(str(REPO))
@@ -148,8 +172,9 @@ def test_resolve_returns_the_spec_with_absolute_paths(dag: Any) -> None:
 
 
 def test_plan_refuses_a_model_that_does_not_fit(dag: Any, tmp_path: Path) -> None:
-    spec = spec_for(tmp_path, preset="llama3-70b", min_workers=1, max_workers=2, devices_per_worker=2,
-                    device_memory_gib=2)
+    spec = spec_for(
+        tmp_path, preset="llama3-70b", min_workers=1, max_workers=2, devices_per_worker=2, device_memory_gib=2
+    )
     with pytest.raises(AirflowFailException, match="plan refused"):
         RTrainPlanTopologyOperator(task_id="p", spec=spec).execute({})
     report = RTrainPlanTopologyOperator(task_id="p2", spec=spec_for(tmp_path)).execute({})
@@ -202,8 +227,14 @@ def test_release_stops_the_jobs_this_dag_run_launched(tmp_path: Path) -> None:
     cfg = RTrainHook().config_from_dict(spec["config"])
     backend = LocalSliceBackend()
     backend.provision(cfg, spec)
-    agent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
-                              "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"])
+    agent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time; "
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)",
+        ]
+    )
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # not ours: left alone
     try:
         import psutil
@@ -212,8 +243,13 @@ def test_release_stops_the_jobs_this_dag_run_launched(tmp_path: Path) -> None:
         while not psutil.Process(agent.pid).children() and time.monotonic() < deadline:
             time.sleep(0.05)
         [worker] = psutil.Process(agent.pid).children()
-        handle = {"backend": "local", "run_uri": cfg.run_uri, "job": "j1", "controller_pid": agent.pid,
-                  "host": socket.gethostname()}
+        handle = {
+            "backend": "local",
+            "run_uri": cfg.run_uri,
+            "job": "j1",
+            "controller_pid": agent.pid,
+            "host": socket.gethostname(),
+        }
         result = backend.release(cfg, spec, [handle])
         assert set(result["stopped_pids"]) == {agent.pid, worker.pid}
         assert not pid_alive(agent.pid)
@@ -275,10 +311,20 @@ def test_plugin_registers_its_parts_and_serves_run_status() -> None:
     assert RTrainTrainingJobSensor in type(plugin.operator_extra_links[0]).operators
     assert rtrain_plugin.run_uri({"run_name": "x", "storage_root": "var/runs"}) == str(REPO / "var/runs/x")
 
+    import airflow_test_env
+    from airflow.api_fastapi.app import create_auth_manager
+    from airflow.api_fastapi.auth.managers.simple.user import SimpleAuthManagerUser
+
+    airflow_test_env.migrate()
+    manager = create_auth_manager()
+    manager.init()
     client = TestClient(rtrain_plugin.create_app())
-    assert client.get("/runs/..%2Fetc/status").status_code in (400, 404)
+    assert client.get("/runs/x/status").status_code == 401  # Airflow's login in front of the plugin's API
+    token = manager.generate_jwt(SimpleAuthManagerUser(username="t", role="viewer"))
+    client.headers["Authorization"] = "Bearer " + token
+    assert client.get("/runs/..%2Fetc/status").status_code in (400, 403, 404)
     assert client.get("/runs/nope-" + uuid.uuid4().hex[:6] + "/status").status_code == 404
-    assert client.get("/runs/x/status", params={"root": "/etc"}).status_code == 400
+    assert client.get("/runs/x/status", params={"root": "/etc"}).status_code == 403
     name = "plugin-test-" + uuid.uuid4().hex[:8]
     uri = str(REPO / "var" / "runs" / name)
     try:

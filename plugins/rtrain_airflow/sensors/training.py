@@ -26,9 +26,9 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from functools import cached_property
+from functools import cache, cached_property
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 from airflow.sdk import BaseOperatorLink, BaseSensorOperator, PokeReturnValue
 from airflow.sdk.exceptions import AirflowException
@@ -47,22 +47,56 @@ def check_handle(handle: Any, who: str) -> dict[str, Any]:
     return dict(handle)
 
 
-class RTrainRunStatusLink(BaseOperatorLink):
-    """A "Run status" button on the sensor's task page: the run's status through the plugin's API (/rtrain)."""
+# The plugin's Training view (plugins/rtrain_plugin.py, mounted by the API server under /rtrain).
+VIEW_PREFIX = "/rtrain"
 
-    name = "Run status"
+
+@cache
+def base_path() -> str:
+    """The path Airflow is served under (``[api] base_url``'s path, '' at the root): links are absolute paths."""
+    try:
+        from airflow.sdk.configuration import conf
+
+        url = conf.get("api", "base_url", fallback="") or ""
+    except Exception:  # noqa: BLE001 - no config here (a bare interpreter): links at the root
+        url = ""
+    return urlsplit(url).path.rstrip("/")
+
+
+def dag_run_view_path(dag_id: str, run_id: str) -> str:
+    """The Training view of a DAG run's training run (the plugin finds the run from the DAG run)."""
+    return f"{base_path()}{VIEW_PREFIX}/dags/{quote(dag_id, safe='')}/runs/{quote(run_id, safe='')}/view"
+
+
+def run_view_path(run_uri: str) -> str:
+    """The Training view of a run root (``<root>/<run_name>``); ``?root=`` unless it is the project's var/runs."""
+    uri = str(run_uri).rstrip("/")
+    name = uri.rsplit("/", 1)[-1]
+    root = uri[: -len(name) - 1]
+    query = "" if root == absolute("var/runs") else f"?root={quote(root)}"
+    return f"{base_path()}{VIEW_PREFIX}/runs/{quote(name, safe='')}/view{query}"
+
+
+class RTrainRunStatusLink(BaseOperatorLink):
+    """A "Training view" button on the sensor's task page: the run's charts, served by the plugin (/rtrain).
+
+    In Airflow 3 the API server never calls this: when a try of the task ends (deferred included), the task
+    runner calls ``get_link`` on the task (templates rendered) and stores the URL as the XCom ``xcom_key``,
+    which the API server's links endpoint reads back.  The URL names the DAG run (the plugin finds the run
+    from that DAG run's ``resolve_config`` result, and checks access to that DAG); without a DAG run (a
+    bare operator) it names the run root from the rendered spec.
+    """
+
+    name = "Training view"
 
     def get_link(self, operator: Any, *, ti_key: Any) -> str:
-        # Called by the task runner when the task ends, on the task whose templates (the spec XComArg)
-        # are resolved; the API server then serves the stored link.
+        dag_id = getattr(ti_key, "dag_id", None)
+        run_id = getattr(ti_key, "run_id", None)
+        if dag_id and run_id:
+            return dag_run_view_path(str(dag_id), str(run_id))
         spec = getattr(operator, "spec", None)
         run_uri = spec.get("run_uri") if isinstance(spec, Mapping) else None
-        if not run_uri:
-            return ""
-        name = str(run_uri).rstrip("/").rsplit("/", 1)[-1]
-        root = str(run_uri).rstrip("/")[: -len(name) - 1]
-        query = "" if root == absolute("var/runs") else f"?root={quote(root)}"
-        return f"/rtrain/runs/{name}/status{query}"
+        return run_view_path(str(run_uri)) if run_uri else ""
 
 
 class RTrainTrainingJobSensor(BaseSensorOperator):
@@ -130,11 +164,18 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
                 handle = {**handle, "job": current, "attached": True, "launched_at": time.time()}
             look = backend.poll(handle, self._timeouts(cfg))
             if look["state"] == "failed":
-                self.log.warning("[rtrain] try %d: the job is gone (%s); relaunching from the newest committed checkpoint",
-                                 try_number, look.get("reason"))
+                self.log.warning(
+                    "[rtrain] try %d: the job is gone (%s); relaunching from the newest committed checkpoint",
+                    try_number,
+                    look.get("reason"),
+                )
                 committed = self.hook.committed_steps(cfg.run_uri)[-1:] or None
-                handle = backend.launch(cfg.model_copy(update={"resume_from": "latest"}), spec, attempt=try_number)
-                self.log.warning("[rtrain] relaunched %s (newest committed step %s): %s", cfg.run_name, committed, handle)
+                handle = dict(
+                    backend.launch(cfg.model_copy(update={"resume_from": "latest"}), spec, attempt=try_number)
+                )
+                self.log.warning(
+                    "[rtrain] relaunched %s (newest committed step %s): %s", cfg.run_name, committed, handle
+                )
             else:
                 self.log.info("[rtrain] try %d: the job is %s; watching it again", try_number, look["state"])
         return spec, cfg, handle
@@ -167,9 +208,17 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
         if look["state"] == "failed":
             raise AirflowException(f"training job {spec['run_name']} failed: {look.get('reason')}")
         if look["state"] == "finished":
-            return PokeReturnValue(True, {"status": "success", "state": "finished", "step": st.get("step"),
-                                          "latest_committed": st.get("latest_committed"),
-                                          "failures": st.get("failures"), "handle": handle})
+            return PokeReturnValue(
+                True,
+                {
+                    "status": "success",
+                    "state": "finished",
+                    "step": st.get("step"),
+                    "latest_committed": st.get("latest_committed"),
+                    "failures": st.get("failures"),
+                    "handle": handle,
+                },
+            )
         if look["state"] not in ALIVE:
             raise AirflowException(f"training job {spec['run_name']}: unexpected state {look['state']!r}")
         self.log.info("[rtrain] %s: %s at step %s", spec["run_name"], look["state"], st.get("step"))
@@ -180,12 +229,20 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
             raise AirflowException(
                 f"training job at {event.get('run_uri')} is gone: {event.get('message')} "
                 f"(state {event.get('state')}, step {event.get('step')}, newest committed {event.get('latest_committed')}); "
-                "a retry of this task relaunches it from the newest committed checkpoint")
+                "a retry of this task relaunches it from the newest committed checkpoint"
+            )
         for rec in event.get("recoveries") or []:
-            self.log.info("[rtrain] recovery: %s -> training again at step %s after %.1fs", rec.get("cause"),
-                          rec.get("resumed_step"), rec.get("recovery_s") or 0)
-        self.log.info("[rtrain] job finished at step %s with %s failure(s) absorbed in the job", event.get("step"),
-                      event.get("failures"))
+            self.log.info(
+                "[rtrain] recovery: %s -> training again at step %s after %.1fs",
+                rec.get("cause"),
+                rec.get("resumed_step"),
+                rec.get("recovery_s") or 0,
+            )
+        self.log.info(
+            "[rtrain] job finished at step %s with %s failure(s) absorbed in the job",
+            event.get("step"),
+            event.get("failures"),
+        )
         return event
 
 
