@@ -218,8 +218,114 @@ def prune(run_uri: str, dry_run: bool = False) -> dict[str, Any]:
     return out
 
 
+def goodput(evs: list[dict[str, Any]], steps_total: int) -> dict[str, Any]:
+    """Where the wall time went, in the spirit of Google's ML goodput: productive step time vs badput by cause.
+
+    From the events alone (no checkpoint is read).  Wall time runs from each job's
+    first round to its end (a run that was relaunched adds up its jobs).  A round's
+    start-up is split into worker start, set-up, restore, compile and its first step;
+    a failure into detection (fault to detection) and forming the next round; steps
+    trained again after a restore (``replay``) and steps lost to a validation
+    rollback count their step time; saves count the time they blocked the loop.
+    """
+    prog = [e for e in evs if e["type"] == "progress" and e.get("step_time")]
+    step_s = statistics.median(e["step_time"] for e in prog) if prog else 0.0
+    jobs: dict[str, list[dict[str, Any]]] = {}
+    for e in evs:
+        jobs.setdefault(str(e.get("job") or _job_of(e, evs)), []).append(e)
+    wall = 0.0
+    for job_evs in jobs.values():
+        launches = [e["time"] for e in job_evs if e["type"] == "launch"]
+        ends = [e["time"] for e in job_evs if e["type"] in ("finished", "failed")]
+        if launches:
+            wall += (max(ends) if ends else max(e["time"] for e in job_evs)) - min(launches)
+    cat: dict[str, float] = {
+        k: 0.0
+        for k in (
+            "detect",
+            "form_round",
+            "worker_start",
+            "setup",
+            "restore",
+            "compile",
+            "first_step",
+            "replay",
+            "rollback_replay",
+            "checkpoint",
+            "waiting_for_capacity",
+        )
+    }
+    rounds = [e for e in evs if e["type"] == "launch"]
+    steps_lost = 0
+    for i, launch in enumerate(rounds):
+        rnd = launch.get("round", launch.get("attempt"))
+        mine = [e for e in evs if e.get("attempt") == rnd and e["time"] >= launch["time"]]
+        started = next((e for e in mine if e["type"] == "worker_started" and e.get("process_id") == 0), None)
+        restored = next((e for e in mine if e["type"] in ("restore", "init")), None)
+        compiled = next((e for e in mine if e["type"] == "compiled"), None)
+        resumed = next((e for e in mine if e["type"] == "resumed"), None)
+        if started:
+            cat["worker_start"] += started["time"] - launch["time"]
+        if started and restored:
+            cat["restore"] += float(restored.get("seconds") or 0)
+            cat["setup"] += max(restored["time"] - float(restored.get("seconds") or 0) - started["time"], 0.0)
+        if compiled:
+            cat["compile"] += float(compiled.get("seconds") or 0)
+        if compiled and resumed:
+            cat["first_step"] += resumed["time"] - compiled["time"]
+        # Steps this round trained that the next round trained again.
+        if i + 1 < len(rounds):
+            nxt = rounds[i + 1]
+            done = [e["step"] for e in mine if e["type"] == "progress" and e["time"] < nxt["time"]]
+            back = next((e for e in evs if e["type"] in ("restore",) and e["time"] > nxt["time"]), None)
+            if done and back is not None and back["step"] < max(done):
+                steps_lost += max(done) - int(back["step"])
+    for e in evs:
+        if e["type"] == "failure":
+            if e.get("detect_s"):
+                cat["detect"] += float(e["detect_s"])
+            following = next((r for r in rounds if r["time"] > e["time"]), None)
+            if following is not None:
+                cat["form_round"] += following["time"] - e["time"]
+        elif e["type"] == "checkpoint" and not e.get("committed") and e.get("blocking_s"):
+            cat["checkpoint"] += float(e["blocking_s"])
+        elif e["type"] == "rollback" and e.get("kind") == "validation":
+            cat["rollback_replay"] += max(int(e["from_step"]) - int(e["to_step"]), 0) * step_s
+        elif e["type"] == "waiting_for_capacity":
+            back = next(
+                (r for r in evs if r["type"] in ("capacity", "launch", "failed") and r["time"] > e["time"]), None
+            )
+            if back is not None:
+                cat["waiting_for_capacity"] += back["time"] - e["time"]
+    cat["replay"] = steps_lost * step_s
+    productive = steps_total * step_s
+    cat["other"] = max(wall - productive - sum(cat.values()), 0.0)
+    return {
+        "wall_s": wall,
+        "productive_s": productive,
+        "step_s": step_s,
+        "steps_lost": steps_lost,
+        "badput_s": {k: round(v, 3) for k, v in cat.items()},
+        "goodput": productive / wall if wall > 0 and productive else None,
+    }
+
+
+def _job_of(e: dict[str, Any], evs: list[dict[str, Any]]) -> str:
+    """The job an event belongs to: the newest "config" event (each job's launch writes one) before it."""
+    job = ""
+    for c in evs:
+        if c["time"] > e["time"]:
+            break
+        if c["type"] == "config":
+            job = str(c.get("job") or "")
+    return job
+
+
 def report(run_uri: str) -> dict[str, Any]:
-    """The run's story from its events: steps, failures, recoveries, meshes, verdicts, goodput."""
+    """The run's story from its events and ledger: steps, failures, recoveries, meshes, verdicts, goodput.
+
+    Reads no checkpoint (no Orbax, no JAX): the ledger knows which steps are kept.
+    """
     store, cfg, ledger, events = _run(run_uri)
     evs = events.read()
     status = json.loads(store.get(STATUS)) if store.exists(STATUS) else {}
@@ -240,17 +346,17 @@ def report(run_uri: str) -> dict[str, Any]:
                 "mesh_after": restore.get("mesh") if restore else None,
             }
         )
-    step_times = [e["step_time"] for e in evs if e["type"] == "progress" and e.get("step_time")]
-    finished = next((e for e in reversed(evs) if e["type"] in ("finished", "failed")), None)
-    wall = (finished["time"] - launches[0]["time"]) if finished and launches else None
-    useful = cfg.steps * statistics.median(step_times) if step_times else None
     pruned = sorted({s for e in evs if e["type"] == "prune" for s in e.get("deleted", [])})
+    states = ledger.states()
+    kept = sorted(s for s, r in states.items() if r["state"] not in ("pruned", "quarantined", "corrupt"))
+    gp = goodput(evs, int(status.get("step") or cfg.steps) if status.get("state") == "finished" else cfg.steps)
+    loss = status.get("loss")
     return {
         "run": run_uri,
         "state": status.get("state"),
         "steps": status.get("step"),
         "steps_total": cfg.steps,
-        "final_loss": status.get("loss"),
+        "final_loss": round(float(loss), 4) if isinstance(loss, int | float) else loss,
         "launches": [{"attempt": e["attempt"], "workers": e["workers"], "mesh": e["mesh"]} for e in launches],
         "failures": len([e for e in evs if e["type"] == "failure"]),
         "recoveries": recoveries,
@@ -274,11 +380,12 @@ def report(run_uri: str) -> dict[str, Any]:
             for e in evs
             if e["type"] == "rollback"
         ],
-        "checkpoints_kept": committed_steps(run_uri),
+        "checkpoints_kept": kept,
         "checkpoints_pruned": pruned,
         "resume_pointer": ledger.pointer(),
-        "wall_s": wall,
-        "goodput": (useful / wall) if useful and wall else None,
+        "wall_s": gp["wall_s"],
+        "goodput": gp["goodput"],
+        "goodput_breakdown": gp,
     }
 
 
@@ -313,4 +420,9 @@ def format_report(r: dict[str, Any]) -> str:
     )
     if r["goodput"] is not None:
         lines.append(f"goodput        {r['goodput']:.1%} of {r['wall_s']:.0f}s wall time spent on steps that count")
+        gp = r.get("goodput_breakdown") or {}
+        bad = {k: v for k, v in (gp.get("badput_s") or {}).items() if v >= 0.05}
+        if bad:
+            parts = ", ".join(f"{k.replace('_', ' ')} {v:.1f}s" for k, v in sorted(bad.items(), key=lambda kv: -kv[1]))
+            lines.append(f"  badput       {parts}; {gp.get('steps_lost', 0)} step(s) trained again")
     return "\n".join(lines)
