@@ -34,11 +34,21 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=int(os.environ.get("AIRFLOW_PORT", "8080")))
     args = ap.parse_args()
     HOME.mkdir(exist_ok=True)
-    env = {**airflow_env(), "AIRFLOW__API__HOST": "127.0.0.1", "AIRFLOW__API__PORT": str(args.port),
-           "AIRFLOW__API__WORKERS": "1", "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
-           "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{args.port}"}
-    subprocess.run([str(BIN / "airflow"), "db", "migrate"], env=env, check=True, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
+    env = {
+        **airflow_env(),
+        "AIRFLOW__API__HOST": "127.0.0.1",
+        "AIRFLOW__API__PORT": str(args.port),
+        "AIRFLOW__API__WORKERS": "1",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
+        "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{args.port}",
+    }
+    subprocess.run(
+        [str(BIN / "airflow"), "db", "migrate"],
+        env=env,
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     (HOME / "logs").mkdir(parents=True, exist_ok=True)
     log = open(HOME / "logs" / "standalone.log", "ab")
     components = (
@@ -48,8 +58,14 @@ def main() -> int:
         ["dag-processor"],
     )
     procs = [
-        subprocess.Popen([str(BIN / "airflow"), *cmd], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                         start_new_session=True)
+        subprocess.Popen(
+            [str(BIN / "airflow"), *cmd],
+            env=env,
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         for cmd in components
     ]
     base = f"http://127.0.0.1:{args.port}"
@@ -95,18 +111,26 @@ def serve(procs: list[subprocess.Popen[bytes]], base: str, env: dict[str, str]) 
         time.sleep(1)
     # The DAG processor serializes our DAGs within a few seconds; then unpause them.
     for _ in range(60):
-        done = [subprocess.run([str(BIN / "airflow"), "dags", "unpause", d], env=env, capture_output=True).returncode
-                == 0 for d in DAGS]
+        done = [
+            subprocess.run([str(BIN / "airflow"), "dags", "unpause", d], env=env, capture_output=True).returncode == 0
+            for d in DAGS
+        ]
         if all(done):
             break
         time.sleep(2)
     pw_file = HOME / "simple_auth_manager_passwords.json.generated"
     password = json.loads(pw_file.read_text()).get("admin") if pw_file.exists() else "(see the log)"
-    conf = {"run_name": "ui-1", "preset": "tiny", "steps": 40, "max_workers": 2,
-            "chaos": ["preempt:worker=1,step=15", "capacity:to=2,step=30"]}
-    print(f"""
+    conf = {
+        "run_name": "ui-1",
+        "preset": "tiny",
+        "steps": 40,
+        "max_workers": 2,
+        "chaos": ["preempt:worker=1,step=15", "capacity:to=2,step=30"],
+    }
+    print(
+        f"""
 Airflow UI   {base}    user admin   password {password}
-DAGs         {', '.join(DAGS)} (unpaused; the continual one first runs at its next 03:00 UTC)
+DAGs         {", ".join(DAGS)} (unpaused; the continual one first runs at its next 03:00 UTC)
 
 Trigger a run with conf through the REST API:
   TOKEN=$(curl -s -X POST {base}/auth/token -H 'Content-Type: application/json' \\
@@ -114,7 +138,9 @@ Trigger a run with conf through the REST API:
   curl -s -X POST {base}/api/v2/dags/resilient_training/dagRuns -H "Authorization: Bearer $TOKEN" \\
       -H 'Content-Type: application/json' -d '{json.dumps({"logical_date": None, "conf": conf})}'
 
-Ctrl-C stops Airflow.""", flush=True)
+Ctrl-C stops Airflow.""",
+        flush=True,
+    )
     while all(p.poll() is None for p in procs):
         time.sleep(1)
     print("an Airflow component stopped; see airflow_home/logs/standalone.log")

@@ -67,9 +67,9 @@ def interesting(line: str) -> str | None:
     if "[DAG TEST] starting task_id=" in text:
         return "task  " + text.split("task_id=")[1].split()[0]
     if text.startswith("[rtrain]") and "progress" not in text:
-        return "      " + text[len("[rtrain] "):]
+        return "      " + text[len("[rtrain] ") :]
     if text.startswith("[rtrain-alert]"):
-        alert = json.loads(text[len("[rtrain-alert] "):])
+        alert = json.loads(text[len("[rtrain-alert] ") :])
         return f"ALERT {alert['kind']}: {alert['task_id']} (try {alert['try_number']}): {alert['reason'][:160]}"
     if text.startswith("Marking run"):
         return "dag   " + ("run succeeded" if "successful" in text else "run failed")
@@ -91,8 +91,10 @@ def watch_progress(run_uri: Path, stop: threading.Event) -> None:
             last = key
             mesh = "x".join(f"{k}{v}" for k, v in (st.get("mesh") or {}).items())
             loss = f"{st['loss']:.3f}" if isinstance(st.get("loss"), float) else "-"
-            say(f"      job {st.get('state')}: step {st.get('step')}/{st.get('steps_total')} loss {loss} "
-                f"on {st.get('workers')} hosts ({mesh})")
+            say(
+                f"      job {st.get('state')}: step {st.get('step')}/{st.get('steps_total')} loss {loss} "
+                f"on {st.get('workers')} hosts ({mesh})"
+            )
 
 
 def main() -> int:
@@ -109,8 +111,13 @@ def main() -> int:
     HOME.mkdir(exist_ok=True)
     env = airflow_env()
     say(f"== Airflow home {HOME} (SQLite); migrating the metadata DB")
-    subprocess.run([str(BIN / "airflow"), "db", "migrate"], env=env, check=True, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [str(BIN / "airflow"), "db", "migrate"],
+        env=env,
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
     chaos = [] if args.no_chaos else ["preempt:worker=1,step=40", "capacity:to=4,step=80"]
     overrides: dict[str, Any] = {"log_every": 5}
@@ -130,12 +137,19 @@ def main() -> int:
         "overrides": overrides,
     }
     run_uri = REPO / "var" / "runs" / args.run_name
-    say(f"== DAG resilient_training, run {args.run_name}: preset {args.preset}, up to {args.max_workers} "
-        f"simulated hosts, chaos {chaos or 'off'}")
+    say(
+        f"== DAG resilient_training, run {args.run_name}: preset {args.preset}, up to {args.max_workers} "
+        f"simulated hosts, chaos {chaos or 'off'}"
+    )
     if chaos:
-        say("   host 1 is lost at step 40 (4 -> 2 hosts), capacity is back at step 80 (-> 4 hosts)"
-            + ("; a learning-rate spike from step 105 makes checkpoints 125 and 150 worse, for validation to catch"
-               if not args.no_regression else ""))
+        say(
+            "   host 1 is lost at step 40 (4 -> 2 hosts), capacity is back at step 80 (-> 4 hosts)"
+            + (
+                "; a learning-rate spike from step 105 makes checkpoints 125 and 150 worse, for validation to catch"
+                if not args.no_regression
+                else ""
+            )
+        )
     say(f"   conf: {json.dumps(conf)}")
     log_path = HOME / "logs" / f"{args.run_name}.dags-test.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -143,8 +157,14 @@ def main() -> int:
     threading.Thread(target=watch_progress, args=(run_uri, stop), daemon=True).start()
     t_dag = time.time()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([str(BIN / "airflow"), "dags", "test", "resilient_training", "-c", json.dumps(conf)],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+        proc = subprocess.Popen(
+            [str(BIN / "airflow"), "dags", "test", "resilient_training", "-c", json.dumps(conf)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=REPO,
+        )
         assert proc.stdout is not None
         for line in proc.stdout:
             log.write(line)
@@ -170,13 +190,19 @@ def summary(run_uri: Path, run_name: str, dag_wall: float, total: float, env: di
     from training.checkpoint.lifecycle import format_report
 
     with create_session() as s:
-        dr = (s.query(DagRun).filter(DagRun.dag_id == "resilient_training")
-              .order_by(DagRun.id.desc()).first())
+        dr = s.query(DagRun).filter(DagRun.dag_id == "resilient_training").order_by(DagRun.id.desc()).first()
         tis = s.query(TaskInstance).filter(TaskInstance.dag_id == dr.dag_id, TaskInstance.run_id == dr.run_id).all()
         states = {ti.task_id: (getattr(ti.state, "value", ti.state), ti.try_number) for ti in tis}
-        row = s.query(XComModel).filter(XComModel.dag_id == dr.dag_id, XComModel.run_id == dr.run_id,
-                                        XComModel.task_id == "training.watch_job",
-                                        XComModel.key == "return_value").one_or_none()
+        row = (
+            s.query(XComModel)
+            .filter(
+                XComModel.dag_id == dr.dag_id,
+                XComModel.run_id == dr.run_id,
+                XComModel.task_id == "training.watch_job",
+                XComModel.key == "return_value",
+            )
+            .one_or_none()
+        )
         watch = XComModel.deserialize_value(row) if row is not None else {}
         dag_state = getattr(dr.state, "value", dr.state)
         run_id = dr.run_id
@@ -184,19 +210,39 @@ def summary(run_uri: Path, run_name: str, dag_wall: float, total: float, env: di
     say("")
     say("=" * 100)
     say(f"DAG run   resilient_training / {run_id}: {dag_state} in {dag_wall:.0f}s ({total:.0f}s with set-up)")
-    order = ["resolve_config", "prepare_dataset", "provision_capacity", "training.plan_topology",
-             "training.launch_job", "training.watch_job", "validate", "promote_or_rollback", "promote",
-             "rollback_and_resume", "prune", "report", "release_capacity"]
-    say("tasks     " + "  ".join(f"{t.split('.')[-1]}={states.get(t, ('-', 0))[0]}"
-                                 + (f"(x{states[t][1]})" if states.get(t, (0, 0))[1] > 1 else "") for t in order))
+    order = [
+        "resolve_config",
+        "prepare_dataset",
+        "provision_capacity",
+        "training.plan_topology",
+        "training.launch_job",
+        "training.watch_job",
+        "validate",
+        "promote_or_rollback",
+        "promote",
+        "rollback_and_resume",
+        "prune",
+        "report",
+        "release_capacity",
+    ]
+    say(
+        "tasks     "
+        + "  ".join(
+            f"{t.split('.')[-1]}={states.get(t, ('-', 0))[0]}"
+            + (f"(x{states[t][1]})" if states.get(t, (0, 0))[1] > 1 else "")
+            for t in order
+        )
+    )
     if not (run_uri / "config.json").exists():
         say("the run never started; see the log above")
         return 1
     report = api.report(str(run_uri))
     say(format_report(report))
     for rec in (watch or {}).get("recoveries") or []:
-        say(f"airflow   saw recovery: {rec['cause']} -> training again at step {rec['resumed_step']} "
-            f"{rec['recovery_s']:.1f}s after the fault")
+        say(
+            f"airflow   saw recovery: {rec['cause']} -> training again at step {rec['resumed_step']} "
+            f"{rec['recovery_s']:.1f}s after the fault"
+        )
     alerts_file = Path(env["RTRAIN_ALERTS_FILE"])
     alerts = [json.loads(x) for x in alerts_file.read_text().splitlines()] if alerts_file.exists() else []
     mine = [a for a in alerts if a.get("run_id") == run_id]

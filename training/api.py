@@ -272,7 +272,9 @@ def begin_job(cfg: Config, *, backend: str = "local", by: str | None = None, pro
     try:
         _check_dataset(cfg)
         if cfg.resume_from.isdigit() and int(cfg.resume_from) not in (steps := committed_steps(cfg.run_uri)):
-            raise LaunchError(f"resume_from={cfg.resume_from}: not a committed checkpoint of {cfg.run_uri} (committed: {steps})")
+            raise LaunchError(
+                f"resume_from={cfg.resume_from}: not a committed checkpoint of {cfg.run_uri} (committed: {steps})"
+            )
         _write_config(cfg, store, job, who)
         Rendezvous(store).clear()
         if not is_gcs(cfg.run_uri):
@@ -521,5 +523,3 @@ def prepare_dataset(
         "validation_records": manifest["splits"]["validation"]["records"],
         "seq_len": manifest["seq_len"],
     }
-
-

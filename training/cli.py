@@ -165,9 +165,9 @@ class Progress:
         step = st.get("step")
         loss = st.get("loss")
         tps = st.get("tokens_per_s")
-        info = (
-            f"{st.get('state')}  loss {loss:.4f}" if isinstance(loss, float) else f"{st.get('state')}"
-        ) + (f"  {tps:.0f} tok/s" if isinstance(tps, int | float) else "")
+        info = (f"{st.get('state')}  loss {loss:.4f}" if isinstance(loss, float) else f"{st.get('state')}") + (
+            f"  {tps:.0f} tok/s" if isinstance(tps, int | float) else ""
+        )
         info += f"  {st.get('workers', '-')} hosts  mesh {_mesh(st.get('mesh'))}"
         if self._bar is not None:
             self._bar.update(self._task, completed=step or 0, info=info)
@@ -188,7 +188,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         handle = launch(cfg, detach=True, provision=True)
         print(
             f"job {handle['job']} of run {cfg.run_name} started on the local slice ({cfg.run_uri}); "
-            f"follow it with `rtrain status {cfg.run_name}`" + ("" if cfg.root.endswith("var/runs") else f" --root {cfg.root}")
+            f"follow it with `rtrain status {cfg.run_name}`"
+            + ("" if cfg.root.endswith("var/runs") else f" --root {cfg.root}")
         )
         return Exit.OK
     progress = Progress(cfg.steps)
@@ -200,7 +201,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     st = status(cfg.run_uri) or {}
     rc = int(handle.get("returncode", 1))  # type: ignore[call-overload]
     if rc == 0:
-        print(f"finished: step {st.get('step')}/{cfg.steps}, loss {st.get('loss')}, {st.get('failures', 0)} failure(s) absorbed")
+        print(
+            f"finished: step {st.get('step')}/{cfg.steps}, loss {st.get('loss')}, {st.get('failures', 0)} failure(s) absorbed"
+        )
         return Exit.OK
     print(f"rtrain: the job failed: {st.get('reason') or 'see the events'}", file=sys.stderr)
     _show_worker_failure(cfg.run_uri)
@@ -247,9 +250,15 @@ def cmd_status(args: argparse.Namespace) -> int:
             + (f"  loss {loss:.4f}" if isinstance(loss, float) else "")
             + (f"  {st['tokens_per_s']:.0f} tok/s" if isinstance(st.get("tokens_per_s"), int | float) else ""),
         ),
-        ("hosts", f"{st.get('workers', '-')} training, mesh {_mesh(st.get('mesh'))}; alive {st.get('hosts_alive', '-')}"),
+        (
+            "hosts",
+            f"{st.get('workers', '-')} training, mesh {_mesh(st.get('mesh'))}; alive {st.get('hosts_alive', '-')}",
+        ),
         ("job", f"{st.get('job', '-')}  leader {st.get('leader', '-')}  round {st.get('round', '-')}"),
-        ("checkpoint", f"newest committed {st.get('latest_committed', '-')}; failures absorbed {st.get('failures', 0)}"),
+        (
+            "checkpoint",
+            f"newest committed {st.get('latest_committed', '-')}; failures absorbed {st.get('failures', 0)}",
+        ),
         ("updated", f"{age:.0f}s ago"),
     ]
     for k, v in rows:
@@ -412,7 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def config_args(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--preset", default=None, help="tiny | small | llama3-8b | llama3-70b (default: tiny)")
-        sp.add_argument("--config", action="append", default=[], metavar="FILE", help="a YAML file of keys (repeatable)")
+        sp.add_argument(
+            "--config", action="append", default=[], metavar="FILE", help="a YAML file of keys (repeatable)"
+        )
         sp.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (see `rtrain config`)")
 
     def run_args(sp: argparse.ArgumentParser, json_flag: bool = True) -> None:

@@ -233,7 +233,9 @@ def describe(ev: dict[str, Any]) -> str:
         return f"in-training guard at step {g('step')}: {g('reason')}"
     if t == "progress":
         tps = g("tokens_per_s")
-        return f"step {g('step')}: loss {_num(g('loss'))}" + (f", {tps:.0f} tok/s" if isinstance(tps, int | float) else "")
+        return f"step {g('step')}: loss {_num(g('loss'))}" + (
+            f", {tps:.0f} tok/s" if isinstance(tps, int | float) else ""
+        )
     if t == "checkpoint":
         return f"checkpoint {g('step')} " + ("committed" if g("committed") else "being saved")
     if t == "checkpoint_corrupt":

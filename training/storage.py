@@ -326,7 +326,7 @@ class GCSStore:
 
 def gcs_client() -> object:
     """A storage client; anonymous against an emulator (``STORAGE_EMULATOR_HOST``)."""
-    from google.cloud import storage
+    from google.cloud import storage  # type: ignore[attr-defined,unused-ignore]
 
     if os.environ.get("STORAGE_EMULATOR_HOST"):
         from google.auth.credentials import AnonymousCredentials

@@ -51,7 +51,7 @@ class Trainer:
         # Shapes and logical axes come from an abstract init (no FLOPs, no memory).
         boxed = jax.eval_shape(self._init_boxed, jax.random.key(0))
         specs = nn.get_partition_spec(boxed)
-        self.shardings = nn.logical_to_mesh_sharding(specs, mesh, LOGICAL_RULES)  # type: ignore[attr-defined]
+        self.shardings = nn.logical_to_mesh_sharding(specs, mesh, LOGICAL_RULES)
         self.abstract = jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), nn.unbox(boxed), self.shardings
         )

@@ -29,20 +29,22 @@ def configure() -> Path:
         raise RuntimeError("airflow was imported before the test Airflow home was configured")
     home = Path(tempfile.mkdtemp(prefix="rtrain-airflow-"))
     atexit.register(shutil.rmtree, home, ignore_errors=True)
-    os.environ.update({
-        MARK: str(home),
-        "AIRFLOW_HOME": str(home),
-        "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
-        "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__PARALLELISM": "4",
-        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
-        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
-        "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
-        # A failed training task is retried (the job relaunched) after 1 s, not 30.
-        "RTRAIN_RETRY_DELAY_S": "1",
-        "RTRAIN_ALERTS_FILE": str(home / "alerts.jsonl"),
-    })
+    os.environ.update(
+        {
+            MARK: str(home),
+            "AIRFLOW_HOME": str(home),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
+            "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__PARALLELISM": "4",
+            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
+            "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
+            # A failed training task is retried (the job relaunched) after 1 s, not 30.
+            "RTRAIN_RETRY_DELAY_S": "1",
+            "RTRAIN_ALERTS_FILE": str(home / "alerts.jsonl"),
+        }
+    )
     if str(REPO / "plugins") not in sys.path:
         sys.path.insert(0, str(REPO / "plugins"))
     return home
@@ -92,8 +94,16 @@ def xcom(dr: Any, task_id: str, key: str = "return_value") -> Any:
     from airflow.utils.session import create_session
 
     with create_session() as s:
-        row = s.query(XComModel).filter(XComModel.dag_id == dr.dag_id, XComModel.run_id == dr.run_id,
-                                        XComModel.task_id == task_id, XComModel.key == key).one_or_none()
+        row = (
+            s.query(XComModel)
+            .filter(
+                XComModel.dag_id == dr.dag_id,
+                XComModel.run_id == dr.run_id,
+                XComModel.task_id == task_id,
+                XComModel.key == key,
+            )
+            .one_or_none()
+        )
         if row is None:
             return None
         return XComModel.deserialize_value(row)

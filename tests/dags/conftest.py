@@ -39,8 +39,13 @@ def run_conf(shared: dict[str, str], tmp_path: Path) -> Any:
     """Build a DAG run conf for a tiny local run under this test's tmp dir."""
 
     def make(run_name: str, **params: Any) -> dict[str, Any]:
-        overrides = {"compilation_cache": shared["cache"], "log_every": 5, "hang_timeout_s": 120,
-                     "capacity_timeout_s": 30, **params.pop("overrides", {})}
+        overrides = {
+            "compilation_cache": shared["cache"],
+            "log_every": 5,
+            "hang_timeout_s": 120,
+            "capacity_timeout_s": 30,
+            **params.pop("overrides", {}),
+        }
         conf = {
             "run_name": run_name,
             "preset": "tiny",

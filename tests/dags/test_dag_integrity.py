@@ -57,9 +57,19 @@ def test_setup_body_teardown_shape(dagbag: Any) -> None:
             assert task.is_teardown and task.trigger_rule == TriggerRule.ALL_DONE, tid
         assert dag.get_task("prune").trigger_rule == TriggerRule.NONE_FAILED_MIN_ONE_SUCCESS
         order = [t.task_id for t in dag.topological_sort()]
-        chain = ["resolve_config", "prepare_dataset", "provision_capacity", "training.plan_topology",
-                 "training.launch_job", "training.watch_job", "validate", "promote_or_rollback", "prune", "report",
-                 "release_capacity"]
+        chain = [
+            "resolve_config",
+            "prepare_dataset",
+            "provision_capacity",
+            "training.plan_topology",
+            "training.launch_job",
+            "training.watch_job",
+            "validate",
+            "promote_or_rollback",
+            "prune",
+            "report",
+            "release_capacity",
+        ]
         assert [t for t in order if t in chain] == chain
         assert set(dag.get_task("promote_or_rollback").downstream_task_ids) == {"promote", "rollback_and_resume"}
 
@@ -123,8 +133,14 @@ def test_params_refuse_bad_values(dagbag: Any, name: str, value: Any) -> None:
 
 
 def test_params_accept_the_documented_values(dagbag: Any) -> None:
-    good = {"run_name": "exp-1.v2_a", "steps": 60, "resume_from": "40", "max_workers": 4,
-            "chaos": ["preempt:worker=1,step=40", "capacity:to=4,step=80"], "overrides": {"learning_rate": 0.001}}
+    good = {
+        "run_name": "exp-1.v2_a",
+        "steps": 60,
+        "resume_from": "40",
+        "max_workers": 4,
+        "chaos": ["preempt:worker=1,step=40", "capacity:to=4,step=80"],
+        "overrides": {"learning_rate": 0.001},
+    }
     params = server_params(dagbag.dags["resilient_training"])
     params.deep_merge(good).validate()
     params.deep_merge({"resume_from": "none"}).validate()
@@ -145,8 +161,14 @@ print(json.dumps({"errors": {str(k): v for k, v in bag.import_errors.items()}, "
 
 def test_parsing_imports_no_heavy_ml_module_and_is_fast() -> None:
     """In a fresh interpreter: parse the dags folder, then look at sys.modules."""
-    out = subprocess.run([sys.executable, "-c", PARSE, str(REPO / "dags"), ",".join(HEAVY)], capture_output=True,
-                         text=True, timeout=120, env=os.environ.copy(), check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", PARSE, str(REPO / "dags"), ",".join(HEAVY)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ.copy(),
+        check=True,
+    )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["errors"] == {}
     assert result["heavy"] == [], f"parsing imported {result['heavy']}"

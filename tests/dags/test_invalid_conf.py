@@ -25,8 +25,10 @@ def test_cross_field_invalid_conf_stops_at_the_first_task(dagbag: Any, tmp_path:
     assert states["resolve_config"] == ("failed", 1)  # no retry: a config cannot fix itself
     ran = {t for t, (state, _) in states.items() if state == "success"}
     assert ran == {"report", "release_capacity"}  # the teardowns, which find nothing to do
-    assert all(states[t][0] == "upstream_failed" for t in ("prepare_dataset", "provision_capacity",
-                                                            "training.launch_job", "training.watch_job", "prune"))
+    assert all(
+        states[t][0] == "upstream_failed"
+        for t in ("prepare_dataset", "provision_capacity", "training.launch_job", "training.watch_job", "prune")
+    )
     assert not (tmp_path / "bad").exists()  # nothing was written
     [alert] = [a for a in alerts() if a["run_id"] == dr.run_id]
     assert alert["kind"] == "failure" and alert["task_id"] == "resolve_config"

@@ -14,14 +14,22 @@ from training.storage import open_store
 pytestmark = pytest.mark.slow
 
 
-def test_worker_killed_then_regression_rolls_back_and_resumes(dagbag: Any, run_conf: Any, stop_agents: list[str]) -> None:
+def test_worker_killed_then_regression_rolls_back_and_resumes(
+    dagbag: Any, run_conf: Any, stop_agents: list[str]
+) -> None:
     """A worker is SIGKILLed at step 13 (the agent recovers inside the job, from step 10), then a
     learning-rate spike from step 21 makes checkpoints 30 and 40 worse than step 20: validation
     rejects them, the rollback branch rolls back to 20 (quarantining 30 and 40), trains 20 -> 40
     again, validates, promotes 40; prune applies keep_last=2 / keep_best=1."""
     dag = dagbag.dags["resilient_training"]
     conf = run_conf(
-        "e2e", steps=40, checkpoint_every=10, max_workers=2, keep_last=2, keep_best=1, max_rollbacks=1,
+        "e2e",
+        steps=40,
+        checkpoint_every=10,
+        max_workers=2,
+        keep_last=2,
+        keep_best=1,
+        max_rollbacks=1,
         val_tolerance=0.02,
         chaos=["crash:worker=1,step=13", "lr_spike:step=21,factor=100"],
         # Synchronous saves make "checkpoint 10 is committed before step 13" certain; the in-job spike

@@ -43,8 +43,11 @@ def test_sensor_retry_relaunches_from_the_newest_committed_checkpoint(
 
     def operator_at_the_console() -> None:
         try:
-            st = wait_for(lambda: (status(run_uri) or {}).get("state") == "waiting_for_capacity" and status(run_uri),
-                          240, what="the job waiting for capacity")
+            st = wait_for(
+                lambda: (status(run_uri) or {}).get("state") == "waiting_for_capacity" and status(run_uri),
+                240,
+                what="the job waiting for capacity",
+            )
             # One job per run: a second job is refused by the lock (naming the holder), a relaunch re-attaches.
             from rtrain_airflow.hooks.training import LocalSliceBackend
 
@@ -83,8 +86,10 @@ def test_sensor_retry_relaunches_from_the_newest_committed_checkpoint(
     assert status(run_uri)["state"] == "finished" and status(run_uri)["step"] == 20
     kinds = [(a["kind"], a["task_id"]) for a in alerts() if a["run_id"] == dr.run_id]
     assert ("retry", "training.watch_job") in kinds and not [k for k in kinds if k[0] == "failure"]
-    print(f"\nrelaunch by the sensor's retry: capacity back -> training again in "
-          f"{next(e for e in events(run_uri, 'resumed') if e['time'] > failed['time'])['time'] - seen['capacity_back_at']:.1f}s")
+    print(
+        f"\nrelaunch by the sensor's retry: capacity back -> training again in "
+        f"{next(e for e in events(run_uri, 'resumed') if e['time'] > failed['time'])['time'] - seen['capacity_back_at']:.1f}s"
+    )
 
 
 def fail_a_run(dag: Any, conf: dict[str, Any]) -> Any:
@@ -113,8 +118,15 @@ def test_failed_run_then_trigger_with_resume_from_and_overrides(
     t_rerun = events(run_uri, "failed")[-1]["time"]
 
     # The documented parameterised rerun: same run_name, resume_from=latest, overrides (more steps, no chaos).
-    rerun = run_conf("rerun", resume_from="latest", chaos=[], steps=30, min_workers=1, max_workers=2,
-                     overrides={"async_checkpoint": False})
+    rerun = run_conf(
+        "rerun",
+        resume_from="latest",
+        chaos=[],
+        steps=30,
+        min_workers=1,
+        max_workers=2,
+        overrides={"async_checkpoint": False},
+    )
     dr = dag.test(run_conf=rerun, logical_date=None)
     assert dr.state == "success", task_states(dr)
     assert first_restore_after(run_uri, t_rerun)["step"] == 10  # the newest committed, not scratch
@@ -133,8 +145,9 @@ def test_failed_run_then_clear_the_training_group(dagbag: Any, run_conf: Any, st
 
     # What "Clear" on the training group does in the UI (downstream included): the group, everything
     # after it, and the setup/teardown that belong to it; not resolve_config or prepare_dataset.
-    cleared = clear_tasks(dag.dag_id, dr.run_id, ["training.plan_topology", "training.launch_job",
-                                                  "training.watch_job"])
+    cleared = clear_tasks(
+        dag.dag_id, dr.run_id, ["training.plan_topology", "training.launch_job", "training.watch_job"]
+    )
     assert {"training.launch_job", "training.watch_job", "validate", "prune", "release_capacity"} <= set(cleared)
     assert "resolve_config" not in cleared and "prepare_dataset" not in cleared
     dr = drive(dag, dr.run_id)

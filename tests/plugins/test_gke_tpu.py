@@ -99,19 +99,29 @@ class FakeClusterManager:
         self.refuse_create: Exception | None = None  # raised by the create call itself; nothing is made
         self._ids = itertools.count(1)
 
-    def _start(self, type_: container_v1.Operation.Type, path: str, effect: Any, error: str | None = None) -> container_v1.Operation:
+    def _start(
+        self, type_: container_v1.Operation.Type, path: str, effect: Any, error: str | None = None
+    ) -> container_v1.Operation:
         project, location = path.split("/")[1], path.split("/")[3]
         name = f"operation-{next(self._ids)}"
-        self.ops[name] = {"project": project, "location": location, "type": type_, "target": path,
-                          "effect": effect, "error": error, "polls": 0}
-        return container_v1.Operation(name=name, operation_type=type_, status=Status.PENDING, target_link=path,
-                                      location=location)
+        self.ops[name] = {
+            "project": project,
+            "location": location,
+            "type": type_,
+            "target": path,
+            "effect": effect,
+            "error": error,
+            "polls": 0,
+        }
+        return container_v1.Operation(
+            name=name, operation_type=type_, status=Status.PENDING, target_link=path, location=location
+        )
 
     def _pool(self, name: str) -> container_v1.NodePool:
         if not self.POOL_RE.match(name):
             raise ValueError(f"bad node pool name {name}")
         if name not in self.pools:
-            raise NotFound(f"Node pool \"{name}\" not found.")
+            raise NotFound(f'Node pool "{name}" not found.')
         return self.pools[name]
 
     def create_node_pool(self, request: container_v1.CreateNodePoolRequest) -> container_v1.Operation:
@@ -156,8 +166,9 @@ class FakeClusterManager:
         self.calls.append("delete")
         pool = self._pool(request.name)
         pool.status = PoolStatus.STOPPING
-        return self._start(container_v1.Operation.Type.DELETE_NODE_POOL, request.name,
-                           lambda: self.pools.pop(request.name))
+        return self._start(
+            container_v1.Operation.Type.DELETE_NODE_POOL, request.name, lambda: self.pools.pop(request.name)
+        )
 
     def get_operation(self, name: str) -> container_v1.Operation:
         m = self.OP_RE.match(name)
@@ -170,8 +181,12 @@ class FakeClusterManager:
         if done and op["effect"] is not None:
             op["effect"]()
             op["effect"] = None
-        out = container_v1.Operation(name=m.group(3), operation_type=op["type"], target_link=op["target"],
-                                     status=Status.DONE if done else Status.RUNNING)
+        out = container_v1.Operation(
+            name=m.group(3),
+            operation_type=op["type"],
+            target_link=op["target"],
+            status=Status.DONE if done else Status.RUNNING,
+        )
         if done and op["error"]:
             out.error = {"code": 8, "message": op["error"]}  # RESOURCE_EXHAUSTED
         return out
@@ -192,7 +207,9 @@ class FakeAsyncHook:
         if self.fail_times:
             self.fail_times -= 1
             raise ConnectionResetError("connection reset by peer")
-        return self.fake.get_operation(name=f"projects/{project_id}/locations/{self.location}/operations/{operation_name}")
+        return self.fake.get_operation(
+            name=f"projects/{project_id}/locations/{self.location}/operations/{operation_name}"
+        )
 
 
 @pytest.fixture
@@ -271,7 +288,9 @@ def test_create_request_for_each_tpu_shape(
     assert pool.placement_policy.tpu_topology == placement_topology
     assert not pool.config.spot
     assert pool.config.workload_metadata_config.mode == container_v1.WorkloadMetadataConfig.Mode.GKE_METADATA
-    assert pool.config.reservation_affinity.consume_reservation_type == container_v1.ReservationAffinity.Type.UNSPECIFIED
+    assert (
+        pool.config.reservation_affinity.consume_reservation_type == container_v1.ReservationAffinity.Type.UNSPECIFIED
+    )
     # What goes on the wire (the REST/JSON form of the same message).
     wire = json.loads(container_v1.CreateNodePoolRequest.to_json(req))
     assert wire["nodePool"]["config"]["machineType"] == machine_type
@@ -299,15 +318,21 @@ def test_create_request_for_spot_networks_zones_and_placement(hook: GKETPUHook) 
     assert pool.placement_policy.type_ == container_v1.NodePool.PlacementPolicy.Type.COMPACT
     assert pool.placement_policy.policy_name == "tpu-v6e-8x8-policy"
     assert [(n.network, n.subnetwork) for n in pool.network_config.additional_node_network_configs] == [
-        ("rdma-net", "rdma-subnet"), ("data-net", "data-subnet")]
+        ("rdma-net", "rdma-subnet"),
+        ("data-net", "data-subnet"),
+    ]
     assert list(pool.locations) == ["us-east5-b"]
     assert pool.config.service_account == "tpu-nodes@rtrain-prod.iam.gserviceaccount.com"
     assert dict(pool.config.labels) == {"team": "lm"}
 
 
 def test_create_request_for_a_reservation(hook: GKETPUHook) -> None:
-    spec = TPUNodePoolSpec(name="slice-r", machine_type="ct5p-hightpu-4t", tpu_topology="2x2x2",
-                           reservation="projects/shared-capacity/reservations/v5p-res")
+    spec = TPUNodePoolSpec(
+        name="slice-r",
+        machine_type="ct5p-hightpu-4t",
+        tpu_topology="2x2x2",
+        reservation="projects/shared-capacity/reservations/v5p-res",
+    )
     affinity = hook.create_request(spec, project_id=PROJECT, cluster_name=CLUSTER).node_pool.config.reservation_affinity
     assert affinity.consume_reservation_type == container_v1.ReservationAffinity.Type.SPECIFIC_RESERVATION
     assert affinity.key == "compute.googleapis.com/reservation-name"
@@ -368,8 +393,15 @@ def test_operators_refuse_bad_inputs_when_the_dag_is_parsed(hook: GKETPUHook) ->
 def test_create_waits_for_the_operation_and_returns_the_pool(hook: GKETPUHook, fake: FakeClusterManager) -> None:
     result = create_op(hook).execute(context={})
     assert result == {
-        "node_pool": "slice-0", "cluster": CLUSTER, "machine_type": "ct6e-standard-4t", "tpu_topology": "4x4",
-        "hosts_per_slice": 4, "chips_per_host": 4, "node_count": 4, "spot": False, "created": True,
+        "node_pool": "slice-0",
+        "cluster": CLUSTER,
+        "machine_type": "ct6e-standard-4t",
+        "tpu_topology": "4x4",
+        "hosts_per_slice": 4,
+        "chips_per_host": 4,
+        "node_count": 4,
+        "spot": False,
+        "created": True,
     }
     pool = fake.pool("slice-0")
     assert pool is not None and pool.status == PoolStatus.RUNNING and pool.initial_node_count == 4
@@ -430,7 +462,9 @@ def test_delete_removes_the_pool_and_a_missing_pool_is_fine(hook: GKETPUHook, fa
     assert delete_op(hook).execute(context={}) == {"node_pool": "slice-0", "deleted": False}  # NotFound absorbed
 
 
-def test_resize_sets_the_node_count_all_or_nothing_for_a_multi_host_slice(hook: GKETPUHook, fake: FakeClusterManager) -> None:
+def test_resize_sets_the_node_count_all_or_nothing_for_a_multi_host_slice(
+    hook: GKETPUHook, fake: FakeClusterManager
+) -> None:
     create_op(hook).execute(context={})
     resize = GKEResizeTPUNodePoolOperator(**pool_kwargs(node_count=0))
     resize.hook = hook
@@ -462,8 +496,9 @@ def test_delete_is_requested_whatever_happened_upstream(hook: GKETPUHook) -> Non
     # Not ALL_DONE_SETUP_SUCCESS: that would skip the delete exactly when the create failed.
     assert delete.trigger_rule == TriggerRule.ALL_DONE
     with DAG("gke_teardown_mapped", schedule=None, start_date=datetime(2025, 1, 1)):
-        mapped = GKEDeleteTPUNodePoolOperator.partial(**{k: v for k, v in pool_kwargs(task_id="rm").items()
-                                                          if k != "node_pool_name"}).expand(node_pool_name=["a", "b"])
+        mapped = GKEDeleteTPUNodePoolOperator.partial(
+            **{k: v for k, v in pool_kwargs(task_id="rm").items() if k != "node_pool_name"}
+        ).expand(node_pool_name=["a", "b"])
     assert mapped.trigger_rule == TriggerRule.ALL_DONE
 
 
@@ -509,12 +544,18 @@ def test_trigger_serialize_round_trips_exactly() -> None:
 
 
 def test_trigger_reports_success_once_the_operation_is_done(fake: FakeClusterManager) -> None:
-    op = fake.create_node_pool(request=container_v1.CreateNodePoolRequest(
-        parent=f"projects/{PROJECT}/locations/{LOCATION}/clusters/{CLUSTER}",
-        node_pool=TPUNodePoolSpec(name="slice-0", machine_type="ct6e-standard-4t", tpu_topology="4x4").to_node_pool(),
-    ))
+    op = fake.create_node_pool(
+        request=container_v1.CreateNodePoolRequest(
+            parent=f"projects/{PROJECT}/locations/{LOCATION}/clusters/{CLUSTER}",
+            node_pool=TPUNodePoolSpec(
+                name="slice-0", machine_type="ct6e-standard-4t", tpu_topology="4x4"
+            ).to_node_pool(),
+        )
+    )
     fake.polls = 3
-    trigger = GKETPUNodePoolOperationTrigger(operation_name=op.name, project_id=PROJECT, location=LOCATION, poll_interval=0)
+    trigger = GKETPUNodePoolOperationTrigger(
+        operation_name=op.name, project_id=PROJECT, location=LOCATION, poll_interval=0
+    )
     trigger._hook = FakeAsyncHook(fake, fail_times=1)  # one transient poll failure is absorbed
     (event,) = collect(trigger)
     assert event["status"] == "success" and event["operation_name"] == op.name
@@ -524,19 +565,26 @@ def test_trigger_reports_success_once_the_operation_is_done(fake: FakeClusterMan
 
 def test_trigger_reports_a_done_operation_with_an_error_as_failed(fake: FakeClusterManager) -> None:
     fake.create_fails_with = "stockout in us-east5-b"
-    op = fake.create_node_pool(request=container_v1.CreateNodePoolRequest(
-        parent=f"projects/{PROJECT}/locations/{LOCATION}/clusters/{CLUSTER}",
-        node_pool=TPUNodePoolSpec(name="slice-0", machine_type="ct6e-standard-4t", tpu_topology="4x4").to_node_pool(),
-    ))
-    trigger = GKETPUNodePoolOperationTrigger(operation_name=op.name, project_id=PROJECT, location=LOCATION, poll_interval=0)
+    op = fake.create_node_pool(
+        request=container_v1.CreateNodePoolRequest(
+            parent=f"projects/{PROJECT}/locations/{LOCATION}/clusters/{CLUSTER}",
+            node_pool=TPUNodePoolSpec(
+                name="slice-0", machine_type="ct6e-standard-4t", tpu_topology="4x4"
+            ).to_node_pool(),
+        )
+    )
+    trigger = GKETPUNodePoolOperationTrigger(
+        operation_name=op.name, project_id=PROJECT, location=LOCATION, poll_interval=0
+    )
     trigger._hook = FakeAsyncHook(fake)
     (event,) = collect(trigger)
     assert event["status"] == "failed" and "stockout in us-east5-b" in event["message"]
 
 
 def test_trigger_gives_up_after_repeated_poll_errors(fake: FakeClusterManager) -> None:
-    trigger = GKETPUNodePoolOperationTrigger(operation_name="operation-9", project_id=PROJECT, location=LOCATION,
-                                             poll_interval=0, max_poll_errors=2)
+    trigger = GKETPUNodePoolOperationTrigger(
+        operation_name="operation-9", project_id=PROJECT, location=LOCATION, poll_interval=0, max_poll_errors=2
+    )
     trigger._hook = FakeAsyncHook(fake, fail_times=5)
     (event,) = collect(trigger)
     assert event["status"] == "error" and "connection reset" in event["message"]
@@ -579,7 +627,9 @@ def test_deferrable_recreate_of_a_failed_pool_chains_two_deferrals(hook: GKETPUH
     assert fake.pool("slice-0").status == PoolStatus.RUNNING
 
 
-def test_deferrable_delete_defers_only_when_there_is_something_to_delete(hook: GKETPUHook, fake: FakeClusterManager) -> None:
+def test_deferrable_delete_defers_only_when_there_is_something_to_delete(
+    hook: GKETPUHook, fake: FakeClusterManager
+) -> None:
     assert delete_op(hook, deferrable=True).execute(context={})["deleted"] is False
     create_op(hook).execute(context={})
     with pytest.raises(TaskDeferred) as deferred:
@@ -607,10 +657,13 @@ class FakeKubernetes:
         self.requests.append((method, path))
         if path == "/api/v1/nodes" and method == "GET":
             wanted = dict(kv.split("=", 1) for kv in query.get("labelSelector", [""])[0].split(",") if kv)
-            items = [n for n in self.nodes if all(n["metadata"].get("labels", {}).get(k) == v for k, v in wanted.items())]
+            items = [
+                n for n in self.nodes if all(n["metadata"].get("labels", {}).get(k) == v for k, v in wanted.items())
+            ]
             return 200, {"apiVersion": "v1", "kind": "NodeList", "metadata": {}, "items": items}
         m = re.fullmatch(r"/api/v1/namespaces/([^/]+)/services(?:/([^/]+))?", path) or re.fullmatch(
-            r"/apis/jobset\.x-k8s\.io/v1alpha2/namespaces/([^/]+)/jobsets(?:/([^/]+))?", path)
+            r"/apis/jobset\.x-k8s\.io/v1alpha2/namespaces/([^/]+)/jobsets(?:/([^/]+))?", path
+        )
         if not m:
             return 404, status(404, "NotFound", path)
         kind = "Service" if "/services" in path else "JobSet"
@@ -637,7 +690,14 @@ class FakeKubernetes:
 
 
 def status(code: int, reason: str, message: str) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Status", "status": "Failure", "reason": reason, "message": message, "code": code}
+    return {
+        "apiVersion": "v1",
+        "kind": "Status",
+        "status": "Failure",
+        "reason": reason,
+        "message": message,
+        "code": code,
+    }
 
 
 @pytest.fixture
@@ -683,8 +743,9 @@ def jobset_hook(url: str) -> JobSetHook:
         "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "airflow"}}],
         "current-context": "fake",
     }
-    kube = KubernetesHook(conn_id=None, kubernetes_conn_id=None, config_dict=kubeconfig,
-                          client_configuration=Configuration())
+    kube = KubernetesHook(
+        conn_id=None, kubernetes_conn_id=None, config_dict=kubeconfig, client_configuration=Configuration()
+    )
     return JobSetHook(kube)
 
 
@@ -692,19 +753,28 @@ def tpu_node(name: str, pool: str, ready: bool = True, topology: str = "4x4") ->
     return {
         "apiVersion": "v1",
         "kind": "Node",
-        "metadata": {"name": name, "labels": {
-            "cloud.google.com/gke-nodepool": pool,
-            "cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice",
-            "cloud.google.com/gke-tpu-topology": topology,
-        }},
+        "metadata": {
+            "name": name,
+            "labels": {
+                "cloud.google.com/gke-nodepool": pool,
+                "cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice",
+                "cloud.google.com/gke-tpu-topology": topology,
+            },
+        },
         "spec": {},
         "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
     }
 
 
 CONFIG = {
-    "preset": "tiny", "backend": "gke", "root": "gs://rtrain-prod/runs", "run_name": "llama-8b",
-    "devices_per_worker": 4, "min_workers": 4, "max_workers": 16, "global_batch": 64,
+    "preset": "tiny",
+    "backend": "gke",
+    "root": "gs://rtrain-prod/runs",
+    "run_name": "llama-8b",
+    "devices_per_worker": 4,
+    "min_workers": 4,
+    "max_workers": 16,
+    "global_batch": 64,
 }
 
 
@@ -721,12 +791,21 @@ def gs_config(gcs_emulator: str) -> dict[str, Any]:
 
 
 def start_op(url: str, config: dict[str, Any] | None = None, **overrides: Any) -> GKEStartTPUJobSetOperator:
-    op = GKEStartTPUJobSetOperator(**{
-        "task_id": "launch", "location": LOCATION, "cluster_name": CLUSTER, "project_id": PROJECT,
-        "gcp_conn_id": CONN_ID, "namespace": "training", "config": config or CONFIG,
-        "machine_type": "ct6e-standard-4t", "tpu_topology": "4x4", "image": "us-docker.pkg.dev/p/rtrain/train:1",
-        **overrides,
-    })
+    op = GKEStartTPUJobSetOperator(
+        **{
+            "task_id": "launch",
+            "location": LOCATION,
+            "cluster_name": CLUSTER,
+            "project_id": PROJECT,
+            "gcp_conn_id": CONN_ID,
+            "namespace": "training",
+            "config": config or CONFIG,
+            "machine_type": "ct6e-standard-4t",
+            "tpu_topology": "4x4",
+            "image": "us-docker.pkg.dev/p/rtrain/train:1",
+            **overrides,
+        }
+    )
     op.jobset_hook = jobset_hook(url)
     return op
 
@@ -752,11 +831,18 @@ def test_start_takes_the_run_writes_its_config_and_creates_a_jobset_of_agents(
     assert {"name": "RTRAIN_JOB", "value": result["job"]} in container["env"]
     service = api.objects[("Service", "training", result["jobset"])]
     # The Service belongs to the JobSet: deleting the JobSet (anyone's delete) takes it along.
-    assert service["metadata"]["ownerReferences"] == [{
-        "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "name": result["jobset"],
-        "uid": jobset["metadata"]["uid"], "blockOwnerDeletion": True}]
-    kubernetes_validate.validate({k: v for k, v in service.items() if k != "deleteOptions"},
-                                 kubernetes_validate.latest_version(), strict=True)
+    assert service["metadata"]["ownerReferences"] == [
+        {
+            "apiVersion": "jobset.x-k8s.io/v1alpha2",
+            "kind": "JobSet",
+            "name": result["jobset"],
+            "uid": jobset["metadata"]["uid"],
+            "blockOwnerDeletion": True,
+        }
+    ]
+    kubernetes_validate.validate(
+        {k: v for k, v in service.items() if k != "deleteOptions"}, kubernetes_validate.latest_version(), strict=True
+    )
     # The run is the job's: its config (hosts_per_slice from the TPU shape), a pending status, the lock handed over.
     written = engine.load_run_config(run_uri)
     assert (written.hosts_per_slice, written.backend) == (4, "gke")
@@ -800,8 +886,14 @@ def test_jobset_state_and_delete(k8s: tuple[FakeKubernetes, str]) -> None:
     api.objects[("JobSet", "training", m.name)]["status"] = {"terminalState": "Failed", "restarts": 0}
     assert hook.state(m.name, "training") == "failed"
 
-    delete = GKEDeleteTPUJobSetOperator(task_id="rm", location=LOCATION, cluster_name=CLUSTER, gcp_conn_id=CONN_ID,
-                                        namespace="training", jobset_name=m.name)
+    delete = GKEDeleteTPUJobSetOperator(
+        task_id="rm",
+        location=LOCATION,
+        cluster_name=CLUSTER,
+        gcp_conn_id=CONN_ID,
+        namespace="training",
+        jobset_name=m.name,
+    )
     assert delete.trigger_rule == TriggerRule.ALL_DONE
     delete.jobset_hook = hook
     assert delete.execute(context={})["deleted"] is True
@@ -852,7 +944,6 @@ def test_the_docs_dag_refuses_a_config_that_cannot_run_when_parsed() -> None:
         exec(compile(source, "docs/gke.md", "exec"), {})  # noqa: S102
 
 
-
 def _shipped_dag_params() -> dict[str, Any]:
     """The trigger form (Params) of the shipped DAG ``resilient_training``, from dags/resilient_training.py."""
     import importlib.util
@@ -879,7 +970,11 @@ def test_the_gke_conf_in_docs_gke_md_triggers_the_shipped_dag() -> None:
     params.update(conf)
     values = params.validate()  # what the REST API and the CLI check before they create the DAG run
     spec = RTrainResolveRunConfigOperator(task_id="resolve_config").execute({"params": values})
-    assert spec["backend"] == "gke" and spec["run_uri"].startswith("gs://") and spec["config"]["dataset"].startswith("gs://")
+    assert (
+        spec["backend"] == "gke"
+        and spec["run_uri"].startswith("gs://")
+        and spec["config"]["dataset"].startswith("gs://")
+    )
     gke = spec["gke"]
     cfg, tpu = config_from_dict(spec["config"]), TPUSlice(gke["machine_type"], gke["tpu_topology"])
     check_config(cfg, tpu)
@@ -887,7 +982,7 @@ def test_the_gke_conf_in_docs_gke_md_triggers_the_shipped_dag() -> None:
     assert len(gke["node_pools"]) == slice_bounds(cfg, tpu)[1]  # one pool per slice the job may use
     check_fit(cfg)
     # The REST call and the CLI both send this file.
-    assert '/api/v2/dags/resilient_training/dagRuns' in text and '"conf\\": $(cat conf.json)' in text
+    assert "/api/v2/dags/resilient_training/dagRuns" in text and '"conf\\": $(cat conf.json)' in text
     assert 'airflow dags trigger resilient_training --conf "$(cat conf.json)"' in text
 
 
@@ -918,7 +1013,12 @@ def test_plugins_import_no_ml_framework() -> None:
 # --- the production-like Airflow: docker/ ------------------------------------------------------------------
 
 COMPOSE = REPO / "docker" / "compose.yaml"
-COMPOSE_ENV = {"POSTGRES_PASSWORD": "pw", "AIRFLOW_JWT_SECRET": "jwt", "AIRFLOW_FERNET_KEY": "fernet", "GCP_PROJECT": PROJECT}
+COMPOSE_ENV = {
+    "POSTGRES_PASSWORD": "pw",
+    "AIRFLOW_JWT_SECRET": "jwt",
+    "AIRFLOW_FERNET_KEY": "fernet",
+    "GCP_PROJECT": PROJECT,
+}
 
 
 def test_compose_file_runs_airflow_3_components_on_postgres_with_local_executor() -> None:
@@ -939,7 +1039,10 @@ def test_compose_file_runs_airflow_3_components_on_postgres_with_local_executor(
         assert env["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"] == "http://airflow-apiserver:8080/execution/"
         assert s["depends_on"]["postgres"]["condition"] == "service_healthy", name
         assert s["build"]["dockerfile"] == "docker/Dockerfile.airflow"
-        assert json.loads(re.sub(r"\$\{[^}]*\}", "", env["AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT"]))["conn_type"] == "google_cloud_platform"
+        assert (
+            json.loads(re.sub(r"\$\{[^}]*\}", "", env["AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT"]))["conn_type"]
+            == "google_cloud_platform"
+        )
         if name != "airflow-init":
             assert s["depends_on"]["airflow-init"]["condition"] == "service_completed_successfully", name
             assert "healthcheck" in s, name
@@ -987,8 +1090,11 @@ def test_compose_shares_the_project_var_volume_and_names_the_training_image_once
     # container, and no image reference for the pods anywhere else in the file.
     text = COMPOSE.read_text()
     assert len(re.findall(r"^\s+RTRAIN_TRAIN_IMAGE:", text, re.M)) == 1
-    assert all(s["environment"]["RTRAIN_TRAIN_IMAGE"] == "${RTRAIN_TRAIN_IMAGE:-}"
-               for n, s in services.items() if n.startswith("airflow-"))
+    assert all(
+        s["environment"]["RTRAIN_TRAIN_IMAGE"] == "${RTRAIN_TRAIN_IMAGE:-}"
+        for n, s in services.items()
+        if n.startswith("airflow-")
+    )
 
     def strings(node: Any) -> Iterator[str]:
         if isinstance(node, dict):
@@ -1010,11 +1116,28 @@ def test_resolve_takes_the_training_image_from_the_environment_unless_the_conf_n
     from airflow.sdk.exceptions import AirflowFailException
     from rtrain_airflow.operators.training import RTrainResolveRunConfigOperator
 
-    gke = {"project_id": PROJECT, "location": LOCATION, "cluster_name": CLUSTER, "machine_type": "ct5p-hightpu-4t",
-           "tpu_topology": "2x2x4", "node_pools": ["p0", "p1"], "namespace": "training"}
-    params = {"run_name": "img", "preset": "tiny", "storage_root": "gs://rtrain-prod-runs/runs",
-              "dataset": "gs://rtrain-prod-runs/data/stdlib", "backend": "gke", "gke": gke,
-              "min_workers": 4, "max_workers": 8, "devices_per_worker": 4, "chaos": [], "overrides": {}}
+    gke = {
+        "project_id": PROJECT,
+        "location": LOCATION,
+        "cluster_name": CLUSTER,
+        "machine_type": "ct5p-hightpu-4t",
+        "tpu_topology": "2x2x4",
+        "node_pools": ["p0", "p1"],
+        "namespace": "training",
+    }
+    params = {
+        "run_name": "img",
+        "preset": "tiny",
+        "storage_root": "gs://rtrain-prod-runs/runs",
+        "dataset": "gs://rtrain-prod-runs/data/stdlib",
+        "backend": "gke",
+        "gke": gke,
+        "min_workers": 4,
+        "max_workers": 8,
+        "devices_per_worker": 4,
+        "chaos": [],
+        "overrides": {},
+    }
     op = RTrainResolveRunConfigOperator(task_id="resolve_config")
     monkeypatch.delenv("RTRAIN_TRAIN_IMAGE", raising=False)
     with pytest.raises(AirflowFailException, match="gke.image"):
@@ -1028,8 +1151,18 @@ def test_resolve_takes_the_training_image_from_the_environment_unless_the_conf_n
     assert spec["config"]["hosts_per_slice"] == 4
     named = op.execute({"params": {**params, "gke": {**gke, "image": "conf/train:1"}}})
     assert named["gke"]["image"] == "conf/train:1"  # the conf wins
-    local = op.execute({"params": {**params, "backend": "local", "storage_root": "var/runs", "dataset": None,
-                                   "devices_per_worker": None, "gke": {}}})
+    local = op.execute(
+        {
+            "params": {
+                **params,
+                "backend": "local",
+                "storage_root": "var/runs",
+                "dataset": None,
+                "devices_per_worker": None,
+                "gke": {},
+            }
+        }
+    )
     assert local["gke"] == {}  # only a gke run takes it
 
 
@@ -1046,8 +1179,9 @@ def _compose_cli() -> list[str] | None:
     return None
 
 
-@pytest.mark.skipif(_compose_cli() is None,
-                    reason="neither `docker compose` (the v2 plugin) nor `docker-compose` (v1) is installed")
+@pytest.mark.skipif(
+    _compose_cli() is None, reason="neither `docker compose` (the v2 plugin) nor `docker-compose` (v1) is installed"
+)
 def test_docker_compose_validates_the_file_offline() -> None:
     cli = _compose_cli()
     assert cli is not None
@@ -1055,12 +1189,15 @@ def test_docker_compose_validates_the_file_offline() -> None:
     env = {**os.environ, **COMPOSE_ENV, "RTRAIN_TRAIN_IMAGE": image}
     subprocess.run([*cli, "-f", str(COMPOSE), "config", "--quiet"], env=env, check=True, timeout=60)
     # The resolved file: the image given once on the host reaches every Airflow container, with the project root.
-    out = subprocess.run([*cli, "-f", str(COMPOSE), "config"], env=env, check=True, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        [*cli, "-f", str(COMPOSE), "config"], env=env, check=True, capture_output=True, text=True, timeout=60
+    )
     resolved = yaml.safe_load(out.stdout)["services"]
     for name in RUN_ROOT_READERS:
         assert resolved[name]["environment"]["RTRAIN_TRAIN_IMAGE"] == image, name
         assert resolved[name]["environment"]["RTRAIN_PROJECT_ROOT"] == "/opt/rtrain", name
     missing = {k: v for k, v in env.items() if k != "AIRFLOW_JWT_SECRET"}
-    bad = subprocess.run([*cli, "-f", str(COMPOSE), "config", "--quiet"], env=missing, capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [*cli, "-f", str(COMPOSE), "config", "--quiet"], env=missing, capture_output=True, text=True, timeout=60
+    )
     assert bad.returncode != 0 and "AIRFLOW_JWT_SECRET" in bad.stderr

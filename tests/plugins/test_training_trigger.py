@@ -35,9 +35,16 @@ def run(tmp_path: Path) -> tuple[str, Any, EventLog]:
 
 
 def handle(uri: str, job: str = "j1", launched_at: float | None = None) -> dict[str, Any]:
-    return {"backend": "local", "run_uri": uri, "job": job, "attached": False, "controller_pid": os.getpid(),
-            "launched_at": time.time() if launched_at is None else launched_at, "host": socket.gethostname(),
-            "events_after": None}
+    return {
+        "backend": "local",
+        "run_uri": uri,
+        "job": job,
+        "attached": False,
+        "controller_pid": os.getpid(),
+        "launched_at": time.time() if launched_at is None else launched_at,
+        "host": socket.gethostname(),
+        "events_after": None,
+    }
 
 
 def old_status(store: Any, age_s: float, **fields: Any) -> None:
@@ -48,14 +55,34 @@ def old_status(store: Any, age_s: float, **fields: Any) -> None:
 
 
 def test_serialize_round_trips_exactly() -> None:
-    h = {"backend": "local", "run_uri": "/r/x", "job": "j1", "attached": False, "controller_pid": 12,
-         "launched_at": 1.5, "host": "h", "events_after": None}
-    trigger = RTrainTrainingJobTrigger(run_uri="/r/x", handle=h, poll_interval=2.0, start_timeout_s=60.0,
-                                       stale_after_s=360.0, events_after="events/0001-agent-ab.json")
+    h = {
+        "backend": "local",
+        "run_uri": "/r/x",
+        "job": "j1",
+        "attached": False,
+        "controller_pid": 12,
+        "launched_at": 1.5,
+        "host": "h",
+        "events_after": None,
+    }
+    trigger = RTrainTrainingJobTrigger(
+        run_uri="/r/x",
+        handle=h,
+        poll_interval=2.0,
+        start_timeout_s=60.0,
+        stale_after_s=360.0,
+        events_after="events/0001-agent-ab.json",
+    )
     classpath, kwargs = trigger.serialize()
     assert classpath == CLASSPATH == "rtrain_airflow.triggers.training.RTrainTrainingJobTrigger"
-    assert kwargs == {"run_uri": "/r/x", "handle": h, "poll_interval": 2.0, "start_timeout_s": 60.0,
-                      "stale_after_s": 360.0, "events_after": "events/0001-agent-ab.json"}
+    assert kwargs == {
+        "run_uri": "/r/x",
+        "handle": h,
+        "poll_interval": 2.0,
+        "start_timeout_s": 60.0,
+        "stale_after_s": 360.0,
+        "events_after": "events/0001-agent-ab.json",
+    }
     # Through Airflow's own encoding of trigger kwargs (what the triggerer stores), and back.
     again = import_string(classpath)(**deserialize(serialize(kwargs)))
     assert again.serialize() == (classpath, kwargs)

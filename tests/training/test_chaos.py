@@ -143,16 +143,28 @@ def test_a_random_fault_schedule_ends_cleanly_with_exact_data(seed: int, tmp_pat
     if plan["full_disk"]:
         mnt = tmp_path / "disk"
         mnt.mkdir()
-        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        if subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mnt)], capture_output=True
+        ).returncode:
             plan["full_disk"] = False  # no tmpfs here (not root): this seed runs without the full disk
             mnt = None
         else:
             root = mnt
     cfg = job_config(
-        str(root), tiny_dataset, jax_cache, run_name=f"chaos-{seed}", steps=STEPS, checkpoint_every=EVERY,
-        min_workers=1, max_workers=HOSTS, global_batch=12, heartbeat_timeout_s=3.0, max_failures=8,
+        str(root),
+        tiny_dataset,
+        jax_cache,
+        run_name=f"chaos-{seed}",
+        steps=STEPS,
+        checkpoint_every=EVERY,
+        min_workers=1,
+        max_workers=HOSTS,
+        global_batch=12,
+        heartbeat_timeout_s=3.0,
+        max_failures=8,
         capacity_timeout_s=20,
-        chaos=plan["chaos"], trace_data_ids=True,
+        chaos=plan["chaos"],
+        trace_data_ids=True,
     )
     stop = threading.Event()
     seen: dict[str, Any] = {}
@@ -190,8 +202,15 @@ def test_a_random_fault_schedule_ends_cleanly_with_exact_data(seed: int, tmp_pat
             )
         _check_one_owner_at_a_time(cfg.run_uri, DEFAULT_MARGIN_S)
         _check_nothing_runs(cfg.run_uri)
-        outcome = {"seed": seed, "plan": plan, "state": st["state"], "reason": st.get("reason", ""),
-                   "failures": st.get("failures"), "seconds": round(time.time() - t0, 1), "survived": True}
+        outcome = {
+            "seed": seed,
+            "plan": plan,
+            "state": st["state"],
+            "reason": st.get("reason", ""),
+            "failures": st.get("failures"),
+            "seconds": round(time.time() - t0, 1),
+            "survived": True,
+        }
     except BaseException as e:
         outcome = {"seed": seed, "plan": plan, "survived": False, "error": f"{type(e).__name__}: {e}"[:500]}
         import shutil

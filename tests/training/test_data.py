@@ -293,7 +293,12 @@ def test_a_changed_shard_is_refused_at_load_naming_the_shard_and_its_checksum(tm
     data.local_shards(str(out), "train")  # verified once ...
     hashed: list[str] = []
     real = data._sha256_file
-    monkeypatch.setattr(data, "_sha256_file", lambda p: hashed.append(str(p)) or real(p))
+
+    def counting(p: Path) -> str:
+        hashed.append(str(p))
+        return real(p)
+
+    monkeypatch.setattr(data, "_sha256_file", counting)
     data._verified_here.clear()  # (as a new process would start)
     data.local_shards(str(out), "train")
     assert hashed == [], "an unchanged shard is not hashed again: its size and mtime are remembered"

@@ -378,17 +378,13 @@ def test_a_spent_failure_budget_fails_the_job_with_the_worker_s_own_reason(tmp_p
 def test_every_listener_of_a_job_is_on_loopback_and_nothing_outlives_a_killed_job(tmp_path, tiny_dataset, jax_cache):
     import psutil
 
-    cfg = job_config(
-        str(tmp_path), tiny_dataset, jax_cache, run_name="listen", steps=400, min_workers=2, max_workers=2
-    )
+    cfg = job_config(str(tmp_path), tiny_dataset, jax_cache, run_name="listen", steps=400, min_workers=2, max_workers=2)
     handle = start_job(cfg)
     wait_for(lambda: ((api.status(cfg.run_uri) or {}).get("step") or 0) >= 3, 240, "training")
     controller = psutil.Process(handle["controller_pid"])
     procs = [controller, *controller.children(recursive=True)]
     assert len(procs) >= 5  # the local slice, 2 agents, their workers (and standbys)
-    listening = [
-        c.laddr for p in procs for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN
-    ]
+    listening = [c.laddr for p in procs for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
     assert listening, "the coordinator of jax.distributed listens"
 
     def loopback(ip: str) -> bool:

@@ -26,8 +26,16 @@ def _largest_file(step_dir: Path) -> Path:
 
 
 def test_a_damaged_checkpoint_is_named_marked_corrupt_and_stepped_over(tmp_path, tiny_dataset, jax_cache):
-    cfg = job_config(str(tmp_path), tiny_dataset, jax_cache, run_name="damaged", steps=15, checkpoint_every=5,
-                     min_workers=1, max_workers=1)
+    cfg = job_config(
+        str(tmp_path),
+        tiny_dataset,
+        jax_cache,
+        run_name="damaged",
+        steps=15,
+        checkpoint_every=5,
+        min_workers=1,
+        max_workers=1,
+    )
     assert run_job(cfg) == 0, worker_logs(cfg.run_uri)
     run = Path(cfg.run_uri)
 
@@ -68,8 +76,19 @@ def test_the_guard_never_rolls_back_to_the_step_it_restored_when_that_step_gave_
     tmp_path, tiny_dataset, jax_cache
 ):
     # The update of step 11 is NaN on every pass (repeat=1), so the loss goes non-finite at step 13.
-    cfg = job_config(str(tmp_path), tiny_dataset, jax_cache, run_name="guard", steps=20, checkpoint_every=5,
-                     min_workers=1, max_workers=1, log_every=1, max_guard_rollbacks=2, chaos=["nan:step=11,repeat=1"])
+    cfg = job_config(
+        str(tmp_path),
+        tiny_dataset,
+        jax_cache,
+        run_name="guard",
+        steps=20,
+        checkpoint_every=5,
+        min_workers=1,
+        max_workers=1,
+        log_every=1,
+        max_guard_rollbacks=2,
+        chaos=["nan:step=11,repeat=1"],
+    )
     assert run_job(cfg) == 1
     rollbacks = api.events(cfg.run_uri, ("rollback",))
     # First back to 10 (committed before the bad step); restoring 10 gave the bad loss again with nothing
@@ -84,7 +103,9 @@ def test_the_guard_never_rolls_back_to_the_step_it_restored_when_that_step_gave_
     assert st["state"] == "failed" and "rollback(s) did not help (max_guard_rollbacks=2)" in st["reason"]
 
 
-def test_a_broken_dataset_fails_the_job_with_the_worker_s_own_error_and_its_log(tmp_path, tiny_dataset, jax_cache, capsys):
+def test_a_broken_dataset_fails_the_job_with_the_worker_s_own_error_and_its_log(
+    tmp_path, tiny_dataset, jax_cache, capsys
+):
     from training import data
     from training.cli import main
 
@@ -94,8 +115,21 @@ def test_a_broken_dataset_fails_the_job_with_the_worker_s_own_error_and_its_log(
     raw = bytearray((ds / shard).read_bytes())
     raw[100] ^= 0xFF
     (ds / shard).write_bytes(bytes(raw))
-    rc = main(["train", "--preset", "tiny", f"root={tmp_path}", f"dataset={ds}", f"compilation_cache={jax_cache}",
-               "run_name=broken", "min_workers=1", "max_workers=1", "max_failures=0", "steps=5"])
+    rc = main(
+        [
+            "train",
+            "--preset",
+            "tiny",
+            f"root={tmp_path}",
+            f"dataset={ds}",
+            f"compilation_cache={jax_cache}",
+            "run_name=broken",
+            "min_workers=1",
+            "max_workers=1",
+            "max_failures=0",
+            "steps=5",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 1
     assert "rtrain: the job failed: failure budget spent" in err
@@ -111,8 +145,17 @@ def test_a_full_disk_ends_the_job_with_the_reason_and_leaves_nothing_running(tmp
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(mnt)], capture_output=True).returncode:
         pytest.skip("needs a tmpfs mount (root) to make a disk that fills up")
     try:
-        cfg = job_config(str(mnt), tiny_dataset, jax_cache, run_name="full", steps=2000, checkpoint_every=5,
-                         min_workers=1, max_workers=1, log_every=5)
+        cfg = job_config(
+            str(mnt),
+            tiny_dataset,
+            jax_cache,
+            run_name="full",
+            steps=2000,
+            checkpoint_every=5,
+            min_workers=1,
+            max_workers=1,
+            log_every=5,
+        )
         handle = start_job(cfg)
         wait_for(lambda: ((api.status(cfg.run_uri) or {}).get("latest_committed") or 0) >= 5, 240, "a checkpoint")
         filler = mnt / f"filler-{uuid.uuid4().hex}"

@@ -356,7 +356,9 @@ def test_service_and_jobset_validate_against_kubernetes_schemas(
     machine_type: str, topology: str, min_w: int, max_w: int, k: int
 ) -> None:
     tpu = TPUSlice(machine_type, topology)
-    cfg = gke_config(min_workers=min_w, max_workers=max_w, devices_per_worker=tpu.chips_per_host, hosts_per_slice=tpu.hosts)
+    cfg = gke_config(
+        min_workers=min_w, max_workers=max_w, devices_per_worker=tpu.chips_per_host, hosts_per_slice=tpu.hosts
+    )
     m = render(cfg, tpu, LAUNCH, "j20261129-101500-abc123", k)
 
     validate_core(m.service)
@@ -441,7 +443,9 @@ def test_every_pod_runs_one_host_agent_with_its_identity_and_addresses(
     machine_type: str, topology: str, min_w: int, max_w: int, k: int
 ) -> None:
     tpu = TPUSlice(machine_type, topology)
-    cfg = gke_config(min_workers=min_w, max_workers=max_w, devices_per_worker=tpu.chips_per_host, hosts_per_slice=tpu.hosts)
+    cfg = gke_config(
+        min_workers=min_w, max_workers=max_w, devices_per_worker=tpu.chips_per_host, hosts_per_slice=tpu.hosts
+    )
     m = render(cfg, tpu, LAUNCH, "j20261129-101500-abc123", k)
     seen: dict[str, dict[str, Any]] = {}
     for n, pod in enumerate(expand_pods(m.jobset)):
@@ -594,7 +598,12 @@ def test_capacity_of_single_host_slices_is_one_per_ready_node() -> None:
 
 def test_capacity_asks_for_the_tpu_shape_and_cannot_be_set() -> None:
     asked: list[str] = []
-    cap = GKECapacity(lambda s: asked.append(s) or [], TPU_4X4)
+
+    def list_nodes(selector: str) -> list[Any]:
+        asked.append(selector)
+        return []
+
+    cap = GKECapacity(list_nodes, TPU_4X4)
     assert cap.available() == 0
     assert asked == ["cloud.google.com/gke-tpu-accelerator=tpu-v6e-slice,cloud.google.com/gke-tpu-topology=4x4"]
     with pytest.raises(NotImplementedError):

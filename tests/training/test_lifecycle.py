@@ -124,8 +124,16 @@ def test_validation_rejects_a_regression_and_training_resumes_from_the_last_good
 def test_continual_training_on_a_refreshed_dataset_restarts_the_data_position(tmp_path, tiny_dataset, jax_cache):
     from training import data
 
-    cfg = job_config(str(tmp_path), tiny_dataset, jax_cache, run_name="continual", steps=6, checkpoint_every=3,
-                     min_workers=1, max_workers=1)
+    cfg = job_config(
+        str(tmp_path),
+        tiny_dataset,
+        jax_cache,
+        run_name="continual",
+        steps=6,
+        checkpoint_every=3,
+        min_workers=1,
+        max_workers=1,
+    )
     assert run_job(cfg) == 0
     fresh = str(tmp_path / "refreshed")
     data.prepare(None, fresh, 64, max_bytes=200_000)  # other content: another fingerprint

@@ -32,9 +32,7 @@ def committed_steps(run: str) -> list[int]:
     root = epath.Path(checkpoints_uri(run))
     if not root.exists():
         return []
-    return sorted(
-        int(p.name) for p in root.iterdir() if p.name.isdigit() and ocp_path.step.is_checkpoint_finalized(p)
-    )
+    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and ocp_path.step.is_checkpoint_finalized(p))
 
 
 def file_checksums(run: str, step: int) -> dict[str, list[int]]:

@@ -442,8 +442,9 @@ class HostAgent:
     def _pump(self) -> None:
         w = self.worker
         if self.standby is not None and self.standby.proc.poll() is not None:
-            log.warning("[%s] the standby worker exited (%s); see %s", self.host, self.standby.proc.returncode,
-                        self.standby.log)
+            log.warning(
+                "[%s] the standby worker exited (%s); see %s", self.host, self.standby.proc.returncode, self.standby.log
+            )
             self._kill(self.standby)
             self.standby = None
         if w is None:

@@ -96,8 +96,17 @@ class LocalSlice:
     def _spawn(self, host: str) -> None:
         out = open(self.logs / f"agent-{host}.log", "ab")
         self.agents[host] = subprocess.Popen(
-            [sys.executable, "-m", "training.elastic.agent", self.cfg.run_uri, "--job", self.job, "--host", host,
-             "--local-capacity"],
+            [
+                sys.executable,
+                "-m",
+                "training.elastic.agent",
+                self.cfg.run_uri,
+                "--job",
+                self.job,
+                "--host",
+                host,
+                "--local-capacity",
+            ],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -173,7 +182,9 @@ class LocalSlice:
                     if time.monotonic() > stop_deadline:
                         break
                 if not self.agents and self._final is None and self.capacity.available() == 0:
-                    stop_deadline = stop_deadline or time.monotonic() + self.cfg.capacity_timeout_s + 3 * self.cfg.lease_s
+                    stop_deadline = (
+                        stop_deadline or time.monotonic() + self.cfg.capacity_timeout_s + 3 * self.cfg.lease_s
+                    )
                     if time.monotonic() > stop_deadline:
                         break
                 time.sleep(POLL_S)

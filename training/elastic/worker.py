@@ -201,7 +201,11 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, manifest
             initialization_timeout=120,
         )
     rep.send(
-        "worker_started", everyone=True, seconds=time.time() - t_assigned, host=os.environ.get("RTRAIN_HOST"), pid=os.getpid()
+        "worker_started",
+        everyone=True,
+        seconds=time.time() - t_assigned,
+        host=os.environ.get("RTRAIN_HOST"),
+        pid=os.getpid(),
     )
     plan = plan_mesh(cfg, a.processes)
     check_batch(cfg, plan)

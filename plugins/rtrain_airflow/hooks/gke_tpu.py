@@ -267,15 +267,22 @@ class GKETPUHook(GKEHook):
         job would run on the wrong shape), and so is one being deleted.
         """
         request = self.create_request(spec, project_id=project_id, cluster_name=cluster_name)
-        self.log.info("Creating TPU node pool %s (%s, %s, %d nodes)", request.parent + "/nodePools/" + spec.name,
-                      spec.machine_type, spec.tpu_topology, spec.node_count)
+        self.log.info(
+            "Creating TPU node pool %s (%s, %s, %d nodes)",
+            request.parent + "/nodePools/" + spec.name,
+            spec.machine_type,
+            spec.tpu_topology,
+            spec.node_count,
+        )
         try:
             operation = self.get_cluster_manager_client().create_node_pool(request=request)
         except AlreadyExists:
             existing = self.get_node_pool(cluster_name=cluster_name, node_pool_name=spec.name, project_id=project_id)
             check_same_shape(existing, spec)
             if existing.status == container_v1.NodePool.Status.STOPPING:
-                raise TPUNodePoolError(f"node pool {spec.name} exists but is being deleted; retry once it is gone") from None
+                raise TPUNodePoolError(
+                    f"node pool {spec.name} exists but is being deleted; retry once it is gone"
+                ) from None
             self.log.info("Node pool %s exists already (%s): assuming success", spec.name, existing.status.name)
             return None
         if wait_to_complete:
@@ -381,7 +388,9 @@ def check_same_shape(existing: container_v1.NodePool, spec: TPUNodePoolSpec) -> 
     if existing.config.spot != spec.spot:
         problems.append(f"spot={existing.config.spot}, not {spec.spot}")
     if problems:
-        raise TPUNodePoolError(f"node pool {spec.name} exists with {'; '.join(problems)}: delete it or pick another name")
+        raise TPUNodePoolError(
+            f"node pool {spec.name} exists with {'; '.join(problems)}: delete it or pick another name"
+        )
 
 
 class JobSetHook:
@@ -423,8 +432,13 @@ class JobSetHook:
         uid = (jobset.get("metadata") or {}).get("uid")
         if uid:
             service["metadata"]["ownerReferences"] = [
-                {"apiVersion": JOBSET_API_VERSION, "kind": "JobSet", "name": manifests.name, "uid": uid,
-                 "blockOwnerDeletion": True}
+                {
+                    "apiVersion": JOBSET_API_VERSION,
+                    "kind": "JobSet",
+                    "name": manifests.name,
+                    "uid": uid,
+                    "blockOwnerDeletion": True,
+                }
             ]
         try:
             self.kube.core_v1_client.create_namespaced_service(namespace=manifests.namespace, body=service)

@@ -129,11 +129,17 @@ class LocalSliceBackend:
     def launch(self, cfg: Config, spec: Mapping[str, Any], attempt: int) -> JobHandle:
         """Start a job, or follow the live one (``training.api.launch`` never starts over, never overwrites)."""
         handle = api.launch(cfg, detach=True, allow_attach=True)
-        self._say("%s job %s of %s", "Following the live" if handle.get("attached") else "Started", handle["job"],
-                  cfg.run_name)
+        self._say(
+            "%s job %s of %s",
+            "Following the live" if handle.get("attached") else "Started",
+            handle["job"],
+            cfg.run_name,
+        )
         return handle
 
-    def poll(self, handle: Mapping[str, Any], timeouts: Mapping[str, float], now: float | None = None) -> dict[str, Any]:
+    def poll(
+        self, handle: Mapping[str, Any], timeouts: Mapping[str, float], now: float | None = None
+    ) -> dict[str, Any]:
         """One look at the job: ``{"state", "reason", "status"}``; state is one of ALIVE, finished, failed.
 
         A job whose hosts are all gone is failed by ``training.api.status`` (its lease lapsed); one
@@ -161,8 +167,13 @@ class LocalSliceBackend:
         while live and time.time() < deadline:
             live = [job for job in live if running(job)]
             time.sleep(0.5)
-        pids = {int(h["controller_pid"]) for h in handles
-                if h.get("controller_pid") and h.get("host") == socket.gethostname() and int(h["controller_pid"]) != os.getpid()}
+        pids = {
+            int(h["controller_pid"])
+            for h in handles
+            if h.get("controller_pid")
+            and h.get("host") == socket.gethostname()
+            and int(h["controller_pid"]) != os.getpid()
+        }
         pids |= set(api.local_job_pids(cfg.run_uri))
         stopped: list[int] = []
         for pid in sorted(pids):
@@ -196,13 +207,16 @@ class GKEBackend:
     def _gke_hook(self) -> Any:
         from rtrain_airflow.hooks.gke_tpu import GKETPUHook
 
-        return GKETPUHook(gcp_conn_id=self.gke.get("gcp_conn_id", "google_cloud_default"), location=self.gke["location"])
+        return GKETPUHook(
+            gcp_conn_id=self.gke.get("gcp_conn_id", "google_cloud_default"), location=self.gke["location"]
+        )
 
     def _jobsets(self) -> Any:
         from rtrain_airflow.hooks.gke_tpu import JobSetHook
 
-        kube = self._gke_hook().get_kubernetes_hook(cluster_name=self.gke["cluster_name"],
-                                                    project_id=self.gke.get("project_id"))
+        kube = self._gke_hook().get_kubernetes_hook(
+            cluster_name=self.gke["cluster_name"], project_id=self.gke.get("project_id")
+        )
         return JobSetHook(kube)
 
     def provision(self, cfg: Config, spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -212,25 +226,38 @@ class GKEBackend:
         created = []
         for pool in self.gke["node_pools"]:
             pool_spec = TPUNodePoolSpec(
-                name=pool, machine_type=self.gke["machine_type"], tpu_topology=self.gke["tpu_topology"],
-                spot=bool(self.gke.get("spot", False)), node_locations=tuple(self.gke.get("node_locations", ())),
+                name=pool,
+                machine_type=self.gke["machine_type"],
+                tpu_topology=self.gke["tpu_topology"],
+                spot=bool(self.gke.get("spot", False)),
+                node_locations=tuple(self.gke.get("node_locations", ())),
                 service_account=self.gke.get("node_service_account"),
             )
-            op = hook.create_tpu_node_pool(cluster_name=self.gke["cluster_name"], spec=pool_spec,
-                                           project_id=self.gke.get("project_id"), wait_to_complete=True)
+            op = hook.create_tpu_node_pool(
+                cluster_name=self.gke["cluster_name"],
+                spec=pool_spec,
+                project_id=self.gke.get("project_id"),
+                wait_to_complete=True,
+            )
             created.append({"node_pool": pool, "created": op is not None})
         return {"backend": self.name, "node_pools": created}
 
     def launch(self, cfg: Config, spec: Mapping[str, Any], attempt: int) -> JobHandle:
-        launch = api.GKELaunch(image=self.gke["image"], namespace=self.gke.get("namespace", "default"),
-                               service_account=self.gke.get("service_account", "rtrain-worker"),
-                               node_pools=tuple(self.gke["node_pools"]), spot=bool(self.gke.get("spot", False)))
+        launch = api.GKELaunch(
+            image=self.gke["image"],
+            namespace=self.gke.get("namespace", "default"),
+            service_account=self.gke.get("service_account", "rtrain-worker"),
+            node_pools=tuple(self.gke["node_pools"]),
+            spot=bool(self.gke.get("spot", False)),
+        )
         tpu = api.TPUSlice(self.gke["machine_type"], self.gke["tpu_topology"])
         handle = self._jobsets().start_job(cfg, tpu, launch, by=f"Airflow (try {attempt})")
         handle["gke"] = self.gke
         return handle
 
-    def poll(self, handle: Mapping[str, Any], timeouts: Mapping[str, float], now: float | None = None) -> dict[str, Any]:
+    def poll(
+        self, handle: Mapping[str, Any], timeouts: Mapping[str, float], now: float | None = None
+    ) -> dict[str, Any]:
         look = api.job_state(handle, timeouts.get("start_timeout_s", 900.0))
         if look["state"] in ("finished", "failed"):
             return look
@@ -247,8 +274,12 @@ class GKEBackend:
                 deleted.append(h["jobset"])
         hook = self._gke_hook()
         for pool in self.gke["node_pools"]:
-            hook.delete_tpu_node_pool(cluster_name=self.gke["cluster_name"], node_pool_name=pool,
-                                      project_id=self.gke.get("project_id"), wait_to_complete=True)
+            hook.delete_tpu_node_pool(
+                cluster_name=self.gke["cluster_name"],
+                node_pool_name=pool,
+                project_id=self.gke.get("project_id"),
+                wait_to_complete=True,
+            )
         return {"backend": self.name, "jobsets_deleted": deleted, "node_pools_deleted": list(self.gke["node_pools"])}
 
 
@@ -313,8 +344,15 @@ class RTrainHook(BaseHook):
         """Mesh plans and the memory-fit check; raises ``training.api.PlanError`` with the numbers."""
         return dict(api.plan(cfg))
 
-    def prepare_dataset(self, source: str | None, output: str, seq_len: int, max_bytes: int | None,
-                        progress: Callable[[str], None] | None = None, refresh: bool = False) -> dict[str, Any]:
+    def prepare_dataset(
+        self,
+        source: str | None,
+        output: str,
+        seq_len: int,
+        max_bytes: int | None,
+        progress: Callable[[str], None] | None = None,
+        refresh: bool = False,
+    ) -> dict[str, Any]:
         """Prepare (idempotently) the byte-level dataset; imports numpy/array_record, so call it in execute().
 
         ``refresh``: a source whose content changed replaces the prepared dataset (continual training);
@@ -335,7 +373,9 @@ class RTrainHook(BaseHook):
     def status(self, run_uri: str) -> dict[str, Any] | None:
         return api.status(run_uri)
 
-    def events(self, run_uri: str, types: tuple[str, ...] | None = None, after: str | None = None) -> list[dict[str, Any]]:
+    def events(
+        self, run_uri: str, types: tuple[str, ...] | None = None, after: str | None = None
+    ) -> list[dict[str, Any]]:
         return api.events(run_uri, types, after)
 
     def newest_event_key(self, run_uri: str) -> str | None:

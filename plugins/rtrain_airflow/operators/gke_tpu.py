@@ -49,7 +49,9 @@ def _networks(value: Iterable[Any]) -> tuple[tuple[str, str], ...]:
     for item in value or ():
         if isinstance(item, Mapping):
             if set(item) != {"network", "subnetwork"}:
-                raise ValueError(f"additional_networks: each item needs exactly 'network' and 'subnetwork', got {dict(item)}")
+                raise ValueError(
+                    f"additional_networks: each item needs exactly 'network' and 'subnetwork', got {dict(item)}"
+                )
             out.append((str(item["network"]), str(item["subnetwork"])))
         elif isinstance(item, (list, tuple)) and len(item) == 2:
             out.append((str(item[0]), str(item[1])))
@@ -256,10 +258,13 @@ class GKECreateTPUNodePoolOperator(_GKETPUNodePoolBaseOperator):
                     raise AirflowException(
                         f"node pool {spec.name} exists in state ERROR ({pool.status_message}); delete it and retry"
                     )
-                self.log.warning("Node pool %s is in ERROR (%s): deleting it to create it again", spec.name,
-                                 pool.status_message)
+                self.log.warning(
+                    "Node pool %s is in ERROR (%s): deleting it to create it again", spec.name, pool.status_message
+                )
                 delete = self.hook.delete_tpu_node_pool(
-                    cluster_name=self.cluster_name, node_pool_name=spec.name, project_id=self.project_id,
+                    cluster_name=self.cluster_name,
+                    node_pool_name=spec.name,
+                    project_id=self.project_id,
                     wait_to_complete=not self.deferrable,
                 )
                 if delete is not None and self.deferrable:
@@ -335,7 +340,9 @@ class GKEDeleteTPUNodePoolOperator(_GKETPUNodePoolBaseOperator):
     def __init__(self, *, trigger_rule: str = TriggerRule.ALL_DONE, **kwargs: Any) -> None:
         super().__init__(trigger_rule=trigger_rule, **kwargs)
 
-    def as_teardown(self, *, setups: Any = None, on_failure_fail_dagrun: bool | None = None) -> GKEDeleteTPUNodePoolOperator:
+    def as_teardown(
+        self, *, setups: Any = None, on_failure_fail_dagrun: bool | None = None
+    ) -> GKEDeleteTPUNodePoolOperator:
         super().as_teardown(setups=setups, on_failure_fail_dagrun=on_failure_fail_dagrun)
         self.trigger_rule = TriggerRule.ALL_DONE
         return self
@@ -397,7 +404,9 @@ class _GKEJobSetBaseOperator(GoogleCloudBaseOperator):
             from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
 
             return JobSetHook(KubernetesHook(conn_id=self.kubernetes_conn_id))
-        gke = GKETPUHook(gcp_conn_id=self.gcp_conn_id, location=self.location, impersonation_chain=self.impersonation_chain)
+        gke = GKETPUHook(
+            gcp_conn_id=self.gcp_conn_id, location=self.location, impersonation_chain=self.impersonation_chain
+        )
         return JobSetHook(
             gke.get_kubernetes_hook(
                 cluster_name=self.cluster_name,
@@ -498,7 +507,7 @@ class GKEStartTPUJobSetOperator(_GKEJobSetBaseOperator):
 
     def _num_slices(self) -> int | None:
         try:
-            num_slices = None if self.num_slices in (None, "", "None") else int(self.num_slices)  # type: ignore[arg-type]
+            num_slices = None if self.num_slices in (None, "", "None") else int(self.num_slices)
         except (TypeError, ValueError):
             raise ValueError(f"num_slices: an integer, got {self.num_slices!r}") from None
         if num_slices is not None and num_slices < 1:
@@ -513,7 +522,9 @@ class GKEStartTPUJobSetOperator(_GKEJobSetBaseOperator):
             handle = self.jobset_hook.start_job(cfg, tpu, launch, by=f"{self.task_id}", num_slices=self._num_slices())
         except LaunchError as e:
             raise AirflowException(str(e)) from None
-        self.log.info("Job %s: JobSet %s/%s (%s)", handle["job"], handle["namespace"], handle["jobset"], handle["state"])
+        self.log.info(
+            "Job %s: JobSet %s/%s (%s)", handle["job"], handle["namespace"], handle["jobset"], handle["state"]
+        )
         return dict(handle)
 
 
@@ -528,7 +539,9 @@ class GKEDeleteTPUJobSetOperator(_GKEJobSetBaseOperator):
         if not jobset_name:
             raise ValueError("jobset_name: required")
 
-    def as_teardown(self, *, setups: Any = None, on_failure_fail_dagrun: bool | None = None) -> GKEDeleteTPUJobSetOperator:
+    def as_teardown(
+        self, *, setups: Any = None, on_failure_fail_dagrun: bool | None = None
+    ) -> GKEDeleteTPUJobSetOperator:
         super().as_teardown(setups=setups, on_failure_fail_dagrun=on_failure_fail_dagrun)
         self.trigger_rule = TriggerRule.ALL_DONE
         return self

@@ -53,7 +53,9 @@ def _is_deferred_value(value: Any) -> bool:
 def check_spec(spec: Any, who: str) -> dict[str, Any]:
     """A resolved run spec (what RTrainResolveRunConfigOperator returned), or an error naming the problem."""
     if not isinstance(spec, Mapping):
-        raise AirflowFailException(f"{who}: spec must be the mapping {RESOLVE_TASK_ID} returns, got {type(spec).__name__}")
+        raise AirflowFailException(
+            f"{who}: spec must be the mapping {RESOLVE_TASK_ID} returns, got {type(spec).__name__}"
+        )
     missing = [k for k in ("config", "run_uri", "backend") if k not in spec]
     if missing:
         raise AirflowFailException(f"{who}: spec lacks {', '.join(missing)}")
@@ -69,7 +71,9 @@ class _RTrainBaseOperator(BaseOperator):
     def __init__(self, *, spec: Any = None, spec_from: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if spec is None and spec_from is None:
-            raise ValueError(f"{type(self).__name__}: give spec (the output of {RESOLVE_TASK_ID}) or spec_from (its task id)")
+            raise ValueError(
+                f"{type(self).__name__}: give spec (the output of {RESOLVE_TASK_ID}) or spec_from (its task id)"
+            )
         if spec is not None and not _is_deferred_value(spec):
             check_spec(spec, type(self).__name__)
         self.spec = spec
@@ -152,13 +156,26 @@ class RTrainResolveRunConfigOperator(BaseOperator):
             "run_uri": cfg.run_uri,
             "run_name": cfg.run_name,
             "backend": cfg.backend,
-            "dataset": {"source": params.get("dataset_source") or "stdlib", "max_bytes": params.get("dataset_max_bytes"),
-                        "uri": cfg.dataset, "refresh": self.continual},
+            "dataset": {
+                "source": params.get("dataset_source") or "stdlib",
+                "max_bytes": params.get("dataset_max_bytes"),
+                "uri": cfg.dataset,
+                "refresh": self.continual,
+            },
             "gke": dict(gke),
         }
-        self.log.info("Run %s at %s: preset %s, %s steps, %s..%s workers, backend %s, resume_from %s, chaos %s",
-                      cfg.run_name, cfg.run_uri, cfg.preset, cfg.steps, cfg.min_workers, cfg.max_workers, cfg.backend,
-                      cfg.resume_from, cfg.chaos or "off")
+        self.log.info(
+            "Run %s at %s: preset %s, %s steps, %s..%s workers, backend %s, resume_from %s, chaos %s",
+            cfg.run_name,
+            cfg.run_uri,
+            cfg.preset,
+            cfg.steps,
+            cfg.min_workers,
+            cfg.max_workers,
+            cfg.backend,
+            cfg.resume_from,
+            cfg.chaos or "off",
+        )
         return spec
 
     def _continue_from(self, overrides: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
@@ -170,8 +187,9 @@ class RTrainResolveRunConfigOperator(BaseOperator):
         base = None
         if self.hook.run_exists(probe.run_uri):
             base = self.hook.newest_validated(probe.run_uri)
-        self.log.info("Continual training of %s: newest validated checkpoint %s, %d more steps", probe.run_name,
-                      base, per_run)
+        self.log.info(
+            "Continual training of %s: newest validated checkpoint %s, %d more steps", probe.run_name, base, per_run
+        )
         return {"steps": (base or 0) + per_run, "resume_from": str(base) if base is not None else "latest"}
 
 
@@ -192,10 +210,14 @@ class RTrainPrepareDatasetOperator(_RTrainBaseOperator):
         from training.api import DatasetError
 
         try:
-            return self.hook.prepare_dataset(data.get("source"), cfg.dataset, cfg.seq_len,
-                                             None if max_bytes is None else int(max_bytes),
-                                             progress=lambda line: self.log.info("[prepare] %s", line),
-                                             refresh=bool(data.get("refresh")))
+            return self.hook.prepare_dataset(
+                data.get("source"),
+                cfg.dataset,
+                cfg.seq_len,
+                None if max_bytes is None else int(max_bytes),
+                progress=lambda line: self.log.info("[prepare] %s", line),
+                refresh=bool(data.get("refresh")),
+            )
         except DatasetError as e:  # a different dataset at the output, a bad source: a retry cannot help
             raise AirflowFailException(str(e)) from None
 
@@ -261,13 +283,17 @@ class RTrainStartTrainingJobOperator(_RTrainBaseOperator):
             if exists and resume == "none":
                 raise AirflowFailException(
                     f"run {cfg.run_name!r} exists at {run_uri} and resume_from=none; pick another run_name, "
-                    "or trigger with resume_from=latest (or a step) to continue it")
+                    "or trigger with resume_from=latest (or a step) to continue it"
+                )
             if resume.isdigit():
                 self._rewind(cfg, int(resume), run_id, exists)
             self.hook.set_dag_run_mark(run_uri, run_id, resume_from=resume, existed=exists)
         else:
-            self.log.info("This DAG run launched %s before (%s): relaunching from the newest committed checkpoint",
-                          cfg.run_name, mark)
+            self.log.info(
+                "This DAG run launched %s before (%s): relaunching from the newest committed checkpoint",
+                cfg.run_name,
+                mark,
+            )
         launch_cfg = cfg if (mark is None and resume == "none") else cfg.model_copy(update={"resume_from": "latest"})
         try:
             handle = self.backend(spec).launch(launch_cfg, spec, attempt=context["ti"].try_number)
@@ -286,8 +312,9 @@ class RTrainStartTrainingJobOperator(_RTrainBaseOperator):
             raise AirflowFailException(f"resume_from={step}: run {cfg.run_name!r} does not exist yet (use latest)")
         committed = self.hook.committed_steps(cfg.run_uri)
         if step not in committed:
-            raise AirflowFailException(f"resume_from={step}: not a committed checkpoint of {cfg.run_name} "
-                                       f"(committed: {committed})")
+            raise AirflowFailException(
+                f"resume_from={step}: not a committed checkpoint of {cfg.run_name} (committed: {committed})"
+            )
         if committed[-1] > step:
             rb = self.hook.rollback(cfg.run_uri, to=step, reason=f"rerun from step {step} (dag run {run_id})")
             self.log.info("Rolled back to step %s for this rerun: %s", step, rb)
@@ -310,7 +337,9 @@ class RTrainValidateCheckpointsOperator(_RTrainBaseOperator):
 def validation_summary(hook: RTrainHook, run_uri: str, log: Any) -> dict[str, Any]:
     results = hook.validate_pending(run_uri)
     for r in results:
-        log.info("[rtrain] validation of step %s: %s %s %s", r["step"], r["verdict"], r.get("metrics"), r.get("reason", ""))
+        log.info(
+            "[rtrain] validation of step %s: %s %s %s", r["step"], r["verdict"], r.get("metrics"), r.get("reason", "")
+        )
     committed = hook.committed_steps(run_uri)
     if not committed:
         raise AirflowException(f"run {run_uri} has no committed checkpoint to validate")
@@ -393,9 +422,11 @@ class RTrainRollbackAndResumeOperator(_RTrainBaseOperator):
 
     def _rollbacks(self, context: Context, run_uri: str) -> list[dict[str, Any]]:
         """This DAG run's validation rollbacks so far, from the run's events (earlier tries count too)."""
-        return [{"from_step": e["from_step"], "to_step": e["to_step"], "quarantined": e.get("quarantined", [])}
-                for e in self.hook.events(run_uri, ("rollback",))
-                if e.get("kind") == "validation" and f"(dag run {context['run_id']})" in str(e.get("reason"))]
+        return [
+            {"from_step": e["from_step"], "to_step": e["to_step"], "quarantined": e.get("quarantined", [])}
+            for e in self.hook.events(run_uri, ("rollback",))
+            if e.get("kind") == "validation" and f"(dag run {context['run_id']})" in str(e.get("reason"))
+        ]
 
     def _round(self, context: Context, spec: dict[str, Any]) -> dict[str, Any]:
         cfg = self.run_config(spec)
@@ -412,24 +443,40 @@ class RTrainRollbackAndResumeOperator(_RTrainBaseOperator):
             raise AirflowFailException(
                 f"step {summary['step']} rejected ({summary['reason']}) after {len(rounds)} rollback(s) "
                 f"(max_rollbacks={cfg.max_rollbacks}); the resume pointer is on validated step "
-                f"{summary['newest_validated']}: rerun with resume_from and other overrides")
+                f"{summary['newest_validated']}: rerun with resume_from and other overrides"
+            )
         if summary["newest_validated"] is None:
-            raise AirflowFailException(f"step {summary['step']} rejected ({summary['reason']}) and no checkpoint of "
-                                       f"{cfg.run_name} was ever validated: nothing to roll back to")
+            raise AirflowFailException(
+                f"step {summary['step']} rejected ({summary['reason']}) and no checkpoint of "
+                f"{cfg.run_name} was ever validated: nothing to roll back to"
+            )
         backend = self.backend(spec)  # checks the backend before touching the ledger
-        rb = self.hook.rollback(run_uri, reason=f"validation rejected step {summary['step']}: {summary['reason']} "
-                                               f"(dag run {context['run_id']})")
-        self.log.warning("[rtrain] rollback %d/%d: step %s -> %s (quarantined %s)", len(rounds) + 1, cfg.max_rollbacks,
-                         rb["from_step"], rb["to_step"], rb["quarantined"])
+        rb = self.hook.rollback(
+            run_uri,
+            reason=f"validation rejected step {summary['step']}: {summary['reason']} (dag run {context['run_id']})",
+        )
+        self.log.warning(
+            "[rtrain] rollback %d/%d: step %s -> %s (quarantined %s)",
+            len(rounds) + 1,
+            cfg.max_rollbacks,
+            rb["from_step"],
+            rb["to_step"],
+            rb["quarantined"],
+        )
         rounds = [*rounds, rb]
-        handle = backend.launch(cfg.model_copy(update={"resume_from": "latest"}), spec,
-                                attempt=context["ti"].try_number + 100 * len(rounds))
+        handle = backend.launch(
+            cfg.model_copy(update={"resume_from": "latest"}), spec, attempt=context["ti"].try_number + 100 * len(rounds)
+        )
         context["ti"].xcom_push(key="handle", value=handle)  # for the teardown
         self.defer(
-            trigger=RTrainTrainingJobTrigger(run_uri=run_uri, handle=handle, poll_interval=self.poll_interval,
-                                             start_timeout_s=self.start_timeout_s,
-                                             stale_after_s=cfg.hang_timeout_s * 2 + 120,
-                                             events_after=handle.get("events_after")),
+            trigger=RTrainTrainingJobTrigger(
+                run_uri=run_uri,
+                handle=handle,
+                poll_interval=self.poll_interval,
+                start_timeout_s=self.start_timeout_s,
+                stale_after_s=cfg.hang_timeout_s * 2 + 120,
+                events_after=handle.get("events_after"),
+            ),
             method_name="resume_complete",
         )
         raise AssertionError("defer() returns only by raising")  # pragma: no cover
@@ -459,9 +506,15 @@ class RTrainPruneCheckpointsOperator(_RTrainBaseOperator):
         spec = self.resolved_spec(context)
         assert spec is not None
         result = self.hook.prune(spec["run_uri"], dry_run=self.plan_only)
-        self.log.info("Pruned %s: deleted %s, kept %s", spec["run_name"], result.get("deleted"), sorted(result.get("kept", {})))
-        return {"deleted": result.get("deleted", []), "kept": sorted(int(k) for k in result.get("kept", {})),
-                "bytes_freed": result.get("bytes_freed"), "quarantine_expired": result.get("quarantine_expired", [])}
+        self.log.info(
+            "Pruned %s: deleted %s, kept %s", spec["run_name"], result.get("deleted"), sorted(result.get("kept", {}))
+        )
+        return {
+            "deleted": result.get("deleted", []),
+            "kept": sorted(int(k) for k in result.get("kept", {})),
+            "bytes_freed": result.get("bytes_freed"),
+            "quarantine_expired": result.get("quarantine_expired", []),
+        }
 
 
 class RTrainReportRunOperator(_RTrainBaseOperator):
@@ -505,7 +558,9 @@ class RTrainReleaseCapacityOperator(_RTrainBaseOperator):
         super().__init__(**kwargs)
         self.handle_from = list(handle_from)
 
-    def as_teardown(self, *, setups: Any = None, on_failure_fail_dagrun: bool | None = None) -> RTrainReleaseCapacityOperator:
+    def as_teardown(
+        self, *, setups: Any = None, on_failure_fail_dagrun: bool | None = None
+    ) -> RTrainReleaseCapacityOperator:
         super().as_teardown(setups=setups, on_failure_fail_dagrun=on_failure_fail_dagrun)
         self.trigger_rule = TriggerRule.ALL_DONE
         return self

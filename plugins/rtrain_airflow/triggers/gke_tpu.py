@@ -83,7 +83,9 @@ class GKETPUNodePoolOperationTrigger(BaseTrigger):
         from rtrain_airflow.hooks.gke_tpu import operation_error
 
         hook = self._get_hook()
-        what = f"operation {self.operation_name}" + (f" on node pool {self.node_pool_name}" if self.node_pool_name else "")
+        what = f"operation {self.operation_name}" + (
+            f" on node pool {self.node_pool_name}" if self.node_pool_name else ""
+        )
         errors = 0
         while True:
             try:

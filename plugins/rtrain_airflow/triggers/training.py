@@ -28,8 +28,23 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from training.api import describe
 
 CLASSPATH = "rtrain_airflow.triggers.training.RTrainTrainingJobTrigger"
-RELAYED = ("launch", "failure", "resize", "restore", "resumed", "waiting_for_capacity", "capacity", "chaos",
-           "rollback", "guard", "finished", "failed", "leader", "host_lost", "checkpoint_corrupt")
+RELAYED = (
+    "launch",
+    "failure",
+    "resize",
+    "restore",
+    "resumed",
+    "waiting_for_capacity",
+    "capacity",
+    "chaos",
+    "rollback",
+    "guard",
+    "finished",
+    "failed",
+    "leader",
+    "host_lost",
+    "checkpoint_corrupt",
+)
 
 
 class RTrainTrainingJobTrigger(BaseTrigger):
@@ -85,7 +100,9 @@ class RTrainTrainingJobTrigger(BaseTrigger):
 
         hook = RTrainHook()
         backend = hook.backend(self.handle.get("backend", "local"), self.handle.get("gke"))
-        found = backend.poll(self.handle, {"start_timeout_s": self.start_timeout_s, "stale_after_s": self.stale_after_s})
+        found = backend.poll(
+            self.handle, {"start_timeout_s": self.start_timeout_s, "stale_after_s": self.stale_after_s}
+        )
         new = hook.events(self.run_uri, after=cursor)
         return found, new
 
@@ -102,9 +119,18 @@ class RTrainTrainingJobTrigger(BaseTrigger):
                 errors += 1
                 self.log.warning("Reading run %s failed (%d/5): %s", self.run_uri, errors, e)
                 if errors >= 5:
-                    yield TriggerEvent({"status": "failed", "run_uri": self.run_uri, "message": f"cannot read the run: {e}",
-                                        "state": None, "step": None, "latest_committed": None,
-                                        "recoveries": recoveries, "events_after": cursor})
+                    yield TriggerEvent(
+                        {
+                            "status": "failed",
+                            "run_uri": self.run_uri,
+                            "message": f"cannot read the run: {e}",
+                            "state": None,
+                            "step": None,
+                            "latest_committed": None,
+                            "recoveries": recoveries,
+                            "events_after": cursor,
+                        }
+                    )
                     return
                 await asyncio.sleep(self.poll_interval)
                 continue
@@ -116,18 +142,33 @@ class RTrainTrainingJobTrigger(BaseTrigger):
                     f = failures.pop(0)
                     failures.clear()  # one recovery may absorb several failures (a fault during a recovery)
                     start = float(f.get("fault_at") or f["time"])
-                    rec = {"cause": f.get("reason"), "failed_at": start, "resumed_at": ev["time"],
-                           "recovery_s": round(ev["time"] - start, 3), "resumed_step": ev.get("step"),
-                           "seen_after_s": round(time.time() - ev["time"], 3)}
+                    rec = {
+                        "cause": f.get("reason"),
+                        "failed_at": start,
+                        "resumed_at": ev["time"],
+                        "recovery_s": round(ev["time"] - start, 3),
+                        "resumed_step": ev.get("step"),
+                        "seen_after_s": round(time.time() - ev["time"], 3),
+                    }
                     recoveries.append(rec)
-                    self.log.info("[rtrain] recovered: %s -> training again at step %s after %.1fs",
-                                  rec["cause"], rec["resumed_step"], rec["recovery_s"])
+                    self.log.info(
+                        "[rtrain] recovered: %s -> training again at step %s after %.1fs",
+                        rec["cause"],
+                        rec["resumed_step"],
+                        rec["recovery_s"],
+                    )
                 if ev["type"] in RELAYED:
                     self.log.info("[rtrain] %s", describe(ev))
             st = found.get("status") or {}
-            base = {"run_uri": self.run_uri, "state": found["state"], "step": st.get("step"),
-                    "latest_committed": st.get("latest_committed"), "failures": st.get("failures"),
-                    "recoveries": recoveries, "events_after": cursor}
+            base = {
+                "run_uri": self.run_uri,
+                "state": found["state"],
+                "step": st.get("step"),
+                "latest_committed": st.get("latest_committed"),
+                "failures": st.get("failures"),
+                "recoveries": recoveries,
+                "events_after": cursor,
+            }
             if found["state"] == "finished":
                 yield TriggerEvent({"status": "success", **base})
                 return

@@ -1,0 +1,195 @@
+"""The README is executable: its command blocks run as written, in a temporary copy of the project.
+
+The CLI section's block runs line by line (continuations joined) with bash; `make airflow`
+and the REST block run as a user would: Airflow starts, the two curl commands get a token and
+trigger a run (PASSWORD is the one `make airflow` printed).  Each command's exit code and output
+are checked.  The copy shares this checkout's `.venv` (a symlink) and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = (REPO / "README.md").read_text()
+
+pytestmark = pytest.mark.slow
+
+
+def bash_block(after_heading: str) -> str:
+    """The first ```bash block after a heading."""
+    start = README.index(after_heading)
+    m = re.search(r"```bash\n(.*?)```", README[start:], re.S)
+    assert m, f"no bash block after {after_heading!r}"
+    return m.group(1)
+
+
+def commands(block: str) -> list[str]:
+    """One entry per command: continuation lines joined, comments kept (bash ignores them)."""
+    out: list[str] = []
+    pending = ""
+    for line in block.splitlines():
+        if not line.strip():
+            continue
+        pending += line
+        if line.rstrip().endswith("\\"):
+            pending = pending.rstrip()[:-1] + " "
+            continue
+        out.append(pending)
+        pending = ""
+    return out
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A copy of the project as a user would have it after `make test` (its .venv shared)."""
+    dst = tmp_path_factory.mktemp("readme") / "resilient-training"
+    ignore = shutil.ignore_patterns(
+        ".venv", "var", "airflow_home", ".git", "__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache"
+    )
+    shutil.copytree(REPO, dst, ignore=ignore)
+    (dst / ".venv").symlink_to(REPO / ".venv")
+    yield dst
+    import psutil
+
+    for p in psutil.process_iter(["cmdline"]):  # whatever the README started (a job, Airflow) goes too
+        try:
+            if str(dst) in " ".join(p.info["cmdline"] or []):
+                p.kill()
+        except psutil.Error:
+            pass
+
+
+def run(project: Path, cmd: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "RTRAIN_"))}
+    return subprocess.run(["bash", "-c", cmd], cwd=project, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_cli_section_runs_as_written(project: Path) -> None:
+    cmds = commands(bash_block("## The engine from the command line"))
+    names = [c.split()[1] if c.startswith(".venv/bin/rtrain") else c.split()[0] for c in cmds]
+    assert names == [
+        "prepare",
+        "plan",
+        "train",
+        "status",
+        "events",
+        "capacity",
+        "validate",
+        "rollback",
+        "prune",
+        "report",
+        "config",
+    ], names
+    out: dict[str, subprocess.CompletedProcess[str]] = {}
+    for name, cmd in zip(names, cmds, strict=True):
+        out[name] = r = run(project, cmd)
+        ok = (0, 1) if name == "validate" else (0,)  # 1: a checkpoint was rejected (a verdict, not an error)
+        assert r.returncode in ok, f"{cmd}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}"
+    assert "dataset " in out["prepare"].stdout and "var/data/stdlib-seq64" in out["prepare"].stdout
+    assert "feasible worker counts: [4, 8]" in out["plan"].stdout
+    assert "finished: step 40/40" in out["train"].stdout
+    assert re.search(r"lost|preempt", out["train"].stdout), "the host loss shows in the train output"
+    assert "state       finished" in out["status"].stdout and "step        40/40" in out["status"].stdout
+    assert "resize" in out["events"].stdout and "-> 2 hosts" in out["events"].stdout
+    assert "capacity of r1: 4 hosts" in out["capacity"].stdout
+    assert re.search(r"^\s+\d+\s+(validated|rejected)", out["validate"].stdout, re.M)
+    assert "resume pointer: step" in out["rollback"].stdout or "no validated checkpoint" in out["rollback"].stderr
+    assert "would delete" in out["prune"].stdout
+    assert "goodput" in out["report"].stdout and "failures       1" in out["report"].stdout
+    assert re.search(r"^checkpoint_every\s+int\s+10\s", out["config"].stdout, re.M)
+    # The README's claim: paths are absolute in the saved config (the relative default root worked).
+    saved = json.loads((project / "var" / "runs" / "r1" / "config.json").read_text())
+    assert saved["root"] == str(project / "var" / "runs")
+    assert run(project, ".venv/bin/rtrain --version").stdout.startswith("rtrain ")
+
+
+def test_make_airflow_and_the_rest_example_run_as_written(project: Path) -> None:
+    import psutil
+    import requests
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "RTRAIN_"))}
+    with socket_free(8080):
+        proc = subprocess.Popen(
+            ["make", "airflow"],
+            cwd=project,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+    try:
+        password, lines = None, []
+        deadline = time.monotonic() + 300
+        assert proc.stdout is not None
+        while time.monotonic() < deadline and password is None:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            m = re.search(r"user admin\s+password (\S+)", line)
+            password = m.group(1) if m else None
+        assert password, "".join(lines[-40:])
+        # Every listener of this Airflow is on loopback (no log server on 0.0.0.0).
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        listening = [c.laddr for p in tree for c in _conns(p) if c.status == psutil.CONN_LISTEN]
+        assert listening and all(a.ip in ("127.0.0.1", "::1", "::ffff:127.0.0.1") for a in listening), listening
+
+        block = bash_block("Trigger a run").replace("PASSWORD", password)
+        r = run(project, block, timeout=120)
+        assert r.returncode == 0, r.stderr
+        created = json.loads(r.stdout)
+        assert created["dag_id"] == "resilient_training" and created["conf"]["run_name"] == "ui-1", created
+        token = requests.post(
+            "http://127.0.0.1:8080/auth/token", json={"username": "admin", "password": password}, timeout=30
+        ).json()["access_token"]
+        got = requests.get(
+            f"http://127.0.0.1:8080/api/v2/dags/resilient_training/dagRuns/{created['dag_run_id']}",
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=30,
+        ).json()
+        assert got["state"] in ("queued", "running", "success"), got
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _conns(p: Any) -> list[Any]:
+    import psutil
+
+    try:
+        return list(p.net_connections(kind="inet"))
+    except psutil.Error:
+        return []
+
+
+class socket_free:
+    """Fail clearly (not confusingly) when the README's port is taken on this machine."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+
+    def __enter__(self) -> None:
+        import socket
+
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                pytest.fail(f"port {self.port}, the README's, is in use here: `make airflow` needs it")
+
+    def __exit__(self, *exc: object) -> None:
+        pass
