@@ -1,0 +1,587 @@
+"""Ray Train v2's elastic recovery on our model, data and kill: the other side of ``rtrain bench``'s recovery figure.
+
+A local Ray cluster (``ray.cluster_utils.Cluster``) stands in for the hosts: a
+head that trains nothing (it holds the driver, Ray Train's controller and its
+helper actors, all zero-CPU) and one worker node per simulated host, each with
+one CPU and one ``host`` resource, so that each training worker has a node to
+itself.  Ray Train v2's ``JaxTrainer`` runs our train step (``training.trainer``)
+on our mesh (``training.mesh``) over our input pipeline (``training.data``),
+with ``ScalingConfig(num_workers=(1, hosts))`` (elastic) and
+``FailureConfig(max_failures=...)``; it checkpoints with Ray Train's own
+mechanism (``ray.train.report`` with a ``Checkpoint``, restored with
+``ray.train.get_checkpoint()``), the state saved whole as one ``.npz`` file by
+rank 0 and resharded onto whatever mesh the restarted group has.
+
+Why ``JaxTrainer`` and our own ``jax.distributed.initialize``: the JAX backend
+of Ray 2.60 (``ray.train.v2.jax.config._JaxBackend.on_start``) returns at once
+unless ``use_tpu`` or ``use_gpu`` is set, so on CPU every worker is a
+single-process JAX (``jax.process_count() == 1``).  The train loop below starts
+``jax.distributed`` itself, with the coordinator address broadcast by Ray
+Train's collective (``ray.train.collective.broadcast_from_rank_zero``) and the
+same heartbeat and initialisation timeouts as our engine's worker.
+
+The kill: once a worker records step ``kill_at_step``, the host of world rank 1
+is lost (a follower: rank 0 hosts the JAX coordinator): its training worker
+process is SIGKILLed and its node's Ray processes are killed
+(``Cluster.remove_node(allow_graceful=False)``); Ray Train goes on with the
+``hosts - 1`` left.  (``kill="worker"`` SIGKILLs the worker process only, and
+Ray Train restarts on all ``hosts``.)  Each worker writes a line per event
+(start, restored, compiled, each completed step), with its wall clock, to a
+file under ``workdir``; the recovery time is from the kill to the first step
+completed by a worker group started after it.
+
+Where Ray's time goes (read from its controller's log, Ray 2.60): the
+controller notices the failure within its poll interval (2 s), but its elastic
+policy sizes the new group from the AutoscalingCoordinator's view of the
+cluster, which is refreshed every 20 s (``TICK_INTERVAL_S``, not configurable)
+from nodes that GCS marks dead only after its health checks (~15 s by
+default).  So the first restart asks for the lost host's worker too and waits
+``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`` (60 s) for a placement group that
+cannot be placed, before it retries with what is left; then a fresh worker
+process per host imports everything and starts from the checkpoint.
+``tuned=True`` sets what Ray offers (``TUNED_*``); the coordinator's 20 s tick
+remains.  And ``ray.train.report`` blocks while the previous report waits for
+the controller's poll (a queue of one), so reporting every step paces training
+at one step per poll interval (``report_every``).
+
+Import light: nothing here imports Ray or JAX at module level.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LOOPBACK = "127.0.0.1"  # the address every Ray node of the bench binds
+# Each simulated host is a JAX process with D CPU devices and gloo collectives, as on our local slice.
+WORKER_ENV = {
+    "JAX_PLATFORMS": "cpu",
+    "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
+    "TF_CPP_MIN_LOG_LEVEL": "2",
+    "PYTHONUNBUFFERED": "1",
+}
+# What Ray offers to get over a lost node sooner: GCS health checks of the raylets (Ray's system config;
+# defaults: first check after 5 s, every 3 s, 10 s timeout, 5 misses), how often Ray Train's controller
+# polls its workers (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, default 2 s) and how long it waits for a new
+# worker group's placement group (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, default 60 s).
+TUNED_SYSTEM_CONFIG: dict[str, Any] = {
+    "health_check_initial_delay_ms": 1000,
+    "health_check_period_ms": 1000,
+    "health_check_timeout_ms": 1000,
+    "health_check_failure_threshold": 3,
+}
+TUNED_TRAIN_ENV = {
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "5",
+}
+PROGRESS_DIR = "progress"
+
+
+# --- the train loop (runs in each Ray Train worker) -------------------------------------------
+
+
+class _Progress:
+    """One JSON line per event of this worker (start, restored, step) in its own file under ``workdir``."""
+
+    def __init__(self, directory: str, attempt: str, rank: int) -> None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        self._f = open(Path(directory) / f"{attempt}-{rank}.jsonl", "a", buffering=1)
+        self.attempt = attempt
+        self.rank = rank
+
+    def __call__(self, event: str, **fields: Any) -> None:
+        self._f.write(
+            json.dumps({"event": event, "time": time.time(), "attempt": self.attempt, "rank": self.rank} | fields)
+            + "\n"
+        )
+        self._f.flush()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def _save_npz(state: Any, path: Path | None) -> None:
+    """The whole state, gathered from every process (a collective: all call it), as one .npz at ``path``.
+
+    Leaves in the abstract state's order (arr_0, arr_1, ...); only the process given a path writes.
+    """
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    host = multihost_utils.process_allgather(state, tiled=True)
+    if path is not None:
+        np.savez(path, *[np.asarray(x) for x in jax.tree.leaves(host)])
+
+
+def _slicer(x: Any) -> Callable[[Any], Any]:
+    return lambda index: x[index]
+
+
+def _restore_npz(abstract: Any, path: Path) -> Any:
+    """The state from ``path``, each leaf placed with the sharding of the current mesh (any world size)."""
+    import jax
+    import numpy as np
+
+    leaves, treedef = jax.tree.flatten(abstract)
+    with np.load(path) as saved:
+        if len(saved.files) != len(leaves):
+            raise RuntimeError(f"checkpoint {path} holds {len(saved.files)} arrays, the state has {len(leaves)}")
+        arrays = [saved[f"arr_{i}"] for i in range(len(leaves))]
+    out = []
+    for a, x in zip(leaves, arrays, strict=True):
+        if tuple(x.shape) != tuple(a.shape):
+            raise RuntimeError(f"checkpoint {path}: array of shape {x.shape}, the state wants {a.shape}")
+        x = x.astype(a.dtype)
+        out.append(jax.make_array_from_callback(a.shape, a.sharding, _slicer(x)))
+    return jax.tree.unflatten(treedef, out)
+
+
+def _train_loop(config: dict[str, Any]) -> None:
+    """One Ray Train worker: jax.distributed, our mesh and train step, Ray Train's checkpoints and reports."""
+    import tempfile
+
+    import ray
+    import ray.train
+    from ray.train.collective import broadcast_from_rank_zero
+
+    t_start = time.time()
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    # One id for this worker group (rank 0's), and the JAX coordinator's address (rank 0's host).
+    shared = {"attempt": uuid.uuid4().hex[:12], "coordinator": f"{ray.util.get_node_ip_address()}:{_free_port()}"}
+    shared = broadcast_from_rank_zero(shared if rank == 0 else None)
+    progress = _Progress(config["progress_dir"], shared["attempt"], rank)
+    progress("start", time=t_start, world=world, pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id())
+
+    import jax
+
+    from training.config import load_config
+    from training.data import make_batches
+    from training.elastic.worker import share_cpu_compilation_cache
+    from training.mesh import build_mesh, check_batch, plan_mesh
+    from training.trainer import Trainer
+
+    cfg = load_config("tiny", None, config["overrides"])
+    # The engine's compilation-cache settings, so that both sides compile alike.
+    jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    share_cpu_compilation_cache()
+    if world > 1:
+        # The same timeouts as our engine's worker (training/elastic/worker.py).
+        jax.distributed.initialize(
+            shared["coordinator"],
+            world,
+            rank,
+            coordinator_bind_address=shared["coordinator"] if rank == 0 else None,  # this host's address only
+            heartbeat_timeout_seconds=10,
+            initialization_timeout=120,
+        )
+    plan = plan_mesh(cfg, world)
+    check_batch(cfg, plan)
+    trainer = Trainer(cfg, build_mesh(plan))
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            state = _restore_npz(trainer.abstract, Path(d) / "state.npz")
+    else:
+        state = trainer.init()
+    start = int(jax.device_get(state["step"]))
+    progress("restored", step=start, world=world, from_checkpoint=checkpoint is not None)
+    trainer.compile()
+    progress("compiled", step=start)
+
+    batches = make_batches(
+        cfg.dataset,
+        "train",
+        seed=cfg.seed,
+        global_batch=cfg.global_batch,
+        process_index=rank,
+        process_count=world,
+        start_batch=start,
+    )
+    for step in range(start + 1, cfg.steps + 1):
+        state, m = trainer.step(state, *trainer.global_batch(next(batches)))
+        loss = float(m["loss"])
+        now = time.time()
+        progress("step", time=now, step=step, loss=loss, world=world)
+        metrics = {"step": step, "loss": loss, "time": now, "world_size": world}
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps:  # (a report, with the checkpoint)
+            if rank == 0:
+                with tempfile.TemporaryDirectory(prefix="rtrain-ray-ckpt-") as tmp:
+                    _save_npz(state, Path(tmp) / "state.npz")
+                    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+            else:
+                _save_npz(state, None)
+                ray.train.report(metrics)
+            progress("checkpoint", step=step)
+        elif step % config["report_every"] == 0:
+            ray.train.report(metrics)
+    progress("done", step=cfg.steps)
+
+
+# --- the driver ---------------------------------------------------------------------------------
+
+
+def _read_progress(directory: Path) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for p in sorted(directory.glob("*.jsonl")):
+        for line in p.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # a line being written
+                pass
+    return sorted(out, key=lambda r: float(r["time"]))
+
+
+def _attempts(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per worker group (as its rank 0 saw it): start, world size, restored step, times of restore, compile, steps."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in records:
+        if r["rank"] != 0:
+            continue
+        a = out.setdefault(r["attempt"], {"steps": {}})
+        if r["event"] == "start":
+            a.update(start=r["time"], world=r["world"])
+        elif r["event"] == "restored":
+            a.update(restored_step=r["step"], restored_at=r["time"])
+        elif r["event"] == "compiled":
+            a.update(compiled_at=r["time"])
+        elif r["event"] == "step":
+            a["steps"][r["step"]] = r["time"]
+    return out
+
+
+class _Env:
+    """Environment variables set for a while (the driver's: Ray Train propagates its own to the controller)."""
+
+    def __init__(self, values: Mapping[str, str]) -> None:
+        self.values = dict(values)
+        self.saved: dict[str, str | None] = {}
+
+    def __enter__(self) -> None:
+        for k, v in self.values.items():
+            self.saved[k] = os.environ.get(k)
+            os.environ[k] = v
+
+    def __exit__(self, *exc: object) -> None:
+        for k, old in self.saved.items():
+            if old is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = old
+
+
+def _median_step_s(times: dict[int, float], lo: int, hi: int) -> float | None:
+    gaps = sorted(times[s] - times[s - 1] for s in range(lo + 1, hi + 1) if s in times and s - 1 in times)
+    return gaps[len(gaps) // 2] if gaps else None
+
+
+def ray_recovery(
+    workdir: Path,
+    dataset: str,
+    *,
+    hosts: int = 2,
+    devices_per_host: int = 2,
+    steps: int = 30,
+    kill_at_step: int = 12,
+    checkpoint_every: int = 5,
+    timeout_s: float = 600,
+    kill: Literal["node", "worker"] = "node",
+    tuned: bool = False,
+    max_failures: int = 3,
+    report_every: int = 1,
+    compilation_cache: str | None = None,
+) -> dict[str, Any]:
+    """Ray Train v2's elastic recovery from a lost host, on our model and data, as a JSON-serialisable dict.
+
+    ``recovery_s``: from the kill to the first step completed by a worker group started after it
+    (the workers' clocks).  ``kill="node"`` loses world rank 1's host (its worker process SIGKILLed,
+    its node's Ray processes killed): Ray Train goes on with ``hosts - 1`` workers; ``kill="worker"``
+    only SIGKILLs that worker process (our bench's ``crash:worker=1``): the node stays and Ray Train
+    restarts all ``hosts``.  ``tuned``: Ray's knobs for noticing a loss sooner (``TUNED_SYSTEM_CONFIG``,
+    ``TUNED_TRAIN_ENV``); otherwise Ray's defaults.  ``report_every``: steps between
+    ``ray.train.report`` calls (each blocks while the previous one waits for the controller's poll).
+    Raises RuntimeError when Ray Train cannot run here, with the reason.
+    """
+    if hosts < 2:
+        raise ValueError(f"hosts must be >= 2 (one is lost), got {hosts}")
+    if not 0 < kill_at_step < steps:
+        raise ValueError(f"kill_at_step must be in 1..{steps - 1}, got {kill_at_step}")
+    if kill not in ("node", "worker"):
+        raise ValueError(f"kill must be 'node' or 'worker', got {kill!r}")
+    # A cluster on one machine: Ray then takes the loopback address as every node's address (read when
+    # Ray is imported, and by every process it starts), so no Ray server listens on another interface.
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    try:
+        import ray
+        from ray.cluster_utils import Cluster
+        from ray.train.v2._internal.constants import is_v2_enabled
+        from ray.train.v2.api.config import FailureConfig, RunConfig, ScalingConfig
+        from ray.train.v2.jax import JaxTrainer
+    except ImportError as e:
+        raise RuntimeError(f"Ray Train v2 cannot be imported here: {e}") from e
+    if not is_v2_enabled():
+        raise RuntimeError("Ray Train v2 is turned off here (RAY_TRAIN_V2_ENABLED=0)")
+    if ray.is_initialized():
+        raise RuntimeError("this process is already connected to a Ray cluster; the bench starts its own")
+    from training.config import load_config
+    from training.data import load_manifest
+    from training.mesh import check_batch, plan_mesh
+
+    workdir = Path(workdir).resolve()
+    dataset = os.path.abspath(dataset)
+    load_manifest(dataset)  # a missing dataset is an error here, not in a Ray worker
+    survivors = hosts - 1 if kill == "node" else hosts
+    overrides: dict[str, Any] = {
+        "dataset": dataset,
+        "devices_per_worker": devices_per_host,
+        "min_workers": 1,
+        "max_workers": hosts,
+        "steps": steps,
+        "checkpoint_every": checkpoint_every,
+        "compilation_cache": os.path.abspath(compilation_cache or workdir / "jax-cache"),
+        "spike_factor": 0,
+    }
+    cfg = load_config("tiny", None, overrides)
+    for n in sorted({hosts, survivors}):
+        check_batch(cfg, plan_mesh(cfg, n))  # the PlanError names the numbers
+    for sub in (PROGRESS_DIR, "ray_results"):
+        shutil.rmtree(workdir / sub, ignore_errors=True)
+    progress_dir = workdir / PROGRESS_DIR
+    progress_dir.mkdir(parents=True)
+
+    system_config: dict[str, Any] = dict(TUNED_SYSTEM_CONFIG) if tuned else {}
+    train_env = dict(TUNED_TRAIN_ENV) if tuned else {}
+    worker_env = dict(WORKER_ENV)
+    worker_env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_host}"
+    worker_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+    notes: list[str] = [
+        "JaxTrainer: its JAX backend starts jax.distributed only with use_tpu/use_gpu, so on CPU the train loop "
+        "starts it (coordinator address from ray.train.collective.broadcast_from_rank_zero; heartbeat 10 s, "
+        "initialisation 120 s, as our worker)",
+        f"cluster: ray.cluster_utils.Cluster; a head with 0 CPUs (driver, Train controller), {hosts} worker nodes "
+        "of {CPU: 1, host: 1}; resources_per_worker={CPU: 1, host: 1}: one worker per node",
+        f"ScalingConfig(num_workers=(1, {hosts})), FailureConfig(max_failures={max_failures})",
+        "kill: SIGKILL of world rank 1's worker process"
+        + (", then Cluster.remove_node(allow_graceful=False) of its node" if kill == "node" else " (node kept)"),
+        "checkpoints: ray.train.report(metrics, Checkpoint.from_directory(d)) every checkpoint_every steps, d "
+        "holding one state.npz (process_allgather, written by rank 0); restored from ray.train.get_checkpoint() "
+        "onto the new world size's mesh",
+        "tuned: " + json.dumps({"_system_config": system_config, "env": train_env})
+        if tuned
+        else "Ray's defaults (GCS health checks every 3 s, 5 misses; Train controller poll 2 s; worker group "
+        "start timeout 60 s)",
+    ]
+    result: dict[str, Any] = {
+        "framework": "ray-train",
+        "ray_version": ray.__version__,
+        "trainer": "JaxTrainer",
+        "kill": kill,
+        "tuned": tuned,
+        "recovery_s": None,
+        "kill_at_step": kill_at_step,
+        "killed_after_step": None,
+        "restored_step": None,
+        "first_step_after": None,
+        "workers_before": None,
+        "workers_after": None,
+        "finished": False,
+        "steps": steps,
+        "seconds_total": None,
+        "step_s": None,
+        "breakdown_s": None,
+        "settings": {"system_config": system_config, "env": train_env, "report_every": report_every},
+        "notes": notes,
+    }
+
+    fit_errors: list[BaseException] = []
+    fit_done = threading.Event()
+    cluster: Any = None
+    with _Env(train_env):
+        try:
+            try:
+                # Every Ray node on the loopback address: nothing listens on another interface.
+                head_args: dict[str, Any] = {"num_cpus": 0, "include_dashboard": False, "node_ip_address": LOOPBACK}
+                if system_config:
+                    head_args["_system_config"] = dict(system_config)  # (Ray adds its own keys to it)
+                cluster = Cluster(initialize_head=True, connect=False, head_node_args=head_args)
+                for _ in range(hosts):
+                    cluster.add_node(num_cpus=1, resources={"host": 1}, node_ip_address=LOOPBACK)
+                cluster.wait_for_nodes()
+                ray.init(address=cluster.address, log_to_driver=bool(os.environ.get("RTRAIN_RAY_LOGS")))
+            except Exception as e:
+                raise RuntimeError(f"a local Ray cluster cannot start here: {type(e).__name__}: {e}") from e
+
+            trainer = JaxTrainer(
+                _train_loop,
+                train_loop_config={
+                    "progress_dir": str(progress_dir),
+                    "overrides": overrides,
+                    "report_every": report_every,
+                },
+                scaling_config=ScalingConfig(num_workers=(1, hosts), resources_per_worker={"CPU": 1, "host": 1}),
+                run_config=RunConfig(
+                    name="ray-recovery",
+                    storage_path=str(workdir / "ray_results"),
+                    failure_config=FailureConfig(max_failures=max_failures),
+                    worker_runtime_env={"env_vars": worker_env},
+                ),
+            )
+
+            def fit() -> None:
+                try:
+                    res = trainer.fit()
+                    if res.error is not None:
+                        fit_errors.append(res.error)
+                except BaseException as e:  # noqa: BLE001 - handed to the driver's thread
+                    fit_errors.append(e)
+                finally:
+                    fit_done.set()
+
+            t_fit = time.time()
+            threading.Thread(target=fit, name="ray-train-fit", daemon=True).start()
+            deadline = time.monotonic() + timeout_s
+            t_kill: float | None = None
+            while not fit_done.is_set() and time.monotonic() < deadline:
+                records = _read_progress(progress_dir)
+                attempts = _attempts(records)
+                if t_kill is None:
+                    ready = [(k, a) for k, a in attempts.items() if kill_at_step in a["steps"]]
+                    if ready:
+                        first, a = ready[0]
+                        victim = next(
+                            (r for r in records if r["event"] == "start" and r["attempt"] == first and r["rank"] == 1),
+                            None,
+                        )
+                        node = next(
+                            (n for n in cluster.worker_nodes if victim is not None and n.node_id == victim["node_id"]),
+                            None,
+                        )
+                        if victim is None or node is None:
+                            raise RuntimeError(
+                                f"world rank 1 of the first worker group, or its node, not found ({victim})"
+                            )
+                        t_kill = time.time()
+                        try:
+                            os.kill(int(victim["pid"]), signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+                        if kill == "node":
+                            cluster.remove_node(node, allow_graceful=False)
+                        result.update(
+                            workers_before=a["world"],
+                            killed_after_step=max(a["steps"]),
+                            step_s=_median_step_s(a["steps"], 2, max(a["steps"])),
+                        )
+                elif result["recovery_s"] is None:
+                    after = [a for a in attempts.values() if a.get("start", 0.0) > t_kill and a["steps"]]
+                    if after:
+                        a = min(after, key=lambda a: float(a["start"]))
+                        first_step = min(a["steps"])
+                        result.update(
+                            recovery_s=a["steps"][first_step] - t_kill,
+                            restored_step=a.get("restored_step"),
+                            first_step_after=first_step,
+                            workers_after=a["world"],
+                            # Cumulative from the kill, as the new worker group's rank 0 saw it.
+                            breakdown_s={
+                                "train_fn_started": a["start"] - t_kill,
+                                "restored": a["restored_at"] - t_kill,
+                                "compiled": a["compiled_at"] - t_kill,
+                                "first_step": a["steps"][first_step] - t_kill,
+                            },
+                        )
+                time.sleep(0.05)
+            result["seconds_total"] = time.time() - t_fit
+            if not fit_done.is_set():
+                notes.append(f"stopped after timeout_s={timeout_s:.0f} s")
+            if fit_errors:
+                err = fit_errors[0]
+                if t_kill is None:
+                    raise RuntimeError(f"Ray Train failed before the kill: {type(err).__name__}: {err}") from err
+                notes.append(f"fit ended with {type(err).__name__}: {str(err)[:400]}")
+            elif t_kill is None:
+                raise RuntimeError(
+                    f"Ray Train did not reach step {kill_at_step} in {timeout_s:.0f} s"
+                    if not fit_done.is_set()
+                    else f"training ended without a record of step {kill_at_step} (see {progress_dir})"
+                )
+            done = any(r["event"] == "done" for r in _read_progress(progress_dir))
+            result["finished"] = fit_done.is_set() and not fit_errors and done
+            return result
+        finally:
+            try:
+                ray.shutdown()
+            finally:
+                if cluster is not None:
+                    cluster.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description="Ray Train v2's elastic recovery on our model, data and kill (JSON out).")
+    p.add_argument("--workdir", default="var/bench/ray", help="progress records, Ray's results, the JAX cache")
+    p.add_argument("--dataset", default="", help="a prepared dataset (default: a small one under the workdir)")
+    p.add_argument("--hosts", type=int, default=2)
+    p.add_argument("--devices-per-host", type=int, default=2)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--kill-at-step", type=int, default=12)
+    p.add_argument("--checkpoint-every", type=int, default=5)
+    p.add_argument("--kill", choices=("node", "worker"), default="node")
+    p.add_argument("--tuned", action="store_true", help="Ray's knobs for noticing a loss sooner (TUNED_*)")
+    p.add_argument("--report-every", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--out", default="", help="also write the JSON here (Ray prints its own messages to stdout)")
+    args = p.parse_args(argv)
+    workdir = Path(args.workdir).resolve()
+    dataset = args.dataset
+    if not dataset:
+        from training.data import prepare
+
+        dataset = str(workdir / "data")
+        prepare(None, dataset, 64, max_bytes=300_000)
+    res = ray_recovery(
+        workdir,
+        dataset,
+        hosts=args.hosts,
+        devices_per_host=args.devices_per_host,
+        steps=args.steps,
+        kill_at_step=args.kill_at_step,
+        checkpoint_every=args.checkpoint_every,
+        timeout_s=args.timeout,
+        kill=args.kill,
+        tuned=args.tuned,
+        report_every=args.report_every,
+    )
+    text = json.dumps(res, indent=2)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    # Through the module's own name, so that Ray pickles the train loop by reference.
+    from training.bench_ray import main as _main
+
+    sys.exit(_main())
