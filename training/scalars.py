@@ -1,0 +1,307 @@
+"""Step-indexed training scalars as TensorBoard event files under the run root.
+
+The host agent (the one writer, as for events) calls :meth:`ScalarLog.add` for
+each step (in memory, cheap) and :meth:`ScalarLog.flush` every few seconds and at
+the end.  Each flush writes one new, write-once event file, because GCS objects
+cannot be appended to::
+
+    <run>/tensorboard/<subdir>/events.out.tfevents.<10-digit s>.<9-digit ns>.<host>.<nonce>
+
+TensorBoard reads every ``*tfevents*`` file of a directory in name order, and
+these names sort in write order: the stamp is strictly increasing in a process,
+and a new writer first lists the directory and stays past the newest name there,
+so a leader on another host with a slower clock still sorts after its predecessor.
+``<run>/tensorboard`` (:func:`logdir`) is what ``tensorboard --logdir`` is given;
+each subdir (``train``, ``validation``) is one TensorBoard run.
+
+Restarts, resizes and rollbacks.  When training resumes at step S, whatever was
+written for steps >= S before is superseded.  :meth:`ScalarLog.restart` records
+this the way TensorFlow's own supervisor did: an ``Event`` with
+``session_log.status = START`` at step S.  TensorBoard's accumulators
+(``event_accumulator.EventAccumulator._CheckForRestartAndMaybePurge``, also in
+``plugin_event_accumulator``; on by default, ``purge_orphaned_data=True``) drop
+every value with step >= S, of every tag, when they read it in a file whose
+``file_version`` is ``brain.Event:2`` (each file here starts with one).  Its fast
+Rust data server (``--load_fast``, the one that reads ``gs://`` without
+TensorFlow) ignores ``session_log`` but preempts per series: a value at step s
+drops that tag's values at steps >= s.  Both agree on every tag that is logged
+again after the restart, as step scalars are; a tag that never comes back past S
+keeps its stale points there on the fast path only.  A new :class:`ScalarLog`
+begins with a START at its first step (or the one given to ``restart``), and a
+step that goes backwards is a restart too, so no series is ever interleaved.
+
+Why ``tensorboard`` (the package) and not tensorboardX or CLU: it is TensorBoard's
+own code, released with it by Google, and runs without TensorFlow: its ``Event``
+protos and TFRecord framing (``RecordWriter``) write, and its
+``EventAccumulator`` reads with exactly the purge rules the UI applies, so the
+tests check what people will see; it supports protobuf 7 (it needs >=6.31,<8).
+tensorboardX writes the same files but has no reader (tests would need
+``tensorboard`` anyway) and is a smaller project; CLU's metric writers write
+through TensorFlow (or wrap another writer) and bring JAX-side packages into the agent.
+
+No JAX here: the agent imports this module.  TensorBoard itself (~0.35 s to
+import its writer, mostly its TensorFlow stub) is imported on the first flush or
+read, never at import time.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from training.records import nonce, stamp
+from training.storage import AlreadyExists, LocalStore, Store, join, open_store
+
+TENSORBOARD = "tensorboard"  # <run>/tensorboard/<subdir>/: one TensorBoard run per subdir
+FILE_VERSION = "brain.Event:2"  # turns on TensorBoard's SessionLog.START purge (event_accumulator.py)
+_PREFIX = "events.out.tfevents."
+_NAME = re.compile(r"events\.out\.tfevents\.(\d{10})\.(\d{9})\.")
+_SUBDIR = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+@dataclass
+class _Start:
+    """A session (re)starts at ``step``: the readers drop what was written at steps >= it."""
+
+    step: int
+    wall_time: float
+
+
+@dataclass
+class _Scalars:
+    step: int
+    wall_time: float
+    values: dict[str, float] = field(default_factory=dict)
+
+
+def logdir(run_uri: str) -> str:
+    """What to give ``tensorboard --logdir``: ``<run>/tensorboard`` (a local path or ``gs://``)."""
+    return join(run_uri, TENSORBOARD)
+
+
+def _check_subdir(subdir: str) -> str:
+    if not _SUBDIR.fullmatch(subdir) or subdir.startswith(".."):
+        raise ValueError(f"invalid TensorBoard subdir {subdir!r}")
+    return subdir
+
+
+def _safe(host: str | int) -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "-", str(host)) or "host"
+
+
+class ScalarLog:
+    """One writer of one TensorBoard run (``<run>/tensorboard/<subdir>``).
+
+    ``add``/``restart`` only append to memory; ``flush`` encodes what is pending
+    into one new event file.  Thread-safe: steps may be added while another
+    thread flushes.  Values are stored as TensorBoard scalars (``simple_value``,
+    float32), which every TensorBoard-reading tool understands.
+    """
+
+    def __init__(self, run_uri: str, host: str | int, subdir: str = "train", *, store: Store | None = None) -> None:
+        self.run_uri = run_uri
+        self.subdir = _check_subdir(subdir)
+        self.host = _safe(host)
+        self._store = store
+        self._dir = f"{TENSORBOARD}/{self.subdir}/"
+        self._nonce = nonce()
+        self._lock = threading.Lock()  # the pending records and the step bookkeeping
+        self._flush_lock = threading.Lock()  # one flush at a time, so files keep their order
+        self._pending: list[_Start | _Scalars] = []
+        self._started = False
+        self._floor = 0  # a step below this rewinds (a restart)
+        self._last_step: int | None = None  # the latest step recorded, and all its values
+        self._last_values: dict[str, float] = {}
+        self._last_written = False  # part of the latest step is in a file already
+        self._last_ns: int | None = None  # the stamp of the newest file name (None: not listed yet)
+        self.files_written = 0
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            self._store = open_store(self.run_uri)
+        return self._store
+
+    def add(self, step: int, values: Mapping[str, float], wall_time: float | None = None) -> None:
+        """Record ``values`` (tag -> number) for ``step``; nothing is written until :meth:`flush`.
+
+        Another ``add`` for the same step merges into it (new tags join it; a tag
+        given again replaces its value).  A step below the previous one is a
+        restart there (see :meth:`restart`).
+        """
+        if step < 0:
+            raise ValueError(f"negative step {step}")
+        vals = {str(k): float(v) for k, v in values.items()}
+        if not vals:
+            return
+        wt = time.time() if wall_time is None else float(wall_time)
+        with self._lock:
+            if not self._started or (step < self._floor and step != self._last_step):
+                self._restart(step, wt)
+            if step == self._last_step:
+                merged = {**self._last_values, **vals}
+                last = self._pending[-1] if self._pending else None
+                if not self._last_written and isinstance(last, _Scalars) and last.step == step:
+                    last.values.update(vals)
+                elif self._last_values.keys() & vals.keys():
+                    # A value already in a file is replaced: restart at this step, write the step whole.
+                    self._restart(step, wt)
+                    self._pending.append(_Scalars(step, wt, dict(merged)))
+                else:
+                    self._pending.append(_Scalars(step, wt, vals))
+                self._last_step, self._last_values = step, merged
+            else:
+                self._pending.append(_Scalars(step, wt, dict(vals)))
+                self._last_step, self._last_values, self._last_written = step, dict(vals), False
+            self._floor = step + 1
+
+    def restart(self, step: int) -> None:
+        """Training (re)starts at ``step``: every value written for steps >= ``step`` is superseded.
+
+        Call it on each resume (a restart, a resize, a rollback to an older
+        checkpoint).  Pending values at those steps are dropped at once; those
+        already written are dropped by TensorBoard when it reads the START event.
+        """
+        if step < 0:
+            raise ValueError(f"negative step {step}")
+        with self._lock:
+            self._restart(step, time.time())
+
+    def _restart(self, step: int, wall_time: float) -> None:
+        self._pending = [r for r in self._pending if r.step < step]
+        self._pending.append(_Start(step, wall_time))
+        self._started = True
+        self._floor = step
+        self._last_step, self._last_values, self._last_written = None, {}, False
+
+    @property
+    def pending(self) -> int:
+        """How many records (steps and restarts) wait for the next flush."""
+        with self._lock:
+            return len(self._pending)
+
+    def flush(self) -> int:
+        """Write what is pending as one new event file; return the number of objects written (0 or 1)."""
+        with self._flush_lock:
+            with self._lock:
+                batch, self._pending = self._pending, []
+                if not batch:
+                    return 0
+                if any(isinstance(r, _Scalars) and r.step == self._last_step for r in batch):
+                    self._last_written = True
+            try:
+                self._write(_encode(batch))
+            except BaseException:
+                with self._lock:  # keep them for the next flush, ahead of what came since
+                    self._pending = batch + self._pending
+                raise
+            self.files_written += 1
+            return 1
+
+    def _write(self, data: bytes) -> None:
+        store = self.store
+        if self._last_ns is None:
+            self._last_ns = max((_stamp_of(k) for k in store.list(self._dir)), default=0)
+        for _ in range(5):
+            ns = max(stamp(), self._last_ns + 1)
+            self._last_ns = ns
+            name = f"{_PREFIX}{ns // 10**9:010d}.{ns % 10**9:09d}.{self.host}.{self._nonce}"
+            try:
+                if isinstance(store, LocalStore):
+                    if store.exists(self._dir + name):
+                        continue
+                    # LocalStore writes through a temporary ".<name>.XXXX" file, which TensorBoard would
+                    # read too (it takes any name containing "tfevents"): stage under a name it skips.
+                    staging = f"{self._dir}.staging-{self._nonce}-{ns}"
+                    store.put(staging, data)
+                    store.move(staging, self._dir + name)
+                else:
+                    store.create(self._dir + name, data)  # one upload: atomic, write-once
+                return
+            except AlreadyExists:
+                continue
+        raise AlreadyExists(f"no free event file name under {store.child(self._dir)}")
+
+
+def _stamp_of(key: str) -> int:
+    m = _NAME.match(key.rsplit("/", 1)[-1])
+    return int(m.group(1)) * 10**9 + int(m.group(2)) if m else 0
+
+
+def _encode(batch: list[_Start | _Scalars]) -> bytes:
+    """One event file: the file_version event, then each record, TFRecord-framed by TensorBoard's writer."""
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    buf = io.BytesIO()
+    writer = RecordWriter(buf)
+    writer.write(event_pb2.Event(wall_time=batch[0].wall_time, file_version=FILE_VERSION).SerializeToString())
+    for r in batch:
+        if isinstance(r, _Start):
+            event = event_pb2.Event(
+                wall_time=r.wall_time, step=r.step, session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+            )
+        else:
+            summary = summary_pb2.Summary(
+                value=[summary_pb2.Summary.Value(tag=t, simple_value=v) for t, v in sorted(r.values.items())]
+            )
+            event = event_pb2.Event(wall_time=r.wall_time, step=r.step, summary=summary)
+        writer.write(event.SerializeToString())
+    return buf.getvalue()
+
+
+class _QuietPurges(logging.Filter):
+    """Purges are how rollbacks are shown here, not a problem worth a warning."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Detected out of order event.step")
+
+
+def read_scalars(
+    run_uri: str, subdir: str = "train", *, store: Store | None = None
+) -> dict[str, list[tuple[int, float]]]:
+    """``{tag: [(step, value), ...]}`` as TensorBoard shows it: read by its ``EventAccumulator``.
+
+    Every value is kept (no sampling) and restarts purge as in the UI, so a
+    resumed run has one value per step.  A ``gs://`` run's event files are copied
+    to a temporary directory first (the accumulator reads local files without
+    TensorFlow).
+    """
+    from tensorboard.backend.event_processing import event_accumulator
+
+    store = store or open_store(run_uri)
+    prefix = f"{TENSORBOARD}/{_check_subdir(subdir)}/"
+    keys = [k for k in store.list(prefix) if "/" not in k[len(prefix) :] and "tfevents" in k[len(prefix) :]]
+    if not keys:
+        return {}
+    tmp = None
+    if isinstance(store, LocalStore):
+        path = store.child(prefix)
+    else:
+        tmp = path = tempfile.mkdtemp(prefix="rtrain-tb-")
+        for k in keys:
+            with open(os.path.join(tmp, k[len(prefix) :]), "wb") as f:
+                f.write(store.get(k))
+    quiet = _QuietPurges()
+    tb_log = logging.getLogger("tensorboard")
+    tb_log.addFilter(quiet)
+    try:
+        acc: Any = event_accumulator.EventAccumulator(
+            path, size_guidance={event_accumulator.SCALARS: 0}, purge_orphaned_data=True
+        )
+        acc.Reload()
+        out = {str(tag): [(int(e.step), float(e.value)) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+        return {tag: points for tag, points in out.items() if points}  # (a tag whose points were all purged)
+    finally:
+        tb_log.removeFilter(quiet)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
