@@ -56,3 +56,10 @@ def test_move_relocates_a_prefix(store):
     assert store.list("checkpoints/") == ["checkpoints/150/x"]
     assert store.list("quarantine/") == ["quarantine/15-1/data/b", "quarantine/15-1/state/a"]
     assert store.get("quarantine/15-1/state/a") == b"1"
+
+
+def test_a_root_that_is_not_there_lists_and_checksums_nothing(tmp_path):
+    # Not its parent's files: a pruned checkpoint directory has no objects (and none "../" of it).
+    (tmp_path / "beside.json").write_text("{}")
+    gone = open_store(str(tmp_path / "pruned"))
+    assert gone.list() == [] and gone.list("a/") == [] and gone.checksums() == {}

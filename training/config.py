@@ -31,7 +31,7 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 RUN_NAME_PATTERN = r"^(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 RUN_NAME_RE = re.compile(RUN_NAME_PATTERN)
 # Config keys that name local paths: made absolute once, when the config is resolved.
-PATH_KEYS = ("root", "dataset", "compilation_cache")
+PATH_KEYS = ("root", "dataset", "compilation_cache", "local_checkpoint_dir")
 DEFAULT_DATASET = "var/data/stdlib-seq{seq_len}"
 GCS_TIMING = {"heartbeat_s": 1.0, "heartbeat_timeout_s": 10.0, "lease_s": 8.0}
 
@@ -92,6 +92,26 @@ class Config(BaseModel):
     # --- checkpoints -----------------------------------------------------------
     checkpoint_every: int = Field(10, ge=1, description="Save a checkpoint every N steps (and at the end).")
     async_checkpoint: bool = Field(True, description="Save in the background while training goes on.")
+    local_checkpoint_every: int = Field(
+        0,
+        ge=0,
+        description="Local tier: every N steps each host also saves the state to host-local storage "
+        "(`local_checkpoint_dir`), restored from after a lost host when newer than the newest persistent "
+        "checkpoint (0: off).",
+    )
+    local_checkpoint_dir: str = Field(
+        "",
+        description="Local tier directory on each host (on GKE an emptyDir volume with medium Memory); empty: "
+        "/dev/shm/rtrain (a tmpfs) when it has 1 GiB free, else the system's temp directory. A host's "
+        "RTRAIN_LOCAL_CHECKPOINT_DIR wins.",
+    )
+    local_keep: int = Field(2, ge=1, description="Local tier: each host keeps its newest N local checkpoints.")
+    preemption_grace_s: float = Field(
+        25.0,
+        gt=0,
+        description="After a preemption notice (SIGTERM), the seconds the job has to stop at a step boundary and "
+        "commit a checkpoint of it (keep below the platform's grace period; GKE's default is 30 s).",
+    )
     checkpoint_format: Literal["auto", "ocdbt", "zarr"] = Field(
         "auto",
         description="Array storage: OCDBT (Orbax's default) or plain zarr; auto = OCDBT except against a GCS emulator.",
@@ -212,9 +232,11 @@ class Config(BaseModel):
             raise ValueError(f"resume_from must be 'latest', 'none' or a step number, got {self.resume_from!r}")
         for spec in self.chaos:
             try:
-                parse_chaos(spec)
+                fault = parse_chaos(spec)
             except ChaosError as e:
                 raise ValueError(str(e)) from None
+            if fault.action == "damage_local" and not self.local_checkpoint_every:
+                raise ValueError(f"chaos {spec!r}: damage_local needs the local tier (local_checkpoint_every > 0)")
         return self
 
     @property

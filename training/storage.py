@@ -149,7 +149,7 @@ class LocalStore:
         # A prefix may name a directory ("a/") or the start of a file name ("a/x").
         if base.is_dir():
             walk_root = base
-        elif prefix.endswith("/"):
+        elif not prefix or prefix.endswith("/"):  # no such directory (a root that is gone lists nothing)
             return []
         else:
             walk_root = base.parent

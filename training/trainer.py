@@ -24,14 +24,18 @@ from training.model import Transformer, loss_fn
 State = dict[str, Any]
 
 
-def make_optimizer(cfg: Config) -> optax.GradientTransformation:
-    schedule = optax.warmup_cosine_decay_schedule(
+def make_schedule(cfg: Config) -> optax.Schedule:
+    return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=cfg.learning_rate,
         warmup_steps=cfg.warmup_steps,
         decay_steps=max(cfg.steps, cfg.warmup_steps + 1),
         end_value=cfg.learning_rate * cfg.min_lr_ratio,
     )
+
+
+def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+    schedule = make_schedule(cfg)
     parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
     parts.append(optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay))
     return optax.chain(*parts)
@@ -45,8 +49,12 @@ class Trainer:
         self.mesh = mesh
         self.model = Transformer(cfg)
         self.tx = make_optimizer(cfg)
+        self.schedule = make_schedule(cfg)
         self.batch_sharding = NamedSharding(mesh, P(("data", "fsdp"), None))
         self.replicated = NamedSharding(mesh, P())
+        # One flag per device, set by the process that owns it: the step all-reduces them, so every
+        # process learns in the step's own output that one of them was told to stop (a preemption notice).
+        self.flag_sharding = NamedSharding(mesh, P(mesh.axis_names))
 
         # Shapes and logical axes come from an abstract init (no FLOPs, no memory).
         boxed = jax.eval_shape(self._init_boxed, jax.random.key(0))
@@ -58,12 +66,19 @@ class Trainer:
         self._init = jax.jit(lambda key: nn.unbox(self._init_boxed(key)), out_shardings=self.shardings)
         self._step = jax.jit(
             self._train_step,
-            in_shardings=(self.shardings, self.batch_sharding, self.batch_sharding, self.replicated),
+            in_shardings=(
+                self.shardings,
+                self.batch_sharding,
+                self.batch_sharding,
+                self.replicated,
+                self.flag_sharding,
+            ),
             out_shardings=(self.shardings, self.replicated),
             donate_argnums=(0,),
         )
         self._compiled: Any = None
         self._scales: dict[float, jax.Array] = {}
+        self._flags: dict[int, jax.Array] = {}
 
     # --- state -------------------------------------------------------------------
     def _init_boxed(self, key: jax.Array) -> State:
@@ -82,7 +97,7 @@ class Trainer:
 
     # --- the step ------------------------------------------------------------------
     def _train_step(
-        self, state: State, inputs: jax.Array, targets: jax.Array, lr_scale: jax.Array
+        self, state: State, inputs: jax.Array, targets: jax.Array, lr_scale: jax.Array, flags: jax.Array
     ) -> tuple[State, dict[str, Any]]:
         def compute_loss(params: Any) -> tuple[jax.Array, dict[str, Any]]:
             logits = cast(jax.Array, self.model.apply({"params": params}, inputs))
@@ -94,7 +109,14 @@ class Trainer:
         updates = jax.tree.map(lambda u: u * lr_scale.astype(u.dtype), updates)
         params = optax.apply_updates(state["params"], updates)
         new = {**state, "step": state["step"] + 1, "params": params, "opt_state": opt_state}
-        return new, {"loss": loss, "grad_norm": optax.global_norm(grads), **aux}
+        metrics = {
+            "loss": loss,
+            "grad_norm": optax.global_norm(grads),
+            "lr": self.schedule(state["step"]) * lr_scale,  # the rate this step's update used
+            "notice": jnp.max(flags),
+            **aux,
+        }
+        return new, metrics
 
     def global_batch(self, local: dict[str, np.ndarray]) -> tuple[jax.Array, jax.Array]:
         """Assemble this process's rows into global arrays sharded over (data, fsdp)."""
@@ -106,15 +128,26 @@ class Trainer:
         return arrays[0], arrays[1]
 
     def step(
-        self, state: State, inputs: jax.Array, targets: jax.Array, lr_scale: float = 1.0
+        self, state: State, inputs: jax.Array, targets: jax.Array, lr_scale: float = 1.0, notice: bool = False
     ) -> tuple[State, dict[str, Any]]:
+        """Dispatch one step (asynchronously: nothing here waits for the device).
+
+        ``notice``: this process was told to stop (a preemption notice); the step's
+        ``notice`` metric is 1 on every process when any of them was.
+        """
         fn = self._compiled if self._compiled is not None else self._step
         if lr_scale not in self._scales:
             # (not device_put: its cross-process equality check fails on NaN, which chaos uses)
             self._scales[lr_scale] = jax.make_array_from_callback(
                 (), self.replicated, lambda _: np.asarray(lr_scale, np.float32)
             )
-        return cast(tuple[State, dict[str, Any]], fn(state, inputs, targets, self._scales[lr_scale]))
+        flag = int(notice)
+        if flag not in self._flags:
+            n = self.mesh.size
+            self._flags[flag] = jax.make_array_from_callback(
+                (n,), self.flag_sharding, lambda idx: np.full(len(range(*cast(Any, idx)[0].indices(n))), flag, np.int32)
+            )
+        return cast(tuple[State, dict[str, Any]], fn(state, inputs, targets, self._scales[lr_scale], self._flags[flag]))
 
     def corrupt(self, state: State) -> State:
         """Chaos: overwrite the parameters with noise (a regression validation must catch)."""
@@ -129,4 +162,5 @@ class Trainer:
         b, s = self.cfg.global_batch, self.cfg.seq_len
         batch = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=self.batch_sharding)
         scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.replicated)
-        self._compiled = self._step.lower(self.abstract, batch, batch, scalar).compile()
+        flags = jax.ShapeDtypeStruct((self.mesh.size,), jnp.int32, sharding=self.flag_sharding)
+        self._compiled = self._step.lower(self.abstract, batch, batch, scalar, flags).compile()

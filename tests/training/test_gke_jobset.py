@@ -635,3 +635,22 @@ def test_training_image_installs_every_runtime_dependency() -> None:
     )
     assert not missing, f"docker/Dockerfile.train does not install {missing}"
     assert "jax[tpu]" in text and "--constraint constraints.txt" in text and "--no-deps" in text
+
+
+def test_the_local_tier_gets_a_memory_volume_and_the_pods_a_grace_period_the_notice_fits_in() -> None:
+    tpu = TPUSlice("ct6e-standard-4t", "4x4")
+    off = render(gke_config(), tpu, LAUNCH, "j1").jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    assert "volumes" not in off["spec"], "no local tier: no volume"
+    m = render(gke_config(local_checkpoint_every=10), tpu, GKELaunch(image="img:1", local_tier_size="32Gi"), "j1")
+    pod = m.jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    validate_core({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": pod})
+    [volume] = pod["spec"]["volumes"]
+    assert volume["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
+    c = pod["spec"]["containers"][0]
+    [mount] = c["volumeMounts"]
+    assert mount == {"name": volume["name"], "mountPath": gke.LOCAL_TIER_PATH}
+    assert {"name": "RTRAIN_LOCAL_CHECKPOINT_DIR", "value": gke.LOCAL_TIER_PATH} in c["env"]
+    assert pod["spec"]["terminationGracePeriodSeconds"] >= gke_config().preemption_grace_s + 5
+    # A grace period the job's stop-and-commit does not fit in is refused, naming both settings.
+    with pytest.raises(GKEConfigError, match="preemption_grace_s"):
+        render(gke_config(preemption_grace_s=40), tpu, GKELaunch(image="img:1", termination_grace_period_s=30), "j1")

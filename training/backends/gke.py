@@ -63,6 +63,8 @@ COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 
 REPLICATED_JOB = "slice"
 CONTAINER_NAME = "agent"
+LOCAL_TIER_VOLUME = "local-checkpoints"  # the emptyDir of the local checkpoint tier
+LOCAL_TIER_PATH = "/var/rtrain/local"  # where it is mounted (RTRAIN_LOCAL_CHECKPOINT_DIR)
 RUN_LABEL = "rtrain.dev/run"
 JOB_LABEL = "rtrain.dev/job"
 RUN_URI_ANNOTATION = "rtrain.dev/run-uri"
@@ -263,6 +265,8 @@ class GKELaunch:
     cpu: str | None = None  # CPU / memory requests of the worker container (None: none)
     memory: str | None = None
     termination_grace_period_s: int = 30
+    # The local checkpoint tier's volume (an emptyDir in memory; counts against the pod's memory).
+    local_tier_size: str = "16Gi"
     env: Mapping[str, str] = field(default_factory=dict)  # more environment for every worker
     labels: Mapping[str, str] = field(default_factory=dict)  # more labels for the JobSet and its pods
 
@@ -307,6 +311,16 @@ def check_config(cfg: Config, tpu: TPUSlice) -> None:
             f"but hosts_per_slice={cfg.hosts_per_slice} (a slice is lost and gained whole)"
         )
     slice_bounds(cfg, tpu)
+
+
+def check_grace(cfg: Config, launch: GKELaunch) -> None:
+    """The pods' grace period must leave the job time to stop at a step and commit it after a notice."""
+    if launch.termination_grace_period_s < cfg.preemption_grace_s + 5:
+        raise GKEConfigError(
+            f"termination_grace_period_s: {launch.termination_grace_period_s}s leaves no margin for "
+            f"preemption_grace_s={cfg.preemption_grace_s:g}s (the job's stop-and-commit after a preemption notice); "
+            f"give the pods at least {cfg.preemption_grace_s + 5:g}s or lower preemption_grace_s"
+        )
 
 
 def slice_bounds(cfg: Config, tpu: TPUSlice) -> tuple[int, int]:
@@ -393,6 +407,7 @@ def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, job: str, num_slices: 
     slices); the slices whose nodes are missing stay Pending and join when they come.
     """
     check_config(cfg, tpu)
+    check_grace(cfg, launch)
     k_min, k_max = slice_bounds(cfg, tpu)
     num_slices = k_max if num_slices is None else num_slices
     if not k_min <= num_slices <= k_max:
@@ -451,6 +466,15 @@ def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, job: str, num_slices: 
         ],
         "resources": resources,
     }
+    volumes: list[dict[str, Any]] = []
+    if cfg.local_checkpoint_every:
+        # The local checkpoint tier: host memory that survives the worker (not the pod), as Orbax's
+        # multi-tier checkpointing uses on GKE.
+        volumes.append(
+            {"name": LOCAL_TIER_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": launch.local_tier_size}}
+        )
+        container["volumeMounts"] = [{"name": LOCAL_TIER_VOLUME, "mountPath": LOCAL_TIER_PATH}]
+        env.append(_env("RTRAIN_LOCAL_CHECKPOINT_DIR", LOCAL_TIER_PATH))
 
     node_selector = {ACCELERATOR_LABEL: tpu.accelerator, TOPOLOGY_LABEL: tpu.topology}
     if launch.spot:
@@ -462,6 +486,8 @@ def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, job: str, num_slices: 
         "tolerations": [{"key": TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
         "containers": [container],
     }
+    if volumes:
+        pod_spec["volumes"] = volumes
     if launch.service_account:
         pod_spec["serviceAccountName"] = launch.service_account
     if launch.node_pools:

@@ -289,6 +289,8 @@ def goodput(evs: list[dict[str, Any]], steps_total: int) -> dict[str, Any]:
                 cat["form_round"] += following["time"] - e["time"]
         elif e["type"] == "checkpoint" and not e.get("committed") and e.get("blocking_s"):
             cat["checkpoint"] += float(e["blocking_s"])
+        elif e["type"] == "progress" and e.get("local_save_blocking_s"):
+            cat["checkpoint"] += float(e["local_save_blocking_s"])  # the local tier's saves
         elif e["type"] == "rollback" and e.get("kind") == "validation":
             cat["rollback_replay"] += max(int(e["from_step"]) - int(e["to_step"]), 0) * step_s
         elif e["type"] == "waiting_for_capacity":
@@ -298,6 +300,14 @@ def goodput(evs: list[dict[str, Any]], steps_total: int) -> dict[str, Any]:
             if back is not None:
                 cat["waiting_for_capacity"] += back["time"] - e["time"]
     cat["replay"] = steps_lost * step_s
+    # What each kind of recovery cost, as the agents measured it (failure, notice, guard).
+    recoveries: dict[str, dict[str, float]] = {}
+    for e in evs:
+        if e["type"] == "recovered":
+            r = recoveries.setdefault(str(e.get("kind") or "failure"), {"count": 0, "seconds": 0.0, "steps_lost": 0})
+            r["count"] += 1
+            r["seconds"] = round(r["seconds"] + float(e.get("seconds") or 0.0), 3)
+            r["steps_lost"] += int(e.get("steps_lost") or 0)
     productive = steps_total * step_s
     cat["other"] = max(wall - productive - sum(cat.values()), 0.0)
     return {
@@ -306,6 +316,7 @@ def goodput(evs: list[dict[str, Any]], steps_total: int) -> dict[str, Any]:
         "step_s": step_s,
         "steps_lost": steps_lost,
         "badput_s": {k: round(v, 3) for k, v in cat.items()},
+        "recoveries": recoveries,
         "goodput": productive / wall if wall > 0 and productive else None,
     }
 
@@ -425,4 +436,9 @@ def format_report(r: dict[str, Any]) -> str:
         if bad:
             parts = ", ".join(f"{k.replace('_', ' ')} {v:.1f}s" for k, v in sorted(bad.items(), key=lambda kv: -kv[1]))
             lines.append(f"  badput       {parts}; {gp.get('steps_lost', 0)} step(s) trained again")
+        for kind, rec in sorted((gp.get("recoveries") or {}).items()):
+            lines.append(
+                f"  recoveries   {kind}: {int(rec['count'])}, {rec['seconds']:.1f}s out of training, "
+                f"{int(rec['steps_lost'])} step(s) lost"
+            )
     return "\n".join(lines)

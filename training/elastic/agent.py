@@ -47,21 +47,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from training.checkpoint import local as local_tier
 from training.checkpoint.ledger import Ledger
 from training.checkpoint.lock import LeaseKeeper, LockHeld, LockLost, RunLock
 from training.checkpoint.steps import file_checksums
 from training.config import Config, config_from_json
-from training.elastic.capacity import CapacitySource, LocalCapacity
+from training.elastic.capacity import LocalCapacity
 from training.elastic.codes import AgentExit, WorkerExit
 from training.elastic.rendezvous import HostRecord, Outcome, Rendezvous, Report, Round
 from training.events import EventLog
 from training.layout import CONFIG, LOGS
+from training.scalars import ScalarLog
 from training.storage import Store, is_gcs, join, open_store
 
 log = logging.getLogger("rtrain.agent")
 
 POLL_S = 0.05  # the main loop's period on a local root (a round starts, a worker ends: seen this fast)
 POLL_S_GCS = 0.2  # on gs://, where every look is an HTTP request
+SCALARS_FLUSH_S = 5.0  # step scalars reach the run's TensorBoard files this often (and at each round's end)
 HOST_RE = re.compile(r"^(?:s(?P<slice>\d+)-)?h(?P<index>\d+)$")
 # Worker reports that become events (rank 0's; worker_started and chaos come from every rank).
 EVENT_REPORTS = frozenset(
@@ -78,6 +81,8 @@ EVENT_REPORTS = frozenset(
         "guard",
         "chaos",
         "rescale_requested",
+        "local_checkpoint_skipped",
+        "local_tier_off",
     }
 )
 
@@ -111,6 +116,7 @@ class WorkerProc:
     buf: bytes = b""
     eof: bool = False
     seen: dict[str, Any] = field(default_factory=dict)  # finished / rescale / guard / corrupt / error / chaos
+    plan: Round | None = None  # the round it was assigned
 
     @property
     def assigned(self) -> bool:
@@ -144,7 +150,7 @@ class HostAgent:
             self.store, owner=f"agent {host} of job {job}", lease_s=self.cfg.lease_s, job=job, on_event=self.emit
         )
         # The local slice's pool (a preempted host leaves it); on GKE the node pools are the capacity.
-        self.capacity: CapacitySource | None = (
+        self.capacity: LocalCapacity | None = (
             LocalCapacity(self.store, default=self.cfg.max_workers) if local_capacity else None
         )
         self.coordinator_host = coordinator_host
@@ -179,9 +185,13 @@ class HostAgent:
         self.exit_code: AgentExit | None = None
         self._next_lead_try = 0.0
         self._signal: int | None = None
+        self.leaving: dict[str, Any] | None = None  # a preemption notice: when, why, the deadline
+        self.local_dir = local_tier.host_dir(self.cfg.local_checkpoint_dir, run, job, host)
+        self.scalars: ScalarLog | None = None
+        self._scalars_at = 0.0
         self.disk_full = False
         self.poll_s = POLL_S_GCS if is_gcs(run) else POLL_S
-        self._writes: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._writes: queue.Queue[Callable[[], object] | None] = queue.Queue()
         self._writer_thread = threading.Thread(target=self._writer, name="writer", daemon=True)
 
     # --- small helpers ------------------------------------------------------------------------
@@ -212,12 +222,13 @@ class HostAgent:
         port = self.coordinator_port or free_port(self.coordinator_host)
         return f"{self.coordinator_host}:{port}"
 
-    def update(self, **fields: Any) -> None:
-        """Change this host's heartbeat record and write it now."""
+    def update(self, now: bool = True, **fields: Any) -> None:
+        """Change this host's heartbeat record; write it now (else with the next beat)."""
         with self._rec_lock:
             for k, v in fields.items():
                 setattr(self.record, k, v)
-        self._wake.set()
+        if now:
+            self._wake.set()
 
     # --- heartbeat thread ---------------------------------------------------------------------
 
@@ -248,6 +259,9 @@ class HostAgent:
                 self._report(newest.round, newest.rank(self.host), Outcome.FAILED, reason="host agent restarted")
             if newest.action == "stop":
                 return int(AgentExit.FINISHED if newest.final == "finished" else AgentExit.FAILED)
+        if self.cfg.local_checkpoint_every:
+            local_tier.forget_other_jobs(self.cfg.local_checkpoint_dir, self.run_uri, self.job)
+            self._advertise_local(local_tier.read_manifests(self.local_dir))
         beat = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
         beat.start()
         self._writer_thread.start()
@@ -255,14 +269,17 @@ class HostAgent:
         log.info("[%s] agent of job %s on %s, pid %d", self.host, self.job, self.run_uri, os.getpid())
         try:
             while self.exit_code is None:
-                if self._signal is not None:
-                    self._leave(f"signal {signal.Signals(self._signal).name}")
+                if self._signal is not None and self.leaving is None:
+                    self._notice(self._signal)
+                if self.leaving is not None and self._drained():
+                    self.exit_code = AgentExit.INTERRUPTED
                     break
                 self._follow()
                 self._pump()
                 self._maybe_lead()
                 if self.leader is not None:
                     self._lead_tick()
+                self._flush_scalars()
                 time.sleep(self.poll_s)
         finally:
             self._shutdown()
@@ -271,13 +288,85 @@ class HostAgent:
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self._signal = signum
 
-    def _leave(self, why: str) -> None:
-        """This host leaves the job (SIGTERM): its worker stops; a leader hands the lease on."""
-        log.warning("[%s] leaving: %s", self.host, why)
+    # --- a preemption notice ------------------------------------------------------------------
+
+    def _notice(self, signum: int) -> None:
+        """SIGTERM (a preemption notice, a pod being deleted): this host leaves, losing no step.
+
+        Its worker is told (it passes the notice to the whole group through the
+        next step, and the group stops at that step boundary, commits it and ends
+        the round); the host is marked leaving, so no new round counts on it; the
+        agent goes once its worker has reported, or when ``preemption_grace_s``
+        is spent.  A leader keeps leading until the next round is open.
+        """
+        name = signal.Signals(signum).name
+        now = time.time()
+        self.leaving = {"at": now, "why": f"{name} (preemption notice)", "deadline": now + self.cfg.preemption_grace_s}
+        log.warning("[%s] %s: leaving within %.0fs", self.host, name, self.cfg.preemption_grace_s)
         self.update(state="leaving")
-        if self.worker is not None and self.worker.assigned:
-            self._report(self.worker.round, self.worker.rank, Outcome.FAILED, reason=f"host {self.host} left ({why})")
-        self.exit_code = AgentExit.INTERRUPTED
+        if self.capacity is not None:
+            with contextlib.suppress(Exception):
+                self.capacity.leave(self.host, reason=f"host {self.host} got a preemption notice")
+        if self.standby is not None:
+            self._kill(self.standby)
+            self.standby = None
+        w = self.worker
+        if w is not None and w.assigned and w.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                w.proc.send_signal(signal.SIGTERM)
+        else:
+            self.emit_later(
+                "preemption_notice", step=None, seconds=0.0, committed=False, reason="no worker was training"
+            )
+
+    def _drained(self) -> bool:
+        """May a leaving agent go: its worker has ended and reported, and it leads nothing that needs it?"""
+        assert self.leaving is not None
+        if time.time() > self.leaving["deadline"]:
+            w = self.worker
+            if w is not None:
+                why = (
+                    f"preemption notice: the grace period ({self.cfg.preemption_grace_s:.0f}s) ran out before "
+                    f"the worker stopped"
+                )
+                log.warning("[%s] %s", self.host, why)
+                self._kill(w)
+                self.worker = None
+                self._report(w.round, w.rank, Outcome.FAILED, reason=why, step=self.record.step)
+                self.emit_later("preemption_notice", step=self.record.step, seconds=None, committed=False, reason=why)
+            return True
+        if self.worker is not None:
+            return False
+        if self.leader is None:
+            return True
+        # A leaving leader: another agent of the job takes the lease when this one releases it
+        # (and opens the next round); with no other host left, the job ends, resumable.
+        from training.elastic.leader import Phase
+
+        if self.leader.phase != Phase.DONE and not (self.leader.fresh() - {self.host}):
+            self.leader.fail(
+                "every host of the job left after a preemption notice; a relaunch resumes from the newest "
+                "committed checkpoint"
+            )
+        return True
+        if self.leader is None:
+            return True
+        # A leaving leader opens the next round (on the hosts that stay) or ends the job, then goes.
+        from training.elastic.leader import Phase
+
+        phase = self.leader.phase
+        rnd = self.leader.round
+        if phase == Phase.DONE:
+            return True
+        if phase == Phase.RUNNING and rnd is not None and self.host not in rnd.members:
+            return True
+        if phase == Phase.WAIT:
+            self.leader.fail(
+                "every host of the job left after a preemption notice; relaunch to resume from the newest "
+                "committed checkpoint"
+            )
+            return True
+        return False
 
     def _shutdown(self) -> None:
         for w in (self.worker, self.standby):
@@ -323,11 +412,15 @@ class HostAgent:
             self.worker = None
         rank = rnd.rank(self.host)
         if rank < 0:
-            self.update(state="idle", round=rnd.round, rank=-1)
+            if self.leaving is None:
+                self.update(state="idle", round=rnd.round, rank=-1)
+            return
+        if self.leaving is not None:  # opened before the leader saw this host leave
+            self._report(rnd.round, rank, Outcome.FAILED, reason=f"host {self.host} is leaving (preemption notice)")
             return
         w = self.standby if self.standby is not None and self.standby.proc.poll() is None else self._spawn()
         self.standby = None
-        w.round, w.rank = rnd.round, rank
+        w.round, w.rank, w.plan = rnd.round, rank, rnd
         bind = self.bind_host if rank == 0 else ""
         assignment = {
             "round": rnd.round,
@@ -462,13 +555,22 @@ class HostAgent:
 
     def _handle(self, w: WorkerProc, msg: dict[str, Any]) -> None:
         t = str(msg.pop("type", ""))
+        if t == "metrics":
+            # Every step (rank 0): the heartbeat's step and loss, and the TensorBoard scalars.
+            self.update(now=False, step=msg.get("step"), loss=msg.get("loss"), step_time=msg.get("step_time"))
+            if self.scalars is None:
+                self.scalars = ScalarLog(self.run_uri, self.host, store=self.store)
+            values = {k: msg[k] for k in ("loss", "grad_norm", "accuracy", "lr") if msg.get(k) is not None}
+            values["workers"] = w.plan.workers if w.plan is not None else 0
+            if "metrics" not in w.seen:
+                w.seen["metrics"] = True
+                self.scalars.restart(int(msg["step"]))  # what an earlier round wrote from here on is superseded
+            self.scalars.add(int(msg["step"]), values, wall_time=msg.get("time"))
+            return
         if t == "progress":
-            self.update(
-                step=msg.get("step"),
-                loss=msg.get("loss"),
-                tokens_per_s=msg.get("tokens_per_s"),
-                step_time=msg.get("step_time"),
-            )
+            self.update(now=False, tokens_per_s=msg.get("tokens_per_s"))
+            if self.scalars is not None and msg.get("tokens_per_s") is not None:
+                self.scalars.add(int(msg["step"]), {"tokens_per_s": float(msg["tokens_per_s"])})
         elif t == "checkpoint" and msg.get("committed"):
             step = int(msg["step"])
             self._writes.put(lambda: self._committed(step, msg))
@@ -476,9 +578,29 @@ class HostAgent:
             w.seen[t] = msg
         elif t == "chaos":
             w.seen["fault_at"] = msg.get("at") or msg.get("time")
+        elif t == "preempted":
+            w.seen["notice"] = msg
+            if msg.get("noticed"):
+                at = self.leaving["at"] if self.leaving is not None else msg.get("notice_at")
+                seconds = float(msg["committed_at"]) - float(at) if at else None
+                self.emit_later(
+                    "preemption_notice",
+                    step=msg.get("step"),
+                    seconds=seconds,
+                    committed=True,
+                    stop_s=msg.get("stop_s"),
+                    round=w.round,
+                )
+        elif t == "local_checkpoint":
+            round_ = int(msg.get("round", w.round))
+            self._writes.put(lambda: self._describe_local(round_))
+        elif t in ("worker_started", "restore", "compiled"):
+            w.seen[t] = dict(msg)
         if t == "resumed":
             self.update(step=msg.get("step"))
-            if self.standby is None:
+            if w.rank == 0:
+                self._recovered(w, msg)
+            if self.standby is None and self.leaving is None:
                 # The next worker warms up now, while this one trains: a recovery then starts at
                 # jax.distributed, not at `import jax` (and the warm-up does not slow this round's start).
                 self.standby = self._spawn()
@@ -528,6 +650,8 @@ class HostAgent:
             outcome, reason = Outcome.RESCALE, ""
         elif "guard" in seen:
             outcome, reason = Outcome.GUARD, str(seen["guard"].get("reason"))
+        elif "notice" in seen:
+            outcome, reason = Outcome.NOTICE, f"stopped at step {seen['notice'].get('step')} (preemption notice)"
         elif code == WorkerExit.CORRUPT:
             outcome, reason = Outcome.CORRUPT, str(seen.get("corrupt", {}).get("reason", "checkpoint corrupt"))
         else:
@@ -543,17 +667,83 @@ class HostAgent:
             guard=seen.get("guard"),
             corrupt=seen.get("corrupt"),
             fault_at=seen.get("fault_at"),
+            notice=seen.get("notice"),
         )
+        if self.cfg.local_checkpoint_every and outcome == Outcome.FAILED:
+            # Local saves this worker finished but did not live to report: described now, before the
+            # report, so the leader forming the next round knows them.
+            self._describe_local(w.round)
         if outcome == Outcome.FAILED:
             self._report(w.round, w.rank, outcome, **fields)  # at once: the survivors are waiting
         else:
             # An orderly end is reported after what the worker said before it (its commit records):
             # the leader's next decision reads them.
             self._writes.put(lambda: self._report(w.round, w.rank, outcome, **fields))
+        if self.scalars is not None:
+            self._writes.put(self.scalars.flush)
+            self._scalars_at = time.monotonic()
+        if self.leaving is not None:
+            return  # this host goes: no standby, and it stays "leaving"
         self.update(state="idle", coordinator=self._coordinator_address())
         if self.standby is None and self.exit_code is None:
             self.standby = self._spawn()
         self._next_lead_try = 0.0  # something happened: is there still a leader?
+
+    # --- the local tier, TensorBoard scalars, recoveries --------------------------------------
+
+    def _describe_local(self, round_: int) -> None:
+        """Describe this host's finalised local copies (manifests with checksums) and advertise them."""
+        try:
+            self._advertise_local(local_tier.describe_new(self.local_dir, round_))
+        except OSError as e:
+            log.warning("[%s] cannot describe the local checkpoints in %s: %s", self.host, self.local_dir, e)
+
+    def _advertise_local(self, steps: dict[int, local_tier.LocalStep]) -> None:
+        self.update(local=sorted([s.step, s.round] for s in steps.values()))
+
+    def _flush_scalars(self) -> None:
+        if self.scalars is not None and time.monotonic() - self._scalars_at >= SCALARS_FLUSH_S:
+            self._scalars_at = time.monotonic()
+            if self.scalars.pending:
+                self._writes.put(self.scalars.flush)
+
+    def _recovered(self, w: WorkerProc, resumed: dict[str, Any]) -> None:
+        """Rank 0's first step after a failure or a notice: what the recovery cost, phase by phase."""
+        rec = dict(w.plan.recovery) if w.plan is not None else {}
+        if not rec:
+            return
+        seen = w.seen
+        restore = seen.get("restore") or {}
+        compiled = seen.get("compiled") or {}
+        t_resumed = float(resumed.get("time") or time.time())
+        t_detected = float(rec.get("detected_at") or t_resumed)
+        t_fault = float(rec.get("fault_at") or t_detected)
+        restore_s = float(restore.get("seconds") or 0.0)
+        restore_start = float(restore.get("time") or t_detected) - restore_s
+        compile_s = float(compiled.get("seconds") or 0.0)
+        step_s = float(rec.get("step_s") or 0.0)
+        first_step = max(t_resumed - float(compiled.get("time") or t_resumed) - step_s, 0.0)
+        steps_lost = int(rec.get("steps_lost") or 0)
+        lost_s = {
+            "detect": round(max(t_detected - t_fault, 0.0), 3),
+            "relaunch": round(max(restore_start - t_detected, 0.0), 3),
+            "restore": round(restore_s, 3),
+            "compile": round(compile_s, 3),
+            "first_step": round(first_step, 3),
+            "replay": round(steps_lost * step_s, 3),
+        }
+        self.emit_later(
+            "recovered",
+            cause=rec.get("cause"),
+            kind=rec.get("kind"),
+            round=w.round,
+            step=resumed.get("step"),
+            resume_step=rec.get("resume_step"),
+            tier=restore.get("tier"),
+            steps_lost=steps_lost,
+            lost_s=lost_s,
+            seconds=round(sum(lost_s.values()), 3),
+        )
 
     def _report(self, round_: int, rank: int, outcome: Outcome, **fields: Any) -> None:
         try:

@@ -10,7 +10,7 @@ ready TPU hosts (see ``training.backends.gke``).
 from __future__ import annotations
 
 import json
-from typing import Protocol
+from typing import Any, Protocol
 
 from training.storage import NotFound, Store
 
@@ -34,13 +34,28 @@ class LocalCapacity:
         self.store = store
         self.default = default
 
-    def available(self) -> int:
+    def _doc(self) -> dict[str, Any]:
         try:
-            return int(json.loads(self.store.get(self.KEY))["workers"])
+            return dict(json.loads(self.store.get(self.KEY)))
         except NotFound:
-            return self.default
+            return {"workers": self.default}
+
+    def available(self) -> int:
+        return int(self._doc()["workers"])
+
+    def leaving(self) -> list[str]:
+        """Hosts that were told to go (a preemption notice) and may still be on their way out."""
+        return list(self._doc().get("leaving") or [])
 
     def set(self, workers: int, reason: str = "") -> None:
+        """The pool has ``workers`` hosts now (hosts that come back are new ones: nobody is leaving)."""
         if workers < 0:
             raise ValueError("capacity cannot be negative")
         self.store.put(self.KEY, json.dumps({"workers": workers, "reason": reason}).encode())
+
+    def leave(self, host: str, reason: str = "") -> None:
+        """``host`` leaves the pool (a preemption notice): one host fewer, and it is the one that goes."""
+        doc = self._doc()
+        leaving = sorted({*(doc.get("leaving") or []), host})
+        workers = max(int(doc["workers"]) - 1, 0)
+        self.store.put(self.KEY, json.dumps({"workers": workers, "reason": reason, "leaving": leaving}).encode())

@@ -16,6 +16,14 @@ the same step again does not fire it twice).
 ``freeze``          ``worker=W,step=S``: the host of worker W freezes at step S
                     (SIGSTOP of its agent and worker): no error anywhere, only
                     a heartbeat that stops.
+``preempt_notice``  ``worker=W,step=S``: the host of worker W gets a preemption
+                    notice at step S (SIGTERM to its agent, as Kubernetes sends a
+                    pod): the group stops at the next step boundary, commits
+                    that step, the host leaves, and capacity drops by one.
+``damage_local``    ``worker=W,step=S``: at step S, the newest described local
+                    checkpoint on the host of worker W loses the end of a file
+                    (a host-local disk gone bad), then worker W is SIGKILLed;
+                    the recovery must step over that copy.
 ``kill_during_save````worker=W,step=S``: worker W is SIGKILLed while the async
                     save of step S is being written.
 ``capacity``        ``to=N`` and ``step=S`` or ``after_s=T``: capacity becomes
@@ -36,6 +44,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 ACTIONS: dict[str, tuple[set[str], set[str]]] = {
@@ -44,14 +53,29 @@ ACTIONS: dict[str, tuple[set[str], set[str]]] = {
     "crash": ({"worker", "step"}, set()),
     "kill_agent": ({"worker", "step"}, set()),
     "freeze": ({"worker", "step"}, set()),
+    "preempt_notice": ({"worker", "step"}, set()),
     "kill_during_save": ({"worker", "step"}, set()),
+    "damage_local": ({"worker", "step"}, set()),
     "capacity": ({"to"}, {"step", "after_s"}),
     "nan": ({"step"}, {"repeat"}),
     "lr_spike": ({"step", "factor"}, set()),
     "corrupt": ({"step"}, set()),
 }
 # Fired by a worker at a step (the rest, capacity changes, by the job's leader).
-WORKER_SIDE = frozenset({"preempt", "crash", "kill_agent", "freeze", "kill_during_save", "nan", "lr_spike", "corrupt"})
+WORKER_SIDE = frozenset(
+    {
+        "preempt",
+        "preempt_notice",
+        "crash",
+        "kill_agent",
+        "freeze",
+        "kill_during_save",
+        "damage_local",
+        "nan",
+        "lr_spike",
+        "corrupt",
+    }
+)
 # Fired by the worker, carried out on the whole host by its agent.
 HOST_ACTIONS = frozenset({"preempt", "kill_agent", "freeze"})
 
@@ -116,10 +140,20 @@ class WorkerChaos:
     carries out the host-level ones: preempt, kill_agent, freeze).
     """
 
-    def __init__(self, specs: list[str], rank: int, send: Callable[..., None]) -> None:
+    def __init__(
+        self,
+        specs: list[str],
+        rank: int,
+        send: Callable[..., None],
+        local_dir: Path | None = None,
+        settle_local: Callable[[], None] | None = None,
+    ) -> None:
         self.faults = [parse_chaos(s) for s in specs]
         self.rank = rank
         self.send = send
+        # ``damage_local``: this host's local tier, and a call that finishes its saves in flight and reports them.
+        self.local_dir = local_dir
+        self.settle_local = settle_local
         self.lr_factor = 1.0
 
     def _fire(self, f: Fault, step: int, everyone: bool = False) -> None:
@@ -130,12 +164,40 @@ class WorkerChaos:
         for f in self.faults:
             if f.step != step or f.worker != self.rank:
                 continue
-            if f.action == "crash":
+            if f.action == "damage_local":
+                self._damage_local()
+            if f.action in ("crash", "damage_local"):
                 self._fire(f, step, everyone=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             if f.action in HOST_ACTIONS:
                 self._fire(f, step, everyone=True)
                 time.sleep(3600)  # the agent takes the host down (with this process)
+            if f.action == "preempt_notice":
+                self._fire(f, step, everyone=True)
+                # The platform's notice goes to the host's agent (a pod's first process), which passes it on.
+                os.kill(int(os.environ.get("RTRAIN_AGENT_PID") or os.getppid()), signal.SIGTERM)
+
+    def _damage_local(self) -> None:
+        """Cut the largest file of the newest local copy of this host to half its size (once it is described:
+        the damage is what a later check must find, not part of what the manifest records)."""
+        from training.checkpoint.local import finalised_steps, read_manifests
+
+        if self.local_dir is None or self.settle_local is None:
+            raise ChaosError("damage_local: the local checkpoint tier is off (local_checkpoint_every=0)")
+        self.settle_local()
+        newest_step = max(finalised_steps(self.local_dir), default=None)
+        if newest_step is None:
+            raise ChaosError("damage_local: this host has no local checkpoint yet")
+        deadline = time.monotonic() + 30
+        while (described := read_manifests(self.local_dir)).get(newest_step) is None:
+            if time.monotonic() > deadline:
+                raise ChaosError(f"damage_local: local step {newest_step} was never described by the agent")
+            time.sleep(0.05)
+        newest = described[newest_step]
+        name = max(newest.files, key=lambda n: newest.files[n][0])
+        path = Path(self.local_dir or ".") / str(newest.step) / name
+        with open(path, "r+b") as f:
+            f.truncate(newest.files[name][0] // 2)
 
     def learning_rate_scale(self, step: int) -> float:
         """1.0 normally; from an ``lr_spike`` step on its factor; NaN at a ``nan`` step."""

@@ -12,6 +12,7 @@ class WorkerExit(IntEnum):
     ERROR = 1  # an exception (a collective error when a peer vanished, a bug); its last line is reported
     GUARD = 17  # the in-training guard refused a loss before saving
     CORRUPT = 18  # the checkpoint to restore failed its integrity check
+    NOTICE = 19  # a preemption notice: the group stopped at a step boundary, and that step is committed
 
 
 class AgentExit(IntEnum):

@@ -8,7 +8,8 @@ reports) and what the run root holds (ledger, events):
 ==========  ===================================================================
 ``gather``  the job's first round: wait (``join_timeout_s``) for the hosts it expects
 ``form``    a new round is due: let the members of the last one show they are
-            alive (a settle of ~2.5 heartbeats), then choose the members
+            alive (a settle of 3 heartbeats or half the heartbeat timeout,
+            whichever is longer), then choose the members
 ``wait``    fewer hosts than ``min_workers``: wait ``capacity_timeout_s``
 ``running`` a round trains: watch its reports and its members' heartbeats
 ``done``    the job ended; the stop round is written
@@ -99,6 +100,10 @@ class Leader:
         self.failure: dict[str, Any] | None = None  # what went wrong, blamed once the settle is over
         self.rescale_asked = False
         self._form_reason = "recovery"
+        # Local copies saved before this round number are of another lineage (a guard rollback since).
+        self.local_floor = self.round.local_floor if self.round else 0
+        self.recovery: dict[str, Any] = {}  # what the next round recovers from (its `recovered` event)
+        self.step_s = 0.0  # rank 0's latest step time
         self.last_step: int | None = None
         self.last_step_change = now
         self._status_at = 0.0
@@ -215,22 +220,58 @@ class Leader:
             self._start_waiting(now)
 
     def _form(self, now: float) -> None:
-        settle = 3 * self.cfg.heartbeat_s
+        # A member that does not show life within the settle is lost.  Not just 3 heartbeats: a busy host
+        # (its worker tearing down, the machine loaded) can miss a few beats and is not lost for that.
+        settle = max(3 * self.cfg.heartbeat_s, self.cfg.heartbeat_timeout_s / 2)
         if self.fail_at is not None:
             pending = [h for h in self.prev_members if not self._shown_life(h) and self._age(h) < settle]
             if pending and now - self.fail_at < self.cfg.heartbeat_timeout_s:
                 return  # let the members of the failed round show they are alive
         lost = [h for h in self.prev_members if self.fail_at is not None and not self._shown_life(h)]
         self._declare_lost(lost)
-        if self.failure is not None:
-            if not self._record_failure(lost):
-                return
         alive = self.fresh() - set(lost)
         members = choose_members(self.cfg, self.hosts, alive, prefer=self.prev_members)
+        resume, resume_step = self._resume_for(members)
+        if self.failure is not None:
+            if not self._record_failure(lost, resume_step):
+                return
         if members is None:
             self._start_waiting(now)
         else:
-            self._open(members, self._form_reason)
+            self._open(members, self._form_reason, resume)
+
+    # --- where the next round resumes ------------------------------------------------------------
+
+    def _newest_persistent(self) -> int | None:
+        """The newest committed checkpoint the ledger holds usable (what ``resume=latest`` will pick)."""
+        good = [s for s, r in self.ledger.states().items() if r.get("state") in USABLE_STATES]
+        return max(good) if good else None
+
+    def _local_candidates(self, members: list[str]) -> list[int]:
+        """Steps every member holds a local copy of (of this lineage), newer than any persistent one."""
+        if not self.cfg.local_checkpoint_every:
+            return []
+        common: set[int] | None = None
+        for h in members:
+            rec = self.hosts.get(h)
+            held = {int(s) for s, r in (rec.local if rec is not None else []) if int(r) >= self.local_floor}
+            common = held if common is None else common & held
+        newest = self._newest_persistent()
+        return sorted((s for s in common or set() if newest is None or s > newest), reverse=True)
+
+    def _resume_for(self, members: list[str] | None) -> tuple[str, int | None]:
+        """The next round's ``resume`` (local candidates, else ``latest``) and the step it will start from."""
+        local = self._local_candidates(members) if members else []
+        if local:
+            return "local:" + ",".join(map(str, local)), local[0]
+        return "latest", self._newest_persistent()
+
+    def _reached(self, rnd: Round) -> int | None:
+        """The furthest step the members of ``rnd`` trained to (their reports, else rank 0's heartbeat)."""
+        steps = [int(r.step) for r in self.rdv.reports(rnd.round).values() if r.step is not None]
+        if self.status.get("step") is not None:
+            steps.append(int(self.status["step"]))
+        return max(steps) if steps else None
 
     def _start_waiting(self, now: float) -> None:
         n = len(self.fresh())
@@ -249,7 +290,7 @@ class Leader:
                 f"(available: {len(self.fresh())} hosts)"
             )
 
-    def _open(self, members: list[str], reason: str) -> None:
+    def _open(self, members: list[str], reason: str, resume: str | None = None) -> None:
         plan = plan_mesh(self.cfg, len(members))
         first = self.round is None
         if any(parse_chaos(spec).action in WORKER_SIDE for spec in self.cfg.chaos):
@@ -268,11 +309,13 @@ class Leader:
             members=members,
             mesh=plan.shape,
             coordinator=self.hosts[members[0]].coordinator,
-            resume=self.cfg.resume_from if first else "latest",
+            resume=self.cfg.resume_from if first else (resume or self._resume_for(members)[0]),
             faults=faults,
             reason=reason,
             failures=self.failures,
             guards=self.guards,
+            local_floor=self.local_floor,
+            recovery=self.recovery,
         )
         self._fence()
         self.store.delete(CONTROL)
@@ -305,6 +348,7 @@ class Leader:
         self.prev_members = list(members)
         self.fail_at = None
         self.failure = None
+        self.recovery = {}
         self.rescale_asked = False
         self.last_step_change = time.time()
         self.status.update(workers=plan.workers, mesh=plan.shape, members=members, round=rnd.round)
@@ -338,6 +382,8 @@ class Leader:
                 self.last_step, self.last_step_change = rank0.step, now
             self.status.update(step=rank0.step, loss=rank0.loss, tokens_per_s=rank0.tokens_per_s)
             self.status["progressing"] = True
+            if rank0.step_time:
+                self.step_s = float(rank0.step_time)
         if rank0 is not None and rank0.committed is not None:
             self.status["latest_committed"] = max(rank0.committed, int(self.status.get("latest_committed") or 0))
         if now - self.last_step_change > self.cfg.hang_timeout_s:
@@ -362,8 +408,32 @@ class Leader:
             self._failed(rnd, [r for r in reps.values() if r.outcome == Outcome.FAILED], [], time.time())
         elif Outcome.GUARD in outcomes:
             self._guard(next(r for r in reps.values() if r.outcome == Outcome.GUARD), rnd)
+        elif Outcome.NOTICE in outcomes:
+            self._notice(rnd, [r for r in reps.values() if r.outcome == Outcome.NOTICE])
         else:  # every member stopped at a checkpoint to grow the group
             self._next_round(rnd, "resize: hosts came back")
+
+    def _notice(self, rnd: Round, reps: list[Report]) -> None:
+        """The group stopped at a step boundary for a preemption notice, that step committed: go on without the host."""
+        told = [r for r in reps if (r.notice or {}).get("noticed")]
+        notices = [r.notice or {} for r in reps]
+        step = max(int(n.get("step") or 0) for n in notices) if notices else None
+        hosts = ", ".join(sorted(r.host for r in told)) or "?"
+        at = [float(n["notice_at"]) for n in notices if n.get("notice_at")]
+        done = [float(n["committed_at"]) for n in notices if n.get("committed_at")]
+        self.recovery = {
+            "cause": f"preemption notice to host {hosts}",
+            "kind": "notice",
+            "fault_at": min(at) if at else None,
+            "detected_at": max(done) if done else time.time(),
+            "steps_lost": 0,
+            "resume_step": step,
+            "step_s": self.step_s,
+        }
+        log.warning(
+            "[%s] preemption notice to %s: committed step %s, going on without it", self.agent.host, hosts, step
+        )
+        self._next_round(rnd, f"preemption notice: host {hosts} left at step {step}")
 
     def _next_round(self, rnd: Round, reason: str) -> None:
         self.prev_members = list(rnd.members)
@@ -386,8 +456,8 @@ class Leader:
         self.status["progressing"] = False
         self._set_phase(Phase.FORM)
 
-    def _record_failure(self, lost: list[str]) -> bool:
-        """Emit the failure with its best explanation; False when the job has failed."""
+    def _record_failure(self, lost: list[str], resume_step: int | None) -> bool:
+        """Emit the failure with its best explanation and the steps it loses; False when the job has failed."""
         assert self.failure is not None
         f, self.failure = self.failure, None
         reports: list[Report] = f["reports"]
@@ -413,11 +483,25 @@ class Leader:
             # Another round would fill the same disk again: end the job with the reason now.
             self._fail(f"the run root is full (No space left on device): {reason}")
             return False
+        reached = self._reached(rnd)
+        steps_lost = max(reached - (resume_step or 0), 0) if reached is not None else 0
+        self.recovery = {
+            "cause": reason,
+            "kind": "failure",
+            "fault_at": fault_at,
+            "detected_at": f["detected_at"],
+            "steps_lost": steps_lost,
+            "resume_step": resume_step,
+            "step_s": self.step_s,
+        }
         self.agent.emit(
             "failure",
             attempt=rnd.round,
             round=rnd.round,
             reason=reason,
+            steps_lost=steps_lost,
+            reached_step=reached,
+            resume_step=resume_step,
             worker=blame.rank if blame is not None else (rnd.rank(lost[0]) if lost else None),
             hosts=lost or ([blame.host] if blame is not None else []),
             returncode=blame.returncode if blame is not None else None,
@@ -475,6 +559,16 @@ class Leader:
         if self.cfg.rollback_skip_data and g.get("next_batch") is not None:
             how["skip_to_batch"] = int(g["next_batch"])
         self.ledger.set_pointer(target, f"guard: {reason} at step {step}", resume=how)
+        self.local_floor = rnd.round + 1  # local copies saved until now are of the rolled-back lineage
+        self.recovery = {
+            "cause": f"guard: {reason} at step {step}",
+            "kind": "guard",
+            "fault_at": float(g.get("time") or time.time()),
+            "detected_at": time.time(),
+            "steps_lost": max(step - target, 0),
+            "resume_step": target,
+            "step_s": self.step_s,
+        }
         self.agent.emit(
             "rollback",
             from_step=step,

@@ -123,15 +123,18 @@ class LocalSlice:
         if self._final is not None or self._stopping:
             return
         want = min(self.capacity.available(), self.cfg.max_workers)
+        leaving = set(self.capacity.leaving())  # told to go: they leave by themselves, and come back as new hosts
         hosts = [self._host(i) for i in range(self.cfg.max_workers)]
-        running = [h for h in hosts if h in self.agents]
+        running = [h for h in hosts if h in self.agents and h not in leaving]
         for host in reversed(running[want:]):  # the pool shrank: its newest hosts go
             self._kill(host)
+            running.remove(host)
         for host in hosts:
-            if len(self.agents) >= want:
+            if len(running) >= want:
                 break
-            if host not in self.agents:
+            if host not in self.agents and host not in leaving:
                 self._spawn(host)
+                running.append(host)
 
     def _kill(self, host: str) -> None:
         proc = self.agents.pop(host, None)

@@ -17,7 +17,7 @@ behave the same: no rename, no append, no server of our own):
     leader that lost its lease.
 ``reports/<round>/<host>.json``
     write-once, by each member's agent: how its worker ended in that round
-    (finished, rescale, guard, corrupt, failed) and why.
+    (finished, rescale, guard, corrupt, notice, failed) and why.
 
 Concurrency: each host record has one writer (its agent); rounds have one
 writer at a time (the leaseholder; ``create`` makes a race for the same round
@@ -44,6 +44,7 @@ class Outcome(StrEnum):
     RESCALE = "rescale"  # stopped at a checkpoint because the leader asked (the group grows)
     GUARD = "guard"  # the in-training guard saw a non-finite or spiking loss
     CORRUPT = "corrupt"  # the checkpoint to restore failed its integrity check
+    NOTICE = "notice"  # a preemption notice: the group stopped at a step boundary and committed that step
     FAILED = "failed"  # died or failed (a crash, a collective error when a peer vanished)
 
 
@@ -70,6 +71,7 @@ class HostRecord:
     committed: int | None = None  # the newest step its worker committed (rank 0)
     leader: bool = False
     started: float = 0.0  # when the agent started
+    local: list[list[int]] = field(default_factory=list)  # [step, round] of the local copies it holds
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> HostRecord:
@@ -96,6 +98,10 @@ class Round:
     guards: int = 0
     final: str = ""  # stop: finished | failed
     time: float = 0.0
+    # Local copies saved in rounds before this one are of another lineage (a guard rollback came since).
+    local_floor: int = 0
+    # When the round follows a failure or a notice: what was lost (steps, when), for the `recovered` event.
+    recovery: dict[str, Any] = field(default_factory=dict)
 
     @property
     def workers(self) -> int:
@@ -126,6 +132,7 @@ class Report:
     guard: dict[str, Any] | None = None
     corrupt: dict[str, Any] | None = None
     fault_at: float | None = None
+    notice: dict[str, Any] | None = None  # NOTICE: the stop's step, and whether this host was the one told
     time: float = 0.0
 
     @classmethod

@@ -135,6 +135,7 @@ def leave(rep: Reporter, code: WorkerExit, error: str = "") -> NoReturn:
 
 def main() -> int:
     die_with_parent()
+    Notice.install()  # from now on a SIGTERM is a preemption notice: stop at a step boundary, save, leave
     rep = Reporter()
     run = os.environ["RTRAIN_RUN_URI"]
 
@@ -181,6 +182,7 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, manifest
     from training import data as data_lib
     from training import trainer as tr
     from training.checkpoint import manager as ckpt
+    from training.checkpoint.local import LocalTier, host_dir, parse_resume
     from training.checkpoint.resume import ResumeError, choose_resume
     from training.checkpoint.steps import committed_steps
     from training.elastic.chaos import WorkerChaos
@@ -192,6 +194,9 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, manifest
     # --- 3. set-up -----------------------------------------------------------------------------
     os.environ.update(dict(a.env))  # e.g. MEGASCALE_* for TPU multislice: read when the backend starts, below
     if a.processes > 1:
+        # JAX's own preemption notifier would take SIGTERM from our handler (Notice): the notice reaches the
+        # whole group through the next step's flags instead, with no extra synchronisation per step.
+        jax.config.update("jax_enable_preemption_service", False)
         jax.distributed.initialize(
             a.coordinator,
             a.processes,
@@ -211,49 +216,79 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, manifest
     check_batch(cfg, plan)
     trainer = tr.Trainer(cfg, build_mesh(plan))
     mngr = ckpt.checkpoint_manager(cfg, run)
-    chaos = WorkerChaos(list(a.faults), a.rank, rep.send)
-
     # --- 4. restore ----------------------------------------------------------------------------
-    # Every process computes the same decision from the same objects (committed steps, ledger).
+    # Every process computes the same decision from the same objects (committed steps, ledger,
+    # the round's local candidates and every process's verdict on its own copies).
     t0 = time.time()
-    try:
-        decision = choose_resume(a.resume, committed_steps(run), ledger.states(), ledger.pointer_record())
-    except ResumeError as e:
-        leave(rep, WorkerExit.ERROR, str(e))
+    local_dir = host_dir(cfg.local_checkpoint_dir, run, os.environ.get("RTRAIN_JOB", ""), os.environ["RTRAIN_HOST"])
+    tier = LocalTier(local_dir, cfg.local_keep, trainer.mesh, trainer.abstract) if cfg.local_checkpoint_every else None
+
+    def settle_local() -> None:
+        assert tier is not None
+        tier.wait()
+        for done, seconds in tier.finished():
+            rep.send("local_checkpoint", everyone=True, step=done, seconds=seconds, round=a.round)
+
+    chaos = WorkerChaos(list(a.faults), a.rank, rep.send, local_dir, settle_local if tier and tier.enabled else None)
+    if tier is not None and not tier.enabled:
+        rep.send("local_tier_off", reason=tier.reason)
+    local_step = pick_local_step(parse_resume(a.resume), local_dir, a, rep) if tier and tier.enabled else None
     pins = Pins(store, a.rank, a.round)
-    step0 = decision.step
-    if step0 is not None:
-        check_integrity(run, step0, ledger, a, rep)
-        pins.pin(step0, "restore")
-        try:
-            state, pos = ckpt.restore(mngr, step0, trainer.abstract)
-        except Exception as e:  # noqa: BLE001 - unreadable data is a corrupt checkpoint; anything else an error
-            if looks_unreadable(e):
-                rep.send("corrupt", step=step0, reason=f"restore failed: {str(e).strip().splitlines()[0]}")
-                leave(rep, WorkerExit.CORRUPT)
-            raise
-        pins.unpin(step0)
-        if pos.get("dataset") not in (None, manifest["fingerprint"]):
-            if cfg.on_dataset_change != "restart":
-                leave(
-                    rep,
-                    WorkerExit.ERROR,
-                    f"checkpoint {step0} was trained on dataset {pos.get('dataset')}, not {manifest['fingerprint']} "
-                    "(on_dataset_change=restart continues on the new data)",
-                )
-            # Continual training on refreshed data: the model goes on, the data position starts over.
-            rep.send("data_refreshed", step=step0, old=pos.get("dataset"), new=manifest["fingerprint"])
-            pos = {"next_batch": 0, "lr_scale": pos.get("lr_scale", 1.0)}
-        rep.send("restore", step=step0, mesh=plan.shape, workers=a.processes, seconds=time.time() - t0)
+    if local_step is not None:
+        assert tier is not None
+        state, pos = tier.restore(local_step)
+        step0: int | None = local_step
+        decision = None
+        rep.send(
+            "restore", step=local_step, tier="local", mesh=plan.shape, workers=a.processes, seconds=time.time() - t0
+        )
     else:
-        state = trainer.init()
-        pos = {"next_batch": 0}
-        rep.send("init", step=0, mesh=plan.shape, workers=a.processes, seconds=time.time() - t0)
+        try:
+            decision = choose_resume(
+                "latest" if a.resume.startswith("local:") else a.resume,
+                committed_steps(run),
+                ledger.states(),
+                ledger.pointer_record(),
+            )
+        except ResumeError as e:
+            leave(rep, WorkerExit.ERROR, str(e))
+        step0 = decision.step
+        if step0 is not None:
+            check_integrity(run, step0, ledger, a, rep)
+            pins.pin(step0, "restore")
+            try:
+                state, pos = ckpt.restore(mngr, step0, trainer.abstract)
+            except Exception as e:  # noqa: BLE001 - unreadable data is a corrupt checkpoint; anything else an error
+                if looks_unreadable(e):
+                    rep.send("corrupt", step=step0, reason=f"restore failed: {str(e).strip().splitlines()[0]}")
+                    leave(rep, WorkerExit.CORRUPT)
+                raise
+            pins.unpin(step0)
+            rep.send(
+                "restore", step=step0, tier="persistent", mesh=plan.shape, workers=a.processes, seconds=time.time() - t0
+            )
+        else:
+            state = trainer.init()
+            pos = {"next_batch": 0}
+            rep.send("init", step=0, mesh=plan.shape, workers=a.processes, seconds=time.time() - t0)
+    if step0 is not None and pos.get("dataset") not in (None, manifest["fingerprint"]):
+        if cfg.on_dataset_change != "restart":
+            leave(
+                rep,
+                WorkerExit.ERROR,
+                f"checkpoint {step0} was trained on dataset {pos.get('dataset')}, not {manifest['fingerprint']} "
+                "(on_dataset_change=restart continues on the new data)",
+            )
+        # Continual training on refreshed data: the model goes on, the data position starts over.
+        rep.send("data_refreshed", step=step0, old=pos.get("dataset"), new=manifest["fingerprint"])
+        pos = {"next_batch": 0, "lr_scale": pos.get("lr_scale", 1.0)}
+    if tier is not None and tier.enabled:
+        tier.forget_after(step0)
     step = int(step0 or 0)
     next_batch = int(pos["next_batch"])
     lr_scale = float(pos.get("lr_scale", 1.0))
     skipped: list[list[int]] = list(pos.get("skipped", []))
-    if decision.hint is not None:
+    if decision is not None and decision.hint is not None:
         if decision.hint.skip_to_batch is not None and decision.hint.skip_to_batch > next_batch:
             skipped.append([next_batch, decision.hint.skip_to_batch])
             next_batch = decision.hint.skip_to_batch
@@ -275,11 +310,45 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, manifest
     )
 
     # --- 6. train ------------------------------------------------------------------------------
+    # The loop never waits for the device on an ordinary step: the metrics of step N are read
+    # (a host sync) after step N+1 is dispatched, so the device always has the next step queued.
+    # Before a persistent save, the newest step is read too: the guard decides before any save.
     saver = Saver(mngr, rep, pins)
-    tokens_per_step = cfg.global_batch * cfg.seq_len
-    t_last = time.time()
-    first = True
-    recent: list[float] = []  # logged losses for the spike guard's running median
+    loop = Loop(cfg, rep, t_assigned, step)
+
+    def data_position() -> dict[str, Any]:
+        return {
+            "next_batch": next_batch,
+            "examples_consumed": (next_batch - sum(end - start for start, end in skipped)) * cfg.global_batch,
+            "global_batch": cfg.global_batch,
+            "seed": cfg.seed,
+            "dataset": manifest["fingerprint"],
+            "lr_scale": lr_scale,
+            "skipped": skipped,
+        }
+
+    def stop_here(why: str) -> NoReturn:
+        """Save and commit the newest step (unless saved already), tell the agent, and leave."""
+        t_stop = time.time()
+        if saver.last_saved != step:
+            saver.save(step, state, data_position(), cfg)
+        saver.wait()
+        if tier is not None:
+            tier.wait()
+        sync_processes(a, f"rtrain-stop-{a.round}-{step}")  # every process knows: the step is committed
+        rep.send(
+            "preempted",
+            everyone=True,
+            step=step,
+            noticed=NOTICE.at is not None,
+            notice_at=NOTICE.at,
+            committed_at=time.time(),
+            stop_s=time.time() - t_stop,
+            reason=why,
+        )
+        mngr.close()
+        leave(rep, WorkerExit.NOTICE)
+
     while step < cfg.steps:
         chaos.before_step(step)
         step_lr = lr_scale * chaos.learning_rate_scale(step)
@@ -290,76 +359,184 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, manifest
                 json.dumps({"ids": [int(i) for i in local["ids"]], "processes": a.processes}).encode(),
             )
         inputs, targets = trainer.global_batch(local)
-        state, metrics = trainer.step(state, inputs, targets, step_lr)
+        state, metrics = trainer.step(state, inputs, targets, step_lr, notice=NOTICE.at is not None)
         step += 1
         next_batch += 1
+        loop.dispatched(step, metrics, next_batch)
         save_now = step % cfg.checkpoint_every == 0 or step == cfg.steps
-
-        if step % cfg.log_every == 0 or step == cfg.steps or first or save_now:
-            # A host sync: only on logged and checkpoint steps.  Every process holds the
-            # replicated loss, so all of them take the same decision below.
-            loss = float(metrics["loss"])
-            now = time.time()
-            bad = guard_verdict(loss, recent, cfg.spike_factor, cfg.spike_window)
-            if bad:
-                # big_vision style: fail loudly with the step and the metric; the leader rolls
-                # back to the last good checkpoint and skips the batches since.  A save still in
-                # flight holds a state from before the bad step: let it commit.
+        # Read every step but the newest; before a save (or at the end), the newest too.
+        verdict = loop.observe(keep=0 if save_now else 1)
+        if verdict.bad is not None:
+            # big_vision style: fail loudly with the step and the metric; the leader rolls back to
+            # the last good checkpoint and skips the batches since.  A save still in flight holds a
+            # state from before the bad step: let it commit.
+            saver.wait()
+            rep.send(
+                "guard", everyone=True, restored_from=step0, committed_since_restore=saver.committed_any, **verdict.bad
+            )
+            leave(rep, WorkerExit.GUARD)
+        if verdict.notice and step < cfg.steps:
+            loop.observe(keep=0)  # the newest step too, through the guard, before it is saved
+            if loop.bad is not None:
                 saver.wait()
                 rep.send(
-                    "guard",
-                    everyone=True,
-                    step=step,
-                    metric="loss",
-                    value=loss,
-                    reason=bad,
-                    next_batch=next_batch,
-                    restored_from=step0,
-                    committed_since_restore=saver.committed_any,
+                    "guard", everyone=True, restored_from=step0, committed_since_restore=saver.committed_any, **loop.bad
                 )
                 leave(rep, WorkerExit.GUARD)
-            recent.append(loss)
-            n = 1 if first else cfg.log_every
-            rep.send(
-                "progress",
-                step=step,
-                loss=loss,
-                grad_norm=float(metrics["grad_norm"]),
-                accuracy=float(metrics["accuracy"]),
-                tokens_per_s=tokens_per_step * n / max(now - t_last, 1e-9),
-                step_time=(now - t_last) / n,
-            )
-            if first:
-                rep.send("resumed", step=step, seconds=now - t_assigned)
-                first = False
-            t_last = now
+            stop_here("preemption notice")
 
         saver.poll()
+        if tier is not None:
+            for done, seconds in tier.finished():
+                rep.send("local_checkpoint", everyone=True, step=done, seconds=seconds, round=a.round)
         if save_now:
             if chaos.corrupts(step):
                 state = trainer.corrupt(state)
-            data_pos = {
-                "next_batch": next_batch,
-                "examples_consumed": (next_batch - sum(end - start for start, end in skipped)) * cfg.global_batch,
-                "global_batch": cfg.global_batch,
-                "seed": cfg.seed,
-                "dataset": manifest["fingerprint"],
-                "lr_scale": lr_scale,
-                "skipped": skipped,
-            }
-            saver.save(step, state, data_pos, cfg)
+            saver.save(step, state, data_position(), cfg)
             chaos.after_save_started(step)
             if step < cfg.steps and stop_requested(store, a):
                 saver.wait()
                 rep.send("rescale_requested", everyone=True, step=step, workers=a.processes)
                 mngr.close()
                 return 0
-            t_last = time.time()  # saving time is not step time
+            loop.reset_clock()  # saving time is not step time
+        elif tier is not None and tier.enabled and step % cfg.local_checkpoint_every == 0:
+            blocking = tier.save(step, state, data_position())
+            loop.local_saves.append(blocking)
 
+    loop.observe(keep=0)
     saver.wait()
+    if tier is not None:
+        if tier.enabled:
+            settle_local()
+        tier.close()
     mngr.close()
     rep.send("finished", everyone=True, step=step)
     return 0
+
+
+class Notice:
+    """A preemption notice (SIGTERM): when it came, if it did."""
+
+    at: float | None = None
+
+    @classmethod
+    def install(cls) -> None:
+        def on_term(_signum: int, _frame: Any) -> None:
+            if cls.at is None:
+                cls.at = time.time()
+
+        signal.signal(signal.SIGTERM, on_term)
+
+
+NOTICE = Notice
+
+
+@dataclass
+class Verdict:
+    bad: dict[str, Any] | None = None  # the guard's finding: step, metric, value, reason, next_batch
+    notice: bool = False  # some process of the group was told to stop
+
+
+class Loop:
+    """The steps in flight, read one step late: the guard, the metrics and progress reports."""
+
+    def __init__(self, cfg: Any, rep: Reporter, t_assigned: float, step: int) -> None:
+        self.cfg = cfg
+        self.rep = rep
+        self.t_assigned = t_assigned
+        self.inflight: list[tuple[int, dict[str, Any], int]] = []
+        self.recent: list[float] = []  # read losses, for the spike guard's running median
+        self.first = True
+        self.t_last = time.time()
+        self.since = 0  # steps read since the last progress report
+        self.tokens_per_step = cfg.global_batch * cfg.seq_len
+        self.bad: dict[str, Any] | None = None
+        self.notice = False
+        self.local_saves: list[float] = []
+
+    def dispatched(self, step: int, metrics: dict[str, Any], next_batch: int) -> None:
+        self.inflight.append((step, metrics, next_batch))
+
+    def reset_clock(self) -> None:
+        self.t_last = time.time()
+
+    def observe(self, keep: int) -> Verdict:
+        """Read the metrics of the steps in flight but the newest ``keep``; stop at the first bad one."""
+        import jax
+
+        while len(self.inflight) > keep and self.bad is None:
+            step, metrics, next_batch = self.inflight.pop(0)
+            m = {k: float(v) for k, v in jax.device_get(metrics).items()}  # the host sync, one step late
+            now = time.time()
+            loss = m["loss"]
+            why = guard_verdict(loss, self.recent, self.cfg.spike_factor, self.cfg.spike_window)
+            if why:
+                self.bad = {"step": step, "metric": "loss", "value": loss, "reason": why, "next_batch": next_batch}
+                break
+            self.recent.append(loss)
+            del self.recent[: -self.cfg.spike_window]
+            self.notice = self.notice or m["notice"] > 0
+            self.since += 1
+            step_time = (now - self.t_last) / self.since
+            values: dict[str, Any] = {k: m[k] for k in ("loss", "grad_norm", "accuracy", "lr")}
+            self.rep.send("metrics", step=step, step_time=step_time, **values)
+            if step % self.cfg.log_every == 0 or step == self.cfg.steps or self.first:
+                self.rep.send(
+                    "progress",
+                    step=step,
+                    tokens_per_s=self.tokens_per_step / max(step_time, 1e-9),
+                    step_time=step_time,
+                    local_save_blocking_s=sum(self.local_saves) if self.local_saves else None,
+                    **values,
+                )
+                self.local_saves = []
+                if self.first:
+                    self.rep.send("resumed", step=step, seconds=now - self.t_assigned)
+                    self.first = False
+                self.t_last, self.since = now, 0
+        return Verdict(self.bad, self.notice)
+
+
+def sync_processes(a: Assignment, name: str) -> None:
+    if a.processes > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def pick_local_step(candidates: list[int], directory: Any, a: Assignment, rep: Reporter) -> int | None:
+    """The newest candidate whose local copy every process holds intact (or None: the persistent tier).
+
+    Each process checks its own copies against their manifests; the verdicts are
+    gathered, so every process takes the same decision.  A copy that fails is
+    stepped over, with an event naming it.
+    """
+    import numpy as np
+
+    from training.checkpoint.local import verify
+
+    if not candidates:
+        return None
+    problems = [verify(directory, s) for s in candidates]
+    ok = np.array([0 if p else 1 for p in problems], np.int32)
+    if a.processes > 1:
+        from jax.experimental import multihost_utils
+
+        everyone = np.asarray(multihost_utils.process_allgather(ok)).reshape(a.processes, len(candidates))
+    else:
+        everyone = ok.reshape(1, -1)
+    chosen = next((s for i, s in enumerate(candidates) if everyone[:, i].all()), None)
+    for s, problem in zip(candidates, problems, strict=True):
+        if problem and (chosen is None or s > chosen):  # stepped over (older candidates were not needed)
+            rep.send(
+                "local_checkpoint_skipped",
+                everyone=True,
+                step=s,
+                host=os.environ.get("RTRAIN_HOST"),
+                reason=problem,
+            )
+    return chosen
 
 
 class Pins:
@@ -392,6 +569,7 @@ class Saver:
         self.rep = rep
         self.pins = pins
         self.pending: int | None = None
+        self.last_saved: int | None = None
         self.committed_any = False
 
     def _commit(self, step: int) -> None:
@@ -420,7 +598,7 @@ class Saver:
         t0 = time.time()
         self.pins.pin(step, "save")
         ckpt.save(self.mngr, step, state, data_pos, cfg)
-        self.pending = step
+        self.pending = self.last_saved = step
         self.rep.send("checkpoint", step=step, committed=False, blocking_s=time.time() - t0)
 
 

@@ -1,0 +1,173 @@
+"""The local checkpoint tier and the preemption notice.
+
+Fast tests check the tier's bookkeeping on disk (manifests, checksums, what a
+pruned or damaged copy looks like); the slow one runs a real job on three
+simulated hosts through a notice (SIGTERM), a lost host and a damaged local copy.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from jobs import hosts, job_config, run_job, step_ids, worker_logs
+
+from training import api
+from training.checkpoint import local
+from training.config import load_config
+from training.elastic.chaos import parse_chaos
+from training.storage import open_store
+
+
+def _fake_step(directory: Path, step: int, payload: bytes = b"x" * 1000) -> None:
+    """A step directory as Orbax leaves it once finalised (its metadata file, and data)."""
+    d = directory / str(step)
+    (d / "state").mkdir(parents=True)
+    (d / "state" / "data.bin").write_bytes(payload)
+    (d / local.ORBAX_STEP_MARK).write_text("{}")
+
+
+def test_finalised_steps_are_described_once_and_a_pruned_step_loses_its_manifest(tmp_path):
+    _fake_step(tmp_path, 2)
+    _fake_step(tmp_path, 4)
+    (tmp_path / "6.orbax-checkpoint-tmp").mkdir()  # a save in flight: not a step yet
+    described = local.describe_new(tmp_path, round_=3)
+    assert sorted(described) == [2, 4] and described[4].round == 3
+    assert described[4].files["state/data.bin"][0] == 1000
+    # Described once: a later round does not re-describe (and re-date) a copy it did not save.
+    assert local.describe_new(tmp_path, round_=5)[2].round == 3
+    import shutil
+
+    shutil.rmtree(tmp_path / "2")  # Orbax's max_to_keep pruned it
+    assert sorted(local.read_manifests(tmp_path)) == [4]
+    assert not (tmp_path / "2.manifest.json").exists()
+
+
+def test_verify_names_what_is_wrong_with_a_local_copy(tmp_path):
+    _fake_step(tmp_path, 8)
+    local.describe_new(tmp_path, round_=1)
+    assert local.verify(tmp_path, 8) == ""
+    data = tmp_path / "8" / "state" / "data.bin"
+    data.write_bytes(b"x" * 400)
+    assert "400 bytes, 1000 when saved (truncated?)" in local.verify(tmp_path, 8)
+    data.write_bytes(b"y" * 1000)
+    assert "fails its CRC32C check" in local.verify(tmp_path, 8)
+    data.unlink()
+    assert "state/data.bin of local step 8 is missing" in local.verify(tmp_path, 8)
+    assert local.verify(tmp_path, 10) == "no local copy of step 10 on this host"
+
+
+def test_local_copies_are_per_run_job_and_host_and_other_jobs_are_forgotten(tmp_path, monkeypatch):
+    monkeypatch.delenv(local.LOCAL_DIR_ENV, raising=False)
+    a = local.host_dir(str(tmp_path), "/runs/a", "j1", "h0")
+    b = local.host_dir(str(tmp_path), "/other/a", "j1", "h0")
+    assert a != b and a.parent.parent != b.parent.parent, "two runs of one name in two roots do not meet"
+    old = local.host_dir(str(tmp_path), "/runs/a", "j0", "h0")
+    old.mkdir(parents=True)
+    a.mkdir(parents=True)
+    local.forget_other_jobs(str(tmp_path), "/runs/a", "j1")
+    assert a.is_dir() and not old.exists()
+    # A host's own setting (a pod's volume) wins over the config's.
+    monkeypatch.setenv(local.LOCAL_DIR_ENV, str(tmp_path / "pod"))
+    assert local.host_dir(str(tmp_path), "/runs/a", "j1", "h0").is_relative_to(tmp_path / "pod")
+
+
+def test_resume_hints_and_the_damage_local_fault_are_checked():
+    assert local.parse_resume("local:22,20") == [22, 20]
+    assert local.parse_resume("latest") == [] and local.parse_resume("40") == []
+    assert parse_chaos("damage_local:worker=0,step=9").worker == 0
+    with pytest.raises(ValueError, match="damage_local needs the local tier"):
+        load_config("tiny", None, {"chaos": ["damage_local:worker=0,step=9"]})
+    cfg = load_config("tiny", None, {"chaos": ["damage_local:worker=0,step=9"], "local_checkpoint_every": 2})
+    assert cfg.local_checkpoint_every == 2
+
+
+def _attempts(run_uri: str) -> dict[int, int]:
+    """How many rounds trained each step (the trace has one record per step, process and attempt)."""
+    store = open_store(run_uri)
+    seen: dict[int, set[int]] = {}
+    for key in store.list("trace/"):
+        _, step_s, name = key.split("/")
+        seen.setdefault(int(step_s), set()).add(int(name[1:4]))
+    return {s: len(a) for s, a in seen.items()}
+
+
+@pytest.mark.slow
+def test_a_notice_commits_the_step_a_lost_host_resumes_from_local_copies_and_a_damaged_copy_is_stepped_over(
+    tmp_path, tiny_dataset, jax_cache
+):
+    from training.data import global_batch_ids
+
+    cfg = job_config(
+        str(tmp_path),
+        tiny_dataset,
+        jax_cache,
+        run_name="local-tier",
+        steps=34,
+        global_batch=12,
+        min_workers=1,
+        max_workers=3,
+        checkpoint_every=12,
+        local_checkpoint_every=2,
+        local_checkpoint_dir=str(tmp_path / "host-local"),
+        trace_data_ids=True,
+        chaos=[
+            # 3 hosts: one gets a preemption notice (SIGTERM), the group stops at a step boundary and commits it.
+            "preempt_notice:worker=1,step=5",
+            # 2 hosts: one is lost outright; the survivor holds local copies newer than the persistent 12.
+            "preempt:worker=1,step=17",
+            # 1 host: its newest local copy goes bad, then its worker dies; the copy must be stepped over.
+            "damage_local:worker=0,step=29",
+        ],
+    )
+    assert run_job(cfg) == 0, worker_logs(cfg.run_uri)
+    st = api.status(cfg.run_uri)
+    assert st["state"] == "finished" and st["step"] == 34, st
+
+    events = api.events(cfg.run_uri)
+    by = lambda t: [e for e in events if e["type"] == t]  # noqa: E731
+    restores = by("restore")
+    assert [e["workers"] for e in by("launch")] == [3, 2, 1, 1]
+
+    # The notice: the step the group stopped at was committed within the grace period, and the next
+    # round restored exactly that step, so no step was trained twice.
+    [notice] = by("preemption_notice")
+    assert notice["committed"] and 0 < notice["seconds"] < cfg.preemption_grace_s
+    assert notice["step"] >= 5
+    committed = {e["step"] for e in by("checkpoint") if e.get("committed")}
+    assert notice["step"] in committed
+    assert (restores[0]["step"], restores[0]["tier"]) == (notice["step"], "persistent")
+    recovered = by("recovered")
+    assert recovered[0]["kind"] == "notice" and recovered[0]["steps_lost"] == 0
+
+    # The lost host: the survivor restored its own local copy, newer than the newest persistent one.
+    failures = by("failure")
+    assert "lost" in failures[0]["reason"]
+    assert restores[1]["tier"] == "local" and 12 < restores[1]["step"] <= 17
+    assert restores[1]["step"] == failures[0]["resume_step"]
+    # At most the steps since the newest local copy are trained again (not those since the persistent 12).
+    assert recovered[1]["tier"] == "local" and 0 <= recovered[1]["steps_lost"] <= 17 - restores[1]["step"]
+
+    # The damaged copy: named, stepped over; the round resumed from an older copy (or the persistent 24).
+    [skipped] = by("local_checkpoint_skipped")
+    assert "truncated" in skipped["reason"] and skipped["step"] > 24
+    assert restores[2]["step"] < skipped["step"] and restores[2]["step"] >= 24
+    assert restores[2]["tier"] == ("local" if restores[2]["step"] > 24 else "persistent")
+
+    # Every step consumed exactly its global batch, whatever the tier it was resumed from; only the steps
+    # after a restore point were trained again (none after the notice).
+    ids = step_ids(cfg.run_uri)
+    assert sorted(ids) == list(range(34))
+    for step in (0, 5, 13, 20, 33):
+        want = global_batch_ids(tiny_dataset, seed=cfg.seed, global_batch=cfg.global_batch, batch_index=step)
+        assert ids[step] == sorted(int(i) for i in want)
+    attempts = _attempts(cfg.run_uri)
+    assert all(attempts[s] == 1 for s in range(notice["step"])), "a notice loses no step"
+
+    # Each host keeps at most local_keep copies, and describes them in its rendezvous record.
+    survivor = restores[2]["host"]
+    kept = local.finalised_steps(local.host_dir(cfg.local_checkpoint_dir, cfg.run_uri, st["job"], survivor))
+    assert 1 <= len(kept) <= cfg.local_keep
+    assert {s for s, _ in hosts(cfg.run_uri)[survivor].local} <= set(kept)
+    json.dumps(events)  # every event is plain JSON
