@@ -133,6 +133,9 @@ def main() -> int:
         "max_workers": args.max_workers,
         "keep_last": 2,
         "keep_best": 1,
+        # The local tier: every 5 steps each host also keeps a copy in host memory (tmpfs), so the lost
+        # host costs the steps since the newest local copy, not since the last persistent checkpoint.
+        "local_checkpoint_every": 5,
         "chaos": chaos,
         "overrides": overrides,
     }

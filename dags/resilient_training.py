@@ -23,8 +23,9 @@ from typing import Any
 
 from airflow.sdk import DAG, CronTriggerTimetable, Param, TaskGroup
 from rtrain_airflow.callbacks import alert_callbacks, rollback_alert
-from rtrain_airflow.hooks.training import CHAOS_PATTERN, RUN_NAME_PATTERN
+from rtrain_airflow.hooks.training import CHAOS_EXAMPLES, CHAOS_RULES, RUN_NAME_RULES, preset_values
 from rtrain_airflow.operators.training import (
+    RESOLVE_TASK_ID,
     RTrainBranchValidationOperator,
     RTrainPlanTopologyOperator,
     RTrainPrepareDatasetOperator,
@@ -61,132 +62,278 @@ promotes or rolls back, prunes, and always releases capacity.
 * *Trigger* again with `{"run_name": ..., "resume_from": "latest"}` or `{"resume_from": "40"}`
   (rolls the run back to step 40 first), plus any overrides, e.g. `{"steps": 80, "chaos": []}`.
 
+**The form**: a field left empty keeps the preset's value (each field says what that is, preset by
+preset); an empty fault list, `gke` or `overrides` field means off.
+
 Alerts on failure, retry and rollback: `rtrain_airflow.callbacks`.
 """
 
 
-def _nullable_int(description: str, minimum: int, maximum: int, section: str) -> Param:
+# The form's sections, in its order ("Config overrides", not "Advanced": Airflow's own "Advanced Options"
+# section follows ours on the trigger page).
+SECTIONS = ("Run", "Data", "Training", "Checkpoints", "Validation", "Storage", "Backend", "Chaos", "Config overrides")
+MARKDOWN = ("`", "**", "](")
+
+
+def _text(text: str) -> dict[str, Any]:
+    """The field's help: ``description_md`` (rendered by the form) when the text has markdown, else ``description``.
+
+    The form shows ``description`` as it is when there is one, and only otherwise renders ``description_md``.
+    """
+    return {"description_md": text} if any(m in text for m in MARKDOWN) else {"description": text}
+
+
+def _shown(value: Any) -> str:
+    return "off" if value in (0, [], "") else str(value)
+
+
+def _when_empty(key: str) -> str:
+    """What an empty field means: the preset's value, one per preset when they differ (read from the presets' YAML)."""
+    values = preset_values(key, PRESETS)
+    if len({repr(v) for v in values.values()}) == 1:
+        return f"Empty: {_shown(next(iter(values.values())))}."
+    return "Empty: the preset's (" + ", ".join(f"{p} {_shown(v)}" for p, v in values.items()) + ")."
+
+
+def _nullable(kind: str, title: str, text: str, key: str, section: str, **bounds: Any) -> Param:
+    """An optional number field: empty (null) keeps the preset's value of config key ``key``."""
     return Param(
-        None, type=["null", "integer"], minimum=minimum, maximum=maximum, description=description, section=section
+        None,
+        type=["null", kind],
+        title=title,
+        section=section,
+        **_text(f"{text} {_when_empty(key)}"),
+        **{k: v for k, v in bounds.items() if v is not None},
     )
 
 
-def _nullable_number(description: str, minimum: float, maximum: float | None, section: str) -> Param:
-    schema: dict[str, Any] = {"minimum": minimum}
-    if maximum is not None:
-        schema["maximum"] = maximum
-    return Param(None, type=["null", "number"], description=description, section=section, **schema)
-
-
 def training_params(continual: bool) -> dict[str, Param]:
-    """The trigger form: each field typed, bounded and described.  ``null`` keeps the preset's value."""
+    """The trigger form: each field titled, typed, bounded and described.  Empty (``null``) keeps the preset's
+    value, and an empty list or object (chaos, gke, overrides) means off."""
+    steps = (
+        Param(
+            20,
+            type="integer",
+            minimum=1,
+            maximum=1_000_000,
+            title="Steps per run",
+            section="Training",
+            description="Optimizer steps each scheduled run adds to the newest validated checkpoint (1 to 1,000,000).",
+        )
+        if continual
+        else _nullable(
+            "integer",
+            "Steps",
+            "Total optimizer steps of the run (1 to 1,000,000).",
+            "steps",
+            "Training",
+            minimum=1,
+            maximum=1_000_000,
+        )
+    )
     params: dict[str, Param] = {
         "run_name": Param(
             "continual" if continual else "demo",
             type="string",
-            pattern=RUN_NAME_PATTERN,
-            minLength=1,
-            maxLength=63,
-            description="Run name: the run's directory under the storage root. Letters, digits, `_.-`; no `..`, no `/`.",
+            title="Run name",
             section="Run",
+            **RUN_NAME_RULES,
+            **_text(
+                "The run's directory under the storage root: letters, digits and `_` `.` `-`, starting with a "
+                "letter or a digit, at most 63 characters, no `..` and no `/`. An existing run of this name is "
+                "continued."
+            ),
         ),
         "preset": Param(
             "tiny",
             type="string",
             enum=PRESETS,
+            title="Preset",
             section="Run",
-            description="Model and run preset (training/configs): tiny and small run on CPU; the llama3 "
-            "presets are for TPU slices (and show the memory-fit refusal locally).",
+            **_text(
+                "Model and run preset (`training/configs/<preset>.yml`): `tiny` and `small` run on CPU; the llama3 "
+                "presets are for TPU slices (and show the memory-fit refusal locally). The fields left empty below "
+                "take its values."
+            ),
         ),
+    }
+    if not continual:
+        params["resume_from"] = Param(
+            "latest",
+            type="string",
+            title="Resume from",
+            section="Run",
+            examples=["latest", "none"],
+            pattern=r"^(latest|none|[0-9]+)$",
+            **_text(
+                "`latest`, `none` or a step number. `latest`: continue the run from its newest committed checkpoint "
+                "(a new run starts from scratch); `none`: a new run only (an existing one is refused); a step: roll "
+                "the run back to that committed step and continue from it."
+            ),
+        )
+    params |= {
         "dataset_source": Param(
             "stdlib",
             type="string",
             minLength=1,
+            title="Dataset source",
             section="Data",
-            description="What to train on: `stdlib` (this Python's standard library sources), a local directory or "
-            "glob, or gs://bucket/prefix.",
+            examples=["stdlib"],
+            **_text(
+                "What to train on: `stdlib` (this Python's standard library sources), a local directory or glob, or "
+                "`gs://bucket/prefix`."
+            ),
         ),
         "dataset": Param(
             None,
             type=["null", "string"],
             minLength=1,
+            title="Prepared dataset",
             section="Data",
-            description="Where the prepared dataset lives (local path or gs://); prepared if missing. "
-            "null: var/data/stdlib-seq<seq_len> (one per sequence length).",
+            **_text(
+                "Where the prepared dataset lives (a local path or `gs://`); prepared if missing. Empty: "
+                "`var/data/stdlib-seq<seq_len>` (one per sequence length)."
+            ),
         ),
         "dataset_max_bytes": Param(
             None,
             type=["null", "integer"],
             minimum=10_000,
+            title="Source bytes at most",
             section="Data",
-            description="Read at most this many source bytes (null: all).",
+            description="Read at most this many bytes of the source (10,000 or more). Empty: all of it.",
         ),
-        "steps_per_run" if continual else "steps": (
-            Param(
-                20,
-                type="integer",
-                minimum=1,
-                maximum=1_000_000,
-                section="Training",
-                description="Optimizer steps each scheduled run adds to the newest validated checkpoint.",
-            )
-            if continual
-            else _nullable_int("Total optimizer steps of the run (null: the preset's).", 1, 1_000_000, "Training")
+        "steps_per_run" if continual else "steps": steps,
+        "min_workers": _nullable(
+            "integer",
+            "Fewest hosts",
+            "Fewest hosts the job may run on (1 to 256).",
+            "min_workers",
+            "Training",
+            minimum=1,
+            maximum=256,
         ),
-        "min_workers": _nullable_int("Fewest hosts the job may run on (null: the preset's).", 1, 256, "Training"),
-        "max_workers": _nullable_int("Most hosts the job may use (null: the preset's).", 1, 256, "Training"),
-        "checkpoint_every": _nullable_int(
-            "Save a checkpoint every N steps (null: the preset's).", 1, 100_000, "Checkpoints"
+        "max_workers": _nullable(
+            "integer",
+            "Most hosts",
+            "Most hosts the job may use (1 to 256).",
+            "max_workers",
+            "Training",
+            minimum=1,
+            maximum=256,
         ),
-        "keep_last": _nullable_int(
-            "Retention: keep the newest N checkpoints (0: rule off; null: default 3).", 0, 1000, "Checkpoints"
+        "checkpoint_every": _nullable(
+            "integer",
+            "Checkpoint every N steps",
+            "Save a checkpoint every N steps, and at the end (1 to 100,000).",
+            "checkpoint_every",
+            "Checkpoints",
+            minimum=1,
+            maximum=100_000,
         ),
-        "keep_best": _nullable_int(
-            "Retention: keep the best N validated checkpoints by loss (0: off; null: 1).", 0, 1000, "Checkpoints"
+        "local_checkpoint_every": _nullable(
+            "integer",
+            "Local checkpoint every N steps",
+            "Local tier: every N steps each host also saves to host-local storage, restored from after a lost "
+            "host (0: off; up to 100,000).",
+            "local_checkpoint_every",
+            "Checkpoints",
+            minimum=0,
+            maximum=100_000,
         ),
-        "keep_every": _nullable_int(
-            "Retention: keep every K-th step as a milestone (0: off; null: off).", 0, 1_000_000, "Checkpoints"
+        "keep_last": _nullable(
+            "integer",
+            "Keep the newest N",
+            "Retention: keep the newest N checkpoints (0: rule off; up to 1,000).",
+            "keep_last",
+            "Checkpoints",
+            minimum=0,
+            maximum=1000,
         ),
-        "val_tolerance": _nullable_number(
+        "keep_best": _nullable(
+            "integer",
+            "Keep the best N",
+            "Retention: keep the best N validated checkpoints by loss (0: rule off; up to 1,000).",
+            "keep_best",
+            "Checkpoints",
+            minimum=0,
+            maximum=1000,
+        ),
+        "keep_every": _nullable(
+            "integer",
+            "Keep every K-th step",
+            "Retention: keep every K-th step as a milestone (0: rule off).",
+            "keep_every",
+            "Checkpoints",
+            minimum=0,
+            maximum=1_000_000,
+        ),
+        "val_tolerance": _nullable(
+            "number",
+            "Loss tolerance",
             "Validation: reject a checkpoint whose loss is worse than the best validated one by more than this "
-            "fraction (null: 0.05).",
-            0.0,
-            10.0,
+            "fraction (0 to 10; 0.05 is 5%).",
+            "val_tolerance",
             "Validation",
+            minimum=0.0,
+            maximum=10.0,
         ),
-        "val_max_loss": _nullable_number(
-            "Validation: reject a loss above this (0: no threshold; null: 0).", 0.0, None, "Validation"
-        ),
-        "val_min_accuracy": _nullable_number(
-            "Validation: reject a token accuracy below this (0: none; null: 0).", 0.0, 1.0, "Validation"
-        ),
-        "max_rollbacks": _nullable_int(
-            "Validation rollbacks (each followed by resumed training) this DAG run may do (null: 2).",
-            0,
-            10,
+        "val_max_loss": _nullable(
+            "number",
+            "Highest loss",
+            "Validation: reject a loss above this (0: no threshold).",
+            "val_max_loss",
             "Validation",
+            minimum=0.0,
+        ),
+        "val_min_accuracy": _nullable(
+            "number",
+            "Lowest accuracy",
+            "Validation: reject a token accuracy below this (0 to 1; 0: none).",
+            "val_min_accuracy",
+            "Validation",
+            minimum=0.0,
+            maximum=1.0,
+        ),
+        "max_rollbacks": _nullable(
+            "integer",
+            "Rollbacks at most",
+            "Validation rollbacks (each followed by resumed training) this DAG run may do (0 to 10).",
+            "max_rollbacks",
+            "Validation",
+            minimum=0,
+            maximum=10,
         ),
         "storage_root": Param(
             "var/runs",
             type="string",
             minLength=1,
+            title="Storage root",
             section="Storage",
-            description="Run root: a local path (relative to the project) or gs://bucket/prefix.",
+            **_text("Run root: a local path (relative to the project) or `gs://bucket/prefix`."),
         ),
         "backend": Param(
             "local",
             type="string",
             enum=["local", "gke"],
+            values_display={"local": "local: simulated hosts on this machine", "gke": "gke: TPU node pools on GKE"},
+            title="Backend",
             section="Backend",
-            description="Where the workers run: `local` (simulated hosts on this machine) or `gke` "
-            "(TPU node pools; fill in the `gke` param).",
+            **_text(
+                "Where the workers run: `local` (simulated hosts on this machine) or `gke` (TPU node pools; fill in "
+                "the GKE field)."
+            ),
         ),
         "gke": Param(
-            {},
-            type="object",
+            None,
+            type=["null", "object"],
+            title="GKE cluster and slices",
             section="Backend",
-            description="backend=gke only: project_id, location, cluster_name, machine_type, tpu_topology, "
-            "image, node_pools (one per slice), namespace, spot, node_locations, gcp_conn_id.",
+            **_text(
+                "`backend: gke` only (empty otherwise): a JSON object with `project_id`, `location`, `cluster_name`, "
+                "`machine_type`, `tpu_topology`, `image`, `node_pools` (one per slice), and optionally `namespace`, "
+                "`spot`, `node_locations`, `gcp_conn_id`."
+            ),
             properties={
                 "location": {"type": "string"},
                 "cluster_name": {"type": "string"},
@@ -197,44 +344,46 @@ def training_params(continual: bool) -> dict[str, Param]:
                 "project_id": {"type": "string"},
                 "namespace": {"type": "string"},
                 "spot": {"type": "boolean"},
+                "node_locations": {"type": "array", "items": {"type": "string"}},
                 "gcp_conn_id": {"type": "string"},
             },
         ),
         "chaos": Param(
-            [],
-            type="array",
-            items={"type": "string", "pattern": CHAOS_PATTERN},
+            None,
+            type=["null", "array"],
+            items=CHAOS_RULES,
+            title="Fault injection",
             section="Chaos",
-            description="Fault injection (off when empty), e.g. `preempt:worker=1,step=40`, "
-            "`capacity:to=4,step=80`, `crash:worker=0,step=12`, `lr_spike:step=30,factor=50`.",
+            **_text(
+                "One fault per line (empty: off), `action:key=value,...`, e.g. "
+                + ", ".join(f"`{x}`" for x in CHAOS_EXAMPLES)
+                + "."
+            ),
         ),
         "overrides": Param(
-            {},
-            type="object",
-            section="Advanced",
-            description='Any other run-config key (training/config.py), e.g. {"learning_rate": 0.001}; '
-            "unknown keys are refused.",
+            None,
+            type=["null", "object"],
+            title="Other config keys",
+            section="Config overrides",
+            **_text(
+                'Any other run-config key (`rtrain config` lists them), as a JSON object, e.g. `{"learning_rate": '
+                "0.001}`; empty: none. Unknown keys, and keys that have a field of their own above, are refused."
+            ),
         ),
     }
-    if not continual:
-        params["resume_from"] = Param(
-            "latest",
-            type="string",
-            pattern=r"^(latest|none|[0-9]+)$",
-            section="Run",
-            description="`latest`: continue the run from its newest committed checkpoint (new run: from scratch); "
-            "`none`: a new run only (an existing one is refused); a step: roll the run back to that "
-            "committed step and continue from it.",
-        )
     return params
 
 
 def pipeline(continual: bool) -> None:
-    """The tasks of one DAG (called inside its ``with DAG(...)``)."""
-    resolve = RTrainResolveRunConfigOperator(task_id="resolve_config", continual=continual, retries=0)
-    spec = resolve.output
-    prepare = RTrainPrepareDatasetOperator(task_id="prepare_dataset", spec=spec)
-    provision = RTrainProvisionCapacityOperator(task_id="provision_capacity", spec=spec)
+    """The tasks of one DAG (called inside its ``with DAG(...)``).
+
+    Every task reads the run spec from ``resolve_config``'s XCom when it runs (``spec_from``), so the graph
+    draws the pipeline's order and nothing else; the only data edges are launch -> watch (the job handle)
+    and validate -> promote_or_rollback (the verdict), both on that order anyway.
+    """
+    resolve = RTrainResolveRunConfigOperator(task_id=RESOLVE_TASK_ID, continual=continual, retries=0)
+    prepare = RTrainPrepareDatasetOperator(task_id="prepare_dataset", spec_from=RESOLVE_TASK_ID)
+    provision = RTrainProvisionCapacityOperator(task_id="provision_capacity", spec_from=RESOLVE_TASK_ID)
 
     # The body.  Retries relaunch the job from its newest committed checkpoint (see RTrainTrainingJobSensor).
     with TaskGroup(
@@ -242,29 +391,32 @@ def pipeline(continual: bool) -> None:
         tooltip="plan, launch or re-attach, watch (retries relaunch)",
         default_args={"retries": TRAINING_RETRIES, "retry_delay": RETRY_DELAY},  # type: ignore[arg-type]
     ) as training:
-        plan = RTrainPlanTopologyOperator(task_id="plan_topology", spec=spec)
-        launch = RTrainStartTrainingJobOperator(task_id="launch_job", spec=spec)
-        watch = RTrainTrainingJobSensor(task_id="watch_job", spec=spec, handle=launch.output)
+        plan = RTrainPlanTopologyOperator(task_id="plan_topology", spec_from=RESOLVE_TASK_ID)
+        launch = RTrainStartTrainingJobOperator(task_id="launch_job", spec_from=RESOLVE_TASK_ID)
+        watch = RTrainTrainingJobSensor(task_id="watch_job", spec_from=RESOLVE_TASK_ID, handle=launch.output)
         plan >> launch >> watch
 
-    validate = RTrainValidateCheckpointsOperator(task_id="validate", spec=spec)
+    validate = RTrainValidateCheckpointsOperator(task_id="validate", spec_from=RESOLVE_TASK_ID)
     branch = RTrainBranchValidationOperator(
         task_id="promote_or_rollback",
         validation=validate.output,
         promote_task_id="promote",
         rollback_task_id="rollback_and_resume",
     )
-    promote = RTrainPromoteCheckpointOperator(task_id="promote", spec=spec)
+    promote = RTrainPromoteCheckpointOperator(task_id="promote", spec_from=RESOLVE_TASK_ID)
     rollback = RTrainRollbackAndResumeOperator(
-        task_id="rollback_and_resume", spec=spec, retries=TRAINING_RETRIES, on_execute_callback=rollback_alert()
+        task_id="rollback_and_resume",
+        spec_from=RESOLVE_TASK_ID,
+        retries=TRAINING_RETRIES,
+        on_execute_callback=rollback_alert(),
     )
-    prune = RTrainPruneCheckpointsOperator(task_id="prune", spec=spec)
+    prune = RTrainPruneCheckpointsOperator(task_id="prune", spec_from=RESOLVE_TASK_ID)
 
     # The teardown: always, whatever failed (ALL_DONE), and not deciding the run's state.
-    report = RTrainReportRunOperator(task_id="report", spec_from="resolve_config").as_teardown(setups=provision)
+    report = RTrainReportRunOperator(task_id="report", spec_from=RESOLVE_TASK_ID).as_teardown(setups=provision)
     release = RTrainReleaseCapacityOperator(
         task_id="release_capacity",
-        spec_from="resolve_config",
+        spec_from=RESOLVE_TASK_ID,
         handle_from=["training.launch_job", "training.watch_job", "rollback_and_resume"],
     ).as_teardown(setups=provision)
 

@@ -83,12 +83,13 @@ def test_scheduled_dag_continues_one_run_at_a_time(dagbag: Any) -> None:
     assert dagbag.dags["resilient_training"].max_active_runs == 1
 
 
-def test_params_are_valid_json_schemas_with_descriptions(dagbag: Any) -> None:
+def test_params_are_valid_json_schemas_with_help_texts(dagbag: Any) -> None:
     for dag in dagbag.dags.values():
         for name, param in dag.params.items():
             schema = param.schema
             jsonschema.Draft202012Validator.check_schema(schema)
-            assert param.description and len(param.description) > 15, name
+            text = param.description or schema.get("description_md") or ""
+            assert len(text) > 15, name
             assert "type" in schema, name
             jsonschema.validate(param.value, schema)  # the default is valid
             json.dumps(param.value)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -12,7 +14,7 @@ from typing import Any
 import pytest
 from airflow.sdk._shared.module_loading import import_string
 from airflow.sdk.serde import deserialize, serialize
-from rtrain_airflow.triggers.training import CLASSPATH, RTrainTrainingJobTrigger
+from rtrain_airflow.triggers.training import CLASSPATH, PROGRESS_EVERY_S, RTrainTrainingJobTrigger
 
 from training.events import EventLog, write_status
 from training.storage import open_store
@@ -72,6 +74,7 @@ def test_serialize_round_trips_exactly() -> None:
         start_timeout_s=60.0,
         stale_after_s=360.0,
         events_after="events/0001-agent-ab.json",
+        progress_every_s=30,
     )
     classpath, kwargs = trigger.serialize()
     assert classpath == CLASSPATH == "rtrain_airflow.triggers.training.RTrainTrainingJobTrigger"
@@ -82,10 +85,14 @@ def test_serialize_round_trips_exactly() -> None:
         "start_timeout_s": 60.0,
         "stale_after_s": 360.0,
         "events_after": "events/0001-agent-ab.json",
+        "progress_every_s": 30.0,
     }
     # Through Airflow's own encoding of trigger kwargs (what the triggerer stores), and back.
     again = import_string(classpath)(**deserialize(serialize(kwargs)))
     assert again.serialize() == (classpath, kwargs)
+    # A trigger stored before progress_every_s existed comes back with the default cadence.
+    older = {k: v for k, v in kwargs.items() if k != "progress_every_s"}
+    assert import_string(classpath)(**older).serialize()[1] == {**older, "progress_every_s": PROGRESS_EVERY_S}
 
 
 def test_finished_job_succeeds_and_reports_recoveries(run: tuple[str, Any, EventLog]) -> None:
@@ -151,3 +158,150 @@ def test_live_job_keeps_the_trigger_waiting(run: tuple[str, Any, EventLog]) -> N
     write_status(store, state="recovering", step=5, job="j1")
     with pytest.raises(TimeoutError):
         run_trigger(RTrainTrainingJobTrigger(uri, handle(uri), poll_interval=0.05), timeout=0.5)
+
+
+# --- what the task log says: one sentence per event, and a progress line at a fixed cadence ----------------
+
+PROGRESS_LINE = re.compile(
+    r"^\[rtrain\] step (?P<step>\d+)/(?P<total>\d+) \((?P<pct>\d+)%\), loss \d+\.\d{4}, (?P<tps>\d+) tok/s"
+    r"(?:, ETA (?P<eta>(?:\d+h)?(?:\d+m)?[\d.]+s|\d+h\d\dm))?, (?P<workers>\d+) workers?, mesh (?P<mesh>.+)$"
+)
+
+
+def eta_seconds(text: str) -> float:
+    """``1m30s`` / ``12.3s`` / ``1h05m`` -> seconds."""
+    m = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:([\d.]+)s)?", text)
+    assert m, text
+    h, mi, s = (float(g) if g else 0.0 for g in m.groups())
+    return h * 3600 + mi * 60 + s
+
+
+def watch(trigger: RTrainTrainingJobTrigger, timeout: float = 60) -> tuple[dict[str, Any], list[tuple[float, str]]]:
+    """Run the trigger to its event; (its event, the ``[rtrain]`` lines it logged with their times)."""
+    import structlog
+
+    with structlog.testing.capture_logs(processors=[structlog.processors.TimeStamper(fmt=None)]) as logs:
+        event = run_trigger(trigger, timeout)
+    lines = [(float(r["timestamp"]), str(r["event"])) for r in logs if str(r["event"]).startswith("[rtrain] ")]
+    return event, lines
+
+
+def test_a_finished_run_is_told_in_sentences_with_one_progress_line(tmp_path: Path) -> None:
+    """The events of a whole run (written with the engine's own event records) in one look: every relayed event
+    is a sentence, the recovery is measured, and the progress line sits where the newest step was."""
+    import fake_runs
+
+    uri = fake_runs.write_run(tmp_path, "told")
+    event, lines = watch(RTrainTrainingJobTrigger(uri, handle(uri, "j2"), poll_interval=0.05))
+    assert event["status"] == "success"
+    text = [line.removeprefix("[rtrain] ") for _, line in lines]
+    assert text[:6] == [
+        "host h0 leads job j1",
+        "round 0: 4 hosts, mesh data4, from the newest committed checkpoint (if any)",
+        "initialised a new model on mesh data4",
+        "compiled the train step in 2.00s",
+        "training started: step 1 done, 0.40s into the round",
+        "checkpoint 10 committed",
+    ]
+    assert "chaos: preempt worker 1 at step 15 (preempt:worker=1,step=15)" in text
+    assert "failure: host h1 lost: no heartbeat (detected in 1.20s)" in text
+    recovered = [t for t in text if t.startswith("recovered from ")]
+    assert len(recovered) == 1 and re.fullmatch(
+        r"recovered from host h1 lost: no heartbeat: training again at step 11, \d+\.\ds after the fault", recovered[0]
+    )
+    assert not any(t.startswith("training resumed: step 11") for t in text)  # the recovery line says it
+    assert "training resumed: step 21 done, 0.40s into the round" in text  # job 2, no failure: a plain resume
+    # One progress line (one look, a 10 s cadence), for the newest step, in the events' order.
+    progress = [t for t in text if t.startswith("step ")]
+    assert progress == ["step 40/40 (100%), loss 2.3306, 16384 tok/s, 4 workers, mesh data4"]
+    assert text[-4:] == [
+        progress[0],
+        "checkpoint 30 committed",
+        "checkpoint 40 committed",
+        "finished at step 40 (0 failures absorbed, 12.0s in all)",
+    ]
+    for t in text:  # sentences, not Python reprs
+        assert not re.search(r"[{}\[\]]|None|'\w+':", t), t
+
+    _, quiet = watch(RTrainTrainingJobTrigger(uri, handle(uri, "j2"), poll_interval=0.05, progress_every_s=0))
+    assert [t for _, t in quiet if PROGRESS_LINE.match(t)] == []
+    assert len(quiet) == len(lines) - 1
+
+
+def test_a_live_run_gets_a_progress_line_at_the_cadence(tmp_path: Path) -> None:
+    """A job that trains while the trigger watches: events written as the engine writes them (one object per event,
+    0.5 s of training per step by their own times), the status rewritten by its leader; the trigger logs a progress
+    line at most every progress_every_s, each with the step, the total, the ETA at the pace of the steps, the
+    workers and the mesh of the round."""
+    import fake_runs
+
+    uri = str(tmp_path / "live")
+    store = open_store(uri)
+    writer = fake_runs._Writer(uri, time.time() - 3600)
+    mesh = {"data": 4, "fsdp": 2, "tensor": 1}
+    writer.emit("launch", attempt=0, round=0, workers=4, mesh=mesh, members=["h0", "h1", "h2", "h3"], resume="latest")
+    writer.emit("init", step=0, mesh=mesh, seconds=0.5)
+    write_status(store, state="starting", steps_total=300, job="j1", workers=4, mesh=mesh)
+    cadence, last = 0.4, 80
+
+    def train() -> None:
+        writer.steps(1, 1, 4)  # step 1 and the round's "resumed" event
+        for step in range(1, last + 1):
+            if step > 1:
+                writer.emit(
+                    "progress",
+                    dt=0.5,
+                    step=step,
+                    loss=fake_runs._loss(step),
+                    step_time=0.5,
+                    tokens_per_s=16384.0,
+                    grad_norm=1.0,
+                    accuracy=0.3,
+                )
+            write_status(store, state="running", step=step, steps_total=300, job="j1", workers=4, mesh=mesh)
+            time.sleep(0.025)
+        writer.emit("finished", step=last, failures=0, seconds=40.0)
+        write_status(store, state="finished", step=last, steps_total=300, job="j1", workers=4, mesh=mesh)
+
+    trainer = threading.Thread(target=train)
+    started = time.monotonic()
+    trainer.start()
+    try:
+        trigger = RTrainTrainingJobTrigger(uri, handle(uri), poll_interval=0.05, progress_every_s=cadence)
+        event, lines = watch(trigger)
+    finally:
+        trainer.join()
+    took = time.monotonic() - started
+    assert event["status"] == "success" and event["step"] == last
+    progress = [(t, PROGRESS_LINE.match(line)) for t, line in lines if line.startswith("[rtrain] step ")]
+    assert all(m is not None for _, m in progress), [line for _, line in lines]
+    assert 2 <= len(progress) <= took / cadence + 2, (took, [line for _, line in lines])
+    steps = [int(m["step"]) for _, m in progress if m]
+    assert steps == sorted(set(steps)) and steps[-1] <= last
+    for (t0, _), (t1, _) in zip(progress, progress[1:], strict=False):
+        assert t1 - t0 >= cadence - 0.05, (t0, t1)  # never more often than the cadence
+    for _, m in progress:
+        assert m is not None
+        step = int(m["step"])
+        assert m["total"] == "300" and int(m["pct"]) == int(100 * step / 300 + 0.5)
+        assert m["workers"] == "4" and m["mesh"] == "data4 x fsdp2" and m["tps"] == "16384"
+        # 0.5 s a step by the events' own clock (plus the 0.01 s of step 1's "resumed"), 300 - step steps to go.
+        expected = (300 - step) * 0.5
+        assert m["eta"] is not None and abs(eta_seconds(m["eta"]) - expected) <= 0.03 * expected + 1, m.group(0)
+    text = [line for _, line in lines]
+    assert "[rtrain] training started: step 1 done, 0.40s into the round" in text  # a first launch starts
+    assert not any("training resumed" in line or "again" in line for line in text)
+    assert text[-1] == "[rtrain] finished at step 80 (0 failures absorbed, 40.0s in all)"
+
+
+def test_progress_every_s_is_checked_and_passed_on(tmp_path: Path) -> None:
+    from airflow.sdk import DAG
+    from rtrain_airflow.sensors.training import RTrainTrainingJobSensor
+
+    with DAG("t", schedule=None):
+        with pytest.raises(ValueError, match="progress_every_s"):
+            RTrainTrainingJobSensor(task_id="w", spec_from="resolve_config", handle="{{ x }}", progress_every_s=-1)
+        with pytest.raises(ValueError, match="give spec"):
+            RTrainTrainingJobSensor(task_id="w2", handle="{{ x }}")
+        sensor = RTrainTrainingJobSensor(task_id="w3", spec_from="resolve_config", handle="{{ x }}")
+    assert sensor.progress_every_s == PROGRESS_EVERY_S == 10.0

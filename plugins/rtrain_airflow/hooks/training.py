@@ -29,7 +29,8 @@ import re
 import signal
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,39 @@ NON_CONFIG_PARAMS = frozenset({"dataset_source", "dataset_max_bytes", "overrides
 
 # The param schemas of the DAGs: one run-name rule and one chaos grammar, the engine's.
 CHAOS_PATTERN = api.spec_pattern()
+CHAOS_EXAMPLES = (
+    "preempt:worker=1,step=40",
+    "capacity:to=4,step=80",
+    "crash:worker=0,step=12",
+    "lr_spike:step=30,factor=50",
+)
+
+# The same two rules as JSON-schema parts that each say in words what they allow: a refused value's
+# error (Airflow prints the failing part of the schema) names the rule, not one opaque regular expression
+# (short words: Airflow's message wraps longer ones).  Together they accept exactly what RUN_NAME_PATTERN
+# and CHAOS_PATTERN accept (tested).
+RUN_NAME_RULES: dict[str, Any] = {
+    "minLength": 1,
+    "maxLength": 63,
+    "allOf": [
+        {"description": "only letters, digits and _ . -", "pattern": "^[A-Za-z0-9_.-]*$"},
+        {"description": "the first character is a letter or a digit", "pattern": "^[A-Za-z0-9]"},
+        {"description": "no '..' anywhere", "not": {"pattern": "[.][.]"}},
+    ],
+}
+CHAOS_RULES: dict[str, Any] = {
+    "type": "string",
+    "allOf": [
+        {
+            "description": "an action (one of these) and a colon",
+            "pattern": "^(" + "|".join(sorted(api.CHAOS_ACTIONS)) + "):",
+        },
+        {
+            "description": "then key=number pairs: worker=1,step=40",
+            "pattern": "^[a-z_]+:[a-z_]+=[0-9.]+(,[a-z_]+=[0-9.]+)*$",
+        },
+    ],
+}
 
 # Live and final states as the backends report them (``training.api.RunState``).
 ALIVE = tuple(sorted(api.ALIVE_STATES))
@@ -56,6 +90,90 @@ ALIVE = tuple(sorted(api.ALIVE_STATES))
 
 class RTrainConfigError(ValueError):
     """A DAG run's params that do not make a runnable config (the message names the key)."""
+
+
+@cache
+def preset_config(preset: str) -> Config:
+    """A preset's config as the engine builds it (its YAML over the defaults): YAML and pydantic, no JAX."""
+    return api.load_config(preset, None, {}, base_dir=PROJECT_ROOT)
+
+
+def preset_values(key: str, presets: Iterable[str]) -> dict[str, Any]:
+    """What a config key is in each preset (the trigger form shows them next to a field left empty)."""
+    return {p: getattr(preset_config(p), key) for p in presets}
+
+
+def format_validations(results: list[dict[str, Any]]) -> str:
+    """One aligned table of verdicts with rounded numbers (the columns of ``rtrain validate``)."""
+    if not results:
+        return "no checkpoint waits for a verdict"
+
+    def num(v: Any, fmt: str) -> str:
+        return format(v, fmt) if isinstance(v, int | float) else ("-" if v is None else str(v))
+
+    lines = [f"{'step':>8}  {'verdict':<10} {'loss':>8} {'perplexity':>11} {'accuracy':>9}  reason"]
+    for r in results:
+        m = r.get("metrics") or {}
+        lines.append(
+            f"{r.get('step')!s:>8}  {r.get('verdict')!s:<10} {num(m.get('loss'), '.4f'):>8} "
+            f"{num(m.get('perplexity'), '.2f'):>11} {num(m.get('accuracy'), '.3f'):>9}  {r.get('reason') or ''}".rstrip()
+        )
+    return "\n".join(lines)
+
+
+def mesh_text(mesh: Any) -> str:
+    """A mesh by the axes that split something: ``data4 x fsdp2`` (as the engine's event sentences say it)."""
+    if not isinstance(mesh, Mapping) or not mesh:
+        return "-"
+    return " x ".join(f"{k}{v}" for k, v in mesh.items() if v != 1 or k == "data") or "-"
+
+
+def readable(value: Any) -> str:
+    """A result for a log line: ``key value; key value``, lists joined, numbers rounded (no Python reprs)."""
+    if isinstance(value, Mapping):
+        return "; ".join(f"{str(k).replace('_', ' ')} {readable(v)}" for k, v in value.items()) or "-"
+    if isinstance(value, list | tuple):
+        return ", ".join(readable(v) for v in value) or "none"
+    if isinstance(value, float):
+        return format(value, ".4g")
+    return "-" if value is None else str(value)
+
+
+def plan_text(report: Mapping[str, Any]) -> str:
+    """The plan task's report in words: worker counts, meshes at both ends, memory per device."""
+    lo, hi = report.get("min_plan") or {}, report.get("max_plan") or {}
+    mem = report.get("memory_gib") or {}
+
+    def size(gib: Any) -> str:
+        if not isinstance(gib, int | float):
+            return "-"
+        return f"{gib:.3g} GiB" if gib >= 1 else f"{gib * 1024:.3g} MiB"
+
+    parts = ", ".join(f"{k.removeprefix('bytes_')} {size(v)}" for k, v in mem.items() if k != "total")
+    params = report.get("params")
+    count = ""
+    if isinstance(params, int | float):
+        count = f"{params / 1e9:.3g}B parameters; " if params >= 1e9 else f"{params / 1e6:.3g}M parameters; "
+
+    def at(plan: Mapping[str, Any]) -> str:
+        n = plan.get("workers")
+        return f"{n} worker{'' if n == 1 else 's'}: mesh {mesh_text(plan.get('shape'))} ({plan.get('devices')} devices)"
+
+    return (
+        f"feasible worker counts {readable(report.get('feasible_workers'))}; {at(lo)}, {at(hi)}; {count}"
+        f"memory per device at the minimum {size(mem.get('total'))} ({parts})"
+    )
+
+
+def rounded(value: Any, digits: int = 4) -> Any:
+    """Every float in a JSON-like value rounded (lists and mappings walked), for logs people read."""
+    if isinstance(value, float):
+        return round(value, digits)
+    if isinstance(value, Mapping):
+        return {k: rounded(v, digits) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [rounded(v, digits) for v in value]
+    return value
 
 
 def absolute(uri: str, root: Path = PROJECT_ROOT) -> str:
@@ -418,4 +536,20 @@ class RTrainHook(BaseHook):
 
     @staticmethod
     def format_report(report: Mapping[str, Any]) -> str:
-        return api.format_report(report)
+        """The run's story as ``rtrain report`` prints it, every number rounded (a report kept in an XCom, or
+        one read back from an older run, may carry a loss or a time to the last bit) and meshes by the axes
+        that split something."""
+        r = dict(rounded(report))
+
+        def short(mesh: Any) -> Any:  # the axes that split something (data4xfsdp2, not data4xfsdp2xtensor1)
+            if not isinstance(mesh, Mapping):
+                return mesh
+            return {k: v for k, v in mesh.items() if v != 1 or k == "data"}
+
+        for key, fields in (
+            ("launches", ("mesh",)),
+            ("recoveries", ("mesh_after",)),
+            ("resizes", ("old_mesh", "new_mesh")),
+        ):
+            r[key] = [{**x, **{f: short(x.get(f)) for f in fields if f in x}} for x in r.get(key) or []]
+        return api.format_report(r)

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseBranchOperator, BaseOperator, TriggerRule
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from rtrain_airflow.hooks.training import RTrainConfigError, RTrainHook
-from rtrain_airflow.triggers.training import RTrainTrainingJobTrigger
+from rtrain_airflow.hooks.training import RTrainConfigError, RTrainHook, format_validations, plan_text, readable
+from rtrain_airflow.triggers.training import PROGRESS_EVERY_S, RTrainTrainingJobTrigger
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -63,7 +63,12 @@ def check_spec(spec: Any, who: str) -> dict[str, Any]:
 
 
 class _RTrainBaseOperator(BaseOperator):
-    """What the pipeline's operators share: the run spec, the hook, the backend."""
+    """What the pipeline's operators share: the run spec, the hook, the backend.
+
+    :param spec: the run spec (what the resolve task returned; an XComArg makes a data edge), or
+    :param spec_from: the id of the task whose XCom it is, pulled when the task runs (no edge: the
+        DAG draws only the pipeline's own order).
+    """
 
     template_fields: Sequence[str] = ("spec",)
     ui_color = "#e8f1fb"
@@ -84,10 +89,17 @@ class _RTrainBaseOperator(BaseOperator):
         return RTrainHook()
 
     def resolved_spec(self, context: Context) -> dict[str, Any] | None:
+        """The run spec; None when ``spec_from`` left none (a teardown after a refused conf)."""
         if self.spec is not None:
             return check_spec(self.spec, self.task_id)
         value = context["ti"].xcom_pull(task_ids=self.spec_from)
         return None if value is None else check_spec(value, self.task_id)
+
+    def required_spec(self, context: Context) -> dict[str, Any]:
+        spec = self.resolved_spec(context)
+        if spec is None:
+            raise AirflowException(f"{self.task_id}: {self.spec_from} left no run spec (did it run?)")
+        return spec
 
     def run_config(self, spec: Mapping[str, Any]) -> Any:
         return self.hook.config_from_dict(spec["config"])
@@ -200,8 +212,7 @@ class RTrainPrepareDatasetOperator(_RTrainBaseOperator):
     """
 
     def execute(self, context: Context) -> dict[str, Any]:
-        spec = self.resolved_spec(context)
-        assert spec is not None
+        spec = self.required_spec(context)
         cfg = self.run_config(spec)
         data = spec.get("dataset") or {}
         max_bytes = data.get("max_bytes")
@@ -226,10 +237,9 @@ class RTrainProvisionCapacityOperator(_RTrainBaseOperator):
     """Setup: capacity for the job (the local slice's hosts, or TPU node pools on GKE)."""
 
     def execute(self, context: Context) -> dict[str, Any]:
-        spec = self.resolved_spec(context)
-        assert spec is not None
+        spec = self.required_spec(context)
         result = self.backend(spec).provision(self.run_config(spec), spec)
-        self.log.info("Provisioned: %s", result)
+        self.log.info("Provisioned: %s", readable(result))
         return dict(result)
 
 
@@ -243,13 +253,12 @@ class RTrainPlanTopologyOperator(_RTrainBaseOperator):
     def execute(self, context: Context) -> dict[str, Any]:
         from training.api import PlanError
 
-        spec = self.resolved_spec(context)
-        assert spec is not None
+        spec = self.required_spec(context)
         try:
             report = self.hook.plan(self.run_config(spec))
         except PlanError as e:
             raise AirflowFailException(f"plan refused: {e}") from None
-        self.log.info("Plan: %s", report)
+        self.log.info("Plan: %s", plan_text(report))
         return report
 
 
@@ -272,8 +281,7 @@ class RTrainStartTrainingJobOperator(_RTrainBaseOperator):
     """
 
     def execute(self, context: Context) -> dict[str, Any]:
-        spec = self.resolved_spec(context)
-        assert spec is not None
+        spec = self.required_spec(context)
         cfg = self.run_config(spec)
         run_uri, run_id = cfg.run_uri, context["run_id"]
         mark = self.hook.dag_run_mark(run_uri, run_id)
@@ -304,7 +312,12 @@ class RTrainStartTrainingJobOperator(_RTrainBaseOperator):
                 raise AirflowFailException(str(e)) from None
             raise
         verb = "Re-attached to" if handle.get("attached") else "Launched"
-        self.log.info("%s %s: %s", verb, cfg.run_name, handle)
+        where = (
+            f"JobSet {handle.get('namespace')}/{handle.get('jobset')}"
+            if handle.get("jobset")
+            else f"local slice pid {handle.get('controller_pid')} on {handle.get('host')}"
+        )
+        self.log.info("%s job %s of %s (%s)", verb, handle.get("job"), cfg.run_name, where)
         return dict(handle)
 
     def _rewind(self, cfg: Any, step: int, run_id: str, exists: bool) -> None:
@@ -329,17 +342,13 @@ class RTrainValidateCheckpointsOperator(_RTrainBaseOperator):
     """
 
     def execute(self, context: Context) -> dict[str, Any]:
-        spec = self.resolved_spec(context)
-        assert spec is not None
+        spec = self.required_spec(context)
         return validation_summary(self.hook, spec["run_uri"], self.log)
 
 
 def validation_summary(hook: RTrainHook, run_uri: str, log: Any) -> dict[str, Any]:
     results = hook.validate_pending(run_uri)
-    for r in results:
-        log.info(
-            "[rtrain] validation of step %s: %s %s %s", r["step"], r["verdict"], r.get("metrics"), r.get("reason", "")
-        )
+    log.info("[rtrain] validation:\n%s", format_validations(results))
     committed = hook.committed_steps(run_uri)
     if not committed:
         raise AirflowException(f"run {run_uri} has no committed checkpoint to validate")
@@ -386,10 +395,9 @@ class RTrainPromoteCheckpointOperator(_RTrainBaseOperator):
     """Promote the newest validated checkpoint (the ledger's ``promoted`` state)."""
 
     def execute(self, context: Context) -> dict[str, Any]:
-        spec = self.resolved_spec(context)
-        assert spec is not None
+        spec = self.required_spec(context)
         result = self.hook.promote(spec["run_uri"])
-        self.log.info("Promoted: %s", result)
+        self.log.info("Promoted checkpoint %s", result.get("step"))
         return result
 
 
@@ -408,16 +416,25 @@ class RTrainRollbackAndResumeOperator(_RTrainBaseOperator):
     newest committed one and goes on validating).
     """
 
-    def __init__(self, *, poll_interval: float = 5.0, start_timeout_s: float = 300.0, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        poll_interval: float = 5.0,
+        start_timeout_s: float = 300.0,
+        progress_every_s: float = PROGRESS_EVERY_S,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         if poll_interval <= 0:
             raise ValueError(f"poll_interval: must be > 0, got {poll_interval}")
+        if progress_every_s < 0:
+            raise ValueError(f"progress_every_s: must be >= 0 (0: no progress lines), got {progress_every_s}")
         self.poll_interval = poll_interval
         self.start_timeout_s = start_timeout_s
+        self.progress_every_s = progress_every_s
 
     def execute(self, context: Context) -> dict[str, Any]:
-        spec = self.resolved_spec(context)
-        assert spec is not None
+        spec = self.required_spec(context)
         return self._round(context, spec)
 
     def _rollbacks(self, context: Context, run_uri: str) -> list[dict[str, Any]]:
@@ -476,6 +493,7 @@ class RTrainRollbackAndResumeOperator(_RTrainBaseOperator):
                 start_timeout_s=self.start_timeout_s,
                 stale_after_s=cfg.hang_timeout_s * 2 + 120,
                 events_after=handle.get("events_after"),
+                progress_every_s=self.progress_every_s,
             ),
             method_name="resume_complete",
         )
@@ -484,8 +502,7 @@ class RTrainRollbackAndResumeOperator(_RTrainBaseOperator):
     def resume_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
         if event.get("status") != "success":
             raise AirflowException(f"the resumed job failed: {event.get('message')}")
-        spec = self.resolved_spec(context)
-        assert spec is not None
+        spec = self.required_spec(context)
         self.log.info("Resumed job finished at step %s", event.get("step"))
         return self._round(context, spec)
 
@@ -503,8 +520,7 @@ class RTrainPruneCheckpointsOperator(_RTrainBaseOperator):
         self.plan_only = dry_run  # (BaseOperator.dry_run is a method)
 
     def execute(self, context: Context) -> dict[str, Any]:
-        spec = self.resolved_spec(context)
-        assert spec is not None
+        spec = self.required_spec(context)
         result = self.hook.prune(spec["run_uri"], dry_run=self.plan_only)
         self.log.info(
             "Pruned %s: deleted %s, kept %s", spec["run_name"], result.get("deleted"), sorted(result.get("kept", {}))
@@ -577,5 +593,5 @@ class RTrainReleaseCapacityOperator(_RTrainBaseOperator):
                 if isinstance(value, Mapping) and value.get("backend"):
                     handles.append(dict(value))
         result = self.backend(spec).release(self.run_config(spec), spec, handles)
-        self.log.info("Released: %s", result)
+        self.log.info("Released: %s", readable(result))
         return dict(result)

@@ -34,8 +34,9 @@ from airflow.sdk import BaseOperatorLink, BaseSensorOperator, PokeReturnValue
 from airflow.sdk.exceptions import AirflowException
 
 from rtrain_airflow.hooks.training import ALIVE, RTrainHook, absolute
-from rtrain_airflow.operators.training import _is_deferred_value, check_spec
-from rtrain_airflow.triggers.training import RTrainTrainingJobTrigger
+from rtrain_airflow.operators.training import RESOLVE_TASK_ID, _is_deferred_value, check_spec
+from rtrain_airflow.triggers.training import PROGRESS_EVERY_S, RTrainTrainingJobTrigger
+from training.api import describe
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -102,10 +103,14 @@ class RTrainRunStatusLink(BaseOperatorLink):
 class RTrainTrainingJobSensor(BaseSensorOperator):
     """Wait for a training job to finish; fail when it is gone for good; a retry relaunches it.
 
-    :param spec: the run spec (output of the resolve task).
+    :param spec: the run spec (output of the resolve task), or
+    :param spec_from: the id of the task whose XCom it is (pulled when the task runs: no data edge).
     :param handle: the job handle (output of the launch task).
     :param poll_interval: seconds between looks at the run's status and events.
     :param start_timeout_s: a launched agent that never reports is failed after this long.
+    :param progress_every_s: at most one progress line in the task log per this many seconds
+        (``step 120/300 (40%), loss 2.3141, 5400 tok/s, ETA 3m12s, 4 workers, mesh data4 x fsdp2``);
+        0: none.
     :param deferrable: wait in the triggerer (default); else poke in a worker slot.
 
     Returns (XCom) the trigger's final event: ``state``, ``step``, ``latest_committed``,
@@ -120,10 +125,12 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
     def __init__(
         self,
         *,
-        spec: Any,
+        spec: Any = None,
+        spec_from: str | None = None,
         handle: Any,
         poll_interval: float = 5.0,
         start_timeout_s: float = 300.0,
+        progress_every_s: float = PROGRESS_EVERY_S,
         deferrable: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -133,15 +140,24 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
             raise ValueError(f"poll_interval: must be > 0, got {poll_interval}")
         if start_timeout_s <= 0:
             raise ValueError(f"start_timeout_s: must be > 0, got {start_timeout_s}")
-        if not _is_deferred_value(spec):
+        if progress_every_s < 0:
+            raise ValueError(f"progress_every_s: must be >= 0 (0: no progress lines), got {progress_every_s}")
+        if spec is None and spec_from is None:
+            raise ValueError(
+                f"{type(self).__name__}: give spec (the output of {RESOLVE_TASK_ID}) or spec_from (its task id)"
+            )
+        if spec is not None and not _is_deferred_value(spec):
             check_spec(spec, type(self).__name__)
         if not _is_deferred_value(handle):
             check_handle(handle, type(self).__name__)
         self.spec = spec
+        self.spec_from = spec_from
         self.handle = handle
         self.poll_interval = poll_interval
         self.start_timeout_s = start_timeout_s
+        self.progress_every_s = progress_every_s
         self.deferrable = deferrable
+        self._progress_at: float | None = None
 
     @cached_property
     def hook(self) -> RTrainHook:
@@ -150,9 +166,17 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
     def _timeouts(self, cfg: Any) -> dict[str, float]:
         return {"start_timeout_s": self.start_timeout_s, "stale_after_s": cfg.hang_timeout_s * 2 + 120}
 
+    def _spec(self, context: Context) -> dict[str, Any]:
+        if self.spec is not None:
+            return check_spec(self.spec, self.task_id)
+        value = context["ti"].xcom_pull(task_ids=self.spec_from)
+        if value is None:
+            raise AirflowException(f"{self.task_id}: {self.spec_from} left no run spec (did it run?)")
+        return check_spec(value, self.task_id)
+
     def _job(self, context: Context) -> tuple[dict[str, Any], Any, dict[str, Any]]:
         """(spec, config, handle of the job to watch), relaunching on a retry when the job is gone."""
-        spec = check_spec(self.spec, self.task_id)
+        spec = self._spec(context)
         handle = check_handle(self.handle, self.task_id)
         cfg = self.hook.config_from_dict(spec["config"])
         backend = self.hook.backend(spec["backend"], spec.get("gke"))
@@ -194,13 +218,14 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
                 start_timeout_s=self.start_timeout_s,
                 stale_after_s=cfg.hang_timeout_s * 2 + 120,
                 events_after=handle.get("events_after"),
+                progress_every_s=self.progress_every_s,
             ),
             method_name="execute_complete",
             timeout=timedelta(seconds=self.timeout) if self.timeout else None,
         )
 
     def poke(self, context: Context) -> PokeReturnValue:
-        spec = check_spec(self.spec, self.task_id)
+        spec = self._spec(context)
         cfg = self.hook.config_from_dict(spec["config"])
         handle = getattr(self, "_watching", None) or check_handle(self.handle, self.task_id)
         look = self.hook.backend(spec["backend"], spec.get("gke")).poll(handle, self._timeouts(cfg))
@@ -221,7 +246,12 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
             )
         if look["state"] not in ALIVE:
             raise AirflowException(f"training job {spec['run_name']}: unexpected state {look['state']!r}")
-        self.log.info("[rtrain] %s: %s at step %s", spec["run_name"], look["state"], st.get("step"))
+        now = time.monotonic()
+        if self.progress_every_s and (self._progress_at is None or now - self._progress_at >= self.progress_every_s):
+            self._progress_at = now
+            keys = ("step", "steps_total", "loss", "tokens_per_s", "workers", "mesh")
+            line = describe({"type": "progress", **{k: st.get(k) for k in keys}})
+            self.log.info("[rtrain] %s: %s", str(look["state"]).replace("_", " "), line)
         return PokeReturnValue(False)
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
@@ -231,17 +261,18 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
                 f"(state {event.get('state')}, step {event.get('step')}, newest committed {event.get('latest_committed')}); "
                 "a retry of this task relaunches it from the newest committed checkpoint"
             )
-        for rec in event.get("recoveries") or []:
+        for i, rec in enumerate(event.get("recoveries") or [], 1):
             self.log.info(
-                "[rtrain] recovery: %s -> training again at step %s after %.1fs",
+                "[rtrain] recovery %d: from %s, training again at step %s after %.1fs",
+                i,
                 rec.get("cause"),
                 rec.get("resumed_step"),
                 rec.get("recovery_s") or 0,
             )
         self.log.info(
-            "[rtrain] job finished at step %s with %s failure(s) absorbed in the job",
+            "[rtrain] job finished at step %s; %s failure(s) absorbed by the job itself",
             event.get("step"),
-            event.get("failures"),
+            event.get("failures") or 0,
         )
         return event
 

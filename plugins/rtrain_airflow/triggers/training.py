@@ -10,10 +10,17 @@ lost hosts by itself, in seconds.  This trigger only decides when the job is
   was killed, the JobSet failed or vanished), or nothing was heard for
   ``stale_after_s``.
 
-Meanwhile it relays what the job does (launches, failures, resizes, restores,
-rollbacks) into the task log, and measures each recovery as Airflow sees it:
-from the failure (the fault, when chaos recorded one) to the next ``resumed``
-event.  The blocking reads (a local file or a GCS object) run in a thread.
+Meanwhile it tells the task log what the job does, one sentence per event
+(launches, failures and recoveries, resizes, restores, checkpoints, rollbacks:
+``RELAYED``), and every ``progress_every_s`` a progress line::
+
+    step 120/300 (40%), loss 2.3141, 5400 tok/s, ETA 3m12s, 4 workers, mesh data4 x fsdp2
+
+(step, loss and throughput from the newest ``progress`` event; the total from the
+run's status; workers and mesh from the round's launch; the ETA from the pace of
+the last minute of steps).  It measures each recovery as Airflow sees it: from
+the failure (the fault, when chaos recorded one) to the next ``resumed`` event.
+The blocking reads (a local file or a GCS object) run in a thread.
 """
 
 from __future__ import annotations
@@ -30,21 +37,77 @@ from training.api import describe
 CLASSPATH = "rtrain_airflow.triggers.training.RTrainTrainingJobTrigger"
 RELAYED = (
     "launch",
+    "init",
+    "restore",
+    "resumed_with",
+    "data_refreshed",
+    "compiled",
+    "resumed",
+    "recovered",
+    "checkpoint",
+    "checkpoint_corrupt",
     "failure",
     "resize",
-    "restore",
-    "resumed",
     "waiting_for_capacity",
     "capacity",
     "chaos",
     "rollback",
     "guard",
+    "rescale_requested",
+    "preemption_notice",
+    "local_checkpoint_skipped",
+    "local_tier_off",
     "finished",
     "failed",
     "leader",
+    "host_joined",
     "host_lost",
-    "checkpoint_corrupt",
 )
+PROGRESS_EVERY_S = 10.0
+PACE_WINDOW_S = 60.0  # the ETA follows the pace of the steps of the last minute
+
+
+class Progress:
+    """What the progress line says, kept up to date from the events and the status of one watch."""
+
+    def __init__(self) -> None:
+        self.workers: Any = None
+        self.mesh: Any = None
+        self.pace: list[tuple[float, int]] = []  # (event time, step) of this round's progress events
+        self.logged_step: Any = None
+        self.logged_at: float | None = None
+
+    def see(self, ev: dict[str, Any]) -> None:
+        t = ev["type"]
+        if t == "launch":
+            self.workers, self.mesh, self.pace = ev.get("workers"), ev.get("mesh"), []
+        elif t == "failure":
+            self.pace = []  # the time to recover is not the pace of training
+        elif t == "progress" and isinstance(ev.get("step"), int):
+            self.pace.append((float(ev["time"]), int(ev["step"])))
+            newest = self.pace[-1][0]
+            self.pace = [p for p in self.pace if p[0] >= newest - PACE_WINDOW_S]
+
+    def seconds_per_step(self, ev: dict[str, Any]) -> float | None:
+        if len(self.pace) >= 2 and self.pace[-1][1] > self.pace[0][1]:
+            (t0, s0), (t1, s1) = self.pace[0], self.pace[-1]
+            return (t1 - t0) / (s1 - s0)
+        step_time = ev.get("step_time")
+        return float(step_time) if isinstance(step_time, int | float) and step_time > 0 else None
+
+    def line(self, ev: dict[str, Any], status: dict[str, Any]) -> str:
+        """The progress line of a progress event (``describe`` with what the watch knows besides)."""
+        total = status.get("steps_total")
+        fields: dict[str, Any] = {
+            **ev,
+            "steps_total": total,
+            "workers": self.workers if self.workers is not None else status.get("workers"),
+            "mesh": self.mesh or status.get("mesh"),
+        }
+        per_step = self.seconds_per_step(ev)
+        if isinstance(total, int) and isinstance(ev.get("step"), int) and total > ev["step"] and per_step is not None:
+            fields["eta_s"] = (total - ev["step"]) * per_step
+        return describe(fields)
 
 
 class RTrainTrainingJobTrigger(BaseTrigger):
@@ -61,6 +124,8 @@ class RTrainTrainingJobTrigger(BaseTrigger):
     :param stale_after_s: no status update for this long while alive is a failure (the
         agent's own hang detection normally fires first).
     :param events_after: relay only events whose key sorts after this one.
+    :param progress_every_s: at most one progress line per this many seconds, when the step
+        moved (0: no progress lines; the other events are relayed all the same).
     """
 
     def __init__(
@@ -71,6 +136,7 @@ class RTrainTrainingJobTrigger(BaseTrigger):
         start_timeout_s: float = 300.0,
         stale_after_s: float = 900.0,
         events_after: str | None = None,
+        progress_every_s: float = PROGRESS_EVERY_S,
     ) -> None:
         super().__init__()
         self.run_uri = run_uri
@@ -79,6 +145,7 @@ class RTrainTrainingJobTrigger(BaseTrigger):
         self.start_timeout_s = float(start_timeout_s)
         self.stale_after_s = float(stale_after_s)
         self.events_after = events_after
+        self.progress_every_s = float(progress_every_s)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -90,6 +157,7 @@ class RTrainTrainingJobTrigger(BaseTrigger):
                 "start_timeout_s": self.start_timeout_s,
                 "stale_after_s": self.stale_after_s,
                 "events_after": self.events_after,
+                "progress_every_s": self.progress_every_s,
             },
         )
 
@@ -110,6 +178,8 @@ class RTrainTrainingJobTrigger(BaseTrigger):
         cursor = self.events_after
         failures: list[dict[str, Any]] = []
         recoveries: list[dict[str, Any]] = []
+        progress = Progress()
+        told = False  # the engine's own "recovered" event told the last recovery (the trigger's line is not needed)
         errors = 0
         while True:
             try:
@@ -134,15 +204,26 @@ class RTrainTrainingJobTrigger(BaseTrigger):
                     return
                 await asyncio.sleep(self.poll_interval)
                 continue
-            for ev in new:
+            st = found.get("status") or {}
+            now = time.monotonic()
+            due = self.progress_every_s > 0 and (
+                progress.logged_at is None or now - progress.logged_at >= self.progress_every_s
+            )
+            newest = max((i for i, ev in enumerate(new) if ev["type"] == "progress"), default=None)
+            for i, ev in enumerate(new):
                 cursor = ev["_key"]
+                progress.see(ev)
+                recovered = None
                 if ev["type"] == "failure" or (ev["type"] == "rollback" and ev.get("kind") == "in-job"):
                     failures.append(ev)
+                    told = False
+                elif ev["type"] == "recovered":
+                    told = True
                 elif ev["type"] == "resumed" and failures:
                     f = failures.pop(0)
                     failures.clear()  # one recovery may absorb several failures (a fault during a recovery)
                     start = float(f.get("fault_at") or f["time"])
-                    rec = {
+                    recovered = {
                         "cause": f.get("reason"),
                         "failed_at": start,
                         "resumed_at": ev["time"],
@@ -150,16 +231,20 @@ class RTrainTrainingJobTrigger(BaseTrigger):
                         "resumed_step": ev.get("step"),
                         "seen_after_s": round(time.time() - ev["time"], 3),
                     }
-                    recoveries.append(rec)
-                    self.log.info(
-                        "[rtrain] recovered: %s -> training again at step %s after %.1fs",
-                        rec["cause"],
-                        rec["resumed_step"],
-                        rec["recovery_s"],
-                    )
-                if ev["type"] in RELAYED:
-                    self.log.info("[rtrain] %s", describe(ev))
-            st = found.get("status") or {}
+                    recoveries.append(recovered)
+                    if not told:
+                        self.log.info(
+                            "[rtrain] recovered from %s: training again at step %s, %.1fs after the fault",
+                            recovered["cause"],
+                            recovered["resumed_step"],
+                            recovered["recovery_s"],
+                        )
+                if ev["type"] in RELAYED and recovered is None:
+                    if ev["type"] != "checkpoint" or ev.get("committed"):  # a save that starts: its commit follows
+                        self.log.info("[rtrain] %s", describe(ev))
+                if i == newest and due and ev.get("step") != progress.logged_step:
+                    self.log.info("[rtrain] %s", progress.line(ev, st))
+                    progress.logged_step, progress.logged_at = ev.get("step"), now
             base = {
                 "run_uri": self.run_uri,
                 "state": found["state"],
