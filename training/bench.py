@@ -11,6 +11,10 @@
 3. Cost of resilience: tokens/s of the engine / tokens/s of a minimal plain JAX
    loop on the same model, data and mesh (no agent, no checkpoints, no events).
 4. Restore throughput / raw sequential read throughput of the same files.
+5. The local tier: steady-state step time with local copies every 2 steps / without
+   (interleaved); steps trained again after a lost host with the local tier / with
+   persistent checkpoints only (same job, same kill); steps lost to a preemption
+   notice (SIGTERM), which should be none.
 
 Timings come from the runs' own event records (process clocks), not from log lines.
 Each figure prints its repeats and their spread.  Prints a table and writes JSON.
@@ -419,9 +423,72 @@ def bench_restore(ws: Path, repeats: int) -> dict[str, Any]:
     }
 
 
+# --- 5. the local tier ---------------------------------------------------------------------------
+
+
+def _recovered(evs: list[dict[str, Any]]) -> dict[str, Any]:
+    return _first(evs, "recovered", 0.0)
+
+
+def bench_local_tier(ws: Path, repeats: int) -> dict[str, Any]:
+    """Local copies every 2 steps: their cost in steady state, and the steps they save after a lost host."""
+    steps, lo, hi = 45, 10, 40
+    with_local: list[float] = []
+    without: list[float] = []
+    for r in range(repeats):  # A B A B
+        for every, out in ((2, with_local), (0, without)):
+            cfg = _cfg(ws, f"local-{every}-{r}", steps=steps, checkpoint_every=10_000, local_checkpoint_every=every)
+            out.append(_window_step_time(_run(cfg), lo, hi))
+    # One host of two is lost at step 17; persistent checkpoints every 10 steps.
+    lost: dict[int, list[int]] = {2: [], 0: []}
+    recovery_s: dict[int, list[float]] = {2: [], 0: []}
+    notice: list[dict[str, Any]] = []
+    for r in range(repeats):
+        for every in lost:
+            cfg = _cfg(
+                ws,
+                f"local-lost-{every}-{r}",
+                steps=24,
+                checkpoint_every=10,
+                local_checkpoint_every=every,
+                min_workers=1,
+                chaos=["preempt:worker=1,step=17"],
+            )
+            rec = _recovered(_run(cfg))
+            lost[every].append(int(rec["steps_lost"]))
+            recovery_s[every].append(float(rec["seconds"]))
+        cfg = _cfg(
+            ws,
+            f"local-notice-{r}",
+            steps=24,
+            checkpoint_every=10,
+            local_checkpoint_every=2,
+            min_workers=1,
+            chaos=["preempt_notice:worker=1,step=17"],
+        )
+        evs = _run(cfg)
+        ev = _first(evs, "preemption_notice", 0.0)
+        notice.append({"steps_lost": int(_recovered(evs)["steps_lost"]), "commit_s": ev["seconds"], "step": ev["step"]})
+    overhead = statistics.median(with_local) / statistics.median(without)
+    return {
+        "step_s_with_local": with_local,
+        "step_s_without": without,
+        "overhead_ratio": overhead,
+        "overhead_target": "<= 1.05",
+        "steps_lost_with_local": lost[2],
+        "steps_lost_persistent_only": lost[0],
+        "recovery_s_with_local": recovery_s[2],
+        "recovery_s_persistent_only": recovery_s[0],
+        "notice": notice,
+        # Steps lost per lost host, in units of local_checkpoint_every: at most one interval is lost.
+        "ratio": statistics.median(lost[2]) / 2,
+        "target": "<= 1",
+    }
+
+
 # --- main -----------------------------------------------------------------------------------
 
-FIGURES = ("recovery", "checkpoint_overhead", "cost_of_resilience", "restore_throughput")
+FIGURES = ("recovery", "checkpoint_overhead", "cost_of_resilience", "restore_throughput", "local_tier")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -445,6 +512,7 @@ def main(args: argparse.Namespace) -> int:
         "checkpoint_overhead": lambda: bench_checkpoint_overhead(ws, repeats),
         "cost_of_resilience": lambda: bench_cost(ws, repeats),
         "restore_throughput": lambda: bench_restore(ws, repeats),
+        "local_tier": lambda: bench_local_tier(ws, repeats),
     }
     for name in FIGURES:
         if name not in only:
@@ -539,6 +607,27 @@ def format_table(r: dict[str, Any]) -> str:
             f"{_spread(s['restore_MBps'])} vs {_spread(s['raw_read_MBps'])} MB/s",
             s["ratio"],
             s["target"],
+        )
+    if "local_tier" in r:
+        lt = r["local_tier"]
+        row(
+            "local copies every 2 / none",
+            f"{_spread([x * 1e3 for x in lt['step_s_with_local']])} vs "
+            f"{_spread([x * 1e3 for x in lt['step_s_without']])} ms/step",
+            lt["overhead_ratio"],
+            lt["overhead_target"],
+        )
+        row(
+            "steps lost / local interval",
+            f"{_spread([float(x) for x in lt['steps_lost_with_local']])} steps (every 2); persistent only "
+            f"(every 10) {_spread([float(x) for x in lt['steps_lost_persistent_only']])}",
+            lt["ratio"],
+            lt["target"],
+        )
+        n = lt["notice"]
+        lines.append(
+            f"{'  preemption notice':<30} steps lost {[x['steps_lost'] for x in n]}, committed "
+            f"{_spread([float(x['commit_s']) for x in n])} s after the SIGTERM"
         )
     return "\n".join(lines)
 
