@@ -102,6 +102,10 @@ def test_the_cli_section_runs_as_written(project: Path) -> None:
     assert "finished: step 40/40" in out["train"].stdout
     assert re.search(r"lost|preempt", out["train"].stdout), "the host loss shows in the train output"
     assert "state       finished" in out["status"].stdout and "step        40/40" in out["status"].stdout
+    # The TensorBoard line both print names the run's curves, and they are there.
+    tb = f"tensorboard --logdir {project / 'var' / 'runs' / 'r1' / 'tensorboard'}"
+    assert tb in out["train"].stdout and tb in out["status"].stdout
+    assert list((project / "var" / "runs" / "r1" / "tensorboard" / "train").glob("events.out.tfevents.*"))
     assert "resize" in out["events"].stdout and "-> 2 hosts" in out["events"].stdout
     assert "capacity of r1: 4 hosts" in out["capacity"].stdout
     assert re.search(r"^\s+\d+\s+(validated|rejected)", out["validate"].stdout, re.M)

@@ -192,8 +192,11 @@ def cmd_train(args: argparse.Namespace) -> int:
             + ("" if cfg.root.endswith("var/runs") else f" --root {cfg.root}")
         )
         return Exit.OK
+    from training.scalars import logdir
+
     progress = Progress(cfg.steps)
     progress.line(f"run {cfg.run_name} at {cfg.run_uri}: {cfg.min_workers}..{cfg.max_workers} hosts, {cfg.steps} steps")
+    progress.line(f"curves: tensorboard --logdir {logdir(cfg.run_uri)}")
     try:
         handle = launch(cfg, detach=False, provision=True, on_line=progress.line, on_status=progress.status)
     finally:
@@ -231,6 +234,7 @@ def _show_worker_failure(run_uri: str) -> None:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from training.api import status
+    from training.scalars import logdir
 
     uri = _run_uri(args.run, args.root)
     st = status(uri)
@@ -260,6 +264,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"newest committed {st.get('latest_committed', '-')}; failures absorbed {st.get('failures', 0)}",
         ),
         ("updated", f"{age:.0f}s ago"),
+        ("curves", f"tensorboard --logdir {logdir(uri)}"),
     ]
     for k, v in rows:
         print(f"{k:<11} {v}")

@@ -194,7 +194,12 @@ class Config(BaseModel):
     activation_checkpointing: bool = Field(False, description="Rematerialise each block in the backward pass.")
 
     # --- operations --------------------------------------------------------------
-    log_every: int = Field(1, ge=1, description="Report progress every N steps.")
+    log_every: int = Field(
+        10,
+        ge=1,
+        description="A progress event (loss, tokens/s, ETA for the task log and status) every N steps; the "
+        "per-step curves go to TensorBoard whatever N is.",
+    )
     chaos: list[str] = Field(default_factory=list, description="Fault injections, e.g. `preempt:worker=1,step=12`.")
     compilation_cache: str = Field("var/jax-cache", description="JAX persistent compilation cache directory.")
     trace_data_ids: bool = Field(False, description="Record the example ids of every step (tests, audits).")

@@ -106,6 +106,7 @@ def fail_a_run(dag: Any, conf: dict[str, Any]) -> Any:
     return dr
 
 
+@pytest.mark.extended
 def test_failed_run_then_trigger_with_resume_from_and_overrides(
     dagbag: Any, run_conf: Any, stop_agents: list[str]
 ) -> None:
@@ -135,6 +136,7 @@ def test_failed_run_then_trigger_with_resume_from_and_overrides(
     assert xcom(dr, "validate")["step"] == 30 and xcom(dr, "promote")["step"] == 30
 
 
+@pytest.mark.extended
 def test_failed_run_then_clear_the_training_group(dagbag: Any, run_conf: Any, stop_agents: list[str]) -> None:
     dag = dagbag.dags["resilient_training"]
     conf = run_conf("cleared", **LOSE_A_HOST, overrides=FAST_FAIL)

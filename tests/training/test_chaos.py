@@ -11,7 +11,7 @@ on some seeds a run root on a small disk that fills up.  Each is checked for:
 * one owner at a time: no takeover of a live lease; rounds strictly ordered;
 * a true status: ``status.json`` says how it ended, as the events do.
 
-``make chaos`` runs ``RTRAIN_CHAOS_SEEDS`` seeds (default 3 in ``make test``);
+``make chaos`` runs ``RTRAIN_CHAOS_SEEDS`` seeds (default 3 in ``make test-all``);
 each result is appended to ``var/chaos/results.jsonl``.
 """
 
@@ -31,7 +31,7 @@ from jobs import hosts, job_config, start_job, step_ids, wait_finished
 
 from training import api
 
-pytestmark = [pytest.mark.slow, pytest.mark.chaos]
+pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.extended]
 
 REPO = Path(__file__).resolve().parents[2]
 SEEDS = int(os.environ.get("RTRAIN_CHAOS_SEEDS", "3"))

@@ -70,7 +70,7 @@ def test_guard_gives_up_past_its_attempt_limit_naming_step_and_metric(tmp_path, 
     assert len(api.events(cfg.run_uri, ("rollback",))) == 1
 
 
-@pytest.mark.parametrize("where", ["local", pytest.param("gcs", marks=pytest.mark.gcs)])
+@pytest.mark.parametrize("where", ["local", pytest.param("gcs", marks=[pytest.mark.gcs, pytest.mark.extended])])
 def test_validation_rejects_a_regression_and_training_resumes_from_the_last_good_checkpoint(
     where, request, tmp_path, tiny_dataset, jax_cache
 ):
@@ -110,6 +110,13 @@ def test_validation_rejects_a_regression_and_training_resumes_from_the_last_good
     assert api.events(cfg.run_uri, ("resumed_with",))[-1]["next_batch"] == 15
     assert api.validate(cfg.run_uri)["verdict"] == "validated"
     assert ledger.state(15)["history"] == ["committed", "rejected", "quarantined", "committed", "validated"]
+    # The verdicts' metrics are a TensorBoard run beside the training curves: one value per step, the
+    # re-validated step 15 replacing its rejected value.
+    from training.scalars import read_scalars
+
+    val = read_scalars(cfg.run_uri, "validation")
+    assert [s for s, _ in val["loss"]] == [5, 10, 15] and [v for _, v in val["rejected"]] == [0.0, 0.0, 0.0]
+    assert val["loss"][2][1] == pytest.approx(ledger.state(15)["metrics"]["loss"])
 
     # Retention: keep the newest and the best; the pointer and newest validated are protected.
     dry = api.prune(cfg.run_uri, dry_run=True)

@@ -10,6 +10,7 @@ inspection under ``<run>/quarantine/``), *promoted* when a pipeline blessed it.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import statistics
 import time
@@ -122,7 +123,22 @@ def validate(run_uri: str, step: int | None = None) -> dict[str, Any]:
     else:
         ledger.record(step, "rejected", metrics=clean, reason=reason)
     events.emit("validation", step=step, verdict=verdict, metrics=clean, reason=reason)
+    _validation_scalars(run_uri, step, metrics, verdict)
     return {"step": step, "verdict": verdict, "metrics": clean, "reason": reason}
+
+
+def _validation_scalars(run_uri: str, step: int, metrics: dict[str, float], verdict: str) -> None:
+    """The verdict's metrics beside the training curves (TensorBoard run ``validation``); never fails a validation."""
+    from training.scalars import ScalarLog
+
+    values = {k: float(v) for k, v in metrics.items() if math.isfinite(v)}
+    values["rejected"] = float(verdict == "rejected")
+    try:
+        log = ScalarLog(run_uri, "validate", subdir="validation")
+        log.add(step, values)
+        log.flush()
+    except Exception as e:  # noqa: BLE001 - the verdict is in the ledger; the curve is a view of it
+        logging.getLogger("rtrain.lifecycle").warning("validation scalars of step %s not written: %s", step, e)
 
 
 def validate_pending(run_uri: str) -> list[dict[str, Any]]:

@@ -207,6 +207,7 @@ class LocalTier:
         self.reason = why_not_local(mesh, abstract)
         self.enabled = not self.reason
         self.pending: list[tuple[int, float]] = []
+        self.skipped = 0  # saves skipped because the previous one was still being written
         self.mngr: Any = None
         if not self.enabled:
             return
@@ -249,10 +250,17 @@ class LocalTier:
                 self.mngr.delete(s)
                 (self.directory / MANIFEST.format(step=s)).unlink(missing_ok=True)
 
-    def save(self, step: int, state: Any, data: dict[str, Any]) -> float:
-        """Start a background save of ``step``; returns the seconds the loop was blocked."""
+    def save(self, step: int, state: Any, data: dict[str, Any]) -> float | None:
+        """Start a background save of ``step``; the seconds the loop was blocked, or None: skipped.
+
+        A save still writing the previous copy is not waited for (Orbax's ``save`` would block the
+        loop until it finalises): this interval is skipped, and the next one saves the newer step.
+        """
         import orbax.checkpoint as ocp
 
+        if self.mngr.is_saving_in_progress():
+            self.skipped += 1
+            return None
         t0 = time.time()
         self.mngr.save(
             step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data)), force=True

@@ -402,7 +402,8 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, manifest
             loop.reset_clock()  # saving time is not step time
         elif tier is not None and tier.enabled and step % cfg.local_checkpoint_every == 0:
             blocking = tier.save(step, state, data_position())
-            loop.local_saves.append(blocking)
+            if blocking is not None:
+                loop.local_saves.append(blocking)
 
     loop.observe(keep=0)
     saver.wait()
