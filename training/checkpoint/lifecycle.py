@@ -294,7 +294,12 @@ def goodput(evs: list[dict[str, Any]], steps_total: int) -> dict[str, Any]:
             nxt = rounds[i + 1]
             done = [e["step"] for e in mine if e["type"] == "progress" and e["time"] < nxt["time"]]
             back = next((e for e in evs if e["type"] in ("restore",) and e["time"] > nxt["time"]), None)
-            if done and back is not None and back["step"] < max(done):
+            # Steps given up by a validation rollback are its own category (rollback_replay), not replay.
+            rolled_back = any(
+                e["type"] == "rollback" and e.get("kind") == "validation" and launch["time"] < e["time"] < nxt["time"]
+                for e in evs
+            )
+            if done and back is not None and back["step"] < max(done) and not rolled_back:
                 steps_lost += max(done) - int(back["step"])
     for e in evs:
         if e["type"] == "failure":
