@@ -4,8 +4,9 @@ Every ``local_checkpoint_every`` steps each worker also saves the train state to
 its host's local directory (a tmpfs: ``/dev/shm`` here, an ``emptyDir`` with
 ``medium: Memory`` on GKE) in the background; the persistent tier (the run
 root, local or ``gs://``) keeps ``checkpoint_every``.  After a lost host the
-survivors resume from the newest step every one of them holds, which is at most
-``local_checkpoint_every`` steps back, instead of the newest persistent one.
+survivors resume from the newest step every one of them holds, usually at most
+``local_checkpoint_every`` steps back (a save that is due while the previous one
+is still being written is skipped), instead of the newest persistent one.
 
 What is saved.  Each process writes the shards *it* holds of the global state
 (Orbax's array handler with ``primary_host=None, replica_id=None``, the handler
