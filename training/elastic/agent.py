@@ -724,6 +724,13 @@ class HostAgent:
         step_s = float(rec.get("step_s") or 0.0)
         first_step = max(t_resumed - float(compiled.get("time") or t_resumed) - step_s, 0.0)
         steps_lost = int(rec.get("steps_lost") or 0)
+        resume_step = rec.get("resume_step")
+        if restore.get("step") is not None and resume_step is not None:
+            # The leader's estimate was made at the failure; a save still in flight then may have
+            # committed since, and the round restored that newer step: count from what it restored.
+            reached = int(resume_step) + steps_lost
+            resume_step = int(restore["step"])
+            steps_lost = max(reached - resume_step, 0)
         lost_s = {
             "detect": round(max(t_detected - t_fault, 0.0), 3),
             "relaunch": round(max(restore_start - t_detected, 0.0), 3),
@@ -738,7 +745,7 @@ class HostAgent:
             kind=rec.get("kind"),
             round=w.round,
             step=resumed.get("step"),
-            resume_step=rec.get("resume_step"),
+            resume_step=resume_step,
             tier=restore.get("tier"),
             steps_lost=steps_lost,
             lost_s=lost_s,

@@ -232,7 +232,15 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, manifest
     chaos = WorkerChaos(list(a.faults), a.rank, rep.send, local_dir, settle_local if tier and tier.enabled else None)
     if tier is not None and not tier.enabled:
         rep.send("local_tier_off", reason=tier.reason)
-    local_step = pick_local_step(parse_resume(a.resume), local_dir, a, rep) if tier and tier.enabled else None
+    local_step = None
+    if tier is not None and tier.enabled and parse_resume(a.resume):
+        # The leader judged "newer than any persistent checkpoint" from the ledger; a save that Orbax
+        # finalised but whose record was not written yet (its process died) is a committed step too.
+        try:
+            persistent = choose_resume("latest", committed_steps(run), ledger.states(), None).step
+        except ResumeError:
+            persistent = None
+        local_step = pick_local_step(parse_resume(a.resume), local_dir, a, rep, newer_than=persistent)
     pins = Pins(store, a.rank, a.round)
     if local_step is not None:
         assert tier is not None
@@ -506,12 +514,16 @@ def sync_processes(a: Assignment, name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def pick_local_step(candidates: list[int], directory: Any, a: Assignment, rep: Reporter) -> int | None:
+def pick_local_step(
+    candidates: list[int], directory: Any, a: Assignment, rep: Reporter, newer_than: int | None = None
+) -> int | None:
     """The newest candidate whose local copy every process holds intact (or None: the persistent tier).
 
     Each process checks its own copies against their manifests; the verdicts are
     gathered, so every process takes the same decision.  A copy that fails is
-    stepped over, with an event naming it.
+    stepped over, with an event naming it.  A candidate no newer than a committed
+    persistent step (``newer_than``, as any process sees it) is not taken: the
+    persistent tier has that state or a newer one.
     """
     import numpy as np
 
@@ -520,14 +532,15 @@ def pick_local_step(candidates: list[int], directory: Any, a: Assignment, rep: R
     if not candidates:
         return None
     problems = [verify(directory, s) for s in candidates]
-    ok = np.array([0 if p else 1 for p in problems], np.int32)
+    ok = np.array([0 if p else 1 for p in problems] + [-1 if newer_than is None else newer_than], np.int32)
     if a.processes > 1:
         from jax.experimental import multihost_utils
 
-        everyone = np.asarray(multihost_utils.process_allgather(ok)).reshape(a.processes, len(candidates))
+        everyone = np.asarray(multihost_utils.process_allgather(ok)).reshape(a.processes, len(candidates) + 1)
     else:
         everyone = ok.reshape(1, -1)
-    chosen = next((s for i, s in enumerate(candidates) if everyone[:, i].all()), None)
+    floor = int(everyone[:, -1].max())  # the newest committed persistent step any process sees (-1: none)
+    chosen = next((s for i, s in enumerate(candidates) if s > floor and everyone[:, i].all()), None)
     for s, problem in zip(candidates, problems, strict=True):
         if problem and (chosen is None or s > chosen):  # stepped over (older candidates were not needed)
             rep.send(
