@@ -112,6 +112,11 @@ def test_the_cli_section_runs_as_written(project: Path) -> None:
     assert "resume pointer: step" in out["rollback"].stdout or "no validated checkpoint" in out["rollback"].stderr
     assert "would delete" in out["prune"].stdout
     assert "goodput" in out["report"].stdout and "failures       1" in out["report"].stdout
+    # What each save cost the loop, against the least time copying its bytes could take.
+    saves = re.search(
+        r"^saves\s+(\d+) committed, median per save: training paused ([\d.]+) ms .*at least", out["report"].stdout, re.M
+    )
+    assert saves and int(saves.group(1)) >= 4, out["report"].stdout
     assert re.search(r"^checkpoint_every\s+int\s+10\s", out["config"].stdout, re.M)
     # The README's claim: paths are absolute in the saved config (the relative default root worked).
     saved = json.loads((project / "var" / "runs" / "r1" / "config.json").read_text())

@@ -116,6 +116,11 @@ class Config(BaseModel):
         "auto",
         description="Array storage: OCDBT (Orbax's default) or plain zarr; auto = OCDBT except against a GCS emulator.",
     )
+    checkpoint_compression: bool = Field(
+        False,
+        description="Compress checkpoint arrays with zstd (Orbax's default). Trained weights barely compress "
+        "(about 7% here) and zstd costs CPU in every save and restore, so it is off.",
+    )
 
     # --- checkpoint lifecycle: validation, rollback, guard, retention ---------------
     val_batches: int = Field(4, ge=1, description="Evaluation batches of the held-out split per validation.")

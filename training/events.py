@@ -326,7 +326,8 @@ def _progress(g: Any) -> str:
 
 def _checkpoint(g: Any) -> str:
     if g("committed"):
-        return f"checkpoint {g('step')} committed"
+        took = f" ({_secs(g('write_s'))} after the save began)" if g("write_s") is not None else ""
+        return f"checkpoint {g('step')} committed{took}"
     blocked = f" (training paused {_secs(g('blocking_s'))})" if g("blocking_s") is not None else ""
     return f"saving checkpoint {g('step')}{blocked}"
 

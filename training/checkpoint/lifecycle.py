@@ -342,6 +342,34 @@ def goodput(evs: list[dict[str, Any]], steps_total: int) -> dict[str, Any]:
     }
 
 
+def save_costs(evs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What the persistent saves cost, from their commit events (medians over the run's saves).
+
+    ``paused_s``: the loop's pause per save; ``copy_bound_s``: the least time copying the bytes this
+    process saves could take at the host's measured memory bandwidth (the pause's lower bound);
+    ``save_thread_s``: Orbax's blocking part, run in the save thread; ``commit_s``: save to commit.
+    """
+    import statistics
+
+    done = [e for e in evs if e["type"] == "checkpoint" and e.get("committed") and e.get("write_s") is not None]
+    if not done:
+        return None
+
+    def med(key: str) -> float | None:
+        xs = [float(e[key]) for e in done if isinstance(e.get(key), int | float)]
+        return round(statistics.median(xs), 6) if xs else None
+
+    return {
+        "saves": len(done),
+        "bytes": med("bytes"),
+        "paused_s": med("blocking_s"),
+        "copy_bound_s": med("copy_bound_s"),
+        "copy_GBps": med("copy_GBps"),
+        "save_thread_s": med("save_s"),
+        "commit_s": med("write_s"),
+    }
+
+
 def _job_of(e: dict[str, Any], evs: list[dict[str, Any]]) -> str:
     """The job an event belongs to: the newest "config" event (each job's launch writes one) before it."""
     job = ""
@@ -415,6 +443,7 @@ def report(run_uri: str) -> dict[str, Any]:
         "checkpoints_kept": kept,
         "checkpoints_pruned": pruned,
         "resume_pointer": ledger.pointer(),
+        "saves": save_costs(evs),
         "wall_s": gp["wall_s"],
         "goodput": gp["goodput"],
         "goodput_breakdown": gp,
@@ -450,6 +479,18 @@ def format_report(r: dict[str, Any]) -> str:
         f"checkpoints    kept {r['checkpoints_kept']}  pruned {r['checkpoints_pruned']}  "
         f"resume pointer {r['resume_pointer']}"
     )
+    sv = r.get("saves")
+    if sv and sv.get("paused_s") is not None:
+
+        def ms(x: Any) -> str:
+            return f"{x * 1000:.1f} ms" if isinstance(x, int | float) else "-"
+
+        size = f"{sv['bytes'] / 1e6:.1f} MB" if sv.get("bytes") else "-"
+        lines.append(
+            f"saves          {sv['saves']} committed, median per save: training paused {ms(sv['paused_s'])} "
+            f"(copying {size} at {sv.get('copy_GBps') or '-'} GB/s: {ms(sv.get('copy_bound_s'))} at least), "
+            f"save thread {ms(sv.get('save_thread_s'))}, committed after {ms(sv.get('commit_s'))}"
+        )
     if r["goodput"] is not None:
         lines.append(f"goodput        {r['goodput']:.1%} of {r['wall_s']:.0f}s wall time spent on steps that count")
         gp = r.get("goodput_breakdown") or {}

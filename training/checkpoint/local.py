@@ -210,8 +210,15 @@ class LocalTier:
         self.pending: list[tuple[int, float]] = []
         self.skipped = 0  # saves skipped because the previous one was still being written
         self.mngr: Any = None
+        self.starting: Any = None  # the save thread's part of the newest save (a Future)
         if not self.enabled:
             return
+        from concurrent.futures import ThreadPoolExecutor
+
+        from training.checkpoint.manager import HostSnapshot
+
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="rtrain-local-save")
+        self.snapshot = HostSnapshot()
         me = jax.process_index()
         directory.mkdir(parents=True, exist_ok=True)
         # Every process is its own primary host, with barriers among itself only.
@@ -254,25 +261,43 @@ class LocalTier:
     def save(self, step: int, state: Any, data: dict[str, Any]) -> float | None:
         """Start a background save of ``step``; the seconds the loop was blocked, or None: skipped.
 
-        A save still writing the previous copy is not waited for (Orbax's ``save`` would block the
-        loop until it finalises): this interval is skipped, and the next one saves the newer step.
+        The loop only dispatches a host copy of the state (:class:`~training.checkpoint.manager.HostSnapshot`);
+        this tier's save thread hands it to Orbax.  A save still writing the previous copy is not
+        waited for: this interval is skipped, and the next one saves the newer step.
         """
-        import orbax.checkpoint as ocp
-
-        if self.mngr.is_saving_in_progress():
+        if self._busy():
             self.skipped += 1
             return None
+        self._started()
         t0 = time.time()
-        self.mngr.save(
-            step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data)), force=True
-        )
+        self.starting = self.thread.submit(self._save, step, self.snapshot(state), data)
         self.pending.append((step, t0))
         return time.time() - t0
 
+    def _save(self, step: int, state: Any, data: dict[str, Any]) -> None:
+        import orbax.checkpoint as ocp
+
+        self.mngr.save(
+            step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data)), force=True
+        )
+
+    def _busy(self) -> bool:
+        """A save in flight: still being handed to Orbax, or Orbax still writing it."""
+        if self.starting is not None and not self.starting.done():
+            return True
+        return bool(self.mngr.is_saving_in_progress())
+
+    def _started(self) -> None:
+        """Raise the save thread's error, if any (the manager is touched only once the thread is done)."""
+        if self.starting is not None:
+            starting, self.starting = self.starting, None
+            starting.result()
+
     def finished(self) -> list[tuple[int, float]]:
         """Saves that have finalised since the last call: (step, seconds from its start)."""
-        if not self.pending:
+        if not self.pending or (self.starting is not None and not self.starting.done()):
             return []
+        self._started()
         self.mngr.check_for_errors()
         # Not "no save in progress": saving every few steps, one is nearly always in flight.  A step is
         # done once it, or a newer one, is finalised on disk (the older may be pruned already).
@@ -313,11 +338,14 @@ class LocalTier:
 
     def wait(self) -> None:
         if self.mngr is not None:
+            self._started()
             self.mngr.wait_until_finished()
 
     def close(self) -> None:
         if self.mngr is not None:
+            self.wait()
             self.mngr.close()
+            self.thread.shutdown()
 
 
 def why_not_local(mesh: Any, abstract: Any) -> str:

@@ -321,7 +321,7 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, manifest
     # The loop never waits for the device on an ordinary step: the metrics of step N are read
     # (a host sync) after step N+1 is dispatched, so the device always has the next step queued.
     # Before a persistent save, the newest step is read too: the guard decides before any save.
-    saver = Saver(mngr, rep, pins)
+    saver = Saver(mngr, rep, pins, background=cfg.async_checkpoint)
     loop = Loop(cfg, rep, t_assigned, step)
 
     def data_position() -> dict[str, Any]:
@@ -576,31 +576,69 @@ class Pins:
 
 
 class Saver:
-    """The checkpoint pipeline: async saves, and a commit reported only once Orbax finalised the step."""
+    """The checkpoint pipeline: saves in a background thread, a commit reported once Orbax finalised it.
 
-    def __init__(self, mngr: Any, rep: Reporter, pins: Pins) -> None:
+    A save costs the loop only the dispatch of a host copy of the state (:func:`host_snapshot`).
+    Everything else happens in the save thread: the pin, Orbax's blocking part (its barriers,
+    per-array bookkeeping and the transfer to host memory), then Orbax's own background write.
+    Running Orbax off the loop's thread is safe because every barrier it takes is a barrier of the
+    coordination service (see :func:`training.checkpoint.manager.checkpoint_manager`), never a device
+    collective that could interleave with the training step's.  With ``async_checkpoint: false``
+    the loop saves and waits itself, as it asked.
+
+    Each commit reports what the save cost: the loop's pause (``blocking_s``), the save thread's
+    share (``save_s``), the time to commit (``write_s``), and the bytes this process copied against
+    the lower bound of that copy at the host's memory bandwidth (``copy_bound_s``).
+    """
+
+    def __init__(self, mngr: Any, rep: Reporter, pins: Pins, *, background: bool = True) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from training.checkpoint.manager import HostSnapshot
+
         self.mngr = mngr
         self.rep = rep
         self.pins = pins
         self.pending: int | None = None
         self.last_saved: int | None = None
         self.committed_any = False
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="rtrain-save") if background else None
+        self.starting: Any = None  # the save thread's part of the pending save (a Future)
+        self.bandwidth = 0.0  # measured at the first save, not at start: a recovery does not wait for it
+        self.snapshot = HostSnapshot()
+        self.nbytes: int | None = None
+        self.cost: dict[str, Any] = {}
 
     def _commit(self, step: int) -> None:
         # An async save that failed raises here; a step is reported committed only when finalised.
         self.mngr.check_for_errors()
         if step not in self.mngr.all_steps(read=True):
             raise RuntimeError(f"checkpoint {step} did not commit (no finalised step directory){_why_not(self.mngr)}")
-        self.rep.send("checkpoint", step=step, committed=True)
+        cost, self.cost = self.cost, {}
+        cost["write_s"] = round(time.time() - cost.pop("t0"), 4)
+        self.rep.send("checkpoint", step=step, committed=True, **cost)
         self.pins.unpin(step)
         self.committed_any = True
 
+    def _started(self, *, block: bool) -> bool:
+        """Whether the save thread has handed the save to Orbax (its error, if any, raised here)."""
+        if self.starting is None:
+            return True
+        if not block and not self.starting.done():
+            return False
+        self.cost["save_s"] = round(self.starting.result(), 4)
+        self.starting = None
+        return True
+
     def poll(self) -> None:
-        if self.pending is not None and not self.mngr.is_saving_in_progress():
+        if self.pending is None or not self._started(block=False):
+            return
+        if not self.mngr.is_saving_in_progress():
             step, self.pending = self.pending, None
             self._commit(step)
 
     def wait(self) -> None:
+        self._started(block=True)
         self.mngr.wait_until_finished()
         self.poll()
 
@@ -610,10 +648,31 @@ class Saver:
         if self.pending is not None:
             self.wait()
         t0 = time.time()
-        self.pins.pin(step, "save")
-        ckpt.save(self.mngr, step, state, data_pos, cfg)
+        if self.nbytes is None:
+            self.nbytes = ckpt.local_bytes(state)  # the same at every save of this round's mesh
+            self.bandwidth = ckpt.copy_bandwidth()
+        nbytes = self.nbytes
+        self.cost = {
+            "t0": t0,
+            "bytes": nbytes,
+            "copy_bound_s": round(nbytes / self.bandwidth, 6),
+            "copy_GBps": round(self.bandwidth / 1e9, 2),
+        }
+
+        def start(state: Any) -> float:
+            t = time.time()
+            self.pins.pin(step, "save")
+            ckpt.save(self.mngr, step, state, data_pos, cfg)
+            return time.time() - t
+
         self.pending = self.last_saved = step
-        self.rep.send("checkpoint", step=step, committed=False, blocking_s=time.time() - t0)
+        if self.thread is None:
+            self.cost["save_s"] = round(start(state), 4)
+        else:
+            self.starting = self.thread.submit(start, self.snapshot(state))
+        blocking = time.time() - t0
+        self.cost["blocking_s"] = round(blocking, 4)
+        self.rep.send("checkpoint", step=step, committed=False, blocking_s=blocking)
 
 
 def _why_not(mngr: Any) -> str:

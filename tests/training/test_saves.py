@@ -1,0 +1,152 @@
+"""Cheap saves: the host snapshot a background save writes, and the checkpoint format's options.
+
+Each check runs real JAX (2 CPU devices) and real Orbax I/O in a fresh process, so the device
+count is its own and nothing else in the session has imported JAX with other flags.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+SETUP = """
+import json, os, sys
+import numpy as np
+import jax
+from training.config import load_config
+from training.mesh import build_mesh, plan_mesh
+from training.trainer import Trainer
+from training.checkpoint import manager as ckpt
+
+root, dataset = sys.argv[1], sys.argv[2]
+over = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+cfg = load_config("tiny", None, {"root": root, "dataset": dataset, "run_name": "saves", **over})
+trainer = Trainer(cfg, build_mesh(plan_mesh(cfg, 1)))
+state = trainer.init()
+abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+
+
+def host(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def same(a, b):
+    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+"""
+
+
+def _run(script: str, tmp_path: Path, dataset: str, over: dict[str, object] | None = None) -> dict[str, object]:
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    }
+    code = SETUP + textwrap.dedent(script)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "runs"), dataset, json.dumps(over or {})],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def test_a_background_save_writes_the_state_of_its_step_while_donating_steps_go_on(tmp_path, tiny_dataset):
+    """The snapshot is the state at the save, though the next steps donate (reuse) its buffers."""
+    res = _run(
+        """
+        from concurrent.futures import ThreadPoolExecutor
+        from training import data
+
+        batches = data.make_batches(cfg.dataset, "train", seed=0, global_batch=cfg.global_batch,
+                                    process_index=0, process_count=1)
+        before = host(state)
+        snap = ckpt.HostSnapshot()(state)
+        kinds = sorted({x.sharding.memory_kind for x in jax.tree.leaves(snap)})
+        run = os.path.join(sys.argv[1], "saves")
+        mngr = ckpt.checkpoint_manager(cfg, run)
+        saving = ThreadPoolExecutor(1).submit(ckpt.save, mngr, 1, snap, {"next_batch": 1}, cfg)
+        for _ in range(3):  # each step donates the state it is given
+            state, _ = trainer.step(state, *trainer.global_batch(next(batches)), 1.0)
+        jax.block_until_ready(state)
+        saving.result()
+        mngr.wait_until_finished()
+        restored, position = ckpt.restore(mngr, 1, abstract)
+        print(json.dumps({
+            "kinds": kinds,
+            "snapshot_is_the_saved_step": same(host(snap), before),
+            "restored_is_the_saved_step": same(host(restored), before),
+            "training_moved_on": not same(host(state), before),
+            "position": position,
+            "local_bytes": ckpt.local_bytes(snap),
+            "shard_bytes": sum(s.data.nbytes for x in jax.tree.leaves(state) for s in x.addressable_shards),
+            "bandwidth": ckpt.copy_bandwidth(8 << 20),
+        }))
+        """,
+        tmp_path,
+        tiny_dataset,
+    )
+    assert res["kinds"] == ["pinned_host"], "the copy goes to host memory, not to another device buffer"
+    assert res["snapshot_is_the_saved_step"] and res["restored_is_the_saved_step"]
+    assert res["training_moved_on"], "the steps after the save must have changed the state"
+    assert res["position"] == {"next_batch": 1}
+    assert res["local_bytes"] == res["shard_bytes"] and int(str(res["local_bytes"])) > 0
+    assert float(str(res["bandwidth"])) > 1e8  # bytes/s: any machine copies memory faster than 100 MB/s
+
+
+def test_checkpoints_are_uncompressed_by_default_and_older_compressed_ones_still_restore(tmp_path, tiny_dataset):
+    """zstd off by default; a checkpoint written compressed (or by Orbax's standard handler) restores."""
+    res = _run(
+        """
+        import glob
+        import orbax.checkpoint as ocp
+
+        def codecs(run):
+            # The compressors named in the arrays' zarr metadata (zarr v2 .zarray or v3 zarr.json).
+            found = set()
+            for p in glob.glob(os.path.join(run, "**", ".zarray"), recursive=True):
+                found.add((json.load(open(p)).get("compressor") or {}).get("id", "none"))
+            for p in glob.glob(os.path.join(run, "**", "zarr.json"), recursive=True):
+                for c in json.load(open(p)).get("codecs", []):
+                    found |= {x["name"] for x in [c, *c.get("configuration", {}).get("codecs", [])]}
+            return sorted(found)
+
+        runs = sys.argv[1]
+        want = host(state)
+        out = {}
+        for name, compress in (("plain", False), ("zstd", True)):
+            c = cfg.model_copy(update={"checkpoint_compression": compress})
+            m = ckpt.checkpoint_manager(c, os.path.join(runs, name))
+            ckpt.save(m, 1, state, {"next_batch": 1}, c)
+            m.wait_until_finished()
+            out[name] = codecs(os.path.join(runs, name))
+        # Read both with the default config (compression off), as a resumed run would.
+        for name in ("plain", "zstd"):
+            m = ckpt.checkpoint_manager(cfg, os.path.join(runs, name))
+            out[name + "_restores"] = same(host(ckpt.restore(m, 1, abstract)[0]), want)
+        # A checkpoint of an earlier version: Orbax's StandardCheckpointHandler, compressed.
+        old = ocp.CheckpointManager(
+            os.path.join(runs, "old", "checkpoints"),
+            item_handlers={"state": ocp.StandardCheckpointHandler(use_ocdbt=False), "data": ocp.JsonCheckpointHandler()},
+        )
+        old.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave({"next_batch": 1})))
+        old.wait_until_finished()
+        m = ckpt.checkpoint_manager(cfg, os.path.join(runs, "old"))
+        out["old_restores"] = same(host(ckpt.restore(m, 1, abstract)[0]), want)
+        print(json.dumps(out))
+        """,
+        tmp_path,
+        tiny_dataset,
+        {"checkpoint_format": "zarr"},  # per-array zarr.json files say which codecs were used
+    )
+    plain, zstd = res["plain"], res["zstd"]
+    assert isinstance(plain, list) and isinstance(zstd, list), res
+    assert plain == ["none"] or (plain and "zstd" not in plain), res
+    assert "zstd" in zstd, res
+    assert res["plain_restores"] and res["zstd_restores"] and res["old_restores"], res
