@@ -53,7 +53,17 @@ from training.elastic.chaos import ChaosError, parse_chaos, spec_pattern
 from training.elastic.rendezvous import Rendezvous
 from training.elastic.status import STALE_STATUS_S
 from training.elastic.status import status as run_status
-from training.events import ALIVE_STATES, FINAL_STATES, EventLog, RunState, describe, read_status, write_status
+from training.events import (
+    ALIVE_STATES,
+    FINAL_STATES,
+    EventLog,
+    RunState,
+    describe,
+    mesh_text,
+    read_status,
+    readable,
+    write_status,
+)
 from training.layout import AIRFLOW, CAPACITY, CONFIG, CONFIG_HISTORY, CONTROL, RDV_RESERVE
 from training.mesh import PlanError, check_fit, plan_report
 from training.records import stamp
@@ -84,6 +94,8 @@ __all__ = [
     "check_fit",
     "config_from_dict",
     "describe",
+    "mesh_text",
+    "readable",
     "jobset_state",
     "load_config",
     "node_is_usable",

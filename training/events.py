@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any, NotRequired, TypedDict
 
@@ -204,8 +205,9 @@ def read_status(store: Store) -> dict[str, Any] | None:
 # --- one sentence per event type, for people --------------------------------------------------
 
 
-def _mesh(m: Any) -> str:
-    if not isinstance(m, dict) or not m:
+def mesh_text(m: Any) -> str:
+    """A mesh by the axes that split something: ``data4 x fsdp2``."""
+    if not isinstance(m, Mapping) or not m:
         return "-"
     return " x ".join(f"{k}{v}" for k, v in m.items() if v != 1 or k == "data") or "-"
 
@@ -239,15 +241,19 @@ def _plural(n: Any, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
-def _value(v: Any) -> str:
-    """Any field's value as text (no Python reprs): mappings as ``k v``, lists joined, numbers rounded."""
-    if isinstance(v, dict):
-        return ", ".join(f"{k} {_value(x)}" for k, x in v.items()) or "-"
-    if isinstance(v, list | tuple):
-        return ", ".join(_value(x) for x in v) or "none"
-    if isinstance(v, float):
-        return format(v, ".4g")
-    return "-" if v is None else str(v)
+def readable(value: Any, sep: str = "; ") -> str:
+    """Any value as text people read (no Python reprs).
+
+    Mappings as ``key value`` pairs (underscores as spaces) joined by ``sep``, nested ones by ``", "``;
+    lists joined by ``", "``; floats to 4 significant digits.
+    """
+    if isinstance(value, Mapping):
+        return sep.join(f"{str(k).replace('_', ' ')} {readable(v, ', ')}" for k, v in value.items()) or "-"
+    if isinstance(value, list | tuple):
+        return ", ".join(readable(v, ", ") for v in value) or "none"
+    if isinstance(value, float):
+        return format(value, ".4g")
+    return "-" if value is None else str(value)
 
 
 def _launch(g: Any) -> str:
@@ -259,7 +265,7 @@ def _launch(g: Any) -> str:
         "none": ", from scratch",
         "latest": ", from the newest committed checkpoint (if any)",
     }.get(resume, f", from step {resume}")
-    return f"round {rnd}{why}: {_plural(g('workers'), 'host')}, mesh {_mesh(g('mesh'))}{start}"
+    return f"round {rnd}{why}: {_plural(g('workers'), 'host')}, mesh {mesh_text(g('mesh'))}{start}"
 
 
 def _worker_started(g: Any) -> str:
@@ -270,12 +276,12 @@ def _worker_started(g: Any) -> str:
 
 def _restore(g: Any) -> str:
     hosts = f" ({_plural(g('workers'), 'host')})" if g("workers") is not None else ""
-    return f"restored checkpoint {g('step')} onto mesh {_mesh(g('mesh'))}{hosts} in {_secs(g('seconds'))}"
+    return f"restored checkpoint {g('step')} onto mesh {mesh_text(g('mesh'))}{hosts} in {_secs(g('seconds'))}"
 
 
 def _init(g: Any) -> str:
     took = f" in {_secs(g('seconds'))}" if g("seconds") is not None else ""
-    return f"initialised a new model on mesh {_mesh(g('mesh'))}{took}"
+    return f"initialised a new model on mesh {mesh_text(g('mesh'))}{took}"
 
 
 def _resumed(g: Any) -> str:
@@ -320,7 +326,7 @@ def _progress(g: Any) -> str:
     if g("workers") is not None:
         parts.append(_plural(g("workers"), "worker"))
     if g("mesh"):
-        parts.append(f"mesh {_mesh(g('mesh'))}")
+        parts.append(f"mesh {mesh_text(g('mesh'))}")
     return ", ".join(parts)
 
 
@@ -451,7 +457,7 @@ SENTENCES: dict[str, Any] = {
     "checkpoint_corrupt": lambda g: f"checkpoint {g('step')} is corrupt ({g('reason')}); stepped over",
     "failure": _failure,
     "resize": lambda g: (
-        f"resized {g('old_workers')} -> {g('new_workers')} hosts: mesh {_mesh(g('old_mesh'))} -> {_mesh(g('new_mesh'))}"
+        f"resized {g('old_workers')} -> {g('new_workers')} hosts: mesh {mesh_text(g('old_mesh'))} -> {mesh_text(g('new_mesh'))}"
     ),
     "capacity": lambda g: (
         f"capacity is {_plural(g('available'), 'host')}" + (f" ({g('reason')})" if g("reason") else "")
@@ -491,4 +497,4 @@ def describe(ev: dict[str, Any]) -> str:
     if sentence is not None:
         return str(sentence(ev.get))
     fields = {k: v for k, v in ev.items() if k not in ("type", "time", "source", "_key")}
-    return f"{t}: " + "; ".join(f"{k.replace('_', ' ')} {_value(v)}" for k, v in fields.items())
+    return f"{t}: " + (readable(fields) if fields else "")

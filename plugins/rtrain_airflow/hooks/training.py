@@ -37,7 +37,7 @@ from typing import Any
 from airflow.sdk import BaseHook
 
 from training import api
-from training.api import RUN_NAME_PATTERN, Config, ConfigError, JobHandle
+from training.api import RUN_NAME_PATTERN, Config, ConfigError, JobHandle, mesh_text, readable
 
 # The repository root (plugins/rtrain_airflow/hooks/training.py -> parents[3]).  Relative
 # local paths in a run config (``var/runs``) are taken from here, not from the
@@ -119,24 +119,6 @@ def format_validations(results: list[dict[str, Any]]) -> str:
             f"{num(m.get('perplexity'), '.2f'):>11} {num(m.get('accuracy'), '.3f'):>9}  {r.get('reason') or ''}".rstrip()
         )
     return "\n".join(lines)
-
-
-def mesh_text(mesh: Any) -> str:
-    """A mesh by the axes that split something: ``data4 x fsdp2`` (as the engine's event sentences say it)."""
-    if not isinstance(mesh, Mapping) or not mesh:
-        return "-"
-    return " x ".join(f"{k}{v}" for k, v in mesh.items() if v != 1 or k == "data") or "-"
-
-
-def readable(value: Any) -> str:
-    """A result for a log line: ``key value; key value``, lists joined, numbers rounded (no Python reprs)."""
-    if isinstance(value, Mapping):
-        return "; ".join(f"{str(k).replace('_', ' ')} {readable(v)}" for k, v in value.items()) or "-"
-    if isinstance(value, list | tuple):
-        return ", ".join(readable(v) for v in value) or "none"
-    if isinstance(value, float):
-        return format(value, ".4g")
-    return "-" if value is None else str(value)
 
 
 def plan_text(report: Mapping[str, Any]) -> str:
