@@ -38,15 +38,15 @@ def _final_state(run_uri: str, step: int) -> dict:
 def _restored_the_newest_committed(run_uri: str, restored: int) -> bool:
     """The restore took the newest committed checkpoint: at least the newest committed before the failure.
 
-    Async saves commit in the background: one still in flight when a host died may commit (and be
-    reported) after the failure, and the next round rightly restores it.  So the contract is "no older
-    than the newest committed before the failure, and committed", not a step number.
+    Async saves commit in the background: one still in flight when a process died may be finalised
+    by Orbax after the failure, or before it with its worker gone before it could report the commit,
+    and the next round rightly restores it.  So the contract is "no older than the newest committed
+    before the failure, and committed (finalised on storage, Orbax's rule)", not a step number.
     """
     evs = _events(run_uri)
     i = next(i for i, e in enumerate(evs) if e["type"] == "failure")
     before = max(e["step"] for e in evs[:i] if e["type"] == "checkpoint" and e["committed"])
-    committed = {e["step"] for e in evs if e["type"] == "checkpoint" and e["committed"]}
-    return restored >= before and restored in committed
+    return restored >= before and restored in api.committed_steps(run_uri)
 
 
 def _assert_exact_data_position(run_uri: str, dataset: str, cfg) -> None:
