@@ -67,7 +67,7 @@ def test_a_background_save_writes_the_state_of_its_step_while_donating_steps_go_
         batches = data.make_batches(cfg.dataset, "train", seed=0, global_batch=cfg.global_batch,
                                     process_index=0, process_count=1)
         before = host(state)
-        snap = ckpt.HostSnapshot()(state)
+        snap = ckpt.HostSnapshot(abstract)(state)
         kinds = sorted({x.sharding.memory_kind for x in jax.tree.leaves(snap)})
         run = os.path.join(sys.argv[1], "saves")
         mngr = ckpt.checkpoint_manager(cfg, run)

@@ -218,7 +218,8 @@ class LocalTier:
         from training.checkpoint.manager import HostSnapshot
 
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="rtrain-local-save")
-        self.snapshot = HostSnapshot()
+        self.snapshot = HostSnapshot(abstract)
+        self.thread.submit(self.snapshot.prepare)  # compiled while the first steps train
         me = jax.process_index()
         directory.mkdir(parents=True, exist_ok=True)
         # Every process is its own primary host, with barriers among itself only.

@@ -12,6 +12,7 @@ MaxText's small vocabulary: :func:`checkpoint_manager`, :func:`save`,
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -120,21 +121,34 @@ class HostSnapshot:
     The training step donates its state, so a save that goes on while training does needs its own
     copy.  It goes to the devices' ``pinned_host`` memory where they have it (TPUs, GPUs and JAX's
     CPU devices): host RAM, not accelerator memory, and the transfer Orbax would make anyway.
-    Elsewhere it is a copy on the device.  One jitted identity with host output shardings makes
+    Elsewhere it is a copy on the device.  One compiled identity with host output shardings makes
     the whole copy a single dispatch (a per-array ``device_put`` costs the loop ~5x more).
+
+    ``abstract`` is the state's shapes and shardings.  :meth:`prepare` compiles the copy; call it
+    off the loop (a save thread), or the first save compiles it (a few hundred ms on a busy host).
     """
 
-    def __init__(self) -> None:
-        self.fn: Any = None
+    def __init__(self, abstract: State) -> None:
+        import threading
 
-    def __call__(self, state: State) -> State:
-        if self.fn is None:
+        self.abstract = abstract
+        self.fn: Any = None
+        self.lock = threading.Lock()
+
+    def prepare(self) -> None:
+        with self.lock:
+            if self.fn is not None:
+                return
             kinds = {m.kind for m in jax.local_devices()[0].addressable_memories()}
             if "pinned_host" in kinds:
-                out = jax.tree.map(lambda x: x.sharding.with_memory_kind("pinned_host"), state)
-                self.fn = jax.jit(lambda s: s, out_shardings=out)
+                out = jax.tree.map(lambda x: x.sharding.with_memory_kind("pinned_host"), self.abstract)
+                jitted = jax.jit(lambda s: s, out_shardings=out)
             else:
-                self.fn = jax.jit(lambda s: jax.tree.map(lambda x: x.copy(), s))
+                jitted = jax.jit(lambda s: jax.tree.map(lambda x: x.copy(), s))
+            self.fn = jitted.lower(self.abstract).compile()
+
+    def __call__(self, state: State) -> State:
+        self.prepare()
         return dict(self.fn(state))
 
 
@@ -143,8 +157,12 @@ def local_bytes(state: State) -> int:
     return sum(s.data.nbytes for x in jax.tree.leaves(state) for s in x.addressable_shards)
 
 
+@functools.cache
 def copy_bandwidth(nbytes: int = 64 << 20) -> float:
-    """This host's memory copy bandwidth, bytes/s (best of 3): a save's copy can be no faster."""
+    """This host's memory copy bandwidth, bytes/s (best of 3): a save's copy can be no faster.
+
+    Measured once per process (a worker does it while it warms up, before it has a round).
+    """
     import time
 
     src = np.ones(nbytes, np.uint8)

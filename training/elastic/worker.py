@@ -142,7 +142,7 @@ def main() -> int:
     # --- 1. warm-up ----------------------------------------------------------------------------
     import jax
 
-    import training.checkpoint.manager  # noqa: F401 - imported now, while nothing waits for this process
+    import training.checkpoint.manager  # imported now, while nothing waits for this process
     import training.trainer  # noqa: F401
     from training import data as data_lib
     from training.checkpoint.ledger import Ledger
@@ -157,6 +157,7 @@ def main() -> int:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     share_cpu_compilation_cache()
+    training.checkpoint.manager.copy_bandwidth()  # for the saves' reports, measured while idle
     try:
         manifest = data_lib.load_manifest(cfg.dataset)
         data_lib.warm(cfg.dataset, "train")  # opened, and checked against the manifest's sha256
@@ -321,7 +322,7 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, manifest
     # The loop never waits for the device on an ordinary step: the metrics of step N are read
     # (a host sync) after step N+1 is dispatched, so the device always has the next step queued.
     # Before a persistent save, the newest step is read too: the guard decides before any save.
-    saver = Saver(mngr, rep, pins, background=cfg.async_checkpoint)
+    saver = Saver(mngr, rep, pins, trainer.abstract, background=cfg.async_checkpoint)
     loop = Loop(cfg, rep, t_assigned, step)
 
     def data_position() -> dict[str, Any]:
@@ -578,7 +579,8 @@ class Pins:
 class Saver:
     """The checkpoint pipeline: saves in a background thread, a commit reported once Orbax finalised it.
 
-    A save costs the loop only the dispatch of a host copy of the state (:func:`host_snapshot`).
+    A save costs the loop only the dispatch of a host copy of the state
+    (:class:`training.checkpoint.manager.HostSnapshot`, compiled in the save thread at the start).
     Everything else happens in the save thread: the pin, Orbax's blocking part (its barriers,
     per-array bookkeeping and the transfer to host memory), then Orbax's own background write.
     Running Orbax off the loop's thread is safe because every barrier it takes is a barrier of the
@@ -591,7 +593,7 @@ class Saver:
     the lower bound of that copy at the host's memory bandwidth (``copy_bound_s``).
     """
 
-    def __init__(self, mngr: Any, rep: Reporter, pins: Pins, *, background: bool = True) -> None:
+    def __init__(self, mngr: Any, rep: Reporter, pins: Pins, abstract: Any, *, background: bool = True) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         from training.checkpoint.manager import HostSnapshot
@@ -604,8 +606,9 @@ class Saver:
         self.committed_any = False
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="rtrain-save") if background else None
         self.starting: Any = None  # the save thread's part of the pending save (a Future)
-        self.bandwidth = 0.0  # measured at the first save, not at start: a recovery does not wait for it
-        self.snapshot = HostSnapshot()
+        self.snapshot = HostSnapshot(abstract)
+        if self.thread is not None:
+            self.thread.submit(self.snapshot.prepare)  # compiled while the first steps train
         self.nbytes: int | None = None
         self.cost: dict[str, Any] = {}
 
@@ -650,13 +653,12 @@ class Saver:
         t0 = time.time()
         if self.nbytes is None:
             self.nbytes = ckpt.local_bytes(state)  # the same at every save of this round's mesh
-            self.bandwidth = ckpt.copy_bandwidth()
-        nbytes = self.nbytes
+        nbytes, bandwidth = self.nbytes, ckpt.copy_bandwidth()
         self.cost = {
             "t0": t0,
             "bytes": nbytes,
-            "copy_bound_s": round(nbytes / self.bandwidth, 6),
-            "copy_GBps": round(self.bandwidth / 1e9, 2),
+            "copy_bound_s": round(nbytes / bandwidth, 6),
+            "copy_GBps": round(bandwidth / 1e9, 2),
         }
 
         def start(state: Any) -> float:
