@@ -631,9 +631,10 @@ class HostAgent:
     def _host_fault(self, action: str, msg: dict[str, Any]) -> None:
         """Chaos carried out on this whole host (the worker said so, then waits)."""
         if action == "preempt" and self.capacity is not None:
-            left = max(self.capacity.available() - 1, 0)
-            self.capacity.set(left, reason=f"chaos {msg.get('spec')}: host {self.host} lost")
-            self.emit("capacity", available=left, reason=f"host {self.host} preempted")
+            # This host leaves the pool, and no other: lowering the pool's size alone would let the
+            # local slice stop another host too, when it looks before this one's agent is gone.
+            self.capacity.leave(self.host, reason=f"chaos {msg.get('spec')}: host {self.host} lost")
+            self.emit("capacity", available=self.capacity.available(), reason=f"host {self.host} preempted")
         log.warning("[%s] chaos %s: taking this host down", self.host, action)
         sig = signal.SIGSTOP if action == "freeze" else signal.SIGKILL
         if action == "kill_agent":
