@@ -61,22 +61,44 @@ def test_a_background_save_writes_the_state_of_its_step_while_donating_steps_go_
     """The snapshot is the state at the save, though the next steps donate (reuse) its buffers."""
     res = _run(
         """
-        from concurrent.futures import ThreadPoolExecutor
         from training import data
 
         batches = data.make_batches(cfg.dataset, "train", seed=0, global_batch=cfg.global_batch,
                                     process_index=0, process_count=1)
         before = host(state)
-        snap = ckpt.HostSnapshot(abstract)(state)
-        kinds = sorted({x.sharding.memory_kind for x in jax.tree.leaves(snap)})
         run = os.path.join(sys.argv[1], "saves")
         mngr = ckpt.checkpoint_manager(cfg, run)
-        saving = ThreadPoolExecutor(1).submit(ckpt.save, mngr, 1, snap, {"next_batch": 1}, cfg)
+        given = []
+
+        def save(snap, step):
+            given.append(snap)
+            ckpt.save(mngr, step, snap, {"next_batch": step}, cfg)
+
+        bg = ckpt.BackgroundSave(abstract, "test-save")
+        bg.start(save, state, 1)
         for _ in range(3):  # each step donates the state it is given
             state, _ = trainer.step(state, *trainer.global_batch(next(batches)), 1.0)
         jax.block_until_ready(state)
-        saving.result()
+        handed_over, took = bg.collect()
+        snap = given[0]
+        kinds = sorted({x.sharding.memory_kind for x in jax.tree.leaves(snap)})
         mngr.wait_until_finished()
+
+        def fail(snap):
+            raise OSError("disk gone")
+
+        errors = []
+        for background in (True, False):
+            failing = ckpt.BackgroundSave(abstract, "test-fail", background=background)
+            failing.start(fail, state)
+            try:
+                failing.collect()
+            except OSError as e:
+                errors.append(str(e))
+            failing.close()
+        inline = ckpt.BackgroundSave(abstract, "test-inline", background=False)
+        inline.start(lambda s: given.append(s), state)
+        bg.close()
         restored, position = ckpt.restore(mngr, 1, abstract)
         print(json.dumps({
             "kinds": kinds,
@@ -84,6 +106,9 @@ def test_a_background_save_writes_the_state_of_its_step_while_donating_steps_go_
             "restored_is_the_saved_step": same(host(restored), before),
             "training_moved_on": not same(host(state), before),
             "position": position,
+            "collected": [handed_over, took is not None and took > 0, bg.collect()],
+            "errors": errors,
+            "inline_saves_the_state_itself": given[-1] is state,
             "local_bytes": ckpt.local_bytes(snap),
             "shard_bytes": sum(s.data.nbytes for x in jax.tree.leaves(state) for s in x.addressable_shards),
             "bandwidth": ckpt.copy_bandwidth(8 << 20),
@@ -96,6 +121,9 @@ def test_a_background_save_writes_the_state_of_its_step_while_donating_steps_go_
     assert res["snapshot_is_the_saved_step"] and res["restored_is_the_saved_step"]
     assert res["training_moved_on"], "the steps after the save must have changed the state"
     assert res["position"] == {"next_batch": 1}
+    assert res["collected"] == [True, True, [True, None]], "collected once, with the thread's time"
+    assert res["errors"] == ["disk gone", "disk gone"], "a failed save raises on collect, in a thread or not"
+    assert res["inline_saves_the_state_itself"], "without a thread there is no copy to make"
     assert res["local_bytes"] == res["shard_bytes"] and int(str(res["local_bytes"])) > 0
     assert float(str(res["bandwidth"])) > 1e8  # bytes/s: any machine copies memory faster than 100 MB/s
 

@@ -210,16 +210,11 @@ class LocalTier:
         self.pending: list[tuple[int, float]] = []
         self.skipped = 0  # saves skipped because the previous one was still being written
         self.mngr: Any = None
-        self.starting: Any = None  # the save thread's part of the newest save (a Future)
         if not self.enabled:
             return
-        from concurrent.futures import ThreadPoolExecutor
+        from training.checkpoint.manager import BackgroundSave
 
-        from training.checkpoint.manager import HostSnapshot
-
-        self.thread = ThreadPoolExecutor(1, thread_name_prefix="rtrain-local-save")
-        self.snapshot = HostSnapshot(abstract)
-        self.thread.submit(self.snapshot.prepare)  # compiled while the first steps train
+        self.bg = BackgroundSave(abstract, "rtrain-local-save")
         me = jax.process_index()
         directory.mkdir(parents=True, exist_ok=True)
         # Every process is its own primary host, with barriers among itself only.
@@ -271,11 +266,11 @@ class LocalTier:
             return None
         self._started()
         t0 = time.time()
-        self.starting = self.thread.submit(self._save, step, self.snapshot(state), data)
+        self.bg.start(self._save, state, step, data)
         self.pending.append((step, t0))
         return time.time() - t0
 
-    def _save(self, step: int, state: Any, data: dict[str, Any]) -> None:
+    def _save(self, state: Any, step: int, data: dict[str, Any]) -> None:
         import orbax.checkpoint as ocp
 
         self.mngr.save(
@@ -284,19 +279,15 @@ class LocalTier:
 
     def _busy(self) -> bool:
         """A save in flight: still being handed to Orbax, or Orbax still writing it."""
-        if self.starting is not None and not self.starting.done():
-            return True
-        return bool(self.mngr.is_saving_in_progress())
+        return self.bg.busy() or bool(self.mngr.is_saving_in_progress())
 
     def _started(self) -> None:
         """Raise the save thread's error, if any (the manager is touched only once the thread is done)."""
-        if self.starting is not None:
-            starting, self.starting = self.starting, None
-            starting.result()
+        self.bg.collect()
 
     def finished(self) -> list[tuple[int, float]]:
         """Saves that have finalised since the last call: (step, seconds from its start)."""
-        if not self.pending or (self.starting is not None and not self.starting.done()):
+        if not self.pending or self.bg.busy():
             return []
         self._started()
         self.mngr.check_for_errors()
@@ -346,7 +337,7 @@ class LocalTier:
         if self.mngr is not None:
             self.wait()
             self.mngr.close()
-            self.thread.shutdown()
+            self.bg.close()
 
 
 def why_not_local(mesh: Any, abstract: Any) -> str:

@@ -152,6 +152,62 @@ class HostSnapshot:
         return dict(self.fn(state))
 
 
+class BackgroundSave:
+    """One save at a time handed to a save thread: the loop only dispatches a :class:`HostSnapshot`.
+
+    :meth:`start` runs ``fn(copy_of_state, *args)`` in the thread (the call into Orbax, which
+    then writes in its own thread); :meth:`collect` takes its outcome, raising its error on the
+    loop's thread.  With ``background=False`` the call runs on the caller's thread, on the state
+    itself, and is collected the same way.  Both checkpoint tiers save through this.
+    """
+
+    def __init__(self, abstract: State, name: str, *, background: bool = True) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.snapshot = HostSnapshot(abstract)
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix=name) if background else None
+        if self.thread is not None:
+            self.thread.submit(self.snapshot.prepare)  # compiled while the first steps train
+        self.starting: Any = None  # a Future: the seconds the thread's part of the newest save took
+
+    def start(self, fn: Any, state: State, *args: Any) -> None:
+        from concurrent.futures import Future
+
+        if self.thread is not None:
+            self.starting = self.thread.submit(_timed, fn, self.snapshot(state), *args)
+            return
+        self.starting = Future()
+        try:
+            self.starting.set_result(_timed(fn, state, *args))
+        except BaseException as e:  # noqa: BLE001 - raised by collect(), as the thread's would be
+            self.starting.set_exception(e)
+
+    def busy(self) -> bool:
+        """The newest save is still being handed to Orbax."""
+        return self.starting is not None and not self.starting.done()
+
+    def collect(self, *, block: bool = True) -> tuple[bool, float | None]:
+        """(handed over, seconds it took: None when nothing was left to collect); raises its error."""
+        if self.starting is None:
+            return True, None
+        if not block and not self.starting.done():
+            return False, None
+        starting, self.starting = self.starting, None
+        return True, float(starting.result())
+
+    def close(self) -> None:
+        if self.thread is not None:
+            self.thread.shutdown()
+
+
+def _timed(fn: Any, *args: Any) -> float:
+    import time
+
+    t = time.time()
+    fn(*args)
+    return time.time() - t
+
+
 def local_bytes(state: State) -> int:
     """Bytes of ``state`` held by this process's devices: what its save copies to host memory."""
     return sum(s.data.nbytes for x in jax.tree.leaves(state) for s in x.addressable_shards)

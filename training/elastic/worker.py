@@ -594,9 +594,7 @@ class Saver:
     """
 
     def __init__(self, mngr: Any, rep: Reporter, pins: Pins, abstract: Any, *, background: bool = True) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        from training.checkpoint.manager import HostSnapshot
+        from training.checkpoint.manager import BackgroundSave
 
         self.mngr = mngr
         self.rep = rep
@@ -604,11 +602,7 @@ class Saver:
         self.pending: int | None = None
         self.last_saved: int | None = None
         self.committed_any = False
-        self.thread = ThreadPoolExecutor(1, thread_name_prefix="rtrain-save") if background else None
-        self.starting: Any = None  # the save thread's part of the pending save (a Future)
-        self.snapshot = HostSnapshot(abstract)
-        if self.thread is not None:
-            self.thread.submit(self.snapshot.prepare)  # compiled while the first steps train
+        self.bg = BackgroundSave(abstract, "rtrain-save", background=background)
         self.nbytes: int | None = None
         self.cost: dict[str, Any] = {}
 
@@ -625,13 +619,10 @@ class Saver:
 
     def _started(self, *, block: bool) -> bool:
         """Whether the save thread has handed the save to Orbax (its error, if any, raised here)."""
-        if self.starting is None:
-            return True
-        if not block and not self.starting.done():
-            return False
-        self.cost["save_s"] = round(self.starting.result(), 4)
-        self.starting = None
-        return True
+        started, took = self.bg.collect(block=block)
+        if took is not None:
+            self.cost["save_s"] = round(took, 4)
+        return started
 
     def poll(self) -> None:
         if self.pending is None or not self._started(block=False):
@@ -661,17 +652,12 @@ class Saver:
             "copy_GBps": round(bandwidth / 1e9, 2),
         }
 
-        def start(state: Any) -> float:
-            t = time.time()
+        def start(state: Any) -> None:
             self.pins.pin(step, "save")
             ckpt.save(self.mngr, step, state, data_pos, cfg)
-            return time.time() - t
 
         self.pending = self.last_saved = step
-        if self.thread is None:
-            self.cost["save_s"] = round(start(state), 4)
-        else:
-            self.starting = self.thread.submit(start, self.snapshot(state))
+        self.bg.start(start, state)
         blocking = time.time() - t0
         self.cost["blocking_s"] = round(blocking, 4)
         self.rep.send("checkpoint", step=step, committed=False, blocking_s=blocking)
