@@ -1,0 +1,74 @@
+"""``rtrain bench`` as the README shows it: each figure a ratio of two measurements from the same run.
+
+The bench writes under ``var/bench`` of its working directory, so each test runs it in its own
+temporary directory.  The figures are measured, never asserted against a target: what is checked
+is that a figure is what its JSON says it is (the ratio of the medians of its own repeats), and that
+the table prints it.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+RTRAIN = str(Path(sys.executable).parent / "rtrain")
+
+
+def _bench(tmp_path: Path, *args: str, timeout: int = 900) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [RTRAIN, "bench", *args, "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=timeout
+    )
+    return proc, json.loads(out.read_text()) if out.exists() else {}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--only", "restore"], "--only: unknown figure(s) ['restore']; known: recovery, checkpoint_overhead"),
+        (["--repeats", "0"], "--repeats must be at least 1, not 0"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_runs(tmp_path: Path, args: list[str], message: str) -> None:
+    proc, results = _bench(tmp_path, *args, timeout=120)
+    assert proc.returncode != 0 and message in proc.stderr
+    assert not results and not (tmp_path / "var").exists(), "nothing prepared, nothing run"
+
+
+def _ratio_of_medians(a: list[float], b: list[float]) -> float:
+    return statistics.median(a) / statistics.median(b)
+
+
+@pytest.mark.slow
+def test_restore_throughput_against_the_raw_read_and_tensorstore_alone(tmp_path: Path) -> None:
+    proc, r = _bench(tmp_path, "--quick", "--only", "restore_throughput")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = r["restore_throughput"]
+    assert r["repeats"] == 1 and s["bytes"] > 100e6  # the bench's model is ~200 MB with its optimiser state
+    assert s["ratio"] == pytest.approx(_ratio_of_medians(s["restore_MBps"], s["raw_read_MBps"]))
+    assert s["tensorstore_alone_ratio"] == pytest.approx(
+        _ratio_of_medians(s["tensorstore_alone_MBps"], s["raw_read_MBps"])
+    )
+    assert all(x > 0 for x in s["restore_MBps"] + s["raw_read_MBps"] + s["tensorstore_alone_MBps"])
+    table = proc.stdout
+    assert "restore / raw read" in table and f"{s['ratio']:.3f}  >= 0.5" in table
+    assert "tensorstore alone / raw" in table and f"{s['tensorstore_alone_ratio']:.3f}  (reported)" in table
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_cost_of_resilience_against_a_plain_loop_with_and_without_saves(tmp_path: Path) -> None:
+    proc, r = _bench(tmp_path, "--quick", "--only", "cost_of_resilience")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    k = r["cost_of_resilience"]
+    plain = k["plain_tokens_per_s"]
+    assert k["ratio"] == pytest.approx(_ratio_of_medians(k["engine_tokens_per_s"], plain))
+    assert k["without_saves_ratio"] == pytest.approx(_ratio_of_medians(k["engine_without_saves_tokens_per_s"], plain))
+    assert all(x > 0 for x in k["engine_tokens_per_s"] + k["engine_without_saves_tokens_per_s"] + plain)
+    assert f"{k['ratio']:.3f}  >= 0.95" in proc.stdout and f"{k['without_saves_ratio']:.3f}  (reported)" in proc.stdout
