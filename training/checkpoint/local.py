@@ -258,11 +258,10 @@ class LocalTier:
         """Start a background save of ``step``; the seconds the loop was blocked, or None: skipped.
 
         The loop only dispatches a host copy of the state (:class:`~training.checkpoint.manager.HostSnapshot`);
-        this tier's save thread hands it to Orbax.  A save still writing the previous copy is not
-        waited for: this interval is skipped, and the next one saves the newer step.
+        this tier's save thread hands it to Orbax.  Call it when :meth:`can_save`; a save still in
+        flight is never waited for (None).
         """
-        if self._busy():
-            self.skipped += 1
+        if self.busy():
             return None
         self._started()
         t0 = time.time()
@@ -277,9 +276,20 @@ class LocalTier:
             step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data)), force=True
         )
 
-    def _busy(self) -> bool:
+    def busy(self) -> bool:
         """A save in flight: still being handed to Orbax, or Orbax still writing it."""
         return self.bg.busy() or bool(self.mngr.is_saving_in_progress())
+
+    def can_save(self) -> bool:
+        """Whether a save due now may start (the loop then brings the step through the guard first).
+
+        A save still writing the previous copy is not waited for: this interval is skipped, and the
+        next one saves the newer step.
+        """
+        if self.busy():
+            self.skipped += 1
+            return False
+        return True
 
     def _started(self) -> None:
         """Raise the save thread's error, if any (the manager is touched only once the thread is done)."""

@@ -373,8 +373,16 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, manifest
         next_batch += 1
         loop.dispatched(step, metrics, next_batch)
         save_now = step % cfg.checkpoint_every == 0 or step == cfg.steps
-        # Read every step but the newest; before a save (or at the end), the newest too.
-        verdict = loop.observe(keep=0 if save_now else 1)
+        local_now = (
+            not save_now
+            and tier is not None
+            and tier.enabled
+            and step % cfg.local_checkpoint_every == 0
+            and tier.can_save()
+        )
+        # Read every step but the newest; before a save of either tier (or at the end), the newest too:
+        # the guard passes every step before it is saved, and a save's copy never waits for a step.
+        verdict = loop.observe(keep=0 if save_now or local_now else 1)
         if verdict.bad is not None:
             # big_vision style: fail loudly with the step and the metric; the leader rolls back to
             # the last good checkpoint and skips the batches since.  A save still in flight holds a
@@ -409,7 +417,8 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, manifest
                 mngr.close()
                 return 0
             loop.reset_clock()  # saving time is not step time
-        elif tier is not None and tier.enabled and step % cfg.local_checkpoint_every == 0:
+        elif local_now:
+            assert tier is not None
             blocking = tier.save(step, state, data_position())
             if blocking is not None:
                 loop.local_saves.append(blocking)
