@@ -373,16 +373,12 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, manifest
         next_batch += 1
         loop.dispatched(step, metrics, next_batch)
         save_now = step % cfg.checkpoint_every == 0 or step == cfg.steps
-        local_now = (
-            not save_now
-            and tier is not None
-            and tier.enabled
-            and step % cfg.local_checkpoint_every == 0
-            and tier.can_save()
-        )
+        local_due = not save_now and tier is not None and tier.enabled and step % cfg.local_checkpoint_every == 0
         # Read every step but the newest; before a save of either tier (or at the end), the newest too:
         # the guard passes every step before it is saved, and a save's copy never waits for a step.
-        verdict = loop.observe(keep=0 if save_now or local_now else 1)
+        # Decided by the step alone, the same in every process: a process that read the newest step
+        # (and saw a notice in it) a step before the others would stop while they train on.
+        verdict = loop.observe(keep=0 if save_now or local_due else 1)
         if verdict.bad is not None:
             # big_vision style: fail loudly with the step and the metric; the leader rolls back to
             # the last good checkpoint and skips the batches since.  A save still in flight holds a
@@ -417,8 +413,7 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, manifest
                 mngr.close()
                 return 0
             loop.reset_clock()  # saving time is not step time
-        elif local_now:
-            assert tier is not None
+        elif local_due and tier is not None and tier.can_save():  # each process's copy is its own
             blocking = tier.save(step, state, data_position())
             if blocking is not None:
                 loop.local_saves.append(blocking)
