@@ -359,10 +359,9 @@ def _lost(g: Any) -> str:
 
 
 def _failure(g: Any) -> str:
-    det = g("detect_s")
-    return (
-        f"failure: {g('reason')}" + (f" (detected in {_secs(det)})" if isinstance(det, int | float) else "") + _lost(g)
-    )
+    det, by = g("detect_s"), g("detected_by")
+    how = (f" in {_secs(det)}" if isinstance(det, int | float) else "") + (f" by the {by}" if by else "")
+    return f"failure: {g('reason')}" + (f" (detected{how})" if how else "") + _lost(g)
 
 
 def _recovered(g: Any) -> str:

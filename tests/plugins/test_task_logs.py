@@ -110,6 +110,10 @@ def test_sentences_of_note() -> None:
         say("failure", attempt=1, reason="host h1 lost", detect_s=1.23456)
         == "failure: host h1 lost (detected in 1.23s)"
     )
+    assert (
+        say("failure", attempt=1, reason="host h1 lost", detect_s=0.25, detected_by="peer watch")
+        == "failure: host h1 lost (detected in 0.25s by the peer watch)"
+    )
     assert say(
         "failure",
         attempt=1,

@@ -89,6 +89,9 @@ def test_a_lost_host_leaves_the_survivors_training_and_its_return_grows_the_grou
         led,
         failure,
     )
+    # The survivors were already waiting in the next step's collectives for the lost worker when it went
+    # (it stopped before that step): such a collective does not fail, so the peer watch told them.
+    assert failure["detected_by"] == "peer watch", failure
     # 3 hosts are left, but 16 sequences do not split over 3: the round takes 2; then the host
     # comes back (a new agent joins) and the group grows at a checkpoint boundary.
     assert [e["workers"] for e in _events(cfg.run_uri, "launch")] == [4, 2, 4]
@@ -257,6 +260,10 @@ def test_kill_during_async_save_restores_previous_committed_checkpoint(tmp_path,
     assert run_job(cfg) == 0, worker_logs(cfg.run_uri)
     [chaos] = _events(cfg.run_uri, "chaos")
     assert chaos["action"] == "kill_during_save" and chaos["step"] == 10
+    # The blame is the killed process's, not its peer's: worker 1 left at once through the peer watch,
+    # and its report (which may come first) names worker 0 as the one that went.
+    [failure] = _events(cfg.run_uri, "failure")
+    assert failure["worker"] == 0 and failure["returncode"] == -9 and failure["hosts"] == [chaos["host"]], failure
     # The save of step 10 was cut off: the job resumed from 5, never from the partial 10.
     [restore] = _events(cfg.run_uri, "restore")
     assert restore["step"] == 5

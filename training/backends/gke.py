@@ -279,10 +279,14 @@ class GKELaunch:
             raise GKEConfigError(f"service_account: {self.service_account!r} is not a Kubernetes service account name")
         for key in ("coordinator_port", "megascale_port"):
             port = getattr(self, key)
-            if not 1 <= port <= 65535:
+            if not 1 <= port <= 65535 - (key == "coordinator_port"):
                 raise GKEConfigError(f"{key}: {port} is not a TCP port")
-        if self.coordinator_port in (self.megascale_port, TPU_RUNTIME_PORT):
-            raise GKEConfigError(f"coordinator_port: {self.coordinator_port} collides with a TPU runtime port")
+        taken = {self.megascale_port, TPU_RUNTIME_PORT}
+        if taken & {self.coordinator_port, self.coordinator_port + 1}:
+            raise GKEConfigError(
+                f"coordinator_port: {self.coordinator_port} (and the peer watch's {self.coordinator_port + 1}) "
+                "collides with a TPU runtime port"
+            )
         for pool in self.node_pools:
             if not _DNS_LABEL_RE.match(pool):
                 raise GKEConfigError(f"node_pools: {pool!r} is not a node pool name")
@@ -461,6 +465,7 @@ def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, job: str, num_slices: 
         "env": env,
         "ports": [
             {"name": "coordinator", "containerPort": launch.coordinator_port, "protocol": "TCP"},
+            {"name": "peer-watch", "containerPort": launch.coordinator_port + 1, "protocol": "TCP"},
             {"name": "tpu-runtime", "containerPort": TPU_RUNTIME_PORT, "protocol": "TCP"},
             {"name": "megascale", "containerPort": launch.megascale_port, "protocol": "TCP"},
         ],

@@ -431,6 +431,8 @@ class HostAgent:
             "resume": rnd.resume,
             "faults": rnd.faults,
             "env": self._round_env(rnd, rank),
+            # Process 0's peer watch listens next to the coordinator (a fixed port on GKE, declared in the pod).
+            "watch_port": self.coordinator_port + 1 if rank == 0 and self.coordinator_port else 0,
         }
         try:
             assert w.proc.stdin is not None
@@ -655,6 +657,10 @@ class HostAgent:
             outcome, reason = Outcome.NOTICE, f"stopped at step {seen['notice'].get('step')} (preemption notice)"
         elif code == WorkerExit.CORRUPT:
             outcome, reason = Outcome.CORRUPT, str(seen.get("corrupt", {}).get("reason", "checkpoint corrupt"))
+        elif seen.get("error", {}).get("peer_lost") is not None:
+            # A bystander: another process of the round went first, and this one left at once.
+            peer = seen["error"]["peer_lost"]
+            outcome, reason = Outcome.FAILED, f"worker {w.rank} on {self.host} stopped: peer process {peer} is gone"
         else:
             how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
             outcome, reason = Outcome.FAILED, f"worker {w.rank} on host {self.host} {how}"
@@ -669,6 +675,7 @@ class HostAgent:
             corrupt=seen.get("corrupt"),
             fault_at=seen.get("fault_at"),
             notice=seen.get("notice"),
+            peer_lost=seen.get("error", {}).get("peer_lost"),
         )
         if self.cfg.local_checkpoint_every and outcome == Outcome.FAILED:
             # Local saves this worker finished but did not live to report: described now, before the

@@ -450,7 +450,15 @@ class Leader:
         self.seq_at_fail = {h: r.seq for h, r in self.hosts.items()}
         for h in lapsed:  # a heartbeat that lapsed is no sign of life, whatever its sequence number
             self.seq_at_fail[h] = 1 << 62
-        self.failure = {"round": rnd.round, "reports": failed, "why": why, "detected_at": now}
+        # Who noticed first: a worker that left because its peer watch saw another process go, a worker
+        # that failed on its own, a heartbeat that lapsed, or the leader's own checks (a hang, a straggler).
+        if any(r.peer_lost is not None for r in failed):
+            by = "peer watch"
+        elif failed:
+            by = "failed worker"
+        else:
+            by = "heartbeat timeout" if lapsed else "leader"
+        self.failure = {"round": rnd.round, "reports": failed, "why": why, "detected_at": now, "detected_by": by}
         self.prev_members = list(rnd.members)
         self._form_reason = "recovery"
         self.status["progressing"] = False
@@ -460,9 +468,17 @@ class Leader:
         """Emit the failure with its best explanation and the steps it loses; False when the job has failed."""
         assert self.failure is not None
         f, self.failure = self.failure, None
-        reports: list[Report] = f["reports"]
         rnd = self.round
         assert rnd is not None
+        # Every failed report of the round by now, not only those that raised the alarm: the peer watch
+        # makes the other processes leave as soon as one fails, and their reports can come first.
+        reports: list[Report] = list(f["reports"])
+        try:
+            later = [r for r in self.rdv.reports(rnd.round).values() if r.outcome == Outcome.FAILED]
+        except Exception as e:  # noqa: BLE001 - blame what raised the alarm
+            log.warning("[%s] could not read round %d's reports: %s", self.agent.host, rnd.round, e)
+            later = []
+        reports += [r for r in later if r.host not in {x.host for x in reports}]
         blame: Report | None = None
         if lost:
             reason = f"host {', '.join(lost)} lost (no heartbeat since the failure)"
@@ -471,8 +487,11 @@ class Leader:
         elif f["why"]:
             reason = f["why"]
         else:
+            # A worker killed by a signal first, then one that failed on its own, then a bystander
+            # (it left because a peer went first).
             signalled = [r for r in reports if r.returncode is not None and r.returncode < 0]
-            blame = (signalled or reports)[0] if (signalled or reports) else None
+            own = [r for r in reports if r.peer_lost is None]
+            blame = (signalled or own or reports)[0] if reports else None
             reason = blame.reason if blame is not None else "the round failed"
             if blame is not None and blame.error:
                 reason += f": {blame.error}"
@@ -510,6 +529,7 @@ class Leader:
             fault_at=fault_at,
             detected_at=f["detected_at"],
             detect_s=(f["detected_at"] - fault_at) if fault_at else None,
+            detected_by=f["detected_by"],
             failures=self.failures,
         )
         self.status["failures"] = self.failures

@@ -133,6 +133,7 @@ class Report:
     corrupt: dict[str, Any] | None = None
     fault_at: float | None = None
     notice: dict[str, Any] | None = None  # NOTICE: the stop's step, and whether this host was the one told
+    peer_lost: int | None = None  # FAILED as a bystander: the rank of the process that went first
     time: float = 0.0
 
     @classmethod

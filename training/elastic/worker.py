@@ -27,6 +27,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -57,14 +58,16 @@ class Reporter:
         self.pipe = os.fdopen(fd, "w", buffering=1)
         self.rank = -1
         self.round = -1
+        self.lock = threading.Lock()  # the loop and the peer watch's thread both report
 
     def send(self, type_: str, *, everyone: bool = False, **fields: Any) -> None:
         """Report to the agent; most reports come from rank 0 only (``everyone``: from every rank)."""
         if self.rank != 0 and not everyone:
             return
         msg = {"type": type_, "time": time.time(), "attempt": self.round, "process_id": self.rank, **fields}
-        self.pipe.write(json.dumps(msg, default=str) + "\n")
-        self.pipe.flush()
+        with self.lock:
+            self.pipe.write(json.dumps(msg, default=str) + "\n")
+            self.pipe.flush()
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ class Assignment:
     resume: str
     faults: tuple[str, ...]
     env: tuple[tuple[str, str], ...] = ()
+    watch_port: int = 0  # process 0: the peer watch's port (0: a free one)
 
     @classmethod
     def read(cls, stream: Any) -> Assignment:
@@ -93,6 +97,7 @@ class Assignment:
             str(a["resume"]),
             tuple(a.get("faults") or ()),
             tuple(sorted((str(k), str(v)) for k, v in (a.get("env") or {}).items())),
+            int(a.get("watch_port") or 0),
         )
 
 
@@ -122,10 +127,24 @@ def share_cpu_compilation_cache() -> None:
     cache_key._hash_accelerator_config = global_devices
 
 
-def leave(rep: Reporter, code: WorkerExit, error: str = "") -> NoReturn:
+# This process's end of the round's peer watch (:mod:`training.elastic.peerwatch`), once it has one.
+WATCH: Any = None
+
+
+def leave(rep: Reporter, code: WorkerExit, error: str = "", **fields: Any) -> NoReturn:
+    """Report and exit at once.  An orderly end says bye to the peer watch first; an error does not,
+    so the round's other processes leave at once too instead of waiting in a collective for this one."""
+    if WATCH is not None:
+        if code != WorkerExit.ERROR:
+            WATCH.bye()
+        elif WATCH.lost is not None and "peer_lost" not in fields:
+            # This error is what a vanished peer left behind (a collective that failed): say so.
+            peer, why = WATCH.lost
+            fields["peer_lost"] = peer
+            error = f"{error} (peer process {peer} is gone: {why})"
     if error:
         try:
-            rep.send("error", everyone=True, error=error)
+            rep.send("error", everyone=True, error=error, **fields)
         except OSError:
             pass
     sys.stdout.flush()
@@ -206,6 +225,7 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, manifest
             heartbeat_timeout_seconds=10,
             initialization_timeout=120,
         )
+        watch_peers(a, rep)
     rep.send(
         "worker_started",
         everyone=True,
@@ -723,6 +743,28 @@ def guard_verdict(loss: float, recent: list[float], factor: float, window: int) 
     return ""
 
 
+def watch_peers(a: Assignment, rep: Reporter) -> None:
+    """Join the round's peer watch: when another process of the round is gone, this one leaves at once."""
+    global WATCH
+    from jax._src import distributed  # JAX's coordination service client (no public accessor)
+
+    from training.elastic import peerwatch
+
+    def lost(peer: int, why: str) -> None:
+        leave(rep, WorkerExit.ERROR, f"peer process {peer} of round {a.round} is gone: {why}", peer_lost=peer)
+
+    coordinator_host = a.coordinator.rsplit(":", 1)[0]
+    WATCH = peerwatch.start(
+        distributed.global_state.client,
+        a.rank,
+        a.processes,
+        lost,
+        bind_host=(a.bind.rsplit(":", 1)[0] if a.bind else "") or coordinator_host,
+        advertise_host=coordinator_host,
+        port=a.watch_port,
+    )
+
+
 def stop_requested(store: Any, a: Assignment) -> bool:
     """Did the leader ask this round to stop at this checkpoint (to grow the group)?
 
@@ -749,5 +791,7 @@ def stop_requested(store: Any, a: Assignment) -> bool:
 
 if __name__ == "__main__":
     code = main()
+    if WATCH is not None:
+        WATCH.bye()  # stopped at a checkpoint, as the whole group did
     sys.stdout.flush()
     os._exit(code)

@@ -1,0 +1,148 @@
+"""The peer watch: real processes, real TCP connections, real SIGKILLs.
+
+Each process below is one end of a round's watch, as a worker is: process 0
+listens, the others dial it.  A process reports a loss by printing it and
+exiting with code 3, as a worker leaves with its error.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from training.elastic.peerwatch import PeerWatch
+
+PROCESS = textwrap.dedent(
+    """
+    import os, sys, time
+    from training.elastic.peerwatch import PeerWatch
+
+    rank, processes, address = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+
+    def lost(peer, why):
+        print(f"LOST {peer} {why}", flush=True)
+        os._exit(3)
+
+    watch = PeerWatch(rank, processes, lost)
+    if rank == 0:
+        print("ADDRESS", watch.listen("127.0.0.1", "127.0.0.1"), flush=True)
+    else:
+        watch.connect(address)
+        print("READY", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "bye":
+            watch.bye()
+            print("BYE", flush=True)
+            os._exit(0)
+    time.sleep(3600)
+    """
+)
+
+
+def _start(rank: int, processes: int, address: str = "-") -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", PROCESS, str(rank), str(processes), address],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _line(p: subprocess.Popen[str]) -> str:
+    assert p.stdout is not None
+    return p.stdout.readline().strip()
+
+
+def _exit(p: subprocess.Popen[str], timeout: float = 10) -> tuple[int, str]:
+    """Its exit code and what it printed last (it must exit on its own within ``timeout``)."""
+    code = p.wait(timeout=timeout)
+    assert p.stdout is not None
+    return code, p.stdout.read().strip()
+
+
+def _say(p: subprocess.Popen[str], line: str) -> None:
+    assert p.stdin is not None
+    p.stdin.write(line + "\n")
+    p.stdin.flush()
+
+
+@pytest.fixture
+def group():
+    """Process 0 and two peers, connected; all killed at the end."""
+    procs: list[subprocess.Popen[str]] = []
+    hub = _start(0, 3)
+    procs.append(hub)
+    kind, address = _line(hub).split()
+    assert kind == "ADDRESS"
+    for rank in (1, 2):
+        procs.append(_start(rank, 3, address))
+        assert _line(procs[-1]) == "READY"
+    time.sleep(0.2)  # process 0 has read both hellos
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+def test_a_killed_peer_is_known_to_every_other_process(group) -> None:
+    hub, one, two = group
+    t0 = time.monotonic()
+    os.kill(two.pid, signal.SIGKILL)
+    # Process 0 sees the connection close; it tells process 1, and both leave.
+    code, said = _exit(hub)
+    assert code == 3 and said.startswith("LOST 2 process 2's connection to the peer watch"), said
+    code, said = _exit(one)
+    assert code == 3 and said == "LOST 2 process 0 reports process 2 gone", said
+    print(f"both knew within {time.monotonic() - t0:.3f}s")
+
+
+def test_when_process_0_is_killed_every_other_process_leaves(group) -> None:
+    hub, one, two = group
+    os.kill(hub.pid, signal.SIGKILL)
+    for p in (one, two):
+        code, said = _exit(p)
+        assert code == 3 and said.startswith("LOST 0 the connection to process 0's peer watch"), said
+
+
+def test_an_orderly_exit_is_not_a_loss(group) -> None:
+    hub, one, two = group
+    _say(one, "bye")
+    assert _exit(one) == (0, "BYE")
+    time.sleep(0.5)  # process 1's connection has closed by now
+    assert hub.poll() is None and two.poll() is None, "a bye was taken for a loss"
+    # The watch still watches: the next loss is process 2's, not process 1's.
+    os.kill(two.pid, signal.SIGKILL)
+    code, said = _exit(hub)
+    assert code == 3 and said.startswith("LOST 2 "), said
+
+
+def test_process_0_saying_bye_lets_the_others_finish(group) -> None:
+    hub, one, two = group
+    _say(hub, "bye")
+    assert _exit(hub) == (0, "BYE")
+    time.sleep(0.5)
+    assert one.poll() is None and two.poll() is None, "process 0's orderly end was taken for a loss"
+    for p in (one, two):
+        _say(p, "bye")
+        assert _exit(p) == (0, "BYE")
+
+
+def test_a_stranger_dialling_process_0_is_ignored() -> None:
+    lost: list[tuple[int, str]] = []
+    watch = PeerWatch(0, 2, lambda peer, why: lost.append((peer, why)))
+    host, port = watch.listen("127.0.0.1", "127.0.0.1").rsplit(":", 1)
+    import socket
+
+    for request in (b"GET / HTTP/1.0\r\n\r\n", b"HEAD / HTTP/1.0\r\n\r\n", b""):
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(request)
+    time.sleep(0.3)
+    assert lost == [] and watch.lost is None
+    watch.bye()

@@ -1,0 +1,223 @@
+"""The peer watch: every process of a round learns within milliseconds that another one is gone.
+
+A collective that is already waiting for a peer when that peer dies does not
+always fail.  On the local slice, gloo leaves such a collective waiting (only a
+collective started after the death fails at once), and JAX's coordination
+service notices the dead process only when its heartbeats have been missing for
+``heartbeat_timeout_seconds``.  A lost host would then cost the survivors
+seconds, or the leader's heartbeat timeout, before anyone acts.
+
+So each round's processes hold one TCP connection each to process 0 (a star).
+A connection that closes without a ``bye`` means its process is gone: the
+kernel closes a dead process's sockets at once, and TCP keepalive (a few
+seconds) covers a machine that vanished without a word.  Process 0 tells the
+others which peer went, then every process leaves with that reason (its agent
+reports the round failed at once; the leader then finds out who is alive).
+A process that ends in order (finished, stopped at a checkpoint, a notice, the
+guard) says ``bye`` first: the group's decisions to stop are taken at the same
+step in every process, so the others are stopping too.
+
+Process 0 listens on its coordinator's bind address; the address its peers
+dial goes through the coordination service's key-value store (so nothing new
+has to be known before the round starts).  The watch runs in one daemon thread
+per process: it waits in ``select`` without the GIL, and costs the loop nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import selectors
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+KEY = "rtrain/peer_watch"  # the coordination service's key for process 0's address (one service per round)
+HELLO, BYE, LOST = b"H", b"B", b"L"  # one byte, then the rank as 4 bytes (big-endian)
+KEEPALIVE = {"TCP_KEEPIDLE": 2, "TCP_KEEPINTVL": 1, "TCP_KEEPCNT": 3}  # a silent peer: gone after ~5 s
+
+
+def _keepalive(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in KEEPALIVE.items():
+        if hasattr(socket, name):  # Linux; elsewhere the system's keepalive timers apply
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _msg(kind: bytes, rank: int) -> bytes:
+    return kind + rank.to_bytes(4, "big")
+
+
+class PeerWatch:
+    """One process's end of the round's watch.  ``on_lost(rank, why)`` is called once, from the watch's thread.
+
+    Use :meth:`start` (process 0 with ``bind``, the others with the address from the key-value store),
+    then :meth:`bye` before an orderly exit.
+    """
+
+    def __init__(self, rank: int, processes: int, on_lost: Callable[[int, str], None]) -> None:
+        self.rank = rank
+        self.processes = processes
+        self.on_lost = on_lost
+        self.lost: tuple[int, str] | None = None
+        self.address = ""
+        self._sel = selectors.DefaultSelector()
+        self._peers: dict[int, socket.socket] = {}  # process 0: rank -> connection
+        self._hub: socket.socket | None = None  # the others: the connection to process 0
+        self._listener: socket.socket | None = None
+        self._buffers: dict[int, bytearray] = {}
+        self._said_bye: set[int] = set()  # process 0: the ranks that said bye; the others: {-1} once 0 did
+        self._closing = False
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    # --- starting ---------------------------------------------------------------------------
+
+    def listen(self, bind_host: str, advertise_host: str, port: int = 0) -> str:
+        """Process 0: listen, and return the address the others dial (``host:port``)."""
+        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+        srv = socket.socket(family, socket.SOCK_STREAM)
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind((bind_host, port))
+        srv.listen(max(self.processes, 8))
+        srv.setblocking(False)
+        self._listener = srv
+        self._sel.register(srv, selectors.EVENT_READ, self._accept)
+        self.address = f"{advertise_host}:{srv.getsockname()[1]}"
+        self._run()
+        return self.address
+
+    def connect(self, address: str, timeout: float = 30.0) -> None:
+        """Every other process: dial process 0 and say who this is."""
+        host, port = address.rsplit(":", 1)
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
+        _keepalive(sock)
+        sock.sendall(_msg(HELLO, self.rank))
+        sock.setblocking(False)
+        self._hub = sock
+        self._sel.register(sock, selectors.EVENT_READ, lambda c: self._readable(c, 0))
+        self.address = address
+        self._run()
+
+    def _run(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="rtrain-peer-watch", daemon=True)
+        self._thread.start()
+
+    # --- the watch's thread ---------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._closing and self.lost is None:
+            try:
+                events = self._sel.select(timeout=1.0)
+            except (OSError, ValueError):  # closed under us (bye)
+                return
+            for key, _ in events:
+                key.data(key.fileobj)
+
+    def _accept(self, srv: socket.socket) -> None:
+        try:
+            conn, _ = srv.accept()
+        except OSError:
+            return
+        _keepalive(conn)
+        conn.setblocking(False)
+        self._sel.register(conn, selectors.EVENT_READ, lambda c: self._readable(c, None))
+
+    def _readable(self, conn: socket.socket, rank: int | None) -> None:
+        """Messages (5 bytes each) from one connection, or its end."""
+        try:
+            data = conn.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError as e:
+            self._ended(conn, rank, str(e) or type(e).__name__)
+            return
+        if not data:
+            self._ended(conn, rank, "closed")
+            return
+        buf = self._buffers.setdefault(conn.fileno(), bytearray())
+        buf += data
+        while len(buf) >= 5:
+            kind, who = bytes(buf[:1]), int.from_bytes(buf[1:5], "big")
+            del buf[:5]
+            if rank is None:  # process 0: the first message says who dialled; anything else is a stranger
+                if kind != HELLO or not 0 < who < self.processes or who in self._peers:
+                    self._sel.unregister(conn)
+                    self._buffers.pop(conn.fileno(), None)
+                    conn.close()
+                    return
+                rank = who
+                self._peers[who] = conn
+                self._sel.modify(conn, selectors.EVENT_READ, lambda c, r=who: self._readable(c, r))
+            elif kind == BYE:
+                self._said_bye.add(-1 if self.rank != 0 else rank)
+            elif kind == LOST and self.rank != 0:
+                self._gone(who, f"process 0 reports process {who} gone")
+
+    def _ended(self, conn: socket.socket, rank: int | None, why: str) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(conn)
+        self._buffers.pop(conn.fileno(), None)
+        conn.close()
+        if self.rank == 0:
+            if rank is None:
+                return  # a connection that never said who it was (not one of ours)
+            self._peers.pop(rank, None)
+            if rank in self._said_bye or self._closing:
+                return
+            self._tell(rank)
+            self._gone(rank, f"process {rank}'s connection to the peer watch {why}")
+        elif -1 not in self._said_bye and not self._closing:
+            self._gone(0, f"the connection to process 0's peer watch {why}")
+
+    def _tell(self, rank: int) -> None:
+        """Process 0: tell every other process which one went (best effort: they may be going too)."""
+        for conn in list(self._peers.values()):
+            with contextlib.suppress(OSError):
+                conn.setblocking(True)
+                conn.settimeout(1.0)
+                conn.sendall(_msg(LOST, rank))
+
+    def _gone(self, rank: int, why: str) -> None:
+        with self._lock:
+            if self.lost is not None or self._closing:
+                return
+            self.lost = (rank, why)
+        log.warning("peer watch (process %d): %s", self.rank, why)
+        self.on_lost(rank, why)
+
+    # --- leaving --------------------------------------------------------------------------------
+
+    def bye(self) -> None:
+        """An orderly end: the others must not take this process's exit for a loss."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        conns = list(self._peers.values()) + ([self._hub] if self._hub is not None else [])
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.setblocking(True)
+                conn.settimeout(1.0)
+                conn.sendall(_msg(BYE, self.rank))
+
+
+def start(client: Any, rank: int, processes: int, on_lost: Callable[[int, str], None], **where: Any) -> PeerWatch:
+    """Start this process's end of the watch; ``client`` is JAX's coordination service client.
+
+    Process 0 passes ``bind_host``, ``advertise_host`` and ``port`` (0: a free one) and publishes
+    its address; the others read it (waiting up to ``timeout`` seconds) and dial it.
+    """
+    watch = PeerWatch(rank, processes, on_lost)
+    timeout = float(where.get("timeout", 60.0))
+    if rank == 0:
+        address = watch.listen(where["bind_host"], where["advertise_host"], int(where.get("port") or 0))
+        client.key_value_set(KEY, address)
+    else:
+        address = client.blocking_key_value_get(KEY, int(timeout * 1000))
+        watch.connect(address, timeout=timeout)
+    return watch
