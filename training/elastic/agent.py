@@ -659,8 +659,8 @@ class HostAgent:
             outcome, reason = Outcome.CORRUPT, str(seen.get("corrupt", {}).get("reason", "checkpoint corrupt"))
         elif seen.get("error", {}).get("peer_lost") is not None:
             # A bystander: another process of the round went first, and this one left at once.
-            peer = seen["error"]["peer_lost"]
-            outcome, reason = Outcome.FAILED, f"worker {w.rank} on {self.host} stopped: peer process {peer} is gone"
+            gone = f"peer process {seen['error']['peer_lost']} is gone"
+            outcome, reason = Outcome.FAILED, f"worker {w.rank} on host {self.host} stopped: {gone}"
         else:
             how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
             outcome, reason = Outcome.FAILED, f"worker {w.rank} on host {self.host} {how}"

@@ -55,8 +55,8 @@ def _msg(kind: bytes, rank: int) -> bytes:
 class PeerWatch:
     """One process's end of the round's watch.  ``on_lost(rank, why)`` is called once, from the watch's thread.
 
-    Use :meth:`start` (process 0 with ``bind``, the others with the address from the key-value store),
-    then :meth:`bye` before an orderly exit.
+    Process 0 calls :meth:`listen`, the others :meth:`connect` (:func:`start` does either, with the
+    address passed through JAX's key-value store); every process calls :meth:`bye` before an orderly exit.
     """
 
     def __init__(self, rank: int, processes: int, on_lost: Callable[[int, str], None]) -> None:
@@ -79,6 +79,7 @@ class PeerWatch:
 
     def listen(self, bind_host: str, advertise_host: str, port: int = 0) -> str:
         """Process 0: listen, and return the address the others dial (``host:port``)."""
+        bind_host = bind_host.strip("[]")
         family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
         srv = socket.socket(family, socket.SOCK_STREAM)
         srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

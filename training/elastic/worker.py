@@ -9,7 +9,8 @@ assignment on stdin.  So a recovery pays none of that; it starts at
 1. warm-up     imports, config, dataset (before the assignment);
 2. assignment  one JSON line from the agent: round, rank, processes, coordinator,
                resume, faults;
-3. set-up      ``jax.distributed``, the mesh for this round, the train state's shardings;
+3. set-up      ``jax.distributed``, the round's peer watch (``training.elastic.peerwatch``),
+               the mesh for this round, the train state's shardings;
 4. restore     which step (``training.checkpoint.resume``), its integrity check, Orbax's
                resharding restore;
 5. compile     AOT, a hit in the persistent cache on a mesh seen before;
@@ -19,6 +20,8 @@ Every outcome goes to the agent over a pipe (JSON lines); the exit code says
 how it ended (``training.elastic.codes.WorkerExit``).  On any error the process
 reports the error line and leaves at once with ``os._exit``: a collective error
 means a peer is gone, and a clean ``jax.distributed`` shutdown would wait for it.
+When the peer watch sees another process of the round go, this one leaves the
+same way, from the watch's thread, even while its loop waits in a collective.
 """
 
 from __future__ import annotations
