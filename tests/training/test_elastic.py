@@ -140,6 +140,7 @@ def test_losing_the_leader_s_host_another_agent_leads_and_the_run_goes_on(tmp_pa
     assert leaders[-1]["host"] != first_leader and leaders[-1]["reason"] == "took over a running job"
     [failure] = _events(cfg.run_uri, "failure")
     assert failure["hosts"] == [first_leader]
+    assert failure["detected_by"] == "peer watch", failure  # the survivors' workers left at once
     assert [e["workers"] for e in _events(cfg.run_uri, "launch")] == [4, 2]
     assert _restored_the_newest_committed(cfg.run_uri, _events(cfg.run_uri, "restore")[0]["step"])
     _assert_exact_data_position(cfg.run_uri, tiny_dataset, cfg)
@@ -180,10 +181,13 @@ def test_a_killed_agent_takes_its_worker_along_and_a_frozen_host_is_dropped_afte
 
     led = _events(cfg.run_uri, "leader")[0]["host"] == kill["host"]  # a killed leader's lease lapses first
     assert 0 <= failures[0]["detect_s"] < (cfg.lease_s + DEFAULT_MARGIN_S + cfg.heartbeat_timeout_s if led else 2.5)
+    assert failures[0]["detected_by"] == "peer watch", failures[0]  # its worker died with the agent
     # The frozen host raised no error: it is found by its heartbeat, within the timeout (and a poll).
     [frozen] = [e for e in _events(cfg.run_uri, "host_lost") if e["host"] == freeze["host"]]
     assert failures[1]["hosts"] == [freeze["host"]]
     assert failures[1]["detect_s"] < cfg.heartbeat_timeout_s + 2.0
+    # A frozen process keeps its connections open (its kernel still answers): not the peer watch's to see.
+    assert failures[1]["detected_by"] == "heartbeat timeout", failures[1]
     assert frozen["time"] > freeze["time"]
     # The killed agent's host stays: its new agent either rejoins before the recovery round forms (4 again
     # at once) or after it (2, then growing back to 4 at a checkpoint); the frozen host takes the group to 2.

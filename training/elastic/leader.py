@@ -450,15 +450,7 @@ class Leader:
         self.seq_at_fail = {h: r.seq for h, r in self.hosts.items()}
         for h in lapsed:  # a heartbeat that lapsed is no sign of life, whatever its sequence number
             self.seq_at_fail[h] = 1 << 62
-        # Who noticed first: a worker that left because its peer watch saw another process go, a worker
-        # that failed on its own, a heartbeat that lapsed, or the leader's own checks (a hang, a straggler).
-        if any(r.peer_lost is not None for r in failed):
-            by = "peer watch"
-        elif failed:
-            by = "failed worker"
-        else:
-            by = "heartbeat timeout" if lapsed else "leader"
-        self.failure = {"round": rnd.round, "reports": failed, "why": why, "detected_at": now, "detected_by": by}
+        self.failure = {"round": rnd.round, "reports": failed, "why": why, "detected_at": now, "lapsed": lapsed}
         self.prev_members = list(rnd.members)
         self._form_reason = "recovery"
         self.status["progressing"] = False
@@ -479,6 +471,14 @@ class Leader:
             log.warning("[%s] could not read round %d's reports: %s", self.agent.host, rnd.round, e)
             later = []
         reports += [r for r in later if r.host not in {x.host for x in reports}]
+        # What told the group: the peer watch (a worker left because it saw another process go), a worker
+        # that failed on its own, a heartbeat that lapsed, or the leader's own checks (a hang, a straggler).
+        if any(r.peer_lost is not None for r in reports):
+            detected_by = "peer watch"
+        elif reports:
+            detected_by = "failed worker"
+        else:
+            detected_by = "heartbeat timeout" if f["lapsed"] else "leader"
         blame: Report | None = None
         if lost:
             reason = f"host {', '.join(lost)} lost (no heartbeat since the failure)"
@@ -529,7 +529,7 @@ class Leader:
             fault_at=fault_at,
             detected_at=f["detected_at"],
             detect_s=(f["detected_at"] - fault_at) if fault_at else None,
-            detected_by=f["detected_by"],
+            detected_by=detected_by,
             failures=self.failures,
         )
         self.status["failures"] = self.failures
