@@ -207,18 +207,25 @@ class PeerWatch:
                 conn.sendall(_msg(BYE, self.rank))
 
 
-def start(client: Any, rank: int, processes: int, on_lost: Callable[[int, str], None], **where: Any) -> PeerWatch:
+def start(
+    client: Any,
+    rank: int,
+    processes: int,
+    on_lost: Callable[[int, str], None],
+    *,
+    bind_host: str = "",
+    advertise_host: str = "",
+    port: int = 0,
+    timeout: float = 60.0,
+) -> PeerWatch:
     """Start this process's end of the watch; ``client`` is JAX's coordination service client.
 
-    Process 0 passes ``bind_host``, ``advertise_host`` and ``port`` (0: a free one) and publishes
-    its address; the others read it (waiting up to ``timeout`` seconds) and dial it.
+    Process 0 listens on ``bind_host:port`` (port 0: a free one) and publishes ``advertise_host`` and
+    the port it got; the others read that address (waiting up to ``timeout`` seconds) and dial it.
     """
     watch = PeerWatch(rank, processes, on_lost)
-    timeout = float(where.get("timeout", 60.0))
     if rank == 0:
-        address = watch.listen(where["bind_host"], where["advertise_host"], int(where.get("port") or 0))
-        client.key_value_set(KEY, address)
+        client.key_value_set(KEY, watch.listen(bind_host, advertise_host, port))
     else:
-        address = client.blocking_key_value_get(KEY, int(timeout * 1000))
-        watch.connect(address, timeout=timeout)
+        watch.connect(client.blocking_key_value_get(KEY, int(timeout * 1000)), timeout=timeout)
     return watch
