@@ -111,12 +111,17 @@ def test_when_process_0_is_killed_every_other_process_leaves(group) -> None:
         assert code == 3 and said.startswith("LOST 0 the connection to process 0's peer watch"), said
 
 
+def _leaves_in_order(p: subprocess.Popen[str], others: list[subprocess.Popen[str]]) -> None:
+    """``p`` says bye and exits; the others stay (its connection has closed by the time they are checked)."""
+    _say(p, "bye")
+    assert _exit(p) == (0, "BYE")
+    time.sleep(0.5)
+    assert all(o.poll() is None for o in others), "an orderly end was taken for a loss"
+
+
 def test_an_orderly_exit_is_not_a_loss(group) -> None:
     hub, one, two = group
-    _say(one, "bye")
-    assert _exit(one) == (0, "BYE")
-    time.sleep(0.5)  # process 1's connection has closed by now
-    assert hub.poll() is None and two.poll() is None, "a bye was taken for a loss"
+    _leaves_in_order(one, [hub, two])
     # The watch still watches: the next loss is process 2's, not process 1's.
     os.kill(two.pid, signal.SIGKILL)
     code, said = _exit(hub)
@@ -125,13 +130,9 @@ def test_an_orderly_exit_is_not_a_loss(group) -> None:
 
 def test_process_0_saying_bye_lets_the_others_finish(group) -> None:
     hub, one, two = group
-    _say(hub, "bye")
-    assert _exit(hub) == (0, "BYE")
-    time.sleep(0.5)
-    assert one.poll() is None and two.poll() is None, "process 0's orderly end was taken for a loss"
-    for p in (one, two):
-        _say(p, "bye")
-        assert _exit(p) == (0, "BYE")
+    _leaves_in_order(hub, [one, two])
+    _leaves_in_order(one, [two])
+    _leaves_in_order(two, [])
 
 
 def test_a_stranger_dialling_process_0_is_ignored() -> None:
