@@ -677,9 +677,10 @@ class HostAgent:
             notice=seen.get("notice"),
             peer_lost=seen.get("error", {}).get("peer_lost"),
         )
-        if self.cfg.local_checkpoint_every and outcome == Outcome.FAILED:
-            # Local saves this worker finished but did not live to report: described now, before the
-            # report, so the leader forming the next round knows them.
+        if self.cfg.local_checkpoint_every:
+            # Local saves this worker finished but did not live to report, and the copies it pruned
+            # since its last report: described now, before the report, so the leader forming the next
+            # round (and this host's record) knows exactly what is on disk.
             self._describe_local(w.round)
         if outcome == Outcome.FAILED:
             self._report(w.round, w.rank, outcome, **fields)  # at once: the survivors are waiting
