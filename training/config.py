@@ -32,7 +32,8 @@ RUN_NAME_PATTERN = r"^(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 RUN_NAME_RE = re.compile(RUN_NAME_PATTERN)
 # Config keys that name local paths: made absolute once, when the config is resolved.
 PATH_KEYS = ("root", "dataset", "compilation_cache", "local_checkpoint_dir")
-DEFAULT_DATASET = "var/data/stdlib-seq{seq_len}"
+BUILTIN_TOKENIZERS = ("bytes", "bpe")
+DEFAULT_DATASET = "var/data/stdlib-seq{seq_len}"  # byte-level; another tokenizer adds its name
 GCS_TIMING = {"heartbeat_s": 1.0, "heartbeat_timeout_s": 10.0, "lease_s": 8.0}
 
 
@@ -68,7 +69,23 @@ class Config(BaseModel):
         "`restart` the data position at the new dataset's first example (continual training).",
     )
 
-    # --- model -----------------------------------------------------------------
+    # --- task: the model and its data ------------------------------------------
+    task: str = Field(
+        "lm",
+        description="What is trained: a built-in task (`lm`: a Llama 3 decoder on a prepared token dataset) or "
+        "user code as `package.module:factory` or `path/to/file.py:factory` (factory(cfg, task_args) -> Task).",
+    )
+    task_args: dict[str, Any] = Field(
+        default_factory=dict, description="Free-form arguments for the task, validated by the task itself."
+    )
+    tokenizer: str = Field(
+        "bytes",
+        description="How `rtrain prepare` turns text into token ids: `bytes` (vocab 256), `bpe` (a byte-level BPE "
+        "of `vocab_size` trained on the corpus with Hugging Face tokenizers), or a local `tokenizer.json` "
+        "(Hugging Face) or SentencePiece `.model` file.",
+    )
+
+    # --- model (the built-in lm task: Llama 3) -----------------------------------
     vocab_size: int = Field(256, ge=2, description="Vocabulary size (byte-level tokens: 256).")
     seq_len: int = Field(64, ge=8, description="Tokens per training sequence.")
     d_model: int = Field(64, ge=8, description="Model width.")
@@ -77,15 +94,41 @@ class Config(BaseModel):
     n_kv_heads: int = Field(0, ge=0, description="Key/value heads (grouped-query attention); 0 means n_heads.")
     d_ff: int = Field(256, ge=8, description="MLP hidden width.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Activation dtype.")
-    param_dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
+    param_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Parameter (master weight) dtype; with dtype bfloat16: bf16 compute, fp32 masters."
+    )
+    rope_theta: float = Field(500000.0, gt=0, description="RoPE base frequency (Llama 3: 500000).")
+    rope_scaling: float = Field(
+        0.0, ge=0, description="Llama 3.1 RoPE frequency scaling factor for long context (0: off; Llama 3.1: 8)."
+    )
+    norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
+    tie_embeddings: bool = Field(False, description="Share the input embedding with the output head.")
+    attention: Literal["dot_product", "reference"] = Field(
+        "dot_product",
+        description="Attention kernel: `dot_product` (jax.nn.dot_product_attention, fused where the platform has "
+        "one) or `reference` (plain einsums, for checking).",
+    )
 
     # --- optimisation ----------------------------------------------------------
     steps: int = Field(40, ge=1, description="Total optimizer steps.")
     global_batch: int = Field(16, ge=1, description="Sequences per step, constant across resizes.")
-    learning_rate: float = Field(3e-3, gt=0, description="Peak learning rate (AdamW, warmup-cosine).")
+    grad_accum: int = Field(
+        1, ge=1, description="Micro-batches per step: the global batch is split and the gradients summed."
+    )
+    optimizer: Literal["adamw", "adafactor", "lion", "sgd"] = Field("adamw", description="The optimizer (optax).")
+    learning_rate: float = Field(3e-3, gt=0, description="Peak learning rate.")
+    b1: float = Field(0.9, ge=0, lt=1, description="First moment decay (adamw, lion) or momentum (sgd).")
+    b2: float = Field(0.95, ge=0, lt=1, description="Second moment decay (adamw, lion).")
+    eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
+    schedule: Literal["cosine", "wsd", "linear", "constant"] = Field(
+        "cosine",
+        description="Learning-rate schedule after the warmup: cosine or linear decay to min_lr_ratio, constant, "
+        "or wsd (warmup-stable-decay: constant, then a linear decay over the last `decay_fraction` of the steps).",
+    )
+    decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: the fraction of the steps that decays.")
     warmup_steps: int = Field(5, ge=0, description="Linear warmup steps.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of the peak.")
-    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
+    weight_decay: float = Field(0.01, ge=0, description="Decoupled weight decay (adamw, lion, adafactor).")
     grad_clip: float = Field(1.0, ge=0, description="Global-norm gradient clipping; 0 disables.")
     seed: int = Field(0, description="Seed for initialisation, data order and dropout.")
 
@@ -216,7 +259,7 @@ class Config(BaseModel):
                 f"run_name {self.run_name!r}: letters, digits and _.- (up to 63), not starting with one of _.-, no '..'"
             )
         if not self.dataset:
-            self.dataset = DEFAULT_DATASET.format(seq_len=self.seq_len)
+            self.dataset = default_dataset(self.tokenizer, self.vocab_size, self.seq_len)
         if is_gcs(self.root):
             # Every look at a gs:// root is an HTTP request: beat, and renew the lease, less often
             # (unless told otherwise).
@@ -238,6 +281,10 @@ class Config(BaseModel):
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if self.kv_heads and self.n_heads % self.kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.kv_heads})")
+        if self.global_batch % self.grad_accum:
+            raise ValueError(f"global_batch ({self.global_batch}) must be divisible by grad_accum ({self.grad_accum})")
+        if self.tokenizer == "bytes" and self.task == "lm" and self.vocab_size < 256:
+            raise ValueError(f"vocab_size ({self.vocab_size}) is below the byte tokenizer's 256")
         if self.resume_from not in ("latest", "none") and not self.resume_from.isdigit():
             raise ValueError(f"resume_from must be 'latest', 'none' or a step number, got {self.resume_from!r}")
         for spec in self.chaos:
@@ -263,10 +310,27 @@ class Config(BaseModel):
 
     def with_absolute_paths(self, base: str | Path | None = None) -> Config:
         """Local paths made absolute against ``base`` (default: the current directory); gs:// kept."""
-        return self.model_copy(update={k: absolute(getattr(self, k), base) for k in PATH_KEYS})
+        update = {k: absolute(getattr(self, k), base) for k in PATH_KEYS}
+        if self.tokenizer not in BUILTIN_TOKENIZERS:
+            update["tokenizer"] = absolute(self.tokenizer, base)
+        file, sep, factory = self.task.rpartition(":")
+        if sep and file.endswith(".py"):
+            update["task"] = f"{absolute(file, base)}:{factory}"
+        return self.model_copy(update=update)
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=2)
+
+
+def default_dataset(tokenizer: str, vocab_size: int, seq_len: int) -> str:
+    """The dataset a config trains on when it names none: this Python's stdlib, per tokenizer and length."""
+    if tokenizer == "bytes":
+        return DEFAULT_DATASET.format(seq_len=seq_len)
+    if tokenizer == "bpe":
+        name = f"bpe{vocab_size}"
+    else:
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(tokenizer).stem)[:40] or "tok"
+    return f"var/data/stdlib-{name}-seq{seq_len}"
 
 
 def absolute(path: str, base: str | Path | None = None) -> str:

@@ -15,6 +15,7 @@ import pytest
 from array_record.python.array_record_module import ArrayRecordReader
 
 from training import data
+from training.data import preparation
 from training.storage import open_store
 
 REPO = Path(__file__).resolve().parents[2]
@@ -292,14 +293,14 @@ def test_a_changed_shard_is_refused_at_load_naming_the_shard_and_its_checksum(tm
     shard = manifest["splits"]["train"]["shards"][0]
     data.local_shards(str(out), "train")  # verified once ...
     hashed: list[str] = []
-    real = data._sha256_file
+    real = preparation._sha256_file
 
     def counting(p: Path) -> str:
         hashed.append(str(p))
         return real(p)
 
-    monkeypatch.setattr(data, "_sha256_file", counting)
-    data._verified_here.clear()  # (as a new process would start)
+    monkeypatch.setattr(preparation, "_sha256_file", counting)
+    preparation._verified_here.clear()  # (as a new process would start)
     data.local_shards(str(out), "train")
     assert hashed == [], "an unchanged shard is not hashed again: its size and mtime are remembered"
 

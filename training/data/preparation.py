@@ -21,7 +21,6 @@ version or download, and any text on any machine is a valid corpus.
 from __future__ import annotations
 
 import datetime
-import functools
 import glob
 import hashlib
 import json
@@ -30,12 +29,10 @@ import os
 import sysconfig
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from training.storage import NotFound, Store, is_gcs, open_store
 
@@ -527,191 +524,3 @@ def _verify_local(root: Path, shards: list[dict[str, Any]]) -> None:
             os.replace(tmp, cache_path)
         except OSError:  # a read-only dataset: verified again next time, nothing lost
             pass
-
-
-# ----------------------------------------------------------------------------
-# Input pipeline.
-# ----------------------------------------------------------------------------
-
-
-class _AttachId:
-    """Pairs a record with its index in the split.
-
-    grain passes the index the element was asked for, which past the first
-    epoch is ``epoch * n + i``; the source index is that modulo ``n``.
-    """
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __call__(self, index: int, record: bytes) -> tuple[int, bytes]:
-        return index % self.n, record
-
-
-def _collate(items: Sequence[tuple[int, bytes]]) -> dict[str, np.ndarray]:
-    """Stacks records once per batch (not per example) and shifts them into inputs and targets."""
-    ids = np.fromiter((i for i, _ in items), dtype=np.int64, count=len(items))
-    tokens = np.frombuffer(b"".join(r for _, r in items), dtype=np.uint8).reshape(len(items), -1)
-    return {
-        "inputs": tokens[:, :-1].astype(np.int32),
-        "targets": tokens[:, 1:].astype(np.int32),
-        "ids": ids,
-    }
-
-
-def _shuffle_seed(seed: int) -> int:
-    """A 32-bit shuffle seed spread out from the run seed.
-
-    grain reshuffles epoch ``e`` with seed ``s + e``; hashing keeps runs with
-    seeds 0 and 1 from sharing epochs shifted by one.
-    """
-    return int.from_bytes(hashlib.sha256(f"rtrain-data-shuffle:{seed}".encode()).digest()[:4], "big")
-
-
-@functools.lru_cache(maxsize=8)
-def _records(dataset_uri: str, split: str, cache_dir: str | None) -> Any:
-    """A grain MapDataset of ``(id, record)`` over one split (opened once per process: datasets are immutable)."""
-    import grain
-
-    paths = local_shards(dataset_uri, split, cache_dir)
-    if not paths:
-        raise DatasetError(f"the {split} split of {dataset_uri} is empty")
-    source = grain.sources.ArrayRecordDataSource(paths)
-    return grain.MapDataset.source(source).map_with_index(_AttachId(len(source)))
-
-
-def warm(dataset_uri: str, split: str = "train", cache_dir: str | None = None) -> None:
-    """Open (and verify) a split before it is needed: a standby worker does this while it waits."""
-    _records(dataset_uri, split, cache_dir)
-
-
-def _check_layout(batch: int, process_index: int, process_count: int, what: str) -> int:
-    if batch < 1:
-        raise ValueError(f"{what} must be >= 1, got {batch}")
-    if process_count < 1 or not 0 <= process_index < process_count:
-        raise ValueError(f"process_index {process_index} is not in [0, process_count={process_count})")
-    if batch % process_count:
-        raise ValueError(
-            f"{what} ({batch}) must be divisible by process_count ({process_count}): every process "
-            "takes the same number of examples from each global batch"
-        )
-    return batch // process_count
-
-
-def _train_stream(
-    dataset_uri: str,
-    split: str,
-    *,
-    seed: int,
-    global_batch: int,
-    process_index: int,
-    process_count: int,
-    shuffle: bool,
-    cache_dir: str | None,
-) -> Any:
-    """One process's view of the global stream, as a MapDataset of batches (random access).
-
-    The order of operations is the contract:
-      shuffle -> repeat   epoch e is permutation(seed + e) of all records;
-                          shuffling after repeat would mix epochs (and grain's
-                          shuffle needs a finite length).
-      [p::P] -> batch(b)  process p's j-th example of global batch k is stream
-                          position k*B + j*P + p: the global batch is the same
-                          B positions for any P.
-    """
-    b = _check_layout(global_batch, process_index, process_count, "global_batch")
-    ds = _records(dataset_uri, split, cache_dir)
-    if shuffle:
-        ds = ds.shuffle(seed=_shuffle_seed(seed))
-    ds = ds.repeat(None)
-    ds = ds[process_index::process_count]
-    return ds.batch(b, drop_remainder=True, batch_fn=_collate)
-
-
-def make_batches(
-    dataset_uri: str,
-    split: str,
-    *,
-    seed: int,
-    global_batch: int,
-    process_index: int,
-    process_count: int,
-    start_batch: int = 0,
-    shuffle: bool = True,
-    num_threads: int = 2,
-    prefetch: int = 4,
-    cache_dir: str | None = None,
-) -> Iterator[dict[str, np.ndarray]]:
-    """This process's batches of the global stream, from global batch ``start_batch`` on.
-
-    Yields ``{"inputs": int32[b, seq_len], "targets": int32[b, seq_len],
-    "ids": int64[b]}`` with ``b = global_batch // process_count``.  The position
-    in the data is the batch index alone: resuming at step ``k`` on any number of
-    processes is ``start_batch=k``, with nothing to restore but the step.
-    """
-    import grain
-
-    if start_batch < 0:
-        raise ValueError(f"start_batch must be >= 0, got {start_batch}")
-    ds = _train_stream(
-        dataset_uri,
-        split,
-        seed=seed,
-        global_batch=global_batch,
-        process_index=process_index,
-        process_count=process_count,
-        shuffle=shuffle,
-        cache_dir=cache_dir,
-    )
-    ds = ds[start_batch:]
-    options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
-    return iter(ds.to_iter_dataset(options))
-
-
-def global_batch_ids(
-    dataset_uri: str,
-    *,
-    seed: int,
-    global_batch: int,
-    batch_index: int,
-    split: str = "train",
-    cache_dir: str | None = None,
-) -> np.ndarray:
-    """Sorted record ids of global batch ``batch_index``: what every process count must cover, for audits."""
-    ds = _train_stream(
-        dataset_uri,
-        split,
-        seed=seed,
-        global_batch=global_batch,
-        process_index=0,
-        process_count=1,
-        shuffle=True,
-        cache_dir=cache_dir,
-    )
-    return np.sort(ds[batch_index]["ids"])
-
-
-def eval_batches(
-    dataset_uri: str,
-    *,
-    batch: int,
-    max_batches: int,
-    process_index: int = 0,
-    process_count: int = 1,
-    cache_dir: str | None = None,
-) -> list[dict[str, np.ndarray]]:
-    """A fixed evaluation set: the first validation records, in order, never shuffled.
-
-    ``batch`` is global and laid out like training batches (process p takes
-    examples p, p+P, ...), so the set and its metrics do not depend on the
-    process count.  There are ``min(max_batches, ceil(n / batch))`` batches,
-    all full: a validation split smaller than that wraps around in the last
-    batch, because a jitted eval step wants one shape.
-    """
-    if max_batches < 1:
-        raise ValueError(f"max_batches must be >= 1, got {max_batches}")
-    b = _check_layout(batch, process_index, process_count, "batch")
-    ds = _records(dataset_uri, "validation", cache_dir)
-    n_batches = min(max_batches, -(-len(ds) // batch))
-    ds = ds.repeat(None)[process_index::process_count].batch(b, drop_remainder=True, batch_fn=_collate)
-    return [ds[k] for k in range(n_batches)]
