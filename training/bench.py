@@ -312,9 +312,10 @@ def plain_loop() -> int:
     jax.distributed.initialize(os.environ["BENCH_COORD"], n, pid)
     from training import data
     from training.mesh import build_mesh, plan_mesh
+    from training.tasks import load_task
     from training.trainer import Trainer
 
-    tr = Trainer(cfg, build_mesh(plan_mesh(cfg, n)))
+    tr = Trainer(cfg, build_mesh(plan_mesh(cfg, n)), load_task(cfg))
     state = tr.init()
     tr.compile()
     batches = data.make_batches(
@@ -325,7 +326,7 @@ def plain_loop() -> int:
     window = {int(x) for x in os.environ["BENCH_WINDOW"].split(",")}
     times = []
     for i in range(1, cfg.steps + 1):
-        state, m = tr.step(state, *tr.global_batch(next(batches)))
+        state, m = tr.step(state, tr.global_batch(next(batches)))
         if i in window:
             jax.block_until_ready((state, m))
         times.append(time.time())

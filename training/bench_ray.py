@@ -175,6 +175,7 @@ def _train_loop(config: dict[str, Any]) -> None:
     from training.data import make_batches
     from training.elastic.worker import share_cpu_compilation_cache
     from training.mesh import build_mesh, check_batch, plan_mesh
+    from training.tasks import load_task
     from training.trainer import Trainer
 
     cfg = load_config("tiny", None, config["overrides"])
@@ -195,7 +196,7 @@ def _train_loop(config: dict[str, Any]) -> None:
         )
     plan = plan_mesh(cfg, world)
     check_batch(cfg, plan)
-    trainer = Trainer(cfg, build_mesh(plan))
+    trainer = Trainer(cfg, build_mesh(plan), load_task(cfg))
 
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
@@ -218,7 +219,7 @@ def _train_loop(config: dict[str, Any]) -> None:
         start_batch=start,
     )
     for step in range(start + 1, cfg.steps + 1):
-        state, m = trainer.step(state, *trainer.global_batch(next(batches)))
+        state, m = trainer.step(state, trainer.global_batch(next(batches)))
         loss = float(m["loss"])
         now = time.time()
         progress("step", time=now, step=step, loss=loss, world=world)

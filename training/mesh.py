@@ -29,6 +29,7 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("heads", "tensor"),
     ("vocab", "tensor"),
     ("norm", None),
+    ("layers", None),
 )
 BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -159,12 +160,12 @@ class MemoryEstimate:
 
 
 def param_count(cfg: Config) -> int:
-    """Parameters of the model above, from its shapes alone (used for planning large presets)."""
+    """Parameters of the built-in Llama model, from its shapes alone (used for planning large presets)."""
     h, f, v, hd = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.head_dim
     attn = h * cfg.n_heads * hd * 2 + h * cfg.kv_heads * hd * 2
     mlp = 3 * h * f
     per_layer = attn + mlp + 2 * h
-    return v * h + cfg.seq_len * h + cfg.n_layers * per_layer + h + h * v
+    return v * h + cfg.n_layers * per_layer + h + (0 if cfg.tie_embeddings else h * v)
 
 
 def estimate_memory(cfg: Config, plan: MeshPlan) -> MemoryEstimate:

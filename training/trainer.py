@@ -1,12 +1,15 @@
-"""Train state, sharding and the train step of one run on one mesh.
+"""Train state, sharding and the train step of one task on one mesh.
 
 The abstract state (shapes, dtypes and the current mesh's shardings, from an
 abstract init that costs no FLOPs) is what a restore is given, so Orbax
 reshards a checkpoint written on any other mesh (``training.checkpoint.manager``).
+The model, its loss and its data come from the task (:mod:`training.tasks`);
+the optimizer and schedule from the config (:mod:`training.optim`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, cast
 
 import flax.linen as nn
@@ -19,60 +22,65 @@ from jax.sharding import PartitionSpec as P
 
 from training.config import Config
 from training.mesh import LOGICAL_RULES
-from training.model import Transformer, loss_fn
+from training.optim import make_optimizer, make_schedule
+from training.tasks import Task
 
 State = dict[str, Any]
+Batch = dict[str, jax.Array]
 
 
-def make_schedule(cfg: Config) -> optax.Schedule:
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=cfg.learning_rate,
-        warmup_steps=cfg.warmup_steps,
-        decay_steps=max(cfg.steps, cfg.warmup_steps + 1),
-        end_value=cfg.learning_rate * cfg.min_lr_ratio,
+def state_shardings(task: Task, tx: optax.GradientTransformation, mesh: Mesh) -> tuple[Any, Any, Any]:
+    """(abstract params, params' shardings, optimizer state's shardings) from an abstract init.
+
+    Parameters are sharded by their logical axes; an optimizer-state leaf shaped
+    like its parameter shares its sharding, and any other (counts, factored
+    statistics) is replicated.
+    """
+    boxed = jax.eval_shape(task.init, jax.random.key(0))
+    params_abs = nn.unbox(boxed)
+    param_sh = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, LOGICAL_RULES)
+    replicated = NamedSharding(mesh, P())
+    opt_abs = jax.eval_shape(tx.init, params_abs)
+    opt_sh = optax.tree_utils.tree_map_params(
+        tx,
+        lambda leaf, param, sh: sh if leaf.shape == param.shape else replicated,
+        opt_abs,
+        params_abs,
+        param_sh,
+        transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct),
     )
-
-
-def make_optimizer(cfg: Config) -> optax.GradientTransformation:
-    schedule = make_schedule(cfg)
-    parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
-    parts.append(optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay))
-    return optax.chain(*parts)
+    return params_abs, param_sh, opt_sh
 
 
 class Trainer:
-    """The model, optimizer and shardings of one run on one mesh."""
+    """The task's model, the optimizer and the shardings of one run on one mesh."""
 
-    def __init__(self, cfg: Config, mesh: Mesh) -> None:
+    def __init__(self, cfg: Config, mesh: Mesh, task: Task) -> None:
         self.cfg = cfg
         self.mesh = mesh
-        self.model = Transformer(cfg)
-        self.tx = make_optimizer(cfg)
+        self.task = task
         self.schedule = make_schedule(cfg)
-        self.batch_sharding = NamedSharding(mesh, P(("data", "fsdp"), None))
+        self.tx = make_optimizer(cfg, self.schedule)
+        self.batch_sharding = NamedSharding(mesh, P(("data", "fsdp")))
         self.replicated = NamedSharding(mesh, P())
         # One flag per device, set by the process that owns it: the step all-reduces them, so every
         # process learns in the step's own output that one of them was told to stop (a preemption notice).
         self.flag_sharding = NamedSharding(mesh, P(mesh.axis_names))
+        self.spec = task.example_spec()
 
-        # Shapes and logical axes come from an abstract init (no FLOPs, no memory).
-        boxed = jax.eval_shape(self._init_boxed, jax.random.key(0))
-        specs = nn.get_partition_spec(boxed)
-        self.shardings = nn.logical_to_mesh_sharding(specs, mesh, LOGICAL_RULES)
+        _, param_sh, opt_sh = state_shardings(task, self.tx, mesh)
+        scalar = self.replicated
+        self.shardings: State = {"step": scalar, "params": param_sh, "opt_state": opt_sh, "rng": scalar}
+        abstract = jax.eval_shape(self._init_state, jax.random.key(0))
         self.abstract = jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), nn.unbox(boxed), self.shardings
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, self.shardings
         )
-        self._init = jax.jit(lambda key: nn.unbox(self._init_boxed(key)), out_shardings=self.shardings)
+        self._init = jax.jit(self._init_state, out_shardings=self.shardings)
+        batch_sh = {k: self.batch_sharding for k in self.spec}
         self._step = jax.jit(
             self._train_step,
-            in_shardings=(
-                self.shardings,
-                self.batch_sharding,
-                self.batch_sharding,
-                self.replicated,
-                self.flag_sharding,
-            ),
+            in_shardings=(self.shardings, batch_sh, self.replicated, self.flag_sharding),
             out_shardings=(self.shardings, self.replicated),
             donate_argnums=(0,),
         )
@@ -81,9 +89,8 @@ class Trainer:
         self._flags: dict[int, jax.Array] = {}
 
     # --- state -------------------------------------------------------------------
-    def _init_boxed(self, key: jax.Array) -> State:
-        tokens = jnp.zeros((1, self.cfg.seq_len), jnp.int32)
-        params = self.model.init(key, tokens)["params"]
+    def _init_state(self, key: jax.Array) -> State:
+        params = nn.unbox(self.task.init(key))
         return {
             "step": jnp.zeros((), jnp.int32),
             "params": params,
@@ -96,39 +103,62 @@ class Trainer:
         return cast(State, self._init(jax.random.key(self.cfg.seed)))
 
     # --- the step ------------------------------------------------------------------
-    def _train_step(
-        self, state: State, inputs: jax.Array, targets: jax.Array, lr_scale: jax.Array, flags: jax.Array
-    ) -> tuple[State, dict[str, Any]]:
-        def compute_loss(params: Any) -> tuple[jax.Array, dict[str, Any]]:
-            logits = cast(jax.Array, self.model.apply({"params": params}, inputs))
-            return loss_fn(logits, targets)
+    def _grads(self, params: Any, batch: Batch, rng: jax.Array) -> tuple[jax.Array, Any, dict[str, Any]]:
+        """Loss, gradients and metrics of a batch, over ``grad_accum`` micro-batches when asked."""
+        grad_fn = jax.value_and_grad(self.task.loss, has_aux=True)
+        m = self.cfg.grad_accum
+        if m == 1:
+            (loss, aux), grads = grad_fn(params, batch, rng)
+            return loss, grads, aux
+        # Micro-batch i is rows i, i+m, i+2m, ...: each device's rows stay on it (no resharding).
+        micro = {k: jnp.swapaxes(v.reshape(v.shape[0] // m, m, *v.shape[1:]), 0, 1) for k, v in batch.items()}
 
-        (loss, aux), grads = jax.value_and_grad(compute_loss, has_aux=True)(state["params"])
+        def body(carry: tuple[jax.Array, Any, Any], xs: tuple[Batch, jax.Array]) -> tuple[Any, None]:
+            loss_sum, grad_sum, aux_sum = carry
+            mb, key = xs
+            (loss, aux), grads = grad_fn(params, mb, key)
+            add = jax.tree.map(jnp.add, (loss_sum, grad_sum, aux_sum), (loss, grads, aux))
+            return add, None
+
+        shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda v: v[0], micro), rng)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[0][0], shapes[1], shapes[0][1]))
+        (loss, grads, aux), _ = jax.lax.scan(body, zeros, (micro, jax.random.split(rng, m)))
+        return jax.tree.map(lambda x: x / m, (loss, grads, aux))  # type: ignore[no-any-return]
+
+    def _train_step(
+        self, state: State, batch: Batch, lr_scale: jax.Array, flags: jax.Array
+    ) -> tuple[State, dict[str, Any]]:
+        rng, step_rng = jax.random.split(jax.random.wrap_key_data(state["rng"]))
+        loss, grads, aux = self._grads(state["params"], batch, step_rng)
         updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
         # lr_scale is 1.0 except when a rollback (or a chaos fault) changes the learning rate.
         updates = jax.tree.map(lambda u: u * lr_scale.astype(u.dtype), updates)
         params = optax.apply_updates(state["params"], updates)
-        new = {**state, "step": state["step"] + 1, "params": params, "opt_state": opt_state}
+        new = {
+            "step": state["step"] + 1,
+            "params": params,
+            "opt_state": opt_state,
+            "rng": jax.random.key_data(rng),
+        }
         metrics = {
+            **aux,
             "loss": loss,
             "grad_norm": optax.global_norm(grads),
             "lr": self.schedule(state["step"]) * lr_scale,  # the rate this step's update used
             "notice": jnp.max(flags),
-            **aux,
         }
         return new, metrics
 
-    def global_batch(self, local: dict[str, np.ndarray]) -> tuple[jax.Array, jax.Array]:
-        """Assemble this process's rows into global arrays sharded over (data, fsdp)."""
+    def global_batch(self, local: Mapping[str, np.ndarray]) -> Batch:
+        """Assemble this process's rows of each field into global arrays sharded over (data, fsdp)."""
         b = self.cfg.global_batch
-        arrays = []
-        for key in ("inputs", "targets"):
-            x = local[key]
-            arrays.append(jax.make_array_from_process_local_data(self.batch_sharding, x, (b, *x.shape[1:])))
-        return arrays[0], arrays[1]
+        return {
+            k: jax.make_array_from_process_local_data(self.batch_sharding, local[k], (b, *local[k].shape[1:]))
+            for k in self.spec
+        }
 
     def step(
-        self, state: State, inputs: jax.Array, targets: jax.Array, lr_scale: float = 1.0, notice: bool = False
+        self, state: State, batch: Batch, lr_scale: float = 1.0, notice: bool = False
     ) -> tuple[State, dict[str, Any]]:
         """Dispatch one step (asynchronously: nothing here waits for the device).
 
@@ -147,7 +177,7 @@ class Trainer:
             self._flags[flag] = jax.make_array_from_callback(
                 (n,), self.flag_sharding, lambda idx: np.full(len(range(*cast(Any, idx)[0].indices(n))), flag, np.int32)
             )
-        return cast(tuple[State, dict[str, Any]], fn(state, inputs, targets, self._scales[lr_scale], self._flags[flag]))
+        return cast(tuple[State, dict[str, Any]], fn(state, batch, self._scales[lr_scale], self._flags[flag]))
 
     def corrupt(self, state: State) -> State:
         """Chaos: overwrite the parameters with noise (a regression validation must catch)."""
@@ -157,10 +187,20 @@ class Trainer:
         )
         return {**state, "params": noise(state["params"])}
 
-    def compile(self) -> None:
-        """AOT-compile the step for the current mesh (a hit in the persistent cache on a resume)."""
-        b, s = self.cfg.global_batch, self.cfg.seq_len
-        batch = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=self.batch_sharding)
+    def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """The global batch's shapes and shardings."""
+        b = self.cfg.global_batch
+        return {
+            k: jax.ShapeDtypeStruct((b, *s.shape), np.dtype(s.dtype), sharding=self.batch_sharding)
+            for k, s in self.spec.items()
+        }
+
+    def lower(self) -> Any:
+        """The step lowered for the current mesh, from shapes alone."""
         scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.replicated)
         flags = jax.ShapeDtypeStruct((self.mesh.size,), jnp.int32, sharding=self.flag_sharding)
-        self._compiled = self._step.lower(self.abstract, batch, batch, scalar, flags).compile()
+        return self._step.lower(self.abstract, self.abstract_batch(), scalar, flags)
+
+    def compile(self) -> None:
+        """AOT-compile the step for the current mesh (a hit in the persistent cache on a resume)."""
+        self._compiled = self.lower().compile()

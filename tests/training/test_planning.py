@@ -58,7 +58,7 @@ def test_memory_fit_refusal_shows_the_numbers_before_any_worker_starts(tmp_path,
     err = capsys.readouterr().err
     assert rc == 3  # a config that cannot run (exit code 3), before anything starts
     assert "does not fit at the minimum topology (2 workers x 4 devices" in err
-    assert "optimizer (AdamW mu, nu)" in err and "GiB" in err and "70.62B parameters" in err
+    assert "optimizer (AdamW mu, nu)" in err and "GiB" in err and "70.55B parameters" in err
     assert not (tmp_path / "big").exists(), "nothing may be written for a refused run"
 
 
@@ -81,16 +81,30 @@ def test_real_model_presets_fit_at_their_minimum_topology(capsys):
     assert json.loads(capsys.readouterr().out)["feasible_workers"] == [4, 8]
 
 
-def test_param_count_matches_the_flax_model():
+@pytest.mark.parametrize("overrides", [{"n_kv_heads": 2}, {"tie_embeddings": True}])
+def test_param_count_matches_the_flax_model(overrides):
     import jax
 
     from training.mesh import param_count
-    from training.model import Transformer
+    from training.tasks import load_task
 
-    cfg = load_config("tiny", None, {"n_kv_heads": 2})
-    params = jax.eval_shape(lambda: Transformer(cfg).init(jax.random.key(0), jax.numpy.zeros((1, 8), "int32")))
+    cfg = load_config("tiny", None, overrides)
+    params = jax.eval_shape(load_task(cfg).init, jax.random.key(0))
     n = sum(x.size for x in jax.tree.leaves(params))
     assert n == param_count(cfg)
+
+
+@pytest.mark.parametrize(("preset", "published"), [("llama3-8b", 8_030_261_248), ("llama3-70b", 70_553_706_496)])
+def test_the_llama3_presets_have_the_published_parameter_counts(preset, published):
+    import jax
+
+    from training.mesh import param_count
+    from training.tasks import load_task
+
+    cfg = load_config(preset)
+    assert param_count(cfg) == published
+    params = jax.eval_shape(load_task(cfg).init, jax.random.key(0))  # the model itself, from shapes alone
+    assert sum(x.size for x in jax.tree.leaves(params)) == published
 
 
 @pytest.mark.parametrize("spec", ["preempt:worker=1", "capacity:to=2", "crash:worker=x,step=1", "nan:step=1,oops=2"])

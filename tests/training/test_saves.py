@@ -19,13 +19,14 @@ import numpy as np
 import jax
 from training.config import load_config
 from training.mesh import build_mesh, plan_mesh
+from training.tasks import load_task
 from training.trainer import Trainer
 from training.checkpoint import manager as ckpt
 
 root, dataset = sys.argv[1], sys.argv[2]
 over = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
 cfg = load_config("tiny", None, {"root": root, "dataset": dataset, "run_name": "saves", **over})
-trainer = Trainer(cfg, build_mesh(plan_mesh(cfg, 1)))
+trainer = Trainer(cfg, build_mesh(plan_mesh(cfg, 1)), load_task(cfg))
 state = trainer.init()
 abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
 
@@ -77,7 +78,7 @@ def test_a_background_save_writes_the_state_of_its_step_while_donating_steps_go_
         bg = ckpt.BackgroundSave(abstract, "test-save")
         bg.start(save, state, 1)
         for _ in range(3):  # each step donates the state it is given
-            state, _ = trainer.step(state, *trainer.global_batch(next(batches)), 1.0)
+            state, _ = trainer.step(state, trainer.global_batch(next(batches)), 1.0)
         jax.block_until_ready(state)
         handed_over, took = bg.collect()
         snap = given[0]

@@ -14,7 +14,7 @@ import logging
 import math
 import statistics
 import time
-from typing import Any, cast
+from typing import Any
 
 from training.checkpoint import prune as prune_lib
 from training.checkpoint.ledger import Ledger
@@ -56,33 +56,34 @@ def quarantine(store: Store, ledger: Ledger, step: int, reason: str, state: str 
 
 
 def evaluate(cfg: Config, params: Any) -> dict[str, float]:
-    """Loss, perplexity and token accuracy on the fixed evaluation set (one device)."""
+    """The task's metrics averaged over the fixed evaluation set (``perplexity`` added beside a ``loss``)."""
     # JAX, flax and grain: only when a validation runs (this module is imported by the Airflow side).
     import jax
     import numpy as np
 
-    from training.data import eval_batches
-    from training.model import Transformer, loss_fn
+    from training.data.pipeline import eval_set
+    from training.tasks import load_task
 
-    model = Transformer(cfg)
-
-    @jax.jit
-    def metrics(p: Any, inputs: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
-        loss, aux = loss_fn(cast(jax.Array, model.apply({"params": p}, inputs)), targets)
-        return loss, aux["accuracy"]
-
-    losses, accs = [], []
-    for b in eval_batches(cfg.dataset, batch=cfg.val_batch, max_batches=cfg.val_batches):
-        loss, acc = metrics(params, b["inputs"], b["targets"])
-        losses.append(float(loss))
-        accs.append(float(acc))
-    loss = float(np.mean(losses))
-    return {"loss": loss, "perplexity": float(math.exp(min(loss, 80.0))), "accuracy": float(np.mean(accs))}
+    task = load_task(cfg)
+    source = task.data().validation
+    if source is None:
+        raise LifecycleError(f"task {cfg.task!r} has no validation data to judge a checkpoint on")
+    fields = list(task.example_spec())
+    fn = jax.jit(task.evaluate)
+    sums: dict[str, list[float]] = {}
+    for b in eval_set(source, batch=cfg.val_batch, max_batches=cfg.val_batches):
+        for k, v in fn(params, {f: b[f] for f in fields}).items():
+            sums.setdefault(k, []).append(float(v))
+    out = {k: float(np.mean(v)) for k, v in sums.items()}
+    if "loss" not in out:
+        raise LifecycleError(f"task {cfg.task!r}: its evaluate() returned no 'loss' (it returned {sorted(out)})")
+    out["perplexity"] = float(math.exp(min(out["loss"], 80.0)))
+    return out
 
 
 def validate(run_uri: str, step: int | None = None) -> dict[str, Any]:
     """Judge a committed checkpoint (default: the newest) and record the verdict in the ledger."""
-    from training.checkpoint.manager import all_finite, load_state_host  # JAX: only for a validation
+    from training.checkpoint.manager import all_finite, load_params_host  # JAX: only for a validation
 
     store, cfg, ledger, events = _run(run_uri)
     steps = committed_steps(run_uri)
@@ -91,7 +92,7 @@ def validate(run_uri: str, step: int | None = None) -> dict[str, Any]:
     step = steps[-1] if step is None else step
     if step not in steps:
         raise LifecycleError(f"step {step} is not a committed checkpoint of {run_uri} (committed: {steps})")
-    params = load_state_host(run_uri, step)["params"]
+    params = load_params_host(run_uri, step)  # the parameters only: no optimizer state
 
     reasons: list[str] = []
     if not all_finite(params):
@@ -111,7 +112,7 @@ def validate(run_uri: str, step: int | None = None) -> dict[str, Any]:
             )
     if cfg.val_max_loss and metrics["loss"] > cfg.val_max_loss:
         reasons.append(f"loss {metrics['loss']:.4f} > val_max_loss {cfg.val_max_loss}")
-    if cfg.val_min_accuracy and metrics["accuracy"] < cfg.val_min_accuracy:
+    if cfg.val_min_accuracy and metrics.get("accuracy", 0.0) < cfg.val_min_accuracy:
         reasons.append(f"accuracy {metrics['accuracy']:.4f} < val_min_accuracy {cfg.val_min_accuracy}")
 
     # NaN is not JSON: record non-finite numbers as strings.

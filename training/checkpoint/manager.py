@@ -251,3 +251,22 @@ def load_state_host(run: str, step: int) -> State:
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), tree)
     return dict(ck.restore(path, target))
+
+
+def load_params_host(run: str, step: int) -> Any:
+    """A checkpoint's parameters alone on this process's first device (the optimizer state is not read)."""
+    from etils import epath
+
+    path = epath.Path(step_uri(run, step)) / "state"
+    ck = ocp.PyTreeCheckpointer()
+    meta = ck.metadata(path)
+    tree = getattr(meta, "item_metadata", meta)
+    tree = getattr(tree, "tree", tree)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = {
+        "params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), tree["params"])
+    }
+    args = ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
+    )
+    return ck.restore(path, args=args)["params"]

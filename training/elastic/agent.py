@@ -562,7 +562,7 @@ class HostAgent:
             self.update(now=False, step=msg.get("step"), loss=msg.get("loss"), step_time=msg.get("step_time"))
             if self.scalars is None:
                 self.scalars = ScalarLog(self.run_uri, self.host, store=self.store)
-            values = {k: msg[k] for k in ("loss", "grad_norm", "accuracy", "lr") if msg.get(k) is not None}
+            values = {k: float(v) for k, v in (msg.get("values") or {}).items() if isinstance(v, int | float)}
             values["workers"] = w.plan.workers if w.plan is not None else 0
             if "metrics" not in w.seen:
                 w.seen["metrics"] = True

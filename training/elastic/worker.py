@@ -166,11 +166,11 @@ def main() -> int:
 
     import training.checkpoint.manager  # imported now, while nothing waits for this process
     import training.trainer  # noqa: F401
-    from training import data as data_lib
     from training.checkpoint.ledger import Ledger
     from training.config import config_from_json
     from training.layout import CONFIG
     from training.storage import open_store
+    from training.tasks import load_task
 
     store = open_store(run)
     cfg = config_from_json(store.get(CONFIG).decode())
@@ -181,33 +181,33 @@ def main() -> int:
     share_cpu_compilation_cache()
     training.checkpoint.manager.copy_bandwidth()  # for the saves' reports, measured while idle
     try:
-        manifest = data_lib.load_manifest(cfg.dataset)
-        data_lib.warm(cfg.dataset, "train")  # opened, and checked against the manifest's sha256
+        task = load_task(cfg)
+        task_data = task.data()  # opened, and checked (a prepared dataset: against its manifest's sha256)
     except Exception as e:  # noqa: BLE001 - reported with its reason once this worker has a round
         a = Assignment.read(sys.stdin)
         rep.rank, rep.round = a.rank, a.round
-        leave(rep, WorkerExit.ERROR, f"dataset: {e}")
+        leave(rep, WorkerExit.ERROR, f"task {cfg.task}: {e}")
 
     # --- 2. assignment -------------------------------------------------------------------------
     a = Assignment.read(sys.stdin)
     rep.rank, rep.round = a.rank, a.round
     try:
-        return train(cfg, run, store, a, rep, manifest, Ledger(store))
+        return train(cfg, run, store, a, rep, task, task_data, Ledger(store))
     except BaseException as e:  # noqa: BLE001 - every error leaves the same way: reported, at once
         traceback.print_exc()
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         leave(rep, WorkerExit.ERROR, f"{type(e).__name__}: {first}")
 
 
-def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, manifest: dict[str, Any], ledger: Any) -> int:
+def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, task: Any, task_data: Any, ledger: Any) -> int:
     import jax
 
-    from training import data as data_lib
     from training import trainer as tr
     from training.checkpoint import manager as ckpt
     from training.checkpoint.local import LocalTier, host_dir, parse_resume
     from training.checkpoint.resume import ResumeError, choose_resume
     from training.checkpoint.steps import committed_steps
+    from training.data import pipeline
     from training.elastic.chaos import WorkerChaos
     from training.layout import TRACE
     from training.mesh import build_mesh, check_batch, plan_mesh
@@ -238,7 +238,7 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, manifest
     )
     plan = plan_mesh(cfg, a.processes)
     check_batch(cfg, plan)
-    trainer = tr.Trainer(cfg, build_mesh(plan))
+    trainer = tr.Trainer(cfg, build_mesh(plan), task)
     mngr = ckpt.checkpoint_manager(cfg, run)
     # --- 4. restore ----------------------------------------------------------------------------
     # Every process computes the same decision from the same objects (committed steps, ledger,
@@ -303,16 +303,17 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, manifest
             state = trainer.init()
             pos = {"next_batch": 0}
             rep.send("init", step=0, mesh=plan.shape, workers=a.processes, seconds=time.time() - t0)
-    if step0 is not None and pos.get("dataset") not in (None, manifest["fingerprint"]):
+    fingerprint = task_data.fingerprint
+    if step0 is not None and pos.get("dataset") not in (None, fingerprint):
         if cfg.on_dataset_change != "restart":
             leave(
                 rep,
                 WorkerExit.ERROR,
-                f"checkpoint {step0} was trained on dataset {pos.get('dataset')}, not {manifest['fingerprint']} "
+                f"checkpoint {step0} was trained on dataset {pos.get('dataset')}, not {fingerprint} "
                 "(on_dataset_change=restart continues on the new data)",
             )
         # Continual training on refreshed data: the model goes on, the data position starts over.
-        rep.send("data_refreshed", step=step0, old=pos.get("dataset"), new=manifest["fingerprint"])
+        rep.send("data_refreshed", step=step0, old=pos.get("dataset"), new=fingerprint)
         pos = {"next_batch": 0, "lr_scale": pos.get("lr_scale", 1.0)}
     if tier is not None and tier.enabled:
         tier.forget_after(step0)
@@ -331,9 +332,8 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, manifest
     t0 = time.time()
     trainer.compile()
     rep.send("compiled", step=step, seconds=time.time() - t0)
-    batches = data_lib.make_batches(
-        cfg.dataset,
-        "train",
+    batches = pipeline.batches(
+        task_data.train,
         seed=cfg.seed,
         global_batch=cfg.global_batch,
         process_index=a.rank,
@@ -346,7 +346,7 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, manifest
     # (a host sync) after step N+1 is dispatched, so the device always has the next step queued.
     # Before a persistent save, the newest step is read too: the guard decides before any save.
     saver = Saver(mngr, rep, pins, trainer.abstract, background=cfg.async_checkpoint)
-    loop = Loop(cfg, rep, t_assigned, step)
+    loop = Loop(cfg, rep, t_assigned, step, task.tokens_per_example())
 
     def data_position() -> dict[str, Any]:
         return {
@@ -354,7 +354,7 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, manifest
             "examples_consumed": (next_batch - sum(end - start for start, end in skipped)) * cfg.global_batch,
             "global_batch": cfg.global_batch,
             "seed": cfg.seed,
-            "dataset": manifest["fingerprint"],
+            "dataset": fingerprint,
             "lr_scale": lr_scale,
             "skipped": skipped,
         }
@@ -390,8 +390,7 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, manifest
                 f"{TRACE}{step:08d}/a{a.round:03d}-p{a.rank:03d}.json",
                 json.dumps({"ids": [int(i) for i in local["ids"]], "processes": a.processes}).encode(),
             )
-        inputs, targets = trainer.global_batch(local)
-        state, metrics = trainer.step(state, inputs, targets, step_lr, notice=NOTICE.at is not None)
+        state, metrics = trainer.step(state, trainer.global_batch(local), step_lr, notice=NOTICE.at is not None)
         step += 1
         next_batch += 1
         loop.dispatched(step, metrics, next_batch)
@@ -478,7 +477,7 @@ class Verdict:
 class Loop:
     """The steps in flight, read one step late: the guard, the metrics and progress reports."""
 
-    def __init__(self, cfg: Any, rep: Reporter, t_assigned: float, step: int) -> None:
+    def __init__(self, cfg: Any, rep: Reporter, t_assigned: float, step: int, tokens_per_example: int) -> None:
         self.cfg = cfg
         self.rep = rep
         self.t_assigned = t_assigned
@@ -487,7 +486,7 @@ class Loop:
         self.first = True
         self.t_last = time.time()
         self.since = 0  # steps read since the last progress report
-        self.tokens_per_step = cfg.global_batch * cfg.seq_len
+        self.tokens_per_step = cfg.global_batch * tokens_per_example
         self.bad: dict[str, Any] | None = None
         self.notice = False
         self.local_saves: list[float] = []
@@ -516,8 +515,9 @@ class Loop:
             self.notice = self.notice or m["notice"] > 0
             self.since += 1
             step_time = (now - self.t_last) / self.since
-            values: dict[str, Any] = {k: m[k] for k in ("loss", "grad_norm", "accuracy", "lr")}
-            self.rep.send("metrics", step=step, step_time=step_time, **values)
+            values = {k: v for k, v in m.items() if k != "notice"}  # the engine's and the task's own metrics
+            self.rep.send("metrics", step=step, step_time=step_time, loss=loss, values=values)
+            common = {k: values[k] for k in ("loss", "grad_norm", "accuracy", "lr") if k in values}
             if step % self.cfg.log_every == 0 or step == self.cfg.steps or self.first:
                 self.rep.send(
                     "progress",
@@ -525,7 +525,7 @@ class Loop:
                     tokens_per_s=self.tokens_per_step / max(step_time, 1e-9),
                     step_time=step_time,
                     local_save_blocking_s=sum(self.local_saves) if self.local_saves else None,
-                    **values,
+                    **common,
                 )
                 self.local_saves = []
                 if self.first:

@@ -1,0 +1,223 @@
+"""Llama 3: a decoder-only transformer with RoPE, RMSNorm, SwiGLU and grouped-query attention.
+
+Parameters carry *logical* axis names (``vocab``, ``embed``, ``heads``, ``mlp``,
+``norm``, ``layers``); the mesh rules map them onto whatever mesh the job runs
+on.  The blocks are one ``nn.scan`` over layers (one compiled block, whatever
+the depth), rematerialised when ``remat`` is on.  Packed documents are kept
+apart by segment ids: a token attends only to earlier tokens of its own
+document, and its rotary position counts from its document's start.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, cast
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The shapes and numerics of one Llama model."""
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    rope_theta: float = 500000.0
+    rope_scaling: float = 0.0  # Llama 3.1's factor (8); 0: plain RoPE
+    rope_original_context: int = 8192
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    remat: bool = False
+    attention: str = "dot_product"  # or "reference"
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def param_count(self) -> int:
+        """Parameters, from the shapes alone."""
+        h, hd = self.d_model, self.head_dim
+        attn = h * self.n_heads * hd * 2 + h * self.n_kv_heads * hd * 2
+        per_layer = attn + 3 * h * self.d_ff + 2 * h
+        head = 0 if self.tie_embeddings else h * self.vocab_size
+        return self.vocab_size * h + self.n_layers * per_layer + h + head
+
+
+def rope_frequencies(cfg: LlamaConfig) -> jax.Array:
+    """Inverse frequencies of the rotary embedding, with Llama 3.1's long-context scaling when asked."""
+    hd = cfg.head_dim
+    freqs = [1.0 / cfg.rope_theta ** (i / hd) for i in range(0, hd, 2)]
+    if cfg.rope_scaling:
+        low_wavelen, high_wavelen = cfg.rope_original_context / 1.0, cfg.rope_original_context / 4.0
+        scaled = []
+        for f in freqs:
+            wavelen = 2 * math.pi / f
+            if wavelen < high_wavelen:
+                scaled.append(f)
+            elif wavelen > low_wavelen:
+                scaled.append(f / cfg.rope_scaling)
+            else:
+                smooth = (cfg.rope_original_context / wavelen - 1.0) / (4.0 - 1.0)
+                scaled.append((1 - smooth) * f / cfg.rope_scaling + smooth * f)
+        freqs = scaled
+    return jnp.asarray(freqs, jnp.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, freqs: jax.Array) -> jax.Array:
+    """Rotate ``x`` [batch, seq, heads, head_dim] by its positions [batch, seq] (halves rotated together)."""
+    angles = positions[:, :, None, None].astype(jnp.float32) * freqs  # [b, s, 1, hd/2]
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _dense(features: int, axes: tuple[str, str], cfg: LlamaConfig, name: str) -> nn.Dense:
+    return nn.Dense(
+        features,
+        use_bias=False,
+        dtype=DTYPES[cfg.dtype],
+        param_dtype=DTYPES[cfg.param_dtype],
+        kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), axes),
+        name=name,
+    )
+
+
+class RMSNorm(nn.Module):
+    cfg: LlamaConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = cast(
+            jax.Array,
+            self.param(
+                "scale",
+                nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                (x.shape[-1],),
+                DTYPES[self.cfg.param_dtype],
+            ),
+        )
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.cfg.norm_eps)
+        return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def attention_mask(segment_ids: jax.Array) -> jax.Array:
+    """[batch, 1, q, k]: causal, and only inside the token's own segment."""
+    s = segment_ids.shape[1]
+    causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return (same & causal[None])[:, None]
+
+
+def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Attention as plain einsums (fp32 scores), for checking the fused path."""
+    nh, nkv = q.shape[2], k.shape[2]
+    k, v = jnp.repeat(k, nh // nkv, axis=2), jnp.repeat(v, nh // nkv, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+class Attention(nn.Module):
+    cfg: LlamaConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        b, s, _ = x.shape
+        hd, nh, nkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+        q = _dense(nh * hd, ("embed", "heads"), cfg, "q")(x).reshape(b, s, nh, hd)
+        k = _dense(nkv * hd, ("embed", "heads"), cfg, "k")(x).reshape(b, s, nkv, hd)
+        v = _dense(nkv * hd, ("embed", "heads"), cfg, "v")(x).reshape(b, s, nkv, hd)
+        freqs = rope_frequencies(cfg)
+        q, k = apply_rope(q, positions, freqs), apply_rope(k, positions, freqs)
+        if cfg.attention == "reference":
+            out = reference_attention(q, k, v, mask)
+        else:  # grouped-query natively; a fused kernel where the platform has one
+            out = jax.nn.dot_product_attention(q, k, v, mask=mask)
+        return _dense(cfg.d_model, ("heads", "embed"), cfg, "o")(out.reshape(b, s, nh * hd))
+
+
+class MLP(nn.Module):
+    cfg: LlamaConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate = _dense(self.cfg.d_ff, ("embed", "mlp"), self.cfg, "gate")(x)
+        up = _dense(self.cfg.d_ff, ("embed", "mlp"), self.cfg, "up")(x)
+        return _dense(self.cfg.d_model, ("mlp", "embed"), self.cfg, "down")(nn.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """One decoder layer; its call signature is a scan body's: (carry, *broadcast) -> (carry, None)."""
+
+    cfg: LlamaConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> tuple[jax.Array, None]:
+        x = x + Attention(self.cfg, name="attn")(RMSNorm(self.cfg, name="attn_norm")(x), positions, mask)
+        x = x + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg, name="mlp_norm")(x))
+        return x, None
+
+
+class Llama(nn.Module):
+    """Token ids [batch, seq] -> logits [batch, seq, vocab] (fp32)."""
+
+    cfg: LlamaConfig
+
+    @nn.compact
+    def __call__(
+        self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
+    ) -> jax.Array:
+        cfg = self.cfg
+        b, s = tokens.shape
+        if segment_ids is None:
+            segment_ids = jnp.ones((b, s), jnp.int32)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        embed = cast(
+            jax.Array,
+            self.param(
+                "embed",
+                nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed")),
+                (cfg.vocab_size, cfg.d_model),
+                DTYPES[cfg.param_dtype],
+            ),
+        )
+        x = jnp.take(embed, tokens, axis=0).astype(DTYPES[cfg.dtype])
+        block: Any = Block
+        if cfg.remat:
+            block = nn.remat(block, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
+        layers = nn.scan(
+            block,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(nn.broadcast, nn.broadcast),
+            length=cfg.n_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        x, _ = layers(cfg, name="layers")(x, positions, attention_mask(segment_ids))
+        x = RMSNorm(cfg, name="final_norm")(x)
+        if cfg.tie_embeddings:
+            return jnp.einsum("bsd,vd->bsv", x, embed.astype(x.dtype)).astype(jnp.float32)
+        return _dense(cfg.vocab_size, ("embed", "vocab"), cfg, "head")(x).astype(jnp.float32)
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Mean next-token loss and token accuracy."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    acc = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+    return nll.mean(), acc.mean()

@@ -1,0 +1,95 @@
+"""The built-in task: a Llama 3 decoder trained on a prepared token dataset (``rtrain prepare``)."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import jax
+import jax.numpy as jnp
+
+from training.config import Config
+from training.data import load_manifest
+from training.data.tokens import lm_source
+from training.models.llama import Llama, LlamaConfig, cross_entropy
+from training.tasks import Batch, ExampleSpec, Metrics, TaskData, TaskError
+
+
+def llama_config(cfg: Config) -> LlamaConfig:
+    """The model a run config describes."""
+    return LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        d_model=cfg.d_model,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        n_kv_heads=cfg.kv_heads,
+        d_ff=cfg.d_ff,
+        rope_theta=cfg.rope_theta,
+        rope_scaling=cfg.rope_scaling,
+        norm_eps=cfg.norm_eps,
+        tie_embeddings=cfg.tie_embeddings,
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+        remat=cfg.activation_checkpointing,
+        attention=cfg.attention,
+    )
+
+
+class LanguageModel:
+    """Next-token prediction with Llama 3 on packed documents (segment ids keep them apart)."""
+
+    FIELDS = ("inputs", "targets", "segment_ids", "positions")
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.model_cfg = llama_config(cfg)
+        self.model = Llama(self.model_cfg)
+
+    def init(self, rng: jax.Array) -> Any:
+        tokens = jnp.zeros((1, self.cfg.seq_len), jnp.int32)
+        return self.model.init(rng, tokens)["params"]
+
+    def logits(self, params: Any, batch: Batch) -> jax.Array:
+        return cast(
+            jax.Array,
+            self.model.apply({"params": params}, batch["inputs"], batch.get("segment_ids"), batch.get("positions")),
+        )
+
+    def loss(self, params: Any, batch: Batch, rng: jax.Array) -> tuple[jax.Array, Metrics]:
+        loss, accuracy = cross_entropy(self.logits(params, batch), batch["targets"])
+        return loss, {"accuracy": accuracy}
+
+    def evaluate(self, params: Any, batch: Batch) -> Metrics:
+        loss, accuracy = cross_entropy(self.logits(params, batch), batch["targets"])
+        return {"loss": loss, "accuracy": accuracy}
+
+    def example_spec(self) -> dict[str, ExampleSpec]:
+        return {k: ExampleSpec((self.cfg.seq_len,), "int32") for k in self.FIELDS}
+
+    def data(self) -> TaskData:
+        manifest = load_manifest(self.cfg.dataset)
+        if int(manifest["seq_len"]) != self.cfg.seq_len:
+            raise TaskError(
+                f"dataset {self.cfg.dataset} has sequences of {manifest['seq_len']} tokens, the config "
+                f"seq_len={self.cfg.seq_len}"
+            )
+        vocab = int(manifest.get("vocab_size", 256))
+        if vocab > self.cfg.vocab_size:
+            raise TaskError(
+                f"dataset {self.cfg.dataset} has a vocabulary of {vocab} tokens, more than the config's "
+                f"vocab_size={self.cfg.vocab_size}"
+            )
+        return TaskData(
+            train=lm_source(self.cfg.dataset, "train"),
+            validation=lm_source(self.cfg.dataset, "validation"),
+            fingerprint=str(manifest["fingerprint"]),
+        )
+
+    def tokens_per_example(self) -> int:
+        return self.cfg.seq_len
+
+
+def make_task(cfg: Config, args: dict[str, Any]) -> LanguageModel:
+    """The built-in ``lm`` task: its model is the config's own keys, so it takes no ``task_args``."""
+    if args:
+        raise TaskError(f"task 'lm' takes no task_args (its model is set by the config's keys), got {sorted(args)}")
+    return LanguageModel(cfg)
