@@ -129,6 +129,10 @@ def main() -> int:
         "preset": args.preset,
         "storage_root": "var/runs",
         "dataset_source": "stdlib",
+        # The preset's tokenizer (a BPE trained on the corpus at prepare time) over 8 MB of the stdlib: plenty
+        # for the demo's steps, and its own path, so a full preparation at the default path is never in the way.
+        "dataset": f"var/data/demo-{args.preset}-8mb",
+        "dataset_max_bytes": 8_000_000,
         "steps": args.steps,
         "max_workers": args.max_workers,
         "keep_last": 2,

@@ -65,11 +65,15 @@ from training.events import (
     write_status,
 )
 from training.layout import AIRFLOW, CAPACITY, CONFIG, CONFIG_HISTORY, CONTROL, RDV_RESERVE
-from training.mesh import PlanError, check_fit, plan_report
+from training.mesh import MemoryEstimate, MeshPlan, PlanError, plan_report
+from training.mesh import check_fit as _check_fit
 from training.records import stamp
 from training.storage import AlreadyExists, NotFound, Store, is_gcs, open_store
+from training.tasks import TaskError
 
 __all__ = [
+    "TaskError",
+    "check_task",
     "ACCELERATOR_LABEL",
     "ALIVE_STATES",
     "CHAOS_ACTIONS",
@@ -177,9 +181,22 @@ def new_job_id() -> str:
     return time.strftime("j%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
 
 
-def plan(cfg: Config) -> dict[str, Any]:
-    """Mesh plans and the memory-fit check; raises PlanError with the numbers."""
-    return plan_report(cfg)
+def plan(cfg: Config, compiled: bool = False) -> dict[str, Any]:
+    """Mesh plans and the memory-fit check; raises PlanError with the numbers.
+
+    ``compiled``: also measure the compiled step's per-device memory (seconds to a
+    minute, in a child process); a task other than the built-in one is always measured.
+    """
+    from training.memfit import compiled_memory
+
+    return plan_report(cfg, compiled, compiled_memory)
+
+
+def check_fit(cfg: Config, compiled: bool = False) -> tuple[MeshPlan, MemoryEstimate | None]:
+    """Refuse a config that cannot run at its minimum topology; see :func:`plan` for ``compiled``."""
+    from training.memfit import compiled_memory
+
+    return _check_fit(cfg, compiled, compiled_memory)
 
 
 def committed_steps(run_uri: str) -> list[int]:
@@ -208,6 +225,7 @@ def run_exists(run_uri: str) -> bool:
 # --- launching ---------------------------------------------------------------------------------------
 
 FIXED_KEYS = (
+    "task",
     "seq_len",
     "d_model",
     "n_layers",
@@ -230,7 +248,24 @@ def _check_dataset(cfg: Config) -> None:
         raise LaunchError(
             f"dataset {cfg.dataset} is not prepared ({e}); prepare it with: "
             f"rtrain prepare --output {cfg.dataset} --seq-len {cfg.seq_len}"
+            + ("" if cfg.tokenizer == "bytes" else f" --tokenizer {cfg.tokenizer} --vocab-size {cfg.vocab_size}")
         ) from None
+
+
+def check_task(cfg: Config) -> None:
+    """Build the config's task and open its data, as every worker will (imports JAX); TaskError naming it."""
+    from training.tasks import TaskError, load_task
+
+    if cfg.task == "lm":
+        _check_dataset(cfg)  # with the command that prepares it
+    task = load_task(cfg)
+    try:
+        task.data()
+    except TaskError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a user's data source may raise anything: name it in one line
+        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise TaskError(f"task {cfg.task!r}: its data cannot be opened: {type(e).__name__}: {text}") from e
 
 
 def _write_config(cfg: Config, store: Store, job: str, by: str) -> list[str]:
@@ -273,6 +308,7 @@ def begin_job(cfg: Config, *, backend: str = "local", by: str | None = None, pro
     LaunchError (nothing written) when the config cannot resume this run.
     """
     plan(cfg)  # a config that cannot run is refused before anything is written
+    check_task(cfg)  # a task that cannot be built, or data it cannot open: refused the same way
     store = open_store(cfg.run_uri)
     job = new_job_id()
     who = by or f"{os.environ.get('USER', 'someone')}@{socket.gethostname()} pid {os.getpid()}"
@@ -282,7 +318,6 @@ def begin_job(cfg: Config, *, backend: str = "local", by: str | None = None, pro
     except LockHeld as e:
         raise LaunchRefused(f"refused: {e}", e.holder) from None
     try:
-        _check_dataset(cfg)
         if cfg.resume_from.isdigit() and int(cfg.resume_from) not in (steps := committed_steps(cfg.run_uri)):
             raise LaunchError(
                 f"resume_from={cfg.resume_from}: not a committed checkpoint of {cfg.run_uri} (committed: {steps})"
@@ -523,15 +558,37 @@ def prepare_dataset(
     max_bytes: int | None = None,
     progress: Callable[[str], None] | None = None,
     refresh: bool = False,
+    *,
+    tokenizer: str = "bytes",
+    vocab_size: int | None = None,
+    fmt: str | None = None,
+    field: str | None = None,
 ) -> dict[str, Any]:
-    """Prepare (idempotently) the byte-level dataset (imports numpy and array_record when called)."""
+    """Prepare (idempotently) a token dataset (imports numpy, array_record and the tokenizer when called).
+
+    ``tokenizer``: bytes, bpe (of ``vocab_size``) or a tokenizer file; ``fmt`` and
+    ``field``: the input format (None: detected) and the field or column of the text.
+    """
     from training import data
 
-    manifest = data.prepare(source, output, seq_len, max_bytes=max_bytes, progress=progress, overwrite=refresh)
+    manifest = data.prepare(
+        source,
+        output,
+        seq_len,
+        tokenizer=tokenizer,
+        vocab_size=vocab_size,
+        fmt=fmt,
+        field=field,
+        max_bytes=max_bytes,
+        progress=progress,
+        overwrite=refresh,
+    )
     return {
         "dataset": output,
         "fingerprint": manifest["fingerprint"],
         "train_records": manifest["splits"]["train"]["records"],
         "validation_records": manifest["splits"]["validation"]["records"],
         "seq_len": manifest["seq_len"],
+        "vocab_size": manifest.get("vocab_size", 256),
+        "tokenizer": (manifest.get("tokenizer") or {}).get("kind", "bytes"),
     }

@@ -8,8 +8,9 @@
    elastic trainer on the same model, data and kill (``training/bench_ray.py``).
 2. Checkpoint overhead: steady-state step time with async checkpoints every K
    steps / without, runs interleaved A B A B.
-3. Cost of resilience: tokens/s of the engine / tokens/s of a minimal plain JAX
-   loop on the same model, data and mesh (no agent, no checkpoints, no events).
+3. Cost of resilience: tokens/s of the engine / tokens/s of a plain ``jit`` loop written
+   by hand on the same model, loss, optimizer, data and mesh (no agent, no checkpoints,
+   no events); and the model FLOPs utilisation against a large matmul's FLOP/s here.
 4. Restore throughput / raw sequential read throughput of the same files.
 5. The local tier: steady-state step time with local copies every 2 steps / without
    (interleaved); steps trained again after a lost host with the local tier / with
@@ -303,36 +304,91 @@ def bench_checkpoint_overhead(ws: Path, repeats: int, ks: tuple[int, ...] = (5, 
 
 
 def plain_loop() -> int:
-    """A minimal multi-process JAX loop: same model, data and mesh; nothing else."""
+    """A minimal multi-process JAX loop: the same model, loss, optimizer, data and mesh; nothing else.
+
+    Written against the task and optax directly (no Trainer, no agent, no checkpoints, no events,
+    no learning-rate scale or notice flags), as a user would write it by hand.
+    """
+    import flax.linen as nn
     import jax
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     cfg = load_config("tiny", None, json.loads(os.environ["BENCH_CFG"]))
     n, pid = int(os.environ["BENCH_N"]), int(os.environ["BENCH_PID"])
     jax.config.update("jax_compilation_cache_dir", os.path.abspath(cfg.compilation_cache))
     jax.distributed.initialize(os.environ["BENCH_COORD"], n, pid)
-    from training import data
-    from training.mesh import build_mesh, plan_mesh
+    from training.data import pipeline
+    from training.mesh import LOGICAL_RULES, build_mesh, plan_mesh
+    from training.optim import make_optimizer
     from training.tasks import load_task
-    from training.trainer import Trainer
+    from training.trainer import state_shardings
 
-    tr = Trainer(cfg, build_mesh(plan_mesh(cfg, n)), load_task(cfg))
-    state = tr.init()
-    tr.compile()
-    batches = data.make_batches(
-        cfg.dataset, "train", seed=cfg.seed, global_batch=cfg.global_batch, process_index=pid, process_count=n
+    task = load_task(cfg)
+    mesh = build_mesh(plan_mesh(cfg, n))
+    tx = make_optimizer(cfg)
+    _, param_sh, opt_sh = state_shardings(task, tx, mesh)
+    batch_sh = NamedSharding(mesh, P(("data", "fsdp")))
+    fields = list(task.example_spec())
+
+    def init(key: jax.Array) -> Any:
+        params = nn.unbox(task.init(key))
+        return params, tx.init(params)
+
+    def step(params: Any, opt_state: Any, batch: Any, key: jax.Array) -> Any:
+        (loss, _), grads = jax.value_and_grad(task.loss, has_aux=True)(params, batch, key)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    jax.set_mesh(mesh)  # the model's activation constraints, as under the engine
+    nn.logical_axis_rules(LOGICAL_RULES).__enter__()
+    params, opt_state = jax.jit(init, out_shardings=(param_sh, opt_sh))(jax.random.key(cfg.seed))
+    jstep = jax.jit(step, out_shardings=(param_sh, opt_sh, NamedSharding(mesh, P())), donate_argnums=(0, 1))
+    batches = pipeline.batches(
+        task.data().train, seed=cfg.seed, global_batch=cfg.global_batch, process_index=pid, process_count=n
     )
+    key = jax.random.key(cfg.seed + 1)
     # No host sync per step (the engine reads each step's metrics one step late, so the device runs
     # ahead): the loop waits for the device only at the window's two ends, where it is timed.
     window = {int(x) for x in os.environ["BENCH_WINDOW"].split(",")}
     times = []
     for i in range(1, cfg.steps + 1):
-        state, m = tr.step(state, tr.global_batch(next(batches)))
+        local = next(batches)
+        batch = {
+            k: jax.make_array_from_process_local_data(batch_sh, local[k], (cfg.global_batch, *local[k].shape[1:]))
+            for k in fields
+        }
+        params, opt_state, loss = jstep(params, opt_state, batch, key)
         if i in window:
-            jax.block_until_ready((state, m))
+            jax.block_until_ready((params, loss))
         times.append(time.time())
     if pid == 0:
         print(json.dumps({"times": times}), flush=True)
     return 0
+
+
+def model_flops_per_token(cfg: Config) -> float:
+    """Training FLOPs per token of the built-in model: 6 x parameters (matmuls, forward and backward)
+    plus the attention scores' 12 x layers x width x sequence length."""
+    from training.mesh import param_count
+
+    n = param_count(cfg) - cfg.vocab_size * cfg.d_model  # the embedding lookup is no matmul
+    return 6.0 * n + 12.0 * cfg.n_layers * cfg.d_model * cfg.seq_len
+
+
+def matmul_flops_per_s() -> float:
+    """The FLOP/s a large float32 matmul reaches on this machine's CPU (all cores): the peak for MFU."""
+    code = (
+        "import time,json,jax,jax.numpy as jnp; n=2048; a=jnp.ones((n,n),jnp.float32);"
+        "f=jax.jit(lambda x:x@x); f(a).block_until_ready(); best=1e9\n"
+        "for _ in range(5):\n t=time.perf_counter(); f(a).block_until_ready(); best=min(best,time.perf_counter()-t)\n"
+        "print(json.dumps(2*n**3/best))"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
 
 
 def bench_cost(ws: Path, repeats: int) -> dict[str, Any]:
@@ -376,7 +432,15 @@ def bench_cost(ws: Path, repeats: int) -> dict[str, Any]:
         # times[i] is the end of step i+1, as the engine's progress event for step i+1.
         plain.append(tok / ((times[hi - 1] - times[lo - 1]) / (hi - lo)))
     a, b = statistics.median(engine), statistics.median(plain)
+    cfg = _cfg(ws, "cost-0")
+    devices = WORKERS * cfg.devices_per_worker
+    peak = matmul_flops_per_s()
     return {
+        "engine_tokens_per_s_per_device": a / devices,
+        "plain_tokens_per_s_per_device": b / devices,
+        "model_flops_per_token": model_flops_per_token(cfg),
+        "matmul_flops_per_s": peak,
+        "mfu": a * model_flops_per_token(cfg) / peak,
         "engine_tokens_per_s": engine,
         "engine_without_saves_tokens_per_s": unsaved,
         "plain_tokens_per_s": plain,
@@ -667,6 +731,19 @@ def format_table(r: dict[str, Any]) -> str:
                 "  engine without saves",
                 f"{_spread(k['engine_without_saves_tokens_per_s'])} vs {_spread(k['plain_tokens_per_s'])} tok/s",
                 k["without_saves_ratio"],
+                "(reported)",
+            )
+        if "mfu" in k:
+            row(
+                "  Llama tok/s per device",
+                f"{k['engine_tokens_per_s_per_device']:.0f} vs plain jit loop {k['plain_tokens_per_s_per_device']:.0f}",
+                k["ratio"],
+                ">= 0.95",
+            )
+            row(
+                "  model FLOPs utilisation",
+                f"{k['model_flops_per_token'] / 1e6:.2f} MFLOP/token vs matmul {k['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s",
+                k["mfu"],
                 "(reported)",
             )
     if "restore_throughput" in r:

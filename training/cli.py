@@ -1,7 +1,7 @@
 """``rtrain``: the command line of the training engine.
 
     rtrain prepare  [--source GLOB|gs://...] [--output URI] [--seq-len N]
-    rtrain plan     [--preset P] [--config FILE] [key=value ...]
+    rtrain plan     [--preset P] [--config FILE] [--compiled] [--json] [key=value ...]
     rtrain train    [--preset P] [--config FILE] [--chaos SPEC ...] [--detach] [key=value ...]
     rtrain status   RUN [--json]
     rtrain events   RUN [--type T ...] [--json]
@@ -94,22 +94,33 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from training import data
     from training.config import absolute
 
-    cfg = load_config(args.preset, args.config, list(args.overrides))
-    seq_len = args.seq_len or cfg.seq_len
+    overrides = list(args.overrides)
+    if args.tokenizer:
+        overrides.append(f"tokenizer={args.tokenizer}")
+    if args.vocab_size:
+        overrides.append(f"vocab_size={args.vocab_size}")
+    if args.seq_len:
+        overrides.append(f"seq_len={args.seq_len}")
+    # The flags are config overrides, so the default output is the dataset the config trains on.
+    cfg = load_config(args.preset, args.config, overrides)
     out = absolute(args.output) if args.output else cfg.dataset
-    if not args.output and args.seq_len and args.seq_len != cfg.seq_len:
-        out = load_config(args.preset, args.config, [*args.overrides, f"seq_len={seq_len}"]).dataset
     manifest = data.prepare(
         args.source,
         out,
-        seq_len,
+        cfg.seq_len,
+        tokenizer=cfg.tokenizer,
+        vocab_size=cfg.vocab_size,
+        fmt=None if args.format == "auto" else args.format,
+        field=args.field,
         max_bytes=args.max_bytes,
         progress=lambda line: print(f"[prepare] {line}", flush=True),
     )
     splits = manifest["splits"]
+    kind = (manifest.get("tokenizer") or {}).get("kind", "bytes")
     print(
         f"dataset {out}: {splits['train']['records']} train / {splits['validation']['records']} validation records "
-        f"of {manifest['seq_len'] + 1} bytes, fingerprint {manifest['fingerprint'][:12]}"
+        f"of {manifest['seq_len'] + 1} tokens, vocab {manifest.get('vocab_size', 256)} ({kind} tokenizer), "
+        f"fingerprint {manifest['fingerprint'][:12]}"
     )
     return Exit.OK
 
@@ -117,7 +128,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from training.api import plan
 
-    report = plan(_config(args))
+    report = plan(_config(args), compiled=args.compiled)
     if args.json:
         _dump(report)
         return Exit.OK
@@ -125,8 +136,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for key in ("min_plan", "max_plan"):
         p = report[key]
         print(f"{key.replace('_', ' '):<9} {p['workers']} hosts, {p['devices']} devices, mesh {_mesh(p['shape'])}")
-    mem = report["memory_gib"]
-    print(f"memory per device at the minimum: {mem['total']:.2f} GiB ({report['params'] / 1e6:.1f}M parameters)")
+    mem, got = report["memory_gib"], report.get("compiled_memory_gib")
+    params = f"{report['params'] / 1e6:.1f}M parameters"
+    if report.get("memory_source") == "formula":
+        print(f"memory per device at the minimum: {mem['total']:.2f} GiB by the formula ({params})")
+    if got:
+        print(
+            f"memory per device at the minimum: {got['total']:.2f} GiB from the compiled step (CPU backend, XLA's "
+            f"buffer assignment: arguments {got['arguments']:.2f}, temporaries {got['temporaries']:.2f}, "
+            f"outputs {got['outputs']:.2f}, aliased {got['alias']:.2f} GiB; {params})"
+        )
     return Exit.OK
 
 
@@ -319,6 +338,21 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return Exit.OK if all(r["verdict"] == "validated" for r in results) else Exit.FAILED
 
 
+def cmd_sample(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from training.api import load_run_config
+    from training.sample import sample
+
+    cfg = load_run_config(_existing_run(args))
+    out = sample(cfg, args.prompt, max_new_tokens=args.tokens, step=args.step)
+    if args.json:
+        print(json.dumps(asdict(out), sort_keys=True))
+    else:
+        print(f"[step {out.step}] {out.prompt}{out.completion}")
+    return Exit.OK
+
+
 def format_validations(results: list[dict[str, Any]]) -> str:
     """One aligned table of verdicts with rounded numbers."""
     if not results:
@@ -443,11 +477,30 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--output", default=None, help="dataset URI (default: the config's dataset)")
     sp.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the config's)")
     sp.add_argument("--max-bytes", type=int, default=None, help="cap the input bytes read")
+    sp.add_argument(
+        "--format",
+        choices=("auto", "text", "jsonl", "parquet", "hf"),
+        default="auto",
+        help="input format: text files, JSONL, Parquet, a saved Hugging Face dataset (default: detected)",
+    )
+    sp.add_argument("--field", default=None, metavar="NAME", help="JSONL field / Parquet or HF column (default: text)")
+    sp.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="SPEC",
+        help="bytes | bpe | a tokenizer.json or SentencePiece .model path (default: the config's)",
+    )
+    sp.add_argument("--vocab-size", type=int, default=None, help="the BPE's vocabulary size (default: the config's)")
     sp.set_defaults(fn=cmd_prepare)
 
     sp = sub.add_parser("plan", help="mesh plans and the memory-fit check at the minimum topology")
     config_args(sp)
     sp.add_argument("--json", action="store_true", help="machine-readable output")
+    sp.add_argument(
+        "--compiled",
+        action="store_true",
+        help="also check the compiled train step's per-device memory (compiled for fake CPU devices; can take a minute)",
+    )
     sp.set_defaults(fn=cmd_plan)
 
     sp = sub.add_parser("train", help="run (or resume) a training job on the local slice")
@@ -480,6 +533,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--step", type=int, default=None, help="default: the newest committed")
     sp.add_argument("--pending", action="store_true", help="every committed checkpoint without a verdict")
     sp.set_defaults(fn=cmd_validate)
+
+    sp = sub.add_parser("sample", help="continue a prompt greedily from a checkpoint (the built-in lm task)")
+    run_args(sp)
+    sp.add_argument("--prompt", default="", help="the text to continue")
+    sp.add_argument("--tokens", type=int, default=64, help="new tokens at most (default 64)")
+    sp.add_argument("--step", type=int, default=None, help="default: the newest committed")
+    sp.set_defaults(fn=cmd_sample)
 
     sp = sub.add_parser("rollback", help="move the resume pointer back to a validated checkpoint")
     run_args(sp)
@@ -526,6 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     from training.checkpoint.resume import ResumeError
     from training.data import DatasetError
     from training.mesh import PlanError
+    from training.tasks import TaskError
 
     def fail(code: Exit, e: BaseException) -> int:
         if args.debug:
@@ -537,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return int(args.fn(args))
-    except (ConfigError, PlanError, ResumeError) as e:
+    except (ConfigError, PlanError, ResumeError, TaskError) as e:
         return fail(Exit.CONFIG, e)
     except (NotFoundError, RunNotFound) as e:
         return fail(Exit.NOT_FOUND, e)

@@ -9,14 +9,17 @@ then checks that the constant global batch splits over it, and (before
 anything is provisioned) that the model fits at the *minimum* topology.
 
 Planning is plain arithmetic so the Airflow side can call it without
-importing JAX; ``build_mesh`` is the one function that touches devices.
+importing JAX; ``build_mesh`` is the one function that touches devices.  The
+memory formula knows only the built-in Llama model; the compiled step's own
+figures (:mod:`training.memfit`, which needs JAX) are passed in as ``measure``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from training.config import Config
 
@@ -30,6 +33,13 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("vocab", "tensor"),
     ("norm", None),
     ("layers", None),
+    # Activations: batch rows over (data, fsdp); heads, MLP hidden and vocabulary over tensor.
+    ("act_batch", ("data", "fsdp")),
+    ("act_len", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
 )
 BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -202,36 +212,108 @@ def estimate_memory(cfg: Config, plan: MeshPlan) -> MemoryEstimate:
     )
 
 
-def check_fit(cfg: Config) -> tuple[MeshPlan, MemoryEstimate]:
-    """Refuse a config that cannot run at its minimum topology (before provisioning)."""
+class CompiledFigures(Protocol):
+    """A compiled step's per-device memory (``training.memfit.CompiledMemory``), as planning reads it."""
+
+    @property
+    def params(self) -> int: ...
+
+    @property
+    def total_bytes(self) -> int: ...
+
+    def gib(self) -> dict[str, float]: ...
+
+    def table(self) -> str: ...
+
+
+# Measures the compiled step at a worker count (``training.memfit.compiled_memory``): passed in, so
+# this module stays plain arithmetic that the Airflow side can import without JAX.
+Measure = Callable[[Config, int], CompiledFigures]
+
+
+def formula_applies(cfg: Config) -> bool:
+    """Whether :func:`estimate_memory` describes the config's model (only the built-in ``lm`` task's)."""
+    return cfg.task == "lm"
+
+
+def _fit(
+    cfg: Config, compiled: bool, measure: Measure | None
+) -> tuple[MeshPlan, MemoryEstimate | None, CompiledFigures | None]:
     sizes = feasible_sizes(cfg)
     if not sizes:
         # Explain with the smallest size's own error.
         check_batch(cfg, plan_mesh(cfg, cfg.min_workers))
         raise PlanError(f"no worker count in {cfg.min_workers}..{cfg.max_workers} splits the global batch")
     plan = plan_mesh(cfg, sizes[0])
-    est = estimate_memory(cfg, plan)
-    if est.total > 0.9 * est.device_bytes:
+    where = f"the minimum topology ({plan.workers} workers x {plan.devices_per_worker} devices, mesh {plan.shape}"
+    est = estimate_memory(cfg, plan) if formula_applies(cfg) else None
+    if est is not None and est.total > 0.9 * est.device_bytes:
         raise PlanError(
-            f"the model does not fit at the minimum topology ({plan.workers} workers x {plan.devices_per_worker} "
-            f"devices, mesh {plan.shape}, {est.params / 1e9:.2f}B parameters, per-device batch "
+            f"the model does not fit at {where}, {est.params / 1e9:.2f}B parameters, per-device batch "
             f"{cfg.global_batch // plan.batch_shards}):\n{est.table()}\n"
             "raise min_workers, shard more (ici_fsdp / ici_tensor), enable activation_checkpointing, "
             "or lower global_batch / seq_len"
         )
+    if not (compiled or est is None):
+        return plan, est, None
+    if measure is None:
+        raise PlanError(
+            f"task {cfg.task!r}: the memory formula knows only the built-in 'lm' task, so its fit can only be "
+            "estimated from the compiled step (training.api.plan / check_fit, or rtrain plan --compiled)"
+        )
+    got = measure(cfg, plan.workers)
+    usable = 0.9 * cfg.device_memory_gib * 2**30
+    if got.total_bytes > usable:
+        raise PlanError(
+            f"the model does not fit at {where}, {got.params / 1e9:.2f}B parameters, per-device batch "
+            f"{cfg.global_batch // plan.batch_shards}) by the compiled step (CPU backend, XLA's buffer "
+            f"assignment):\n{got.table()}\n  {'device memory (90% usable)':<28} {usable / 2**30:10.2f} GiB\n"
+            "raise min_workers, shard more (ici_fsdp / ici_tensor), enable activation_checkpointing, "
+            "or lower global_batch / seq_len"
+        )
+    return plan, est, got
+
+
+def check_fit(
+    cfg: Config, compiled: bool = False, measure: Measure | None = None
+) -> tuple[MeshPlan, MemoryEstimate | None]:
+    """Refuse a config that cannot run at its minimum topology (before provisioning).
+
+    The built-in task is checked with the formula (no JAX); with ``compiled``, and
+    always for another task, also with the compiled step's memory from ``measure``
+    (a task the formula does not know, without ``measure``, is refused: nothing
+    can estimate it here).  The estimate is ``None`` for such a task.
+    """
+    plan, est, _ = _fit(cfg, compiled, measure)
     return plan, est
 
 
-def plan_report(cfg: Config) -> dict[str, Any]:
-    plan, est = check_fit(cfg)
-    return {
+def plan_report(cfg: Config, compiled: bool = False, measure: Measure | None = None) -> dict[str, Any]:
+    """Feasible sizes, both ends' meshes and the per-device memory at the minimum (see :func:`check_fit`).
+
+    ``memory_gib`` is the formula's breakdown, or the compiled step's for a task the
+    formula does not know (``memory_source`` says which); ``compiled_memory_gib``
+    is there whenever the compiled step was measured.
+    """
+    plan, est, got = _fit(cfg, compiled, measure)
+    report: dict[str, Any] = {
         "feasible_workers": feasible_sizes(cfg),
         "min_plan": plan.describe(),
         "max_plan": plan_mesh(cfg, max(feasible_sizes(cfg))).describe(),
-        "memory_gib": {k: v / 2**30 for k, v in asdict(est).items() if k.startswith("bytes")}
-        | {"total": est.total / 2**30},
-        "params": est.params,
     }
+    if est is not None:
+        report["memory_gib"] = {k: v / 2**30 for k, v in asdict(est).items() if k.startswith("bytes")} | {
+            "total": est.total / 2**30
+        }
+        report["memory_source"] = "formula"
+        report["params"] = est.params
+    if got is not None:
+        report["compiled_memory_gib"] = got.gib()
+        if est is None:
+            report["memory_gib"] = got.gib()
+            report["memory_source"] = "compiled"
+            report["params"] = got.params
+    return report
 
 
 def build_mesh(plan: MeshPlan) -> Any:

@@ -9,6 +9,7 @@ the optimizer and schedule from the config (:mod:`training.optim`).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -99,8 +100,16 @@ class Trainer:
             "rng": jax.random.key_data(jax.random.key(self.cfg.seed + 1)),
         }
 
+    def tracing(self) -> contextlib.ExitStack:
+        """The context the task's code is traced in: this mesh and the logical axis rules (activation constraints)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.set_mesh(self.mesh))
+        stack.enter_context(nn.logical_axis_rules(LOGICAL_RULES))
+        return stack
+
     def init(self) -> State:
-        return cast(State, self._init(jax.random.key(self.cfg.seed)))
+        with self.tracing():
+            return cast(State, self._init(jax.random.key(self.cfg.seed)))
 
     # --- the step ------------------------------------------------------------------
     def _grads(self, params: Any, batch: Batch, rng: jax.Array) -> tuple[jax.Array, Any, dict[str, Any]]:
@@ -177,6 +186,9 @@ class Trainer:
             self._flags[flag] = jax.make_array_from_callback(
                 (n,), self.flag_sharding, lambda idx: np.full(len(range(*cast(Any, idx)[0].indices(n))), flag, np.int32)
             )
+        if self._compiled is None:
+            with self.tracing():
+                return cast(tuple[State, dict[str, Any]], fn(state, batch, self._scales[lr_scale], self._flags[flag]))
         return cast(tuple[State, dict[str, Any]], fn(state, batch, self._scales[lr_scale], self._flags[flag]))
 
     def corrupt(self, state: State) -> State:
@@ -199,7 +211,8 @@ class Trainer:
         """The step lowered for the current mesh, from shapes alone."""
         scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.replicated)
         flags = jax.ShapeDtypeStruct((self.mesh.size,), jnp.int32, sharding=self.flag_sharding)
-        return self._step.lower(self.abstract, self.abstract_batch(), scalar, flags)
+        with self.tracing():
+            return self._step.lower(self.abstract, self.abstract_batch(), scalar, flags)
 
     def compile(self) -> None:
         """AOT-compile the step for the current mesh (a hit in the persistent cache on a resume)."""

@@ -147,6 +147,6 @@ def test_paths_are_made_absolute_against_the_directory_the_command_runs_in(tmp_p
     cfg = load_config("tiny", None, ["root=runs", "compilation_cache=cache"])
     assert cfg.root == str(tmp_path / "runs") and cfg.compilation_cache == str(tmp_path / "cache")
     assert cfg.dataset == str(tmp_path / "var" / "data" / "stdlib-seq64")  # one default per sequence length
-    assert load_config("small").dataset.endswith("var/data/stdlib-seq128")
+    assert load_config("small").dataset.endswith("var/data/stdlib-bpe1024-seq128")  # the preset's BPE
     assert load_config("tiny", None, ["root=gs://bucket/runs"]).root == "gs://bucket/runs"
     assert cfg.run_uri == str(tmp_path / "runs" / "demo")

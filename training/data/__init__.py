@@ -15,6 +15,7 @@ import numpy as np
 from training.data import pipeline
 from training.data.preparation import (
     MANIFEST,
+    SEPARATOR,
     SPLITS,
     DatasetError,
     DatasetExistsError,
@@ -22,7 +23,7 @@ from training.data.preparation import (
     local_shards,
     prepare,
 )
-from training.data.tokens import SEPARATOR, lm_source
+from training.data.tokens import lm_source, load_tokenizer
 
 __all__ = [
     "MANIFEST",
@@ -34,6 +35,7 @@ __all__ = [
     "global_batch_ids",
     "lm_source",
     "load_manifest",
+    "load_tokenizer",
     "local_shards",
     "make_batches",
     "prepare",

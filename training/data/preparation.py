@@ -1,55 +1,59 @@
-"""Byte-level text datasets: preparation into ArrayRecord shards, and the input pipeline.
+"""Token datasets: preparation into ArrayRecord shards, and where the input pipeline finds them.
 
 Two halves, joined by a directory (local or ``gs://``) with one ``manifest.json``:
 
-* ``prepare`` reads text files, packs their bytes into fixed-length records and
-  writes them as ArrayRecord shards.  The manifest is written last and names
-  every shard with its checksum, so a dataset is complete exactly when it has a
-  manifest: a crash mid-write leaves nothing that looks usable, and re-running
-  the same preparation finishes the job.
-* ``make_batches`` serves the records to the training processes through grain.
-  Its one promise is the *data position*: there is a single global stream of
-  examples (seeded, reshuffled every epoch) and global batch ``k`` is always the
-  same slice of it, however many processes share it.  A job that restarts on a
-  different number of hosts at step ``k`` continues at exactly the next
-  example: nothing skipped, nothing seen twice.
+* ``prepare`` reads documents (text files, JSONL, Parquet or a saved Hugging
+  Face dataset: :mod:`training.data.formats`), tokenizes them
+  (:mod:`training.data.tokenizer`), packs the token stream of each split into
+  fixed-length records and writes them as ArrayRecord shards.  The manifest is
+  written last and names every shard with its checksum, so a dataset is
+  complete exactly when it has a manifest: a crash mid-write leaves nothing
+  that looks usable, and re-running the same preparation finishes the job.
+* ``local_shards`` hands the shards of a split to the input pipeline
+  (:mod:`training.data.pipeline`), checked against the manifest.
 
-Tokens are bytes (vocab 256); byte 0 separates documents.  No tokenizer to ship,
-version or download, and any text on any machine is a valid corpus.
+With the default ``bytes`` tokenizer, tokens are the input's bytes (vocab 256,
+byte 0 ends a document, format 1): no tokenizer to ship, version or download,
+and any text on any machine is a valid corpus.  Another tokenizer gives format
+2: ids as uint16 or uint32, its end-of-document id, and its definition stored
+beside the shards.
 """
 
 from __future__ import annotations
 
 import datetime
-import glob
 import hashlib
 import json
 import logging
 import os
-import sysconfig
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from training.data.errors import DatasetError as DatasetError
+from training.data.formats import Source, open_source
+from training.data.tokenizer import HF_FILE, SPM_FILE, BPETrainer, Tokenizer, resolve
 from training.storage import NotFound, Store, is_gcs, open_store
 
-FORMAT = 1
+FORMAT = 1  # Byte-level datasets (their fingerprint and manifest are unchanged since the first format).
+TOKENIZED_FORMAT = 2  # Datasets of another tokenizer: token_dtype, eos_id and the tokenizer in the manifest.
+READABLE_FORMATS = (FORMAT, TOKENIZED_FORMAT)
 VOCAB_SIZE = 256
-SEPARATOR = 0  # Byte that ends every document.
+SEPARATOR = 0  # Byte that ends every document of a byte-level dataset.
 MANIFEST = "manifest.json"
 SPLITS = ("train", "validation")
+TOKENIZER_FILES = (HF_FILE, SPM_FILE)
 # One record per chunk: grain reads records in a random order, and a larger
 # group would decompress a whole group to return one record.
 SHARD_OPTIONS = "group_size:1"
+ENCODE_BATCH_BYTES = 1 << 20  # Documents are tokenized in batches of about this much text.
 
 log = logging.getLogger(__name__)
-
-
-class DatasetError(ValueError):
-    """A dataset that cannot be prepared or read, with a message that says why."""
 
 
 class DatasetExistsError(DatasetError):
@@ -62,14 +66,6 @@ class DatasetExistsError(DatasetError):
 
 
 @dataclass(frozen=True)
-class _Input:
-    """One input document: its relative name (which orders and splits it) and a reader."""
-
-    name: str
-    read: Callable[[int | None], bytes]  # At most n bytes (None: all of it).
-
-
-@dataclass(frozen=True)
 class _File:
     """An input document as used: the bytes taken from it and their hash."""
 
@@ -79,90 +75,51 @@ class _File:
     split: str = "train"
 
 
-def _local_reader(path: str) -> Callable[[int | None], bytes]:
-    def read(limit: int | None) -> bytes:
-        with open(path, "rb") as f:
-            return f.read() if limit is None else f.read(limit)
-
-    return read
-
-
-def _store_reader(store: Store, key: str) -> Callable[[int | None], bytes]:
-    def read(limit: int | None) -> bytes:
-        data = store.get(key)
-        return data if limit is None else data[:limit]
-
-    return read
-
-
-def _glob_base(pattern: str) -> str:
-    """The directory part of a glob before its first wildcard: names are relative to it."""
-    parts = Path(pattern).parts
-    base: list[str] = []
-    for part in parts[:-1]:
-        if any(c in part for c in "*?["):
-            break
-        base.append(part)
-    return str(Path(*base)) if base else "."
-
-
-def _list_inputs(source: str | None) -> tuple[str, list[_Input]]:
-    """The input documents of ``source``, sorted by relative name, and a description of it.
-
-    Names are relative (to the stdlib directory, the glob's base or the gs://
-    prefix) so that the same files prepared from a laptop and from a bucket get
-    the same fingerprint, split and record order.
-    """
-    if source is None:
-        root = sysconfig.get_paths()["stdlib"]
-        paths = glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
-        # site-packages can live under the stdlib directory (pyenv, /usr/local):
-        # it differs from machine to machine, the stdlib does not.
-        inputs = [
-            _Input(Path(os.path.relpath(p, root)).as_posix(), _local_reader(p))
-            for p in paths
-            if os.path.isfile(p) and not {"site-packages", "dist-packages"} & set(Path(p).parts)
-        ]
-        desc = f"stdlib:{root}"
-    elif is_gcs(source):
-        store = open_store(source)
-        inputs = [_Input(key, _store_reader(store, key)) for key in store.list() if not key.endswith("/")]
-        desc = source
-    else:
-        pattern = os.path.expanduser(source)
-        if os.path.isdir(pattern):
-            pattern = os.path.join(pattern, "**", "*")
-        base = _glob_base(pattern)
-        inputs = [
-            _Input(Path(os.path.relpath(p, base)).as_posix(), _local_reader(p))
-            for p in glob.glob(pattern, recursive=True)
-            if os.path.isfile(p)
-        ]
-        desc = source
-    return desc, sorted(inputs, key=lambda i: i.name)
-
-
 def _unit_hash(name: str) -> float:
-    """A stable number in [0, 1) for a file name: the split does not move when files are added."""
+    """A stable number in [0, 1) for a document name: the split does not move when documents are added."""
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") / 2**64
 
 
-def _assign_splits(files: list[_File], val_fraction: float, seq_len: int) -> list[_File]:
-    """Validation is a fraction of whole files, so no document leaks into both splits.
+def _assign_splits(
+    files: list[_File], val_fraction: float, seq_len: int, lengths: dict[str, int] | None = None
+) -> list[_File]:
+    """Validation is a fraction of whole documents, so no document leaks into both splits.
 
     If the hash gives validation less than one record (small corpora, tiny
-    fractions), files are moved over in hash order until it has one: evaluation
-    must always have something to evaluate.
+    fractions), documents are moved over in hash order until it has one:
+    evaluation must always have something to evaluate.  ``lengths`` are each
+    document's tokens with its separator (default: its bytes + 1, the byte-level
+    stream); documents already in validation stay there.
     """
-    val = {f.name for f in files if _unit_hash(f.name) < val_fraction}
+    val = {f.name for f in files if f.split == "validation" or _unit_hash(f.name) < val_fraction}
     record = seq_len + 1
-    stream = {f.name: f.nbytes + 1 for f in files}  # +1: the separator.
+    stream = lengths if lengths is not None else {f.name: f.nbytes + 1 for f in files}
     if sum(stream.values()) >= record:
         for f in sorted(files, key=lambda f: _unit_hash(f.name)):
             if sum(stream[n] for n in val) >= record:
                 break
             val.add(f.name)
-    return [_File(f.name, f.nbytes, f.sha256, "validation" if f.name in val else "train") for f in files]
+    return [replace(f, split="validation" if f.name in val else "train") for f in files]
+
+
+def _used(src: Source, files: list[_File]) -> Iterator[tuple[_File, bytes]]:
+    """The bytes of ``files`` read again from ``src``, each checked against its hash from the first pass."""
+    docs = src.documents()
+    try:
+        for f in files:
+            for doc in docs:
+                if doc.name == f.name:
+                    break
+            else:
+                raise DatasetError(f"input {f.name!r} disappeared while it was being prepared; run again")
+            data = doc.read(f.nbytes)
+            if len(data) != f.nbytes or hashlib.sha256(data).hexdigest() != f.sha256:
+                raise DatasetError(f"input {f.name!r} changed while it was being prepared; run again")
+            yield f, data
+    finally:
+        close = getattr(docs, "close", None)
+        if close is not None:
+            close()
 
 
 # ----------------------------------------------------------------------------
@@ -259,38 +216,101 @@ class _ShardedWriter:
         return {"records": self.written, "shards": self.shards}
 
 
+def _describe_tokenizer(entry: dict[str, Any] | None) -> str:
+    """A tokenizer as named in messages: its kind, vocabulary size and fingerprint."""
+    if not entry or entry.get("kind") == "bytes":
+        return "bytes"
+    fp = str(entry.get("recipe") or entry.get("fingerprint") or "")[:12]
+    return f"{entry.get('kind')} (vocab {entry.get('vocab_size')}, fingerprint {fp})"
+
+
+def _encode(
+    tok: Tokenizer, src: Source, files: list[_File], path: str, say: _Progress
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Tokenize every used document into one local file of ids, each document followed by the eos id.
+
+    Returns each document's offset and length (in tokens, its eos included):
+    the split is settled on token counts, and the records of a split are its
+    documents' ids concatenated in order.
+    """
+    dtype = np.dtype(tok.token_dtype)
+    eos = np.asarray([tok.eos_id], dtype=dtype)
+    offsets: dict[str, int] = {}
+    lengths: dict[str, int] = {}
+    position = 0
+    batch: list[tuple[_File, bytes]] = []
+    done = 0
+
+    with open(path, "wb") as out:
+
+        def flush() -> None:
+            nonlocal position, done
+            for (f, _), ids in zip(batch, tok.encode_documents([d for _, d in batch]), strict=True):
+                out.write(ids.astype(dtype, copy=False).tobytes())
+                out.write(eos.tobytes())
+                offsets[f.name], lengths[f.name] = position, len(ids) + 1
+                position += len(ids) + 1
+            done += len(batch)
+            batch.clear()
+            say(f"tokenized {done}/{len(files)} documents, {position:,} tokens", force=False)
+
+        size = 0
+        for f, data in _used(src, files):
+            batch.append((f, data))
+            size += len(data)
+            if size >= ENCODE_BATCH_BYTES:
+                flush()
+                size = 0
+        flush()
+    say(f"tokenized {len(files)} documents: {position:,} tokens ({tok.kind})")
+    return offsets, lengths
+
+
 def prepare(
     source: str | None,
     output: str,
     seq_len: int,
     *,
+    tokenizer: str | Tokenizer = "bytes",
+    vocab_size: int | None = None,
+    fmt: str | None = None,
+    field: str | None = None,
     val_fraction: float = 0.02,
     max_bytes: int | None = None,
     records_per_shard: int = 4096,
     progress: Callable[[str], None] | None = None,
     overwrite: bool = False,
 ) -> dict[str, Any]:
-    """Prepares a byte-level dataset at ``output`` and returns its manifest.
+    """Prepares a token dataset at ``output`` and returns its manifest.
 
     Args:
       source: None for the running Python's standard library (``**/*.py``:
-        real text on every machine), a local glob or directory, or
+        real text on every machine), a local file, glob or directory, or
         ``gs://bucket/prefix`` (every object under it).
       output: a local directory or ``gs://bucket/prefix``.
-      seq_len: tokens per example; records hold ``seq_len + 1`` bytes so that
+      seq_len: tokens per example; records hold ``seq_len + 1`` ids so that
         inputs and targets are the same record shifted by one.
-      val_fraction: fraction of files (by a stable hash of their names) held out
-        for validation; at least one validation record is guaranteed.
-      max_bytes: cap on the input bytes read, files taken in name order (the
-        last one possibly cut), so tests and smoke runs stay small.
+      tokenizer: "bytes" (vocab 256), "bpe" (a byte-level BPE of
+        ``vocab_size`` trained on the train split), or the path of a Hugging
+        Face ``tokenizer.json`` or SentencePiece ``.model``.
+      vocab_size: the BPE's vocabulary size (other tokenizers have their own).
+      fmt: "text", "jsonl", "parquet", "hf" (a saved Hugging Face dataset), or
+        None / "auto" to detect it from the source.
+      field: the JSONL field or Parquet / Hugging Face column of the text
+        (default "text").
+      val_fraction: fraction of documents (by a stable hash of their names)
+        held out for validation; at least one validation record is guaranteed.
+      max_bytes: cap on the input bytes (of UTF-8 text) read, documents taken in
+        order (the last one possibly cut), so tests and smoke runs stay small.
       records_per_shard: records per ArrayRecord shard (layout only: it is not
         part of the fingerprint).
       progress: called with human-readable progress lines (default: logging).
       overwrite: replace a dataset with a different fingerprint at ``output``.
 
     Idempotent: with a manifest of the same fingerprint already in place nothing
-    is written.  The inputs are read twice (hash, then write) rather than held in
-    memory; the fingerprint is what makes "same dataset" decidable before any write.
+    is read twice, trained or written.  The inputs are read again to write
+    (and to train a BPE) rather than held in memory; the fingerprint is what
+    makes "same dataset" decidable before any write.
     """
     if seq_len < 1:
         raise DatasetError(f"seq_len must be >= 1, got {seq_len}")
@@ -302,39 +322,44 @@ def prepare(
         raise DatasetError(f"records_per_shard must be >= 1, got {records_per_shard}")
     say = _Progress(progress)
     record_len = seq_len + 1
+    spec: Tokenizer | BPETrainer = resolve(tokenizer, vocab_size) if isinstance(tokenizer, str) else tokenizer
+    byte_level = spec.kind == "bytes"
 
     # Pass 1: hash what will be used.  The fingerprint decides, before anything is
     # written, whether the output is already this dataset, another one, or nothing.
-    desc, inputs = _list_inputs(source)
-    say(f"reading {len(inputs)} files from {desc}")
+    src = open_source(source, fmt, field)
+    desc = src.desc
+    say(f"reading {src.files} {src.fmt} file{'' if src.files == 1 else 's'} from {desc}")
     files: list[_File] = []
     used = 0
-    for i, inp in enumerate(inputs):
+    for i, doc in enumerate(src.documents()):
         if max_bytes is not None and used >= max_bytes:
             break
-        data = inp.read(None if max_bytes is None else max_bytes - used)
+        data = doc.read(None if max_bytes is None else max_bytes - used)
         if data:
-            files.append(_File(inp.name, len(data), hashlib.sha256(data).hexdigest()))
+            files.append(_File(doc.name, len(data), hashlib.sha256(data).hexdigest()))
             used += len(data)
-        say(f"hashed {i + 1}/{len(inputs)} files, {used:,} bytes", force=False)
-    say(f"hashed {len(files)} files, {used:,} bytes")
+        say(f"hashed {i + 1} documents, {used:,} bytes", force=False)
+    say(f"hashed {len(files)} documents, {used:,} bytes")
     if not files:
         raise DatasetError(f"no input data in {desc}")
     files = _assign_splits(files, val_fraction, seq_len)
-    fingerprint = hashlib.sha256(
-        json.dumps(
-            {
-                "format": FORMAT,
-                "seq_len": seq_len,
-                "separator": SEPARATOR,
-                "val_fraction": val_fraction,
-                "max_bytes": max_bytes,
-                "files": [[f.name, f.nbytes, f.sha256] for f in files],
-            },
-            sort_keys=True,
-            separators=(",", ":"),
-        ).encode()
-    ).hexdigest()
+    definition: dict[str, Any] = {
+        "format": FORMAT,
+        "seq_len": seq_len,
+        "separator": SEPARATOR,
+        "val_fraction": val_fraction,
+        "max_bytes": max_bytes,
+        "files": [[f.name, f.nbytes, f.sha256] for f in files],
+    }
+    if not byte_level:  # (a byte-level definition is unchanged, so datasets prepared before still match)
+        definition.update(
+            format=TOKENIZED_FORMAT, separator=None, tokenizer={"kind": spec.kind, "fingerprint": spec.fingerprint}
+        )
+    fingerprint = hashlib.sha256(json.dumps(definition, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    this_tokenizer = _describe_tokenizer(
+        None if byte_level else {"kind": spec.kind, "vocab_size": spec.vocab_size, "fingerprint": spec.fingerprint}
+    )
 
     store = open_store(output)
     existing = _read_manifest(store)
@@ -345,48 +370,79 @@ def prepare(
         if not overwrite:
             raise DatasetExistsError(
                 f"{output} already holds a different dataset (fingerprint {str(existing.get('fingerprint'))[:12]}, "
-                f"from {existing.get('source')!r}, seq_len {existing.get('seq_len')}); this preparation's "
-                f"fingerprint is {fingerprint[:12]}. Choose another output or pass overwrite=True."
+                f"from {existing.get('source')!r}, seq_len {existing.get('seq_len')}, tokenizer "
+                f"{_describe_tokenizer(existing.get('tokenizer'))}); this preparation's fingerprint is "
+                f"{fingerprint[:12]} (tokenizer {this_tokenizer}). Choose another output or pass overwrite=True."
             )
         # The manifest goes first: from here on the output is visibly incomplete.
         store.delete(MANIFEST)
 
-    plan = {split: sum(f.nbytes + 1 for f in files if f.split == split) // record_len for split in SPLITS}
-    counts = {split: -(-plan[split] // records_per_shard) for split in SPLITS}
-    # Shards of an interrupted or replaced preparation that this one will not
-    # overwrite (another shard count) would otherwise lie about the dataset.
-    planned = {_shard_name(s, i, counts[s]) for s in SPLITS for i in range(counts[s])}
-    for key in store.list():
-        if "/" not in key and key.endswith(".array_record") and key.split("-")[0] in SPLITS and key not in planned:
-            store.delete(key)
-
-    # Pass 2: pack the byte stream of each split into records, shard by shard.
     with tempfile.TemporaryDirectory(prefix="rtrain-prepare-") as tmp:
+        # Pass 2 (bpe only): train the tokenizer on the train split's documents.
+        tok: Tokenizer
+        if isinstance(spec, BPETrainer):
+            train = [f for f in files if f.split == "train"]
+            say(f"training a byte-level BPE of vocab {spec.vocab_size} on {len(train)} train documents")
+            tok = spec.train(data.decode("utf-8", errors="replace") for _, data in _used(src, train))
+            say(f"trained the BPE: vocab {tok.vocab_size}, eos id {tok.eos_id}, fingerprint {tok.fingerprint[:12]}")
+        else:
+            tok = spec
+
+        # Pass 3: tokenize every document, settle the split on token counts, pack each split's stream.
+        tokens_path = os.path.join(tmp, "tokens.bin")
+        offsets, lengths = _encode(tok, src, files, tokens_path, say)
+        files = _assign_splits(files, val_fraction, seq_len, lengths)
+        plan = {s: sum(lengths[f.name] for f in files if f.split == s) // record_len for s in SPLITS}
+        counts = {s: -(-plan[s] // records_per_shard) for s in SPLITS}
+        # Shards of an interrupted or replaced preparation that this one will not
+        # overwrite (another shard count), and a tokenizer file it does not use,
+        # would otherwise lie about the dataset.
+        planned = {_shard_name(s, i, counts[s]) for s in SPLITS for i in range(counts[s])}
+        for key in store.list():
+            if "/" in key:
+                continue
+            stale_shard = key.endswith(".array_record") and key.split("-")[0] in SPLITS and key not in planned
+            if stale_shard or (key in TOKENIZER_FILES and key != tok.file):
+                store.delete(key)
+        raw = tok.definition()
+        if tok.file is not None and raw is not None:
+            store.put(tok.file, raw)
+
+        dtype = np.dtype(tok.token_dtype)
+        # (an empty file cannot be mapped)
+        size = os.path.getsize(tokens_path)
+        stream = np.memmap(tokens_path, dtype=dtype, mode="r") if size else np.zeros(0, dtype=dtype)
+        record_bytes = record_len * dtype.itemsize
         writers = {s: _ShardedWriter(store, tmp, s, plan[s], records_per_shard, say) for s in SPLITS}
         buffers = {s: bytearray() for s in SPLITS}
-        by_name = {inp.name: inp for inp in inputs}
         for i, f in enumerate(files):
-            data = by_name[f.name].read(f.nbytes)
-            if len(data) != f.nbytes or hashlib.sha256(data).hexdigest() != f.sha256:
-                raise DatasetError(f"input {f.name!r} changed while it was being prepared; run again")
             buf = buffers[f.split]
-            buf += data
-            buf.append(SEPARATOR)
-            n = len(buf) // record_len
+            buf += stream[offsets[f.name] : offsets[f.name] + lengths[f.name]].tobytes()
+            n = len(buf) // record_bytes
             for r in range(n):
-                writers[f.split].write(bytes(buf[r * record_len : (r + 1) * record_len]))
-            del buf[: n * record_len]
-            say(f"packed {i + 1}/{len(files)} files", force=False)
+                writers[f.split].write(bytes(buf[r * record_bytes : (r + 1) * record_bytes]))
+            del buf[: n * record_bytes]
+            say(f"packed {i + 1}/{len(files)} documents", force=False)
         splits = {s: writers[s].finish() for s in SPLITS}
+        del stream
 
+    tokens = sum(lengths.values())
+    entry = tok.manifest_entry()
+    if isinstance(spec, BPETrainer):
+        entry["recipe"] = spec.fingerprint
     manifest = {
-        "format": FORMAT,
+        "format": FORMAT if byte_level else TOKENIZED_FORMAT,
         "seq_len": seq_len,
-        "vocab_size": VOCAB_SIZE,
+        "vocab_size": tok.vocab_size,
+        "token_dtype": tok.token_dtype,
+        "eos_id": tok.eos_id,
+        "tokenizer": entry,
         "fingerprint": fingerprint,
         "source": desc,
+        "input_format": src.fmt,
         "input_files": len(files),
         "input_bytes": used,
+        "input_tokens": tokens,
         "val_fraction": val_fraction,
         "max_bytes": max_bytes,
         "splits": splits,
@@ -396,7 +452,8 @@ def prepare(
     store.put(MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
     say(
         f"prepared {output}: {splits['train']['records']} train / {splits['validation']['records']} validation "
-        f"records of {seq_len} tokens (fingerprint {fingerprint[:12]})"
+        f"records of {seq_len} tokens, {tok.kind} tokenizer, vocab {tok.vocab_size} "
+        f"(fingerprint {fingerprint[:12]})"
     )
     return manifest
 
@@ -410,7 +467,7 @@ def _read_manifest(store: Store) -> dict[str, Any] | None:
         manifest = json.loads(raw)
     except json.JSONDecodeError as e:
         raise DatasetError(f"{store.child(MANIFEST)} is not valid JSON: {e}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") not in READABLE_FORMATS:
         raise DatasetError(f"{store.child(MANIFEST)}: unsupported manifest format {manifest.get('format')!r}")
     return manifest
 

@@ -13,12 +13,15 @@ from typing import Any
 
 import numpy as np
 
-from training.data.preparation import SEPARATOR, DatasetError, load_manifest, local_shards
+from training.data.errors import DatasetError
+from training.data.preparation import SEPARATOR, load_manifest, local_shards
+from training.data.tokenizer import Tokenizer, from_manifest
+from training.storage import open_store
 
 
 def token_dtype(manifest: dict[str, Any]) -> np.dtype[Any]:
     """The dtype of a dataset's token ids (bytes for the byte-level format)."""
-    return np.dtype(manifest.get("token_dtype", "uint8"))
+    return np.dtype(str(manifest.get("token_dtype", "uint8")))
 
 
 def eos_id(manifest: dict[str, Any]) -> int:
@@ -65,3 +68,8 @@ def lm_source(dataset_uri: str, split: str, cache_dir: str | None = None) -> Any
     """A split of a prepared dataset as language-model examples (a grain MapDataset)."""
     manifest = load_manifest(dataset_uri)
     return records(dataset_uri, split, cache_dir).map(LMExample(token_dtype(manifest), eos_id(manifest)))
+
+
+def load_tokenizer(dataset_uri: str) -> Tokenizer:
+    """The tokenizer of a prepared dataset (bytes for a byte-level one), to decode its ids."""
+    return from_manifest(load_manifest(dataset_uri), open_store(dataset_uri))

@@ -517,7 +517,7 @@ class Loop:
             step_time = (now - self.t_last) / self.since
             values = {k: v for k, v in m.items() if k != "notice"}  # the engine's and the task's own metrics
             self.rep.send("metrics", step=step, step_time=step_time, loss=loss, values=values)
-            common = {k: values[k] for k in ("loss", "grad_norm", "accuracy", "lr") if k in values}
+            common: dict[str, Any] = {k: values[k] for k in ("loss", "grad_norm", "accuracy", "lr") if k in values}
             if step % self.cfg.log_every == 0 or step == self.cfg.steps or self.first:
                 self.rep.send(
                     "progress",

@@ -1,8 +1,9 @@
 """Llama 3: a decoder-only transformer with RoPE, RMSNorm, SwiGLU and grouped-query attention.
 
 Parameters carry *logical* axis names (``vocab``, ``embed``, ``heads``, ``mlp``,
-``norm``, ``layers``); the mesh rules map them onto whatever mesh the job runs
-on.  The blocks are one ``nn.scan`` over layers (one compiled block, whatever
+``norm``, ``layers``), and activations ``act_*`` ones; the mesh rules map them onto
+whatever mesh the job runs on (under the trainer's mesh and rules context: a
+constraint is a no-op without one).  The blocks are one ``nn.scan`` over layers (one compiled block, whatever
 the depth), rematerialised when ``remat`` is on.  Packed documents are kept
 apart by segment ids: a token attends only to earlier tokens of its own
 document, and its rotary position counts from its document's start.
@@ -82,6 +83,11 @@ def apply_rope(x: jax.Array, positions: jax.Array, freqs: jax.Array) -> jax.Arra
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def constrain(x: jax.Array, *axes: str | None) -> jax.Array:
+    """Pin an activation's sharding by its logical axes (batch rows stay on their devices)."""
+    return cast(jax.Array, nn.with_logical_constraint(x, axes))
+
+
 def _dense(features: int, axes: tuple[str, str], cfg: LlamaConfig, name: str) -> nn.Dense:
     return nn.Dense(
         features,
@@ -141,13 +147,15 @@ class Attention(nn.Module):
         q = _dense(nh * hd, ("embed", "heads"), cfg, "q")(x).reshape(b, s, nh, hd)
         k = _dense(nkv * hd, ("embed", "heads"), cfg, "k")(x).reshape(b, s, nkv, hd)
         v = _dense(nkv * hd, ("embed", "heads"), cfg, "v")(x).reshape(b, s, nkv, hd)
+        q, k, v = (constrain(t, "act_batch", "act_len", "act_heads", None) for t in (q, k, v))
         freqs = rope_frequencies(cfg)
         q, k = apply_rope(q, positions, freqs), apply_rope(k, positions, freqs)
         if cfg.attention == "reference":
             out = reference_attention(q, k, v, mask)
         else:  # grouped-query natively; a fused kernel where the platform has one
             out = jax.nn.dot_product_attention(q, k, v, mask=mask)
-        return _dense(cfg.d_model, ("heads", "embed"), cfg, "o")(out.reshape(b, s, nh * hd))
+        out = constrain(out, "act_batch", "act_len", "act_heads", None).reshape(b, s, nh * hd)
+        return constrain(_dense(cfg.d_model, ("heads", "embed"), cfg, "o")(out), "act_batch", "act_len", "act_embed")
 
 
 class MLP(nn.Module):
@@ -157,7 +165,10 @@ class MLP(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         gate = _dense(self.cfg.d_ff, ("embed", "mlp"), self.cfg, "gate")(x)
         up = _dense(self.cfg.d_ff, ("embed", "mlp"), self.cfg, "up")(x)
-        return _dense(self.cfg.d_model, ("mlp", "embed"), self.cfg, "down")(nn.silu(gate) * up)
+        hidden = constrain(nn.silu(gate) * up, "act_batch", "act_len", "act_mlp")
+        return constrain(
+            _dense(self.cfg.d_model, ("mlp", "embed"), self.cfg, "down")(hidden), "act_batch", "act_len", "act_embed"
+        )
 
 
 class Block(nn.Module):
@@ -167,9 +178,10 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> tuple[jax.Array, None]:
+        x = constrain(x, "act_batch", "act_len", "act_embed")
         x = x + Attention(self.cfg, name="attn")(RMSNorm(self.cfg, name="attn_norm")(x), positions, mask)
         x = x + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg, name="mlp_norm")(x))
-        return x, None
+        return constrain(x, "act_batch", "act_len", "act_embed"), None
 
 
 class Llama(nn.Module):
@@ -196,7 +208,7 @@ class Llama(nn.Module):
                 DTYPES[cfg.param_dtype],
             ),
         )
-        x = jnp.take(embed, tokens, axis=0).astype(DTYPES[cfg.dtype])
+        x = constrain(jnp.take(embed, tokens, axis=0).astype(DTYPES[cfg.dtype]), "act_batch", "act_len", "act_embed")
         block: Any = Block
         if cfg.remat:
             block = nn.remat(block, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
@@ -211,8 +223,10 @@ class Llama(nn.Module):
         x, _ = layers(cfg, name="layers")(x, positions, attention_mask(segment_ids))
         x = RMSNorm(cfg, name="final_norm")(x)
         if cfg.tie_embeddings:
-            return jnp.einsum("bsd,vd->bsv", x, embed.astype(x.dtype)).astype(jnp.float32)
-        return _dense(cfg.vocab_size, ("embed", "vocab"), cfg, "head")(x).astype(jnp.float32)
+            logits = jnp.einsum("bsd,vd->bsv", x, embed.astype(x.dtype))
+        else:
+            logits = _dense(cfg.vocab_size, ("embed", "vocab"), cfg, "head")(x)
+        return constrain(logits.astype(jnp.float32), "act_batch", "act_len", "act_vocab")
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:

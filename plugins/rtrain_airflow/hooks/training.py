@@ -452,14 +452,26 @@ class RTrainHook(BaseHook):
         max_bytes: int | None,
         progress: Callable[[str], None] | None = None,
         refresh: bool = False,
+        tokenizer: str = "bytes",
+        vocab_size: int | None = None,
     ) -> dict[str, Any]:
-        """Prepare (idempotently) the byte-level dataset; imports numpy/array_record, so call it in execute().
+        """Prepare (idempotently) the token dataset; imports numpy/array_record, so call it in execute().
 
         ``refresh``: a source whose content changed replaces the prepared dataset (continual training);
-        otherwise a different dataset at ``output`` is refused.
+        otherwise a different dataset at ``output`` is refused.  ``tokenizer``: bytes, bpe (of
+        ``vocab_size``) or a tokenizer file, as the run's config says.
         """
         src = None if source in (None, "", "stdlib") else (source if source.startswith("gs://") else absolute(source))
-        return api.prepare_dataset(src, output, seq_len, max_bytes=max_bytes, progress=progress, refresh=refresh)
+        return api.prepare_dataset(
+            src,
+            output,
+            seq_len,
+            max_bytes=max_bytes,
+            progress=progress,
+            refresh=refresh,
+            tokenizer=tokenizer,
+            vocab_size=vocab_size,
+        )
 
     # --- the job -------------------------------------------------------------------------------
 

@@ -228,6 +228,8 @@ class RTrainPrepareDatasetOperator(_RTrainBaseOperator):
                 None if max_bytes is None else int(max_bytes),
                 progress=lambda line: self.log.info("[prepare] %s", line),
                 refresh=bool(data.get("refresh")),
+                tokenizer=cfg.tokenizer,
+                vocab_size=cfg.vocab_size,
             )
         except DatasetError as e:  # a different dataset at the output, a bad source: a retry cannot help
             raise AirflowFailException(str(e)) from None

@@ -1,0 +1,80 @@
+"""The built-in Llama 3: attention kernels agree, documents stay apart, RoPE's scaling, the task's data."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from training.config import load_config
+from training.data.tokens import segments
+from training.models.llama import Llama, LlamaConfig, rope_frequencies
+from training.tasks import TaskError, load_task
+
+CFG = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
+
+
+def _logits(cfg: LlamaConfig, tokens: np.ndarray, seg: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    model = Llama(cfg)
+    params = model.init(jax.random.key(0), jnp.asarray(tokens))["params"]
+    return np.asarray(model.apply({"params": params}, jnp.asarray(tokens), jnp.asarray(seg), jnp.asarray(pos)))
+
+
+def test_the_fused_attention_path_matches_the_reference_einsums() -> None:
+    tokens = np.random.default_rng(0).integers(0, 64, (2, 16)).astype(np.int32)
+    parts = segments(tokens[0], eos=5)
+    seg, pos = np.stack([parts["segment_ids"]] * 2), np.stack([parts["positions"]] * 2)
+    fused = _logits(CFG, tokens, seg, pos)
+    ref = _logits(LlamaConfig(**{**CFG.__dict__, "attention": "reference"}), tokens, seg, pos)
+    np.testing.assert_allclose(fused, ref, rtol=2e-4, atol=2e-4)
+
+
+def test_a_packed_document_does_not_see_the_one_before_it() -> None:
+    """The second document's logits are the same whatever the first document was."""
+    rng = np.random.default_rng(1)
+    second = rng.integers(6, 64, 8)
+    outs = []
+    for first in (rng.integers(6, 64, 7), rng.integers(6, 64, 7)):
+        tokens = np.concatenate([first, [5], second]).astype(np.int32)[None]
+        parts = segments(tokens[0], eos=5)
+        outs.append(_logits(CFG, tokens, parts["segment_ids"][None], parts["positions"][None])[0, 8:])
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    alone = np.asarray(second, np.int32)[None]
+    one = _logits(CFG, alone, np.ones_like(alone), np.arange(8, dtype=np.int32)[None])[0]
+    np.testing.assert_allclose(outs[0], one, rtol=1e-4, atol=1e-4)  # as if it were alone: positions restart
+
+
+def test_segments_start_after_each_end_of_document() -> None:
+    parts = segments(np.array([7, 8, 0, 9, 0, 0, 3], np.int32), eos=0)
+    assert parts["segment_ids"].tolist() == [1, 1, 1, 2, 2, 3, 4]
+    assert parts["positions"].tolist() == [0, 1, 2, 0, 1, 0, 0]
+
+
+def test_llama31_rope_scaling_keeps_high_frequencies_and_divides_low_ones() -> None:
+    base = np.asarray(rope_frequencies(LlamaConfig(**{**CFG.__dict__, "d_model": 512, "n_heads": 4})))
+    scaled = np.asarray(
+        rope_frequencies(LlamaConfig(**{**CFG.__dict__, "d_model": 512, "n_heads": 4, "rope_scaling": 8.0}))
+    )
+    assert scaled[0] == pytest.approx(base[0])  # the fastest rotation: a wavelength far below 8192/4
+    assert scaled[-1] == pytest.approx(base[-1] / 8)  # the slowest: beyond 8192, divided by the factor
+    assert np.all(scaled <= base + 1e-12)
+
+
+def test_the_lm_task_refuses_task_args_and_a_dataset_with_a_larger_vocabulary(tiny_dataset: str) -> None:
+    cfg = load_config("tiny", None, {"dataset": tiny_dataset, "task_args": {"x": 1}})
+    with pytest.raises(TaskError, match="takes no task_args"):
+        load_task(cfg)
+    small = load_config("tiny", None, {"dataset": tiny_dataset, "vocab_size": 300, "tokenizer": "bpe"})
+    assert load_task(small).data().fingerprint  # 256 byte tokens fit in 300
+    with pytest.raises(ValueError, match="below the byte tokenizer"):
+        load_config("tiny", None, {"dataset": tiny_dataset, "vocab_size": 100})
+
+
+def test_the_lm_task_serves_examples_with_segments_from_a_prepared_dataset(tiny_dataset: str) -> None:
+    cfg = load_config("tiny", None, {"dataset": tiny_dataset})
+    data = load_task(cfg).data()
+    ex = data.train[0]
+    assert {k: v.shape for k, v in ex.items()} == {k: (cfg.seq_len,) for k in ex}
+    assert np.array_equal(ex["inputs"][1:], ex["targets"][:-1])
+    assert data.validation is not None and len(data.validation) > 0

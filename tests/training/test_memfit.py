@@ -1,0 +1,132 @@
+"""The memory-fit check from the compiled train step: argument bytes, sharding, any task, the CLI."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import time
+
+import pytest
+
+from training.config import load_config
+from training.memfit import CompiledMemory, compiled_memory
+from training.mesh import BYTES, PlanError, check_fit, param_count, plan_mesh
+
+# Two workers with FSDP across hosts: the parameters go from 2 shards (1 worker) to 4.
+TINY_FSDP = {"dcn_data": 1, "dcn_fsdp": -1}
+
+USER_TASK = """
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from training.tasks import ExampleSpec
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        dense = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+        x = nn.relu(nn.Dense(256, kernel_init=dense)(x))
+        return nn.Dense(10)(x)
+
+
+class Classifier:
+    def __init__(self, cfg):
+        self.model = MLP()
+
+    def init(self, rng):
+        return self.model.init(rng, jnp.zeros((1, 32)))["params"]
+
+    def loss(self, params, batch, rng):
+        logits = self.model.apply({"params": params}, batch["x"])
+        labels = jax.nn.one_hot(batch["y"], 10)
+        return -jnp.mean(jnp.sum(labels * jax.nn.log_softmax(logits), -1)), {}
+
+    def evaluate(self, params, batch):
+        return {"loss": self.loss(params, batch, None)[0]}
+
+    def example_spec(self):
+        return {"x": ExampleSpec((32,), "float32"), "y": ExampleSpec((), "int32")}
+
+    def data(self):
+        raise AssertionError("planning must not open the task's data")
+
+    def tokens_per_example(self):
+        return 1
+
+
+def make_task(cfg, args):
+    return Classifier(cfg)
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny() -> dict[int, CompiledMemory]:
+    """The tiny preset's compiled step at 1 worker (2 parameter shards) and 2 workers (4 shards)."""
+    cfg = load_config("tiny", None, TINY_FSDP)
+    return {w: compiled_memory(cfg, w) for w in (1, 2)}
+
+
+def test_argument_bytes_are_the_sharded_state_and_halve_when_the_shards_double(tiny):
+    cfg = load_config("tiny", None, TINY_FSDP)
+    for workers, shards in ((1, 2), (2, 4)):
+        got = tiny[workers]
+        plan = plan_mesh(cfg, workers)
+        assert plan.param_shards == shards and got.devices == plan.devices and got.mesh_shape == plan.shape
+        assert got.params == param_count(cfg)
+        # Parameters and the two AdamW moments, each split over the parameter shards (norm scales and
+        # counters are replicated: a few percent more), plus this device's rows of the batch.
+        expected = 3 * got.params * BYTES[cfg.param_dtype] / shards
+        batch = 4 * (cfg.global_batch // plan.batch_shards) * cfg.seq_len * 4  # 4 int32 fields a token
+        assert got.state_bytes == pytest.approx(expected, rel=0.05)
+        assert got.argument_bytes >= got.state_bytes + batch
+        assert got.argument_bytes == pytest.approx(got.state_bytes, rel=0.05)
+        assert got.alias_bytes == pytest.approx(got.state_bytes, rel=0.01)  # the state is donated
+        assert got.temp_bytes > 0 and got.total_bytes >= got.argument_bytes + got.temp_bytes
+    assert tiny[2].argument_bytes / tiny[1].argument_bytes == pytest.approx(0.5, abs=0.05)
+
+
+def test_a_user_task_gets_a_compiled_estimate_and_its_data_is_never_opened(tmp_path):
+    from training.api import plan
+
+    file = tmp_path / "mlp_task.py"
+    file.write_text(textwrap.dedent(USER_TASK))
+    cfg = load_config("tiny", None, {"task": f"{file}:make_task", "global_batch": 8})
+    with pytest.raises(PlanError, match="knows only the built-in 'lm' task"):
+        check_fit(cfg)  # the formula cannot estimate it, and nothing was given to measure it with
+    report = plan(cfg)  # the API measures it: no --compiled needed for a task the formula does not know
+    assert report["memory_source"] == "compiled" and report["params"] == 32 * 256 + 256 + 256 * 10 + 10
+    assert report["memory_gib"] == report["compiled_memory_gib"]
+    assert 0 < report["memory_gib"]["arguments"] < report["memory_gib"]["total"]
+
+
+def test_plan_compiled_prints_both_figures_and_refuses_what_the_compiled_step_does_not_fit(tiny, monkeypatch, capsys):
+    from training import memfit
+    from training.cli import main
+
+    monkeypatch.setattr(memfit, "compiled_memory", lambda cfg, workers: tiny[workers])  # measured above
+    assert main(["plan", *(f"{k}={v}" for k, v in TINY_FSDP.items()), "--compiled"]) == 0
+    out = capsys.readouterr().out
+    assert "by the formula" in out and "from the compiled step (CPU backend, XLA's buffer assignment" in out
+    assert main(["plan", "--compiled", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["memory_source"] == "formula" and report["compiled_memory_gib"]["total"] > 0
+    # The formula fits in 20 MiB; the compiled step (~26 MiB on the CPU backend) does not.
+    assert main(["plan", "device_memory_gib=0.02"]) == 0
+    capsys.readouterr()
+    assert main(["plan", "device_memory_gib=0.02", "--compiled"]) == 3
+    err = capsys.readouterr().err
+    assert "does not fit at the minimum topology" in err and "by the compiled step" in err
+
+
+def test_llama3_8b_is_analysed_from_shapes_alone():
+    cfg = load_config("llama3-8b")
+    plan = plan_mesh(cfg, 4)
+    t0 = time.perf_counter()
+    got = compiled_memory(cfg, 4)
+    print(f"llama3-8b compiled analysis: {time.perf_counter() - t0:.1f} s ({got.compile_s:.1f} s compiling)")
+    assert got.params == 8_030_261_248 and got.devices == 16
+    # Arguments are the parameters and AdamW's two moments (the gradients are temporaries), plus a batch.
+    share = 3 * got.params * BYTES[cfg.param_dtype] / plan.param_shards
+    assert got.argument_bytes == pytest.approx(share, rel=0.10)

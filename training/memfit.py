@@ -1,0 +1,192 @@
+"""The memory-fit check read from the compiled train step: per-device bytes for any task.
+
+The formula in :mod:`training.mesh` knows only the built-in Llama model; the
+compiled program knows every task.  The step is lowered from shapes alone
+(nothing is allocated) for the plan's mesh on fake CPU devices, in a child
+process, since the device count is fixed when JAX starts and the real run may
+have more devices than this machine.  The figures are XLA's buffer assignment
+for the CPU backend: the same sharded program, but not an accelerator
+compiler's fusion and scheduling decisions, so treat them as an estimate.
+
+Importing this module costs nothing: JAX is imported only in the child.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from training.config import Config, config_from_json
+from training.mesh import PlanError, plan_mesh
+
+if TYPE_CHECKING:
+    from training.mesh import MeshPlan
+
+GIB = 2**30
+TIMEOUT_S = 900.0
+
+
+@dataclass(frozen=True)
+class CompiledMemory:
+    """Per-device bytes of one compiled train step, from XLA's buffer assignment (CPU backend)."""
+
+    argument_bytes: int  # train state + batch + step inputs, this device's shards
+    output_bytes: int
+    temp_bytes: int  # gradients, activations, optimizer temporaries
+    code_bytes: int
+    alias_bytes: int  # outputs written in place of (donated) arguments
+    peak_bytes: int  # XLA's own peak, when it reports one (0 otherwise)
+    state_bytes: int  # the abstract train state's shard on one device (the expected share of the arguments)
+    params: int  # parameter count, from the abstract parameters
+    devices: int
+    mesh_shape: dict[str, int]
+    compile_s: float  # lowering plus compilation
+
+    @property
+    def total_bytes(self) -> int:
+        """The peak estimate: XLA's peak when reported, else live arguments, outputs and temporaries, plus code."""
+        live = self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+        return max(self.peak_bytes, live) + self.code_bytes
+
+    def gib(self) -> dict[str, float]:
+        """The figures in GiB, for reports."""
+        return {
+            "arguments": self.argument_bytes / GIB,
+            "outputs": self.output_bytes / GIB,
+            "temporaries": self.temp_bytes / GIB,
+            "code": self.code_bytes / GIB,
+            "alias": self.alias_bytes / GIB,
+            "total": self.total_bytes / GIB,
+        }
+
+    def table(self) -> str:
+        rows = [
+            ("arguments (state + batch)", self.argument_bytes),
+            ("outputs", self.output_bytes),
+            ("aliased (donated state)", -self.alias_bytes),
+            ("temporaries", self.temp_bytes),
+            ("generated code", self.code_bytes),
+            ("total", self.total_bytes),
+        ]
+        return "\n".join(f"  {name:<28} {val / GIB:10.2f} GiB" for name, val in rows)
+
+
+def compiled_memory(cfg: Config, workers: int, *, timeout_s: float = TIMEOUT_S) -> CompiledMemory:
+    """The compiled step's per-device memory on the plan for ``workers`` hosts, measured in a child process.
+
+    Raises :class:`~training.mesh.PlanError` (or the task's ``TaskError``) with the child's one-line reason.
+    """
+    plan = plan_mesh(cfg, workers)
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")).strip()
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        # Buffer assignment is done before code generation: cheap code generation halves the compile time.
+        "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={plan.devices} "
+        "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true".strip(),
+    }
+    cmd = [sys.executable, "-m", "training.memfit", "--workers", str(workers)]
+    try:
+        proc = subprocess.run(
+            cmd, input=cfg.to_json(), capture_output=True, text=True, env=env, timeout=timeout_s, check=False
+        )
+    except subprocess.TimeoutExpired as e:
+        raise PlanError(f"the compiled memory analysis took more than {timeout_s:.0f} s") from e
+    lines = proc.stdout.strip().splitlines()
+    try:
+        out = json.loads(lines[-1]) if lines else {}
+    except json.JSONDecodeError:
+        out = {}
+    if "error" in out:
+        if out.get("kind") == "TaskError":
+            from training.tasks import TaskError
+
+            raise TaskError(out["error"])
+        raise PlanError(f"the compiled memory analysis failed: {out['error']}")
+    if proc.returncode or "argument_bytes" not in out:
+        tail = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        raise PlanError(f"the compiled memory analysis failed (exit {proc.returncode}): {tail}")
+    return CompiledMemory(**out)
+
+
+def analyse(cfg: Config, plan: MeshPlan) -> CompiledMemory:
+    """Lower and compile the train step for ``plan`` over this process's devices (shapes only) and read its memory.
+
+    This process must see exactly ``plan.devices`` devices; :func:`compiled_memory` arranges that.
+    """
+    import jax
+    from jax.experimental import mesh_utils
+    from jax.sharding import Mesh
+
+    from training.mesh import AXES
+    from training.tasks import load_task
+    from training.trainer import Trainer
+
+    devices = jax.devices()
+    if len(devices) != plan.devices:
+        raise PlanError(f"the plan wants {plan.devices} devices, this process sees {len(devices)}")
+    shape = tuple(plan.shape[a] for a in AXES)
+    mesh = Mesh(mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True), AXES)
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg, mesh, load_task(cfg))  # never opens the task's data
+    stats = trainer.lower().compile().memory_analysis()
+    seconds = time.perf_counter() - t0
+    if stats is None:
+        raise PlanError("this JAX backend reports no memory analysis for compiled programs")
+    leaves = jax.tree.leaves(trainer.abstract)
+    state = sum(_shard_bytes(x) for x in leaves)
+    params = sum(int(x.size) for x in jax.tree.leaves(trainer.abstract["params"]))
+    return CompiledMemory(
+        argument_bytes=int(stats.argument_size_in_bytes),
+        output_bytes=int(stats.output_size_in_bytes),
+        temp_bytes=int(stats.temp_size_in_bytes),
+        code_bytes=int(stats.generated_code_size_in_bytes),
+        alias_bytes=int(stats.alias_size_in_bytes),
+        peak_bytes=int(getattr(stats, "peak_memory_in_bytes", 0) or 0),
+        state_bytes=state,
+        params=params,
+        devices=plan.devices,
+        mesh_shape=dict(plan.shape),
+        compile_s=round(seconds, 3),
+    )
+
+
+def _shard_bytes(x: Any) -> int:
+    """Bytes of one device's shard of an abstract array with a sharding."""
+    import math
+
+    shard = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+    return int(math.prod(shard)) * int(x.dtype.itemsize)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The child: a config as JSON on stdin, one line of JSON out (the figures, or ``error`` and ``kind``)."""
+    ap = argparse.ArgumentParser(prog="python -m training.memfit", description=__doc__.splitlines()[0])
+    ap.add_argument("--workers", type=int, required=True)
+    ap.add_argument("--config-json", default=None, help="config file (default: the config as JSON on stdin)")
+    args = ap.parse_args(argv)
+    from training.tasks import TaskError
+
+    try:
+        text = Path(args.config_json).read_text() if args.config_json else sys.stdin.read()
+        cfg = config_from_json(text)
+        result: dict[str, Any] = asdict(analyse(cfg, plan_mesh(cfg, args.workers)))
+    except (PlanError, TaskError) as e:
+        result = {"error": str(e), "kind": type(e).__name__}
+    except Exception as e:  # noqa: BLE001 - a user's model may fail to trace in any way: one line back
+        first = (str(e).strip().splitlines() or [""])[0]
+        result = {"error": f"{type(e).__name__}: {first}", "kind": type(e).__name__}
+    print(json.dumps(result), flush=True)
+    return 0 if "error" not in result else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Model definitions the built-in tasks train."""
