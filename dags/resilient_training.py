@@ -71,7 +71,18 @@ Alerts on failure, retry and rollback: `rtrain_airflow.callbacks`.
 
 # The form's sections, in its order ("Config overrides", not "Advanced": Airflow's own "Advanced Options"
 # section follows ours on the trigger page).
-SECTIONS = ("Run", "Data", "Training", "Checkpoints", "Validation", "Storage", "Backend", "Chaos", "Config overrides")
+SECTIONS = (
+    "Run",
+    "Task",
+    "Data",
+    "Training",
+    "Checkpoints",
+    "Validation",
+    "Storage",
+    "Backend",
+    "Chaos",
+    "Config overrides",
+)
 MARKDOWN = ("`", "**", "](")
 
 
@@ -172,6 +183,29 @@ def training_params(continual: bool) -> dict[str, Param]:
             ),
         )
     params |= {
+        "task": Param(
+            None,
+            type=["null", "string"],
+            minLength=1,
+            title="Task",
+            section="Task",
+            **_text(
+                "What is trained: `lm` (the built-in Llama 3 on the prepared dataset) or your own code as "
+                "`package.module:factory` or `path/to/file.py:factory` (a path relative to the project), e.g. "
+                "`examples/regression/task.py:make_task`. A task that cannot be loaded fails the run before it "
+                f"trains. {_when_empty('task')}"
+            ),
+        ),
+        "task_args": Param(
+            None,
+            type=["null", "object"],
+            title="Task arguments",
+            section="Task",
+            **_text(
+                "The task's own arguments, as a JSON object that the task checks, e.g. "
+                '`{"hidden": 64, "seed": 1}`. Empty: none (the built-in `lm` takes none).'
+            ),
+        ),
         "dataset_source": Param(
             "stdlib",
             type="string",

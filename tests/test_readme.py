@@ -60,6 +60,10 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     )
     shutil.copytree(REPO, dst, ignore=ignore)
     (dst / ".venv").symlink_to(REPO / ".venv")
+    # The shared .venv is installed from this checkout: `make` in the copy must not see the copy's
+    # install inputs as newer than the install stamp and reinstall the package from the copy.
+    for name in ("pyproject.toml", "constraints.txt"):
+        os.utime(dst / name, (0, 0))
     yield dst
     import psutil
 
@@ -90,6 +94,7 @@ def test_the_cli_section_runs_as_written(project: Path) -> None:
         "rollback",
         "prune",
         "report",
+        "sample",
         "config",
     ], names
     out: dict[str, subprocess.CompletedProcess[str]] = {}
@@ -118,6 +123,7 @@ def test_the_cli_section_runs_as_written(project: Path) -> None:
     )
     assert saves and int(saves.group(1)) >= 4, out["report"].stdout
     assert re.search(r"^checkpoint_every\s+int\s+10\s", out["config"].stdout, re.M)
+    assert re.match(r"\[step \d+\] def ", out["sample"].stdout), out["sample"].stdout  # the prompt, continued
     # The README's claim: paths are absolute in the saved config (the relative default root worked).
     saved = json.loads((project / "var" / "runs" / "r1" / "config.json").read_text())
     assert saved["root"] == str(project / "var" / "runs")

@@ -354,20 +354,19 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 
 def format_validations(results: list[dict[str, Any]]) -> str:
-    """One aligned table of verdicts with rounded numbers."""
+    """One aligned table of verdicts: the loss first, then each metric the task reported, rounded."""
     if not results:
         return "no checkpoint waits for a verdict"
+    names = ["loss"] + sorted({k for r in results for k in (r.get("metrics") or {})} - {"loss"})
 
-    def num(v: Any, fmt: str) -> str:
-        return format(v, fmt) if isinstance(v, int | float) else str(v)
+    def num(v: Any) -> str:
+        return "-" if v is None else format(v, ".4g") if isinstance(v, int | float) else str(v)
 
-    lines = [f"{'step':>8}  {'verdict':<10} {'loss':>8} {'perplexity':>11} {'accuracy':>9}  reason"]
+    lines = [f"{'step':>8}  {'verdict':<10} " + " ".join(f"{n:>11}" for n in names) + "  reason"]
     for r in results:
         m = r.get("metrics") or {}
-        lines.append(
-            f"{r['step']:>8}  {r['verdict']:<10} {num(m.get('loss'), '.4f'):>8} {num(m.get('perplexity'), '.2f'):>11} "
-            f"{num(m.get('accuracy'), '.3f'):>9}  {r.get('reason', '')}".rstrip()
-        )
+        cells = " ".join(f"{num(m.get(n)):>11}" for n in names)
+        lines.append(f"{r['step']:>8}  {r['verdict']:<10} {cells}  {r.get('reason', '')}".rstrip())
     return "\n".join(lines)
 
 

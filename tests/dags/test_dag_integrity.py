@@ -123,6 +123,10 @@ def server_params(dag: Any) -> Any:
         ("resume_from", "yesterday"),
         ("chaos", ["explode:now"]),
         ("val_min_accuracy", 2.0),
+        ("task", ""),
+        ("task", 3),
+        ("task_args", "hidden=3"),
+        ("task_args", [1, 2]),
     ],
 )
 def test_params_refuse_bad_values(dagbag: Any, name: str, value: Any) -> None:
@@ -141,6 +145,8 @@ def test_params_accept_the_documented_values(dagbag: Any) -> None:
         "max_workers": 4,
         "chaos": ["preempt:worker=1,step=40", "capacity:to=4,step=80"],
         "overrides": {"learning_rate": 0.001},
+        "task": "examples/regression/task.py:make_task",
+        "task_args": {"hidden": 32, "noise": 0.2},
     }
     params = server_params(dagbag.dags["resilient_training"])
     params.deep_merge(good).validate()

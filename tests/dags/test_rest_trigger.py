@@ -103,6 +103,8 @@ def runs(api: dict[str, Any]) -> list[dict[str, Any]]:
         ({"backend": "slurm"}, "backend"),
         ({"resume_from": "yesterday"}, "resume_from"),
         ({"chaos": ["explode:now"]}, "chaos"),
+        ({"task_args": "hidden=3"}, "task_args"),
+        ({"task": ""}, "task"),
     ],
 )
 def test_invalid_conf_is_refused_with_the_reason(api: dict[str, Any], conf: dict[str, Any], reason: str) -> None:
@@ -122,11 +124,14 @@ def test_valid_conf_is_accepted_and_the_plugin_api_is_mounted(api: dict[str, Any
             "resume_from": "latest",
             "chaos": ["preempt:worker=1,step=12"],
             "overrides": {"learning_rate": 0.001},
+            "task": "examples/regression/task.py:make_task",
+            "task_args": {"hidden": 32},
         },
     )
     assert r.status_code == 200, r.text
     run = r.json()
     assert run["conf"]["run_name"] == "rest-ok" and run["state"] == "queued"
+    assert run["conf"]["task_args"] == {"hidden": 32}
     # No scheduler runs here: remove the run so it never starts.
     d = requests.delete(
         f"{api['base']}/api/v2/dags/{DAG_ID}/dagRuns/{run['dag_run_id']}", headers=api["headers"], timeout=30

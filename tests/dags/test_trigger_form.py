@@ -16,7 +16,18 @@ import pytest
 from test_dag_integrity import server_params
 
 DAG_ID = "resilient_training"
-SECTIONS = ["Run", "Data", "Training", "Checkpoints", "Validation", "Storage", "Backend", "Chaos", "Config overrides"]
+SECTIONS = [
+    "Run",
+    "Task",
+    "Data",
+    "Training",
+    "Checkpoints",
+    "Validation",
+    "Storage",
+    "Backend",
+    "Chaos",
+    "Config overrides",
+]
 
 
 def form_requires(param: Any) -> bool:
@@ -40,7 +51,17 @@ def test_only_fields_with_a_value_are_required(dagbag: Any) -> None:
         required = {name for name, p in params.items() if form_requires(p)}
         # Required fields all have a default, so the form opens ready to trigger.
         assert all(params.get_param(name).value not in (None, "") for name in required), dag_id
-        for optional in ("chaos", "gke", "overrides", "steps", "min_workers", "max_workers", "dataset"):
+        for optional in (
+            "chaos",
+            "gke",
+            "overrides",
+            "steps",
+            "min_workers",
+            "max_workers",
+            "dataset",
+            "task",
+            "task_args",
+        ):
             if optional in params:
                 assert optional not in required, (dag_id, optional)
                 assert params.get_param(optional).value is None, (dag_id, optional)
@@ -61,6 +82,7 @@ def test_a_form_with_the_optional_fields_empty_triggers_and_means_off(dag: Any, 
     assert isinstance(op, RTrainResolveRunConfigOperator)
     spec = op.execute({"params": values})
     assert spec["config"]["chaos"] == [] and spec["gke"] == {} and spec["config"]["steps"] == 40  # tiny's
+    assert spec["config"]["task"] == "lm" and spec["config"]["task_args"] == {}  # empty task: the built-in
 
 
 def test_sections_are_ours_in_order_and_none_is_called_advanced(dagbag: Any) -> None:
@@ -85,7 +107,17 @@ def test_every_field_is_titled_and_markdown_is_rendered(dagbag: Any) -> None:
             if any(mark in help_text(p) for mark in ("`", "**", "](")):
                 assert md and not p.description, f"{name}: markdown in a plain description"
     params = dagbag.dags[DAG_ID].params
-    for name in ("run_name", "backend", "chaos", "overrides", "gke", "resume_from", "dataset_source"):
+    for name in (
+        "run_name",
+        "backend",
+        "chaos",
+        "overrides",
+        "gke",
+        "resume_from",
+        "dataset_source",
+        "task",
+        "task_args",
+    ):
         assert "`" in params.get_param(name).schema["description_md"], name
 
 
@@ -112,6 +144,53 @@ def test_local_checkpoint_every_is_a_checkpoints_field_wired_to_the_config(dag: 
     assert op.execute({"params": base})["config"]["local_checkpoint_every"] == 0  # empty: the preset's (off)
     with pytest.raises(Exception, match="local_checkpoint_every"):
         server_params(dag).deep_merge({"local_checkpoint_every": -1}).validate()
+
+
+EXAMPLE_TASK = "examples/regression/task.py:make_task"
+
+
+def test_task_and_task_args_are_task_fields_wired_to_the_config(dag: Any, tmp_path: Path) -> None:
+    """A user task named by a path relative to the project resolves to that file, absolute; its args as given."""
+    from rtrain_airflow.hooks.training import PROJECT_ROOT
+
+    for name, kind in (("task", ["null", "string"]), ("task_args", ["null", "object"])):
+        p = dag.params.get_param(name)
+        assert p.schema["section"] == "Task" and p.schema["type"] == kind and p.value is None, name
+    args = {"seed": 3, "hidden": 32}
+    conf = {"task": EXAMPLE_TASK, "task_args": args, "storage_root": str(tmp_path)}
+    values = server_params(dag).deep_merge(conf).validate()
+    spec = dag.get_task("resolve_config").execute({"params": values})
+    assert spec["config"]["task"] == f"{PROJECT_ROOT / 'examples/regression/task.py'}:make_task"
+    assert spec["config"]["task_args"] == args
+    with pytest.raises(Exception, match="task_args"):
+        server_params(dag).deep_merge({"task_args": "hidden=3"}).validate()
+
+
+def test_task_fields_are_not_also_overrides(dag: Any, tmp_path: Path) -> None:
+    from airflow.sdk.exceptions import AirflowFailException
+
+    base = {k: dag.params[k] for k in dag.params} | {"storage_root": str(tmp_path)}
+    with pytest.raises(AirflowFailException, match="task are params of their own"):
+        dag.get_task("resolve_config").execute({"params": {**base, "overrides": {"task": EXAMPLE_TASK}}})
+
+
+@pytest.mark.parametrize(
+    ("task", "task_args", "says"),
+    [
+        ("nonexistent.mod:make_task", None, "cannot import nonexistent.mod"),
+        (EXAMPLE_TASK, {"hiden": 3}, "unknown key 'hiden'"),
+    ],
+)
+def test_a_task_that_cannot_be_loaded_fails_resolve_config_in_one_line(
+    dag: Any, tmp_path: Path, task: str, task_args: Any, says: str
+) -> None:
+    from airflow.sdk.exceptions import AirflowFailException
+
+    base = {k: dag.params[k] for k in dag.params} | {"storage_root": str(tmp_path)}
+    with pytest.raises(AirflowFailException) as failed:
+        dag.get_task("resolve_config").execute({"params": {**base, "task": task, "task_args": task_args}})
+    message = str(failed.value)
+    assert says in message and task in message and "\n" not in message, message
 
 
 @pytest.mark.parametrize(

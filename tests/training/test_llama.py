@@ -65,10 +65,19 @@ def test_the_lm_task_refuses_task_args_and_a_dataset_with_a_larger_vocabulary(ti
     cfg = load_config("tiny", None, {"dataset": tiny_dataset, "task_args": {"x": 1}})
     with pytest.raises(TaskError, match="takes no task_args"):
         load_task(cfg)
-    small = load_config("tiny", None, {"dataset": tiny_dataset, "vocab_size": 300, "tokenizer": "bpe"})
-    assert load_task(small).data().fingerprint  # 256 byte tokens fit in 300
+    larger = load_config("tiny", None, {"dataset": tiny_dataset, "vocab_size": 300})
+    assert load_task(larger).data().fingerprint  # 256 byte tokens fit in 300
     with pytest.raises(ValueError, match="below the byte tokenizer"):
         load_config("tiny", None, {"dataset": tiny_dataset, "vocab_size": 100})
+
+
+def test_the_lm_task_refuses_a_dataset_prepared_with_another_tokenizer(tiny_dataset: str, tmp_path) -> None:
+    bpe = load_config("tiny", None, {"dataset": tiny_dataset, "vocab_size": 300, "tokenizer": "bpe"})
+    with pytest.raises(TaskError, match="prepared with the bytes tokenizer, the config's tokenizer is bpe"):
+        load_task(bpe).data()
+    missing = load_config("tiny", None, {"dataset": tiny_dataset, "tokenizer": str(tmp_path / "tokenizer.json")})
+    with pytest.raises(ValueError, match="tokenizer file .* does not exist"):
+        load_task(missing).data()
 
 
 def test_the_lm_task_serves_examples_with_segments_from_a_prepared_dataset(tiny_dataset: str) -> None:

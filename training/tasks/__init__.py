@@ -11,6 +11,7 @@ element index being the data position.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import sys
@@ -117,8 +118,8 @@ def _factory(name: str) -> Callable[[Config, dict[str, Any]], Task]:
         )
     try:
         module = _import_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
-    except TaskError:
-        raise
+    except TaskError as e:
+        raise TaskError(f"task {name!r}: {e}") from None
     except Exception as e:  # noqa: BLE001 - an import error of user code, named in one line
         raise TaskError(f"task {name!r}: cannot import {module_name}: {type(e).__name__}: {_first_line(e)}") from e
     factory = getattr(module, attr, None)
@@ -132,7 +133,7 @@ def _import_file(path: str) -> Any:
     file = Path(path)
     if not file.is_file():
         raise TaskError(f"task file {path} does not exist")
-    module_name = f"rtrain_task_{file.stem}"
+    module_name = f"rtrain_task_{file.stem}_{hashlib.sha256(str(file.resolve()).encode()).hexdigest()[:12]}"
     if module_name in sys.modules:
         return sys.modules[module_name]
     if str(file.parent) not in sys.path:

@@ -72,6 +72,7 @@ class LanguageModel:
                 f"dataset {self.cfg.dataset} has sequences of {manifest['seq_len']} tokens, the config "
                 f"seq_len={self.cfg.seq_len}"
             )
+        self._check_tokenizer(manifest)
         vocab = int(manifest.get("vocab_size", 256))
         if vocab > self.cfg.vocab_size:
             raise TaskError(
@@ -83,6 +84,24 @@ class LanguageModel:
             validation=lm_source(self.cfg.dataset, "validation"),
             fingerprint=str(manifest["fingerprint"]),
         )
+
+    def _check_tokenizer(self, manifest: dict[str, Any]) -> None:
+        """The config's tokenizer is the one the dataset was prepared with (kind, and a file's own bytes)."""
+        from training.data.tokenizer import resolve
+
+        entry = manifest.get("tokenizer") or {"kind": "bytes"}
+        want = self.cfg.tokenizer
+        where = f"dataset {self.cfg.dataset} was prepared with the {entry.get('kind')} tokenizer"
+        if want in ("bytes", "bpe"):
+            if entry.get("kind") != want:
+                raise TaskError(f"{where}, the config's tokenizer is {want}")
+            return
+        tok = resolve(want)
+        if tok.fingerprint != entry.get("fingerprint"):
+            raise TaskError(
+                f"{where} (fingerprint {str(entry.get('fingerprint'))[:12]}), not the config's {want} "
+                f"(fingerprint {tok.fingerprint[:12]})"
+            )
 
     def tokens_per_example(self) -> int:
         return self.cfg.seq_len

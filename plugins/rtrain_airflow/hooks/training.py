@@ -435,6 +435,14 @@ class RTrainHook(BaseHook):
             raise RTrainConfigError(str(e)) from None
 
     @staticmethod
+    def check_task(cfg: Config) -> None:
+        """Build the config's task and open its data (imports JAX: called from a task's execute)."""
+        try:
+            api.check_task(cfg)
+        except api.TaskError as e:
+            raise RTrainConfigError(str(e)) from None
+
+    @staticmethod
     def config_from_dict(data: Mapping[str, Any]) -> Config:
         return api.config_from_dict(data)
 

@@ -161,6 +161,8 @@ class RTrainResolveRunConfigOperator(BaseOperator):
             cfg = self.hook.build_config(overrides)
             if cfg.backend == "gke":
                 self.hook.backend("gke", gke)
+            if cfg.task != "lm":  # user code: it must import and build here (the built-in's data is prepared next)
+                self.hook.check_task(cfg)
         except RTrainConfigError as e:
             raise AirflowFailException(f"invalid conf: {e}") from None
         spec = {
@@ -214,6 +216,9 @@ class RTrainPrepareDatasetOperator(_RTrainBaseOperator):
     def execute(self, context: Context) -> dict[str, Any]:
         spec = self.required_spec(context)
         cfg = self.run_config(spec)
+        if cfg.task != "lm":
+            self.log.info("Task %s brings its own data: nothing to prepare", cfg.task)
+            return {"dataset": None, "task": cfg.task}
         data = spec.get("dataset") or {}
         max_bytes = data.get("max_bytes")
         if max_bytes is not None and int(max_bytes) < 1:
@@ -308,9 +313,9 @@ class RTrainStartTrainingJobOperator(_RTrainBaseOperator):
         try:
             handle = self.backend(spec).launch(launch_cfg, spec, attempt=context["ti"].try_number)
         except Exception as e:
-            from training.api import LaunchError, PlanError
+            from training.api import LaunchError, PlanError, TaskError
 
-            if isinstance(e, LaunchError | PlanError):
+            if isinstance(e, LaunchError | PlanError | TaskError):
                 raise AirflowFailException(str(e)) from None
             raise
         verb = "Re-attached to" if handle.get("attached") else "Launched"
