@@ -103,6 +103,11 @@ class Config(BaseModel):
     )
     norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
     tie_embeddings: bool = Field(False, description="Share the input embedding with the output head.")
+    scan_layers: bool = Field(
+        False,
+        description="Run the blocks as one scanned layer (one compiled block whatever the depth: deep models "
+        "compile in seconds); off, each block is compiled on its own (faster for a few layers).",
+    )
     attention: Literal["dot_product", "reference"] = Field(
         "dot_product",
         description="Attention kernel: `dot_product` (jax.nn.dot_product_attention, fused where the platform has "

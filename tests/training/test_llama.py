@@ -21,6 +21,21 @@ def _logits(cfg: LlamaConfig, tokens: np.ndarray, seg: np.ndarray, pos: np.ndarr
     return np.asarray(model.apply({"params": params}, jnp.asarray(tokens), jnp.asarray(seg), jnp.asarray(pos)))
 
 
+def test_scanned_layers_compute_what_the_unrolled_blocks_do() -> None:
+    tokens = np.random.default_rng(2).integers(0, 64, (2, 12)).astype(np.int32)
+    seg, pos = np.ones_like(tokens), np.broadcast_to(np.arange(12, dtype=np.int32), tokens.shape)
+    scanned = LlamaConfig(**{**CFG.__dict__, "scan_layers": True})
+    model = Llama(scanned)
+    params = model.init(jax.random.key(0), jnp.asarray(tokens))["params"]
+    unrolled = dict(params)
+    stacked = unrolled.pop("layers")
+    for i in range(CFG.n_layers):
+        unrolled[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
+    a = model.apply({"params": params}, tokens, seg, pos)
+    b = Llama(CFG).apply({"params": unrolled}, tokens, seg, pos)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
 def test_the_fused_attention_path_matches_the_reference_einsums() -> None:
     tokens = np.random.default_rng(0).integers(0, 64, (2, 16)).astype(np.int32)
     parts = segments(tokens[0], eos=5)

@@ -3,8 +3,9 @@
 Parameters carry *logical* axis names (``vocab``, ``embed``, ``heads``, ``mlp``,
 ``norm``, ``layers``), and activations ``act_*`` ones; the mesh rules map them onto
 whatever mesh the job runs on (under the trainer's mesh and rules context: a
-constraint is a no-op without one).  The blocks are one ``nn.scan`` over layers (one compiled block, whatever
-the depth), rematerialised when ``remat`` is on.  Packed documents are kept
+constraint is a no-op without one).  With ``scan_layers`` the blocks are one
+``nn.scan`` over layers (one compiled block, whatever the depth); each block is
+rematerialised when ``remat`` is on.  Packed documents are kept
 apart by segment ids: a token attends only to earlier tokens of its own
 document, and its rotary position counts from its document's start.
 """
@@ -40,6 +41,7 @@ class LlamaConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: bool = False
+    scan_layers: bool = False
     attention: str = "dot_product"  # or "reference"
 
     @property
@@ -212,15 +214,20 @@ class Llama(nn.Module):
         block: Any = Block
         if cfg.remat:
             block = nn.remat(block, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
-        layers = nn.scan(
-            block,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast),
-            length=cfg.n_layers,
-            metadata_params={nn.PARTITION_NAME: "layers"},
-        )
-        x, _ = layers(cfg, name="layers")(x, positions, attention_mask(segment_ids))
+        mask = attention_mask(segment_ids)
+        if cfg.scan_layers:  # one compiled block, whatever the depth
+            layers = nn.scan(
+                block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=(nn.broadcast, nn.broadcast),
+                length=cfg.n_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            x, _ = layers(cfg, name="layers")(x, positions, mask)
+        else:
+            for i in range(cfg.n_layers):
+                x, _ = block(cfg, name=f"layers_{i}")(x, positions, mask)
         x = RMSNorm(cfg, name="final_norm")(x)
         if cfg.tie_embeddings:
             logits = jnp.einsum("bsd,vd->bsv", x, embed.astype(x.dtype))

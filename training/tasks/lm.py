@@ -30,6 +30,7 @@ def llama_config(cfg: Config) -> LlamaConfig:
         dtype=cfg.dtype,
         param_dtype=cfg.param_dtype,
         remat=cfg.activation_checkpointing,
+        scan_layers=cfg.scan_layers,
         attention=cfg.attention,
     )
 
