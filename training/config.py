@@ -158,7 +158,8 @@ class Config(BaseModel):
         25.0,
         gt=0,
         description="After a preemption notice (SIGTERM), the seconds the job has to stop at a step boundary and "
-        "commit a checkpoint of it (keep below the platform's grace period; GKE's default is 30 s).",
+        "commit a checkpoint of it (keep below the platform's grace period: 30 s for a GKE pod by default, 15 s for "
+        "a Spot preemption; a GKE Spot job is refused unless this plus 5 s fits).",
     )
     checkpoint_format: Literal["auto", "ocdbt", "zarr"] = Field(
         "auto",

@@ -288,6 +288,12 @@ def test_create_request_for_each_tpu_shape(
     assert pool.placement_policy.tpu_topology == placement_topology
     assert not pool.config.spot
     assert pool.config.workload_metadata_config.mode == container_v1.WorkloadMetadataConfig.Mode.GKE_METADATA
+    # The nodes can pull the image (without a scope GKE gives only logging and monitoring).
+    assert list(pool.config.oauth_scopes) == ["https://www.googleapis.com/auth/cloud-platform"]
+    # A multi-host slice is placed by its topology alone: no placement type, no policy name.
+    assert pool.placement_policy.type_ == container_v1.NodePool.PlacementPolicy.Type.TYPE_UNSPECIFIED
+    assert not pool.placement_policy.policy_name
+    assert pool.management.auto_repair is True
     assert (
         pool.config.reservation_affinity.consume_reservation_type == container_v1.ReservationAffinity.Type.UNSPECIFIED
     )
@@ -296,6 +302,7 @@ def test_create_request_for_each_tpu_shape(
     assert wire["nodePool"]["config"]["machineType"] == machine_type
     assert wire["nodePool"]["initialNodeCount"] == nodes
     assert wire["nodePool"].get("placementPolicy", {}).get("tpuTopology", "") == placement_topology
+    assert wire["nodePool"]["config"]["oauthScopes"] == ["https://www.googleapis.com/auth/cloud-platform"]
 
 
 def test_create_request_for_spot_networks_zones_and_placement(hook: GKETPUHook) -> None:
@@ -304,8 +311,7 @@ def test_create_request_for_spot_networks_zones_and_placement(hook: GKETPUHook) 
         machine_type="ct6e-standard-4t",
         tpu_topology="8x8",
         spot=True,
-        placement_policy="tpu-v6e-8x8-policy",
-        compact_placement=True,
+        compact_placement=True,  # a multi-host slice is compact by its topology: nothing more is sent
         additional_networks=(("rdma-net", "rdma-subnet"), ("data-net", "data-subnet")),
         node_locations=("us-east5-b",),
         service_account="tpu-nodes@rtrain-prod.iam.gserviceaccount.com",
@@ -315,15 +321,79 @@ def test_create_request_for_spot_networks_zones_and_placement(hook: GKETPUHook) 
     assert pool.config.spot is True
     assert pool.initial_node_count == 16
     assert pool.placement_policy.tpu_topology == "8x8"
-    assert pool.placement_policy.type_ == container_v1.NodePool.PlacementPolicy.Type.COMPACT
-    assert pool.placement_policy.policy_name == "tpu-v6e-8x8-policy"
+    assert pool.placement_policy.type_ == container_v1.NodePool.PlacementPolicy.Type.TYPE_UNSPECIFIED
+    assert not pool.placement_policy.policy_name
     assert [(n.network, n.subnetwork) for n in pool.network_config.additional_node_network_configs] == [
         ("rdma-net", "rdma-subnet"),
         ("data-net", "data-subnet"),
     ]
     assert list(pool.locations) == ["us-east5-b"]
     assert pool.config.service_account == "tpu-nodes@rtrain-prod.iam.gserviceaccount.com"
+    assert list(pool.config.oauth_scopes) == ["https://www.googleapis.com/auth/cloud-platform"]
     assert dict(pool.config.labels) == {"team": "lm"}
+
+
+def sent(request: container_v1.CreateNodePoolRequest) -> dict[str, Any]:
+    """What goes on the wire: the request's JSON without the fields left at their defaults, enums by name."""
+    return json.loads(
+        container_v1.CreateNodePoolRequest.to_json(
+            request, use_integers_for_enums=False, always_print_fields_with_no_presence=False
+        )
+    )
+
+
+@pytest.mark.parametrize(("policy", "wire_policy"), [(None, {}), ("compact-v6e", {"policyName": "compact-v6e"})])
+def test_single_host_pools_get_compact_placement_when_asked(
+    hook: GKETPUHook, policy: str | None, wire_policy: dict[str, str]
+) -> None:
+    spec = TPUNodePoolSpec(
+        name="singles",
+        machine_type="ct6e-standard-4t",
+        tpu_topology="2x2",
+        num_slices=4,
+        compact_placement=True,
+        placement_policy=policy,
+    )
+    wire = sent(hook.create_request(spec, project_id=PROJECT, cluster_name=CLUSTER))
+    assert wire["nodePool"]["placementPolicy"] == {"type": "COMPACT", **wire_policy}  # and no tpuTopology
+    plain = TPUNodePoolSpec(name="singles", machine_type="ct6e-standard-4t", tpu_topology="2x2")
+    assert (
+        "placementPolicy" not in sent(hook.create_request(plain, project_id=PROJECT, cluster_name=CLUSTER))["nodePool"]
+    )
+
+
+def test_multi_host_pools_send_their_topology_and_nothing_else_as_placement(hook: GKETPUHook) -> None:
+    spec = TPUNodePoolSpec(name="slice-0", machine_type="ct5p-hightpu-4t", tpu_topology="2x2x4", compact_placement=True)
+    wire = sent(hook.create_request(spec, project_id=PROJECT, cluster_name=CLUSTER))
+    assert wire["nodePool"]["placementPolicy"] == {"tpuTopology": "2x2x4"}
+
+
+def test_node_auto_upgrade_is_what_the_spec_says(hook: GKETPUHook) -> None:
+    """An upgrade recreates a slice mid-run: off where GKE allows it (no release channel), else an exclusion."""
+    base = {"name": "slice-0", "machine_type": "ct6e-standard-4t", "tpu_topology": "4x4"}
+    default = hook.create_request(TPUNodePoolSpec(**base), project_id=PROJECT, cluster_name=CLUSTER).node_pool
+    # GKE refuses auto_upgrade=false on a release-channel cluster (docs/gke.md §4's); there the maintenance
+    # exclusion of §4 keeps upgrades off the training pools.
+    assert default.management.auto_upgrade is True and default.management.auto_repair is True
+    off = hook.create_request(TPUNodePoolSpec(**base, auto_upgrade=False), project_id=PROJECT, cluster_name=CLUSTER)
+    assert off.node_pool.management.auto_upgrade is False and off.node_pool.management.auto_repair is True
+    assert sent(off)["nodePool"]["management"] == {"autoRepair": True}  # autoUpgrade: false (the default)
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "gke.md").read_text()
+    assert "--add-maintenance-exclusion-scope=no_minor_or_node_upgrades" in docs
+
+
+def test_spot_pools_can_give_the_pods_more_shutdown_grace(hook: GKETPUHook) -> None:
+    base = {"name": "slice-0", "machine_type": "ct6e-standard-4t", "tpu_topology": "4x4", "spot": True}
+    assert TPUNodePoolSpec(**base).pod_grace_s == 15  # GKE's default: 30 s, 15 of them for system pods
+    default = sent(hook.create_request(TPUNodePoolSpec(**base), project_id=PROJECT, cluster_name=CLUSTER))
+    assert "kubeletConfig" not in default["nodePool"]["config"]
+    spec = TPUNodePoolSpec(**base, spot_shutdown_grace_s=120)
+    assert spec.pod_grace_s == 105
+    wire = sent(hook.create_request(spec, project_id=PROJECT, cluster_name=CLUSTER))
+    assert wire["nodePool"]["config"]["kubeletConfig"] == {
+        "shutdownGracePeriodSeconds": 120,
+        "shutdownGracePeriodCriticalPodsSeconds": 15,
+    }
 
 
 def test_create_request_for_a_reservation(hook: GKETPUHook) -> None:
@@ -363,6 +433,9 @@ def test_resize_and_delete_requests_name_the_pool(hook: GKETPUHook) -> None:
         ({"spot": True, "reservation": "res"}, "spot/reservation"),
         ({"reservation": "Bad Name"}, "reservation"),
         ({"additional_networks": (("net",),)}, "additional_networks"),
+        ({"placement_policy": "my-policy"}, "placement_policy"),  # a 4x4 slice is placed by its tpu_topology
+        ({"spot_shutdown_grace_s": 120}, "spot_shutdown_grace_s"),  # not Spot
+        ({"spot": True, "spot_shutdown_grace_s": 60}, "spot_shutdown_grace_s"),  # GKE takes 30 or 120
     ],
 )
 def test_node_pool_spec_refuses_bad_inputs_naming_them(kwargs: dict[str, Any], key: str) -> None:

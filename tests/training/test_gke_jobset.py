@@ -122,11 +122,24 @@ def test_tpu_slice_knows_its_chips_hosts_and_node_label(
         ("ct6e-standard-8t", "4x4", "tpu_topology"),  # 8t is single-host 2x4 only
         ("ct5p-hightpu-4t", "1x1x2", "tpu_topology"),  # 2 chips: not a whole host
         ("ct5p-hightpu-4t", "2x0x2", "tpu_topology"),
+        # v4 / v5p: below a 4x4x4 cube one of 2x2x1, 2x2x2, 2x2x4, 2x4x4; from a cube up, multiples of 4.
+        ("ct5p-hightpu-4t", "2x2x3", "tpu_topology"),  # whole hosts (3), but no such slice
+        ("ct5p-hightpu-4t", "2x4x8", "tpu_topology"),
+        ("ct4p-hightpu-4t", "4x4x6", "tpu_topology"),
+        ("ct4p-hightpu-4t", "1x4x4", "tpu_topology"),
     ],
 )
 def test_tpu_slice_refuses_shapes_gke_does_not_offer(machine_type: str, topology: str, key: str) -> None:
     with pytest.raises(GKEConfigError, match=f"^{key}:"):
         TPUSlice(machine_type, topology)
+
+
+@pytest.mark.parametrize(
+    "topology", ["2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "16x16x24"]
+)
+@pytest.mark.parametrize("machine_type", ["ct5p-hightpu-4t", "ct4p-hightpu-4t"])
+def test_3d_slices_are_the_sub_cube_shapes_or_whole_cubes(machine_type: str, topology: str) -> None:
+    assert TPUSlice(machine_type, topology).hosts * 4 == TPUSlice(machine_type, topology).chips
 
 
 # --- names -------------------------------------------------------------------------------------
@@ -483,12 +496,13 @@ def test_launch_options_reach_the_pods() -> None:
         node_pools=("tpu-a", "tpu-b"),
         spot=True,
         host_network=True,
+        identity="node",
         cpu="8",
         memory="64Gi",
         env={"XLA_FLAGS": "--xla_dump_to=/tmp"},
         labels={"team": "lm"},
     )
-    m = render(gke_config(), TPUSlice("ct6e-standard-4t", "4x4"), launch, "j1")
+    m = render(gke_config(preemption_grace_s=10), TPUSlice("ct6e-standard-4t", "4x4"), launch, "j1")
     pod = m.jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
     validate_core({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": pod})
     spec = pod["spec"]
@@ -506,6 +520,177 @@ def test_launch_options_reach_the_pods() -> None:
     assert {"name": "XLA_FLAGS", "value": "--xla_dump_to=/tmp"} in c["env"]
     assert pod["metadata"]["labels"]["team"] == "lm"
     assert m.jobset["metadata"]["namespace"] == m.service["metadata"]["namespace"] == "ml"
+
+
+def test_on_the_host_network_the_coordinator_name_is_the_pods_not_the_nodes() -> None:
+    """hostNetwork makes $HOSTNAME the node's name; the agent's DNS name must still be the pod's, under the Service."""
+    tpu = TPUSlice("ct6e-standard-4t", "4x4")
+    launch = GKELaunch(image="img:1", host_network=True, identity="node")
+    m = render(gke_config(), tpu, launch, "j1", 2)
+    for n, pod in enumerate(expand_pods(m.jobset)):
+        validate_core(pod)
+        spec = pod["spec"]
+        assert spec["hostNetwork"] is True and spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+        pod["status"] = {"podIP": f"10.128.0.{n + 2}"}  # on the host network: the node's IP
+        (container,) = spec["containers"]
+        env = resolve_env(pod, container)
+        env["HOSTNAME"] = f"gke-train-tpu-a-{n:04d}"  # what the kubelet gives a hostNetwork pod: the node's name
+        args = agent_args(run_entrypoint(container, env))
+        # The name the headless Service publishes for this pod (Indexed Job hostname . subdomain).
+        assert args["coordinator_host"] == f"{spec['hostname']}.{spec['subdomain']}"
+        assert env["HOSTNAME"] not in args["coordinator_host"]
+
+
+def test_host_network_without_a_node_identity_is_refused() -> None:
+    """hostNetwork pods do not get Workload Identity (gs:// answers 403): the launch must say how they authenticate."""
+    with pytest.raises(GKEConfigError, match="^identity:.*host network"):
+        GKELaunch(image="img:1", host_network=True)
+    with pytest.raises(GKEConfigError, match="^identity:"):
+        GKELaunch(image="img:1", identity="key-file")
+    assert GKELaunch(image="img:1", host_network=True, identity="node").identity == "node"
+
+
+# --- the preemption grace ------------------------------------------------------------------------
+
+
+def pod_grace(m: Any) -> int:
+    return int(
+        m.jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    )
+
+
+def test_spot_pods_get_the_15s_a_spot_preemption_gives_and_the_job_must_commit_within_it() -> None:
+    tpu = TPUSlice("ct6e-standard-4t", "4x4")
+    on_demand = render(gke_config(), tpu, GKELaunch(image="img:1"), "j1")
+    assert pod_grace(on_demand) == 30 >= gke_config().preemption_grace_s + gke.GRACE_MARGIN_S
+    # Spot: 15 s by default, so the default preemption_grace_s (25 s) cannot be honoured: refused, naming both.
+    spot = GKELaunch(image="img:1", spot=True)
+    assert spot.pod_grace_s == spot.preemption_window_s == gke.SPOT_POD_GRACE_S == 15
+    with pytest.raises(GKEConfigError, match=r"^preemption_grace_s: 25s .*spot_grace_s.*termination_grace_period_s"):
+        render(gke_config(), tpu, spot, "j1")
+    m = render(gke_config(preemption_grace_s=10), tpu, spot, "j1")
+    assert pod_grace(m) == 15
+    # A pod grace longer than the node gives does not help on Spot: the window is what the node gives.
+    longer = GKELaunch(image="img:1", spot=True, termination_grace_period_s=60)
+    with pytest.raises(GKEConfigError, match="^preemption_grace_s:"):
+        render(gke_config(preemption_grace_s=20), tpu, longer, "j1")
+    # Pools made with spot_shutdown_grace_s=120 give the pods 105 s (120 less the system pods' 15 s).
+    extended = GKELaunch(image="img:1", spot=True, spot_grace_s=105)
+    assert pod_grace(render(gke_config(), tpu, extended, "j1")) == 105
+    with pytest.raises(GKEConfigError, match="^spot_grace_s:"):
+        GKELaunch(image="img:1", spot=True, spot_grace_s=300)
+
+
+# --- a round's worker environment -----------------------------------------------------------------
+
+# What GKE's TPU webhook puts into a pod of a 2-replica JobSet (the pod s1-h3 of slices of 4 hosts).
+WEBHOOK_ENV = {
+    "PATH": "/usr/bin:/bin",
+    "MEGASCALE_NUM_SLICES": "2",
+    "MEGASCALE_SLICE_ID": "1",
+    "MEGASCALE_COORDINATOR_ADDRESS": "r-abc-slice-0-0.r-abc",
+    "MEGASCALE_PORT": "8080",
+    "TPU_WORKER_ID": "3",
+    "TPU_WORKER_HOSTNAMES": "a,b,c,d",
+    "RTRAIN_JOB": "j1",
+}
+TWO_SLICES = ["s0-h0", "s0-h1", "s0-h2", "s0-h3", "s1-h0", "s1-h1", "s1-h2", "s1-h3"]
+
+
+def worker_env(members: list[str], rank: int, coordinator: str) -> dict[str, str]:
+    """The environment a worker of this round runs with: the agent's child env, then the round's (worker.py)."""
+    env = gke.worker_base_env(WEBHOOK_ENV)
+    env.update(gke.round_env(members, rank, 4, coordinator, WEBHOOK_ENV["MEGASCALE_PORT"]))
+    return env
+
+
+def test_a_two_slice_round_sets_its_own_tpu_and_multislice_values() -> None:
+    env = worker_env(TWO_SLICES, 6, "r-abc-slice-0-0.r-abc:8476")
+    assert env["MEGASCALE_NUM_SLICES"] == "2" and env["MEGASCALE_SLICE_ID"] == "1"
+    assert env["MEGASCALE_COORDINATOR_ADDRESS"] == "r-abc-slice-0-0.r-abc" and env["MEGASCALE_PORT"] == "8080"
+    assert env["TPU_WORKER_ID"] == "2"
+    assert env["TPU_WORKER_HOSTNAMES"] == ",".join(f"r-abc-slice-1-{i}.r-abc" for i in range(4))
+    assert env["RTRAIN_JOB"] == "j1" and env["PATH"] == "/usr/bin:/bin"  # the rest of the pod's env stays
+
+
+@pytest.mark.parametrize("survivor", [0, 1])
+def test_a_round_that_shrank_to_one_slice_keeps_no_stale_multislice_value(survivor: int) -> None:
+    """The webhook's MEGASCALE_NUM_SLICES=2 would make libtpu wait for a slice that is gone."""
+    members = TWO_SLICES[4 * survivor : 4 * survivor + 4]
+    coordinator = f"r-abc-slice-{survivor}-0.r-abc:8476"
+    for rank in range(4):
+        env = worker_env(members, rank, coordinator)
+        assert not [k for k in env if k.startswith("MEGASCALE_")], env
+        assert env["TPU_WORKER_ID"] == str(rank)
+        assert env["TPU_WORKER_HOSTNAMES"] == ",".join(f"r-abc-slice-{survivor}-{i}.r-abc" for i in range(4))
+        stale = {k: v for k, v in WEBHOOK_ENV.items() if gke.is_round_env(k) and env.get(k) == v}
+        assert stale in ({}, {"TPU_WORKER_ID": "3"}), stale  # only a value this round gives again
+
+
+def test_a_single_host_slice_runs_without_tpu_worker_or_multislice_values() -> None:
+    env = gke.worker_base_env(WEBHOOK_ENV)
+    env.update(gke.round_env(["s0-h0"], 0, 1, "r-abc-slice-0-0.r-abc:8476"))
+    assert not [k for k in env if gke.is_round_env(k)], env
+
+
+def test_round_env_names_the_pods_the_jobset_makes() -> None:
+    """TPU_WORKER_HOSTNAMES are the DNS names the headless Service publishes for the round's slice."""
+    tpu = TPUSlice("ct6e-standard-4t", "4x4")
+    m = render(gke_config(), tpu, LAUNCH, "j1", 2)
+    names = {}
+    for n, pod in enumerate(expand_pods(m.jobset)):
+        pod["status"] = {"podIP": f"10.8.0.{n + 2}"}
+        (container,) = pod["spec"]["containers"]
+        args = agent_args(run_entrypoint(container, resolve_env(pod, container)))
+        names[args["host"]] = (args["coordinator_host"], f"{pod['spec']['hostname']}.{pod['spec']['subdomain']}")
+    members = sorted(names, key=lambda h: (int(h[1 : h.index("-")]), int(h.rsplit("h", 1)[1])))
+    coordinator = f"{names[members[0]][0]}:{gke.DEFAULT_COORDINATOR_PORT}"  # rank 0's, as the leader writes it
+    assert coordinator == m.coordinator
+    for rank, host in enumerate(members):
+        env = gke.round_env(members, rank, tpu.hosts, coordinator)
+        slice_members = members[rank - rank % 4 : rank - rank % 4 + 4]
+        assert env["TPU_WORKER_HOSTNAMES"].split(",") == [names[h][1] for h in slice_members]
+        assert env["TPU_WORKER_HOSTNAMES"].split(",")[int(env["TPU_WORKER_ID"])] == names[host][1]
+
+
+def test_the_agent_gives_its_worker_only_this_rounds_tpu_values(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HostAgent: the child process starts without the webhook's values, and the round's env brings its own."""
+    from types import SimpleNamespace
+
+    from training.elastic import agent
+    from training.elastic.rendezvous import Round
+
+    for k, v in WEBHOOK_ENV.items():
+        monkeypatch.setenv(k, v)
+    seen: dict[str, Any] = {}
+
+    class FakePopen:
+        def __init__(self, argv: list[str], env: dict[str, str], **kwargs: Any) -> None:
+            seen["env"] = env
+
+    monkeypatch.setattr(agent.subprocess, "Popen", FakePopen)
+    stub = SimpleNamespace(
+        spawned=0,
+        log_dir=tmp_path,
+        run_uri="gs://b/runs/r",
+        host="s1-h3",
+        job="j1",
+        cfg=SimpleNamespace(backend="gke", hosts_per_slice=4, devices_per_worker=4),
+    )
+    w = agent.HostAgent._spawn(stub)
+    os.close(w.fd)
+    child = dict(seen["env"])
+    assert not [k for k in child if gke.is_round_env(k)], child
+    assert child["RTRAIN_JOB"] == "j1" and child["RTRAIN_HOST"] == "s1-h3"
+    rnd = Round(
+        round=3, job="j1", gen=1, leader="s1-h0", members=TWO_SLICES[4:], coordinator="r-abc-slice-1-0.r-abc:8476"
+    )
+    child.update(agent.HostAgent._round_env(stub, rnd, 3))  # what worker.py does
+    assert not [k for k in child if k.startswith("MEGASCALE_")]
+    assert child["TPU_WORKER_ID"] == "3"
+    assert child["TPU_WORKER_HOSTNAMES"] == ",".join(f"r-abc-slice-1-{i}.r-abc" for i in range(4))
 
 
 @pytest.mark.parametrize(
@@ -654,7 +839,7 @@ def test_the_local_tier_gets_a_memory_volume_and_the_pods_a_grace_period_the_not
     [mount] = c["volumeMounts"]
     assert mount == {"name": volume["name"], "mountPath": gke.LOCAL_TIER_PATH}
     assert {"name": "RTRAIN_LOCAL_CHECKPOINT_DIR", "value": gke.LOCAL_TIER_PATH} in c["env"]
-    assert pod["spec"]["terminationGracePeriodSeconds"] >= gke_config().preemption_grace_s + 5
+    assert pod["spec"]["terminationGracePeriodSeconds"] >= gke_config().preemption_grace_s + gke.GRACE_MARGIN_S
     # A grace period the job's stop-and-commit does not fit in is refused, naming both settings.
     with pytest.raises(GKEConfigError, match="preemption_grace_s"):
         render(gke_config(preemption_grace_s=40), tpu, GKELaunch(image="img:1", termination_grace_period_s=30), "j1")

@@ -12,7 +12,10 @@ manifest, so each pod gets its slice index and host index from the downward API
 short ``sh`` entrypoint turns them into the agent's arguments:
 
     host id          = s<slice index>-h<host index>
-    coordinator host = <pod hostname>.<subdomain>   (resolvable through the headless Service)
+    coordinator host = <jobset>-slice-<slice index>-<host index>.<subdomain>
+                       (the pod's hostname, which the Job controller sets, resolvable through the headless
+                       Service; built from the downward API, not $HOSTNAME, which is the node's name on the
+                       host network)
     bind address     = the pod's IP                 (the coordinator listens on the pod network only)
 
 A lost host does not take the job down: its pod fails (or is evicted), the
@@ -74,12 +77,17 @@ DEFAULT_MEGASCALE_PORT = 8080  # libtpu's DCN transport between slices
 TPU_RUNTIME_PORT = 8471
 
 # The agent command; the entrypoint script ``exec``s it with this host's identity and addresses.
+# The pod's DNS name is its hostname under the headless Service: the Job controller names an Indexed Job's
+# pod host <job>-<index>, the JobSet names the Job <jobset>-<replicated job>-<job index>.  It is built from
+# the downward API (the JobSet's name is the subdomain), never from $HOSTNAME: on the host network that
+# is the node's name, which the Service does not know.
 AGENT_ARGS = ("rtrain", "agent")
 ENTRYPOINT_SCRIPT = (
     "set -eu\n"
     'exec "$@" --job "$RTRAIN_JOB" --host "s${RTRAIN_SLICE_INDEX}-h${RTRAIN_HOST_INDEX}" '
-    '--coordinator-host "${HOSTNAME}.${RTRAIN_SUBDOMAIN}" --coordinator-port "$RTRAIN_COORDINATOR_PORT" '
-    '--bind-host "$RTRAIN_POD_IP"\n'
+    '--coordinator-host "${RTRAIN_SUBDOMAIN}-' + REPLICATED_JOB + "-${RTRAIN_SLICE_INDEX}-${RTRAIN_HOST_INDEX}"
+    '.${RTRAIN_SUBDOMAIN}" '
+    '--coordinator-port "$RTRAIN_COORDINATOR_PORT" --bind-host "$RTRAIN_POD_IP"\n'
 )
 # Agent exit codes that end the job for good (training.elastic.codes.AgentExit.FAILED and SUPERSEDED):
 # the Job fails at once instead of recreating the pod.
@@ -101,6 +109,17 @@ UNUSABLE_TAINTS = frozenset(
         "ToBeDeletedByClusterAutoscaler",
     }
 )
+
+# Pod grace (seconds).  A Spot VM's preemption gives the node 30 s of graceful shutdown, of which GKE
+# keeps 15 s for system pods: a training pod gets 15 s, whatever its terminationGracePeriodSeconds.  A
+# node pool can raise the node's shutdown grace to 120 s (kubelet shutdownGracePeriodSeconds, Spot only,
+# newer GKE; TPUNodePoolSpec.spot_shutdown_grace_s), leaving the pods 120 - 15 = 105 s.
+SPOT_POD_GRACE_S = 15
+ON_DEMAND_POD_GRACE_S = 30  # Kubernetes' default terminationGracePeriodSeconds
+GRACE_MARGIN_S = 5  # between the job's stop-and-commit (preemption_grace_s) and the pod's SIGKILL
+# How the pods reach gs://: as their Kubernetes service account's Google identity (Workload Identity),
+# or as the node's service account (the only way on the host network, where Workload Identity does not apply).
+IDENTITIES = ("workload-identity", "node")
 
 _DNS_LABEL_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _LABEL_VALUE_RE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
@@ -126,6 +145,9 @@ class TPUMachineType:
 
 
 _2D_MULTI = ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
+# v4 / v5p (3D): a slice smaller than one 4x4x4 cube is one of these; from a cube up, whole cubes
+# (every dimension a multiple of 4).  Cloud TPU's v4 and v5p topology tables.
+_3D_SUB_CUBE = ("2x2x1", "2x2x2", "2x2x4", "2x4x4")
 
 #: The one table of TPU machine types this project knows.  chips_per_host is
 #: Config.devices_per_worker (JAX shows a v4/v5p megacore chip as one device).
@@ -169,6 +191,11 @@ class TPUSlice:
         if info.topologies is not None and self.topology not in info.topologies:
             raise GKEConfigError(
                 f"tpu_topology: {self.machine_type} offers {', '.join(info.topologies)}, not {self.topology!r}"
+            )
+        if info.dims == 3 and self.topology not in _3D_SUB_CUBE and any(int(p) % 4 for p in parts):
+            raise GKEConfigError(
+                f"tpu_topology: {info.generation} slices are {', '.join(_3D_SUB_CUBE)} or whole 4x4x4 cubes "
+                f"(each dimension a multiple of 4, e.g. 4x4x4, 4x4x8, 4x8x8), not {self.topology!r}"
             )
         if self.chips % info.chips_per_host:
             raise GKEConfigError(
@@ -247,6 +274,72 @@ def coordinator_address(name: str, port: int = DEFAULT_COORDINATOR_PORT, subdoma
     return f"{pod_hostname(name, 0, 0)}.{subdomain or name}:{port}"
 
 
+# --- a round's worker environment ---------------------------------------------------------
+
+# What libtpu reads of a worker's place in the job.  GKE's TPU webhook puts these into every pod of the
+# JobSet for the JobSet as created (TPU_WORKER_* for the pod's slice, MEGASCALE_* for all its replicas),
+# so they are wrong as soon as a round has fewer slices: the agent starts each worker without them
+# (worker_base_env) and gives it the values of its round (round_env).
+ROUND_ENV_KEYS = frozenset({"TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES"})
+ROUND_ENV_PREFIXES = ("MEGASCALE_",)
+_HOST_ID_RE = re.compile(r"^s(?P<slice>\d+)-h(?P<index>\d+)$")
+
+
+def is_round_env(key: str) -> bool:
+    """Whether ``key`` is a variable whose value belongs to a round, not to the pod."""
+    return key in ROUND_ENV_KEYS or key.startswith(ROUND_ENV_PREFIXES)
+
+
+def worker_base_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The pod's environment for a worker process, without the variables of a round (:func:`is_round_env`)."""
+    return {k: v for k, v in environ.items() if not is_round_env(k)}
+
+
+def member_dns_name(host: str, subdomain: str) -> str:
+    """The DNS name of the pod of host id ``s<slice>-h<index>``: ``<jobset>-slice-<slice>-<index>.<subdomain>``."""
+    m = _HOST_ID_RE.match(host)
+    if not m:
+        raise ValueError(f"host id {host!r} is not s<slice>-h<index> (a GKE pod's host id)")
+    return f"{pod_hostname(subdomain, int(m['slice']), int(m['index']))}.{subdomain}"
+
+
+def round_env(
+    members: list[str], rank: int, hosts_per_slice: int, coordinator: str, megascale_port: str | int | None = None
+) -> dict[str, str]:
+    """The TPU environment of the worker of rank ``rank`` in a round of ``members`` (slice-major, whole slices).
+
+    Every round of multi-host slices: ``TPU_WORKER_ID`` (the worker's rank in its slice) and
+    ``TPU_WORKER_HOSTNAMES`` (its slice's members in rank order); a single-host slice runs without them,
+    as GKE starts it (its webhook sets them only for multi-host Jobs).  A round on 2 or more slices adds libtpu's Multislice variables:
+    ``MEGASCALE_COORDINATOR_ADDRESS`` (rank 0's host), ``MEGASCALE_NUM_SLICES``, ``MEGASCALE_SLICE_ID``
+    and ``MEGASCALE_PORT``.  A round on one slice has none: a single slice needs no Multislice runtime,
+    and one told of other slices waits for them.  ``coordinator`` is the round's ``<rank 0's DNS name>:port``,
+    whose domain is the JobSet's subdomain.
+    """
+    if not 0 <= rank < len(members) or len(members) % hosts_per_slice:
+        raise ValueError(f"rank {rank} of {len(members)} members in slices of {hosts_per_slice}")
+    host = coordinator.rsplit(":", 1)[0]
+    if "." not in host:
+        raise ValueError(f"coordinator {coordinator!r} is not <pod hostname>.<subdomain>:port")
+    subdomain = host.split(".", 1)[1]
+    env: dict[str, str] = {}
+    if hosts_per_slice > 1:
+        first = rank - rank % hosts_per_slice
+        env["TPU_WORKER_ID"] = str(rank % hosts_per_slice)
+        env["TPU_WORKER_HOSTNAMES"] = ",".join(
+            member_dns_name(h, subdomain) for h in members[first : first + hosts_per_slice]
+        )
+    slices = len(members) // hosts_per_slice
+    if slices > 1:
+        env |= {
+            "MEGASCALE_COORDINATOR_ADDRESS": host,
+            "MEGASCALE_NUM_SLICES": str(slices),
+            "MEGASCALE_SLICE_ID": str(rank // hosts_per_slice),
+            "MEGASCALE_PORT": str(megascale_port or DEFAULT_MEGASCALE_PORT),
+        }
+    return env
+
+
 # --- launch options and the run config --------------------------------------------------
 
 
@@ -261,10 +354,15 @@ class GKELaunch:
     megascale_port: int = DEFAULT_MEGASCALE_PORT
     node_pools: tuple[str, ...] = ()  # restrict the pods to these node pools (empty: any pool of the TPU shape)
     spot: bool = False  # select Spot VMs (node label cloud.google.com/gke-spot=true)
-    host_network: bool = False  # pods on the host network: faster DCN between slices
+    host_network: bool = False  # pods on the host network: faster DCN between slices (needs identity="node")
     cpu: str | None = None  # CPU / memory requests of the worker container (None: none)
     memory: str | None = None
-    termination_grace_period_s: int = 30
+    # The pods' terminationGracePeriodSeconds; None: what a preemption gives them (Spot: spot_grace_s, else 30).
+    termination_grace_period_s: int | None = None
+    # What a Spot node's preemption gives a pod: 15 s by default on GKE; 105 s on a pool made with
+    # TPUNodePoolSpec.spot_shutdown_grace_s=120.
+    spot_grace_s: int = SPOT_POD_GRACE_S
+    identity: str = "workload-identity"  # how the pods reach gs:// (IDENTITIES)
     # The local checkpoint tier's volume (an emptyDir in memory; counts against the pod's memory).
     local_tier_size: str = "16Gi"
     env: Mapping[str, str] = field(default_factory=dict)  # more environment for every worker
@@ -287,6 +385,18 @@ class GKELaunch:
                 f"coordinator_port: {self.coordinator_port} (and the peer watch's {self.coordinator_port + 1}) "
                 "collides with a TPU runtime port"
             )
+        if self.termination_grace_period_s is not None and self.termination_grace_period_s < 1:
+            raise GKEConfigError(f"termination_grace_period_s: at least 1, got {self.termination_grace_period_s}")
+        if not 1 <= self.spot_grace_s <= 120:
+            raise GKEConfigError(f"spot_grace_s: 1..120 (GKE's Spot shutdown grace), got {self.spot_grace_s}")
+        if self.identity not in IDENTITIES:
+            raise GKEConfigError(f"identity: one of {', '.join(IDENTITIES)}, got {self.identity!r}")
+        if self.host_network and self.identity != "node":
+            raise GKEConfigError(
+                "identity: pods on the host network (host_network=True) cannot use Workload Identity: GKE's "
+                "metadata server only serves the pod network, so gs:// would answer 403.  Set identity='node' "
+                "and grant the node pool's service account the bucket (docs/gke.md), or leave host_network off"
+            )
         for pool in self.node_pools:
             if not _DNS_LABEL_RE.match(pool):
                 raise GKEConfigError(f"node_pools: {pool!r} is not a node pool name")
@@ -296,6 +406,18 @@ class GKELaunch:
         for k, v in self.labels.items():
             if not _LABEL_VALUE_RE.match(v) or len(v) > 63:
                 raise GKEConfigError(f"labels: {k}={v!r} is not a valid label value")
+
+    @property
+    def pod_grace_s(self) -> int:
+        """The pods' terminationGracePeriodSeconds."""
+        if self.termination_grace_period_s is not None:
+            return self.termination_grace_period_s
+        return self.spot_grace_s if self.spot else ON_DEMAND_POD_GRACE_S
+
+    @property
+    def preemption_window_s(self) -> int:
+        """The seconds a pod really has after a preemption notice: on Spot, no more than the node gives."""
+        return min(self.pod_grace_s, self.spot_grace_s) if self.spot else self.pod_grace_s
 
 
 def check_config(cfg: Config, tpu: TPUSlice) -> None:
@@ -318,12 +440,24 @@ def check_config(cfg: Config, tpu: TPUSlice) -> None:
 
 
 def check_grace(cfg: Config, launch: GKELaunch) -> None:
-    """The pods' grace period must leave the job time to stop at a step and commit it after a notice."""
-    if launch.termination_grace_period_s < cfg.preemption_grace_s + 5:
+    """The job's stop-and-commit after a notice (``preemption_grace_s``) must fit in the pods' grace, with a margin.
+
+    On Spot the pods have what the node's shutdown gives them (``spot_grace_s``, 15 s by default), whatever
+    their own ``terminationGracePeriodSeconds`` says.
+    """
+    window = launch.preemption_window_s
+    if cfg.preemption_grace_s + GRACE_MARGIN_S > window:
+        if launch.spot and window == launch.spot_grace_s:
+            where = (
+                f"a Spot preemption gives the pods {window}s (spot_grace_s; GKE's default is {SPOT_POD_GRACE_S}s, "
+                "up to 105s on a pool made with spot_shutdown_grace_s=120)"
+            )
+        else:
+            where = f"the pods get termination_grace_period_s={window}s"
         raise GKEConfigError(
-            f"termination_grace_period_s: {launch.termination_grace_period_s}s leaves no margin for "
-            f"preemption_grace_s={cfg.preemption_grace_s:g}s (the job's stop-and-commit after a preemption notice); "
-            f"give the pods at least {cfg.preemption_grace_s + 5:g}s or lower preemption_grace_s"
+            f"preemption_grace_s: {cfg.preemption_grace_s:g}s (the job's stop-and-commit after a preemption "
+            f"notice) does not fit: {where}, minus a {GRACE_MARGIN_S}s margin; lower preemption_grace_s to at most "
+            f"{window - GRACE_MARGIN_S}s or give the pods more (termination_grace_period_s)"
         )
 
 
@@ -486,7 +620,7 @@ def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, job: str, num_slices: 
         node_selector[SPOT_LABEL] = "true"
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",  # the Job recreates a failed pod (podFailurePolicy needs Never)
-        "terminationGracePeriodSeconds": launch.termination_grace_period_s,
+        "terminationGracePeriodSeconds": launch.pod_grace_s,
         "nodeSelector": node_selector,
         "tolerations": [{"key": TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
         "containers": [container],

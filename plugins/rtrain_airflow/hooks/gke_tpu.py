@@ -50,6 +50,13 @@ if TYPE_CHECKING:
     from airflow.providers.google.cloud.hooks.kubernetes_engine import GKEKubernetesHook
 
 RESERVATION_KEY = "compute.googleapis.com/reservation-name"
+# The nodes' OAuth scope: without one GKE gives only logging and monitoring, and the kubelet cannot pull
+# the image from Artifact Registry.  What the nodes may do is then their service account's IAM roles.
+NODE_OAUTH_SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
+# Spot node shutdown grace GKE accepts (kubelet shutdownGracePeriodSeconds; Spot only; 30 by default),
+# and what of it is kept for system pods: the training pods get the rest (15 s by default).
+SPOT_SHUTDOWN_GRACE_S = (30, 120)
+CRITICAL_PODS_GRACE_S = 15
 _POOL_NAME_RE = re.compile(r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")  # GKE: <= 40 characters
 _RESERVATION_RE = re.compile(r"^(projects/[a-z][-a-z0-9]{4,28}[a-z0-9]/reservations/)?[a-z]([-a-z0-9]*[a-z0-9])?$")
 
@@ -72,14 +79,22 @@ class TPUNodePoolSpec:
     :param num_slices: single-host shapes only: how many one-VM slices the pool holds.
     :param spot: Spot VMs (cheap, preemptible; the elastic agent absorbs their loss).
     :param reservation: consume this reservation (``NAME`` or ``projects/P/reservations/NAME``).
-    :param placement_policy: a workload / resource policy name (``PlacementPolicy.policy_name``).
-    :param compact_placement: ask for ``COMPACT`` placement.
+    :param placement_policy: single-host shapes only: a compact resource policy name
+        (``PlacementPolicy.policy_name``, sent with ``type: COMPACT``).  A multi-host slice is placed by its
+        ``tpu_topology``, which GKE does not accept together with a policy name.
+    :param compact_placement: single-host shapes: ``COMPACT`` placement of the pool's VMs.  A multi-host
+        slice is one ICI-connected unit already (its ``tpu_topology``): nothing more is sent.
     :param additional_networks: extra node networks, ``(network, subnetwork)`` pairs (multi-networking clusters).
     :param node_locations: zones of the pool (TPUs are zonal; a regional cluster must say which zone).
     :param service_account: the nodes' Google service account (defaults to the cluster's).
     :param node_labels: extra Kubernetes labels on the nodes.
     :param workload_identity: run the GKE metadata server on the nodes, so that the worker pods
         act as their Kubernetes service account's Google identity (Workload Identity).
+    :param auto_upgrade: GKE's node auto-upgrade.  An upgrade recreates every VM of a multi-host slice
+        mid-run; GKE refuses ``False`` on a cluster in a release channel (docs/gke.md §4: a maintenance
+        exclusion keeps upgrades off the training pools there), so ``False`` is for static-version clusters.
+    :param spot_shutdown_grace_s: Spot only: the node's graceful shutdown on preemption, 30 or 120
+        (newer GKE).  GKE keeps 15 s of it for system pods; the training pods get the rest (default: 15 s).
     """
 
     name: str
@@ -97,6 +112,8 @@ class TPUNodePoolSpec:
     disk_size_gb: int | None = None
     disk_type: str | None = None
     workload_identity: bool = True
+    auto_upgrade: bool = True
+    spot_shutdown_grace_s: int | None = None
 
     def __post_init__(self) -> None:
         if not _POOL_NAME_RE.match(self.name):
@@ -121,10 +138,28 @@ class TPUNodePoolSpec:
                 raise GKEConfigError(f"additional_networks: {pair!r} is not a (network, subnetwork) pair")
         if self.disk_size_gb is not None and self.disk_size_gb < 10:
             raise GKEConfigError(f"disk_size_gb: at least 10, got {self.disk_size_gb}")
+        if tpu.multi_host and self.placement_policy:
+            raise GKEConfigError(
+                f"placement_policy: a {self.machine_type} {self.tpu_topology} pool is a multi-host slice, placed by "
+                "its tpu_topology; GKE refuses a placement policy name together with it"
+            )
+        if self.spot_shutdown_grace_s is not None:
+            if not self.spot:
+                raise GKEConfigError("spot_shutdown_grace_s: only Spot nodes take a shutdown grace period (spot=True)")
+            if self.spot_shutdown_grace_s not in SPOT_SHUTDOWN_GRACE_S:
+                raise GKEConfigError(
+                    f"spot_shutdown_grace_s: GKE accepts {' or '.join(map(str, SPOT_SHUTDOWN_GRACE_S))}, "
+                    f"got {self.spot_shutdown_grace_s}"
+                )
 
     @property
     def tpu(self) -> TPUSlice:
         return TPUSlice(self.machine_type, self.tpu_topology)
+
+    @property
+    def pod_grace_s(self) -> int:
+        """What a preemption gives the training pods on these nodes (GKELaunch.spot_grace_s for Spot pools)."""
+        return (self.spot_shutdown_grace_s or SPOT_SHUTDOWN_GRACE_S[0]) - CRITICAL_PODS_GRACE_S
 
     @property
     def node_count(self) -> int:
@@ -139,7 +174,13 @@ class TPUNodePoolSpec:
             machine_type=self.machine_type,
             spot=self.spot,
             labels=dict(self.node_labels),
+            oauth_scopes=list(NODE_OAUTH_SCOPES),
         )
+        if self.spot_shutdown_grace_s is not None:
+            config.kubelet_config = container_v1.NodeKubeletConfig(
+                shutdown_grace_period_seconds=self.spot_shutdown_grace_s,
+                shutdown_grace_period_critical_pods_seconds=CRITICAL_PODS_GRACE_S,
+            )
         if self.reservation:
             config.reservation_affinity = container_v1.ReservationAffinity(
                 consume_reservation_type=container_v1.ReservationAffinity.Type.SPECIFIC_RESERVATION,
@@ -161,15 +202,14 @@ class TPUNodePoolSpec:
             config=config,
             initial_node_count=self.node_count,
             locations=list(self.node_locations),
-            management=container_v1.NodeManagement(auto_repair=True, auto_upgrade=True),
+            management=container_v1.NodeManagement(auto_repair=True, auto_upgrade=self.auto_upgrade),
         )
-        if tpu.multi_host or self.placement_policy or self.compact_placement:
-            placement: dict[str, Any] = {}
-            if tpu.multi_host:
-                # The topology makes GKE provision the VMs as one ICI-connected slice.
-                placement["tpu_topology"] = self.tpu_topology
-            if self.compact_placement:
-                placement["type_"] = container_v1.NodePool.PlacementPolicy.Type.COMPACT
+        if tpu.multi_host:
+            # The topology makes GKE provision the VMs as one ICI-connected slice (compact by construction);
+            # GKE takes no placement type or policy name with it.
+            pool.placement_policy = container_v1.NodePool.PlacementPolicy(tpu_topology=self.tpu_topology)
+        elif self.compact_placement or self.placement_policy:
+            placement: dict[str, Any] = {"type_": container_v1.NodePool.PlacementPolicy.Type.COMPACT}
             if self.placement_policy:
                 placement["policy_name"] = self.placement_policy
             pool.placement_policy = container_v1.NodePool.PlacementPolicy(**placement)

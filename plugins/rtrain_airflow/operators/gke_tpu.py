@@ -146,8 +146,12 @@ class GKECreateTPUNodePoolOperator(_GKETPUNodePoolBaseOperator):
     :param tpu_topology: e.g. ``4x4`` (v5e/v6e), ``2x2x2`` (v4/v5p).
     :param spot: Spot VMs. Mutually exclusive with ``reservation``.
     :param reservation: a specific reservation to consume (``NAME`` or ``projects/P/reservations/NAME``).
-    :param placement_policy: a workload policy name for the pool's placement.
-    :param compact_placement: ask for ``COMPACT`` placement.
+    :param placement_policy: single-host shapes: a compact resource policy name (a multi-host slice is
+        placed by its ``tpu_topology``, which GKE does not take together with a policy).
+    :param compact_placement: single-host shapes: ``COMPACT`` placement (a multi-host slice is compact already).
+    :param auto_upgrade: GKE node auto-upgrade (``False`` only on a cluster outside release channels;
+        elsewhere keep upgrades off the pools with a maintenance exclusion, docs/gke.md §4).
+    :param spot_shutdown_grace_s: Spot only: the nodes' shutdown grace, 30 or 120 (the pods get it less 15 s).
     :param additional_networks: extra node networks, ``[{"network": ..., "subnetwork": ...}]``.
     :param node_locations: the zone(s) of the pool (TPUs are zonal).
     :param node_service_account: the nodes' Google service account (least privilege: see docs/gke.md).
@@ -182,6 +186,8 @@ class GKECreateTPUNodePoolOperator(_GKETPUNodePoolBaseOperator):
         node_labels: Mapping[str, str] | None = None,
         disk_size_gb: int | None = None,
         disk_type: str | None = None,
+        auto_upgrade: bool = True,
+        spot_shutdown_grace_s: int | None = None,
         recreate_failed_pool: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -199,6 +205,8 @@ class GKECreateTPUNodePoolOperator(_GKETPUNodePoolBaseOperator):
         self.node_labels = dict(node_labels or {})
         self.disk_size_gb = disk_size_gb
         self.disk_type = disk_type
+        self.auto_upgrade = auto_upgrade
+        self.spot_shutdown_grace_s = spot_shutdown_grace_s
         self.recreate_failed_pool = recreate_failed_pool
         if not _templated(*(getattr(self, f) for f in self.template_fields)):
             self.spec()  # refuse a bad shape when the DAG is parsed
@@ -223,6 +231,8 @@ class GKECreateTPUNodePoolOperator(_GKETPUNodePoolBaseOperator):
             node_labels=self.node_labels,
             disk_size_gb=self.disk_size_gb,
             disk_type=self.disk_type,
+            auto_upgrade=self.auto_upgrade,
+            spot_shutdown_grace_s=self.spot_shutdown_grace_s,
         )
 
     def _result(self, spec: TPUNodePoolSpec, created: bool) -> dict[str, Any]:
@@ -434,6 +444,11 @@ class GKEStartTPUJobSetOperator(_GKEJobSetBaseOperator):
     :param num_slices: slices to ask for; ``None``: as many as ``max_workers`` allows (missing ones wait Pending).
     :param service_account: the Kubernetes service account of the agents (Workload Identity).
     :param node_pools: restrict the agents to these node pools.
+    :param host_network: pods on the host network; needs ``identity="node"`` (no Workload Identity there).
+    :param identity: how the pods reach gs://: ``workload-identity`` (their Kubernetes service account) or
+        ``node`` (the node pool's service account).
+    :param termination_grace_period_s: the pods' grace; ``None``: what a preemption gives (Spot: ``spot_grace_s``).
+    :param spot_grace_s: what a Spot preemption gives a pod (15 s; 105 s on pools with ``spot_shutdown_grace_s=120``).
 
     Returns the job handle: ``job``, ``jobset``, ``namespace``, ``num_slices``, ``run_uri``, ``state``, ...
     """
@@ -465,6 +480,9 @@ class GKEStartTPUJobSetOperator(_GKEJobSetBaseOperator):
         cpu: str | None = None,
         memory: str | None = None,
         env: Mapping[str, str] | None = None,
+        identity: str = "workload-identity",
+        termination_grace_period_s: int | None = None,
+        spot_grace_s: int = 15,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -480,6 +498,9 @@ class GKEStartTPUJobSetOperator(_GKEJobSetBaseOperator):
         self.cpu = cpu
         self.memory = memory
         self.env = dict(env or {})
+        self.identity = identity
+        self.termination_grace_period_s = termination_grace_period_s
+        self.spot_grace_s = spot_grace_s
         static = ("config", "machine_type", "tpu_topology", "image", "namespace", "service_account", "node_pools")
         if not _templated(*(getattr(self, f) for f in static)):
             self._static_inputs()  # refuse a config that cannot run on the shape when the DAG is parsed
@@ -502,6 +523,9 @@ class GKEStartTPUJobSetOperator(_GKEJobSetBaseOperator):
             cpu=self.cpu,
             memory=self.memory,
             env=self.env,
+            identity=self.identity,
+            termination_grace_period_s=self.termination_grace_period_s,
+            spot_grace_s=self.spot_grace_s,
         )
         return cfg, tpu, launch
 
