@@ -297,12 +297,22 @@ def _write_config(cfg: Config, store: Store, job: str, by: str) -> list[str]:
     return changed
 
 
-def begin_job(cfg: Config, *, backend: str = "local", by: str | None = None, provision: bool = False) -> str:
+def begin_job(
+    cfg: Config,
+    *,
+    backend: str = "local",
+    by: str | None = None,
+    provision: bool = False,
+    on_line: Callable[[str], None] | None = None,
+) -> str:
     """Take the run for a new job: lock, config, a fresh rendezvous, then hand the lock to the job.
 
     ``provision`` (the local slice, ``rtrain train``): give the slice its ``max_workers`` hosts.
     Otherwise the pool is what it is (Airflow's provision task sets it; chaos and
     ``rtrain capacity`` change it), as a node pool is on GKE.
+
+    A lease that is not refreshed any more (every agent of the last job was killed) is
+    waited out, saying so through ``on_line``, and taken over when it lapses.
 
     Raises LaunchRefused (nothing written) when another job holds the run, and
     LaunchError (nothing written) when the config cannot resume this run.
@@ -313,10 +323,7 @@ def begin_job(cfg: Config, *, backend: str = "local", by: str | None = None, pro
     job = new_job_id()
     who = by or f"{os.environ.get('USER', 'someone')}@{socket.gethostname()} pid {os.getpid()}"
     lock = RunLock(store, owner=f"launcher of job {job} ({who})", lease_s=60.0)
-    try:
-        lock.acquire()
-    except LockHeld as e:
-        raise LaunchRefused(f"refused: {e}", e.holder) from None
+    _take_run_lock(lock, on_line)
     try:
         if cfg.resume_from.isdigit() and int(cfg.resume_from) not in (steps := committed_steps(cfg.run_uri)):
             raise LaunchError(
@@ -336,6 +343,54 @@ def begin_job(cfg: Config, *, backend: str = "local", by: str | None = None, pro
         lock.release()
         raise
     return job
+
+
+# A lease with more than this left is not waited out (a job's launch handed it over moments ago).
+LAPSE_WAIT_MAX_S = 60.0
+
+
+def _take_run_lock(lock: RunLock, on_line: Callable[[str], None] | None) -> None:
+    """Acquire the run lock, waiting out a lease that is lapsing; LaunchRefused for a holder that refreshes.
+
+    A live holder writes a new generation every ``lease_s / 4``; one whose generation stays
+    put while its lease runs out is gone (its agents were killed): wait for the lease and the
+    takeover margin to pass, then take it over.  Another owner that appears meanwhile (a status
+    check repairing the run) is waited out the same way, within ``LAPSE_WAIT_MAX_S`` in all.
+    """
+    say = on_line or (lambda line: print(line, file=sys.stderr, flush=True))
+    start = time.time()
+    said: set[int] = set()
+    while True:
+        try:
+            lock.acquire()
+            if said:
+                say(f"the lease lapsed after {time.time() - start:.1f}s: run {lock.store.uri} taken over")
+            return
+        except LockHeld as e:
+            held = e
+        rec = held.holder
+        now = time.time()
+        if rec is None:
+            raise LaunchRefused(f"refused: {held}") from None
+        left = float(rec["expires_at"]) + lock.margin_s - now
+        if left > LAPSE_WAIT_MAX_S or now - start + left > LAPSE_WAIT_MAX_S + lock.margin_s:
+            raise LaunchRefused(f"refused: {held}", rec) from None
+        gen = int(rec.get("gen") or 0)
+        if gen not in said:
+            said.add(gen)
+            say(
+                f"run {lock.store.uri} is held by {rec['owner']!r} (host {rec.get('host')}, pid {rec.get('pid')}), "
+                f"its lease lapsing in {left:.1f}s: waiting for it to lapse, then taking the run over "
+                "(refused if the holder refreshes it)"
+            )
+        while time.time() < float(rec["expires_at"]) + lock.margin_s:
+            time.sleep(min(0.2, max(lock.margin_s / 2, 0.05)))
+            cur_gen, cur = lock.newest()
+            if cur_gen == gen:
+                continue
+            if cur is not None and cur.get("token") == rec.get("token") and lock.active(cur, time.time()):
+                raise LaunchRefused(f"refused: {lock.message(cur)}", cur) from None  # it refreshes: alive
+            break  # released, or another owner: look again
 
 
 def launch(
@@ -358,7 +413,7 @@ def launch(
     store = open_store(cfg.run_uri)
     after = EventLog(store).newest_key()
     try:
-        job = begin_job(cfg, provision=provision)
+        job = begin_job(cfg, provision=provision, on_line=on_line)
     except LaunchRefused as e:
         holder = e.holder
         if allow_attach and holder.get("job") and not _job_alive(store, str(holder["job"])):

@@ -64,6 +64,10 @@ log = logging.getLogger("rtrain.agent")
 
 POLL_S = 0.05  # the main loop's period on a local root (a round starts, a worker ends: seen this fast)
 POLL_S_GCS = 0.2  # on gs://, where every look is an HTTP request
+# Rank 0's step reaches its heartbeat within this (one small write, batched over the steps between),
+# and so the leader's status.json within about a second; the other beats come every heartbeat_s.
+STEP_BEAT_S = 0.25
+STEP_BEAT_S_GCS = 0.5
 SCALARS_FLUSH_S = 5.0  # step scalars reach the run's TensorBoard files this often (and at each round's end)
 HOST_RE = re.compile(r"^(?:s(?P<slice>\d+)-)?h(?P<index>\d+)$")
 # Worker reports that become events (rank 0's; worker_started and chaos come from every rank).
@@ -191,6 +195,8 @@ class HostAgent:
         self._scalars_at = 0.0
         self.disk_full = False
         self.poll_s = POLL_S_GCS if is_gcs(run) else POLL_S
+        self.step_beat_s = min(STEP_BEAT_S_GCS if is_gcs(run) else STEP_BEAT_S, self.cfg.heartbeat_s)
+        self._step_beat_at = 0.0
         self._writes: queue.Queue[Callable[[], object] | None] = queue.Queue()
         self._writer_thread = threading.Thread(target=self._writer, name="writer", daemon=True)
 
@@ -446,16 +452,16 @@ class HostAgent:
         self.update(state="training", round=rnd.round, rank=rank, step=None, loss=None)
 
     def _round_env(self, rnd: Round, rank: int) -> dict[str, str]:
-        """What the worker's runtime must know of this round before it starts (TPU multislice)."""
-        slices = rnd.workers // self.cfg.hosts_per_slice
-        if self.cfg.backend != "gke" or slices < 2:
+        """What the worker's runtime must know of this round before it starts (TPU identity, Multislice).
+
+        On GKE every value is this round's: the worker was started without the pod's own TPU_WORKER_* and
+        MEGASCALE_* (``worker_base_env`` in ``_spawn``), which GKE's webhook set for the JobSet as created.
+        """
+        if self.cfg.backend != "gke":
             return {}
-        # libtpu joins the slices of this round over the data-center network (Multislice).
-        return {
-            "MEGASCALE_COORDINATOR_ADDRESS": rnd.coordinator.rsplit(":", 1)[0],
-            "MEGASCALE_NUM_SLICES": str(slices),
-            "MEGASCALE_SLICE_ID": str(rank // self.cfg.hosts_per_slice),
-        }
+        from training.backends.gke import round_env
+
+        return round_env(rnd.members, rank, self.cfg.hosts_per_slice, rnd.coordinator, os.environ.get("MEGASCALE_PORT"))
 
     # --- the worker processes -----------------------------------------------------------------
 
@@ -464,8 +470,10 @@ class HostAgent:
         self.spawned += 1
         r, w = os.pipe()
         path = self.log_dir / f"worker-{os.getpid()}-{self.spawned}.log"
+        from training.backends.gke import worker_base_env  # without a round's TPU variables: _round_env sets them
+
         env = {
-            **os.environ,
+            **worker_base_env(os.environ),
             "RTRAIN_RUN_URI": self.run_uri,
             "RTRAIN_HOST": self.host,
             "RTRAIN_JOB": self.job,
@@ -559,7 +567,11 @@ class HostAgent:
         t = str(msg.pop("type", ""))
         if t == "metrics":
             # Every step (rank 0): the heartbeat's step and loss, and the TensorBoard scalars.
-            self.update(now=False, step=msg.get("step"), loss=msg.get("loss"), step_time=msg.get("step_time"))
+            # Rank 0's step is what the status shows: beat soon after it moves, at most every step_beat_s.
+            soon = w.rank == 0 and time.monotonic() - self._step_beat_at >= self.step_beat_s
+            if soon:
+                self._step_beat_at = time.monotonic()
+            self.update(now=soon, step=msg.get("step"), loss=msg.get("loss"), step_time=msg.get("step_time"))
             if self.scalars is None:
                 self.scalars = ScalarLog(self.run_uri, self.host, store=self.store)
             values = {k: float(v) for k, v in (msg.get("values") or {}).items() if isinstance(v, int | float)}

@@ -58,6 +58,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("rtrain.leader")
 
 KEEP_ROUNDS = 20  # rounds (and their reports) kept in the rendezvous; the events keep the history
+# status.json is one small object, rewritten whole: every STATUS_S, and sooner (STATUS_STEP_S) when the
+# step moved, so that it trails training by about a second (rank 0's heartbeat carries the step within
+# STEP_BEAT_S, the leader reads it within 0.25 s).  On gs:// an object takes about one write a second.
+STATUS_S = 1.0
+STATUS_STEP_S = {"local": 0.5, "gcs": 1.0}
 
 
 class Phase(StrEnum):
@@ -92,9 +97,15 @@ class Leader:
         self.started_at = float(st.get("started_at", now)) if mine else now
         self.status: dict[str, Any] = {k: st[k] for k in ("step", "loss", "latest_committed") if mine and k in st}
         self.phase = Phase.GATHER
+        self.t_phase = now
         if self.round is not None:
             self.phase = Phase.DONE if self.round.action == "stop" else Phase.RUNNING
-        self.t_phase = now
+            if self.phase == Phase.RUNNING and mine and st.get("state") == RunState.WAITING_FOR_CAPACITY.value:
+                # The job was waiting for capacity (no host was left, the local slice held the run):
+                # hosts are back; wait on from when the wait began, then form a round on them.
+                self.phase = Phase.WAIT
+                self.t_phase = float(st.get("waiting_since") or now)
+                self.status["waiting_since"] = self.t_phase
         self.fail_at: float | None = None
         self.seq_at_fail: dict[str, int] = {}
         self.failure: dict[str, Any] | None = None  # what went wrong, blamed once the settle is over
@@ -107,6 +118,8 @@ class Leader:
         self.last_step: int | None = None
         self.last_step_change = now
         self._status_at = 0.0
+        self._status_step: Any = None  # the step status.json said when last written
+        self._status_step_s = STATUS_STEP_S["gcs" if agent.run_uri.startswith("gs://") else "local"]
         self._control_at = 0.0
         self.agent.emit(
             "leader",
@@ -277,6 +290,7 @@ class Leader:
         n = len(self.fresh())
         self.agent.emit("waiting_for_capacity", available=n, min_workers=self.cfg.min_workers)
         self.status["available"] = n
+        self.status["waiting_since"] = now  # whoever holds the run next waits on from here
         self._set_phase(Phase.WAIT)
 
     def _wait(self, now: float) -> None:
@@ -353,6 +367,7 @@ class Leader:
         self.last_step_change = time.time()
         self.status.update(workers=plan.workers, mesh=plan.shape, members=members, round=rnd.round)
         self.status.pop("available", None)
+        self.status.pop("waiting_since", None)
         self._set_phase(Phase.RUNNING)
         self._write_status(force=True)
         if number > KEEP_ROUNDS:
@@ -718,9 +733,11 @@ class Leader:
 
     def _write_status(self, force: bool = False, state: RunState | None = None) -> None:
         now = time.time()
-        if not force and now - self._status_at < 1.0:
+        moved = self.status.get("step") != self._status_step
+        if not force and now - self._status_at < (self._status_step_s if moved else STATUS_S):
             return
         self._status_at = now
+        self._status_step = self.status.get("step")
         self._fence()
         fields = {k: v for k, v in self.status.items() if k != "progressing"}
         write_status(

@@ -10,6 +10,13 @@ through the run root, exactly as they do in pods, and they keep training if
 this process is killed.
 
 It also waits for the job's end and shows its progress (``rtrain train``).
+When no host of the job is left (the pool shrank to nothing), no agent can
+lead; this process, the job's launcher, then holds the run for the job: it
+takes the run lock's lease once the last leader's lapsed (or a handoff to the
+job), keeps it, and keeps ``status.json`` at ``waiting_for_capacity``, until
+capacity returns (it hands the lock back to the job and starts agents, whose
+leader waits on from the same moment) or ``capacity_timeout_s`` ends the job as
+failed with the reason.
 """
 
 from __future__ import annotations
@@ -27,16 +34,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from training.checkpoint.lock import LeaseKeeper, LockHeld, LockLost, RunLock
 from training.config import Config, config_from_json
 from training.elastic.capacity import LocalCapacity
+from training.elastic.rendezvous import Rendezvous, Round
 from training.elastic.status import status
-from training.events import FINAL_STATES, EventLog, describe, read_status
+from training.events import FINAL_STATES, EventLog, RunState, describe, read_status, write_status
 from training.layout import CONFIG, CONTROL, LOGS
 from training.storage import is_gcs, join, open_store
 
 log = logging.getLogger("rtrain.local_slice")
 
 POLL_S = 0.2
+HANDOFF_S = 120.0  # how long the job's new agents have to claim the run lock from this process
+HOLD_STATUS_S = 1.0  # while holding the run, the status is rewritten this often (readers see a live holder)
 # Events worth a line on the console while the job runs.
 SHOWN = frozenset(
     {
@@ -78,6 +89,7 @@ class LocalSlice:
         self.store = open_store(cfg.run_uri)
         self.capacity = LocalCapacity(self.store, default=cfg.max_workers)
         self.events = EventLog(self.store)
+        self.own_events = EventLog(self.store, source="local-slice")  # what it does while it holds the run
         self.on_line = on_line
         self.on_status = on_status
         self.logs = log_dir_for(cfg, job)
@@ -86,6 +98,13 @@ class LocalSlice:
         self._cursor: str | None = None
         self._stopping = False
         self._final: dict[str, Any] | None = None
+        self._hold: RunLock | None = None  # the run lock, while no host of the job is left
+        self._keeper: LeaseKeeper | None = None
+        self._waiting_since = 0.0
+        self._held_status: dict[str, Any] = {}
+        self._status_at = 0.0
+        self._stop_reason = ""
+        self._final_doc: dict[str, Any] = {}
 
     # --- agents ---------------------------------------------------------------------------------
 
@@ -120,7 +139,7 @@ class LocalSlice:
         for host, proc in list(self.agents.items()):
             if proc.poll() is not None:
                 del self.agents[host]
-        if self._final is not None or self._stopping:
+        if self._final is not None or self._stopping or self._hold is not None:
             return
         want = min(self.capacity.available(), self.cfg.max_workers)
         leaving = set(self.capacity.leaving())  # told to go: they leave by themselves, and come back as new hosts
@@ -147,11 +166,131 @@ class LocalSlice:
         for host in list(self.agents):
             self._kill(host)
 
+    # --- no host left: holding the run for the job ------------------------------------------------
+
+    def _no_host_left(self) -> None:
+        """No agent of the job runs and the pool has no host for one: hold the run until capacity returns."""
+        if self._hold is None:
+            lock = RunLock(
+                self.store,
+                owner=f"local slice of job {self.job} (no host left)",
+                lease_s=self.cfg.lease_s,
+                job=self.job,
+                on_event=lambda type_, **f: self.own_events.emit(type_, **f),
+            )
+            try:
+                lock.acquire()  # a handoff to the job at once; the last leader's lease once it lapsed
+            except LockHeld as e:
+                holder = e.holder or {}
+                if holder.get("job") not in (None, self.job):
+                    log.warning("the run now belongs to job %s; job %s ends here", holder.get("job"), self.job)
+                    self._final = read_status(self.store) or {"state": RunState.FAILED.value}
+                return  # else: the last leader's lease has not lapsed yet; look again
+            except OSError as e:
+                log.warning("cannot take the run lock to hold it for job %s: %s", self.job, e)
+                return
+            self._hold = lock
+            self._keeper = LeaseKeeper(lock, on_lost=lambda why: log.warning("holding the run: %s", why)).start()
+            st = read_status(self.store) or {}
+            mine = st.get("job") == self.job
+            if not mine or st.get("state") in FINAL_STATES:
+                self._final = st  # the job ended (or the run moved on) before its agents went
+                self._let_go()
+                return
+            waiting = mine and st.get("state") == RunState.WAITING_FOR_CAPACITY.value
+            self._waiting_since = float(st.get("waiting_since") or time.time()) if waiting else time.time()
+            keep = ("step", "loss", "latest_committed", "failures", "started_at", "steps_total", "round", "mesh")
+            self._held_status = {k: st[k] for k in keep if mine and k in st}
+            self.own_events.emit(
+                "waiting_for_capacity",
+                available=self.capacity.available(),
+                min_workers=self.cfg.min_workers,
+                reason="no host of the job is left; the local slice holds the run until capacity returns",
+            )
+            self._write_held(force=True)
+            log.info("no host of job %s is left: holding the run, waiting for capacity", self.job)
+            return
+        assert self._keeper is not None
+        if not self._keeper.valid():
+            self._let_go()  # the lease was lost: someone else holds the run now
+            return
+        if self._stopping:
+            self._end_held(f"stopped: {self._stop_reason} (while waiting for capacity)")
+        elif self.capacity.available() > 0:
+            self.own_events.emit("capacity", available=self.capacity.available(), reason="capacity returned")
+            self._keeper.stop()
+            self._hold.handoff(self.job, HANDOFF_S)  # the new agents claim it; their leader waits on
+            self._hold, self._keeper = None, None
+            log.info("capacity returned: the run is handed back to job %s", self.job)
+        elif time.time() - self._waiting_since >= self.cfg.capacity_timeout_s:
+            self._end_held(
+                f"capacity stayed below min_workers={self.cfg.min_workers} for {self.cfg.capacity_timeout_s:.0f}s "
+                "(available: 0 hosts; no host of the job was left)"
+            )
+        else:
+            self._write_held()
+
+    def _write_held(self, force: bool = False, state: RunState = RunState.WAITING_FOR_CAPACITY) -> None:
+        if not force and time.monotonic() - self._status_at < HOLD_STATUS_S:
+            return
+        assert self._keeper is not None
+        self._keeper.check()
+        self._status_at = time.monotonic()
+        self._final_doc = write_status(
+            self.store,
+            **{
+                **self._held_status,
+                "state": state.value,
+                "run_uri": self.cfg.run_uri,
+                "job": self.job,
+                "leader": "local-slice",
+                "phase": "wait",
+                "hosts_alive": [],
+                "workers": 0,
+                "available": self.capacity.available(),
+                "waiting_since": self._waiting_since,
+            },
+        )
+
+    def _end_held(self, reason: str) -> None:
+        """End the held job as failed with ``reason``: the status, the event and a stop round, then let go."""
+        try:
+            self.own_events.emit("failed", reason=reason, step=self._held_status.get("step"))
+            self._held_status["reason"] = reason
+            self._write_held(force=True, state=RunState.FAILED)
+            rdv = Rendezvous(self.store)
+            rdv.open_round(
+                Round(
+                    round=max([0, *rdv.round_numbers()]) + 1,
+                    job=self.job,
+                    gen=int(self._hold.gen or 0) if self._hold is not None else 0,
+                    leader="local-slice",
+                    action="stop",
+                    final=RunState.FAILED.value,
+                    reason=reason,
+                    failures=int(self._held_status.get("failures") or 0),
+                )
+            )
+            self._final = self._final_doc
+        except LockLost as e:
+            log.warning("could not record the end of job %s: %s", self.job, e)
+        finally:
+            self._let_go()
+
+    def _let_go(self) -> None:
+        if self._keeper is not None:
+            self._keeper.stop()
+        if self._hold is not None:
+            with contextlib.suppress(Exception):
+                self._hold.release()
+        self._hold, self._keeper = None, None
+
     # --- the job's end --------------------------------------------------------------------------
 
     def stop(self, reason: str) -> None:
         """Ask the job's leader to stop the job (Ctrl-C); the agents exit when it has."""
         self._stopping = True
+        self._stop_reason = reason
         with contextlib.suppress(Exception):
             self.store.put(CONTROL, json.dumps({"action": "stop_job", "reason": reason}).encode())
 
@@ -184,14 +323,13 @@ class LocalSlice:
                     stop_deadline = stop_deadline or time.monotonic() + 3 * self.cfg.lease_s + 5
                     if time.monotonic() > stop_deadline:
                         break
-                if not self.agents and self._final is None and self.capacity.available() == 0:
-                    stop_deadline = (
-                        stop_deadline or time.monotonic() + self.cfg.capacity_timeout_s + 3 * self.cfg.lease_s
-                    )
-                    if time.monotonic() > stop_deadline:
+                if not self.agents and self._final is None and (self._hold is not None or not self._stopping):
+                    self._no_host_left()  # may hand the run back: the agents start at the next look
+                    if self._final is not None:
                         break
                 time.sleep(POLL_S)
         finally:
+            self._let_go()
             self.kill_all()
         st = self._look() or {}
         if st.get("state") not in FINAL_STATES:

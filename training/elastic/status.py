@@ -1,26 +1,50 @@
 """The run's status as readers should see it: never "running" for a job that is gone.
 
-``status.json`` has one writer, the job's leader, which writes the final state
-on every way a job ends.  When nobody can (every host of the job was killed at
-once, an OOM took them all), the status would say "running" forever; so
-whoever looks next (``rtrain status``, the Airflow sensor, the local slice)
-checks: a status that says alive, not written for a while, with no job holding
-the run lock (its lease lapsed) belongs to a job that is gone.  The reader then
-takes the lock and records the final state with the reason, as an event too.
+``status.json`` has one writer at a time, the holder of the run lock: the job's
+leader, or, while no host of the job is left, the launcher's local slice holding
+the job ``waiting_for_capacity``.  The holder writes it at least every second and
+writes the final state on every way a job ends.  When nobody can (every host of
+the job was killed at once, an OOM took them all, the launcher too), the status
+would say "running" forever; so whoever looks next (``rtrain status``, the
+Airflow sensor, the local slice) checks: a status that says alive, not written
+for longer than the run's heartbeat timeout, no host of the job beating within
+it, and no job holding the run lock (its lease lapsed) belongs to a job that is
+gone.  The reader then takes the lock and records the final state with the
+reason, as an event too.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
 from training.checkpoint.lock import LockHeld, RunLock
+from training.elastic.rendezvous import Rendezvous
 from training.events import ALIVE_STATES, EventLog, RunState, read_status, write_status
-from training.storage import open_store
+from training.layout import CONFIG
+from training.storage import NotFound, Store, open_store
 
-# A status older than this with no job holding the run lock belongs to a job that is gone.
-# (A live leader writes it every second; a new leader takes over within a lease.)
+# How long a status may go unwritten before a job with no lease holder counts as gone, when the run's
+# config cannot be read (else its heartbeat_timeout_s: a live holder writes the status every second).
 STALE_STATUS_S = 15.0
+
+
+def stale_after_s(store: Store) -> float:
+    """The run's heartbeat timeout: no status, heartbeat or lease for this long means no live agent."""
+    try:
+        return float(json.loads(store.get(CONFIG)).get("heartbeat_timeout_s") or STALE_STATUS_S)
+    except (NotFound, ValueError, TypeError, AttributeError):
+        return STALE_STATUS_S
+
+
+def _beating(store: Store, job: Any, within_s: float, now: float) -> list[str]:
+    """Hosts of ``job`` whose heartbeat is newer than ``within_s`` (a leader may be taking over)."""
+    try:
+        recs = Rendezvous(store).hosts(str(job)).values()
+    except (NotFound, OSError):
+        return []
+    return sorted(r.host for r in recs if r.state != "gone" and now - float(r.time) < within_s)
 
 
 def status(run_uri: str, repair: bool = True) -> dict[str, Any] | None:
@@ -28,8 +52,11 @@ def status(run_uri: str, repair: bool = True) -> dict[str, Any] | None:
     st = read_status(store)
     if not repair or st is None or st.get("state") not in ALIVE_STATES:
         return st
-    if time.time() - float(st.get("updated_at", 0)) < STALE_STATUS_S:
-        return st  # a leader wrote it lately (or one is taking over: a lease is short)
+    now = time.time()
+    within = stale_after_s(store)
+    age = now - float(st.get("updated_at", 0))
+    if age < within or _beating(store, st.get("job"), within, now):
+        return st  # a holder wrote it lately, or a host of the job beats (a new leader is taking over)
     lock = RunLock(store, owner="status check", lease_s=10.0)
     if lock.held_by() is not None:
         return st
@@ -40,11 +67,13 @@ def status(run_uri: str, repair: bool = True) -> dict[str, Any] | None:
     try:
         st = read_status(store)
         if st is not None and st.get("state") in ALIVE_STATES:
+            age = time.time() - float(st.get("updated_at", 0))
             reason = (
-                f"job {st.get('job')} is gone: no host agent holds the run any more (its lease lapsed; "
-                "every host was lost or killed). Launch again to resume from the newest committed checkpoint."
+                f"job {st.get('job')} is gone: no host agent is left and nobody holds the run (status "
+                f"{st.get('state')!r} last written {age:.0f}s ago, its lease lapsed; every host was lost or "
+                "killed). Launch again to resume from the newest committed checkpoint."
             )
-            EventLog(store, source="status-check").emit("failed", reason=reason, step=st.get("step"))
+            EventLog(store, source="status-check").emit("failed", reason=reason, step=st.get("step"), lost=True)
             st = write_status(store, **{**st, "state": RunState.FAILED.value, "reason": reason})
     finally:
         lock.release()
