@@ -1,6 +1,7 @@
 """``rtrain``: the command line of the training engine.
 
-    rtrain prepare  [--source GLOB|gs://...] [--output URI] [--seq-len N]
+    rtrain prepare  [--source GLOB|FILE|gs://...] [--format F] [--field NAME] [--tokenizer T]
+                    [--vocab-size N] [--output URI] [--seq-len N]
     rtrain plan     [--preset P] [--config FILE] [--compiled] [--json] [key=value ...]
     rtrain train    [--preset P] [--config FILE] [--chaos SPEC ...] [--detach] [key=value ...]
     rtrain status   RUN [--json]
@@ -11,6 +12,7 @@
     rtrain rollback RUN [--to STEP]
     rtrain prune    RUN [--dry-run]
     rtrain report   RUN [--json]
+    rtrain sample   RUN [--prompt TEXT] [--tokens N] [--step S] [--json]
     rtrain config   [--show [--preset P] [key=value ...]]
     rtrain agent    RUN --job J --host H        (one host's agent; what a pod runs)
     rtrain bench    [--quick]
@@ -339,11 +341,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
+    import logging
     from dataclasses import asdict
 
     from training.api import load_run_config
     from training.sample import sample
 
+    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's note on reading part of a checkpoint
     cfg = load_run_config(_existing_run(args))
     out = sample(cfg, args.prompt, max_new_tokens=args.tokens, step=args.step)
     if args.json:
@@ -470,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
         if json_flag:
             sp.add_argument("--json", action="store_true", help="machine-readable output")
 
-    sp = sub.add_parser("prepare", help="turn text into ArrayRecord shards (the dataset)")
+    sp = sub.add_parser("prepare", help="tokenize text, JSONL, Parquet or a saved HF dataset into shards")
     config_args(sp)
     sp.add_argument("--source", default=None, help="glob or gs://prefix (default: this Python's stdlib sources)")
     sp.add_argument("--output", default=None, help="dataset URI (default: the config's dataset)")
