@@ -311,6 +311,7 @@ def plain_loop() -> int:
     """
     import flax.linen as nn
     import jax
+    import numpy as np
     import optax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -330,7 +331,8 @@ def plain_loop() -> int:
     tx = make_optimizer(cfg)
     _, param_sh, opt_sh = state_shardings(task, tx, mesh)
     batch_sh = NamedSharding(mesh, P(("data", "fsdp")))
-    fields = list(task.example_spec())
+    spec = task.example_spec()
+    fields = list(spec)
 
     def init(key: jax.Array) -> Any:
         params = nn.unbox(task.init(key))
@@ -341,10 +343,17 @@ def plain_loop() -> int:
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    jax.set_mesh(mesh)  # the model's activation constraints, as under the engine
-    nn.logical_axis_rules(LOGICAL_RULES).__enter__()
-    params, opt_state = jax.jit(init, out_shardings=(param_sh, opt_sh))(jax.random.key(cfg.seed))
-    jstep = jax.jit(step, out_shardings=(param_sh, opt_sh, NamedSharding(mesh, P())), donate_argnums=(0, 1))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_RULES):  # the model's activation constraints
+        params, opt_state = jax.jit(init, out_shardings=(param_sh, opt_sh))(jax.random.key(cfg.seed))
+        shapes = {
+            k: jax.ShapeDtypeStruct((cfg.global_batch, *s.shape), np.dtype(s.dtype), sharding=batch_sh)
+            for k, s in spec.items()
+        }
+        jstep = (
+            jax.jit(step, out_shardings=(param_sh, opt_sh, NamedSharding(mesh, P())), donate_argnums=(0, 1))
+            .lower(params, opt_state, shapes, jax.random.key(cfg.seed + 1))
+            .compile()
+        )
     batches = pipeline.batches(
         task.data().train, seed=cfg.seed, global_batch=cfg.global_batch, process_index=pid, process_count=n
     )
