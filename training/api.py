@@ -255,12 +255,16 @@ def _check_dataset(cfg: Config) -> None:
 def check_task(cfg: Config) -> None:
     """Build the config's task and open its data, as every worker will (imports JAX); TaskError naming it."""
     from training.tasks import TaskError, load_task
+    from training.tasks.lm import LanguageModel
 
     if cfg.task == "lm":
         _check_dataset(cfg)  # with the command that prepares it
     task = load_task(cfg)
     try:
-        task.data()
+        if isinstance(task, LanguageModel):
+            task.check_manifest()  # its shards are checked by every worker as it opens them
+        else:
+            task.data()
     except TaskError:
         raise
     except Exception as e:  # noqa: BLE001 - a user's data source may raise anything: name it in one line

@@ -177,6 +177,7 @@ class HostAgent:
             started=time.time(),
         )
         self._rec_lock = threading.Lock()
+        self._beat_lock = threading.Lock()  # one record write at a time
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.worker: WorkerProc | None = None
@@ -240,6 +241,13 @@ class HostAgent:
 
     def _heartbeat(self) -> None:
         while not self._stop.is_set():
+            self.beat()
+            self._wake.wait(self.cfg.heartbeat_s)
+            self._wake.clear()
+
+    def beat(self) -> None:
+        """Write this host's record now (one writer at a time: a newer record is never overwritten by an older)."""
+        with self._beat_lock:
             with self._rec_lock:
                 self.record.seq += 1
                 self.record.time = time.time()
@@ -248,8 +256,6 @@ class HostAgent:
                 self.rdv.beat(rec)
             except Exception as e:  # noqa: BLE001 - a store hiccup: the next beat tries again
                 log.warning("[%s] heartbeat failed: %s", self.host, e)
-            self._wake.wait(self.cfg.heartbeat_s)
-            self._wake.clear()
 
     # --- the main loop ------------------------------------------------------------------------
 
@@ -695,6 +701,8 @@ class HostAgent:
             # round (and this host's record) knows exactly what is on disk.
             self._describe_local(w.round)
         if outcome == Outcome.FAILED:
+            if self.cfg.local_checkpoint_every:
+                self.beat()  # the copies on record before the report: the leader forms the next round from both
             self._report(w.round, w.rank, outcome, **fields)  # at once: the survivors are waiting
         else:
             # An orderly end is reported after what the worker said before it (its commit records):

@@ -186,7 +186,9 @@ def main() -> int:
     except Exception as e:  # noqa: BLE001 - reported with its reason once this worker has a round
         a = Assignment.read(sys.stdin)
         rep.rank, rep.round = a.rank, a.round
-        leave(rep, WorkerExit.ERROR, f"task {cfg.task}: {e}")
+        from training.data.errors import DatasetError
+
+        leave(rep, WorkerExit.ERROR, f"dataset: {e}" if isinstance(e, DatasetError) else f"task {cfg.task}: {e}")
 
     # --- 2. assignment -------------------------------------------------------------------------
     a = Assignment.read(sys.stdin)

@@ -66,7 +66,8 @@ class LanguageModel:
     def example_spec(self) -> dict[str, ExampleSpec]:
         return {k: ExampleSpec((self.cfg.seq_len,), "int32") for k in self.FIELDS}
 
-    def data(self) -> TaskData:
+    def check_manifest(self) -> dict[str, Any]:
+        """The dataset's manifest, refused when it does not fit the config (nothing of the shards is read)."""
         manifest = load_manifest(self.cfg.dataset)
         if int(manifest["seq_len"]) != self.cfg.seq_len:
             raise TaskError(
@@ -80,6 +81,10 @@ class LanguageModel:
                 f"dataset {self.cfg.dataset} has a vocabulary of {vocab} tokens, more than the config's "
                 f"vocab_size={self.cfg.vocab_size}"
             )
+        return manifest
+
+    def data(self) -> TaskData:
+        manifest = self.check_manifest()
         return TaskData(
             train=lm_source(self.cfg.dataset, "train"),
             validation=lm_source(self.cfg.dataset, "validation"),
