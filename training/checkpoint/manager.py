@@ -235,26 +235,12 @@ def all_finite(tree: Any) -> bool:
     return all(bool(np.isfinite(np.asarray(x)).all()) for x in jax.tree.leaves(jax.device_get(tree)))
 
 
-def load_state_host(run: str, step: int) -> State:
-    """A checkpoint's state on this process's first device (audits, validation, tests).
+def _on_first_device(run: str, step: int) -> tuple[Any, Any, Any]:
+    """(path, checkpointer, target) for reading a step's state onto this process's first device.
 
     The abstract target is read from the checkpoint's own metadata and given a
     single-device sharding: Orbax reshards whatever mesh wrote it.
     """
-    from etils import epath
-
-    path = epath.Path(step_uri(run, step)) / "state"
-    ck = ocp.StandardCheckpointer()
-    meta = ck.metadata(path)
-    tree = getattr(meta, "item_metadata", meta)
-    tree = getattr(tree, "tree", tree)
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), tree)
-    return dict(ck.restore(path, target))
-
-
-def load_params_host(run: str, step: int) -> Any:
-    """A checkpoint's parameters alone on this process's first device (the optimizer state is not read)."""
     from etils import epath
 
     path = epath.Path(step_uri(run, step)) / "state"
@@ -263,9 +249,20 @@ def load_params_host(run: str, step: int) -> Any:
     tree = getattr(meta, "item_metadata", meta)
     tree = getattr(tree, "tree", tree)
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = {
-        "params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), tree["params"])
-    }
+    return path, ck, jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), tree)
+
+
+def load_state_host(run: str, step: int) -> State:
+    """A checkpoint's state on this process's first device (audits, tests)."""
+    path, ck, target = _on_first_device(run, step)
+    args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+    return dict(ck.restore(path, args=args))
+
+
+def load_params_host(run: str, step: int) -> Any:
+    """A checkpoint's parameters alone on this process's first device (the optimizer state is not read)."""
+    path, ck, target = _on_first_device(run, step)
+    target = {"params": target["params"]}
     args = ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
     )
