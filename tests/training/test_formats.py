@@ -68,7 +68,7 @@ def prep(source: str, out: Path, **kw: object) -> dict:
 
 def read_ids(dataset: str, split: str) -> list[np.ndarray]:
     manifest = data.load_manifest(dataset)
-    out = []
+    out: list[np.ndarray] = []
     for path in data.local_shards(dataset, split):
         reader = ArrayRecordReader(path)
         out.extend(np.frombuffer(r, dtype=manifest.get("token_dtype", "uint8")) for r in reader.read_all())

@@ -670,7 +670,7 @@ def test_the_agent_gives_its_worker_only_this_rounds_tpu_values(
         def __init__(self, argv: list[str], env: dict[str, str], **kwargs: Any) -> None:
             seen["env"] = env
 
-    monkeypatch.setattr(agent.subprocess, "Popen", FakePopen)
+    monkeypatch.setattr("subprocess.Popen", FakePopen)
     stub = SimpleNamespace(
         spawned=0,
         log_dir=tmp_path,

@@ -14,8 +14,7 @@ import time
 from typing import Any
 
 import pytest
-
-from tests.training.jobs import hosts, job_config, pid_running, start_job, wait_finished, wait_for, worker_logs
+from jobs import hosts, job_config, pid_running, start_job, wait_finished, wait_for, worker_logs
 
 pytestmark = pytest.mark.slow
 
