@@ -214,8 +214,12 @@ class Leader:
             self.lost[h] = (rec.started, rec.seq) if rec is not None else (float("inf"), 0)
 
     def _shown_life(self, host: str) -> bool:
+        """A beat newer than the leader's view at the failure, and written after it: a beat the leader read
+        late (written just before the host died) is no sign of life."""
         rec = self.hosts.get(host)
-        return rec is not None and rec.state not in ("leaving", "gone") and rec.seq > self.seq_at_fail.get(host, -1)
+        if rec is None or rec.state in ("leaving", "gone"):
+            return False
+        return rec.seq > self.seq_at_fail.get(host, -1) and (self.fail_at is None or rec.time > self.fail_at)
 
     # --- phases ---------------------------------------------------------------------------------
 
