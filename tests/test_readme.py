@@ -130,6 +130,33 @@ def test_the_cli_section_runs_as_written(project: Path) -> None:
     assert run(project, ".venv/bin/rtrain --version").stdout.startswith("rtrain ")
 
 
+def test_the_service_section_runs_as_written(project: Path) -> None:
+    if not (project / "var" / "data" / "stdlib-seq64" / "manifest.json").exists():
+        assert run(project, ".venv/bin/rtrain prepare").returncode == 0
+    cmds = commands(bash_block("## Training as a service"))
+    names = [c.split()[1] for c in cmds]
+    assert names == ["submit", "submit", "queue", "priority", "cancel", "cancel"], names
+    out = []
+    for cmd in cmds:
+        r = run(project, cmd)
+        assert r.returncode == 0, f"{cmd}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}"
+        out.append(r.stdout)
+    assert "submitted run svc-low at priority low (2..4 hosts)" in out[0]
+    assert "pool of 4 host(s)" in out[2]
+    assert re.search(r"^svc-low\s+low\s+\S+", out[2], re.M) and re.search(r"^svc-high\s+high\s+", out[2], re.M), out[2]
+    assert "svc-low: priority urgent" in out[3] and "svc-high: cancelled" in out[4]
+
+    def ended() -> dict[str, str] | None:
+        r = run(project, ".venv/bin/rtrain queue --json")
+        states = {x["run"]: x["state"] for x in json.loads(r.stdout)["runs"]}
+        return states if set(states.values()) == {"cancelled"} else None
+
+    deadline = time.monotonic() + 180
+    while (states := ended()) is None and time.monotonic() < deadline:
+        time.sleep(1)
+    assert states == {"svc-low": "cancelled", "svc-high": "cancelled"}, run(project, ".venv/bin/rtrain queue").stdout
+
+
 def test_make_airflow_and_the_rest_example_run_as_written(project: Path) -> None:
     import psutil
     import requests

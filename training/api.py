@@ -403,6 +403,7 @@ def launch(
     detach: bool = True,
     allow_attach: bool = False,
     provision: bool = False,
+    by: str | None = None,
     on_line: Callable[[str], None] | None = None,
     on_status: Callable[[dict[str, Any]], None] | None = None,
 ) -> JobHandle:
@@ -413,17 +414,18 @@ def launch(
     ``allow_attach``: when a live job holds the run, follow it instead of refusing
     (an Airflow retry re-attaches to the job its first try started).
     ``provision``: give the local slice its ``max_workers`` hosts first (``rtrain train``).
+    ``by``: who launches, for the config's history (default: user, host and pid).
     """
     store = open_store(cfg.run_uri)
     after = EventLog(store).newest_key()
     try:
-        job = begin_job(cfg, provision=provision, on_line=on_line)
+        job = begin_job(cfg, provision=provision, by=by, on_line=on_line)
     except LaunchRefused as e:
         holder = e.holder
         if allow_attach and holder.get("job") and not _job_alive(store, str(holder["job"])):
             # The holder's job is gone and its lease about to lapse (a retry right after the job died).
             _wait_for_lock(store, float(holder.get("expires_at", 0)))
-            return launch(cfg, detach=detach, provision=provision, on_line=on_line, on_status=on_status)
+            return launch(cfg, detach=detach, provision=provision, by=by, on_line=on_line, on_status=on_status)
         if allow_attach and holder.get("job"):
             return JobHandle(
                 backend="local",

@@ -14,6 +14,10 @@
     rtrain report   RUN [--json]
     rtrain sample   RUN [--prompt TEXT] [--tokens N] [--step S] [--json]
     rtrain config   [--show [--preset P] [key=value ...]]
+    rtrain submit   [--preset P] [--config FILE] [--priority P] [--pool-hosts N] [key=value ...]
+    rtrain queue    [--root ROOT] [--json]
+    rtrain priority RUN P [--root ROOT]
+    rtrain cancel   RUN [--root ROOT] [--reason TEXT]
     rtrain agent    RUN --job J --host H        (one host's agent; what a pod runs)
     rtrain bench    [--quick]
 
@@ -287,9 +291,25 @@ def cmd_status(args: argparse.Namespace) -> int:
         ("updated", f"{age:.0f}s ago"),
         ("curves", f"tensorboard --logdir {logdir(uri)}"),
     ]
+    queued = _queue_row(uri)
+    if queued is not None:
+        notes = "; ".join(queued.eta_notes)
+        rows.append(("queue", f"priority {queued.priority}, {queued.state}, {queued.assigned} host(s) assigned"))
+        rows.append(("eta", f"{_eta(queued.eta_s)}" + (f" ({notes})" if notes else "")))
     for k, v in rows:
         print(f"{k:<11} {v}")
     return Exit.OK
+
+
+def _queue_row(uri: str) -> Any:
+    """The run's row of its root's queue (priority, assignment, ETA), when it was submitted there."""
+    from training.service.commands import view
+    from training.service.queue import Queue
+
+    root, _, name = uri.rstrip("/").rpartition("/")
+    if not root or not Queue(root).submissions():
+        return None
+    return next((r for r in view(root).rows if r.run == name and r.state not in ("finished", "failed")), None)
 
 
 def cmd_events(args: argparse.Namespace) -> int:
@@ -324,6 +344,69 @@ def cmd_stop(args: argparse.Namespace) -> int:
     uri = _existing_run(args)
     stop_job(uri, args.reason)
     print(f"asked the job of {args.run} to stop; it ends at its next look (resumable with `rtrain train`)")
+    return Exit.OK
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from training.service.commands import submit
+
+    cfg = _config(args)
+    sub = submit(cfg, args.priority, pool_hosts=args.pool_hosts)
+    root = "" if cfg.root.endswith("var/runs") else f" --root {cfg.root}"
+    print(
+        f"submitted run {sub.run_name} at priority {sub.priority} ({sub.min_hosts}..{sub.max_hosts} hosts); "
+        f"follow it with `rtrain queue{root}`"
+    )
+    return Exit.OK
+
+
+def _root(args: argparse.Namespace) -> str:
+    return str(load_config(None, None, [f"root={args.root}"] if args.root else []).root)
+
+
+def _eta(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def cmd_queue(args: argparse.Namespace) -> int:
+    from training.service.commands import view
+
+    v = view(_root(args))
+    if args.json:
+        _dump({"root": v.root, "pool": v.pool, "runs": [r.to_dict() for r in v.rows]})
+        return Exit.OK
+    print(f"pool of {v.pool} host(s) at {v.root}")
+    if not v.rows:
+        print("no run submitted (`rtrain submit`)")
+        return Exit.OK
+    print(f"{'RUN':<16} {'PRIORITY':<8} {'STATE':<21} {'HOSTS':>5} {'WANT':>4} {'STEP':>11} {'ETA':>8}")
+    for r in v.rows:
+        step = f"{r.step}/{r.steps}"
+        print(f"{r.run:<16} {r.priority:<8} {r.state:<21} {r.hosts:>5} {r.assigned:>4} {step:>11} {_eta(r.eta_s):>8}")
+        if r.eta_notes and r.eta_s is not None:
+            print(f"{'':<16}   eta: {'; '.join(r.eta_notes)}")
+        if r.reason:
+            print(f"{'':<16}   {r.reason}")
+    return Exit.OK
+
+
+def cmd_priority(args: argparse.Namespace) -> int:
+    from training.service.commands import set_priority
+
+    sub = set_priority(_root(args), args.run, args.priority)
+    print(f"run {sub.run_name}: priority {sub.priority} (hosts move at the scheduler's next look)")
+    return Exit.OK
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    from training.service.commands import cancel
+
+    sub = cancel(_root(args), args.run, args.reason)
+    print(f"run {sub.run_name}: cancelled ({sub.cancelled}); a running job stops, resumable by a new submit")
     return Exit.OK
 
 
@@ -531,6 +614,32 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--reason", default="stopped with rtrain stop", help="recorded as the job's end")
     sp.set_defaults(fn=cmd_stop)
 
+    from training.service.policy import PRIORITIES
+
+    levels = " | ".join(PRIORITIES)
+    sp = sub.add_parser("submit", help="queue a run on the shared pool at a priority (the scheduler launches it)")
+    config_args(sp)
+    sp.add_argument("--priority", default="normal", help=f"{levels} (default: normal)")
+    sp.add_argument("--pool-hosts", type=int, default=None, metavar="N", help="set the pool's size (hosts)")
+    sp.set_defaults(fn=cmd_submit)
+
+    sp = sub.add_parser("queue", help="every submitted run: priority, state, hosts, step, ETA")
+    sp.add_argument("--root", default=None, help="the storage root of the pool (default: the config's, var/runs)")
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+    sp.set_defaults(fn=cmd_queue)
+
+    sp = sub.add_parser("priority", help="change a submitted run's priority (hosts move at once, by notice)")
+    sp.add_argument("run", metavar="RUN", help="a submitted run's name")
+    sp.add_argument("priority", metavar="PRIORITY", help=levels)
+    sp.add_argument("--root", default=None, help="the storage root of the pool (default: the config's, var/runs)")
+    sp.set_defaults(fn=cmd_priority)
+
+    sp = sub.add_parser("cancel", help="cancel a submitted run (a running job stops, resumable)")
+    sp.add_argument("run", metavar="RUN", help="a submitted run's name")
+    sp.add_argument("--root", default=None, help="the storage root of the pool (default: the config's, var/runs)")
+    sp.add_argument("--reason", default="cancelled with rtrain cancel", help="recorded as the run's end")
+    sp.set_defaults(fn=cmd_cancel)
+
     sp = sub.add_parser("validate", help="judge checkpoints on the held-out split")
     run_args(sp)
     sp.add_argument("--step", type=int, default=None, help="default: the newest committed")
@@ -589,6 +698,7 @@ def main(argv: list[str] | None = None) -> int:
     from training.checkpoint.resume import ResumeError
     from training.data import DatasetError
     from training.mesh import PlanError
+    from training.service.policy import PriorityError
     from training.tasks import TaskError
 
     def fail(code: Exit, e: BaseException) -> int:
@@ -601,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return int(args.fn(args))
-    except (ConfigError, PlanError, ResumeError, TaskError) as e:
+    except (ConfigError, PlanError, ResumeError, TaskError, PriorityError) as e:
         return fail(Exit.CONFIG, e)
     except (NotFoundError, RunNotFound) as e:
         return fail(Exit.NOT_FOUND, e)

@@ -110,6 +110,17 @@ def step_ids(run_uri: str) -> dict[int, list[int]]:
     return {s: sorted(atts[max(atts)]) for s, atts in sorted(by_step.items())}
 
 
+def assert_exact_data(run_uri: str, dataset: str, cfg: Config) -> None:
+    """Every step consumed exactly its global batch (as one uninterrupted run would), resizes or not."""
+    from training.data import global_batch_ids
+
+    ids = step_ids(run_uri)
+    assert sorted(ids) == list(range(cfg.steps)), "every step consumed exactly one global batch"
+    for step, got in ids.items():
+        want = global_batch_ids(dataset, seed=cfg.seed, global_batch=cfg.global_batch, batch_index=step)
+        assert got == sorted(int(i) for i in want), f"step {step}: wrong examples after a resize"
+
+
 def worker_logs(run_uri: str) -> str:
     logs = Path(run_uri) / "logs"
     return "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in sorted(logs.rglob("*.log"))) if logs.exists() else ""

@@ -16,7 +16,18 @@ import time
 
 import numpy as np
 import pytest
-from jobs import hosts, job_config, kill_host, run_job, start_job, step_ids, wait_finished, wait_for, worker_logs
+from jobs import (
+    assert_exact_data,
+    hosts,
+    job_config,
+    kill_host,
+    run_job,
+    start_job,
+    step_ids,
+    wait_finished,
+    wait_for,
+    worker_logs,
+)
 
 from training import api
 from training.elastic.capacity import LocalCapacity
@@ -47,16 +58,6 @@ def _restored_the_newest_committed(run_uri: str, restored: int) -> bool:
     i = next(i for i, e in enumerate(evs) if e["type"] == "failure")
     before = max(e["step"] for e in evs[:i] if e["type"] == "checkpoint" and e["committed"])
     return restored >= before and restored in api.committed_steps(run_uri)
-
-
-def _assert_exact_data_position(run_uri: str, dataset: str, cfg) -> None:
-    from training.data import global_batch_ids
-
-    ids = step_ids(run_uri)
-    assert sorted(ids) == list(range(cfg.steps)), "every step consumed exactly one global batch"
-    for step, got in ids.items():
-        want = global_batch_ids(dataset, seed=cfg.seed, global_batch=cfg.global_batch, batch_index=step)
-        assert got == sorted(int(i) for i in want), f"step {step}: wrong examples after a resize"
 
 
 def test_a_lost_host_leaves_the_survivors_training_and_its_return_grows_the_group(tmp_path, tiny_dataset, jax_cache):
@@ -108,7 +109,7 @@ def test_a_lost_host_leaves_the_survivors_training_and_its_return_grows_the_grou
     survivors = {h for h in records if h != lost["host"]}
     assert len(survivors) == 3 and all(records[h].started < failure["time"] for h in survivors)
     assert records[lost["host"]].started > failure["time"]
-    _assert_exact_data_position(cfg.run_uri, tiny_dataset, cfg)
+    assert_exact_data(cfg.run_uri, tiny_dataset, cfg)
 
 
 def test_losing_the_leader_s_host_another_agent_leads_and_the_run_goes_on(tmp_path, tiny_dataset, jax_cache):
@@ -143,7 +144,7 @@ def test_losing_the_leader_s_host_another_agent_leads_and_the_run_goes_on(tmp_pa
     assert failure["detected_by"] == "peer watch", failure  # the survivors' workers left at once
     assert [e["workers"] for e in _events(cfg.run_uri, "launch")] == [4, 2]
     assert _restored_the_newest_committed(cfg.run_uri, _events(cfg.run_uri, "restore")[0]["step"])
-    _assert_exact_data_position(cfg.run_uri, tiny_dataset, cfg)
+    assert_exact_data(cfg.run_uri, tiny_dataset, cfg)
 
 
 def test_a_killed_agent_takes_its_worker_along_and_a_frozen_host_is_dropped_after_its_heartbeat(
@@ -192,7 +193,7 @@ def test_a_killed_agent_takes_its_worker_along_and_a_frozen_host_is_dropped_afte
     # The killed agent's host stays: its new agent either rejoins before the recovery round forms (4 again
     # at once) or after it (2, then growing back to 4 at a checkpoint); the frozen host takes the group to 2.
     assert [e["workers"] for e in _events(cfg.run_uri, "launch")] in ([4, 4, 2], [4, 2, 4, 2])
-    _assert_exact_data_position(cfg.run_uri, tiny_dataset, cfg)
+    assert_exact_data(cfg.run_uri, tiny_dataset, cfg)
 
 
 def test_two_launches_of_one_run_one_trains_the_other_is_refused_naming_the_holder_and_writes_nothing(
@@ -328,7 +329,7 @@ def test_whole_slices_a_host_lost_takes_its_slice_out_of_the_next_round(tmp_path
     assert launches[0]["members"] == ["s0-h0", "s0-h1", "s1-h0", "s1-h1"]
     assert launches[1]["members"] == ["s0-h0", "s0-h1"]
     assert launches[1]["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}  # ici fsdp over the slice's 4 devices
-    _assert_exact_data_position(cfg.run_uri, tiny_dataset, cfg)
+    assert_exact_data(cfg.run_uri, tiny_dataset, cfg)
 
 
 def test_below_minimum_capacity_the_job_waits_keeping_its_lease_then_goes_on(tmp_path, tiny_dataset, jax_cache):

@@ -352,33 +352,17 @@ class HostAgent:
         if self.leader is None:
             return True
         # A leaving leader: another agent of the job takes the lease when this one releases it
-        # (and opens the next round); with no other host left, the job ends, resumable.
+        # (and opens the next round); with no other host left, the job ends, resumable, unless a
+        # scheduler took the hosts (the local slice then holds the run, queued, until they return).
         from training.elastic.leader import Phase
 
-        if self.leader.phase != Phase.DONE and not (self.leader.fresh() - {self.host}):
+        queued = self.capacity is not None and self.capacity.assigned()
+        if self.leader.phase != Phase.DONE and not (self.leader.fresh() - {self.host}) and not queued:
             self.leader.fail(
                 "every host of the job left after a preemption notice; a relaunch resumes from the newest "
                 "committed checkpoint"
             )
         return True
-        if self.leader is None:
-            return True
-        # A leaving leader opens the next round (on the hosts that stay) or ends the job, then goes.
-        from training.elastic.leader import Phase
-
-        phase = self.leader.phase
-        rnd = self.leader.round
-        if phase == Phase.DONE:
-            return True
-        if phase == Phase.RUNNING and rnd is not None and self.host not in rnd.members:
-            return True
-        if phase == Phase.WAIT:
-            self.leader.fail(
-                "every host of the job left after a preemption notice; relaunch to resume from the newest "
-                "committed checkpoint"
-            )
-            return True
-        return False
 
     def _shutdown(self) -> None:
         for w in (self.worker, self.standby):

@@ -43,6 +43,10 @@ class LocalCapacity:
     def available(self) -> int:
         return int(self._doc()["workers"])
 
+    def assigned(self) -> bool:
+        """Is the number a scheduler's assignment (shrink by notice; with none, the run is held, queued)?"""
+        return bool(self._doc().get("assigned"))
+
     def leaving(self) -> list[str]:
         """Hosts that were told to go (a preemption notice) and may still be on their way out."""
         return list(self._doc().get("leaving") or [])
@@ -53,9 +57,22 @@ class LocalCapacity:
             raise ValueError("capacity cannot be negative")
         self.store.put(self.KEY, json.dumps({"workers": workers, "reason": reason}).encode())
 
+    def assign(self, workers: int, reason: str) -> None:
+        """A scheduler gives the run ``workers`` hosts: hosts beyond it get a notice; none holds the run queued."""
+        if workers < 0:
+            raise ValueError("capacity cannot be negative")
+        doc = {"workers": workers, "reason": reason, "assigned": True}  # hosts that come back are new ones
+        self.store.put(self.KEY, json.dumps(doc).encode())
+
     def leave(self, host: str, reason: str = "") -> None:
-        """``host`` leaves the pool (a preemption notice): one host fewer, and it is the one that goes."""
+        """``host`` leaves the pool (a preemption notice): one host fewer, and it is the one that goes.
+
+        Under a scheduler's assignment the number stays (the notice carried it out).
+        """
         doc = self._doc()
+        if host in (doc.get("leaving") or []):
+            return
         leaving = sorted({*(doc.get("leaving") or []), host})
-        workers = max(int(doc["workers"]) - 1, 0)
-        self.store.put(self.KEY, json.dumps({"workers": workers, "reason": reason, "leaving": leaving}).encode())
+        workers = int(doc["workers"]) if doc.get("assigned") else max(int(doc["workers"]) - 1, 0)
+        new = {**doc, "workers": workers, "reason": reason or doc.get("reason", ""), "leaving": leaving}
+        self.store.put(self.KEY, json.dumps(new).encode())

@@ -16,7 +16,9 @@ takes the run lock's lease once the last leader's lapsed (or a handoff to the
 job), keeps it, and keeps ``status.json`` at ``waiting_for_capacity``, until
 capacity returns (it hands the lock back to the job and starts agents, whose
 leader waits on from the same moment) or ``capacity_timeout_s`` ends the job as
-failed with the reason.
+failed with the reason.  Under a scheduler's assignment (``rtrain submit``), hosts
+beyond it get a preemption notice instead of being killed, and a job assigned no
+host is held, queued, with no timeout.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class LocalSlice:
         self.logs = log_dir_for(cfg, job)
         self.logs.mkdir(parents=True, exist_ok=True)
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
+        self._noticed: set[str] = set()  # hosts told to go by a scheduler's assignment, still on their way out
         self._cursor: str | None = None
         self._stopping = False
         self._final: dict[str, Any] | None = None
@@ -139,14 +142,19 @@ class LocalSlice:
         for host, proc in list(self.agents.items()):
             if proc.poll() is not None:
                 del self.agents[host]
+                self._noticed.discard(host)
         if self._final is not None or self._stopping or self._hold is not None:
             return
         want = min(self.capacity.available(), self.cfg.max_workers)
         leaving = set(self.capacity.leaving())  # told to go: they leave by themselves, and come back as new hosts
         hosts = [self._host(i) for i in range(self.cfg.max_workers)]
-        running = [h for h in hosts if h in self.agents and h not in leaving]
+        running = [h for h in hosts if h in self.agents and h not in leaving and h not in self._noticed]
+        notice = self.capacity.assigned()  # a scheduler moves hosts: each goes with a notice, losing no step
         for host in reversed(running[want:]):  # the pool shrank: its newest hosts go
-            self._kill(host)
+            if notice:
+                self._notice(host)
+            else:
+                self._kill(host)
             running.remove(host)
         for host in hosts:
             if len(running) >= want:
@@ -161,6 +169,14 @@ class LocalSlice:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+    def _notice(self, host: str) -> None:
+        """Tell ``host`` to go (SIGTERM to its agent, as Kubernetes deletes a pod): it commits and leaves."""
+        proc = self.agents.get(host)
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            self._noticed.add(host)
 
     def kill_all(self) -> None:
         for host in list(self.agents):
@@ -201,11 +217,15 @@ class LocalSlice:
             self._waiting_since = float(st.get("waiting_since") or time.time()) if waiting else time.time()
             keep = ("step", "loss", "latest_committed", "failures", "started_at", "steps_total", "round", "mesh")
             self._held_status = {k: st[k] for k in keep if mine and k in st}
+            queued = self.capacity.assigned()
             self.own_events.emit(
                 "waiting_for_capacity",
                 available=self.capacity.available(),
                 min_workers=self.cfg.min_workers,
-                reason="no host of the job is left; the local slice holds the run until capacity returns",
+                queued=queued,
+                reason="a scheduler gave the job's hosts to a higher-priority run: queued until hosts free up"
+                if queued
+                else "no host of the job is left; the local slice holds the run until capacity returns",
             )
             self._write_held(force=True)
             log.info("no host of job %s is left: holding the run, waiting for capacity", self.job)
@@ -222,7 +242,7 @@ class LocalSlice:
             self._hold.handoff(self.job, HANDOFF_S)  # the new agents claim it; their leader waits on
             self._hold, self._keeper = None, None
             log.info("capacity returned: the run is handed back to job %s", self.job)
-        elif time.time() - self._waiting_since >= self.cfg.capacity_timeout_s:
+        elif time.time() - self._waiting_since >= self.cfg.capacity_timeout_s and not self.capacity.assigned():
             self._end_held(
                 f"capacity stayed below min_workers={self.cfg.min_workers} for {self.cfg.capacity_timeout_s:.0f}s "
                 "(available: 0 hosts; no host of the job was left)"

@@ -1,0 +1,172 @@
+"""The service's verbs: submit a run, list the queue, change a priority, cancel."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+from training import api
+from training.config import Config
+from training.events import ALIVE_STATES
+from training.service import scheduler
+from training.service.eta import RunOutlook, forecast, resize_seconds, step_seconds_by_hosts
+from training.service.policy import allocate, priority_value
+from training.service.queue import Placement, Queue, QueueError, Submission
+
+
+@dataclass(frozen=True)
+class QueueRow:
+    """One run of the queue as ``rtrain queue`` shows it."""
+
+    run: str
+    priority: str
+    state: str  # queued | starting | running | recovering | waiting_for_capacity | finished | failed | cancelled
+    hosts: int  # training on now
+    assigned: int  # what the scheduler gives it (or would, for a run not launched yet)
+    min_hosts: int
+    max_hosts: int
+    step: int
+    steps: int
+    eta_s: float | None
+    eta_notes: tuple[str, ...]
+    reason: str
+    job: str
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class QueueView:
+    """The pool and every run submitted to it."""
+
+    root: str
+    pool: int
+    rows: tuple[QueueRow, ...]
+
+
+def submit(cfg: Config, priority: str, pool_hosts: int | None = None) -> Submission:
+    """Submit ``cfg``'s run at ``priority``; the scheduler launches it when its minimum fits."""
+    priority_value(priority)
+    q = Queue(cfg.root)
+    if pool_hosts is not None:
+        q.set_pool(pool_hosts)
+    pool = q.pool()
+    if pool is None:
+        pool = cfg.max_workers
+        q.set_pool(pool)
+    if cfg.min_workers > pool:
+        raise QueueError(f"min_workers={cfg.min_workers} never fits the pool of {pool} host(s) at {cfg.root}")
+    api.plan(cfg)  # a config that cannot run is refused before anything is queued
+    api.check_task(cfg)
+    try:
+        old = q.submission(cfg.run_name)
+    except QueueError:
+        old = None
+    if old is not None and not q.placement(cfg.run_name).ended:
+        raise QueueError(f"run {cfg.run_name!r} is already in the queue ({old.priority}); cancel it first")
+    sub = Submission(
+        run_name=cfg.run_name,
+        run_uri=cfg.run_uri,
+        priority=priority,
+        min_hosts=cfg.min_workers,
+        max_hosts=cfg.max_workers,
+        hosts_per_slice=cfg.hosts_per_slice,
+        steps=cfg.steps,
+        config=cfg.to_json(),
+        submitted_at=time.time(),
+    )
+    q.put_placement(Placement(run_name=cfg.run_name))  # a fresh placement: a resubmission starts over
+    q.put_submission(sub)
+    scheduler.ensure_running(cfg.root)
+    return sub
+
+
+def _open(root: str, run: str) -> tuple[Queue, Submission, Placement]:
+    q = Queue(root)
+    sub = q.submission(run)
+    p = q.placement(run)
+    if p.ended:
+        raise QueueError(f"run {run!r} already ended ({p.ended}): nothing to change")
+    return q, sub, p
+
+
+def set_priority(root: str, run: str, priority: str) -> Submission:
+    """Change a queued or running run's priority; the scheduler moves hosts at its next look."""
+    priority_value(priority)
+    q, sub, _p = _open(root, run)
+    if sub.cancelled:
+        raise QueueError(f"run {run!r} is being cancelled: nothing to change")
+    sub.priority = priority
+    sub.priority_changed_at = time.time()
+    q.put_submission(sub)
+    scheduler.ensure_running(root)
+    return sub
+
+
+def cancel(root: str, run: str, reason: str = "cancelled") -> Submission:
+    """Cancel a run: a queued one never starts, a running one stops (resumable by a new submit)."""
+    q, sub, _p = _open(root, run)
+    sub.cancelled = reason or "cancelled"
+    q.put_submission(sub)
+    scheduler.ensure_running(root)
+    return sub
+
+
+def view(root: str) -> QueueView:
+    """Every submitted run: state, hosts, step and its ETA under the scheduler's policy."""
+    q = Queue(root)
+    pool = q.pool() or 0
+    subs = q.submissions()
+    places = {s.run_name: q.placement(s.run_name) for s in subs}
+    statuses = {s.run_name: api.status(s.run_uri, repair=False) or {} for s in subs}
+    waiting = [s for s in subs if not places[s.run_name].ended and not s.cancelled]
+    planned = allocate(pool, [s.demand() for s in waiting])
+    outlooks = []
+    for s in waiting:
+        evs = api.events(s.run_uri, ("launch", "progress", "recovered")) if api.run_exists(s.run_uri) else []
+        st = statuses[s.run_name]
+        step = int(st.get("step") or 0) if st.get("job") == places[s.run_name].job else 0
+        outlooks.append(
+            RunOutlook(
+                demand=s.demand(),
+                steps_left=max(s.steps - step, 0),
+                hosts=places[s.run_name].hosts,
+                step_s=step_seconds_by_hosts(evs),
+                resize_s=resize_seconds(evs),
+            )
+        )
+    etas = forecast(pool, outlooks)
+    rows = []
+    for s in subs:
+        p, st = places[s.run_name], statuses[s.run_name]
+        mine = bool(p.job) and st.get("job") == p.job
+        eta = etas.get(s.run_name)
+        rows.append(
+            QueueRow(
+                run=s.run_name,
+                priority=s.priority,
+                state=_state(s, p, st if mine else {}),
+                hosts=int(st.get("workers") or 0) if mine and st.get("state") in ALIVE_STATES else 0,
+                assigned=p.hosts if p.job else planned.get(s.run_name, 0),
+                min_hosts=s.min_hosts,
+                max_hosts=s.max_hosts,
+                step=int(st.get("step") or 0) if mine else 0,
+                steps=s.steps,
+                eta_s=eta.seconds if eta is not None else None,
+                eta_notes=eta.assumptions if eta is not None else (),
+                reason=p.reason or (str(st.get("reason") or "") if mine else ""),
+                job=p.job,
+            )
+        )
+    return QueueView(root=root, pool=pool, rows=tuple(rows))
+
+
+def _state(s: Submission, p: Placement, st: dict[str, object]) -> str:
+    if p.ended:
+        return p.ended
+    if s.cancelled:
+        return "cancelling"
+    if not p.job or p.hosts == 0:
+        return "queued"
+    return str(st.get("state") or "starting")
