@@ -23,10 +23,16 @@ Two ways to name a run, each with its own authorization:
   ``resolve_config`` task resolved, else its conf's ``run_name``/``storage_root``); the
   caller needs read access to that DAG's runs.  The Training tab and the extra link use this.
 
+The queue of a storage root's shared pool: ``GET /rtrain/queue?root=ROOT`` (JSON) and
+``/rtrain/queue/view`` (the *Training queue* page, in the navigation), with read access to
+every DAG's runs; ``POST /rtrain/queue/{run}/priority?priority=P`` and ``.../cancel``
+change it, with edit access to every DAG's runs (a bad request is 400 with one line).
+
 Routes under both: ``status``, ``events`` (``?type=``, ``?after=``, ``?limit=``), ``report``,
 ``checkpoints`` (the ledger), ``chart`` (the page's data) and ``view`` (the page).  An
 unknown run is 404 everywhere; a storage error is 503 with a one-line reason.  Nothing
-here writes to a run (the status is read without the stale-job repair the sensor does).
+here writes to a run (the status is read without the stale-job repair the sensor does); the
+queue's two POSTs write the service's submissions only.
 
 Importing this module imports nothing heavy (no JAX, no FastAPI until the API server
 asks for the app); ``report`` imports Orbax when called (``training.api.report``).
@@ -157,6 +163,19 @@ def run_root(run_name: str, root: str | None) -> str:
     if not any(Path(resolved).is_relative_to(r) and resolved != r for r in local):
         raise Refused(f"root: the run is not inside the storage roots (see {STORAGE_ROOTS_ENV})")
     return resolved
+
+
+def pool_root(root: str | None) -> str:
+    """A storage root (default: var/runs) whose runs share a pool, if it is allowed; else Refused."""
+    return run_root("queue", root).rsplit("/", 1)[0]
+
+
+def eta_text(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
 def root_query(uri: str) -> str:
@@ -709,6 +728,52 @@ def create_app() -> Any:
         dependencies=[Depends(requires_access_dag("GET", DagAccessEntity.RUN))],
     )
 
+    def can_edit_all_runs(user: GetUserDep) -> None:
+        """Changing a pool's queue takes edit access to the DAG runs of every DAG."""
+        if not get_auth_manager().is_authorized_dag(
+            method="PUT", access_entity=DagAccessEntity.RUN, details=DagDetails(id=None), user=user
+        ):
+            raise HTTPException(403, "Forbidden")
+
+    from training.service import commands
+    from training.service.policy import PriorityError
+    from training.service.queue import QueueError
+
+    def queue_of(root: str | None) -> Any:
+        return storage("the queue", lambda: commands.view(pool_root(root)))
+
+    @app.get("/queue", dependencies=[Depends(can_read_all_runs)])
+    def queue(root: str | None = None) -> JSONResponse:
+        v = queue_of(root)
+        return JSONResponse(finite({"root": v.root, "pool": v.pool, "runs": [r.to_dict() for r in v.rows]}))
+
+    @app.get("/queue/view", response_class=HTMLResponse, dependencies=[Depends(can_read_all_runs)])
+    def queue_page(request: Request, root: str | None = None) -> HTMLResponse:
+        html = templates.get_template("queue.html").render(
+            view=queue_of(root), eta=eta_text, static=str(request.scope.get("root_path", "")) + "/static"
+        )
+        return HTMLResponse(html, headers={"Content-Security-Policy": PAGE_CSP, "Cache-Control": "no-store"})
+
+    def change(fn: Callable[[], Any]) -> JSONResponse:
+        try:
+            sub = fn()
+        except (PriorityError, QueueError) as e:
+            raise HTTPException(400, one_line(str(e))) from None
+        except Refused:
+            raise
+        except Exception as e:  # noqa: BLE001 - a file system or GCS error: one line, no trace
+            log.warning("rtrain: cannot change the queue", exc_info=True)
+            raise StorageError(one_line(f"cannot change the queue: {type(e).__name__}: {e}")) from None
+        return JSONResponse({"run": sub.run_name, "priority": sub.priority, "cancelled": sub.cancelled})
+
+    @app.post("/queue/{run_name}/priority", dependencies=[Depends(can_edit_all_runs)])
+    def priority(run_name: str, priority: str, root: str | None = None) -> JSONResponse:
+        return change(lambda: commands.set_priority(pool_root(root), run_name, priority))
+
+    @app.post("/queue/{run_name}/cancel", dependencies=[Depends(can_edit_all_runs)])
+    def cancel(run_name: str, reason: str = "cancelled in Airflow", root: str | None = None) -> JSONResponse:
+        return change(lambda: commands.cancel(pool_root(root), run_name, reason))
+
     @app.get("/static/{name}")
     def static(name: str) -> FileResponse:
         if name not in STATIC:
@@ -746,14 +811,20 @@ class _LazyApp:
 
 
 def _external_views() -> list[dict[str, Any]]:
-    """The Training tab of a DAG run page (an iframe of the view; the UI fills in {DAG_ID} and {RUN_ID})."""
+    """The Training tab of a DAG run page (the UI fills in {DAG_ID} and {RUN_ID}), and the queue in the navigation."""
     return [
         {
             "name": "Training",
             "href": f"{base_path()}{VIEW_PREFIX}/dags/{{DAG_ID}}/runs/{{RUN_ID}}/view",
             "destination": "dag_run",
             "url_route": "rtrain-training",
-        }
+        },
+        {
+            "name": "Training queue",
+            "href": f"{base_path()}{VIEW_PREFIX}/queue/view",
+            "destination": "nav",
+            "url_route": "rtrain-queue",
+        },
     ]
 
 

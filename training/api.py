@@ -1,10 +1,11 @@
 """The small API the CLI and the Airflow plugin call: plan, launch, watch, stop, and the checkpoint lifecycle.
 
 This is the one door into ``training`` for the Airflow side (``plugins/`` imports
-nothing else of ours), so it stays cheap to import: no JAX, Orbax or grain at
-module level.  The calls that need them (validation, listing committed steps
-with Orbax's rule, dataset preparation) import them when they run, which is
-inside a task's ``execute()`` or a CLI command.
+nothing else of ours but the shared pool's verbs, ``training.service.commands``),
+so it stays cheap to import: no JAX, Orbax or grain at module level.  The calls
+that need them (validation, listing committed steps with Orbax's rule, dataset
+preparation) import them when they run, which is inside a task's ``execute()``
+or a CLI command.
 
 A *job* is one incarnation of a run: :func:`begin_job` takes the run lock,
 writes the config (only then: a refused launch writes nothing), and hands the
@@ -40,6 +41,7 @@ from training.backends.gke import (
     jobset_state,
     node_is_usable,
     render,
+    workload_priority_classes,
 )
 from training.checkpoint import lifecycle
 from training.checkpoint.ledger import Ledger
@@ -125,6 +127,7 @@ __all__ = [
     "report",
     "rollback",
     "set_capacity",
+    "workload_priority_classes",
     "status",
     "stop_job",
     "validate",

@@ -217,7 +217,8 @@ def test_a_storage_error_is_503_with_a_one_line_reason(ui: dict[str, Any]) -> No
 def test_the_training_tab_is_registered_for_dag_runs(ui: dict[str, Any]) -> None:
     plugins = get(ui, "/api/v2/plugins").json()["plugins"]
     (ours,) = [p for p in plugins if p["name"] == "rtrain_plugin"]
-    (view,) = ours["external_views"]
+    view, queue = ours["external_views"]
+    assert queue["destination"] == "nav" and queue["href"] == "/rtrain/queue/view"
     assert view["destination"] == "dag_run" and view["url_route"] == "rtrain-training"
     assert view["href"] == "/rtrain/dags/{DAG_ID}/runs/{RUN_ID}/view"
     # What the tab loads for this DAG run (queued: its run_name comes from the conf until resolve_config ran).

@@ -275,10 +275,13 @@ def test_external_view_is_a_dag_run_tab() -> None:
     import rtrain_plugin
     from airflow.api_fastapi.core_api.datamodels.plugins import ExternalViewResponse
 
-    (view,) = rtrain_plugin.RTrainPlugin.external_views
+    view, queue = rtrain_plugin.RTrainPlugin.external_views
     parsed = ExternalViewResponse.model_validate(view)
     assert parsed.destination == "dag_run" and parsed.url_route == "rtrain-training"
     assert view["href"] == "/rtrain/dags/{DAG_ID}/runs/{RUN_ID}/view"
+    parsed = ExternalViewResponse.model_validate(queue)
+    assert parsed.destination == "nav" and parsed.url_route == "rtrain-queue"
+    assert queue["href"] == "/rtrain/queue/view"
 
 
 def test_the_sensors_link_is_the_training_view() -> None:
@@ -339,11 +342,16 @@ def test_no_route_of_the_app_is_left_open(project: Path) -> None:
     from fastapi.testclient import TestClient
 
     app = rtrain_plugin.create_app()
-    paths = sorted({re.sub(r"\{[^}]+\}", "x", route.path) for route in app.routes})
+    routes = sorted(
+        {(re.sub(r"\{[^}]+\}", "x", r.path), m) for r in app.routes for m in getattr(r, "methods", ()) or ()}
+    )
+    paths = [p for p, _ in routes]
     assert "/openapi.json" in paths and "/runs/x/view" in paths and "/dags/x/runs/x/view" in paths
+    assert ("/queue/x/priority", "POST") in routes and ("/queue/view", "GET") in routes
     with TestClient(app) as anonymous:
-        for path in paths:
-            assert anonymous.get(path).status_code == 401, path
+        for path, method in routes:
+            if method in ("GET", "POST"):
+                assert anonymous.request(method, path).status_code == 401, (method, path)
         for path in ("/docs", "/redoc", "/docs/oauth2-redirect"):
             assert anonymous.get(path).status_code in (401, 404), path
 
@@ -399,3 +407,64 @@ def test_a_dag_runs_tab(
         assert (
             'data-api="/dags/d/runs/r"' in page.text and client.get("/dags/d/runs/r/chart").json()["run"] == "ui-demo"
         )
+
+
+# --- the queue of a shared pool ---------------------------------------------------------------------------
+
+
+def _submitted(root: Path, name: str, priority: str, ended: str = "") -> None:
+    import time
+
+    from training.service.queue import Placement, Queue, Submission
+
+    q = Queue(str(root))
+    q.set_pool(4)
+    q.put_submission(
+        Submission(
+            run_name=name,
+            run_uri=str(root / name),
+            priority=priority,
+            min_hosts=2,
+            max_hosts=4,
+            hosts_per_slice=1,
+            steps=100,
+            config="{}",
+            submitted_at=time.time(),
+        )
+    )
+    q.put_placement(Placement(run_name=name, job="j1" if ended else "", ended=ended))
+
+
+def test_the_queue_is_served_read_only_to_viewers_and_changed_by_editors(client: Any, project: Path) -> None:
+    import rtrain_plugin
+    from airflow.api_fastapi.app import create_auth_manager
+    from airflow.api_fastapi.auth.managers.simple.user import SimpleAuthManagerUser
+    from fastapi.testclient import TestClient
+
+    root = project / "var" / "runs"
+    _submitted(root, "waiting", "low")
+    _submitted(root, "done", "high", ended="finished")
+    q = client.get("/queue").json()
+    assert q["pool"] == 4 and {r["run"]: r["state"] for r in q["runs"]} == {"waiting": "queued", "done": "finished"}
+    assert next(r for r in q["runs"] if r["run"] == "waiting")["assigned"] == 4, "what it would get: the whole pool"
+    page = client.get("/queue/view")
+    assert page.status_code == 200 and "script-src 'self'" in page.headers["content-security-policy"]
+    assert '<tr data-run="waiting" data-state="queued">' in page.text and "A pool of 4 host(s)" in page.text
+    assert client.get("/queue", params={"root": "/etc"}).status_code == 403
+    # A viewer may not change the queue.
+    assert client.post("/queue/waiting/priority", params={"priority": "high"}).status_code == 403
+    manager = create_auth_manager()
+    manager.init()
+    admin = str(manager.generate_jwt(SimpleAuthManagerUser(username="ui-admin", role="admin")))
+    with TestClient(rtrain_plugin.create_app(), headers={"Authorization": f"Bearer {admin}"}) as editor:
+        r = editor.post("/queue/waiting/priority", params={"priority": "top"})
+        assert r.status_code == 400 and "unknown priority 'top'" in r.json()["detail"]
+        r = editor.post("/queue/done/priority", params={"priority": "low"})
+        assert r.status_code == 400 and "already ended (finished)" in r.json()["detail"]
+        assert editor.post("/queue/nobody/cancel").status_code == 400
+        r = editor.post("/queue/waiting/priority", params={"priority": "urgent"})
+        assert r.status_code == 200 and r.json()["priority"] == "urgent", r.text
+        runs = {x["run"]: x for x in client.get("/queue").json()["runs"]}
+        assert runs["waiting"]["priority"] == "urgent" and runs["done"]["priority"] == "high"
+        r = editor.post("/queue/waiting/cancel", params={"reason": "not needed"})
+        assert r.status_code == 200 and r.json()["cancelled"] == "not needed"

@@ -242,6 +242,9 @@ def test_render_refuses_slices_outside_min_max(k: int) -> None:
         ({"megascale_port": 70000}, "megascale_port"),
         ({"env": {"RTRAIN_PROCESS_ID": "3"}}, "env"),
         ({"node_pools": ("Pool_1",)}, "node_pools"),
+        ({"kueue_queue": "Team Queue"}, "kueue_queue"),
+        ({"kueue_queue": "team", "priority": "top"}, "priority"),
+        ({"priority": "high"}, "priority"),  # a priority class means nothing without Kueue
     ],
 )
 def test_launch_options_are_checked(kwargs: dict[str, Any], key: str) -> None:
@@ -843,3 +846,29 @@ def test_the_local_tier_gets_a_memory_volume_and_the_pods_a_grace_period_the_not
     # A grace period the job's stop-and-commit does not fit in is refused, naming both settings.
     with pytest.raises(GKEConfigError, match="preemption_grace_s"):
         render(gke_config(preemption_grace_s=40), tpu, GKELaunch(image="img:1", termination_grace_period_s=30), "j1")
+
+
+def test_kueue_queues_the_whole_jobset_at_the_runs_priority_class() -> None:
+    tpu = TPUSlice("ct6e-standard-4t", "4x4")
+    cfg = gke_config(min_workers=4, max_workers=16, devices_per_worker=tpu.chips_per_host, hosts_per_slice=tpu.hosts)
+    plain = render(cfg, tpu, LAUNCH, "j20261201-101500-abc123", 2)
+    assert not [k for k in plain.jobset["metadata"]["labels"] if k.startswith("kueue.x-k8s.io/")]
+    launch = GKELaunch(image=LAUNCH.image, namespace="training", kueue_queue="tpu-v6e", priority="high")
+    m = render(cfg, tpu, launch, "j20261201-101500-abc123", 2)
+    labels = m.jobset["metadata"]["labels"]
+    assert labels[gke.KUEUE_QUEUE_LABEL] == "tpu-v6e" and labels[gke.KUEUE_PRIORITY_LABEL] == "rtrain-high"
+    pod_labels = m.jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["metadata"]["labels"]
+    assert gke.KUEUE_QUEUE_LABEL not in pod_labels, "Kueue reads the JobSet's labels, not the pods'"
+    check_jobset_structure(m.jobset)
+    validate_core({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x", "labels": labels}})
+    classes = gke.workload_priority_classes()
+    assert [(c["metadata"]["name"], c["value"]) for c in classes] == [
+        ("rtrain-low", 100),
+        ("rtrain-normal", 200),
+        ("rtrain-high", 300),
+        ("rtrain-urgent", 400),
+    ]
+    for c in classes:
+        assert c["apiVersion"] == "kueue.x-k8s.io/v1beta1" and c["kind"] == "WorkloadPriorityClass"
+        assert set(c) == {"apiVersion", "kind", "metadata", "value", "description"}
+        assert DNS_1035.match(c["metadata"]["name"])

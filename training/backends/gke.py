@@ -44,6 +44,8 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from training.priorities import PRIORITIES, PriorityError, priority_value
+
 if TYPE_CHECKING:
     from training.config import Config
 
@@ -68,6 +70,10 @@ REPLICATED_JOB = "slice"
 CONTAINER_NAME = "agent"
 LOCAL_TIER_VOLUME = "local-checkpoints"  # the emptyDir of the local checkpoint tier
 LOCAL_TIER_PATH = "/var/rtrain/local"  # where it is mounted (RTRAIN_LOCAL_CHECKPOINT_DIR)
+# Kueue: the LocalQueue a JobSet is submitted to, and its WorkloadPriorityClass (one per priority level).
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
+KUEUE_API_VERSION = "kueue.x-k8s.io/v1beta1"
 RUN_LABEL = "rtrain.dev/run"
 JOB_LABEL = "rtrain.dev/job"
 RUN_URI_ANNOTATION = "rtrain.dev/run-uri"
@@ -367,6 +373,9 @@ class GKELaunch:
     local_tier_size: str = "16Gi"
     env: Mapping[str, str] = field(default_factory=dict)  # more environment for every worker
     labels: Mapping[str, str] = field(default_factory=dict)  # more labels for the JobSet and its pods
+    # Kueue: submit the JobSet to this LocalQueue (None: created at once, no queueing), at this priority level.
+    kueue_queue: str | None = None
+    priority: str | None = None
 
     def __post_init__(self) -> None:
         if not self.image or any(c.isspace() for c in self.image):
@@ -406,6 +415,15 @@ class GKELaunch:
         for k, v in self.labels.items():
             if not _LABEL_VALUE_RE.match(v) or len(v) > 63:
                 raise GKEConfigError(f"labels: {k}={v!r} is not a valid label value")
+        if self.kueue_queue is not None and not _DNS_LABEL_RE.match(self.kueue_queue):
+            raise GKEConfigError(f"kueue_queue: {self.kueue_queue!r} is not a LocalQueue name")
+        if self.priority is not None:
+            if self.kueue_queue is None:
+                raise GKEConfigError("priority: needs kueue_queue (the priority is a Kueue WorkloadPriorityClass)")
+            try:
+                priority_value(self.priority)
+            except PriorityError as e:
+                raise GKEConfigError(f"priority: {e}") from None
 
     @property
     def pod_grace_s(self) -> int:
@@ -680,6 +698,12 @@ def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, job: str, num_slices: 
         },
     }
     jobset_annotations = dict(annotations)
+    jobset_labels = dict(labels)
+    if launch.kueue_queue is not None:
+        # Kueue admits (or preempts) the whole JobSet; moving hosts inside the job stays the scheduler's notice.
+        jobset_labels[KUEUE_QUEUE_LABEL] = launch.kueue_queue
+        if launch.priority is not None:
+            jobset_labels[KUEUE_PRIORITY_LABEL] = priority_class_name(launch.priority)
     if tpu.multi_host:
         # One slice per node pool: a multi-host pool is exactly one ICI-connected slice.
         jobset_annotations[EXCLUSIVE_TOPOLOGY_ANNOTATION] = NODEPOOL_LABEL
@@ -689,7 +713,7 @@ def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, job: str, num_slices: 
         "metadata": {
             "name": name,
             "namespace": launch.namespace,
-            "labels": dict(labels),
+            "labels": jobset_labels,
             "annotations": jobset_annotations,
         },
         "spec": {
@@ -708,6 +732,26 @@ def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, job: str, num_slices: 
         num_processes=num_processes,
         coordinator=coordinator,
     )
+
+
+def priority_class_name(priority: str) -> str:
+    """The Kueue WorkloadPriorityClass of a priority level."""
+    priority_value(priority)
+    return f"rtrain-{priority}"
+
+
+def workload_priority_classes() -> list[dict[str, Any]]:
+    """Kueue's WorkloadPriorityClass for each priority level (applied once per cluster)."""
+    return [
+        {
+            "apiVersion": KUEUE_API_VERSION,
+            "kind": "WorkloadPriorityClass",
+            "metadata": {"name": priority_class_name(name), "labels": {"app.kubernetes.io/name": "rtrain"}},
+            "value": value,
+            "description": f"resilient-training runs of priority {name}",
+        }
+        for name, value in PRIORITIES.items()
+    ]
 
 
 def jobset_state(obj: Mapping[str, Any] | None) -> str:

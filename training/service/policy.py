@@ -8,20 +8,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# Named priority levels (Kueue's WorkloadPriorityClass per level on GKE): higher takes hosts first.
-PRIORITIES: dict[str, int] = {"low": 100, "normal": 200, "high": 300, "urgent": 400}
+from training.priorities import PRIORITIES, PriorityError, priority_value
 
-
-class PriorityError(ValueError):
-    """A priority that is not one of the named levels."""
-
-
-def priority_value(name: str) -> int:
-    """The rank of a named priority level; a one-line error for any other name."""
-    try:
-        return PRIORITIES[name]
-    except KeyError:
-        raise PriorityError(f"unknown priority {name!r}: one of {', '.join(PRIORITIES)}") from None
+__all__ = ["PRIORITIES", "Demand", "PriorityError", "allocate", "priority_value"]
 
 
 @dataclass(frozen=True)

@@ -147,12 +147,16 @@ class Scheduler:
             p.job = str(st["job"])
         else:
             self._fence()
-            cfg = config_from_json(sub.config)
-            LocalCapacity(open_store(sub.run_uri), default=hosts).assign(hosts, reason=f"launched on {hosts} host(s)")
             try:
+                cfg = config_from_json(sub.config)
+                LocalCapacity(open_store(sub.run_uri), default=hosts).assign(
+                    hosts, reason=f"launched on {hosts} host(s)"
+                )
                 handle = api.launch(cfg, detach=True, allow_attach=True, by="scheduler")
-            except api.LaunchError as e:
-                self._end(p, "failed", f"launch refused: {e}")
+            except LockLost:
+                raise
+            except Exception as e:  # noqa: BLE001 - a run that cannot launch ends with the reason; the rest go on
+                self._end(p, "failed", f"launch failed: {type(e).__name__}: {e}")
                 return
             p.job = str(handle["job"])
             p.controller_pid = int(handle.get("controller_pid") or 0)
