@@ -16,6 +16,9 @@
    (interleaved); steps trained again after a lost host with the local tier / with
    persistent checkpoints only (same job, same kill); steps lost to a preemption
    notice (SIGTERM), which should be none.
+6. The service: a queued job's priority raised on a shared pool of 4 hosts; the seconds
+   until the low-priority job's hosts are freed (by notice), and that job's ETA right
+   after the change (it is queued, then grown back) against its real end.
 
 Timings come from the runs' own event records (process clocks), not from log lines.
 Each figure prints its repeats and their spread.  Prints a table and writes JSON.
@@ -613,7 +616,63 @@ def bench_local_tier(ws: Path, repeats: int) -> dict[str, Any]:
 
 # --- main -----------------------------------------------------------------------------------
 
-FIGURES = ("recovery", "checkpoint_overhead", "cost_of_resilience", "restore_throughput", "local_tier")
+# --- 6. the service: a priority change moves hosts, and the ETA of a job shrunk and grown back ----------
+
+
+def bench_service(ws: Path) -> dict[str, Any]:
+    """A low-priority job on a pool of 4 hosts; a queued job's priority is raised, so it takes the whole pool.
+
+    Measured: the seconds from the priority change to the low job's hosts freed
+    (its notices committed) and to the other job's first step; the low job's ETA
+    as ``rtrain queue`` gives it right after the change (it is queued, then grown
+    back) against when it really finished: |predicted - actual| / actual, over the
+    time that was left.
+    """
+    from training import api
+    from training.service import commands
+    from training.service.queue import Queue
+
+    root = ws / "service"
+    if root.exists():
+        shutil.rmtree(root)
+    every = 10
+    common = {"root": str(root), "checkpoint_every": every, "max_workers": 4}
+    low = _cfg(ws, "svc-low", steps=160, min_workers=2, **common)
+    big = _cfg(ws, "svc-big", steps=40, min_workers=4, **common)
+    commands.submit(low, "low", pool_hosts=4)
+    _wait(lambda: ((api.status(low.run_uri) or {}).get("step") or 0) >= 5, 600, "the low job to train")
+    commands.submit(big, "low")  # min 4 does not fit beside the low job's 2: queued
+    time.sleep(2.0)
+    changed_at = time.time()
+    commands.set_priority(str(root), "svc-big", "urgent")
+    _wait(lambda: Queue(str(root)).placement("svc-big").job, 120, "the urgent job's launch")
+    row = next(r for r in commands.view(str(root)).rows if r.run == "svc-low")
+    predicted_end = time.time() + float(row.eta_s or 0.0)
+    predicted_at = time.time()
+    _wait(lambda: (api.status(low.run_uri) or {}).get("state") in ("finished", "failed"), 1200, "the low job's end")
+    evs = api.events(low.run_uri)
+    big_evs = api.events(big.run_uri)
+    freed = max(e["time"] for e in evs if e["type"] == "preemption_notice")
+    big_first = min(e["time"] for e in big_evs if e["type"] == "resumed")
+    ended = max(e["time"] for e in evs if e["type"] in ("finished", "failed"))
+    step_s = _steady_step_time(evs, 1)
+    error = abs(predicted_end - ended) / max(ended - predicted_at, 1e-9)
+    bound = every * step_s + max(float(e.get("seconds") or 0) for e in evs if e["type"] == "preemption_notice")
+    return {
+        "ratio": error,
+        "target": "<= 0.15",
+        "eta_predicted_s": predicted_end - predicted_at,
+        "eta_actual_s": ended - predicted_at,
+        "eta_assumptions": list(row.eta_notes),
+        "priority_to_hosts_freed_s": freed - changed_at,
+        "priority_to_first_step_s": big_first - changed_at,
+        "hosts_moved_bound_s": bound,
+        "moved_ratio": (freed - changed_at) / bound,
+        "moved_target": "<= 1.0",
+    }
+
+
+FIGURES = ("recovery", "checkpoint_overhead", "cost_of_resilience", "restore_throughput", "local_tier", "service")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -640,6 +699,7 @@ def main(args: argparse.Namespace) -> int:
         "cost_of_resilience": lambda: bench_cost(ws, repeats),
         "restore_throughput": lambda: bench_restore(ws, repeats),
         "local_tier": lambda: bench_local_tier(ws, repeats),
+        "service": lambda: bench_service(ws),
     }
     for name in FIGURES:
         if name not in only:
@@ -790,6 +850,21 @@ def format_table(r: dict[str, Any]) -> str:
         lines.append(
             f"{'  preemption notice':<30} steps lost {[x['steps_lost'] for x in n]}, committed "
             f"{_spread([float(x['commit_s']) for x in n])} s after the SIGTERM"
+        )
+    if "service" in r:
+        sv = r["service"]
+        row(
+            "service: ETA error (shrunk, grown)",
+            f"predicted {sv['eta_predicted_s']:.1f} s vs actual {sv['eta_actual_s']:.1f} s after the change",
+            sv["ratio"],
+            sv["target"],
+        )
+        row(
+            "  priority change -> hosts freed",
+            f"{sv['priority_to_hosts_freed_s']:.2f} s vs checkpoint interval + commit {sv['hosts_moved_bound_s']:.2f} s"
+            f" (first step of the other job after {sv['priority_to_first_step_s']:.1f} s)",
+            sv["moved_ratio"],
+            sv["moved_target"],
         )
     return "\n".join(lines)
 

@@ -407,3 +407,38 @@ def test_the_view_follows_a_live_run(ui: dict[str, Any], browser: Any) -> None:
         page.close()
     finally:
         shutil.rmtree(uri, ignore_errors=True)
+
+
+def test_the_training_queue_is_a_page_of_airflows_navigation(ui: dict[str, Any], browser: Any) -> None:
+    from training.service.queue import Placement, Queue, Submission
+
+    q = Queue(str(ui["runs"]))
+    q.set_pool(4)
+    for name, priority, ended in (("q-waiting", "low", ""), ("q-done", "high", "finished")):
+        q.put_submission(
+            Submission(
+                run_name=name,
+                run_uri=str(ui["runs"] / name),
+                priority=priority,
+                min_hosts=2,
+                max_hosts=4,
+                hosts_per_slice=1,
+                steps=100,
+                config="{}",
+                submitted_at=time.time(),
+            )
+        )
+        q.put_placement(Placement(run_name=name, job="j1" if ended else "", ended=ended))
+    context, errors = browser
+    page = context.new_page()
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(f"{ui['base']}/plugin/rtrain-queue")
+    frame = page.frame_locator('iframe[title="Training queue"]')
+    frame.locator('tr[data-run="q-waiting"]').wait_for(timeout=60_000)
+    assert frame.locator('tr[data-run="q-waiting"]').get_attribute("data-state") == "queued"
+    assert frame.locator('tr[data-run="q-done"]').get_attribute("data-state") == "finished"
+    assert "A pool of 4 host(s)" in frame.locator("main").inner_text()
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOTS / "training-queue.png"), full_page=True)
+    assert errors == []
+    page.close()

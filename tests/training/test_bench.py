@@ -77,3 +77,17 @@ def test_cost_of_resilience_against_a_plain_loop_with_and_without_saves(tmp_path
     assert k["mfu"] == pytest.approx(engine * k["model_flops_per_token"] / k["matmul_flops_per_s"])
     assert 0 < k["mfu"] < 1 and k["engine_tokens_per_s_per_device"] == pytest.approx(engine / 4)
     assert "model FLOPs utilisation" in proc.stdout and "Llama tok/s per device" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_the_service_figure_measures_the_eta_and_the_hosts_moving(tmp_path: Path) -> None:
+    proc, r = _bench(tmp_path, "--quick", "--only", "service", timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sv = r["service"]
+    predicted, actual = sv["eta_predicted_s"], sv["eta_actual_s"]
+    assert predicted > 0 and actual > 0 and sv["ratio"] == pytest.approx(abs(predicted - actual) / actual)
+    assert any("host" in a for a in sv["eta_assumptions"]), sv["eta_assumptions"]
+    assert 0 < sv["priority_to_hosts_freed_s"] < sv["priority_to_first_step_s"]
+    assert sv["moved_ratio"] == pytest.approx(sv["priority_to_hosts_freed_s"] / sv["hosts_moved_bound_s"])
+    assert f"{sv['ratio']:.3f}  <= 0.15" in proc.stdout and f"{sv['moved_ratio']:.3f}  <= 1.0" in proc.stdout

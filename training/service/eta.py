@@ -99,7 +99,7 @@ def forecast(pool: int, runs: Sequence[RunOutlook], horizon_s: float = 30 * 24 *
             if n != hosts[d.run]:
                 if n > 0:
                     stall[d.run] = statistics.median(o.resize_s) if o.resize_s else pool_resize
-                    what = "starts" if hosts[d.run] == 0 else "resized"
+                    what = "resized" if hosts[d.run] else ("resumes" if o.step_s else "starts")
                     notes[d.run].append(f"{what} on {n} host(s) at +{t:.0f}s, costing {stall[d.run]:.1f}s")
                 else:
                     notes[d.run].append(f"queued at +{t:.0f}s")

@@ -72,32 +72,35 @@ class Scheduler:
         """One look: settle ended runs, allocate, act. Returns how many runs are still to be placed or running."""
         pool = self.queue.pool() or 0
         active: list[Submission] = []
+        stopping = 0
         for sub in self.queue.submissions():
             p = self.queue.placement(sub.run_name)
             if p.ended:
                 continue
-            if self._settle(sub, p):
+            state = self._settle(sub, p)
+            if state == "active":
                 active.append(sub)
+            stopping += state == "stopping"
         alloc = allocate(pool, [s.demand() for s in active])
         for sub in active:
             self._apply(sub, self.queue.placement(sub.run_name), alloc[sub.run_name])
-        return len(active)
+        return len(active) + stopping
 
-    def _settle(self, sub: Submission, p: Placement) -> bool:
-        """Record a run's end (finished, failed, cancelled); True while it still wants hosts."""
+    def _settle(self, sub: Submission, p: Placement) -> str:
+        """Record a run's end (finished, failed, cancelled): ``ended``, ``stopping`` (cancelled) or ``active``."""
         st = api.status(sub.run_uri) or {}
         mine = bool(p.job) and st.get("job") == p.job
         if mine and st.get("state") in FINAL_STATES:
             ended = "cancelled" if sub.cancelled else str(st["state"])
             self._end(p, ended, str(st.get("reason") or sub.cancelled))
-            return False
+            return "ended"
         if sub.cancelled:
             if not p.job:
                 self._end(p, "cancelled", sub.cancelled)
-            else:
-                self._stop(sub, p)
-            return False
-        return True
+                return "ended"
+            self._stop(sub, p)
+            return "stopping"
+        return "active"
 
     def _end(self, p: Placement, ended: str, reason: str) -> None:
         self._fence()
@@ -110,10 +113,10 @@ class Scheduler:
 
     def _stop(self, sub: Submission, p: Placement) -> None:
         """Stop a cancelled run's job: its launcher's stop (which also ends a held job), else the job's control."""
-        if p.hosts or not p.reason.startswith("stopping"):
+        if not p.reason.startswith("stopping"):  # asked once; the job's end is then settled like any other
             self._fence()
             pid = p.controller_pid
-            if pid and _alive(pid):
+            if pid and _is_local_slice_of(pid, sub.run_uri):
                 os.kill(pid, signal.SIGTERM)
             else:
                 api.stop_job(sub.run_uri, f"cancelled: {sub.cancelled}")
@@ -172,6 +175,7 @@ class Scheduler:
         idle_since: float | None = None
         try:
             while True:
+                _reap()
                 try:
                     busy = self.tick()
                 except LockLost as e:
@@ -191,12 +195,20 @@ class Scheduler:
             self.release()
 
 
-def _alive(pid: int) -> bool:
+def _reap() -> None:
+    """Collect the exit of the local slices this process launched (no zombies while it runs on)."""
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+
+
+def _is_local_slice_of(pid: int, run_uri: str) -> bool:
+    """Is process ``pid`` (still) the local slice of ``run_uri`` (not a reused pid, not another machine's)?"""
     try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, PermissionError):
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
         return False
-    return True
+    return b"training.elastic.local_slice" in argv and run_uri.encode() in argv
 
 
 def log_path(root: str) -> Path:
