@@ -137,7 +137,9 @@ def test_a_broken_dataset_fails_the_job_with_the_worker_s_own_error_and_its_log(
     assert "--- the end of " in err and "worker-" in err  # the failed worker's log, named, and its last lines
 
 
-def test_a_full_disk_ends_the_job_with_the_reason_and_leaves_nothing_running(tmp_path, tiny_dataset, jax_cache):
+def test_a_full_disk_ends_the_job_naming_the_root_and_a_rerun_with_space_back_resumes(
+    tmp_path, tiny_dataset, jax_cache
+):
     import psutil
 
     mnt = tmp_path / "small-disk"
@@ -150,10 +152,10 @@ def test_a_full_disk_ends_the_job_with_the_reason_and_leaves_nothing_running(tmp
             tiny_dataset,
             jax_cache,
             run_name="full",
-            steps=2000,
+            steps=40,
             checkpoint_every=5,
             min_workers=1,
-            max_workers=1,
+            max_workers=2,
             log_every=5,
         )
         handle = start_job(cfg)
@@ -167,10 +169,23 @@ def test_a_full_disk_ends_the_job_with_the_reason_and_leaves_nothing_running(tmp
             except OSError:
                 pass
         st = wait_finished(handle, timeout=300)
-        assert st["state"] == "failed" and "No space left on device" in st["reason"], st
+        assert st["state"] == "failed" and f"no space left on {cfg.run_uri} (No space left on device" in st["reason"], (
+            st
+        )
         procs = [p for p in psutil.process_iter(["cmdline"]) if cfg.run_uri in " ".join(p.info["cmdline"] or [])]
         assert not [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], procs
         assert api.job_state(handle)["state"] == "failed"
+        # The lease is given back, the committed checkpoints are intact, and with space back a re-run resumes.
+        from training.checkpoint.lock import RunLock
+
+        assert RunLock(open_store(cfg.run_uri), owner="test").held_by() is None
+        committed = api.committed_steps(cfg.run_uri)
+        assert committed and min(committed) >= 5, committed
+        filler.unlink()
+        assert run_job(cfg) == 0, worker_logs(cfg.run_uri)
+        restored = [e["step"] for e in api.events(cfg.run_uri, ("restore",))]
+        assert restored and restored[-1] in committed, (restored, committed)
+        assert (api.status(cfg.run_uri) or {}).get("step") == 40
     finally:
         for p in psutil.process_iter(["cmdline"]):
             if str(mnt) in " ".join(p.info["cmdline"] or []):

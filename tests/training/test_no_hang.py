@@ -5,6 +5,7 @@ Real processes on the local slice, with small timeouts; each test is well under 
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
@@ -193,3 +194,21 @@ def test_status_trails_training_by_about_a_second(tmp_path: Any, tiny_dataset: s
     print(f"status.json trails training by at most {worst:.2f}s ({len(samples)} samples)")
     assert len(samples) > 20
     assert worst < 1.2, f"status.json trailed training by {worst:.2f}s"
+
+
+@pytest.mark.parametrize(
+    ("code", "says"),
+    [
+        (errno.ENOSPC, "no space left on /r/run (No space left on device, writing /r/run/lock/x)"),
+        (errno.EDQUOT, "the run root /r/run refuses writes (Disk quota exceeded, writing /r/run/lock/x)"),
+        (errno.EROFS, "the run root /r/run refuses writes (Read-only file system, writing /r/run/lock/x)"),
+        (errno.EIO, "the run root /r/run refuses writes (Input/output error, writing /r/run/lock/x)"),
+        (errno.EACCES, "the run root /r/run refuses writes (Permission denied, writing /r/run/lock/x)"),
+    ],
+)
+def test_a_write_error_the_root_keeps_giving_is_the_jobs_end_reason(code: int, says: str) -> None:
+    from training.elastic.agent import store_failure
+
+    assert store_failure(OSError(code, os.strerror(code), "/r/run/lock/x"), "/r/run") == says
+    assert store_failure(OSError(errno.EAGAIN, "try again"), "/r/run") == "", "a passing error ends nothing"
+    assert store_failure(TimeoutError("slow"), "/r/run") == ""

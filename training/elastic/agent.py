@@ -194,7 +194,7 @@ class HostAgent:
         self.local_dir = local_tier.host_dir(self.cfg.local_checkpoint_dir, run, job, host)
         self.scalars: ScalarLog | None = None
         self._scalars_at = 0.0
-        self.disk_full = False
+        self.store_failure = ""  # why the run root refuses writes for good (a full disk, a read-only one), once seen
         self.poll_s = POLL_S_GCS if is_gcs(run) else POLL_S
         self.step_beat_s = min(STEP_BEAT_S_GCS if is_gcs(run) else STEP_BEAT_S, self.cfg.heartbeat_s)
         self._step_beat_at = 0.0
@@ -807,10 +807,11 @@ class HostAgent:
         log.warning("[%s] leads job %s (lease generation %s)", self.host, self.job, self.lock.gen)
 
     def _store_error(self, e: Exception) -> None:
-        """The run root refused a write.  A full disk ends the job: room is made for its last words."""
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            self.disk_full = True
-            if self.rdv.free_reserve():
+        """The run root refused a write.  One it will keep refusing ends the job: room is made for its last words."""
+        why = store_failure(e, self.run_uri)
+        if why and not self.store_failure:
+            self.store_failure = why
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC and self.rdv.free_reserve():
                 log.warning("[%s] the run root is full: freed the space held back for the job's end", self.host)
 
     def _lead_tick(self) -> None:
@@ -835,6 +836,22 @@ class HostAgent:
         self.leader = None
         self.lock.gen = None
         self.update(leader=False)
+
+
+# Write errors a run root keeps giving (a retry cannot help): the job ends, naming them.
+LASTING_WRITE_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM})
+
+
+def store_failure(e: Exception, run_uri: str) -> str:
+    """The job's end reason for a write error the run root will keep giving ('' for any other error)."""
+    if not isinstance(e, OSError) or e.errno not in LASTING_WRITE_ERRORS:
+        return ""
+    writing = f", writing {e.filename}" if e.filename else ""
+    if e.errno == errno.ENOSPC:
+        return f"no space left on {run_uri} (No space left on device{writing})"
+    return (
+        f"the run root {run_uri} refuses writes ({e.strerror or errno.errorcode.get(e.errno or 0, 'error')}{writing})"
+    )
 
 
 def _last_error(path: Path, lines: int = 40) -> str:

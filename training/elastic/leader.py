@@ -135,8 +135,8 @@ class Leader:
 
     def tick(self) -> None:
         self._fence()
-        if self.agent.disk_full and self.phase != Phase.DONE:
-            self._fail("the run root is full (No space left on device): the job cannot record its progress")
+        if self.agent.store_failure and self.phase != Phase.DONE:
+            self._fail(f"{self.agent.store_failure}: the job cannot record its progress")
             return
         now = time.time()
         if now - self._hosts_at >= min(0.25, self.cfg.heartbeat_s / 2):
@@ -519,7 +519,7 @@ class Leader:
         full = [r for r in reports if "No space left on device" in f"{r.reason} {r.error}"]
         if full:
             # Another round would fill the same disk again: end the job with the reason now.
-            self._fail(f"the run root is full (No space left on device): {reason}")
+            self._fail(f"no space left on {self.store.uri} (No space left on device): {reason}")
             return False
         reached = self._reached(rnd)
         steps_lost = max(reached - (resume_step or 0), 0) if reached is not None else 0
