@@ -3,7 +3,8 @@
 Every schedule runs a real job (3 simulated hosts, min 1) with faults drawn from
 a seed: worker crashes, lost hosts (preempt), kills during a save, killed agents,
 frozen hosts (SIGSTOP), capacity coming back, a corrupted newest checkpoint, and
-on some seeds a run root on a small disk that fills up.  Each is checked for:
+on some seeds a run root on a small disk that fills up, every host gone at once (then
+back), or the leader's agent alone frozen past its lease (then thawed).  Each is checked for:
 
 * an end: the final step reached, or a final state with its reason;
 * exact data: every step consumed exactly its global batch (when it finished);
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import threading
 import time
@@ -58,6 +60,8 @@ def schedule(seed: int) -> dict[str, Any]:
         "chaos": chaos,
         "corrupt_newest": rng.random() < 0.5,  # flip a byte in the newest checkpoint, then crash a worker
         "full_disk": seed % 5 == 2,  # every fifth seed (2, 7, ...): the run root's disk fills up
+        "all_lost": seed % 5 == 4,  # every host gone at once (capacity 0), then back
+        "frozen_leader": seed % 5 == 1,  # the leader's agent alone SIGSTOPped beyond its lease, then SIGCONT
     }
 
 
@@ -104,6 +108,40 @@ def _fill_disk(mnt: Path, run_uri: str, stop: threading.Event) -> None:
                 except OSError:
                     return
         stop.wait(0.3)
+
+
+def _lose_every_host_then_return(run_uri: str, stop: threading.Event, out: dict[str, Any]) -> None:
+    """From outside: the pool drops to no host at all; the job must say it waits, then go on when they return."""
+    while not stop.is_set():
+        st = api.status(run_uri) or {}
+        if (st.get("step") or 0) >= 2 * EVERY and st.get("state") == "running":
+            api.set_capacity(run_uri, 0, reason="chaos: every host gone")
+            out["all_lost_at"] = time.time()
+            deadline = time.monotonic() + 60
+            while not stop.is_set() and time.monotonic() < deadline:
+                if (api.status(run_uri) or {}).get("state") in ("waiting_for_capacity", "failed", "finished"):
+                    out["all_lost_state"] = (api.status(run_uri) or {}).get("state")
+                    break
+                stop.wait(0.2)
+            stop.wait(3.0)
+            api.set_capacity(run_uri, HOSTS, reason="chaos: hosts back")
+            return
+        stop.wait(0.2)
+
+
+def _freeze_the_leader_agent(run_uri: str, lease_s: float, stop: threading.Event, out: dict[str, Any]) -> None:
+    """From outside: SIGSTOP the leading agent alone past its lease, then SIGCONT it: fencing keeps it quiet."""
+    while not stop.is_set():
+        st = api.status(run_uri) or {}
+        leader = st.get("leader")
+        if (st.get("step") or 0) >= EVERY and st.get("state") == "running" and leader in hosts(run_uri):
+            pid = hosts(run_uri)[leader].pid
+            os.kill(pid, signal.SIGSTOP)
+            out["frozen_leader"] = leader
+            stop.wait(lease_s + 3.0)
+            os.kill(pid, signal.SIGCONT)
+            return
+        stop.wait(0.2)
 
 
 def _check_one_owner_at_a_time(run_uri: str, margin_s: float) -> None:
@@ -173,6 +211,14 @@ def test_a_random_fault_schedule_ends_cleanly_with_exact_data(seed: int, tmp_pat
         helpers.append(threading.Thread(target=_corrupt_newest_then_crash, args=(cfg.run_uri, stop, seen), daemon=True))
     if plan["full_disk"] and mnt is not None:
         helpers.append(threading.Thread(target=_fill_disk, args=(mnt, cfg.run_uri, stop), daemon=True))
+    if plan["all_lost"]:
+        helpers.append(
+            threading.Thread(target=_lose_every_host_then_return, args=(cfg.run_uri, stop, seen), daemon=True)
+        )
+    if plan["frozen_leader"]:
+        helpers.append(
+            threading.Thread(target=_freeze_the_leader_agent, args=(cfg.run_uri, cfg.lease_s, stop, seen), daemon=True)
+        )
     t0 = time.time()
     try:
         handle = start_job(cfg)
@@ -194,6 +240,12 @@ def test_a_random_fault_schedule_ends_cleanly_with_exact_data(seed: int, tmp_pat
                 assert got == sorted(int(i) for i in want), f"step {step}: wrong examples"
         if plan["full_disk"]:
             assert st["state"] == "failed" and "No space left on device" in st["reason"], st
+        if st["state"] == "finished":  # the outside faults of the plan did happen
+            assert not plan["all_lost"] or seen.get("all_lost_at"), "every host was taken away"
+            assert not plan["frozen_leader"] or seen.get("frozen_leader"), "the leader's agent was frozen"
+        if seen.get("all_lost_at"):
+            waits = [e for e in api.events(cfg.run_uri, ("waiting_for_capacity",)) if e["time"] >= seen["all_lost_at"]]
+            assert waits or seen.get("all_lost_state") in ("failed", "finished"), "no host left: the run said it waits"
         if seen.get("corrupted"):
             corrupt = api.events(cfg.run_uri, ("checkpoint_corrupt",))
             restored = [e["step"] for e in api.events(cfg.run_uri, ("restore",))]
@@ -210,6 +262,7 @@ def test_a_random_fault_schedule_ends_cleanly_with_exact_data(seed: int, tmp_pat
             "failures": st.get("failures"),
             "seconds": round(time.time() - t0, 1),
             "survived": True,
+            "outside": {k: v for k, v in seen.items()},
         }
     except BaseException as e:
         outcome = {"seed": seed, "plan": plan, "survived": False, "error": f"{type(e).__name__}: {e}"[:500]}
