@@ -63,3 +63,39 @@ def test_a_root_that_is_not_there_lists_and_checksums_nothing(tmp_path):
     (tmp_path / "beside.json").write_text("{}")
     gone = open_store(str(tmp_path / "pruned"))
     assert gone.list() == [] and gone.list("a/") == [] and gone.checksums() == {}
+
+
+def test_create_in_writes_into_a_reserve_and_gives_it_up(store):
+    store.put("r/reserve", bytes(4096))
+    store.create_in("r/reserve", "events/last.json", b'{"type": "failed"}')
+    assert store.get("events/last.json") == b'{"type": "failed"}'
+    assert not store.exists("r/reserve")
+    store.put("r/reserve", bytes(4096))
+    with pytest.raises(AlreadyExists):
+        store.create_in("r/reserve", "events/last.json", b"again")
+    assert store.get("events/last.json") == b'{"type": "failed"}'
+
+
+def test_a_full_disk_still_takes_an_object_written_into_its_reserve(tmp_path):
+    import subprocess
+
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("needs a tmpfs mount (root) to make a disk that fills up")
+    try:
+        s = open_store(str(mnt))
+        s.put("reserve", bytes(65536))
+        s.create("events/first.json", b"{}")  # the run's events directory exists by then
+        with open(mnt / "filler", "wb", buffering=0) as f:
+            try:
+                while True:
+                    f.write(bytes(4096))
+            except OSError:
+                pass
+        with pytest.raises(OSError):
+            s.create("events/x.json", b"{}" * 100)
+        s.create_in("reserve", "events/x.json", b"{}" * 100)
+        assert s.get("events/x.json") == b"{}" * 100
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

@@ -66,7 +66,7 @@ from training.events import (
     readable,
     write_status,
 )
-from training.layout import AIRFLOW, CAPACITY, CONFIG, CONFIG_HISTORY, CONTROL, RDV_RESERVE
+from training.layout import AIRFLOW, CAPACITY, CONFIG, CONFIG_HISTORY, CONTROL, RDV_EVENT_RESERVE, RDV_RESERVE
 from training.mesh import MemoryEstimate, MeshPlan, PlanError, plan_report
 from training.mesh import check_fit as _check_fit
 from training.records import stamp
@@ -108,6 +108,7 @@ __all__ = [
     "parse_chaos",
     "render",
     "spec_pattern",
+    "workload_priority_classes",
     "JobHandle",
     "LaunchError",
     "LaunchRefused",
@@ -127,7 +128,6 @@ __all__ = [
     "report",
     "rollback",
     "set_capacity",
-    "workload_priority_classes",
     "status",
     "stop_job",
     "validate",
@@ -135,6 +135,7 @@ __all__ = [
 ]
 
 RESERVE_BYTES = 1 << 20
+EVENT_RESERVE_BYTES = 1 << 16  # a full disk's final event, written in these blocks (no space to race for)
 # How long a job's agents have to claim the run lock from its launcher.
 HANDOFF_S = {"local": 120.0, "gke": 900.0}  # GKE: pods must be scheduled and pull their image first
 
@@ -341,6 +342,7 @@ def begin_job(
         if not is_gcs(cfg.run_uri):
             # Space held back on a local disk: if it fills up, the leader frees this to record the end.
             store.put(RDV_RESERVE, bytes(RESERVE_BYTES))
+            store.put(RDV_EVENT_RESERVE, bytes(EVENT_RESERVE_BYTES))
         store.delete(CONTROL)
         if backend == "local" and provision:
             LocalCapacity(store, default=cfg.max_workers).set(cfg.max_workers, reason=f"job {job} launched")

@@ -156,6 +156,14 @@ class EventLog:
         self.store.create(key, json.dumps(event, sort_keys=True, default=str).encode())
         return event
 
+    def emit_in(self, reserve: str, type_: str, **fields: Any) -> dict[str, Any]:
+        """``emit`` into the space of the object ``reserve`` (a full disk: the job's last event)."""
+        ns = stamp()
+        event = make_event(type_, self.source, ns / 1e9, **fields)
+        key = f"{EVENTS}{ns:020d}-{self.source}-{nonce()}.json"
+        self.store.create_in(reserve, key, json.dumps(event, sort_keys=True, default=str).encode())
+        return event
+
     def keys(self, after_key: str | None = None) -> list[str]:
         return [k for k in self.store.list(EVENTS) if k.endswith(".json") and (after_key is None or k > after_key)]
 

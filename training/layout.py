@@ -25,6 +25,7 @@ RDV_HOSTS = RENDEZVOUS + "hosts/"  # <host>.json: each agent's heartbeat (replac
 RDV_ROUNDS = RENDEZVOUS + "rounds/"  # <round>.json: the leader's plan for each round (write-once)
 RDV_REPORTS = RENDEZVOUS + "reports/"  # <round>/<host>.json: how each host's worker ended (write-once)
 RDV_RESERVE = RENDEZVOUS + "reserve"  # local roots: space held back for a job's last words on a full disk
+RDV_EVENT_RESERVE = RENDEZVOUS + "reserve-event"  # local roots: the blocks a full disk's final event is written in
 CAPACITY = "capacity.json"  # the local slice's host count (the stand-in for a node pool's size)
 CONTROL = "control.json"  # the leader's request to the workers: stop at the next checkpoint
 TRACE = "trace/"  # per-step example ids (trace_data_ids=true)

@@ -821,7 +821,8 @@ class HostAgent:
             self._step_down(str(e))
         except Exception as e:  # noqa: BLE001 - leading failed: the job still ends with the reason
             log.exception("[%s] leading the job failed", self.host)
-            why = f"the leader ({self.host}) failed: {type(e).__name__}: {e}"
+            self._store_error(e)  # a full disk: the space held back is freed first, so the end can be recorded
+            why = self.store_failure or f"the leader ({self.host}) failed: {type(e).__name__}: {e}"
             try:
                 self.leader.fail(why)
             except Exception:  # noqa: BLE001 - nothing more to do here; whoever looks next records it

@@ -48,7 +48,7 @@ from training.elastic.chaos import WORKER_SIDE, parse_chaos
 from training.elastic.membership import choose_members
 from training.elastic.rendezvous import HostRecord, Outcome, Report, Round
 from training.events import RunState, read_status, write_status
-from training.layout import CONTROL, RDV_RESERVE
+from training.layout import CONTROL, RDV_EVENT_RESERVE, RDV_RESERVE
 from training.mesh import MeshPlan, feasible_sizes, plan_mesh
 from training.storage import AlreadyExists, NotFound
 
@@ -658,7 +658,17 @@ class Leader:
             self._fail(reason)
 
     def _fail(self, reason: str) -> None:
-        self.agent.emit("failed", reason=reason, step=self.status.get("step"))
+        fields = {"reason": reason, "step": self.status.get("step"), "host": self.agent.host}
+        try:
+            self.agent.events.emit("failed", **fields)
+        except OSError as e:
+            # A full disk: other writers race for any space freed, so the event goes into blocks held for it.
+            try:
+                if e.errno != errno.ENOSPC:
+                    raise
+                self.agent.events.emit_in(RDV_EVENT_RESERVE, "failed", **fields)
+            except (OSError, NotFound) as e2:
+                log.warning("[%s] could not write the failed event: %s", self.agent.host, e2)
         log.warning("[%s] the job failed: %s", self.agent.host, reason)
         self._end(RunState.FAILED, reason)
 
