@@ -170,14 +170,6 @@ def pool_root(root: str | None) -> str:
     return run_root("queue", root).rsplit("/", 1)[0]
 
 
-def eta_text(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    m, s = divmod(int(round(seconds)), 60)
-    h, m = divmod(m, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
-
-
 def root_query(uri: str) -> str:
     """``?root=...`` for a run root's URLs ('' for the default root)."""
     parent = uri.rstrip("/").rsplit("/", 1)[0]
@@ -750,7 +742,7 @@ def create_app() -> Any:
     @app.get("/queue/view", response_class=HTMLResponse, dependencies=[Depends(can_read_all_runs)])
     def queue_page(request: Request, root: str | None = None) -> HTMLResponse:
         html = templates.get_template("queue.html").render(
-            view=queue_of(root), eta=eta_text, static=str(request.scope.get("root_path", "")) + "/static"
+            view=queue_of(root), eta=api.duration, static=str(request.scope.get("root_path", "")) + "/static"
         )
         return HTMLResponse(html, headers={"Content-Security-Policy": PAGE_CSP, "Cache-Control": "no-store"})
 

@@ -38,6 +38,7 @@ from enum import IntEnum
 from typing import Any
 
 from training.config import ConfigError, describe_keys, load_config
+from training.events import duration
 
 
 class Exit(IntEnum):
@@ -295,7 +296,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if queued is not None:
         notes = "; ".join(queued.eta_notes)
         rows.append(("queue", f"priority {queued.priority}, {queued.state}, {queued.assigned} host(s) assigned"))
-        rows.append(("eta", f"{_eta(queued.eta_s)}" + (f" ({notes})" if notes else "")))
+        rows.append(("eta", f"{duration(queued.eta_s)}" + (f" ({notes})" if notes else "")))
     for k, v in rows:
         print(f"{k:<11} {v}")
     return Exit.OK
@@ -364,14 +365,6 @@ def _root(args: argparse.Namespace) -> str:
     return str(load_config(None, None, [f"root={args.root}"] if args.root else []).root)
 
 
-def _eta(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    m, s = divmod(int(round(seconds)), 60)
-    h, m = divmod(m, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
-
-
 def cmd_queue(args: argparse.Namespace) -> int:
     from training.service.commands import view
 
@@ -386,7 +379,9 @@ def cmd_queue(args: argparse.Namespace) -> int:
     print(f"{'RUN':<16} {'PRIORITY':<8} {'STATE':<21} {'HOSTS':>5} {'WANT':>4} {'STEP':>11} {'ETA':>8}")
     for r in v.rows:
         step = f"{r.step}/{r.steps}"
-        print(f"{r.run:<16} {r.priority:<8} {r.state:<21} {r.hosts:>5} {r.assigned:>4} {step:>11} {_eta(r.eta_s):>8}")
+        print(
+            f"{r.run:<16} {r.priority:<8} {r.state:<21} {r.hosts:>5} {r.assigned:>4} {step:>11} {duration(r.eta_s):>8}"
+        )
         if r.eta_notes and r.eta_s is not None:
             print(f"{'':<16}   eta: {'; '.join(r.eta_notes)}")
         if r.reason:

@@ -224,8 +224,10 @@ def _num(x: Any, fmt: str = ".4f") -> str:
     return format(x, fmt) if isinstance(x, int | float) and not isinstance(x, bool) else str(x)
 
 
-def _secs(x: Any) -> str:
-    """A duration people read: ``0.42s``, ``12.3s``, ``3m12s``, ``1h05m``."""
+def duration(x: Any) -> str:
+    """A duration people read: ``0.42s``, ``12.3s``, ``3m12s``, ``1h05m`` (``-`` for none)."""
+    if x is None:
+        return "-"
     if not isinstance(x, int | float) or isinstance(x, bool):
         return str(x)
     if x < 10:
@@ -278,23 +280,23 @@ def _launch(g: Any) -> str:
 
 def _worker_started(g: Any) -> str:
     on = f" on host {g('host')}" if g("host") else ""
-    took = f" in {_secs(g('seconds'))}" if g("seconds") is not None else ""
+    took = f" in {duration(g('seconds'))}" if g("seconds") is not None else ""
     return f"worker {g('process_id')} of round {g('attempt')} started{on}{took}"
 
 
 def _restore(g: Any) -> str:
     hosts = f" ({_plural(g('workers'), 'host')})" if g("workers") is not None else ""
-    return f"restored checkpoint {g('step')} onto mesh {mesh_text(g('mesh'))}{hosts} in {_secs(g('seconds'))}"
+    return f"restored checkpoint {g('step')} onto mesh {mesh_text(g('mesh'))}{hosts} in {duration(g('seconds'))}"
 
 
 def _init(g: Any) -> str:
-    took = f" in {_secs(g('seconds'))}" if g("seconds") is not None else ""
+    took = f" in {duration(g('seconds'))}" if g("seconds") is not None else ""
     return f"initialised a new model on mesh {mesh_text(g('mesh'))}{took}"
 
 
 def _resumed(g: Any) -> str:
     step = g("step")
-    into = f", {_secs(g('seconds'))} into the round" if g("seconds") is not None else ""
+    into = f", {duration(g('seconds'))} into the round" if g("seconds") is not None else ""
     if isinstance(step, int) and step <= 1:
         return f"training started: step {step} done{into}"
     return f"training resumed: step {step} done{into}"
@@ -330,7 +332,7 @@ def _progress(g: Any) -> str:
     if isinstance(tps, int | float):
         parts.append(f"{tps:.0f} tok/s")
     if isinstance(g("eta_s"), int | float):
-        parts.append(f"ETA {_secs(g('eta_s'))}")
+        parts.append(f"ETA {duration(g('eta_s'))}")
     if g("workers") is not None:
         parts.append(_plural(g("workers"), "worker"))
     if g("mesh"):
@@ -340,9 +342,9 @@ def _progress(g: Any) -> str:
 
 def _checkpoint(g: Any) -> str:
     if g("committed"):
-        took = f" ({_secs(g('write_s'))} after the save began)" if g("write_s") is not None else ""
+        took = f" ({duration(g('write_s'))} after the save began)" if g("write_s") is not None else ""
         return f"checkpoint {g('step')} committed{took}"
-    blocked = f" (training paused {_secs(g('blocking_s'))})" if g("blocking_s") is not None else ""
+    blocked = f" (training paused {duration(g('blocking_s'))})" if g("blocking_s") is not None else ""
     return f"saving checkpoint {g('step')}{blocked}"
 
 
@@ -359,8 +361,8 @@ def _lost(g: Any) -> str:
         if total is None:
             total = sum(v for v in lost.values() if isinstance(v, int | float))
         out += (
-            f"{', ' if out else '; '}{_secs(total)} out of training ("
-            + ", ".join(f"{p.replace('_', ' ')} {_secs(lost[p])}" for p in phases)
+            f"{', ' if out else '; '}{duration(total)} out of training ("
+            + ", ".join(f"{p.replace('_', ' ')} {duration(lost[p])}" for p in phases)
             + ")"
         )
     return out
@@ -368,7 +370,7 @@ def _lost(g: Any) -> str:
 
 def _failure(g: Any) -> str:
     det, by = g("detect_s"), g("detected_by")
-    how = (f" in {_secs(det)}" if isinstance(det, int | float) else "") + (f" by the {by}" if by else "")
+    how = (f" in {duration(det)}" if isinstance(det, int | float) else "") + (f" by the {by}" if by else "")
     return f"failure: {g('reason')}" + (f" (detected{how})" if how else "") + _lost(g)
 
 
@@ -395,7 +397,7 @@ def _finished(g: Any) -> str:
     if g("failures") is not None:
         extra.append(f"{_plural(g('failures'), 'failure')} absorbed")
     if isinstance(g("seconds"), int | float):
-        extra.append(f"{_secs(g('seconds'))} in all")
+        extra.append(f"{duration(g('seconds'))} in all")
     return f"finished at step {g('step')}" + (f" ({', '.join(extra)})" if extra else "")
 
 
@@ -439,7 +441,7 @@ def _config(g: Any) -> str:
 
 def _preemption_notice(g: Any) -> str:
     who = f"host {g('host')}" if g("host") else "a host"
-    after = f" {_secs(g('seconds'))} after the notice" if isinstance(g("seconds"), int | float) else ""
+    after = f" {duration(g('seconds'))} after the notice" if isinstance(g("seconds"), int | float) else ""
     if g("committed"):
         return f"{who} got a preemption notice: stopped at step {g('step')} and committed it{after}"
     at = f" at step {g('step')}" if g("step") is not None else ""
@@ -454,7 +456,7 @@ SENTENCES: dict[str, Any] = {
     "worker_started": _worker_started,
     "restore": _restore,
     "init": _init,
-    "compiled": lambda g: f"compiled the train step in {_secs(g('seconds'))}",
+    "compiled": lambda g: f"compiled the train step in {duration(g('seconds'))}",
     "resumed": _resumed,
     "resumed_with": _resumed_with,
     "data_refreshed": _data_refreshed,
@@ -492,7 +494,7 @@ SENTENCES: dict[str, Any] = {
     "local_tier_off": lambda g: (
         "local checkpoint tier off" + (f" on host {g('host')}" if g("host") else "") + f": {g('reason')}"
     ),
-    "local_checkpoint": lambda g: f"host {g('host')} saved local checkpoint {g('step')} in {_secs(g('seconds'))}",
+    "local_checkpoint": lambda g: f"host {g('host')} saved local checkpoint {g('step')} in {duration(g('seconds'))}",
     "local_checkpoint_skipped": lambda g: f"host {g('host')} skipped local checkpoint {g('step')}: {g('reason')}",
 }
 

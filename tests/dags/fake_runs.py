@@ -168,3 +168,27 @@ def write_run(root: Path | str, name: str, *, t0: float | None = None, state: st
         latest_committed=40,
     )
     return uri
+
+
+def write_submission(root: Path | str, name: str, priority: str, ended: str = "") -> None:
+    """A run submitted to the root's pool of 4 hosts (2..4 hosts, 100 steps): queued, or ``ended`` as given."""
+    import time
+
+    from training.service.queue import Placement, Queue, Submission
+
+    q = Queue(str(root))
+    q.set_pool(4)
+    q.put_submission(
+        Submission(
+            run_name=name,
+            run_uri=f"{root}/{name}",
+            priority=priority,
+            min_hosts=2,
+            max_hosts=4,
+            hosts_per_slice=1,
+            steps=100,
+            config="{}",
+            submitted_at=time.time(),
+        )
+    )
+    q.put_placement(Placement(run_name=name, job="j1" if ended else "", ended=ended))

@@ -410,25 +410,8 @@ def test_the_view_follows_a_live_run(ui: dict[str, Any], browser: Any) -> None:
 
 
 def test_the_training_queue_is_a_page_of_airflows_navigation(ui: dict[str, Any], browser: Any) -> None:
-    from training.service.queue import Placement, Queue, Submission
-
-    q = Queue(str(ui["runs"]))
-    q.set_pool(4)
-    for name, priority, ended in (("q-waiting", "low", ""), ("q-done", "high", "finished")):
-        q.put_submission(
-            Submission(
-                run_name=name,
-                run_uri=str(ui["runs"] / name),
-                priority=priority,
-                min_hosts=2,
-                max_hosts=4,
-                hosts_per_slice=1,
-                steps=100,
-                config="{}",
-                submitted_at=time.time(),
-            )
-        )
-        q.put_placement(Placement(run_name=name, job="j1" if ended else "", ended=ended))
+    fake_runs.write_submission(ui["runs"], "q-waiting", "low")
+    fake_runs.write_submission(ui["runs"], "q-done", "high", ended="finished")
     context, errors = browser
     page = context.new_page()
     page.on("pageerror", lambda e: errors.append(str(e)))

@@ -412,29 +412,6 @@ def test_a_dag_runs_tab(
 # --- the queue of a shared pool ---------------------------------------------------------------------------
 
 
-def _submitted(root: Path, name: str, priority: str, ended: str = "") -> None:
-    import time
-
-    from training.service.queue import Placement, Queue, Submission
-
-    q = Queue(str(root))
-    q.set_pool(4)
-    q.put_submission(
-        Submission(
-            run_name=name,
-            run_uri=str(root / name),
-            priority=priority,
-            min_hosts=2,
-            max_hosts=4,
-            hosts_per_slice=1,
-            steps=100,
-            config="{}",
-            submitted_at=time.time(),
-        )
-    )
-    q.put_placement(Placement(run_name=name, job="j1" if ended else "", ended=ended))
-
-
 def test_the_queue_is_served_read_only_to_viewers_and_changed_by_editors(client: Any, project: Path) -> None:
     import rtrain_plugin
     from airflow.api_fastapi.app import create_auth_manager
@@ -442,8 +419,8 @@ def test_the_queue_is_served_read_only_to_viewers_and_changed_by_editors(client:
     from fastapi.testclient import TestClient
 
     root = project / "var" / "runs"
-    _submitted(root, "waiting", "low")
-    _submitted(root, "done", "high", ended="finished")
+    fake_runs.write_submission(root, "waiting", "low")
+    fake_runs.write_submission(root, "done", "high", ended="finished")
     q = client.get("/queue").json()
     assert q["pool"] == 4 and {r["run"]: r["state"] for r in q["runs"]} == {"waiting": "queued", "done": "finished"}
     assert next(r for r in q["runs"] if r["run"] == "waiting")["assigned"] == 4, "what it would get: the whole pool"
