@@ -23,7 +23,13 @@ from typing import Any
 
 from airflow.sdk import DAG, CronTriggerTimetable, Param, TaskGroup
 from rtrain_airflow.callbacks import alert_callbacks, rollback_alert
-from rtrain_airflow.hooks.training import CHAOS_EXAMPLES, CHAOS_RULES, RUN_NAME_RULES, preset_values
+from rtrain_airflow.hooks.training import (
+    CHAOS_EXAMPLES,
+    CHAOS_RULES,
+    PRIORITY_LEVELS,
+    RUN_NAME_RULES,
+    preset_values,
+)
 from rtrain_airflow.operators.training import (
     RESOLVE_TASK_ID,
     RTrainBranchValidationOperator,
@@ -45,6 +51,8 @@ PRESETS = ["tiny", "small", "llama3-8b", "llama3-70b"]  # training/configs/*.yml
 # Seconds between a failed try of a training task and its retry (the relaunch).
 RETRY_DELAY = timedelta(seconds=float(os.environ.get("RTRAIN_RETRY_DELAY_S", "30")))
 TRAINING_RETRIES = 2
+# Runs of the triggered DAG at once (each its own run_name): with a priority they share the root's pool of hosts.
+MAX_ACTIVE_RUNS = 4
 
 TAGS = ["rtrain", "training", "jax", "elastic"]
 
@@ -168,6 +176,22 @@ def training_params(continual: bool) -> dict[str, Param]:
             ),
         ),
     }
+    params["priority"] = Param(
+        None,
+        type=["null", "string"],
+        enum=[None, *PRIORITY_LEVELS],
+        title="Priority",
+        section="Run",
+        **_text(
+            "Empty: the run has its capacity to itself. A level (`"
+            + "`, `".join(PRIORITY_LEVELS)
+            + "`): the run joins its storage root's shared pool of hosts, whose scheduler gives hosts to "
+            "higher levels first; the run may wait queued, shrink to its fewest hosts after a preemption notice "
+            "(no step lost) and grow back (`rtrain queue` and the Training queue page show it). On GKE: the "
+            "run's Kueue priority (the `gke` field then needs `kueue_queue`). It also orders this run's tasks "
+            "before lower ones when Airflow's slots are short."
+        ),
+    )
     if not continual:
         params["resume_from"] = Param(
             "latest",
@@ -366,7 +390,8 @@ def training_params(continual: bool) -> dict[str, Param]:
             **_text(
                 "`backend: gke` only (empty otherwise): a JSON object with `project_id`, `location`, `cluster_name`, "
                 "`machine_type`, `tpu_topology`, `image`, `node_pools` (one per slice), and optionally `namespace`, "
-                "`spot`, `node_locations`, `gcp_conn_id`."
+                "`spot`, `node_locations`, `gcp_conn_id`, `kueue_queue` (a Kueue LocalQueue: admits the JobSet "
+                "by the run's priority)."
             ),
             properties={
                 "location": {"type": "string"},
@@ -380,6 +405,7 @@ def training_params(continual: bool) -> dict[str, Param]:
                 "spot": {"type": "boolean"},
                 "node_locations": {"type": "array", "items": {"type": "string"}},
                 "gcp_conn_id": {"type": "string"},
+                "kueue_queue": {"type": "string"},
             },
         ),
         "chaos": Param(
@@ -476,7 +502,7 @@ with DAG(
     schedule=None,
     start_date=datetime(2025, 1, 1),
     catchup=False,
-    max_active_runs=1,
+    max_active_runs=MAX_ACTIVE_RUNS,
     tags=TAGS,
     default_args=DEFAULT_ARGS,
     params=training_params(continual=False),

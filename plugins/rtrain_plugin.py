@@ -552,6 +552,18 @@ class Run:
     title: str  # what the page calls it
 
 
+def queue_row(run: Run) -> dict[str, Any] | None:
+    """The run's row of its storage root's queue, with the ETA; None when it was not submitted there."""
+    from training.service import commands
+
+    try:
+        row = commands.outlook(run.uri[: -len(run.name) - 1], run.name)
+    except Exception:  # noqa: BLE001 - the queue line is an extra: an unreadable queue leaves the view as it was
+        log.warning("rtrain: cannot read the queue of %s", run.uri, exc_info=True)
+        return None
+    return None if row is None else row.to_dict()
+
+
 def create_app() -> Any:
     """The run API and the Training view (built when the API server loads plugins)."""
     from airflow.api_fastapi.app import get_auth_manager
@@ -687,10 +699,11 @@ def create_app() -> Any:
             evs = cache.events(run.uri)
             cursor = evs[-1].get("_key") if evs else None
             st = storage("the run's status", lambda: api.status(run.uri, repair=False))
+            queue = queue_row(run)
             if since is not None and since == cursor:
-                return JSONResponse(finite({"unchanged": True, "cursor": cursor, "status": st}))
+                return JSONResponse(finite({"unchanged": True, "cursor": cursor, "status": st, "queue": queue}))
             ledger = storage("the run's checkpoint ledger", lambda: api.checkpoint_states(run.uri))
-            return JSONResponse(finite({"run": run.name, **chart_data(evs, ledger, st)}))
+            return JSONResponse(finite({"run": run.name, **chart_data(evs, ledger, st), "queue": queue}))
 
         @router.get("/view", response_class=HTMLResponse)
         def view(request: Request, run: Run = Depends(locate)) -> HTMLResponse:

@@ -170,6 +170,9 @@ class JobHandle(TypedDict, total=False):
     num_slices: int
     state: str
     gke: dict[str, Any]
+    priority: str  # submitted to the storage root's shared pool at this level (the service places the job)
+    root: str  # the storage root (the service's pool)
+    run_name: str
 
 
 class RunSpec(TypedDict, total=False):
@@ -181,6 +184,7 @@ class RunSpec(TypedDict, total=False):
     backend: str
     dataset: dict[str, Any]  # source, max_bytes, uri, refresh
     gke: dict[str, Any]
+    priority: str | None  # None: the run has its capacity to itself; a level: it joins the root's shared pool
 
 
 def new_job_id() -> str:

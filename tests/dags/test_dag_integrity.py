@@ -80,7 +80,7 @@ def test_scheduled_dag_continues_one_run_at_a_time(dagbag: Any) -> None:
     assert type(dag.timetable).__name__ == "CronTriggerTimetable"
     assert "steps_per_run" in dag.params and "resume_from" not in dag.params
     assert dag.get_task("resolve_config").continual is True
-    assert dagbag.dags["resilient_training"].max_active_runs == 1
+    assert dagbag.dags["resilient_training"].max_active_runs == 4  # runs with a priority share the pool
 
 
 def test_params_are_valid_json_schemas_with_help_texts(dagbag: Any) -> None:
@@ -183,3 +183,11 @@ def test_parsing_imports_no_heavy_ml_module_and_is_fast() -> None:
     for file, seconds in result["stats"].items():
         print(f"parse time {file}: {seconds * 1000:.0f} ms")
         assert seconds < 2.0, file
+
+
+def test_the_priority_field_offers_the_services_levels(dagbag: Any) -> None:
+    from training.priorities import PRIORITIES
+
+    for dag in dagbag.dags.values():
+        schema = dag.params.get_param("priority").schema
+        assert schema["enum"] == [None, *PRIORITIES] and dag.params["priority"] is None  # empty: no shared pool

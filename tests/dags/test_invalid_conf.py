@@ -58,3 +58,29 @@ def test_continual_training_continues_from_the_newest_validated_checkpoint(dagba
         ledger.record(step, state, **({"metrics": {"loss": 1.0}} if state == "validated" else {"reason": "worse"}))
     later = op.execute({"params": params})
     assert later["config"]["steps"] == 35 and later["config"]["resume_from"] == "20"
+
+
+def test_an_unknown_priority_is_refused_at_the_trigger(dagbag: Any) -> None:
+    from airflow.sdk.exceptions import ParamValidationError
+
+    with pytest.raises(ParamValidationError, match="priority"):
+        dagbag.dags["resilient_training"].test(run_conf={"priority": "top"}, logical_date=None)
+
+
+def test_a_runs_priority_orders_its_training_tasks_in_airflow(dagbag: Any, tmp_path: Path) -> None:
+    """The cluster policy (plugins/airflow_local_settings.py) weighs a run's tasks by its priority level."""
+    from airflow.models.taskinstance import TaskInstance
+    from airflow.utils.session import create_session
+
+    def weights(priority: str | None) -> dict[str, int]:
+        conf = {"run_name": "w", "storage_root": str(tmp_path), "min_workers": 3, "max_workers": 2}
+        dr = dagbag.dags["resilient_training"].test(run_conf={**conf, "priority": priority}, logical_date=None)
+        with create_session() as s:
+            tis = s.query(TaskInstance).filter(TaskInstance.dag_id == dr.dag_id, TaskInstance.run_id == dr.run_id)
+            return {ti.task_id: int(ti.priority_weight or 0) for ti in tis}
+
+    plain, low, urgent = weights(None), weights("low"), weights("urgent")
+    for task in ("training.launch_job", "training.watch_job", "provision_capacity"):
+        assert plain[task] < 1000, plain
+        assert low[task] == 1000 + plain[task] and urgent[task] == 4000 + plain[task], (low, urgent)
+    assert urgent["training.watch_job"] > low["training.launch_job"] > plain["resolve_config"]

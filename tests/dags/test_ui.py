@@ -402,6 +402,11 @@ def test_the_view_follows_a_live_run(ui: dict[str, Any], browser: Any) -> None:
         page.locator("#summary", has_text="step 45 / 50").wait_for(timeout=20_000)
         page.locator('body[data-last-step="45"]').wait_for(timeout=20_000)  # the loss chart has the new steps
         assert "computed once the run has ended" in page.locator("#goodput").inner_text()
+        assert page.locator("#queue").is_hidden()  # not submitted to a shared pool: no queue line
+        fake_runs.write_submission(ui["runs"], "ui-live", "high")
+        page.locator("#queue", has_text="In the queue: priority high · queued · 4 host(s) assigned of 2..4").wait_for(
+            timeout=20_000
+        )
         page.screenshot(path=str(SCREENSHOTS / "training-view-live.png"), full_page=True)
         assert errors == []
         page.close()

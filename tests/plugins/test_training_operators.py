@@ -143,6 +143,8 @@ def test_resolve_refuses_bad_conf_with_the_reason(dag: Any, tmp_path: Path) -> N
         ({"chaos": ["preempt:worker=1"]}, "missing step"),
         ({"backend": "gke", "gke": {"location": "us-east5"}}, "gke.cluster_name"),
         ({"run_name": "../x"}, "run_name"),
+        ({"priority": "top"}, "unknown priority 'top'"),
+        ({"backend": "gke", "priority": "high", "gke": GKE}, "needs gke.kueue_queue"),
     ]
     for params, reason in cases:
         with pytest.raises(AirflowFailException, match="invalid conf") as e:
@@ -261,6 +263,24 @@ def test_release_stops_the_jobs_this_dag_run_launched(tmp_path: Path) -> None:
         for p in (agent, other):
             p.kill()
             p.wait()
+
+
+GKE = {
+    "location": "us-east5",
+    "cluster_name": "c",
+    "machine_type": "ct6e-standard-4t",
+    "tpu_topology": "2x2",  # one host per slice
+    "image": "img",
+    "node_pools": ["p0"],
+}
+
+
+def test_a_priority_on_gke_is_the_jobsets_kueue_priority() -> None:
+    launch = RTrainHook().backend_for({"backend": "gke", "gke": {**GKE, "kueue_queue": "tpu"}, "priority": "high"})
+    assert isinstance(launch, GKEBackend)
+    assert (launch.placement().kueue_queue, launch.placement().priority) == ("tpu", "high")
+    plain = RTrainHook().backend_for({"backend": "gke", "gke": {**GKE, "kueue_queue": "tpu"}})
+    assert isinstance(plain, GKEBackend) and plain.placement().priority is None
 
 
 def test_gke_backend_names_what_is_missing() -> None:

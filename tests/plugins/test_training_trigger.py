@@ -305,3 +305,42 @@ def test_progress_every_s_is_checked_and_passed_on(tmp_path: Path) -> None:
             RTrainTrainingJobSensor(task_id="w2", handle="{{ x }}")
         sensor = RTrainTrainingJobSensor(task_id="w3", spec_from="resolve_config", handle="{{ x }}")
     assert sensor.progress_every_s == PROGRESS_EVERY_S == 10.0
+
+
+def test_a_queued_run_of_the_shared_pool_is_alive_says_why_and_ends_with_its_placement(tmp_path: Path) -> None:
+    """A run submitted to the pool that holds no host: the wait goes on (not "did not start"), the log says
+    why it waits; once the scheduler records the run's end, the wait ends with it."""
+    import fake_runs
+
+    from training.checkpoint.lock import RunLock
+    from training.service import scheduler
+    from training.service.queue import Placement, Queue
+
+    root = str(tmp_path / "runs")
+    fake_runs.write_submission(root, "waits", "low")
+    q = Queue(root)
+    q.put_placement(Placement(run_name="waits", reason="queued: a run of higher priority than low needs the hosts"))
+    lease = RunLock(q.store, owner="a scheduler of this test", lease_s=scheduler.LEASE_S)
+    lease.acquire()  # a live scheduler: none is started for the run
+    h: dict[str, Any] = {"backend": "local", "run_uri": f"{root}/waits", "root": root, "run_name": "waits"}
+    h |= {"priority": "low"}
+    h |= {"job": "", "attached": False, "launched_at": time.time() - 3600, "events_after": None}
+
+    def end_later() -> None:
+        time.sleep(1.5)
+        q.put_placement(Placement(run_name="waits", job="j9", ended="cancelled", reason="not needed"))
+
+    ender = threading.Thread(target=end_later)
+    ender.start()
+    try:
+        event, lines = watch(
+            RTrainTrainingJobTrigger(f"{root}/waits", h, poll_interval=0.1, start_timeout_s=1, progress_every_s=0.3)
+        )
+    finally:
+        ender.join()
+        lease.release()
+    assert event["status"] == "failed" and event["message"] == "cancelled in the queue: not needed", event
+    queued = [line for _, line in lines if line.startswith("[rtrain] queued at priority low")]
+    assert queued, lines
+    assert "(queued: a run of higher priority than low needs the hosts): needs 2..4 host(s), step 0/100" in queued[0]
+    assert not scheduler.log_path(root).exists(), "no scheduler was started while one held the lease"

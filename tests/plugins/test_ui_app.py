@@ -412,6 +412,16 @@ def test_a_dag_runs_tab(
 # --- the queue of a shared pool ---------------------------------------------------------------------------
 
 
+def test_the_training_view_shows_a_submitted_runs_place_in_the_queue(client: Any, run: str, project: Path) -> None:
+    assert client.get("/runs/ui-demo/chart").json()["queue"] is None  # not submitted: no queue line
+    fake_runs.write_submission(project / "var" / "runs", "ui-demo", "high")
+    chart = client.get("/runs/ui-demo/chart").json()
+    q = chart["queue"]
+    assert (q["priority"], q["state"], q["assigned"], q["min_hosts"], q["max_hosts"]) == ("high", "queued", 4, 2, 4)
+    again = client.get("/runs/ui-demo/chart", params={"since": chart["cursor"]}).json()
+    assert again["unchanged"] is True and again["queue"]["state"] == "queued"  # kept up to date between events
+
+
 def test_the_queue_is_served_read_only_to_viewers_and_changed_by_editors(client: Any, project: Path) -> None:
     import rtrain_plugin
     from airflow.api_fastapi.app import create_auth_manager

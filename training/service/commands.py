@@ -3,15 +3,38 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from training import api
 from training.config import Config
 from training.events import ALIVE_STATES
+from training.priorities import PRIORITIES, PriorityError, priority_value
 from training.service import scheduler
-from training.service.eta import RunOutlook, forecast, resize_seconds, step_seconds_by_hosts
-from training.service.policy import allocate, priority_value
+from training.service.eta import Eta, RunOutlook, forecast, resize_seconds, step_seconds_by_hosts
+from training.service.policy import allocate
 from training.service.queue import Placement, Queue, QueueError, Submission
+
+__all__ = [
+    "ENDED",
+    "PRIORITIES",
+    "PriorityError",
+    "QueueError",
+    "QueueRow",
+    "QueueView",
+    "cancel",
+    "ensure_pool",
+    "look",
+    "outlook",
+    "priority_value",
+    "set_priority",
+    "submit",
+    "view",
+    "watch",
+]
+
+ENDED = ("finished", "failed", "cancelled")  # the states of a run the queue is done with
 
 
 @dataclass(frozen=True)
@@ -31,6 +54,7 @@ class QueueRow:
     eta_notes: tuple[str, ...]
     reason: str
     job: str
+    launched_at: float | None = None  # when the scheduler launched its job (None: not yet)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -45,16 +69,23 @@ class QueueView:
     rows: tuple[QueueRow, ...]
 
 
+def ensure_pool(root: str, hosts: int) -> int:
+    """The size of ``root``'s pool, set to ``hosts`` when it has none yet."""
+    q = Queue(root)
+    pool = q.pool()
+    if pool is None:
+        q.set_pool(hosts)
+        return hosts
+    return pool
+
+
 def submit(cfg: Config, priority: str, pool_hosts: int | None = None) -> Submission:
     """Submit ``cfg``'s run at ``priority``; the scheduler launches it when its minimum fits."""
     priority_value(priority)
     q = Queue(cfg.root)
     if pool_hosts is not None:
         q.set_pool(pool_hosts)
-    pool = q.pool()
-    if pool is None:
-        pool = cfg.max_workers
-        q.set_pool(pool)
+    pool = ensure_pool(cfg.root, cfg.max_workers)
     if cfg.min_workers > pool:
         raise QueueError(f"min_workers={cfg.min_workers} never fits the pool of {pool} host(s) at {cfg.root}")
     api.plan(cfg)  # a config that cannot run is refused before anything is queued
@@ -137,32 +168,54 @@ def view(root: str) -> QueueView:
             )
         )
     etas = forecast(pool, outlooks)
-    rows = []
-    for s in subs:
-        p, st = places[s.run_name], statuses[s.run_name]
-        mine = bool(p.job) and st.get("job") == p.job
-        eta = etas.get(s.run_name)
-        rows.append(
-            QueueRow(
-                run=s.run_name,
-                priority=s.priority,
-                state=_state(s, p, st if mine else {}),
-                hosts=int(st.get("workers") or 0) if mine and st.get("state") in ALIVE_STATES else 0,
-                assigned=p.hosts if p.job else planned.get(s.run_name, 0),
-                min_hosts=s.min_hosts,
-                max_hosts=s.max_hosts,
-                step=int(st.get("step") or 0) if mine else 0,
-                steps=s.steps,
-                eta_s=eta.seconds if eta is not None else None,
-                eta_notes=eta.assumptions if eta is not None else (),
-                reason=p.reason or (str(st.get("reason") or "") if mine else ""),
-                job=p.job,
-            )
-        )
-    return QueueView(root=root, pool=pool, rows=tuple(rows))
+    rows = tuple(_row(s, places[s.run_name], statuses[s.run_name], planned, etas.get(s.run_name)) for s in subs)
+    return QueueView(root=root, pool=pool, rows=rows)
 
 
-def _state(s: Submission, p: Placement, st: dict[str, object]) -> str:
+def outlook(root: str, run: str) -> QueueRow | None:
+    """``run``'s row of the whole queue, with its ETA (the forecast reads every waiting run's events)."""
+    return next((r for r in view(root).rows if r.run == run), None)
+
+
+def look(root: str, run: str) -> QueueRow:
+    """One submitted run as the queue shows it, cheaply: no ETA, and no hosts planned for a run not launched yet.
+
+    QueueError if ``run`` was never submitted to ``root``.
+    """
+    q = Queue(root)
+    sub = q.submission(run)
+    return _row(sub, q.placement(run), api.status(sub.run_uri, repair=False) or {}, {}, None)
+
+
+def watch(root: str, run: str) -> QueueRow:
+    """``look``, and start a scheduler for ``root`` if the run still needs one and none is alive (one was killed)."""
+    row = look(root, run)
+    if row.state not in ENDED:
+        scheduler.ensure_running(root)
+    return row
+
+
+def _row(s: Submission, p: Placement, st: Mapping[str, Any], planned: dict[str, int], eta: Eta | None) -> QueueRow:
+    mine = bool(p.job) and st.get("job") == p.job
+    return QueueRow(
+        run=s.run_name,
+        priority=s.priority,
+        state=_state(s, p, st if mine else {}),
+        hosts=int(st.get("workers") or 0) if mine and st.get("state") in ALIVE_STATES else 0,
+        assigned=p.hosts if p.job else planned.get(s.run_name, 0),
+        min_hosts=s.min_hosts,
+        max_hosts=s.max_hosts,
+        step=int(st.get("step") or 0) if mine else 0,
+        steps=s.steps,
+        eta_s=eta.seconds if eta is not None else None,
+        eta_notes=eta.assumptions if eta is not None else (),
+        reason=p.reason or (str(st.get("reason") or "") if mine else ""),
+        job=p.job,
+        launched_at=p.history[0][0] if p.job and p.history else None,
+    )
+
+
+def _state(s: Submission, p: Placement, st: Mapping[str, Any]) -> str:
     if p.ended:
         return p.ended
     if s.cancelled:

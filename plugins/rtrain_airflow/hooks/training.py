@@ -38,6 +38,7 @@ from airflow.sdk import BaseHook
 
 from training import api
 from training.api import RUN_NAME_PATTERN, Config, ConfigError, JobHandle, mesh_text, readable
+from training.service import commands
 
 # The repository root (plugins/rtrain_airflow/hooks/training.py -> parents[3]).  Relative
 # local paths in a run config (``var/runs``) are taken from here, not from the
@@ -46,7 +47,7 @@ PROJECT_ROOT = Path(os.environ.get("RTRAIN_PROJECT_ROOT") or Path(__file__).reso
 
 # DAG params that are not Config keys (the rest map 1:1, or by PARAM_TO_CONFIG).
 PARAM_TO_CONFIG = {"storage_root": "root"}
-NON_CONFIG_PARAMS = frozenset({"dataset_source", "dataset_max_bytes", "overrides", "gke", "steps_per_run"})
+NON_CONFIG_PARAMS = frozenset({"dataset_source", "dataset_max_bytes", "overrides", "gke", "steps_per_run", "priority"})
 
 # The param schemas of the DAGs: one run-name rule and one chaos grammar, the engine's.
 CHAOS_PATTERN = api.spec_pattern()
@@ -84,8 +85,10 @@ CHAOS_RULES: dict[str, Any] = {
     ],
 }
 
+PRIORITY_LEVELS = list(commands.PRIORITIES)  # the DAG's priority field: lowest first
+
 # Live and final states as the backends report them (``training.api.RunState``).
-ALIVE = tuple(sorted(api.ALIVE_STATES))
+ALIVE = tuple(sorted({*api.ALIVE_STATES, "queued"}))  # queued: a run of the shared pool waiting for hosts
 
 
 class RTrainConfigError(ValueError):
@@ -283,6 +286,95 @@ class LocalSliceBackend:
         return {"backend": self.name, "stopped_pids": stopped, "released": True}
 
 
+class SharedPoolBackend:
+    """The local slice shared by runs: the job is submitted at a priority, and the root's scheduler places it.
+
+    The scheduler (``rtrain queue`` shows it) gives the pool's hosts to runs by priority: this run may
+    wait queued, shrink when a higher one arrives (after a preemption notice: no step lost) and grow
+    back. Its job is launched by the scheduler, so a handle names the submission, and the job once
+    placed: a queued run is alive (``queued``), not pending.
+    """
+
+    name = "local"
+
+    def __init__(self, priority: str, log: Any = None) -> None:
+        commands.priority_value(priority)
+        self.priority = priority
+        self.log = log
+
+    def _say(self, msg: str, *args: Any) -> None:
+        if self.log is not None:
+            self.log.info(msg, *args)
+
+    def provision(self, cfg: Config, spec: Mapping[str, Any]) -> dict[str, Any]:
+        """The pool is the root's: made as large as this run's ``max_workers`` when it has no size yet."""
+        pool = commands.ensure_pool(cfg.root, cfg.max_workers)
+        if cfg.min_workers > pool:
+            raise RTrainConfigError(
+                f"min_workers={cfg.min_workers} never fits the pool of {pool} host(s) at {cfg.root} "
+                "(rtrain submit --pool-hosts N resizes it)"
+            )
+        return {"backend": self.name, "pool": pool, "priority": self.priority, "run_uri": cfg.run_uri}
+
+    def launch(self, cfg: Config, spec: Mapping[str, Any], attempt: int) -> JobHandle:
+        """Submit the run (or follow its live submission): the scheduler launches it when its minimum fits."""
+        handle: JobHandle = {
+            "backend": self.name,
+            "run_uri": cfg.run_uri,
+            "root": cfg.root,
+            "run_name": cfg.run_name,
+            "priority": self.priority,
+            "launched_at": time.time(),
+            "events_after": api.newest_event_key(cfg.run_uri) if api.run_exists(cfg.run_uri) else None,
+        }
+        try:
+            row = commands.look(cfg.root, cfg.run_name)
+        except commands.QueueError:
+            row = None
+        if row is not None and row.state not in commands.ENDED:
+            self._say("Following %s in the queue of %s (%s, %s)", cfg.run_name, cfg.root, row.priority, row.state)
+            return {**handle, "attached": True, "priority": row.priority, "job": row.job}
+        sub = commands.submit(cfg, self.priority)
+        self._say("Submitted %s to the queue of %s at priority %s", cfg.run_name, cfg.root, sub.priority)
+        return {**handle, "attached": False, "job": ""}
+
+    def poll(
+        self, handle: Mapping[str, Any], timeouts: Mapping[str, float], now: float | None = None
+    ) -> dict[str, Any]:
+        """One look: ``{"state", "reason", "status", "queue"}``; ``queued`` while the run holds no host.
+
+        A run still in the queue whose scheduler is gone (killed) gets a new one.
+        """
+        row = commands.watch(str(handle["root"]), str(handle["run_name"]))
+        queue = row.to_dict()
+        if row.job and row.state not in ("queued", "cancelling", *commands.ENDED):
+            launched = {**handle, "job": row.job, "launched_at": row.launched_at or handle.get("launched_at")}
+            return {**LocalSliceBackend(self.log).poll(launched, timeouts, now), "queue": queue}
+        status = api.status(str(handle["run_uri"])) or {}
+        if row.state == "finished":
+            return {"state": "finished", "reason": "", "status": status, "queue": queue}
+        if row.state in commands.ENDED:
+            why = f"{row.state} in the queue: {row.reason or 'no reason recorded'}"
+            return {"state": "failed", "reason": why, "status": status, "queue": queue}
+        return {"state": "queued", "reason": row.reason, "status": status, "queue": queue}
+
+    def release(self, cfg: Config, spec: Mapping[str, Any], handles: list[Mapping[str, Any]]) -> dict[str, Any]:
+        """Cancel the run if it is still in the queue (its job stops at a step boundary); the pool stays."""
+        try:
+            row = commands.look(cfg.root, cfg.run_name)
+        except commands.QueueError:
+            return {"backend": self.name, "cancelled": False}
+        if row.state in commands.ENDED:
+            return {"backend": self.name, "cancelled": False, "ended": row.state}
+        commands.cancel(cfg.root, cfg.run_name, "cancelled by the Airflow teardown")
+        deadline = time.time() + 3 * cfg.lease_s + 30
+        while time.time() < deadline and commands.look(cfg.root, cfg.run_name).state not in commands.ENDED:
+            time.sleep(0.5)
+        ended = commands.look(cfg.root, cfg.run_name).state
+        self._say("Cancelled %s in the queue of %s: %s", cfg.run_name, cfg.root, ended)
+        return {"backend": self.name, "cancelled": True, "ended": ended}
+
+
 class GKEBackend:
     """TPU node pools and one JobSet per job on GKE (``rtrain_airflow.hooks.gke_tpu``).
 
@@ -297,12 +389,17 @@ class GKEBackend:
     name = "gke"
     REQUIRED = ("location", "cluster_name", "machine_type", "tpu_topology", "image", "node_pools")
 
-    def __init__(self, gke: Mapping[str, Any], log: Any = None) -> None:
+    def __init__(self, gke: Mapping[str, Any], log: Any = None, priority: str | None = None) -> None:
         missing = [k for k in self.REQUIRED if not gke.get(k)]
         if missing:
             raise RTrainConfigError(f"gke: backend 'gke' needs {', '.join('gke.' + k for k in missing)}")
+        if priority is not None and not gke.get("kueue_queue"):
+            raise RTrainConfigError(
+                f"priority {priority!r} on GKE is a Kueue priority: it needs gke.kueue_queue (the LocalQueue's name)"
+            )
         self.gke = dict(gke)
         self.log = log
+        self.priority = priority
 
     def _gke_hook(self) -> Any:
         from rtrain_airflow.hooks.gke_tpu import GKETPUHook
@@ -342,14 +439,20 @@ class GKEBackend:
             created.append({"node_pool": pool, "created": op is not None})
         return {"backend": self.name, "node_pools": created}
 
-    def launch(self, cfg: Config, spec: Mapping[str, Any], attempt: int) -> JobHandle:
-        launch = api.GKELaunch(
+    def placement(self) -> api.GKELaunch:
+        """Where and how the JobSet's pods run (image, namespace, node pools, Spot, Kueue queue and priority)."""
+        return api.GKELaunch(
             image=self.gke["image"],
             namespace=self.gke.get("namespace", "default"),
             service_account=self.gke.get("service_account", "rtrain-worker"),
             node_pools=tuple(self.gke["node_pools"]),
             spot=bool(self.gke.get("spot", False)),
+            kueue_queue=self.gke.get("kueue_queue"),
+            priority=self.priority,
         )
+
+    def launch(self, cfg: Config, spec: Mapping[str, Any], attempt: int) -> JobHandle:
+        launch = self.placement()
         tpu = api.TPUSlice(self.gke["machine_type"], self.gke["tpu_topology"])
         handle = self._jobsets().start_job(cfg, tpu, launch, by=f"Airflow (try {attempt})")
         handle["gke"] = self.gke
@@ -483,12 +586,19 @@ class RTrainHook(BaseHook):
 
     # --- the job -------------------------------------------------------------------------------
 
-    def backend(self, name: str, gke: Mapping[str, Any] | None = None) -> LocalSliceBackend | GKEBackend:
+    def backend(
+        self, name: str, gke: Mapping[str, Any] | None = None, priority: str | None = None
+    ) -> LocalSliceBackend | SharedPoolBackend | GKEBackend:
+        """The backend of a run: ``priority`` puts a local run in its root's shared pool (GKE: Kueue's)."""
         if name == "local":
-            return LocalSliceBackend(self.log)
+            return SharedPoolBackend(priority, self.log) if priority else LocalSliceBackend(self.log)
         if name == "gke":
-            return GKEBackend(gke or {}, self.log)
+            return GKEBackend(gke or {}, self.log, priority)
         raise RTrainConfigError(f"backend: 'local' or 'gke', not {name!r}")
+
+    def backend_for(self, spec: Mapping[str, Any]) -> LocalSliceBackend | SharedPoolBackend | GKEBackend:
+        """The backend a run spec names (its ``backend``, ``gke`` and ``priority``)."""
+        return self.backend(spec["backend"], spec.get("gke"), spec.get("priority"))
 
     def status(self, run_uri: str) -> dict[str, Any] | None:
         return api.status(run_uri)

@@ -36,6 +36,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from rtrain_airflow.hooks.training import RTrainConfigError, RTrainHook, format_validations, plan_text, readable
 from rtrain_airflow.triggers.training import PROGRESS_EVERY_S, RTrainTrainingJobTrigger
+from training.service import commands
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -105,7 +106,7 @@ class _RTrainBaseOperator(BaseOperator):
         return self.hook.config_from_dict(spec["config"])
 
     def backend(self, spec: Mapping[str, Any]) -> Any:
-        return self.hook.backend(spec["backend"], spec.get("gke"))
+        return self.hook.backend_for(spec)
 
 
 class RTrainResolveRunConfigOperator(BaseOperator):
@@ -121,7 +122,9 @@ class RTrainResolveRunConfigOperator(BaseOperator):
         newest validated checkpoint of the run (``resume_from`` is set to it).
 
     Returns the run *spec*: ``config`` (the resolved Config as JSON), ``run_uri``,
-    ``run_name``, ``backend``, ``dataset`` (``source``, ``max_bytes``), ``gke``.
+    ``run_name``, ``backend``, ``dataset`` (``source``, ``max_bytes``), ``gke``, ``priority`` (None:
+    the run has its capacity to itself; a level: it is submitted to its storage root's shared pool,
+    whose scheduler places it by priority; on GKE, its Kueue priority).
 
     With ``backend: gke`` and no ``gke.image`` in the conf, ``gke.image`` is the
     environment variable ``RTRAIN_TRAIN_IMAGE`` of the Airflow process when it is
@@ -159,8 +162,14 @@ class RTrainResolveRunConfigOperator(BaseOperator):
                 except GKEConfigError as e:
                     raise RTrainConfigError(f"gke: {e}") from None
             cfg = self.hook.build_config(overrides)
+            priority = params.get("priority") or None
+            if priority is not None:
+                try:
+                    commands.priority_value(priority)
+                except commands.PriorityError as e:
+                    raise RTrainConfigError(f"priority: {e}") from None
             if cfg.backend == "gke":
-                self.hook.backend("gke", gke)
+                self.hook.backend("gke", gke, priority)
             if cfg.task != "lm":  # user code: it must import and build here (the built-in's data is prepared next)
                 self.hook.check_task(cfg)
         except RTrainConfigError as e:
@@ -177,9 +186,10 @@ class RTrainResolveRunConfigOperator(BaseOperator):
                 "refresh": self.continual,
             },
             "gke": dict(gke),
+            "priority": priority,
         }
         self.log.info(
-            "Run %s at %s: preset %s, %s steps, %s..%s workers, backend %s, resume_from %s, chaos %s",
+            "Run %s at %s: preset %s, %s steps, %s..%s workers, backend %s%s, resume_from %s, chaos %s",
             cfg.run_name,
             cfg.run_uri,
             cfg.preset,
@@ -187,6 +197,7 @@ class RTrainResolveRunConfigOperator(BaseOperator):
             cfg.min_workers,
             cfg.max_workers,
             cfg.backend,
+            f" (shared pool, priority {priority})" if priority and cfg.backend == "local" else "",
             cfg.resume_from,
             cfg.chaos or "off",
         )
@@ -245,7 +256,10 @@ class RTrainProvisionCapacityOperator(_RTrainBaseOperator):
 
     def execute(self, context: Context) -> dict[str, Any]:
         spec = self.required_spec(context)
-        result = self.backend(spec).provision(self.run_config(spec), spec)
+        try:
+            result = self.backend(spec).provision(self.run_config(spec), spec)
+        except RTrainConfigError as e:  # a run that can never fit: no retry helps
+            raise AirflowFailException(str(e)) from None
         self.log.info("Provisioned: %s", readable(result))
         return dict(result)
 

@@ -179,7 +179,7 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
         spec = self._spec(context)
         handle = check_handle(self.handle, self.task_id)
         cfg = self.hook.config_from_dict(spec["config"])
-        backend = self.hook.backend(spec["backend"], spec.get("gke"))
+        backend = self.hook.backend_for(spec)
         try_number = int(context["ti"].try_number)
         if try_number > 1:
             # The run's current job: the one an earlier try relaunched, if it did (its status names it).
@@ -228,7 +228,7 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
         spec = self._spec(context)
         cfg = self.hook.config_from_dict(spec["config"])
         handle = getattr(self, "_watching", None) or check_handle(self.handle, self.task_id)
-        look = self.hook.backend(spec["backend"], spec.get("gke")).poll(handle, self._timeouts(cfg))
+        look = self.hook.backend_for(spec).poll(handle, self._timeouts(cfg))
         st = look.get("status") or {}
         if look["state"] == "failed":
             raise AirflowException(f"training job {spec['run_name']} failed: {look.get('reason')}")

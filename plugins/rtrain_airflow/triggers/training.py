@@ -32,7 +32,9 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from training.api import describe
+from training.api import describe, duration
+from training.service import commands
+from training.service.commands import QueueRow
 
 CLASSPATH = "rtrain_airflow.triggers.training.RTrainTrainingJobTrigger"
 RELAYED = (
@@ -95,8 +97,12 @@ class Progress:
         step_time = ev.get("step_time")
         return float(step_time) if isinstance(step_time, int | float) and step_time > 0 else None
 
-    def line(self, ev: dict[str, Any], status: dict[str, Any]) -> str:
-        """The progress line of a progress event (``describe`` with what the watch knows besides)."""
+    def line(self, ev: dict[str, Any], status: dict[str, Any], outlook: QueueRow | None = None) -> str:
+        """The progress line of a progress event (``describe`` with what the watch knows besides).
+
+        The ETA is the service's forecast when the run is in a shared pool (``outlook``: it knows
+        the resizes ahead), else the pace of the last minute times the steps left.
+        """
         total = status.get("steps_total")
         fields: dict[str, Any] = {
             **ev,
@@ -105,9 +111,21 @@ class Progress:
             "mesh": self.mesh or status.get("mesh"),
         }
         per_step = self.seconds_per_step(ev)
-        if isinstance(total, int) and isinstance(ev.get("step"), int) and total > ev["step"] and per_step is not None:
+        if outlook is not None and outlook.eta_s is not None:
+            fields["eta_s"] = outlook.eta_s
+        elif isinstance(total, int) and isinstance(ev.get("step"), int) and total > ev["step"] and per_step is not None:
             fields["eta_s"] = (total - ev["step"]) * per_step
         return describe(fields)
+
+
+def queued_line(row: QueueRow) -> str:
+    """What the task log says of a run of the shared pool that holds no host."""
+    why = row.reason or "waiting for hosts"
+    eta = f", ETA {duration(row.eta_s)}" if row.eta_s is not None else ""
+    return (
+        f"queued at priority {row.priority} ({why}): needs {row.min_hosts}..{row.max_hosts} host(s), "
+        f"step {row.step}/{row.steps}{eta}"
+    )
 
 
 class RTrainTrainingJobTrigger(BaseTrigger):
@@ -163,11 +181,21 @@ class RTrainTrainingJobTrigger(BaseTrigger):
 
     # --- one look (blocking; runs in a thread) --------------------------------------------------
 
+    def _outlook(self) -> QueueRow | None:
+        """This run's row of its shared pool's queue, with the ETA (None: not in a pool, or unreadable now)."""
+        if not self.handle.get("priority"):
+            return None
+        try:
+            return commands.outlook(str(self.handle["root"]), str(self.handle["run_name"]))
+        except Exception as e:  # noqa: BLE001 - the ETA is a nicety: a failed read leaves the line without it
+            self.log.warning("Reading the queue of %s failed: %s", self.handle.get("root"), e)
+            return None
+
     def _look(self, cursor: str | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         from rtrain_airflow.hooks.training import RTrainHook
 
         hook = RTrainHook()
-        backend = hook.backend(self.handle.get("backend", "local"), self.handle.get("gke"))
+        backend = hook.backend(self.handle.get("backend", "local"), self.handle.get("gke"), self.handle.get("priority"))
         found = backend.poll(
             self.handle, {"start_timeout_s": self.start_timeout_s, "stale_after_s": self.stale_after_s}
         )
@@ -180,6 +208,7 @@ class RTrainTrainingJobTrigger(BaseTrigger):
         recoveries: list[dict[str, Any]] = []
         progress = Progress()
         told = False  # the engine's own "recovered" event told the last recovery (the trigger's line is not needed)
+        assumed: tuple[str, ...] = ()  # the ETA's assumptions last logged
         errors = 0
         while True:
             try:
@@ -210,6 +239,17 @@ class RTrainTrainingJobTrigger(BaseTrigger):
                 progress.logged_at is None or now - progress.logged_at >= self.progress_every_s
             )
             newest = max((i for i, ev in enumerate(new) if ev["type"] == "progress"), default=None)
+            outlook = (
+                await asyncio.to_thread(self._outlook)
+                if due and (newest is not None or found["state"] == "queued")
+                else None
+            )
+            if outlook is not None and outlook.eta_notes != assumed:
+                assumed = outlook.eta_notes
+                self.log.info("[rtrain] the ETA assumes: %s", "; ".join(assumed))
+            if found["state"] == "queued" and due and outlook is not None:
+                self.log.info("[rtrain] %s", queued_line(outlook))
+                progress.logged_at = now
             for i, ev in enumerate(new):
                 cursor = ev["_key"]
                 progress.see(ev)
@@ -243,7 +283,7 @@ class RTrainTrainingJobTrigger(BaseTrigger):
                     if ev["type"] != "checkpoint" or ev.get("committed"):  # a save that starts: its commit follows
                         self.log.info("[rtrain] %s", describe(ev))
                 if i == newest and due and ev.get("step") != progress.logged_step:
-                    self.log.info("[rtrain] %s", progress.line(ev, st))
+                    self.log.info("[rtrain] %s", progress.line(ev, st, outlook))
                     progress.logged_step, progress.logged_at = ev.get("step"), now
             base = {
                 "run_uri": self.run_uri,

@@ -228,6 +228,23 @@
     $("#summary").textContent = parts.join(" · ");
   }
 
+  // The run's place in its storage root's shared pool (submitted runs only), with the scheduler-aware ETA.
+  function renderQueue(q) {
+    const el = $("#queue");
+    if (!q) {
+      el.hidden = true;
+      return;
+    }
+    const parts = ["priority " + q.priority, q.state.replace(/_/g, " "),
+      q.assigned + " host(s) assigned of " + q.min_hosts + ".." + q.max_hosts];
+    if (q.eta_s != null) parts.push("ETA " + seconds(q.eta_s));
+    if (q.reason) parts.push(q.reason);
+    el.textContent = "In the queue: " + parts.join(" · ") +
+      (q.eta_notes && q.eta_notes.length ? " (the ETA assumes: " + q.eta_notes.join("; ") + ")" : "");
+    el.hidden = false;
+    body.dataset.queueState = q.state;
+  }
+
   function renderRounds(rounds) {
     const tbody = $("#rounds tbody");
     tbody.replaceChildren(...rounds.map((r) => h("tr", {},
@@ -298,6 +315,7 @@
     state.markers = data.markers || [];
     state.status = data.status;
     renderStatus(data.status, data.latest);
+    renderQueue(data.queue);
     drawCharts();
     renderRounds(data.rounds || []);
     renderCheckpoints(data.checkpoints || []);
@@ -327,6 +345,7 @@
       if (data.unchanged) {
         state.status = data.status;
         renderStatus(data.status, null);
+        renderQueue(data.queue);
       } else {
         render(data);
       }
