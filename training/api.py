@@ -50,8 +50,6 @@ from training.checkpoint.lock import LockHeld, RunLock
 from training.config import RUN_NAME_PATTERN, Config, ConfigError, absolute, config_from_json, load_config
 from training.data import DatasetError
 from training.elastic.capacity import LocalCapacity
-from training.elastic.chaos import ACTIONS as CHAOS_ACTIONS
-from training.elastic.chaos import ChaosError, parse_chaos, spec_pattern
 from training.elastic.rendezvous import Rendezvous
 from training.elastic.status import STALE_STATUS_S
 from training.elastic.status import status as run_status
@@ -67,6 +65,8 @@ from training.events import (
     readable,
     write_status,
 )
+from training.faults import ACTIONS as CHAOS_ACTIONS
+from training.faults import ChaosError, parse_chaos, spec_pattern
 from training.layout import AIRFLOW, CAPACITY, CONFIG, CONFIG_HISTORY, CONTROL, RDV_EVENT_RESERVE, RDV_RESERVE
 from training.mesh import MemoryEstimate, MeshPlan, PlanError, plan_report
 from training.mesh import check_fit as _check_fit

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from training.elastic.chaos import ChaosError, parse_chaos
+from training.faults import ChaosError, parse_chaos
 from training.layout import run_uri
 from training.storage import is_gcs
 

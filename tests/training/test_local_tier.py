@@ -16,7 +16,7 @@ from jobs import hosts, job_config, run_job, step_ids, worker_logs
 from training import api
 from training.checkpoint import local
 from training.config import load_config
-from training.elastic.chaos import parse_chaos
+from training.faults import parse_chaos
 from training.storage import open_store
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from training.cli import main
 from training.config import ConfigError, load_config
-from training.elastic.chaos import ChaosError, parse_chaos
+from training.faults import ChaosError, parse_chaos
 from training.mesh import PlanError, check_batch, choose_workers, feasible_sizes, plan_mesh
 
 

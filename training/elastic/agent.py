@@ -54,8 +54,10 @@ from training.checkpoint.steps import file_checksums
 from training.config import Config, config_from_json
 from training.elastic.capacity import LocalCapacity
 from training.elastic.codes import AgentExit, WorkerExit
+from training.elastic.leader import Leader, Phase
 from training.elastic.rendezvous import HostRecord, Outcome, Rendezvous, Report, Round
 from training.events import EventLog
+from training.faults import HOST_ACTIONS
 from training.layout import CONFIG, LOGS
 from training.scalars import ScalarLog
 from training.storage import Store, is_gcs, join, open_store
@@ -186,7 +188,7 @@ class HostAgent:
         self.seen_round = 0
         self.max_gen = 0
         self.keeper: LeaseKeeper | None = None
-        self.leader: Any = None  # training.elastic.leader.Leader while this agent leads
+        self.leader: Leader | None = None  # while this agent leads
         self.exit_code: AgentExit | None = None
         self._next_lead_try = 0.0
         self._signal: int | None = None
@@ -354,8 +356,6 @@ class HostAgent:
         # A leaving leader: another agent of the job takes the lease when this one releases it
         # (and opens the next round); with no other host left, the job ends, resumable, unless a
         # scheduler took the hosts (the local slice then holds the run, queued, until they return).
-        from training.elastic.leader import Phase
-
         queued = self.capacity is not None and self.capacity.assigned()
         if self.leader.phase != Phase.DONE and not (self.leader.fresh() - {self.host}) and not queued:
             self.leader.fail(
@@ -608,7 +608,7 @@ class HostAgent:
                 # The next worker warms up now, while this one trains: a recovery then starts at
                 # jax.distributed, not at `import jax` (and the warm-up does not slow this round's start).
                 self.standby = self._spawn()
-        host_fault = t == "chaos" and msg.get("action") in ("preempt", "kill_agent", "freeze")
+        host_fault = t == "chaos" and msg.get("action") in HOST_ACTIONS
         committed = t == "checkpoint" and bool(msg.get("committed"))  # its event follows the ledger record
         if t in EVENT_REPORTS and not committed and (msg.get("process_id") == 0 or t in ("worker_started", "chaos")):
             msg.pop("time", None)
@@ -797,8 +797,6 @@ class HostAgent:
             log.warning("[%s] cannot take the lease: %s", self.host, e)
             self._store_error(e)
             return
-        from training.elastic.leader import Leader
-
         self.keeper = LeaseKeeper(
             self.lock, on_lost=lambda why: log.warning("[%s] %s", self.host, why), on_error=self._store_error
         ).start()
@@ -815,8 +813,11 @@ class HostAgent:
                 log.warning("[%s] the run root is full: freed the space held back for the job's end", self.host)
 
     def _lead_tick(self) -> None:
+        leader = self.leader
+        if leader is None:
+            return
         try:
-            self.leader.tick()
+            leader.tick()
         except LockLost as e:
             self._step_down(str(e))
         except Exception as e:  # noqa: BLE001 - leading failed: the job still ends with the reason
@@ -824,7 +825,7 @@ class HostAgent:
             self._store_error(e)  # a full disk: the space held back is freed first, so the end can be recorded
             why = self.store_failure or f"the leader ({self.host}) failed: {type(e).__name__}: {e}"
             try:
-                self.leader.fail(why)
+                leader.fail(why)
             except Exception:  # noqa: BLE001 - nothing more to do here; whoever looks next records it
                 log.exception("[%s] could not record the job's end", self.host)
             self.exit_code = AgentExit.FAILED

@@ -39,21 +39,21 @@ import json
 import logging
 import time
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from training.checkpoint.ledger import Ledger
 from training.checkpoint.lifecycle import quarantine
-from training.checkpoint.lock import LockLost
+from training.checkpoint.lock import LeaseKeeper, LockLost, RunLock
 from training.checkpoint.retention import USABLE_STATES
-from training.elastic.chaos import WORKER_SIDE, parse_chaos
+from training.config import Config
+from training.elastic.capacity import LocalCapacity
 from training.elastic.membership import choose_members
-from training.elastic.rendezvous import HostRecord, Outcome, Report, Round
-from training.events import RunState, read_status, write_status
+from training.elastic.rendezvous import HostRecord, Outcome, Rendezvous, Report, Round
+from training.events import EventLog, RunState, read_status, write_status
+from training.faults import WORKER_SIDE, parse_chaos
 from training.layout import CONTROL, RDV_EVENT_RESERVE, RDV_RESERVE
 from training.mesh import MeshPlan, feasible_sizes, plan_mesh
-from training.storage import AlreadyExists, NotFound
-
-if TYPE_CHECKING:
-    from training.elastic.agent import HostAgent
+from training.storage import AlreadyExists, NotFound, Store
 
 log = logging.getLogger("rtrain.leader")
 
@@ -73,8 +73,30 @@ class Phase(StrEnum):
     DONE = "done"
 
 
+class LeaderHost(Protocol):
+    """What a leader uses of the host agent it runs in: the run's records, the lease, the capacity, the events."""
+
+    run_uri: str
+    job: str
+    host: str
+    cfg: Config
+    store: Store
+    rdv: Rendezvous
+    ledger: Ledger
+    events: EventLog
+    lock: RunLock
+    keeper: LeaseKeeper | None
+    capacity: LocalCapacity | None
+    store_failure: str  # why the run root refuses writes for good, once seen ("" until then)
+
+    def emit(self, type_: str, **fields: Any) -> None:
+        """Write an event now, naming this host."""
+
+
 class Leader:
-    def __init__(self, agent: HostAgent) -> None:
+    """The job's decisions, taken by the one host agent that holds the run's lease."""
+
+    def __init__(self, agent: LeaderHost) -> None:
         self.agent = agent
         self.cfg = agent.cfg
         self.rdv = agent.rdv
