@@ -552,12 +552,15 @@ class Run:
     title: str  # what the page calls it
 
 
-def queue_row(run: Run) -> dict[str, Any] | None:
-    """The run's row of its storage root's queue, with the ETA; None when it was not submitted there."""
+def queue_row(run: Run, events: Any = None) -> dict[str, Any] | None:
+    """The run's row of its storage root's queue, with the ETA; None when it was not submitted there.
+
+    ``events``: a ``RunEvents`` reader kept across requests (each event is then read once).
+    """
     from training.service import commands
 
     try:
-        row = commands.outlook(run.uri[: -len(run.name) - 1], run.name)
+        row = commands.outlook(run.uri[: -len(run.name) - 1], run.name, events)
     except Exception:  # noqa: BLE001 - the queue line is an extra: an unreadable queue leaves the view as it was
         log.warning("rtrain: cannot read the queue of %s", run.uri, exc_info=True)
         return None
@@ -574,9 +577,11 @@ def create_app() -> Any:
     from jinja2 import Environment, FileSystemLoader, select_autoescape
 
     from training import api
+    from training.service import commands
 
     templates = Environment(loader=FileSystemLoader(WWW), autoescape=select_autoescape(default=True))
     cache = EventCache()
+    pool_events = commands.RunEvents()  # the shared pools' runs' events, read once each across requests
 
     def can_read_all_runs(user: GetUserDep) -> None:
         """A run root is no DAG's: reading one takes read access to the DAG runs of every DAG."""
@@ -699,7 +704,7 @@ def create_app() -> Any:
             evs = cache.events(run.uri)
             cursor = evs[-1].get("_key") if evs else None
             st = storage("the run's status", lambda: api.status(run.uri, repair=False))
-            queue = queue_row(run)
+            queue = queue_row(run, pool_events)
             if since is not None and since == cursor:
                 return JSONResponse(finite({"unchanged": True, "cursor": cursor, "status": st, "queue": queue}))
             ledger = storage("the run's checkpoint ledger", lambda: api.checkpoint_states(run.uri))
@@ -740,12 +745,8 @@ def create_app() -> Any:
         ):
             raise HTTPException(403, "Forbidden")
 
-    from training.service import commands
-    from training.service.policy import PriorityError
-    from training.service.queue import QueueError
-
     def queue_of(root: str | None) -> Any:
-        return storage("the queue", lambda: commands.view(pool_root(root)))
+        return storage("the queue", lambda: commands.view(pool_root(root), pool_events))
 
     @app.get("/queue", dependencies=[Depends(can_read_all_runs)])
     def queue(root: str | None = None) -> JSONResponse:
@@ -762,7 +763,7 @@ def create_app() -> Any:
     def change(fn: Callable[[], Any]) -> JSONResponse:
         try:
             sub = fn()
-        except (PriorityError, QueueError) as e:
+        except (commands.PriorityError, commands.QueueError) as e:
             raise HTTPException(400, one_line(str(e))) from None
         except Refused:
             raise

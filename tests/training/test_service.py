@@ -74,6 +74,27 @@ def test_paces_come_from_rounds_after_their_first_step():
     assert step_seconds_by_hosts(evs) == {4: pytest.approx(1.1), 2: pytest.approx(2.0)}
 
 
+def test_a_kept_event_reader_reads_each_event_once(tmp_path):
+    from training.events import EventLog
+    from training.storage import open_store
+
+    uri = str(tmp_path / "r")
+    store = open_store(uri)
+    store.put("config.json", b"{}")
+    log = EventLog(store, source="test")
+    log.emit("launch", round=0, attempt=0, workers=2, mesh={"data": 2})
+    first = log.emit("progress", step=1, attempt=0, step_time=0.5, loss=2.0)
+    log.emit("checkpoint", step=1, committed=True)
+    reader = commands.RunEvents()
+    assert [e["type"] for e in reader.read(uri)] == ["launch", "progress"]  # the ETA's kinds only
+    store.put(log.keys()[1], json.dumps({**first, "step": 99}).encode())  # the progress event, rewritten
+    log.emit("progress", step=2, attempt=0, step_time=0.5, loss=1.9)
+    steps = [e.get("step") for e in reader.read(uri) if e["type"] == "progress"]
+    assert steps == [1, 2], "the first event was not read again (its rewrite is not seen), the new one was"
+    assert [e.get("step") for e in commands.RunEvents().read(uri) if e["type"] == "progress"] == [99, 2]
+    assert commands.RunEvents().read(str(tmp_path / "nothing")) == []
+
+
 def test_bad_requests_are_one_line_refusals_that_change_nothing(tmp_path, tiny_dataset, jax_cache):
     root = str(tmp_path / "runs")
     cfg = job_config(root, tiny_dataset, jax_cache, run_name="big", min_workers=4, max_workers=4)

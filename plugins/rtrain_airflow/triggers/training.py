@@ -164,6 +164,7 @@ class RTrainTrainingJobTrigger(BaseTrigger):
         self.stale_after_s = float(stale_after_s)
         self.events_after = events_after
         self.progress_every_s = float(progress_every_s)
+        self._pool_events = commands.RunEvents()  # the shared pool's runs' events, read once each across looks
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -186,7 +187,7 @@ class RTrainTrainingJobTrigger(BaseTrigger):
         if not self.handle.get("priority"):
             return None
         try:
-            return commands.outlook(str(self.handle["root"]), str(self.handle["run_name"]))
+            return commands.outlook(str(self.handle["root"]), str(self.handle["run_name"]), self._pool_events)
         except Exception as e:  # noqa: BLE001 - the ETA is a nicety: a failed read leaves the line without it
             self.log.warning("Reading the queue of %s failed: %s", self.handle.get("root"), e)
             return None
