@@ -30,7 +30,7 @@ demo: $(STAMP)
 # take another half hour: `make test-all` runs everything.
 test: check
 	$(BIN)/python -m pytest -q -m "not slow"
-	$(BIN)/python -m pytest -q -m "slow and not extended"
+	$(BIN)/python -m pytest -q -m "slow and not extended" --durations=12
 
 test-all: check
 	$(BIN)/python -m pytest -q -m "not slow"

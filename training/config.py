@@ -1,6 +1,6 @@
 """Layered, validated run configuration.
 
-In MaxText's manner a config is built in layers:
+A config is built in layers:
 
 1. ``configs/base.yml``           every key with its default;
 2. ``configs/<preset>.yml``       a model/run preset (``tiny``, ``small``, ``llama3-8b`` ...);

@@ -6,8 +6,8 @@ global data position) and ``config`` (the resolved config).  Restores are
 given abstract targets carrying the *current* mesh's shardings, so Orbax
 reshards a checkpoint written on any other mesh; no code of ours moves shards.
 
-MaxText's small vocabulary: :func:`checkpoint_manager`, :func:`save`,
-:func:`restore`; which steps exist is :func:`training.checkpoint.steps.committed_steps`.
+The vocabulary is small: :func:`checkpoint_manager`, :func:`save`, :func:`restore`;
+which steps exist is :func:`training.checkpoint.steps.committed_steps`.
 """
 
 from __future__ import annotations

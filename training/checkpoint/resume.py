@@ -1,6 +1,6 @@
 """Where a (re)started job resumes from: the resume order, written down once, as a pure function.
 
-The order (MaxText's, plus the ledger): this run's newest committed checkpoint
+The order: this run's newest committed checkpoint
 that the ledger does not hold unusable (rejected, quarantined, pruned,
 corrupt); else an explicit step; else scratch.  Orbax lists committed steps
 only, so a save cut off mid-write is never a candidate, and a rollback moves

@@ -1,6 +1,6 @@
 """The leader of a job: the host agent that holds the run lock's lease.
 
-Policy, separated from mechanism (torch elastic's lesson): the agent runs
+Policy, separated from mechanism: the agent runs
 processes and follows rounds; the leader decides *what happens next*, as an
 explicit state machine driven by what the rendezvous shows (heartbeats,
 reports) and what the run root holds (ledger, events):

@@ -1,17 +1,18 @@
 """The hook of the training engine: the one place the Airflow side talks to ``training/``.
 
-In the Google provider's manner the hook owns the clients and the operators
-stay thin.  Here the "client" is the engine's small API, ``training.api`` (the
-only module of ``training`` the plugin imports: plan, launch, job state,
-events, the checkpoint lifecycle, run marks), plus a *backend*, chosen by the
-run config:
+The hook owns the clients and the operators stay thin.  Here the "client" is
+the engine's small API, ``training.api`` (plan, launch, job state, events, the
+checkpoint lifecycle, run marks) and the service's verbs
+(``training.service.commands``), plus a *backend*, chosen by the run spec:
 
 * :class:`LocalSliceBackend` (the embedded default): N simulated hosts on this
   machine, one host agent each, kept running by the local slice process;
+* :class:`SharedPoolBackend`: the same, for a run with a priority: submitted to its
+  storage root's shared pool, whose scheduler launches it and moves its hosts;
 * :class:`GKEBackend`: TPU node pools and one JobSet per job, one host agent per
   pod, through the hooks in ``rtrain_airflow.hooks.gke_tpu`` (imported only when used).
 
-Both answer the same four verbs (``provision``, ``launch``, ``poll``,
+All three answer the same four verbs (``provision``, ``launch``, ``poll``,
 ``release``), so the DAG, the operators and the watching trigger do not care
 where the workers run.  A job recovers from lost hosts by itself (its agents);
 Airflow's retry is the second level, when the job as a whole is gone.

@@ -1,6 +1,6 @@
 """Operators for TPU node pools on GKE and the JobSet of a training job.
 
-Thin, in the Google provider's manner: the hooks own the clients
+Thin: the hooks own the clients
 (``rtrain_airflow.hooks.gke_tpu``), the long waits are a deferrable trigger
 (``rtrain_airflow.triggers.gke_tpu``), and every operator checks its inputs
 before it calls anything, with errors that name the parameter.  A DAG reads as
