@@ -46,7 +46,6 @@ import os
 import re
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,34 +222,6 @@ def run_known(uri: str) -> bool:
     from training import api
 
     return bool(storage("the run", lambda: api.run_exists(uri) or api.status(uri, repair=False) is not None))
-
-
-class EventCache:
-    """Each run's events, read once: event objects are write-once with names that sort in time order,
-    so a look reads only the ones after the newest seen.  A run not looked at for ``ttl_s`` is read
-    again from its start (a run deleted and started over under the same name)."""
-
-    def __init__(self, size: int = 32, ttl_s: float = 300.0) -> None:
-        self.size, self.ttl_s = size, ttl_s
-        self._runs: OrderedDict[str, tuple[float, list[dict[str, Any]]]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def events(self, uri: str) -> list[dict[str, Any]]:
-        from training import api
-
-        with self._lock:
-            born, cached = self._runs.get(uri, (time.monotonic(), []))
-        if time.monotonic() - born > self.ttl_s:
-            born, cached = time.monotonic(), []
-        after = cached[-1]["_key"] if cached else None
-        new = storage("the run's events", lambda: api.events(uri, after=after))
-        events = cached + new if new else cached
-        with self._lock:
-            self._runs[uri] = (born, events)
-            self._runs.move_to_end(uri)
-            while len(self._runs) > self.size:
-                self._runs.popitem(last=False)
-        return events
 
 
 # --- the page's data --------------------------------------------------------------------------------
@@ -555,7 +526,7 @@ class Run:
 def queue_row(run: Run, events: Any = None) -> dict[str, Any] | None:
     """The run's row of its storage root's queue, with the ETA; None when it was not submitted there.
 
-    ``events``: a ``RunEvents`` reader kept across requests (each event is then read once).
+    ``events``: an ``EventReader`` kept across requests (each event is then read once).
     """
     from training.service import commands
 
@@ -580,8 +551,7 @@ def create_app() -> Any:
     from training.service import commands
 
     templates = Environment(loader=FileSystemLoader(WWW), autoescape=select_autoescape(default=True))
-    cache = EventCache()
-    pool_events = commands.RunEvents()  # the shared pools' runs' events, read once each across requests
+    cache = api.EventReader()  # every run's events, each read once across requests
 
     def can_read_all_runs(user: GetUserDep) -> None:
         """A run root is no DAG's: reading one takes read access to the DAG runs of every DAG."""
@@ -701,10 +671,10 @@ def create_app() -> Any:
 
         @router.get("/chart")
         def chart(run: Run = Depends(locate), since: str | None = None) -> JSONResponse:
-            evs = cache.events(run.uri)
+            evs = storage("the run's events", lambda: cache.read(run.uri))
             cursor = evs[-1].get("_key") if evs else None
             st = storage("the run's status", lambda: api.status(run.uri, repair=False))
-            queue = queue_row(run, pool_events)
+            queue = queue_row(run, cache)
             if since is not None and since == cursor:
                 return JSONResponse(finite({"unchanged": True, "cursor": cursor, "status": st, "queue": queue}))
             ledger = storage("the run's checkpoint ledger", lambda: api.checkpoint_states(run.uri))
@@ -746,7 +716,7 @@ def create_app() -> Any:
             raise HTTPException(403, "Forbidden")
 
     def queue_of(root: str | None) -> Any:
-        return storage("the queue", lambda: commands.view(pool_root(root), pool_events))
+        return storage("the queue", lambda: commands.view(pool_root(root), cache))
 
     @app.get("/queue", dependencies=[Depends(can_read_all_runs)])
     def queue(root: str | None = None) -> JSONResponse:

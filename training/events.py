@@ -16,13 +16,16 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any, NotRequired, TypedDict
 
 from training.layout import EVENTS, STATUS
 from training.records import nonce, stamp
-from training.storage import NotFound, Store
+from training.storage import NotFound, Store, open_store
 
 
 class RunState(StrEnum):
@@ -181,6 +184,35 @@ class EventLog:
             ev["_key"] = key
             if types is None or ev["type"] in types:
                 events.append(ev)
+        return events
+
+
+class EventReader:
+    """Runs' events, each read once across looks: the reader keeps what it read and asks only for newer keys.
+
+    Event objects are write-once with names that sort in time order. A run not looked at for
+    ``ttl_s`` is read again from its start (a run deleted and started over under the same name);
+    at most ``size`` runs are kept. Safe to share between threads.
+    """
+
+    def __init__(self, size: int = 32, ttl_s: float = 300.0) -> None:
+        self.size, self.ttl_s = size, ttl_s
+        self._runs: OrderedDict[str, tuple[float, list[dict[str, Any]]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def read(self, run_uri: str) -> list[dict[str, Any]]:
+        """Every event of the run at ``run_uri`` so far, in order (each with its ``_key``)."""
+        with self._lock:
+            born, kept = self._runs.get(run_uri, (time.monotonic(), []))
+        if time.monotonic() - born > self.ttl_s:
+            born, kept = time.monotonic(), []
+        new = EventLog(open_store(run_uri)).read(after_key=kept[-1]["_key"] if kept else None)
+        events = kept + new if new else kept
+        with self._lock:
+            self._runs[run_uri] = (born, events)
+            self._runs.move_to_end(run_uri)
+            while len(self._runs) > self.size:
+                self._runs.popitem(last=False)
         return events
 
 

@@ -74,8 +74,8 @@ def test_paces_come_from_rounds_after_their_first_step():
     assert step_seconds_by_hosts(evs) == {4: pytest.approx(1.1), 2: pytest.approx(2.0)}
 
 
-def test_a_kept_event_reader_reads_each_event_once(tmp_path):
-    from training.events import EventLog
+def test_an_event_reader_kept_across_looks_reads_each_event_once(tmp_path):
+    from training.events import EventLog, EventReader
     from training.storage import open_store
 
     uri = str(tmp_path / "r")
@@ -85,14 +85,14 @@ def test_a_kept_event_reader_reads_each_event_once(tmp_path):
     log.emit("launch", round=0, attempt=0, workers=2, mesh={"data": 2})
     first = log.emit("progress", step=1, attempt=0, step_time=0.5, loss=2.0)
     log.emit("checkpoint", step=1, committed=True)
-    reader = commands.RunEvents()
-    assert [e["type"] for e in reader.read(uri)] == ["launch", "progress"]  # the ETA's kinds only
+    reader = EventReader()
+    assert [e["type"] for e in reader.read(uri)] == ["launch", "progress", "checkpoint"]
     store.put(log.keys()[1], json.dumps({**first, "step": 99}).encode())  # the progress event, rewritten
     log.emit("progress", step=2, attempt=0, step_time=0.5, loss=1.9)
     steps = [e.get("step") for e in reader.read(uri) if e["type"] == "progress"]
     assert steps == [1, 2], "the first event was not read again (its rewrite is not seen), the new one was"
-    assert [e.get("step") for e in commands.RunEvents().read(uri) if e["type"] == "progress"] == [99, 2]
-    assert commands.RunEvents().read(str(tmp_path / "nothing")) == []
+    assert [e.get("step") for e in EventReader().read(uri) if e["type"] == "progress"] == [99, 2]
+    assert EventReader().read(str(tmp_path / "nothing")) == []
 
 
 def test_bad_requests_are_one_line_refusals_that_change_nothing(tmp_path, tiny_dataset, jax_cache):

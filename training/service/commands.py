@@ -9,7 +9,7 @@ from typing import Any
 
 from training import api
 from training.config import Config
-from training.events import ALIVE_STATES
+from training.events import ALIVE_STATES, EventReader
 from training.priorities import PRIORITIES, PriorityError, priority_value
 from training.service import scheduler
 from training.service.eta import Eta, RunOutlook, forecast, resize_seconds, step_seconds_by_hosts
@@ -23,7 +23,6 @@ __all__ = [
     "QueueError",
     "QueueRow",
     "QueueView",
-    "RunEvents",
     "cancel",
     "ensure_pool",
     "look",
@@ -145,36 +144,12 @@ def cancel(root: str, run: str, reason: str = "cancelled") -> Submission:
     return sub
 
 
-class RunEvents:
-    """The events the ETA reads (launches, steps, recoveries) of each run, every event read once across looks.
-
-    One look with a fresh reader reads each waiting run's whole log; a watcher that keeps its reader
-    (a task's wait, a page's server) reads only what was written since its last look.
-    """
-
-    KINDS = ("launch", "progress", "recovered")
-
-    def __init__(self) -> None:
-        self._runs: dict[str, tuple[str | None, list[dict[str, Any]]]] = {}
-
-    def read(self, run_uri: str) -> list[dict[str, Any]]:
-        if run_uri not in self._runs and not api.run_exists(run_uri):
-            return []
-        cursor, kept = self._runs.get(run_uri, (None, []))
-        new = api.events(run_uri, after=cursor)
-        if new:
-            cursor = str(new[-1]["_key"])
-            kept = kept + [e for e in new if e.get("type") in self.KINDS]
-        self._runs[run_uri] = (cursor, kept)
-        return kept
-
-
-def view(root: str, events: RunEvents | None = None) -> QueueView:
+def view(root: str, events: EventReader | None = None) -> QueueView:
     """Every submitted run: state, hosts, step and its ETA under the scheduler's policy.
 
     ``events``: a reader kept from earlier looks (only new events are read); a fresh one by default.
     """
-    events = events or RunEvents()
+    events = events or EventReader()
     q = Queue(root)
     pool = q.pool() or 0
     subs = q.submissions()
@@ -201,7 +176,7 @@ def view(root: str, events: RunEvents | None = None) -> QueueView:
     return QueueView(root=root, pool=pool, rows=rows)
 
 
-def outlook(root: str, run: str, events: RunEvents | None = None) -> QueueRow | None:
+def outlook(root: str, run: str, events: EventReader | None = None) -> QueueRow | None:
     """``run``'s row of the whole queue, with its ETA (the forecast reads every waiting run's events)."""
     return next((r for r in view(root, events).rows if r.run == run), None)
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from training.api import describe, duration
+from training.api import EventReader, describe, duration
 from training.service import commands
 from training.service.commands import QueueRow
 
@@ -164,7 +164,7 @@ class RTrainTrainingJobTrigger(BaseTrigger):
         self.stale_after_s = float(stale_after_s)
         self.events_after = events_after
         self.progress_every_s = float(progress_every_s)
-        self._pool_events = commands.RunEvents()  # the shared pool's runs' events, read once each across looks
+        self._pool_events = EventReader()  # the shared pool's runs' events, each read once across looks
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
