@@ -219,9 +219,21 @@ def number(x: Any) -> float | None:
 
 
 def run_known(uri: str) -> bool:
+    """Has the run at ``uri`` begun: written its root, or been submitted to its storage root's queue?"""
     from training import api
+    from training.service import commands
 
-    return bool(storage("the run", lambda: api.run_exists(uri) or api.status(uri, repair=False) is not None))
+    def submitted() -> bool:
+        root, _, name = uri.rstrip("/").rpartition("/")
+        try:
+            commands.look(root, name)
+        except commands.QueueError:
+            return False
+        return True
+
+    return bool(
+        storage("the run", lambda: api.run_exists(uri) or api.status(uri, repair=False) is not None or submitted())
+    )
 
 
 # --- the page's data --------------------------------------------------------------------------------

@@ -428,5 +428,11 @@ def test_the_training_queue_is_a_page_of_airflows_navigation(ui: dict[str, Any],
     assert "A pool of 4 host(s)" in frame.locator("main").inner_text()
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SCREENSHOTS / "training-queue.png"), full_page=True)
+    # A run not launched yet: its Training view says where it waits.
+    page.goto(f"{ui['base']}/rtrain/runs/q-waiting/view")
+    page.locator("body[data-loaded=true]").wait_for(timeout=60_000)
+    assert page.locator("#state").inner_text() == "queued"
+    assert page.locator("#queue").inner_text().startswith("In the queue: priority low · queued")
+    assert "Not started yet" in page.locator("#summary").inner_text()
     assert errors == []
     page.close()

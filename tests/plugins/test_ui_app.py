@@ -420,6 +420,13 @@ def test_the_training_view_shows_a_submitted_runs_place_in_the_queue(client: Any
     assert (q["priority"], q["state"], q["assigned"], q["min_hosts"], q["max_hosts"]) == ("high", "queued", 4, 2, 4)
     again = client.get("/runs/ui-demo/chart", params={"since": chart["cursor"]}).json()
     assert again["unchanged"] is True and again["queue"]["state"] == "queued"  # kept up to date between events
+    # A run still waiting for its first launch has no root yet: its view shows its place in the queue.
+    assert client.get("/runs/not-yet/chart").status_code == 404
+    fake_runs.write_submission(project / "var" / "runs", "not-yet", "low")
+    waiting = client.get("/runs/not-yet/chart")
+    assert waiting.status_code == 200, waiting.text
+    assert waiting.json()["status"] is None and waiting.json()["queue"]["state"] == "queued"
+    assert client.get("/runs/not-yet/view").status_code == 200
 
 
 def test_the_queue_is_served_read_only_to_viewers_and_changed_by_editors(client: Any, project: Path) -> None:

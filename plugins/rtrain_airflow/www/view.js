@@ -243,6 +243,11 @@
       (q.eta_notes && q.eta_notes.length ? " (the ETA assumes: " + q.eta_notes.join("; ") + ")" : "");
     el.hidden = false;
     body.dataset.queueState = q.state;
+    if (!state.status) {  // not launched yet: the queue is all there is to say
+      $("#state").textContent = q.state;
+      $("#state").className = "badge " + q.state;
+      $("#summary").textContent = "Not started yet: the pool's scheduler launches it when its hosts are free.";
+    }
   }
 
   function renderRounds(rounds) {
