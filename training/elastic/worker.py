@@ -202,21 +202,26 @@ def main() -> int:
 
 
 def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, task: Any, task_data: Any, ledger: Any) -> int:
+    """One round of this process: set up, restore, compile, then train until done, a notice or a stop request."""
+    t_assigned = time.time()
+    trainer, mngr = set_up(cfg, run, a, rep, task, t_assigned)
+    pins = Pins(store, a.rank, a.round)
+    start = restore(cfg, run, a, rep, trainer, mngr, ledger, task_data.fingerprint, pins)
+    t0 = time.time()
+    trainer.compile()
+    rep.send("compiled", step=start.step, seconds=time.time() - t0)
+    saver = Saver(mngr, rep, pins, trainer.abstract, background=cfg.async_checkpoint)
+    return RoundLoop(cfg, store, a, rep, trainer, saver, start, t_assigned, task).run(task_data)
+
+
+def set_up(cfg: Any, run: str, a: Assignment, rep: Reporter, task: Any, t_assigned: float) -> tuple[Any, Any]:
+    """Join the round (``jax.distributed``, the peer watch) and build its mesh, trainer and checkpoint manager."""
     import jax
 
     from training import trainer as tr
     from training.checkpoint import manager as ckpt
-    from training.checkpoint.local import LocalTier, host_dir, parse_resume
-    from training.checkpoint.resume import ResumeError, choose_resume
-    from training.checkpoint.steps import committed_steps
-    from training.data import pipeline
-    from training.elastic.chaos import WorkerChaos
-    from training.layout import TRACE
     from training.mesh import build_mesh, check_batch, plan_mesh
 
-    t_assigned = time.time()
-
-    # --- 3. set-up -----------------------------------------------------------------------------
     os.environ.update(dict(a.env))  # e.g. MEGASCALE_* for TPU multislice: read when the backend starts, below
     if a.processes > 1:
         # JAX's own preemption notifier would take SIGTERM from our handler (Notice): the notice reaches the
@@ -240,26 +245,53 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, task: An
     )
     plan = plan_mesh(cfg, a.processes)
     check_batch(cfg, plan)
-    trainer = tr.Trainer(cfg, build_mesh(plan), task)
-    mngr = ckpt.checkpoint_manager(cfg, run)
-    # --- 4. restore ----------------------------------------------------------------------------
-    # Every process computes the same decision from the same objects (committed steps, ledger,
-    # the round's local candidates and every process's verdict on its own copies).
+    return tr.Trainer(cfg, build_mesh(plan), task), ckpt.checkpoint_manager(cfg, run)
+
+
+@dataclass
+class Start:
+    """Where a round starts: the train state, the step it holds (None: a new model), the data position."""
+
+    state: Any
+    restored: int | None
+    next_batch: int
+    lr_scale: float
+    skipped: list[list[int]]
+    dataset: str  # the fingerprint of the data trained on
+    tier: Any  # this host's local checkpoint tier (None: off)
+    chaos: Any  # the faults this process fires
+
+    @property
+    def step(self) -> int:
+        return int(self.restored or 0)
+
+
+def restore(
+    cfg: Any, run: str, a: Assignment, rep: Reporter, trainer: Any, mngr: Any, ledger: Any, dataset: str, pins: Pins
+) -> Start:
+    """The round's starting point: a local copy, a committed checkpoint (resharded onto this mesh), or a new model.
+
+    Every process computes the same decision from the same objects (committed steps, ledger,
+    the round's local candidates and every process's verdict on its own copies).
+    """
+    from training.checkpoint import manager as ckpt
+    from training.checkpoint.local import LocalTier, host_dir, parse_resume
+    from training.checkpoint.resume import ResumeError, choose_resume
+    from training.checkpoint.steps import committed_steps
+    from training.elastic.chaos import WorkerChaos
+
     t0 = time.time()
+    shape = trainer.mesh.shape
     local_dir = host_dir(cfg.local_checkpoint_dir, run, os.environ.get("RTRAIN_JOB", ""), os.environ["RTRAIN_HOST"])
     tier = LocalTier(local_dir, cfg.local_keep, trainer.mesh, trainer.abstract) if cfg.local_checkpoint_every else None
-
-    def settle_local() -> None:
-        assert tier is not None
-        tier.wait()
-        for done, seconds in tier.finished():
-            rep.send("local_checkpoint", everyone=True, step=done, seconds=seconds, round=a.round)
-
-    chaos = WorkerChaos(list(a.faults), a.rank, rep.send, local_dir, settle_local if tier and tier.enabled else None)
+    on = tier is not None and tier.enabled
+    chaos = WorkerChaos(
+        list(a.faults), a.rank, rep.send, local_dir, (lambda: settle_local(tier, rep, a)) if on else None
+    )
     if tier is not None and not tier.enabled:
         rep.send("local_tier_off", reason=tier.reason)
     local_step = None
-    if tier is not None and tier.enabled and parse_resume(a.resume):
+    if on and parse_resume(a.resume):
         # The leader judged "newer than any persistent checkpoint" from the ledger; a save that Orbax
         # finalised but whose record was not written yet (its process died) is a committed step too.
         try:
@@ -267,23 +299,16 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, task: An
         except ResumeError:
             persistent = None
         local_step = pick_local_step(parse_resume(a.resume), local_dir, a, rep, newer_than=persistent)
-    pins = Pins(store, a.rank, a.round)
+    decision = None
     if local_step is not None:
         assert tier is not None
         state, pos = tier.restore(local_step)
         step0: int | None = local_step
-        decision = None
-        rep.send(
-            "restore", step=local_step, tier="local", mesh=plan.shape, workers=a.processes, seconds=time.time() - t0
-        )
+        rep.send("restore", step=local_step, tier="local", mesh=shape, workers=a.processes, seconds=time.time() - t0)
     else:
         try:
-            decision = choose_resume(
-                "latest" if a.resume.startswith("local:") else a.resume,
-                committed_steps(run),
-                ledger.states(),
-                ledger.pointer_record(),
-            )
+            resume = "latest" if a.resume.startswith("local:") else a.resume
+            decision = choose_resume(resume, committed_steps(run), ledger.states(), ledger.pointer_record())
         except ResumeError as e:
             leave(rep, WorkerExit.ERROR, str(e))
         step0 = decision.step
@@ -299,158 +324,210 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, task: An
                 raise
             pins.unpin(step0)
             rep.send(
-                "restore", step=step0, tier="persistent", mesh=plan.shape, workers=a.processes, seconds=time.time() - t0
+                "restore", step=step0, tier="persistent", mesh=shape, workers=a.processes, seconds=time.time() - t0
             )
         else:
-            state = trainer.init()
-            pos = {"next_batch": 0}
-            rep.send("init", step=0, mesh=plan.shape, workers=a.processes, seconds=time.time() - t0)
-    fingerprint = task_data.fingerprint
-    if step0 is not None and pos.get("dataset") not in (None, fingerprint):
+            state, pos = trainer.init(), {"next_batch": 0}
+            rep.send("init", step=0, mesh=shape, workers=a.processes, seconds=time.time() - t0)
+    if step0 is not None and pos.get("dataset") not in (None, dataset):
         if cfg.on_dataset_change != "restart":
             leave(
                 rep,
                 WorkerExit.ERROR,
-                f"checkpoint {step0} was trained on dataset {pos.get('dataset')}, not {fingerprint} "
+                f"checkpoint {step0} was trained on dataset {pos.get('dataset')}, not {dataset} "
                 "(on_dataset_change=restart continues on the new data)",
             )
         # Continual training on refreshed data: the model goes on, the data position starts over.
-        rep.send("data_refreshed", step=step0, old=pos.get("dataset"), new=fingerprint)
+        rep.send("data_refreshed", step=step0, old=pos.get("dataset"), new=dataset)
         pos = {"next_batch": 0, "lr_scale": pos.get("lr_scale", 1.0)}
-    if tier is not None and tier.enabled:
-        tier.forget_after(step0)
-    step = int(step0 or 0)
-    next_batch = int(pos["next_batch"])
-    lr_scale = float(pos.get("lr_scale", 1.0))
-    skipped: list[list[int]] = list(pos.get("skipped", []))
-    if decision is not None and decision.hint is not None:
-        if decision.hint.skip_to_batch is not None and decision.hint.skip_to_batch > next_batch:
-            skipped.append([next_batch, decision.hint.skip_to_batch])
-            next_batch = decision.hint.skip_to_batch
-        lr_scale *= decision.hint.lr_scale
-        rep.send("resumed_with", step=step, next_batch=next_batch, lr_scale=lr_scale, skipped=skipped)
-
-    # --- 5. compile ----------------------------------------------------------------------------
-    t0 = time.time()
-    trainer.compile()
-    rep.send("compiled", step=step, seconds=time.time() - t0)
-    batches = pipeline.batches(
-        task_data.train,
-        seed=cfg.seed,
-        global_batch=cfg.global_batch,
-        process_index=a.rank,
-        process_count=a.processes,
-        start_batch=next_batch,
+    if on:
+        tier.forget_after(step0)  # type: ignore[union-attr]
+    start = Start(
+        state,
+        step0,
+        int(pos["next_batch"]),
+        float(pos.get("lr_scale", 1.0)),
+        list(pos.get("skipped", [])),
+        dataset,
+        tier,
+        chaos,
     )
+    hint = decision.hint if decision is not None else None
+    if hint is not None:
+        if hint.skip_to_batch is not None and hint.skip_to_batch > start.next_batch:
+            start.skipped.append([start.next_batch, hint.skip_to_batch])
+            start.next_batch = hint.skip_to_batch
+        start.lr_scale *= hint.lr_scale
+        rep.send(
+            "resumed_with", step=start.step, next_batch=start.next_batch, lr_scale=start.lr_scale, skipped=start.skipped
+        )
+    return start
 
-    # --- 6. train ------------------------------------------------------------------------------
-    # The loop never waits for the device on an ordinary step: the metrics of step N are read
-    # (a host sync) after step N+1 is dispatched, so the device always has the next step queued.
-    # Before a persistent save, the newest step is read too: the guard decides before any save.
-    saver = Saver(mngr, rep, pins, trainer.abstract, background=cfg.async_checkpoint)
-    loop = Loop(cfg, rep, t_assigned, step, task.tokens_per_example())
 
-    def data_position() -> dict[str, Any]:
+def settle_local(tier: Any, rep: Reporter, a: Assignment) -> None:
+    """Finish this host's local saves in flight and report each one."""
+    tier.wait()
+    for done, seconds in tier.finished():
+        rep.send("local_checkpoint", everyone=True, step=done, seconds=seconds, round=a.round)
+
+
+class RoundLoop:
+    """The training loop of one round: steps, the guard, saves of both tiers, and the ways out.
+
+    The loop never waits for the device on an ordinary step: the metrics of step N are read
+    (a host sync) after step N+1 is dispatched, so the device always has the next step queued.
+    Before a persistent save, the newest step is read too: the guard decides before any save.
+    """
+
+    def __init__(
+        self,
+        cfg: Any,
+        store: Any,
+        a: Assignment,
+        rep: Reporter,
+        trainer: Any,
+        saver: Saver,
+        start: Start,
+        t_assigned: float,
+        task: Any,
+    ) -> None:
+        self.cfg, self.store, self.a, self.rep, self.trainer = cfg, store, a, rep, trainer
+        self.saver, self.mngr = saver, saver.mngr
+        self.restored, self.tier, self.chaos, self.dataset = start.restored, start.tier, start.chaos, start.dataset
+        self.state, self.step = start.state, start.step
+        self.next_batch, self.lr_scale, self.skipped = start.next_batch, start.lr_scale, start.skipped
+        self.loop = Loop(cfg, rep, t_assigned, self.step, task.tokens_per_example())
+
+    def data_position(self) -> dict[str, Any]:
+        """The ``data`` item of a checkpoint of the newest step."""
+        cfg = self.cfg
         return {
-            "next_batch": next_batch,
-            "examples_consumed": (next_batch - sum(end - start for start, end in skipped)) * cfg.global_batch,
+            "next_batch": self.next_batch,
+            "examples_consumed": (self.next_batch - sum(end - start for start, end in self.skipped)) * cfg.global_batch,
             "global_batch": cfg.global_batch,
             "seed": cfg.seed,
-            "dataset": fingerprint,
-            "lr_scale": lr_scale,
-            "skipped": skipped,
+            "dataset": self.dataset,
+            "lr_scale": self.lr_scale,
+            "skipped": self.skipped,
         }
 
-    def stop_here(why: str) -> NoReturn:
+    def run(self, task_data: Any) -> int:
+        """Train to the last step (0), or leave: a notice, a guard verdict, a stop request at a checkpoint."""
+        from training.data import pipeline
+
+        cfg, a = self.cfg, self.a
+        batches = pipeline.batches(
+            task_data.train,
+            seed=cfg.seed,
+            global_batch=cfg.global_batch,
+            process_index=a.rank,
+            process_count=a.processes,
+            start_batch=self.next_batch,
+        )
+        while self.step < cfg.steps:
+            self.one_step(next(batches))
+            save_now = self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps
+            local_due = not save_now and self.tier_on and self.step % cfg.local_checkpoint_every == 0
+            # Read every step but the newest; before a save of either tier (or at the end), the newest too:
+            # the guard passes every step before it is saved, and a save's copy never waits for a step.
+            # Decided by the step alone, the same in every process: a process that read the newest step
+            # (and saw a notice in it) a step before the others would stop while they train on.
+            verdict = self.loop.observe(keep=0 if save_now or local_due else 1)
+            self.check(verdict.bad)
+            if verdict.notice and self.step < cfg.steps:
+                self.loop.observe(keep=0)  # the newest step too, through the guard, before it is saved
+                self.check(self.loop.bad)
+                self.stop_here("preemption notice")
+            self.saver.poll()
+            if self.tier is not None:
+                for done, seconds in self.tier.finished():
+                    self.rep.send("local_checkpoint", everyone=True, step=done, seconds=seconds, round=a.round)
+            if save_now:
+                if self.save_and_maybe_stop():
+                    return 0
+            elif local_due and self.tier.can_save():  # each process's copy is its own
+                blocking = self.tier.save(self.step, self.state, self.data_position())
+                if blocking is not None:
+                    self.loop.local_saves.append(blocking)
+        self.loop.observe(keep=0)
+        self.saver.wait()
+        if self.tier is not None:
+            if self.tier.enabled:
+                settle_local(self.tier, self.rep, a)
+            self.tier.close()
+        self.mngr.close()
+        self.rep.send("finished", everyone=True, step=self.step)
+        return 0
+
+    @property
+    def tier_on(self) -> bool:
+        return self.tier is not None and self.tier.enabled
+
+    def one_step(self, local: dict[str, Any]) -> None:
+        """Dispatch the next step (its metrics are read later), with its faults and its data ids traced if asked."""
+        from training.layout import TRACE
+
+        self.chaos.before_step(self.step)
+        step_lr = self.lr_scale * self.chaos.learning_rate_scale(self.step)
+        if self.cfg.trace_data_ids:
+            self.store.put(
+                f"{TRACE}{self.step:08d}/a{self.a.round:03d}-p{self.a.rank:03d}.json",
+                json.dumps({"ids": [int(i) for i in local["ids"]], "processes": self.a.processes}).encode(),
+            )
+        global_batch = self.trainer.global_batch(local)
+        self.state, metrics = self.trainer.step(self.state, global_batch, step_lr, notice=NOTICE.at is not None)
+        self.step += 1
+        self.next_batch += 1
+        self.loop.dispatched(self.step, metrics, self.next_batch)
+
+    def check(self, bad: dict[str, Any] | None) -> None:
+        """A step the guard rejected: fail loudly with the step and the metric (the leader rolls back).
+
+        A save still in flight holds a state from before the bad step: it is let commit first.
+        """
+        if bad is None:
+            return
+        self.saver.wait()
+        self.rep.send(
+            "guard", everyone=True, restored_from=self.restored, committed_since_restore=self.saver.committed_any, **bad
+        )
+        leave(self.rep, WorkerExit.GUARD)
+
+    def save_and_maybe_stop(self) -> bool:
+        """Save the step (a persistent checkpoint); True when the leader asked the round to stop here."""
+        if self.chaos.corrupts(self.step):
+            self.state = self.trainer.corrupt(self.state)
+        self.saver.save(self.step, self.state, self.data_position(), self.cfg)
+        self.chaos.after_save_started(self.step)
+        if self.step < self.cfg.steps and stop_requested(self.store, self.a):
+            self.saver.wait()
+            self.rep.send("rescale_requested", everyone=True, step=self.step, workers=self.a.processes)
+            self.mngr.close()
+            return True
+        self.loop.reset_clock()  # saving time is not step time
+        return False
+
+    def stop_here(self, why: str) -> NoReturn:
         """Save and commit the newest step (unless saved already), tell the agent, and leave."""
         t_stop = time.time()
-        if saver.last_saved != step:
-            saver.save(step, state, data_position(), cfg)
-        saver.wait()
-        if tier is not None:
-            tier.wait()
-        sync_processes(a, f"rtrain-stop-{a.round}-{step}")  # every process knows: the step is committed
-        rep.send(
+        if self.saver.last_saved != self.step:
+            self.saver.save(self.step, self.state, self.data_position(), self.cfg)
+        self.saver.wait()
+        if self.tier is not None:
+            self.tier.wait()
+        sync_processes(self.a, f"rtrain-stop-{self.a.round}-{self.step}")  # every process knows: the step is committed
+        self.rep.send(
             "preempted",
             everyone=True,
-            step=step,
+            step=self.step,
             noticed=NOTICE.at is not None,
             notice_at=NOTICE.at,
             committed_at=time.time(),
             stop_s=time.time() - t_stop,
             reason=why,
         )
-        mngr.close()
-        leave(rep, WorkerExit.NOTICE)
-
-    while step < cfg.steps:
-        chaos.before_step(step)
-        step_lr = lr_scale * chaos.learning_rate_scale(step)
-        local = next(batches)
-        if cfg.trace_data_ids:
-            store.put(
-                f"{TRACE}{step:08d}/a{a.round:03d}-p{a.rank:03d}.json",
-                json.dumps({"ids": [int(i) for i in local["ids"]], "processes": a.processes}).encode(),
-            )
-        state, metrics = trainer.step(state, trainer.global_batch(local), step_lr, notice=NOTICE.at is not None)
-        step += 1
-        next_batch += 1
-        loop.dispatched(step, metrics, next_batch)
-        save_now = step % cfg.checkpoint_every == 0 or step == cfg.steps
-        local_due = not save_now and tier is not None and tier.enabled and step % cfg.local_checkpoint_every == 0
-        # Read every step but the newest; before a save of either tier (or at the end), the newest too:
-        # the guard passes every step before it is saved, and a save's copy never waits for a step.
-        # Decided by the step alone, the same in every process: a process that read the newest step
-        # (and saw a notice in it) a step before the others would stop while they train on.
-        verdict = loop.observe(keep=0 if save_now or local_due else 1)
-        if verdict.bad is not None:
-            # big_vision style: fail loudly with the step and the metric; the leader rolls back to
-            # the last good checkpoint and skips the batches since.  A save still in flight holds a
-            # state from before the bad step: let it commit.
-            saver.wait()
-            rep.send(
-                "guard", everyone=True, restored_from=step0, committed_since_restore=saver.committed_any, **verdict.bad
-            )
-            leave(rep, WorkerExit.GUARD)
-        if verdict.notice and step < cfg.steps:
-            loop.observe(keep=0)  # the newest step too, through the guard, before it is saved
-            if loop.bad is not None:
-                saver.wait()
-                rep.send(
-                    "guard", everyone=True, restored_from=step0, committed_since_restore=saver.committed_any, **loop.bad
-                )
-                leave(rep, WorkerExit.GUARD)
-            stop_here("preemption notice")
-
-        saver.poll()
-        if tier is not None:
-            for done, seconds in tier.finished():
-                rep.send("local_checkpoint", everyone=True, step=done, seconds=seconds, round=a.round)
-        if save_now:
-            if chaos.corrupts(step):
-                state = trainer.corrupt(state)
-            saver.save(step, state, data_position(), cfg)
-            chaos.after_save_started(step)
-            if step < cfg.steps and stop_requested(store, a):
-                saver.wait()
-                rep.send("rescale_requested", everyone=True, step=step, workers=a.processes)
-                mngr.close()
-                return 0
-            loop.reset_clock()  # saving time is not step time
-        elif local_due and tier is not None and tier.can_save():  # each process's copy is its own
-            blocking = tier.save(step, state, data_position())
-            if blocking is not None:
-                loop.local_saves.append(blocking)
-
-    loop.observe(keep=0)
-    saver.wait()
-    if tier is not None:
-        if tier.enabled:
-            settle_local()
-        tier.close()
-    mngr.close()
-    rep.send("finished", everyone=True, step=step)
-    return 0
+        self.mngr.close()
+        leave(self.rep, WorkerExit.NOTICE)
 
 
 class Notice:
