@@ -1,4 +1,4 @@
-"""The service's verbs: submit a run, list the queue, change a priority, cancel."""
+"""The service's verbs: submit a run, list the queue (or one run of it), change a priority, cancel."""
 
 from __future__ import annotations
 

@@ -367,7 +367,10 @@ class SharedPoolBackend:
             return {"backend": self.name, "cancelled": False}
         if row.state in commands.ENDED:
             return {"backend": self.name, "cancelled": False, "ended": row.state}
-        commands.cancel(cfg.root, cfg.run_name, "cancelled by the Airflow teardown")
+        try:
+            commands.cancel(cfg.root, cfg.run_name, "cancelled by the Airflow teardown")
+        except commands.QueueError as e:  # it ended meanwhile
+            return {"backend": self.name, "cancelled": False, "ended": str(e)}
         deadline = time.time() + 3 * cfg.lease_s + 30
         while time.time() < deadline and commands.look(cfg.root, cfg.run_name).state not in commands.ENDED:
             time.sleep(0.5)

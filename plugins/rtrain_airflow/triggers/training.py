@@ -18,7 +18,9 @@ Meanwhile it tells the task log what the job does, one sentence per event
 
 (step, loss and throughput from the newest ``progress`` event; the total from the
 run's status; workers and mesh from the round's launch; the ETA from the pace of
-the last minute of steps).  It measures each recovery as Airflow sees it: from
+the last minute of steps, or, for a run of a shared pool, the queue's forecast,
+whose assumptions are logged when they change).  A run of a shared pool that
+holds no host is alive (``queued``): its line says why it waits.  It measures each recovery as Airflow sees it: from
 the failure (the fault, when chaos recorded one) to the next ``resumed`` event.
 The blocking reads (a local file or a GCS object) run in a thread.
 """
