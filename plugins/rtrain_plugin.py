@@ -542,8 +542,13 @@ def queue_row(run: Run, events: Any = None) -> dict[str, Any] | None:
     """
     from training.service import commands
 
+    root = run.uri[: -len(run.name) - 1]
     try:
-        row = commands.outlook(run.uri[: -len(run.name) - 1], run.name, events)
+        commands.look(root, run.name)  # cheap: a run never submitted has no queue line (and no forecast to make)
+    except commands.QueueError:
+        return None
+    try:
+        row = commands.outlook(root, run.name, events)
     except Exception:  # noqa: BLE001 - the queue line is an extra: an unreadable queue leaves the view as it was
         log.warning("rtrain: cannot read the queue of %s", run.uri, exc_info=True)
         return None

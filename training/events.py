@@ -197,19 +197,19 @@ class EventReader:
 
     def __init__(self, size: int = 32, ttl_s: float = 300.0) -> None:
         self.size, self.ttl_s = size, ttl_s
-        self._runs: OrderedDict[str, tuple[float, list[dict[str, Any]]]] = OrderedDict()
+        self._runs: OrderedDict[str, tuple[float, list[dict[str, Any]]]] = OrderedDict()  # uri -> (last look, events)
         self._lock = threading.Lock()
 
     def read(self, run_uri: str) -> list[dict[str, Any]]:
         """Every event of the run at ``run_uri`` so far, in order (each with its ``_key``)."""
         with self._lock:
-            born, kept = self._runs.get(run_uri, (time.monotonic(), []))
-        if time.monotonic() - born > self.ttl_s:
-            born, kept = time.monotonic(), []
+            seen, kept = self._runs.get(run_uri, (time.monotonic(), []))
+        if time.monotonic() - seen > self.ttl_s:
+            kept = []
         new = EventLog(open_store(run_uri)).read(after_key=kept[-1]["_key"] if kept else None)
         events = kept + new if new else kept
         with self._lock:
-            self._runs[run_uri] = (born, events)
+            self._runs[run_uri] = (time.monotonic(), events)
             self._runs.move_to_end(run_uri)
             while len(self._runs) > self.size:
                 self._runs.popitem(last=False)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from training.service.commands import PRIORITIES
+from training.priorities import PRIORITIES
 
 WEIGHT_STEP = 1000  # a DAG's own weights (downstream task counts) stay below this
 RANKS = {name: rank for rank, name in enumerate(PRIORITIES, 1)}  # low 1 .. urgent 4
@@ -20,13 +20,15 @@ def run_priority(dag_run: Any) -> str | None:
     """The priority level a DAG run was triggered with, or None (none, or not one of the levels)."""
     conf = getattr(dag_run, "conf", None)
     level = conf.get("priority") if isinstance(conf, dict) else None
-    return level if level in RANKS else None
+    return level if isinstance(level, str) and level in RANKS else None  # any other DAG's conf may hold anything
 
 
 def prioritize(task_instance: Any, dag_run: Any) -> None:
     """Weigh a training task by its run's priority; any other task, or a run without one, is left as it is."""
+    if not str(getattr(task_instance, "operator", "") or "").startswith("RTrain"):
+        return
     level = run_priority(dag_run)
-    if level is None or not str(getattr(task_instance, "operator", "") or "").startswith("RTrain"):
+    if level is None:
         return
     own = int(task_instance.priority_weight or 0) % WEIGHT_STEP  # idempotent: Airflow applies policies repeatedly
     task_instance.priority_weight = RANKS[level] * WEIGHT_STEP + own

@@ -353,3 +353,22 @@ def test_plugin_registers_its_parts_and_serves_run_status() -> None:
         assert body["state"] == "running" and body["step"] == 3
     finally:
         shutil.rmtree(uri, ignore_errors=True)
+
+
+def test_the_cluster_policy_reads_any_dags_conf_without_failing() -> None:
+    """The policy runs for every task of every DAG: a conf it does not understand leaves the weight alone."""
+    from types import SimpleNamespace
+
+    from rtrain_airflow.policy import prioritize, run_priority
+
+    for conf in ({"priority": ["x"]}, {"priority": {"a": 1}}, {"priority": "top"}, {}, None, "text"):
+        assert run_priority(SimpleNamespace(conf=conf)) is None
+    ti = SimpleNamespace(operator="RTrainTrainingJobSensor", priority_weight=7)
+    prioritize(ti, SimpleNamespace(conf={"priority": ["x"]}))
+    assert ti.priority_weight == 7
+    prioritize(ti, SimpleNamespace(conf={"priority": "high"}))
+    prioritize(ti, SimpleNamespace(conf={"priority": "high"}))  # applied again: the same weight
+    assert ti.priority_weight == 3007
+    other = SimpleNamespace(operator="BashOperator", priority_weight=7)
+    prioritize(other, SimpleNamespace(conf={"priority": "urgent"}))
+    assert other.priority_weight == 7

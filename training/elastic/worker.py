@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -396,7 +397,8 @@ class RoundLoop:
         self.restored, self.tier, self.chaos, self.dataset = start.restored, start.tier, start.chaos, start.dataset
         self.state, self.step = start.state, start.step
         self.next_batch, self.lr_scale, self.skipped = start.next_batch, start.lr_scale, start.skipped
-        self.loop = Loop(cfg, rep, t_assigned, self.step, task.tokens_per_example())
+        self.t_assigned, self.tokens_per_example = t_assigned, task.tokens_per_example()
+        self.loop: Loop  # made when the data pipeline is (run): the first step's clock starts there
 
     def data_position(self) -> dict[str, Any]:
         """The ``data`` item of a checkpoint of the newest step."""
@@ -424,8 +426,9 @@ class RoundLoop:
             process_count=a.processes,
             start_batch=self.next_batch,
         )
+        self.loop = Loop(cfg, self.rep, self.t_assigned, self.step, self.tokens_per_example)
         while self.step < cfg.steps:
-            self.one_step(next(batches))
+            self.one_step(batches)
             save_now = self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps
             local_due = not save_now and self.tier_on and self.step % cfg.local_checkpoint_every == 0
             # Read every step but the newest; before a save of either tier (or at the end), the newest too:
@@ -463,12 +466,13 @@ class RoundLoop:
     def tier_on(self) -> bool:
         return self.tier is not None and self.tier.enabled
 
-    def one_step(self, local: dict[str, Any]) -> None:
+    def one_step(self, batches: Iterator[dict[str, Any]]) -> None:
         """Dispatch the next step (its metrics are read later), with its faults and its data ids traced if asked."""
         from training.layout import TRACE
 
         self.chaos.before_step(self.step)
         step_lr = self.lr_scale * self.chaos.learning_rate_scale(self.step)
+        local = next(batches)  # after the step's faults: a notice they send has the batch's time to land
         if self.cfg.trace_data_ids:
             self.store.put(
                 f"{TRACE}{self.step:08d}/a{self.a.round:03d}-p{self.a.rank:03d}.json",

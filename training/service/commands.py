@@ -70,13 +70,8 @@ class QueueView:
 
 
 def ensure_pool(root: str, hosts: int) -> int:
-    """The size of ``root``'s pool, set to ``hosts`` when it has none yet."""
-    q = Queue(root)
-    pool = q.pool()
-    if pool is None:
-        q.set_pool(hosts)
-        return hosts
-    return pool
+    """The size of ``root``'s pool, set to ``hosts`` when it has none yet (two first callers agree on one)."""
+    return Queue(root).pool_or_create(hosts)
 
 
 def submit(cfg: Config, priority: str, pool_hosts: int | None = None) -> Submission:

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from training.service.policy import Demand, priority_value
-from training.storage import NotFound, Store, join, open_store
+from training.storage import AlreadyExists, NotFound, Store, join, open_store
 
 SERVICE = "_service"
 QUEUE = "queue/"
@@ -97,6 +97,16 @@ class Queue:
             return int(json.loads(self.store.get(POOL))["hosts"])
         except NotFound:
             return None
+
+    def pool_or_create(self, hosts: int) -> int:
+        """The pool's size, made ``hosts`` if it has none (write-once: of two first writers, one size holds)."""
+        if hosts < 1:
+            raise QueueError(f"a pool needs at least one host (asked for {hosts})")
+        try:
+            self.store.create(POOL, json.dumps({"hosts": hosts, "time": time.time()}).encode())
+        except AlreadyExists:
+            pass
+        return int(self.pool() or hosts)
 
     def set_pool(self, hosts: int) -> None:
         if hosts < 1:

@@ -329,7 +329,7 @@ class RTrainStartTrainingJobOperator(_RTrainBaseOperator):
         except Exception as e:
             from training.api import LaunchError, PlanError, TaskError
 
-            if isinstance(e, LaunchError | PlanError | TaskError):
+            if isinstance(e, LaunchError | PlanError | TaskError | commands.QueueError | commands.PriorityError):
                 raise AirflowFailException(str(e)) from None
             raise
         verb = "Re-attached to" if handle.get("attached") else "Launched"

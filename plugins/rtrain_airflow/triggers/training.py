@@ -249,7 +249,8 @@ class RTrainTrainingJobTrigger(BaseTrigger):
             )
             if outlook is not None and outlook.eta_notes != assumed:
                 assumed = outlook.eta_notes
-                self.log.info("[rtrain] the ETA assumes: %s", "; ".join(assumed))
+                if assumed:
+                    self.log.info("[rtrain] the ETA assumes: %s", "; ".join(assumed))
             if found["state"] == "queued" and due and outlook is not None:
                 self.log.info("[rtrain] %s", queued_line(outlook))
                 progress.logged_at = now
