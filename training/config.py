@@ -22,6 +22,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from training.cadence import gcs_timing
 from training.faults import ChaosError, parse_chaos
 from training.layout import run_uri
 from training.storage import is_gcs
@@ -34,7 +35,6 @@ RUN_NAME_RE = re.compile(RUN_NAME_PATTERN)
 PATH_KEYS = ("root", "dataset", "compilation_cache", "local_checkpoint_dir")
 BUILTIN_TOKENIZERS = ("bytes", "bpe")
 DEFAULT_DATASET = "var/data/stdlib-seq{seq_len}"  # byte-level; another tokenizer adds its name
-GCS_TIMING = {"heartbeat_s": 1.0, "heartbeat_timeout_s": 10.0, "lease_s": 8.0}
 
 
 class ConfigError(ValueError):
@@ -267,11 +267,12 @@ class Config(BaseModel):
         if not self.dataset:
             self.dataset = default_dataset(self.tokenizer, self.vocab_size, self.seq_len)
         if is_gcs(self.root):
-            # Every look at a gs:// root is an HTTP request: beat, and renew the lease, less often
-            # (unless told otherwise).
-            for key, value in GCS_TIMING.items():
+            # Every look at a gs:// root is an HTTP request: beat, and renew the lease, less often, and
+            # beat slower as the job grows (unless told otherwise).
+            timing = gcs_timing(self.max_workers)
+            for key in ("heartbeat_s", "heartbeat_timeout_s", "lease_s"):
                 if key not in self.model_fields_set:
-                    setattr(self, key, value)
+                    setattr(self, key, getattr(timing, key))
         if self.min_workers > self.max_workers:
             raise ValueError(f"min_workers ({self.min_workers}) > max_workers ({self.max_workers})")
         if self.min_workers % self.hosts_per_slice or self.max_workers % self.hosts_per_slice:

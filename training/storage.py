@@ -18,9 +18,13 @@ from __future__ import annotations
 
 import builtins
 import errno
+import json
 import os
 import shutil
+import sys
 import tempfile
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -80,6 +84,7 @@ class LocalStore:
         return str(self._path(key))
 
     def put(self, key: str, data: bytes) -> None:
+        _count("put", key)
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -120,6 +125,7 @@ class LocalStore:
         ``data`` is written over the start of the reserve, which is cut to its size and
         renamed to ``key``; the reserve is gone after.
         """
+        _count("create_in", key)
         src, path = self._path(reserve), self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists():  # keys written this way are unique (a time stamp and a nonce): a plain check will do
@@ -132,6 +138,7 @@ class LocalStore:
         os.rename(src, path)  # a rename takes no new inode (a link can need one, and space for it, on tmpfs)
 
     def create(self, key: str, data: bytes) -> None:
+        _count("create", key)
         # Write to a temporary name, then hard-link: link(2) fails when the
         # target exists, so a reader never sees a half-written object and two
         # writers never both win.
@@ -154,15 +161,18 @@ class LocalStore:
                 os.unlink(tmp)
 
     def get(self, key: str) -> bytes:
+        _count("get", key)
         try:
             return self._path(key).read_bytes()
         except FileNotFoundError:
             raise NotFound(str(self._path(key))) from None
 
     def exists(self, key: str) -> bool:
+        _count("exists", key)
         return self._path(key).exists()
 
     def list(self, prefix: str = "") -> builtins.list[str]:
+        _count("list", prefix)
         base = self._path(prefix) if prefix else self.root
         # A prefix may name a directory ("a/") or the start of a file name ("a/x").
         if base.is_dir():
@@ -185,6 +195,7 @@ class LocalStore:
 
     def checksums(self, prefix: str = "") -> dict[str, builtins.list[int]]:
         """``{key relative to prefix: [size, crc32c]}`` of the objects under ``prefix``."""
+        _count("checksums", prefix)
         import google_crc32c
 
         out = {}
@@ -201,11 +212,13 @@ class LocalStore:
 
     def move(self, src: str, dst: str) -> None:
         """Move an object or a whole prefix (a rename on one file system)."""
+        _count("move", src)
         target = self._path(dst)
         target.parent.mkdir(parents=True, exist_ok=True)
         os.rename(self._path(src), target)
 
     def delete(self, key: str) -> None:
+        _count("delete", key)
         path = self._path(key)
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
@@ -249,11 +262,13 @@ class GCSStore:
         return "gs://" + self.bucket_name + "/" + self._name(key)
 
     def put(self, key: str, data: bytes) -> None:
+        _count("put", key)
         from google.cloud.storage.retry import DEFAULT_RETRY
 
         self.bucket.blob(self._name(key)).upload_from_string(data, retry=DEFAULT_RETRY)
 
     def create(self, key: str, data: bytes) -> None:
+        _count("create", key)
         from google.api_core import exceptions
         from google.cloud.storage.retry import DEFAULT_RETRY
 
@@ -268,6 +283,7 @@ class GCSStore:
             raise AlreadyExists(self.child(key)) from None
 
     def get(self, key: str) -> bytes:
+        _count("get", key)
         from google.api_core import exceptions
         from google.cloud.storage.retry import DEFAULT_RETRY
 
@@ -277,11 +293,13 @@ class GCSStore:
             raise NotFound(self.child(key)) from None
 
     def exists(self, key: str) -> bool:
+        _count("exists", key)
         from google.cloud.storage.retry import DEFAULT_RETRY
 
         return bool(self.bucket.blob(self._name(key)).exists(retry=DEFAULT_RETRY))
 
     def list(self, prefix: str = "") -> builtins.list[str]:
+        _count("list", prefix)
         from google.cloud.storage.retry import DEFAULT_RETRY
 
         full = self._name(prefix) if prefix else (self.prefix + "/" if self.prefix else "")
@@ -297,6 +315,7 @@ class GCSStore:
 
         (An emulator that keeps no CRC32C: the object is read and summed here.)
         """
+        _count("checksums", prefix)
         import base64
 
         import google_crc32c
@@ -321,6 +340,7 @@ class GCSStore:
 
     def move(self, src: str, dst: str) -> None:
         """Copy then delete, object by object (GCS has no rename)."""
+        _count("move", src)
         from google.cloud.storage.retry import DEFAULT_RETRY
 
         src_p = src.rstrip("/")
@@ -332,6 +352,7 @@ class GCSStore:
         self.delete(src_p)
 
     def delete(self, key: str) -> None:
+        _count("delete", key)
         from google.api_core import exceptions
 
         # The object itself and everything "inside" it (key/...), never key2...
@@ -358,6 +379,60 @@ def gcs_client() -> object:
             project=os.environ.get("GOOGLE_CLOUD_PROJECT", "local"), credentials=AnonymousCredentials()
         )
     return storage.Client()
+
+
+OPS_ENV = "RTRAIN_STORE_OPS"  # a directory: every process counts its store calls there (``rtrain bench``)
+
+
+class OpTally:
+    """This process's store calls, by operation and by the key's first part, kept in one file.
+
+    The file (``<dir>/<pid>.json``: ``{"role": program, "counts": {"op area": n}}``,
+    cumulative) is replaced at most once a second, so a reader sees every call
+    older than a second, even of a process that ends without a word.
+    """
+
+    def __init__(self, sink: Path) -> None:
+        self.path = sink / f"{os.getpid()}.json"
+        self.role = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else "python"
+        self.counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._written = 0.0
+
+    def count(self, op: str, key: str) -> None:
+        area = key.strip("/").split("/", 1)[0] or "."
+        with self._lock:
+            name = f"{op} {area}"
+            self.counts[name] = self.counts.get(name, 0) + 1
+            now = time.monotonic()
+            if now - self._written < 1.0:
+                return
+            self._written = now
+            doc = json.dumps({"role": self.role, "counts": self.counts})
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(doc)
+        os.replace(tmp, self.path)
+
+
+_TALLY: OpTally | None = None
+
+
+def _tally() -> OpTally | None:
+    """This process's tally when ``RTRAIN_STORE_OPS`` names a directory (read once)."""
+    global _TALLY
+    if _TALLY is None:
+        sink = os.environ.get(OPS_ENV)
+        if not sink:
+            return None
+        Path(sink).mkdir(parents=True, exist_ok=True)
+        _TALLY = OpTally(Path(sink))
+    return _TALLY
+
+
+def _count(op: str, key: str) -> None:
+    tally = _tally()
+    if tally is not None:
+        tally.count(op, key)
 
 
 def open_store(uri: str) -> Store:

@@ -91,3 +91,20 @@ def test_the_service_figure_measures_the_eta_and_the_hosts_moving(tmp_path: Path
     assert 0 < sv["priority_to_hosts_freed_s"] < sv["priority_to_first_step_s"]
     assert sv["moved_ratio"] == pytest.approx(sv["priority_to_hosts_freed_s"] / sv["hosts_moved_bound_s"])
     assert f"{sv['ratio']:.3f}  <= 0.15" in proc.stdout and f"{sv['moved_ratio']:.3f}  <= 1.0" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_the_control_plane_figure_counts_the_agents_requests_against_the_model(tmp_path: Path) -> None:
+    proc, r = _bench(tmp_path, "--quick", "--only", "control_plane")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cp = r["control_plane"]
+    for kind in ("local", "gcs"):
+        m, model = cp[kind]["measured"], cp[kind]["model"]
+        assert m["class_a"] > 0 and m["class_b"] > 0 and cp[kind]["window_s"] >= 10
+        assert cp[kind]["ratio"] == pytest.approx((m["class_a"] + m["class_b"]) / (model["class_a"] + model["class_b"]))
+        assert f"control plane, {kind} root" in proc.stdout
+    assert cp["ratio"] == max(cp["local"]["ratio"], cp["gcs"]["ratio"])
+    # gs:// looks are billed: fewer of them than on a local root, where the agents look as often as ever.
+    assert cp["gcs"]["measured"]["class_a"] < cp["local"]["measured"]["class_a"]
+    assert set(cp["budget"]) == {"64", "256"} and "budget, 256 hosts on gs://" in proc.stdout

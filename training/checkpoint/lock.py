@@ -91,6 +91,7 @@ class RunLock:
         self.on_event = on_event
         self.token = uuid.uuid4().hex
         self.gen: int | None = None  # the generation we last wrote while holding the lock
+        self._seen_gen = 0  # the newest generation seen: the next look starts from it
         self._acquired_at = 0.0
 
     # -- reading ---------------------------------------------------------------------------
@@ -104,17 +105,45 @@ class RunLock:
         return sorted(gens)
 
     def newest(self) -> tuple[int, dict[str, Any] | None]:
-        """(generation, record) of the lock's current state; (0, None) for a lock never taken."""
+        """(generation, record) of the lock's current state; (0, None) for a lock never taken.
+
+        After the first look, the generation last seen and those after it are read by name
+        (two reads while nothing moved); a listing only when that one is gone.
+        """
+        if self._seen_gen:
+            found = self._read_from(self._seen_gen)
+            if found is not None:
+                return found
         for _ in range(5):
             gens = self._generations()
             if not gens:
                 return 0, None
             gen, key = gens[-1]
             try:
-                return gen, dict(json.loads(self.store.get(key)))
+                rec = dict(json.loads(self.store.get(key)))
             except NotFound:  # dropped by the holder between list and get: look again
                 continue
+            self._seen_gen = gen
+            return gen, rec
         raise RuntimeError(f"could not read the lock of {self.store.uri}")
+
+    def _read_from(self, gen: int) -> tuple[int, dict[str, Any]] | None:
+        """Generation ``gen`` or the newest after it, read by name; None when ``gen`` is gone.
+
+        Only generations older than the one before the newest are deleted, so while
+        ``gen`` is there every newer one is too, up to the first not found.
+        """
+        try:
+            rec = dict(json.loads(self.store.get(f"{LOCK}{gen:012d}.json")))
+        except NotFound:
+            return None
+        while True:
+            try:
+                rec_next = dict(json.loads(self.store.get(f"{LOCK}{gen + 1:012d}.json")))
+            except NotFound:
+                self._seen_gen = gen
+                return gen, rec
+            gen, rec = gen + 1, rec_next
 
     def active(self, rec: dict[str, Any] | None, now: float) -> bool:
         """Does ``rec`` keep others out at ``now``?"""

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from training.cadence import cadence
 from training.checkpoint import local as local_tier
 from training.checkpoint.ledger import Ledger
 from training.checkpoint.lock import LeaseKeeper, LockHeld, LockLost, RunLock
@@ -64,12 +65,6 @@ from training.storage import Store, is_gcs, join, open_store
 
 log = logging.getLogger("rtrain.agent")
 
-POLL_S = 0.05  # the main loop's period on a local root (a round starts, a worker ends: seen this fast)
-POLL_S_GCS = 0.2  # on gs://, where every look is an HTTP request
-# Rank 0's step reaches its heartbeat within this (one small write, batched over the steps between),
-# and so the leader's status.json within about a second; the other beats come every heartbeat_s.
-STEP_BEAT_S = 0.25
-STEP_BEAT_S_GCS = 0.5
 SCALARS_FLUSH_S = 5.0  # step scalars reach the run's TensorBoard files this often (and at each round's end)
 HOST_RE = re.compile(r"^(?:s(?P<slice>\d+)-)?h(?P<index>\d+)$")
 # Worker reports that become events (rank 0's; worker_started and chaos come from every rank).
@@ -197,8 +192,9 @@ class HostAgent:
         self.scalars: ScalarLog | None = None
         self._scalars_at = 0.0
         self.store_failure = ""  # why the run root refuses writes for good (a full disk, a read-only one), once seen
-        self.poll_s = POLL_S_GCS if is_gcs(run) else POLL_S
-        self.step_beat_s = min(STEP_BEAT_S_GCS if is_gcs(run) else STEP_BEAT_S, self.cfg.heartbeat_s)
+        self.cadence = cadence(self.cfg.max_workers, is_gcs(run), self.cfg.heartbeat_s, self.cfg.lease_s)
+        self._follow_at = 0.0
+        self._list_at = time.monotonic()
         self._step_beat_at = 0.0
         self._writes: queue.Queue[Callable[[], object] | None] = queue.Queue()
         self._writer_thread = threading.Thread(target=self._writer, name="writer", daemon=True)
@@ -294,7 +290,7 @@ class HostAgent:
                 if self.leader is not None:
                     self._lead_tick()
                 self._flush_scalars()
-                time.sleep(self.poll_s)
+                time.sleep(self.cadence.poll_s)
         finally:
             self._shutdown()
         return int(self.exit_code if self.exit_code is not None else AgentExit.INTERRUPTED)
@@ -389,7 +385,18 @@ class HostAgent:
     # --- following the rounds -----------------------------------------------------------------
 
     def _follow(self) -> None:
-        for rnd in self.rdv.rounds_after(self.seen_round):
+        """Apply the rounds written since the last look (a worker that trains needs to look less often)."""
+        now = time.monotonic()
+        if now < self._follow_at:
+            return
+        w = self.worker
+        busy = w is not None and w.proc.poll() is None
+        self._follow_at = now + (self.cadence.busy_poll_s if busy else self.cadence.poll_s)
+        listing = now >= self._list_at  # now and then, in case this host fell behind the rounds still kept
+        if listing:
+            self._list_at = now + self.cadence.list_rounds_s
+        rounds = self.rdv.rounds_listed_after if listing else self.rdv.rounds_after
+        for rnd in rounds(self.seen_round):
             self.seen_round = max(self.seen_round, rnd.round)
             if rnd.job != self.job or rnd.gen < self.max_gen:
                 continue  # another job's round, or one written by a leader that has lost its lease
@@ -551,6 +558,7 @@ class HostAgent:
             self._handle(w, msg)
         self._kill(w)
         self.worker = None
+        self._follow_at = 0.0  # the next round is what matters now: look at once
         self._worker_ended(w, code)
 
     def _handle(self, w: WorkerProc, msg: dict[str, Any]) -> None:
@@ -558,7 +566,7 @@ class HostAgent:
         if t == "metrics":
             # Every step (rank 0): the heartbeat's step and loss, and the TensorBoard scalars.
             # Rank 0's step is what the status shows: beat soon after it moves, at most every step_beat_s.
-            soon = w.rank == 0 and time.monotonic() - self._step_beat_at >= self.step_beat_s
+            soon = w.rank == 0 and time.monotonic() - self._step_beat_at >= self.cadence.step_beat_s
             if soon:
                 self._step_beat_at = time.monotonic()
             self.update(now=soon, step=msg.get("step"), loss=msg.get("loss"), step_time=msg.get("step_time"))

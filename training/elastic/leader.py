@@ -41,6 +41,7 @@ import time
 from enum import StrEnum
 from typing import Any, Protocol
 
+from training.cadence import STATUS_S, Cadence
 from training.checkpoint.ledger import Ledger
 from training.checkpoint.lifecycle import quarantine
 from training.checkpoint.lock import LeaseKeeper, LockLost, RunLock
@@ -58,11 +59,6 @@ from training.storage import AlreadyExists, NotFound, Store
 log = logging.getLogger("rtrain.leader")
 
 KEEP_ROUNDS = 20  # rounds (and their reports) kept in the rendezvous; the events keep the history
-# status.json is one small object, rewritten whole: every STATUS_S, and sooner (STATUS_STEP_S) when the
-# step moved, so that it trails training by about a second (rank 0's heartbeat carries the step within
-# STEP_BEAT_S, the leader reads it within 0.25 s).  On gs:// an object takes about one write a second.
-STATUS_S = 1.0
-STATUS_STEP_S = {"local": 0.5, "gcs": 1.0}
 
 
 class Phase(StrEnum):
@@ -87,6 +83,7 @@ class LeaderHost(Protocol):
     lock: RunLock
     keeper: LeaseKeeper | None
     capacity: LocalCapacity | None
+    cadence: Cadence  # how often the control plane looks and writes
     store_failure: str  # why the run root refuses writes for good, once seen ("" until then)
 
     def emit(self, type_: str, **fields: Any) -> None:
@@ -141,7 +138,10 @@ class Leader:
         self.last_step_change = now
         self._status_at = 0.0
         self._status_step: Any = None  # the step status.json said when last written
-        self._status_step_s = STATUS_STEP_S["gcs" if agent.run_uri.startswith("gs://") else "local"]
+        # status.json is one small object, rewritten whole: every STATUS_S, and sooner when the step moved,
+        # so that it trails training by about a second (rank 0's heartbeat carries the step within the
+        # cadence's step beat, the leader reads it within a host scan).
+        self.cadence = agent.cadence
         self._control_at = 0.0
         self.agent.emit(
             "leader",
@@ -161,9 +161,9 @@ class Leader:
             self._fail(f"{self.agent.store_failure}: the job cannot record its progress")
             return
         now = time.time()
-        if now - self._hosts_at >= min(0.25, self.cfg.heartbeat_s / 2):
+        if now - self._hosts_at >= self.cadence.hosts_read_s:
             self._read_hosts(now)
-        if now - self._control_at >= 0.5:
+        if now - self._control_at >= self.cadence.control_s:
             self._control_at = now
             self._control()
         self._capacity_chaos(now)
@@ -770,7 +770,7 @@ class Leader:
     def _write_status(self, force: bool = False, state: RunState | None = None) -> None:
         now = time.time()
         moved = self.status.get("step") != self._status_step
-        if not force and now - self._status_at < (self._status_step_s if moved else STATUS_S):
+        if not force and now - self._status_at < (self.cadence.status_s if moved else STATUS_S):
             return
         self._status_at = now
         self._status_step = self.status.get("step")

@@ -29,12 +29,15 @@ from __future__ import annotations
 import errno
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
 from training.layout import RDV_HOSTS, RDV_REPORTS, RDV_RESERVE, RDV_ROUNDS, RENDEZVOUS
 from training.storage import AlreadyExists, NotFound, Store
+
+PARALLEL_READS = 16  # host records read at once by a scan of many
 
 
 class Outcome(StrEnum):
@@ -158,17 +161,20 @@ class Rendezvous:
         self.store.put(f"{RDV_HOSTS}{rec.host}.json", _dump(rec))
 
     def hosts(self, job: str | None = None) -> dict[str, HostRecord]:
-        out = {}
-        for key in self.store.list(RDV_HOSTS):
-            if not key.endswith(".json"):
-                continue
-            try:
-                rec = HostRecord.from_json(json.loads(self.store.get(key)))
-            except (NotFound, ValueError, TypeError):
-                continue
-            if job is None or rec.job == job:
-                out[rec.host] = rec
-        return out
+        """Every host's record (of ``job``), read 16 at a time: a large job's scan is a few round trips."""
+        keys = [k for k in self.store.list(RDV_HOSTS) if k.endswith(".json")]
+        if len(keys) > PARALLEL_READS:
+            with ThreadPoolExecutor(PARALLEL_READS, thread_name_prefix="rdv-read") as pool:
+                recs = list(pool.map(self._host, keys))
+        else:
+            recs = [self._host(k) for k in keys]
+        return {r.host: r for r in recs if r is not None and (job is None or r.job == job)}
+
+    def _host(self, key: str) -> HostRecord | None:
+        try:
+            return HostRecord.from_json(json.loads(self.store.get(key)))
+        except (NotFound, ValueError, TypeError):
+            return None
 
     # -- rounds --------------------------------------------------------------------------
 
@@ -187,13 +193,21 @@ class Rendezvous:
             return None
 
     def rounds_after(self, number: int) -> list[Round]:
+        """The rounds numbered after ``number``, read by name: a look while none is new is one read.
+
+        Round numbers have no gaps (each is the one after its leader's last, or the next free
+        one), so the first number not found ends the look.
+        """
         out = []
-        for n in self.round_numbers():
-            if n > number:
-                r = self.round(n)
-                if r is not None:
-                    out.append(r)
+        n = number + 1
+        while (r := self.round(n)) is not None:
+            out.append(r)
+            n += 1
         return out
+
+    def rounds_listed_after(self, number: int) -> list[Round]:
+        """The rounds numbered after ``number``, listed (a reader so far behind that older ones are gone)."""
+        return [r for n in self.round_numbers() if n > number and (r := self.round(n)) is not None]
 
     def newest_round(self, job: str | None = None) -> Round | None:
         for n in reversed(self.round_numbers()):
