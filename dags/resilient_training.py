@@ -390,8 +390,9 @@ def training_params(continual: bool) -> dict[str, Param]:
             **_text(
                 "`backend: gke` only (empty otherwise): a JSON object with `project_id`, `location`, `cluster_name`, "
                 "`machine_type`, `tpu_topology`, `image`, `node_pools` (one per slice), and optionally `namespace`, "
-                "`spot`, `node_locations`, `gcp_conn_id`, `kueue_queue` (a Kueue LocalQueue: admits the JobSet "
-                "by the run's priority)."
+                "`spot`, `node_locations`, `node_service_account`, `gcp_conn_id`, `kueue_queue` (a Kueue LocalQueue: "
+                "admits the JobSet by the run's priority), `provision_timeout_s` (how long `provision_capacity` "
+                "waits for enough node pools for `min_workers`; 3600)."
             ),
             properties={
                 "location": {"type": "string"},
@@ -406,6 +407,8 @@ def training_params(continual: bool) -> dict[str, Param]:
                 "node_locations": {"type": "array", "items": {"type": "string"}},
                 "gcp_conn_id": {"type": "string"},
                 "kueue_queue": {"type": "string"},
+                "node_service_account": {"type": "string"},
+                "provision_timeout_s": {"type": "number", "exclusiveMinimum": 0},
             },
         ),
         "chaos": Param(

@@ -97,10 +97,18 @@ class FakeClusterManager:
         self.calls: list[str] = []
         self.create_fails_with: str | None = None  # the create operation ends DONE with this error; pool left in ERROR
         self.refuse_create: Exception | None = None  # raised by the create call itself; nothing is made
+        self.fail_pools: dict[str, str] = {}  # pool name -> the error its create operation ends with
+        self.refuse_pools: dict[str, Exception] = {}  # pool name -> raised by its create call
+        self.slow_pools: dict[str, int] = {}  # pool name -> polls its create operation runs for
         self._ids = itertools.count(1)
 
     def _start(
-        self, type_: container_v1.Operation.Type, path: str, effect: Any, error: str | None = None
+        self,
+        type_: container_v1.Operation.Type,
+        path: str,
+        effect: Any,
+        error: str | None = None,
+        polls: int | None = None,
     ) -> container_v1.Operation:
         project, location = path.split("/")[1], path.split("/")[3]
         name = f"operation-{next(self._ids)}"
@@ -112,6 +120,7 @@ class FakeClusterManager:
             "effect": effect,
             "error": error,
             "polls": 0,
+            "need": self.polls if polls is None else polls,
         }
         return container_v1.Operation(
             name=name, operation_type=type_, status=Status.PENDING, target_link=path, location=location
@@ -131,12 +140,14 @@ class FakeClusterManager:
         path = f"{request.parent}/nodePools/{request.node_pool.name}"
         if self.refuse_create is not None:
             raise self.refuse_create
+        if request.node_pool.name in self.refuse_pools:
+            raise self.refuse_pools[request.node_pool.name]
         if path in self.pools:
             raise AlreadyExists(f"Already exists: {path}.")
         pool = container_v1.NodePool(request.node_pool)
         pool.status = PoolStatus.PROVISIONING
         self.pools[path] = pool
-        error = self.create_fails_with
+        error = self.fail_pools.get(request.node_pool.name, self.create_fails_with)
 
         def effect() -> None:
             if error:
@@ -144,7 +155,8 @@ class FakeClusterManager:
             else:
                 pool.status = PoolStatus.RUNNING
 
-        return self._start(container_v1.Operation.Type.CREATE_NODE_POOL, path, effect, error)
+        polls = self.slow_pools.get(request.node_pool.name)
+        return self._start(container_v1.Operation.Type.CREATE_NODE_POOL, path, effect, error, polls)
 
     def get_node_pool(self, request: container_v1.GetNodePoolRequest) -> container_v1.NodePool:
         assert isinstance(request, container_v1.GetNodePoolRequest)
@@ -177,7 +189,7 @@ class FakeClusterManager:
         if op is None or (op["project"], op["location"]) != (m.group(1), m.group(2)):
             raise NotFound(f"Operation {name} not found.")
         op["polls"] += 1
-        done = op["polls"] >= self.polls
+        done = op["polls"] >= op["need"]
         if done and op["effect"] is not None:
             op["effect"]()
             op["effect"] = None
@@ -526,6 +538,74 @@ def test_a_pool_left_in_error_is_an_error_when_recreating_is_off(hook: GKETPUHoo
         create_op(hook).execute(context={})
     with pytest.raises(Exception, match="state ERROR"):
         create_op(hook, recreate_failed_pool=False).execute(context={})
+
+
+# --- a run's node pools: all at once, done when enough are up --------------------------------------
+
+
+def slices(n: int) -> list[TPUNodePoolSpec]:
+    return [TPUNodePoolSpec(name=f"slice-{i}", machine_type="ct6e-standard-4t", tpu_topology="4x4") for i in range(n)]
+
+
+def test_all_pools_are_asked_for_before_any_is_waited_on(hook: GKETPUHook, fake: FakeClusterManager) -> None:
+    up = hook.create_tpu_node_pools(cluster_name=CLUSTER, specs=slices(3), need=3, project_id=PROJECT)
+    assert sorted(up.ready) == ["slice-0", "slice-1", "slice-2"] and up.creating == [] and up.failed == {}
+    assert fake.calls[:3] == ["create", "create", "create"], fake.calls
+    assert all(fake.pool(f"slice-{i}").status == PoolStatus.RUNNING for i in range(3))
+
+
+def test_enough_pools_up_is_done_and_the_slow_one_goes_on_being_created(
+    hook: GKETPUHook, fake: FakeClusterManager, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake.slow_pools["slice-2"] = 1000
+    up = hook.create_tpu_node_pools(cluster_name=CLUSTER, specs=slices(3), need=2, project_id=PROJECT)
+    assert sorted(up.ready) == ["slice-0", "slice-1"] and up.creating == ["slice-2"]
+    assert fake.pool("slice-2").status == PoolStatus.PROVISIONING, "left to GKE, not cancelled"
+    assert "slice-2 are still being created: their hosts join the job when they are up" in capsys.readouterr().out
+    # The next try (an Airflow retry, a rerun) finds it on its way and watches the pool itself.
+    op = next(o for o in fake.ops.values() if o["target"].endswith("slice-2"))
+    op["need"] = op["polls"] + 1  # GKE finishes it while the next try looks
+    threading.Timer(
+        0.05, lambda: fake.get_operation(f"projects/{PROJECT}/locations/{LOCATION}/operations/operation-3")
+    ).start()
+    up = hook.create_tpu_node_pools(cluster_name=CLUSTER, specs=slices(3), need=3, project_id=PROJECT)
+    assert sorted(up.ready) == ["slice-0", "slice-1", "slice-2"]
+
+
+def test_a_stockout_and_a_quota_are_named_and_the_job_starts_on_what_is_up(
+    hook: GKETPUHook, fake: FakeClusterManager, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake.fail_pools["slice-1"] = "GCE_STOCKOUT: ZONE_RESOURCE_POOL_EXHAUSTED in us-east5-b"
+    fake.refuse_pools["slice-2"] = ResourceExhausted("Quota 'TPU_V6E_PODSLICE_LITE_DEVICES' exceeded. Limit: 32.0")
+    up = hook.create_tpu_node_pools(cluster_name=CLUSTER, specs=slices(3), need=1, project_id=PROJECT)
+    assert up.ready == ["slice-0"]
+    assert up.failed["slice-1"].startswith("no TPU capacity left in the zone (a stockout)")
+    assert "ZONE_RESOURCE_POOL_EXHAUSTED" in up.failed["slice-1"]
+    assert up.failed["slice-2"].startswith("over the project's quota") and "TPU_V6E" in up.failed["slice-2"]
+    out = capsys.readouterr().out
+    assert "Node pool slice-1 failed: no TPU capacity left in the zone" in out
+    assert "Node pool slice-2 was refused: over the project's quota" in out
+
+
+def test_too_few_pools_up_fails_naming_each_pool_s_fate(hook: GKETPUHook, fake: FakeClusterManager) -> None:
+    fake.fail_pools["slice-1"] = "ZONE_RESOURCE_POOL_EXHAUSTED"
+    fake.slow_pools["slice-2"] = 1000
+    with pytest.raises(TPUNodePoolError) as e:
+        hook.create_tpu_node_pools(cluster_name=CLUSTER, specs=slices(3), need=3, project_id=PROJECT, timeout_s=0.05)
+    msg = str(e.value)
+    assert msg.startswith("1 of the 3 node pools the job needs at least are up (slice-0)")
+    assert "slice-1: no TPU capacity left in the zone (a stockout)" in msg and "slice-2: still being created" in msg
+
+
+def test_a_pool_an_earlier_try_left_in_error_is_made_again(hook: GKETPUHook, fake: FakeClusterManager) -> None:
+    fake.fail_pools["slice-1"] = "ZONE_RESOURCE_POOL_EXHAUSTED"
+    hook.create_tpu_node_pools(cluster_name=CLUSTER, specs=slices(2), need=1, project_id=PROJECT)
+    assert fake.pool("slice-1").status == PoolStatus.ERROR
+    fake.fail_pools.clear()  # the capacity came back
+    fake.calls.clear()
+    up = hook.create_tpu_node_pools(cluster_name=CLUSTER, specs=slices(2), need=2, project_id=PROJECT)
+    assert sorted(up.ready) == ["slice-0", "slice-1"] and fake.calls.count("delete") == 1
+    assert fake.pool("slice-1").status == PoolStatus.RUNNING
 
 
 def test_delete_removes_the_pool_and_a_missing_pool_is_fine(hook: GKETPUHook, fake: FakeClusterManager) -> None:
@@ -1274,3 +1354,35 @@ def test_docker_compose_validates_the_file_offline() -> None:
         [*cli, "-f", str(COMPOSE), "config", "--quiet"], env=missing, capture_output=True, text=True, timeout=60
     )
     assert bad.returncode != 0 and "AIRFLOW_JWT_SECRET" in bad.stderr
+
+
+def test_the_gke_backend_provisions_for_min_workers_and_reports_each_pool(
+    hook: GKETPUHook, fake: FakeClusterManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rtrain_airflow.hooks.training import GKEBackend
+
+    gke = {
+        "project_id": PROJECT,
+        "location": LOCATION,
+        "cluster_name": CLUSTER,
+        "machine_type": "ct6e-standard-4t",
+        "tpu_topology": "4x4",
+        "image": "img",
+        "node_pools": [f"slice-{i}" for i in range(4)],
+    }
+    backend = GKEBackend(gke)
+    monkeypatch.setattr(backend, "_gke_hook", lambda: hook)
+    cfg = load_config("tiny", None, {"root": "gs://b/runs", "min_workers": 8, "max_workers": 16, "hosts_per_slice": 4})
+    fake.fail_pools["slice-1"] = "ZONE_RESOURCE_POOL_EXHAUSTED"
+    fake.slow_pools["slice-3"] = 1000
+    result = backend.provision(cfg, {"gke": gke})
+    assert result["need"] == 2, "8 hosts of 4-host slices"
+    assert sorted(result["node_pools_up"]) == ["slice-0", "slice-2"] and result["node_pools_creating"] == ["slice-3"]
+    assert list(result["node_pools_failed"]) == ["slice-1"]
+    fake.fail_pools["slice-1"] = "ZONE_RESOURCE_POOL_EXHAUSTED"
+    cfg_all = load_config(
+        "tiny", None, {"root": "gs://b/runs", "min_workers": 16, "max_workers": 16, "hosts_per_slice": 4}
+    )
+    with pytest.raises(TPUNodePoolError, match="of the 4 node pools the job needs at least are up"):
+        backend.gke["provision_timeout_s"] = 0.05
+        backend.provision(cfg_all, {"gke": gke})

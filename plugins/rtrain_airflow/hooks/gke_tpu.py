@@ -237,6 +237,53 @@ def operation_error(operation: container_v1.Operation) -> str | None:
     return None
 
 
+# Why a node pool could not be made, in words a person acts on (the API's own message follows).
+_CAPACITY_WORDS = (
+    (
+        re.compile(r"ZONE_RESOURCE_POOL_EXHAUSTED|stockout|no more capacity|not have enough resources", re.I),
+        "no TPU capacity left in the zone (a stockout): it may come back; another zone or a reservation avoids it",
+    ),
+    (re.compile(r"quota", re.I), "over the project's quota: ask for more TPU quota in this region"),
+)
+
+
+def capacity_reason(message: str) -> str:
+    """A node pool's failure, with a stockout or a quota named as such."""
+    for pattern, words in _CAPACITY_WORDS:
+        if pattern.search(message):
+            return f"{words} ({message})"
+    return message
+
+
+@dataclass
+class PoolsUp:
+    """A run's node pools once enough are up: those up, those still being created, those that failed (why)."""
+
+    ready: list[str]
+    creating: list[str]
+    failed: dict[str, str]
+
+
+@dataclass
+class _Pending:
+    """A pool on its way: the operation to watch (none: watch the pool itself), then ``up`` or ``create``."""
+
+    spec: TPUNodePoolSpec
+    operation: container_v1.Operation | None
+    then: str = "up"
+
+
+@dataclass
+class _Provisioning:
+    """Where the pools of one :meth:`GKETPUHook.create_tpu_node_pools` call stand."""
+
+    cluster_name: str
+    project_id: str
+    ready: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    pending: dict[str, _Pending] = field(default_factory=dict)
+
+
 class GKETPUHook(GKEHook):
     """GKE TPU node pools through the cluster manager client the provider's ``GKEHook`` owns.
 
@@ -388,6 +435,106 @@ class GKETPUHook(GKEHook):
         if error:
             raise TPUNodePoolError(f"operation {operation.name} failed: {error}")
         return operation
+
+    @GoogleBaseHook.fallback_to_default_project_id
+    def create_tpu_node_pools(
+        self,
+        cluster_name: str,
+        specs: Sequence[TPUNodePoolSpec],
+        need: int,
+        project_id: str = PROVIDE_PROJECT_ID,
+        timeout_s: float = 3600.0,
+    ) -> PoolsUp:
+        """Create every pool at once; return as soon as ``need`` of them are up.
+
+        The others go on being created (their hosts join the job when they are up);
+        a pool that fails (a stockout, the quota) is named in the log and the
+        result. A pool left in ERROR by an earlier try is deleted and created
+        again. Fewer than ``need`` up, once nothing is on its way or after
+        ``timeout_s``: TPUNodePoolError naming each pool's fate.
+        """
+        st = _Provisioning(cluster_name, project_id)
+        for spec in specs:
+            self._start_pool(st, spec)
+        deadline = time.monotonic() + timeout_s
+        while st.pending and len(st.ready) < need and time.monotonic() < deadline:
+            time.sleep(self.poll_interval)
+            for p in list(st.pending.values()):
+                self._advance_pool(st, p)
+        ready, failed, pending = st.ready, st.failed, st.pending
+        if len(ready) < need:
+            fates = [f"{n}: {why}" for n, why in failed.items()] + [f"{n}: still being created" for n in pending]
+            raise TPUNodePoolError(
+                f"{len(ready)} of the {need} node pools the job needs at least are up "
+                f"({', '.join(ready) or 'none'}); " + "; ".join(fates)
+            )
+        if pending:
+            self.log.info(
+                "Node pools %s are still being created: their hosts join the job when they are up",
+                ", ".join(pending),
+            )
+        return PoolsUp(ready=ready, creating=list(pending), failed=failed)
+
+    def _start_pool(self, st: _Provisioning, spec: TPUNodePoolSpec) -> None:
+        """Send the pool's create request (or find it made, or in ERROR: delete it first)."""
+        from google.api_core.exceptions import GoogleAPICallError
+
+        try:
+            op = self.create_tpu_node_pool(
+                cluster_name=st.cluster_name, spec=spec, project_id=st.project_id, wait_to_complete=False
+            )
+        except GoogleAPICallError as e:  # refused at once: quota, permissions, a bad request
+            st.failed[spec.name] = capacity_reason(str(e))
+            self.log.warning("Node pool %s was refused: %s", spec.name, st.failed[spec.name])
+            return
+        if op is not None:
+            st.pending[spec.name] = _Pending(spec, op)
+            return
+        pool = self.get_node_pool(cluster_name=st.cluster_name, node_pool_name=spec.name, project_id=st.project_id)
+        status = container_v1.NodePool.Status
+        if pool.status == status.ERROR:
+            self.log.warning(
+                "Node pool %s is in ERROR (%s): deleting it to create it again", spec.name, pool.status_message
+            )
+            delete = self.delete_tpu_node_pool(
+                cluster_name=st.cluster_name, node_pool_name=spec.name, project_id=st.project_id, wait_to_complete=False
+            )
+            if delete is None:  # gone meanwhile
+                self._start_pool(st, spec)
+            else:
+                st.pending[spec.name] = _Pending(spec, delete, then="create")
+        elif pool.status == status.PROVISIONING:
+            st.pending[spec.name] = _Pending(spec, None)
+        else:
+            st.ready.append(spec.name)
+
+    def _advance_pool(self, st: _Provisioning, p: _Pending) -> None:
+        """One look at a pool on its way: still going, up, failed, or (deleted) to be created again."""
+        name = p.spec.name
+        if p.operation is None:  # a pool an earlier try started: watch the pool
+            pool = self.get_node_pool(cluster_name=st.cluster_name, node_pool_name=name, project_id=st.project_id)
+            if pool.status == container_v1.NodePool.Status.PROVISIONING:
+                return
+            del st.pending[name]
+            if pool.status == container_v1.NodePool.Status.ERROR:
+                st.failed[name] = capacity_reason(pool.status_message or "ERROR")
+                self.log.warning("Node pool %s failed: %s", name, st.failed[name])
+            else:
+                st.ready.append(name)
+            return
+        op = self.get_operation(p.operation.name, project_id=st.project_id)
+        if op.status in (container_v1.Operation.Status.PENDING, container_v1.Operation.Status.RUNNING):
+            return
+        del st.pending[name]
+        error = operation_error(op)
+        if error:
+            st.failed[name] = capacity_reason(error)
+            self.log.warning("Node pool %s failed: %s", name, st.failed[name])
+        elif p.then == "create":
+            self._start_pool(st, p.spec)
+        else:
+            st.ready.append(name)
+            self.log.info("Node pool %s is up", name)
 
     # --- the cluster's Kubernetes API ----------------------------------------------------------
 

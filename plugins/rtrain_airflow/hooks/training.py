@@ -421,12 +421,11 @@ class GKEBackend:
         return JobSetHook(kube)
 
     def provision(self, cfg: Config, spec: Mapping[str, Any]) -> dict[str, Any]:
+        """Create every node pool at once; done when enough for ``min_workers`` are up (the rest join later)."""
         from rtrain_airflow.hooks.gke_tpu import TPUNodePoolSpec
 
-        hook = self._gke_hook()
-        created = []
-        for pool in self.gke["node_pools"]:
-            pool_spec = TPUNodePoolSpec(
+        specs = [
+            TPUNodePoolSpec(
                 name=pool,
                 machine_type=self.gke["machine_type"],
                 tpu_topology=self.gke["tpu_topology"],
@@ -434,14 +433,24 @@ class GKEBackend:
                 node_locations=tuple(self.gke.get("node_locations", ())),
                 service_account=self.gke.get("node_service_account"),
             )
-            op = hook.create_tpu_node_pool(
-                cluster_name=self.gke["cluster_name"],
-                spec=pool_spec,
-                project_id=self.gke.get("project_id"),
-                wait_to_complete=True,
-            )
-            created.append({"node_pool": pool, "created": op is not None})
-        return {"backend": self.name, "node_pools": created}
+            for pool in self.gke["node_pools"]
+        ]
+        hosts_per_pool = specs[0].node_count
+        need = -(-cfg.min_workers // hosts_per_pool)
+        up = self._gke_hook().create_tpu_node_pools(
+            cluster_name=self.gke["cluster_name"],
+            specs=specs,
+            need=need,
+            project_id=self.gke.get("project_id"),
+            timeout_s=float(self.gke.get("provision_timeout_s", 3600.0)),
+        )
+        return {
+            "backend": self.name,
+            "need": need,
+            "node_pools_up": up.ready,
+            "node_pools_creating": up.creating,
+            "node_pools_failed": up.failed,
+        }
 
     def placement(self) -> api.GKELaunch:
         """Where and how the JobSet's pods run (image, namespace, node pools, Spot, Kueue queue and priority)."""
