@@ -28,7 +28,7 @@ GCS_HEARTBEAT_S = 1.0  # a small gs:// job's heartbeat
 GCS_TIMEOUT_BEATS = 10  # a host is lost after this many missed gs:// heartbeats
 GCS_LEASE_S = 8.0
 HEARTBEAT_WRITES_PER_S = 64  # a gs:// job's heartbeats, all hosts together, at most this many a second
-HOST_READS_PER_S = 64  # the leader reads host records at most this many a second (16 at a time)
+HOST_READS_PER_S = 64  # while a job trains, its leader reads host records at most this many a second
 
 
 @dataclass(frozen=True)
@@ -118,8 +118,8 @@ def steady_ops(c: Cadence) -> OpsRate:
     """A training job's control-plane requests per host per minute, averaged over its hosts.
 
     Steady training: every host beats (rank 0 as its step moves), looks for a
-    new round by name and, but for the leader, at the lease by name (the next
-    generation, then the current one); the leader lists and reads every host
+    new round by name and, but for the leader, at the lease by name (the
+    generation it saw, those written since, and the next); the leader lists and reads every host
     record, lists the round's reports once a tick, reads the control object,
     rewrites status.json and renews its lease (a write-once object, a listing
     and a read to confirm it, the old generation deleted).
@@ -134,7 +134,8 @@ def steady_ops(c: Cadence) -> OpsRate:
     ticks = per_min / c.poll_s
     renewals = per_min / (c.lease_s / 4)
     a = beats + scans + ticks + round_lists + per_min / c.status_s
-    b = round_looks + 2 * lock_looks + scans * n + per_min / c.control_s
+    # A look at the lease reads the generation seen, each one written since, and the next (not found).
+    b = round_looks + lock_looks * (2 + c.lock_look_s / (c.lease_s / 4)) + scans * n + per_min / c.control_s
     renew_a, renew_b = (
         sum(x) for x in zip(BILLING["create"], BILLING["list"], BILLING["get"], BILLING["delete"], strict=True)
     )

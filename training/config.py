@@ -270,9 +270,15 @@ class Config(BaseModel):
             # Every look at a gs:// root is an HTTP request: beat, and renew the lease, less often, and
             # beat slower as the job grows (unless told otherwise).
             timing = gcs_timing(self.max_workers)
-            for key in ("heartbeat_s", "heartbeat_timeout_s", "lease_s"):
-                if key not in self.model_fields_set:
-                    setattr(self, key, getattr(timing, key))
+            derived = [k for k in ("heartbeat_s", "heartbeat_timeout_s", "lease_s") if k not in self.model_fields_set]
+            told_timeout = "heartbeat_timeout_s" not in derived
+            if "heartbeat_s" in derived and told_timeout and self.heartbeat_timeout_s < 2 * timing.heartbeat_s:
+                raise ValueError(
+                    f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must be at least twice heartbeat_s: on gs:// "
+                    f"a job of {self.max_workers} hosts beats every {timing.heartbeat_s:g} s unless told otherwise"
+                )
+            for key in derived:
+                setattr(self, key, getattr(timing, key))
         if self.min_workers > self.max_workers:
             raise ValueError(f"min_workers ({self.min_workers}) > max_workers ({self.max_workers})")
         if self.min_workers % self.hosts_per_slice or self.max_workers % self.hosts_per_slice:

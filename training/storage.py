@@ -16,6 +16,7 @@ sortable names, never by appending.
 
 from __future__ import annotations
 
+import atexit
 import builtins
 import errno
 import json
@@ -387,9 +388,10 @@ OPS_ENV = "RTRAIN_STORE_OPS"  # a directory: every process counts its store call
 class OpTally:
     """This process's store calls, by operation and by the key's first part, kept in one file.
 
-    The file (``<dir>/<pid>.json``: ``{"role": program, "counts": {"op area": n}}``,
-    cumulative) is replaced at most once a second, so a reader sees every call
-    older than a second, even of a process that ends without a word.
+    The file (``<dir>/<pid>.json``: ``{"role": program, "time": when, "counts": {"op area": n}}``,
+    cumulative) is replaced by a call that comes a second or more after the last
+    replacement, and at the process's normal exit. A tally that cannot be written
+    is given up quietly: counting never fails a store call.
     """
 
     def __init__(self, sink: Path) -> None:
@@ -398,20 +400,27 @@ class OpTally:
         self.counts: dict[str, int] = {}
         self._lock = threading.Lock()
         self._written = 0.0
+        atexit.register(self.write)
 
     def count(self, op: str, key: str) -> None:
         area = key.strip("/").split("/", 1)[0] or "."
         with self._lock:
             name = f"{op} {area}"
             self.counts[name] = self.counts.get(name, 0) + 1
-            now = time.monotonic()
-            if now - self._written < 1.0:
-                return
-            self._written = now
-            doc = json.dumps({"role": self.role, "counts": self.counts})
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(doc)
-        os.replace(tmp, self.path)
+            due = time.monotonic() - self._written >= 1.0
+        if due:
+            self.write()
+
+    def write(self) -> None:
+        with self._lock:
+            self._written = time.monotonic()
+            doc = json.dumps({"role": self.role, "time": time.time(), "counts": self.counts})
+            tmp = self.path.with_name(f".{self.path.name}.{threading.get_ident()}.tmp")
+            try:
+                tmp.write_text(doc)
+                os.replace(tmp, self.path)
+            except OSError:
+                pass
 
 
 _TALLY: OpTally | None = None

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from training.cadence import (
     gcs_timing,
     steady_ops,
 )
-from training.checkpoint.lock import RunLock
+from training.checkpoint.lock import KEEP_GENERATIONS, LockLost, RunLock
 from training.config import ConfigError, load_config
 from training.elastic.rendezvous import Rendezvous, Round
 from training.storage import OPS_ENV, Store, open_store
@@ -84,17 +85,34 @@ def test_a_look_at_the_lease_reads_by_name_and_follows_the_holder_s_renewals(
     assert follower.held_by()["owner"] == "leader"
     assert _calls(tally, "lock") == {"get": 2}, "the generation seen, then the next one not found"
     for _ in range(3):
-        holder.refresh()  # each renewal drops the generations before the one before it
+        holder.refresh()
     tally.counts.clear()
     gen, rec = follower.newest()
     assert (gen, rec and rec["action"]) == (holder.gen, "refresh")
-    assert "list" in _calls(tally, "lock"), "the generation it had seen is gone: it lists once"
-    holder.refresh()
+    assert _calls(tally, "lock") == {"get": 2 + 3}, "the one seen, the three renewals since, the next"
+    for _ in range(KEEP_GENERATIONS + 1):
+        holder.refresh()
     tally.counts.clear()
     assert follower.newest()[0] == holder.gen
-    assert "list" not in _calls(tally, "lock"), "one renewal later, the newest is the next by name"
+    assert "list" in _calls(tally, "lock"), "the generation it had seen is gone: it lists once"
     holder.release()
     assert follower.held_by() is None
+
+
+def test_a_holder_that_renews_after_its_lease_was_taken_leaves_no_stray_generation(store: Store) -> None:
+    sleeper = RunLock(store, "sleeper", lease_s=0.2, margin_s=0.0, job="j")
+    sleeper.acquire()
+    time.sleep(0.3)
+    taker = RunLock(store, "taker", lease_s=60, margin_s=0.0, job="k")
+    taker.acquire()
+    for _ in range(KEEP_GENERATIONS + 2):
+        taker.refresh()
+    with pytest.raises(LockLost):
+        sleeper.refresh()  # writes the generation after its own, long dropped: not the newest
+    reader = RunLock(store, "reader", lease_s=60)
+    assert reader.held_by()["owner"] == "taker"
+    names = [int(k.split("/")[-1][:-5]) for k in store.list("lock/")]
+    assert len(names) == KEEP_GENERATIONS and max(names) - min(names) == KEEP_GENERATIONS - 1, names
 
 
 def test_the_tally_reaches_its_file_within_a_second_for_any_process(tmp_path: Path) -> None:
@@ -129,7 +147,7 @@ def test_gcs_jobs_beat_slower_as_they_grow_and_keep_the_write_rate() -> None:
     assert told.heartbeat_s == 2.0, "a value the user gave is kept"
     local = load_config("tiny", None, {"max_workers": 256})
     assert local.heartbeat_s == 0.5, "a local root is not billed"
-    with pytest.raises((ConfigError, ValueError)):
+    with pytest.raises((ConfigError, ValueError), match="a job of 256 hosts beats every 4 s unless told otherwise"):
         load_config("tiny", None, {"root": "gs://b/runs", "max_workers": 256, "heartbeat_timeout_s": 5.0})
 
 

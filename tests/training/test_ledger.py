@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from training.checkpoint.ledger import Ledger, pin, pinned, pinned_steps, unpin
-from training.checkpoint.lock import LeaseKeeper, LockHeld, LockLost, RunLock
+from training.checkpoint.lock import KEEP_GENERATIONS, LeaseKeeper, LockHeld, LockLost, RunLock
 from training.events import EventLog
 from training.storage import Store, open_store
 
@@ -179,11 +179,11 @@ def test_refresh_extends_the_lease_and_keeps_few_objects(tmp_path: Path) -> None
     store = open_store(str(tmp_path))
     lock = RunLock(store, "trainer", lease_s=30)
     first = lock.acquire()
-    for _ in range(5):
+    for _ in range(12):
         rec = lock.refresh()
     assert rec["expires_at"] >= first["expires_at"] and rec["acquired_at"] == first["acquired_at"]
     assert lock.acquire()["action"] == "refresh"  # re-acquiring our own lock just refreshes it
-    assert len(store.list("lock/")) == 2  # old generations are dropped
+    assert len(store.list("lock/")) == KEEP_GENERATIONS  # older generations are dropped
     with pytest.raises(LockHeld):
         RunLock(store, "other").acquire()
 

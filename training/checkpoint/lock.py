@@ -48,6 +48,9 @@ from training.storage import AlreadyExists, NotFound, Store
 log = logging.getLogger(__name__)
 
 DEFAULT_MARGIN_S = 0.5
+# Generations kept behind the newest: a reader that follows the lease by name (one look a heartbeat
+# while the holder renews every lease_s / 4) finds the one it saw last still there.
+KEEP_GENERATIONS = 8
 
 
 class LockHeld(RuntimeError):
@@ -130,7 +133,7 @@ class RunLock:
     def _read_from(self, gen: int) -> tuple[int, dict[str, Any]] | None:
         """Generation ``gen`` or the newest after it, read by name; None when ``gen`` is gone.
 
-        Only generations older than the one before the newest are deleted, so while
+        Only generations ``KEEP_GENERATIONS`` behind the newest are deleted, so while
         ``gen`` is there every newer one is too, up to the first not found.
         """
         try:
@@ -187,9 +190,16 @@ class RunLock:
         return rec
 
     def _confirm(self, gen: int) -> bool:
-        """Is generation ``gen`` still the newest, and ours?  Also drops generations older than gen-1."""
+        """Is generation ``gen`` still the newest, and ours?  Also drops generations older than the kept ones.
+
+        A generation we wrote where the others were dropped already (a holder that slept
+        through its lease and renewed late) is dropped too, so that no reader takes it for
+        a holder.
+        """
         gens = self._generations()
         if not gens or gens[-1][0] != gen:
+            if gens and gens[-1][0] - gen >= KEEP_GENERATIONS:
+                self._drop_ours(gen)
             return False
         try:
             rec = json.loads(self.store.get(gens[-1][1]))
@@ -198,9 +208,17 @@ class RunLock:
         if rec.get("token") != self.token:
             return False
         for old, key in gens:
-            if old < gen - 1:
+            if old <= gen - KEEP_GENERATIONS:
                 self.store.delete(key)
         return True
+
+    def _drop_ours(self, gen: int) -> None:
+        key = f"{LOCK}{gen:012d}.json"
+        try:
+            if json.loads(self.store.get(key)).get("token") == self.token:
+                self.store.delete(key)
+        except (NotFound, ValueError):
+            pass
 
     def _emit(self, action: str, **fields: Any) -> None:
         if self.on_event is not None:
@@ -214,6 +232,7 @@ class RunLock:
 
     def acquire(self) -> dict[str, Any]:
         """Take the lock (a free one, a lapsed lease, or a handoff to our job); else raise LockHeld."""
+        self._seen_gen = 0  # a taker lists: it must not write on a view read by name
         for _ in range(5):
             gen, rec = self.newest()
             now = time.time()

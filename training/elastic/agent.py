@@ -824,8 +824,11 @@ class HostAgent:
         leader = self.leader
         if leader is None:
             return
+        opened = leader.round.round if leader.round else None
         try:
             leader.tick()
+            if (leader.round.round if leader.round else None) != opened:
+                self._follow_at = 0.0  # this host's own part in the round it just opened: at once
         except LockLost as e:
             self._step_down(str(e))
         except Exception as e:  # noqa: BLE001 - leading failed: the job still ends with the reason

@@ -161,7 +161,10 @@ class Leader:
             self._fail(f"{self.agent.store_failure}: the job cannot record its progress")
             return
         now = time.time()
-        if now - self._hosts_at >= self.cadence.hosts_read_s:
+        # A large job's hosts are read less often while it trains; a round to form is read at once.
+        steady = self.phase == Phase.RUNNING and self.fail_at is None
+        scan_s = self.cadence.hosts_read_s if steady else min(0.25, self.cadence.hosts_read_s)
+        if now - self._hosts_at >= scan_s:
             self._read_hosts(now)
         if now - self._control_at >= self.cadence.control_s:
             self._control_at = now

@@ -37,7 +37,7 @@ from typing import Any
 from training.layout import RDV_HOSTS, RDV_REPORTS, RDV_RESERVE, RDV_ROUNDS, RENDEZVOUS
 from training.storage import AlreadyExists, NotFound, Store
 
-PARALLEL_READS = 16  # host records read at once by a scan of many
+PARALLEL_READS = 10  # host records read at once by a scan of many (a storage client keeps 10 connections)
 
 
 class Outcome(StrEnum):
@@ -161,7 +161,7 @@ class Rendezvous:
         self.store.put(f"{RDV_HOSTS}{rec.host}.json", _dump(rec))
 
     def hosts(self, job: str | None = None) -> dict[str, HostRecord]:
-        """Every host's record (of ``job``), read 16 at a time: a large job's scan is a few round trips."""
+        """Every host's record (of ``job``), read 10 at a time: a large job's scan is a few round trips."""
         keys = [k for k in self.store.list(RDV_HOSTS) if k.endswith(".json")]
         if len(keys) > PARALLEL_READS:
             with ThreadPoolExecutor(PARALLEL_READS, thread_name_prefix="rdv-read") as pool:
