@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -38,7 +39,7 @@ import pytest
 import yaml
 from airflow.sdk import DAG, TriggerRule
 from airflow.sdk.exceptions import TaskDeferred
-from google.api_core.exceptions import AlreadyExists, NotFound, ResourceExhausted
+from google.api_core.exceptions import AlreadyExists, NotFound, ResourceExhausted, ServiceUnavailable
 from google.cloud import container_v1
 from rtrain_airflow.hooks.gke_tpu import (
     GKETPUHook,
@@ -100,6 +101,8 @@ class FakeClusterManager:
         self.fail_pools: dict[str, str] = {}  # pool name -> the error its create operation ends with
         self.refuse_pools: dict[str, Exception] = {}  # pool name -> raised by its create call
         self.slow_pools: dict[str, int] = {}  # pool name -> polls its create operation runs for
+        self.refuse_once: dict[str, Exception] = {}  # pool name -> raised by its next create call only
+        self.failed_looks = 0  # the next this many get_operation calls fail with a 503
         self._ids = itertools.count(1)
 
     def _start(
@@ -120,7 +123,7 @@ class FakeClusterManager:
             "effect": effect,
             "error": error,
             "polls": 0,
-            "need": self.polls if polls is None else polls,
+            "need": polls,  # None: self.polls when looked at
         }
         return container_v1.Operation(
             name=name, operation_type=type_, status=Status.PENDING, target_link=path, location=location
@@ -142,6 +145,8 @@ class FakeClusterManager:
             raise self.refuse_create
         if request.node_pool.name in self.refuse_pools:
             raise self.refuse_pools[request.node_pool.name]
+        if request.node_pool.name in self.refuse_once:
+            raise self.refuse_once.pop(request.node_pool.name)
         if path in self.pools:
             raise AlreadyExists(f"Already exists: {path}.")
         pool = container_v1.NodePool(request.node_pool)
@@ -183,13 +188,16 @@ class FakeClusterManager:
         )
 
     def get_operation(self, name: str) -> container_v1.Operation:
+        if self.failed_looks:
+            self.failed_looks -= 1
+            raise ServiceUnavailable("The service is currently unavailable.")
         m = self.OP_RE.match(name)
         assert m, name
         op = self.ops.get(m.group(3))
         if op is None or (op["project"], op["location"]) != (m.group(1), m.group(2)):
             raise NotFound(f"Operation {name} not found.")
         op["polls"] += 1
-        done = op["polls"] >= op["need"]
+        done = op["polls"] >= (self.polls if op["need"] is None else op["need"])
         if done and op["effect"] is not None:
             op["effect"]()
             op["effect"] = None
@@ -597,6 +605,35 @@ def test_too_few_pools_up_fails_naming_each_pool_s_fate(hook: GKETPUHook, fake: 
     assert "slice-1: no TPU capacity left in the zone (a stockout)" in msg and "slice-2: still being created" in msg
 
 
+def test_requests_that_fail_for_now_are_sent_again_and_a_pool_being_deleted_is_made_once_gone(
+    hook: GKETPUHook, fake: FakeClusterManager
+) -> None:
+    fake.refuse_once["slice-0"] = ServiceUnavailable("backend unavailable")
+    fake.failed_looks = 3
+    hook.create_tpu_node_pools(cluster_name=CLUSTER, specs=slices(1), need=1, project_id=PROJECT)
+    op = hook.delete_tpu_node_pool(
+        cluster_name=CLUSTER, node_pool_name="slice-0", project_id=PROJECT, wait_to_complete=False
+    )
+    assert op is not None and fake.pool("slice-0").status == PoolStatus.STOPPING
+    name = f"projects/{PROJECT}/locations/{LOCATION}/operations/{op.name}"
+    gone = threading.Timer(0.2, lambda: [fake.get_operation(name) for _ in range(fake.polls)])
+    gone.start()  # GKE finishes the delete while the next try waits for it
+    up = hook.create_tpu_node_pools(cluster_name=CLUSTER, specs=slices(2), need=2, project_id=PROJECT, timeout_s=30)
+    gone.join()
+    assert sorted(up.ready) == ["slice-0", "slice-1"] and up.failed == {}
+    assert fake.pool("slice-0").status == PoolStatus.RUNNING
+
+
+def test_when_too_few_can_still_come_up_it_fails_at_once(hook: GKETPUHook, fake: FakeClusterManager) -> None:
+    fake.fail_pools["slice-0"] = "ZONE_RESOURCE_POOL_EXHAUSTED"
+    fake.refuse_pools["slice-1"] = ResourceExhausted("Quota exceeded")
+    fake.slow_pools["slice-2"] = 10**6
+    t0 = time.monotonic()
+    with pytest.raises(TPUNodePoolError, match="0 of the 3 node pools"):
+        hook.create_tpu_node_pools(cluster_name=CLUSTER, specs=slices(3), need=3, project_id=PROJECT)
+    assert time.monotonic() - t0 < 30, "it did not wait for the slow pool: 3 can no longer be up"
+
+
 def test_a_pool_an_earlier_try_left_in_error_is_made_again(hook: GKETPUHook, fake: FakeClusterManager) -> None:
     fake.fail_pools["slice-1"] = "ZONE_RESOURCE_POOL_EXHAUSTED"
     hook.create_tpu_node_pools(cluster_name=CLUSTER, specs=slices(2), need=1, project_id=PROJECT)
@@ -802,6 +839,7 @@ class FakeKubernetes:
     def __init__(self) -> None:
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}  # (kind, namespace, name)
         self.nodes: list[dict[str, Any]] = []
+        self.pods: list[dict[str, Any]] = []
         self.requests: list[tuple[str, str]] = []
         self.lock = threading.Lock()
 
@@ -814,6 +852,16 @@ class FakeKubernetes:
                 n for n in self.nodes if all(n["metadata"].get("labels", {}).get(k) == v for k, v in wanted.items())
             ]
             return 200, {"apiVersion": "v1", "kind": "NodeList", "metadata": {}, "items": items}
+        pods = re.fullmatch(r"/api/v1/namespaces/([^/]+)/pods", path)
+        if pods and method == "GET":
+            wanted = dict(kv.split("=", 1) for kv in query.get("labelSelector", [""])[0].split(",") if kv)
+            items = [
+                p
+                for p in self.pods
+                if p["metadata"].get("namespace") == pods.group(1)
+                and all(p["metadata"].get("labels", {}).get(k) == v for k, v in wanted.items())
+            ]
+            return 200, {"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": items}
         m = re.fullmatch(r"/api/v1/namespaces/([^/]+)/services(?:/([^/]+))?", path) or re.fullmatch(
             r"/apis/jobset\.x-k8s\.io/v1alpha2/namespaces/([^/]+)/jobsets(?:/([^/]+))?", path
         )
@@ -1053,6 +1101,110 @@ def test_jobset_state_and_delete(k8s: tuple[FakeKubernetes, str]) -> None:
     assert not api.objects
     assert hook.state(m.name, "training") == "missing"
     assert delete.execute(context={})["deleted"] is False
+
+
+def pod(name: str, jobset: str, status: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "training", "labels": {"jobset.sigs.k8s.io/jobset-name": jobset}},
+        "spec": {"containers": [{"name": "agent", "image": "img:1"}]},
+        "status": status,
+    }
+
+
+UNSCHEDULABLE = {
+    "phase": "Pending",
+    "conditions": [
+        {
+            "type": "PodScheduled",
+            "status": "False",
+            "reason": "Unschedulable",
+            "message": "0/3 nodes are available: 3 Insufficient google.com/tpu. preemption: 0/3 nodes are available",
+        }
+    ],
+}
+IMAGE_PULL = {
+    "phase": "Pending",
+    "conditions": [{"type": "PodScheduled", "status": "True"}],
+    "containerStatuses": [
+        {
+            "name": "agent",
+            "ready": False,
+            "restartCount": 0,
+            "image": "img:1",
+            "imageID": "",
+            "state": {"waiting": {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "img:1"'}},
+        }
+    ],
+}
+RUNNING = {
+    "phase": "Running",
+    "conditions": [{"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": "True"}],
+    "containerStatuses": [
+        {
+            "name": "agent",
+            "ready": True,
+            "restartCount": 0,
+            "image": "img:1",
+            "imageID": "x",
+            "state": {"running": {"startedAt": "2026-12-01T10:00:00Z"}},
+        }
+    ],
+}
+
+
+def test_why_the_jobset_s_pods_wait_is_read_from_the_cluster_and_told_in_one_line(
+    k8s: tuple[FakeKubernetes, str],
+) -> None:
+    api, url = k8s
+    hook = jobset_hook(url)
+    api.pods = [
+        pod("js-slice-0-0", "js", RUNNING),
+        pod("js-slice-1-0", "js", UNSCHEDULABLE),
+        pod("js-slice-1-1", "js", UNSCHEDULABLE),
+        pod("js-slice-2-0", "js", IMAGE_PULL),
+        pod("other-0", "other", UNSCHEDULABLE),  # another JobSet's
+    ]
+    line = hook.waiting("js", "training")
+    assert line.startswith("2 pods Unschedulable (0/3 nodes are available: 3 Insufficient google.com/tpu.")
+    assert "no node can take it: the TPU node pools are still being created" in line
+    assert '1 pod ImagePullBackOff (Back-off pulling image "img:1"): the nodes cannot pull the image' in line
+    api.pods = [pod("js-slice-0-0", "js", RUNNING)]
+    assert hook.waiting("js", "training") == ""
+
+
+def test_the_gke_backend_s_poll_says_why_pods_wait_or_that_kueue_holds_the_jobset(
+    k8s: tuple[FakeKubernetes, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from rtrain_airflow.hooks.training import GKEBackend
+
+    api, url = k8s
+    hook = jobset_hook(url)
+    cfg = load_config(overrides={**CONFIG, "hosts_per_slice": 4})
+    m = render(cfg, TPUSlice("ct6e-standard-4t", "4x4"), GKELaunch(image="img:1", namespace="training"), "j7")
+    hook.create(m)
+    api.pods = [pod(f"{m.name}-slice-0-0", m.name, UNSCHEDULABLE)]
+    gke = {
+        "location": LOCATION,
+        "cluster_name": CLUSTER,
+        "machine_type": "ct6e-standard-4t",
+        "tpu_topology": "4x4",
+        "image": "img:1",
+        "node_pools": ["slice-0"],
+        "kueue_queue": "tpu-v6e",
+    }
+    backend = GKEBackend(gke)
+    monkeypatch.setattr(backend, "_jobsets", lambda: hook)
+    run = tmp_path / "run"
+    handle = {"backend": "gke", "run_uri": str(run), "job": "j7", "jobset": m.name, "namespace": "training"}
+    handle["launched_at"] = time.time()
+    look = backend.poll(handle, {"start_timeout_s": 900})
+    assert look["state"] not in ("finished", "failed")
+    assert look["waiting"].startswith("1 pod Unschedulable (0/3 nodes are available")
+    api.objects[("JobSet", "training", m.name)]["spec"]["suspend"] = True
+    look = backend.poll(handle, {"start_timeout_s": 900})
+    assert look["waiting"] == "the JobSet is suspended: waiting for Kueue to admit it (queue tpu-v6e)"
 
 
 def test_capacity_and_ready_nodes_through_the_kubernetes_client(k8s: tuple[FakeKubernetes, str]) -> None:
@@ -1386,3 +1538,52 @@ def test_the_gke_backend_provisions_for_min_workers_and_reports_each_pool(
     with pytest.raises(TPUNodePoolError, match="of the 4 node pools the job needs at least are up"):
         backend.gke["provision_timeout_s"] = 0.05
         backend.provision(cfg_all, {"gke": gke})
+
+
+def test_the_sensor_s_log_says_why_pods_wait_once_per_change(
+    k8s: tuple[FakeKubernetes, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import structlog
+    from rtrain_airflow.hooks.training import GKEBackend, RTrainHook
+    from rtrain_airflow.triggers.training import RTrainTrainingJobTrigger
+
+    from training.events import write_status
+    from training.storage import open_store
+
+    api, url = k8s
+    hook = jobset_hook(url)
+    cfg = load_config(overrides={**CONFIG, "hosts_per_slice": 4})
+    m = render(cfg, TPUSlice("ct6e-standard-4t", "4x4"), GKELaunch(image="img:1", namespace="training"), "j8")
+    hook.create(m)
+    api.pods = [pod(f"{m.name}-slice-0-0", m.name, IMAGE_PULL)]
+    gke = {"location": LOCATION, "cluster_name": CLUSTER, "machine_type": "ct6e-standard-4t", "tpu_topology": "4x4"}
+    backend = GKEBackend({**gke, "image": "img:1", "node_pools": ["slice-0"]})
+    monkeypatch.setattr(backend, "_jobsets", lambda: hook)
+    monkeypatch.setattr(RTrainHook, "backend", lambda self, *a, **k: backend)
+    run = str(tmp_path / "run")
+    store = open_store(run)
+    write_status(store, state="pending", job="j8")
+    h: dict[str, Any] = {"backend": "gke", "run_uri": run, "job": "j8", "jobset": m.name, "namespace": "training"}
+    h |= {"launched_at": time.time(), "events_after": None, "attached": False}
+
+    def later() -> None:
+        time.sleep(0.6)
+        api.pods = [pod(f"{m.name}-slice-0-0", m.name, RUNNING)]
+        time.sleep(0.6)
+        write_status(store, state="finished", job="j8", step=10)
+
+    t = threading.Thread(target=later)
+    t.start()
+    trigger = RTrainTrainingJobTrigger(run, h, poll_interval=0.1, progress_every_s=0)
+    with structlog.testing.capture_logs() as logs:
+        event = asyncio.run(asyncio.wait_for(anext(aiter(trigger.run())), 30)).payload
+    t.join()
+    assert event["status"] == "success", event
+    lines = [str(r["event"]) for r in logs if str(r["event"]).startswith("[rtrain] ")]
+    waits = [line for line in lines if "pod" in line]
+    assert waits == [
+        '[rtrain] pods waiting: 1 pod ImagePullBackOff (Back-off pulling image "img:1"): the nodes cannot pull the '
+        "image: check gke.image, and the node pool's scopes and service account (Artifact Registry reader, "
+        "docs/gke.md section 2)",
+        "[rtrain] no pod waits any more",
+    ], lines

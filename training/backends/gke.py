@@ -772,6 +772,68 @@ def jobset_state(obj: Mapping[str, Any] | None) -> str:
     return "running"
 
 
+# Why a pod does not run yet, in words a person acts on (keyed by the reason Kubernetes gives).
+POD_WAITING_HINTS = {
+    "Unschedulable": "no node can take it: the TPU node pools are still being created, were preempted, or are too few",
+    "ImagePullBackOff": "the nodes cannot pull the image: check gke.image, and the node pool's scopes and service "
+    "account (Artifact Registry reader, docs/gke.md section 2)",
+    "ErrImagePull": "the nodes cannot pull the image: check gke.image, and the node pool's scopes and service "
+    "account (Artifact Registry reader, docs/gke.md section 2)",
+    "InvalidImageName": "gke.image is not a valid image reference",
+    "CreateContainerConfigError": "the pod's configuration is refused (a missing Secret, ConfigMap or service account)",
+    "CrashLoopBackOff": "the agent keeps exiting at start: see the pod's log",
+}
+
+
+@dataclass(frozen=True)
+class PodWaiting:
+    """A pod of a job's JobSet that is not running, and why (Kubernetes' reason and message)."""
+
+    pod: str
+    reason: str
+    message: str
+
+
+def pods_waiting(pods: list[Mapping[str, Any]]) -> list[PodWaiting]:
+    """The pods (API objects as JSON) that wait: not scheduled, or a container that cannot start."""
+    out = []
+    for pod in pods:
+        name = str((pod.get("metadata") or {}).get("name", "?"))
+        status = pod.get("status") or {}
+        if status.get("phase") not in ("Pending", "Running"):
+            continue
+        waiting = _waiting_container(status)
+        if waiting is not None:
+            out.append(PodWaiting(name, *waiting))
+            continue
+        for cond in status.get("conditions") or []:
+            if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+                out.append(PodWaiting(name, str(cond.get("reason") or "Unschedulable"), str(cond.get("message") or "")))
+    return out
+
+
+def _waiting_container(status: Mapping[str, Any]) -> tuple[str, str] | None:
+    for cs in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in POD_WAITING_HINTS:
+            return str(waiting["reason"]), str(waiting.get("message") or "")
+    return None
+
+
+def describe_waiting(waiting: list[PodWaiting]) -> str:
+    """One line for the sensor's log: each reason with its pods' count, message and what to check."""
+    groups: dict[str, list[PodWaiting]] = {}
+    for w in waiting:
+        groups.setdefault(w.reason, []).append(w)
+    parts = []
+    for reason, ws in groups.items():
+        pods = f"{len(ws)} pod{'s' if len(ws) > 1 else ''}"
+        hint = POD_WAITING_HINTS.get(reason, "")
+        message = ws[0].message.strip().splitlines()[0][:200] if ws[0].message.strip() else ""
+        parts.append(f"{pods} {reason}" + (f" ({message})" if message else "") + (f": {hint}" if hint else ""))
+    return "; ".join(parts)
+
+
 # --- capacity --------------------------------------------------------------------------
 
 

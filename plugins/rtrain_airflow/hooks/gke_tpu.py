@@ -25,13 +25,23 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.providers.google.cloud.hooks.kubernetes_engine import GKEHook
 from airflow.providers.google.common.hooks.base_google import PROVIDE_PROJECT_ID, GoogleBaseHook
-from google.api_core.exceptions import AlreadyExists, NotFound
+from google.api_core.exceptions import (
+    Aborted,
+    AlreadyExists,
+    DeadlineExceeded,
+    GoogleAPICallError,
+    InternalServerError,
+    NotFound,
+    RetryError,
+    ServiceUnavailable,
+)
 from google.cloud import container_v1
 
 from training.api import (
     ACCELERATOR_LABEL,
     JOBSET_API_VERSION,
     JOBSET_GROUP,
+    JOBSET_NAME_LABEL,
     JOBSET_PLURAL,
     JOBSET_VERSION,
     NODEPOOL_LABEL,
@@ -41,8 +51,10 @@ from training.api import (
     GKEManifests,
     JobHandle,
     TPUSlice,
+    describe_waiting,
     jobset_state,
     node_is_usable,
+    pods_waiting,
 )
 
 if TYPE_CHECKING:
@@ -63,6 +75,10 @@ _RESERVATION_RE = re.compile(r"^(projects/[a-z][-a-z0-9]{4,28}[a-z0-9]/reservati
 
 class TPUNodePoolError(RuntimeError):
     """A node pool operation that failed, or an existing pool that is not the one asked for."""
+
+
+class PoolBeingDeleted(TPUNodePoolError):
+    """A pool of that name is being deleted: it can be created again once it is gone."""
 
 
 class JobSetError(RuntimeError):
@@ -255,6 +271,10 @@ def capacity_reason(message: str) -> str:
     return message
 
 
+# A request that may well succeed when sent again.
+TRANSIENT_ERRORS = (ServiceUnavailable, DeadlineExceeded, InternalServerError, Aborted, RetryError)
+
+
 @dataclass
 class PoolsUp:
     """A run's node pools once enough are up: those up, those still being created, those that failed (why)."""
@@ -266,11 +286,12 @@ class PoolsUp:
 
 @dataclass
 class _Pending:
-    """A pool on its way: the operation to watch (none: watch the pool itself), then ``up`` or ``create``."""
+    """A pool on its way: an operation to watch, else the pool itself (or, ``retry``, a create to send again)."""
 
     spec: TPUNodePoolSpec
-    operation: container_v1.Operation | None
-    then: str = "up"
+    operation: container_v1.Operation | None = None
+    then: str = "up"  # when the operation is done: "up", or "create" (a delete is done: make it again)
+    retry: bool = False
 
 
 @dataclass
@@ -367,7 +388,7 @@ class GKETPUHook(GKEHook):
             existing = self.get_node_pool(cluster_name=cluster_name, node_pool_name=spec.name, project_id=project_id)
             check_same_shape(existing, spec)
             if existing.status == container_v1.NodePool.Status.STOPPING:
-                raise TPUNodePoolError(
+                raise PoolBeingDeleted(
                     f"node pool {spec.name} exists but is being deleted; retry once it is gone"
                 ) from None
             self.log.info("Node pool %s exists already (%s): assuming success", spec.name, existing.status.name)
@@ -457,7 +478,9 @@ class GKETPUHook(GKEHook):
         for spec in specs:
             self._start_pool(st, spec)
         deadline = time.monotonic() + timeout_s
-        while st.pending and len(st.ready) < need and time.monotonic() < deadline:
+        while st.pending and len(st.ready) < need <= len(st.ready) + len(st.pending):
+            if time.monotonic() >= deadline:
+                break
             time.sleep(self.poll_interval)
             for p in list(st.pending.values()):
                 self._advance_pool(st, p)
@@ -476,14 +499,16 @@ class GKETPUHook(GKEHook):
         return PoolsUp(ready=ready, creating=list(pending), failed=failed)
 
     def _start_pool(self, st: _Provisioning, spec: TPUNodePoolSpec) -> None:
-        """Send the pool's create request (or find it made, or in ERROR: delete it first)."""
-        from google.api_core.exceptions import GoogleAPICallError
-
+        """Send the pool's create request (or find it made, on its way, or in ERROR: delete it first)."""
         try:
             op = self.create_tpu_node_pool(
                 cluster_name=st.cluster_name, spec=spec, project_id=st.project_id, wait_to_complete=False
             )
-        except GoogleAPICallError as e:  # refused at once: quota, permissions, a bad request
+        except (PoolBeingDeleted, *TRANSIENT_ERRORS) as e:
+            self.log.warning("Node pool %s: %s; asking again", spec.name, e)
+            st.pending[spec.name] = _Pending(spec, retry=True)
+            return
+        except GoogleAPICallError as e:  # refused: quota, permissions, a bad request
             st.failed[spec.name] = capacity_reason(str(e))
             self.log.warning("Node pool %s was refused: %s", spec.name, st.failed[spec.name])
             return
@@ -491,38 +516,51 @@ class GKETPUHook(GKEHook):
             st.pending[spec.name] = _Pending(spec, op)
             return
         pool = self.get_node_pool(cluster_name=st.cluster_name, node_pool_name=spec.name, project_id=st.project_id)
-        status = container_v1.NodePool.Status
-        if pool.status == status.ERROR:
+        if pool.status == container_v1.NodePool.Status.ERROR:
             self.log.warning(
                 "Node pool %s is in ERROR (%s): deleting it to create it again", spec.name, pool.status_message
             )
             delete = self.delete_tpu_node_pool(
                 cluster_name=st.cluster_name, node_pool_name=spec.name, project_id=st.project_id, wait_to_complete=False
             )
-            if delete is None:  # gone meanwhile
-                self._start_pool(st, spec)
-            else:
-                st.pending[spec.name] = _Pending(spec, delete, then="create")
-        elif pool.status == status.PROVISIONING:
-            st.pending[spec.name] = _Pending(spec, None)
+            st.pending[spec.name] = _Pending(spec, delete, then="create", retry=delete is None)
         else:
-            st.ready.append(spec.name)
+            self._pool_seen(st, _Pending(spec), pool)
+
+    def _pool_seen(self, st: _Provisioning, p: _Pending, pool: container_v1.NodePool) -> None:
+        """A pool found made by an earlier try: up when RUNNING, watched while on its way, failed in ERROR."""
+        status = container_v1.NodePool.Status
+        name = p.spec.name
+        st.pending.pop(name, None)
+        if pool.status == status.RUNNING:
+            st.ready.append(name)
+        elif pool.status == status.ERROR:
+            st.failed[name] = capacity_reason(pool.status_message or "ERROR")
+            self.log.warning("Node pool %s failed: %s", name, st.failed[name])
+        elif pool.status == status.STOPPING:
+            st.pending[name] = _Pending(p.spec, retry=True)  # create it again once it is gone
+        else:  # PROVISIONING, RECONCILING, RUNNING_WITH_ERROR (hosts of the slice missing): watch it
+            st.pending[name] = _Pending(p.spec)
 
     def _advance_pool(self, st: _Provisioning, p: _Pending) -> None:
-        """One look at a pool on its way: still going, up, failed, or (deleted) to be created again."""
+        """One look at a pool on its way: still going, up, failed, or (gone) to be created again."""
         name = p.spec.name
-        if p.operation is None:  # a pool an earlier try started: watch the pool
-            pool = self.get_node_pool(cluster_name=st.cluster_name, node_pool_name=name, project_id=st.project_id)
-            if pool.status == container_v1.NodePool.Status.PROVISIONING:
-                return
+        if p.retry:
             del st.pending[name]
-            if pool.status == container_v1.NodePool.Status.ERROR:
-                st.failed[name] = capacity_reason(pool.status_message or "ERROR")
-                self.log.warning("Node pool %s failed: %s", name, st.failed[name])
-            else:
-                st.ready.append(name)
+            self._start_pool(st, p.spec)
             return
-        op = self.get_operation(p.operation.name, project_id=st.project_id)
+        try:
+            if p.operation is None:
+                pool = self.get_node_pool(cluster_name=st.cluster_name, node_pool_name=name, project_id=st.project_id)
+                self._pool_seen(st, p, pool)
+                return
+            op = self.get_operation(p.operation.name, project_id=st.project_id)
+        except NotFound:  # the pool (or its operation) is gone meanwhile: ask for it again
+            st.pending[name] = _Pending(p.spec, retry=True)
+            return
+        except (GoogleAPICallError, RetryError) as e:  # a look that failed: look again at the next poll
+            self.log.warning("Looking at node pool %s failed (%s); looking again", name, e)
+            return
         if op.status in (container_v1.Operation.Status.PENDING, container_v1.Operation.Status.RUNNING):
             return
         del st.pending[name]
@@ -684,6 +722,14 @@ class JobSetHook:
     def state(self, name: str, namespace: str) -> str:
         """``missing``, ``running``, ``suspended``, ``completed`` or ``failed``."""
         return jobset_state(self.get(name, namespace))
+
+    def waiting(self, name: str, namespace: str) -> str:
+        """Why the JobSet's pods that do not run wait (scheduling, the image, ...), in one line; "" when none does."""
+        pods = self.kube.core_v1_client.list_namespaced_pod(
+            namespace=namespace, label_selector=f"{JOBSET_NAME_LABEL}={name}"
+        )
+        serialize = self.kube.core_v1_client.api_client.sanitize_for_serialization
+        return describe_waiting(pods_waiting([serialize(p) for p in pods.items]))
 
     def delete(self, name: str, namespace: str) -> bool:
         """Delete the JobSet (its Jobs and pods with it) and its Service; False if neither existed."""

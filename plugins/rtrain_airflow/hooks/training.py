@@ -477,10 +477,15 @@ class GKEBackend:
         look = api.job_state(handle, timeouts.get("start_timeout_s", 900.0))
         if look["state"] in ("finished", "failed"):
             return look
-        state = self._jobsets().state(handle["jobset"], handle["namespace"])
+        jobsets = self._jobsets()
+        state = jobsets.state(handle["jobset"], handle["namespace"])
         if state in ("failed", "missing"):
             return {**look, "state": "failed", "reason": f"JobSet {handle['jobset']} is {state}"}
-        return look
+        if state == "suspended":
+            queue = self.gke.get("kueue_queue")
+            return {**look, "waiting": f"the JobSet is suspended: waiting for Kueue to admit it (queue {queue})"}
+        waiting = jobsets.waiting(handle["jobset"], handle["namespace"])
+        return {**look, "waiting": waiting} if waiting else look
 
     def release(self, cfg: Config, spec: Mapping[str, Any], handles: list[Mapping[str, Any]]) -> dict[str, Any]:
         deleted = []

@@ -212,6 +212,7 @@ class RTrainTrainingJobTrigger(BaseTrigger):
         progress = Progress()
         told = False  # the engine's own "recovered" event told the last recovery (the trigger's line is not needed)
         assumed: tuple[str, ...] = ()  # the ETA's assumptions last logged
+        waiting = ""  # why the job's pods wait (GKE), as last logged
         errors = 0
         while True:
             try:
@@ -237,6 +238,9 @@ class RTrainTrainingJobTrigger(BaseTrigger):
                 await asyncio.sleep(self.poll_interval)
                 continue
             st = found.get("status") or {}
+            if found.get("waiting", "") != waiting:
+                waiting = found.get("waiting", "")
+                self.log.info("[rtrain] %s", f"pods waiting: {waiting}" if waiting else "no pod waits any more")
             now = time.monotonic()
             due = self.progress_every_s > 0 and (
                 progress.logged_at is None or now - progress.logged_at >= self.progress_every_s
