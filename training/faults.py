@@ -36,6 +36,12 @@ the same step again does not fire it twice).
 ``lr_spike``        ``step=S,factor=F``: from step S the update is scaled by F.
 ``corrupt``         ``step=S``: the parameters are overwritten with noise just
                     before the checkpoint of step S is saved.
+``storage_outage``  ``worker=W,step=S,for_s=T``: from step S, every call of the
+                    host agent of worker W to the run root fails for T seconds
+                    (its heartbeats, round looks, lease, events); its worker
+                    trains on.
+``storage_latency`` ``worker=W,step=S,for_s=T,latency_s=L``: the same, but every
+                    call takes L seconds more instead of failing.
 ==================  ==========================================================
 """
 
@@ -56,6 +62,8 @@ ACTIONS: dict[str, tuple[set[str], set[str]]] = {
     "nan": ({"step"}, {"repeat"}),
     "lr_spike": ({"step", "factor"}, set()),
     "corrupt": ({"step"}, set()),
+    "storage_outage": ({"worker", "step", "for_s"}, set()),
+    "storage_latency": ({"worker", "step", "for_s", "latency_s"}, set()),
 }
 # Fired by a worker at a step (the rest, capacity changes, by the job's leader).
 WORKER_SIDE = frozenset(
@@ -70,10 +78,14 @@ WORKER_SIDE = frozenset(
         "nan",
         "lr_spike",
         "corrupt",
+        "storage_outage",
+        "storage_latency",
     }
 )
 # Fired by the worker, carried out on the whole host by its agent.
 HOST_ACTIONS = frozenset({"preempt", "kill_agent", "freeze"})
+# Fired by the worker, carried out by its agent on its own link to the run root.
+STORAGE_ACTIONS = frozenset({"storage_outage", "storage_latency"})
 
 
 class ChaosError(ValueError):

@@ -438,10 +438,33 @@ def _tally() -> OpTally | None:
     return _TALLY
 
 
+@dataclass
+class _Disturbance:
+    """Injected trouble with the run root (chaos): until when, and how (a delay, else a failure)."""
+
+    until: float = 0.0
+    latency_s: float = 0.0
+
+
+_DISTURBANCE = _Disturbance()
+
+
+def disturb(for_s: float, latency_s: float = 0.0) -> None:
+    """For ``for_s`` seconds, every store call of this process fails (or, with ``latency_s``, waits that long)."""
+    _DISTURBANCE.until = time.monotonic() + for_s
+    _DISTURBANCE.latency_s = latency_s
+
+
 def _count(op: str, key: str) -> None:
+    """Before each store call: count it (``RTRAIN_STORE_OPS``), and carry out an injected disturbance."""
     tally = _tally()
     if tally is not None:
         tally.count(op, key)
+    if _DISTURBANCE.until and time.monotonic() < _DISTURBANCE.until:
+        if _DISTURBANCE.latency_s:
+            time.sleep(_DISTURBANCE.latency_s)
+        else:
+            raise OSError(errno.ETIMEDOUT, f"the run root is unreachable (chaos), {op} {key}")
 
 
 def open_store(uri: str) -> Store:

@@ -212,3 +212,38 @@ def test_a_write_error_the_root_keeps_giving_is_the_jobs_end_reason(code: int, s
     assert store_failure(OSError(code, os.strerror(code), "/r/run/lock/x"), "/r/run") == says
     assert store_failure(OSError(errno.EAGAIN, "try again"), "/r/run") == "", "a passing error ends nothing"
     assert store_failure(TimeoutError("slow"), "/r/run") == ""
+
+
+def test_a_host_that_loses_the_run_root_for_longer_than_the_lease_neither_ends_nor_hangs_the_job(
+    tmp_path: Any, tiny_dataset: str, jax_cache: str
+) -> None:
+    """Both hosts lose the run root in turn (every call fails) for longer than the lease and the heartbeat timeout,
+    then one is slow for a while: whichever led loses its lease and another leads; the job trains to its end on the
+    examples the pipeline defines (the outage is the agents', not the data's)."""
+    from jobs import assert_exact_data
+
+    from training import api
+
+    cfg = job_config(
+        str(tmp_path), tiny_dataset, jax_cache, run_name="outage", min_workers=1, max_workers=2, steps=60,
+        trace_data_ids=True,
+        chaos=[
+            "storage_outage:worker=0,step=10,for_s=5",
+            "storage_outage:worker=1,step=25,for_s=5",
+            "storage_latency:worker=0,step=40,for_s=4,latency_s=0.3",
+        ],
+        **QUICK,
+    )  # fmt: skip
+    handle = start_job(cfg)
+    wait_for(lambda: len(hosts(cfg.run_uri)) == 2, 60, "both agents to beat")
+    pids = {h: rec.pid for h, rec in hosts(cfg.run_uri).items()}
+    st = wait_finished(handle, timeout=400)
+    assert st["state"] == "finished" and st["step"] == 60, st
+    assert {h: rec.pid for h, rec in hosts(cfg.run_uri).items()} == pids, "an agent gave up during its outage"
+    evs = api.events(cfg.run_uri)
+    fired = {e["spec"] for e in evs if e["type"] == "chaos"}
+    assert {f for f in cfg.chaos} <= fired, fired
+    leaders = [e for e in evs if e["type"] == "leader"]
+    assert len(leaders) >= 2, "the host that led lost the run root for longer than its lease: another led"
+    assert not [e for e in evs if e["type"] == "failed"], "a run root that fails for a while does not end the job"
+    assert_exact_data(cfg.run_uri, tiny_dataset, cfg)

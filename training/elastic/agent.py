@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from training import storage
 from training.cadence import cadence
 from training.checkpoint import local as local_tier
 from training.checkpoint.ledger import Ledger
@@ -58,7 +59,7 @@ from training.elastic.codes import AgentExit, WorkerExit
 from training.elastic.leader import Leader, Phase
 from training.elastic.rendezvous import HostRecord, Outcome, Rendezvous, Report, Round
 from training.events import EventLog
-from training.faults import HOST_ACTIONS
+from training.faults import HOST_ACTIONS, STORAGE_ACTIONS, parse_chaos
 from training.layout import CONFIG, LOGS
 from training.scalars import ScalarLog
 from training.storage import Store, is_gcs, join, open_store
@@ -284,7 +285,7 @@ class HostAgent:
                 if self.leaving is not None and self._drained():
                     self.exit_code = AgentExit.INTERRUPTED
                     break
-                self._follow()
+                self._follow_safely()
                 self._pump()
                 self._maybe_lead()
                 if self.leader is not None:
@@ -383,6 +384,15 @@ class HostAgent:
             self.rdv.beat(rec)
 
     # --- following the rounds -----------------------------------------------------------------
+
+    def _follow_safely(self) -> None:
+        """Follow the rounds; a run root that fails for now is looked at again next time."""
+        try:
+            self._follow()
+        except OSError as e:
+            if store_failure(e, self.run_uri):
+                raise
+            log.warning("[%s] cannot read the rounds now: %s", self.host, e)
 
     def _follow(self) -> None:
         """Apply the rounds written since the last look (a worker that trains needs to look less often)."""
@@ -617,15 +627,18 @@ class HostAgent:
                 # jax.distributed, not at `import jax` (and the warm-up does not slow this round's start).
                 self.standby = self._spawn()
         host_fault = t == "chaos" and msg.get("action") in HOST_ACTIONS
+        storage_fault = t == "chaos" and msg.get("action") in STORAGE_ACTIONS
         committed = t == "checkpoint" and bool(msg.get("committed"))  # its event follows the ledger record
         if t in EVENT_REPORTS and not committed and (msg.get("process_id") == 0 or t in ("worker_started", "chaos")):
             msg.pop("time", None)
-            if host_fault:
-                self.emit(t, **msg)  # on record before the host goes down
+            if host_fault or storage_fault:
+                self.emit(t, **msg)  # on record before the host goes down, or loses its run root
             else:
                 self.emit_later(t, **msg)
         if host_fault:
             self._host_fault(str(msg["action"]), msg)
+        if storage_fault:
+            self._storage_fault(msg)
 
     def _committed(self, step: int, msg: dict[str, Any]) -> None:
         """Rank 0's agent records a commit (writer thread): the step's file checksums go into the ledger."""
@@ -639,6 +652,12 @@ class HostAgent:
         self.update(committed=step)
         fields = {k: v for k, v in msg.items() if k != "time"}
         self.emit("checkpoint", **fields)
+
+    def _storage_fault(self, msg: dict[str, Any]) -> None:
+        """Chaos on this agent's link to the run root: every call fails (or is slow) for a while."""
+        f = parse_chaos(str(msg.get("spec")))
+        log.warning("[%s] chaos %s: the run root is %s for %ss", self.host, f.spec, f.action, f.get("for_s"))
+        storage.disturb(float(f.get("for_s") or 0.0), float(f.get("latency_s") or 0.0))
 
     def _host_fault(self, action: str, msg: dict[str, Any]) -> None:
         """Chaos carried out on this whole host (the worker said so, then waits)."""
@@ -831,15 +850,24 @@ class HostAgent:
                 self._follow_at = 0.0  # this host's own part in the round it just opened: at once
         except LockLost as e:
             self._step_down(str(e))
+        except OSError as e:
+            if store_failure(e, self.run_uri):
+                self._lead_failed(leader, e)
+            else:  # the run root fails for now: lead on at the next tick (a lease that lapses meanwhile is lost)
+                log.warning("[%s] leading: the run root failed for now: %s", self.host, e)
         except Exception as e:  # noqa: BLE001 - leading failed: the job still ends with the reason
-            log.exception("[%s] leading the job failed", self.host)
-            self._store_error(e)  # a full disk: the space held back is freed first, so the end can be recorded
-            why = self.store_failure or f"the leader ({self.host}) failed: {type(e).__name__}: {e}"
-            try:
-                leader.fail(why)
-            except Exception:  # noqa: BLE001 - nothing more to do here; whoever looks next records it
-                log.exception("[%s] could not record the job's end", self.host)
-            self.exit_code = AgentExit.FAILED
+            self._lead_failed(leader, e)
+
+    def _lead_failed(self, leader: Leader, e: Exception) -> None:
+        """Leading raised: the job ends, with the reason (a full disk: the space held back is freed first)."""
+        log.error("[%s] leading the job failed", self.host, exc_info=e)
+        self._store_error(e)
+        why = self.store_failure or f"the leader ({self.host}) failed: {type(e).__name__}: {e}"
+        try:
+            leader.fail(why)
+        except Exception:  # noqa: BLE001 - nothing more to do here; whoever looks next records it
+            log.exception("[%s] could not record the job's end", self.host)
+        self.exit_code = AgentExit.FAILED
 
     def _step_down(self, why: str) -> None:
         log.warning("[%s] no longer leads: %s", self.host, why)

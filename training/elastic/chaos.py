@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from training.faults import HOST_ACTIONS, ChaosError, Fault, parse_chaos
+from training.faults import HOST_ACTIONS, STORAGE_ACTIONS, ChaosError, Fault, parse_chaos
 
 
 class WorkerChaos:
@@ -51,6 +51,8 @@ class WorkerChaos:
             if f.action in HOST_ACTIONS:
                 self._fire(f, step, everyone=True)
                 time.sleep(3600)  # the agent takes the host down (with this process)
+            if f.action in STORAGE_ACTIONS:
+                self._fire(f, step, everyone=True)  # the agent loses (or slows) its run root; this worker goes on
             if f.action == "preempt_notice":
                 self._fire(f, step, everyone=True)
                 # The platform's notice goes to the host's agent (a pod's first process), which passes it on.
