@@ -99,3 +99,42 @@ def test_a_full_disk_still_takes_an_object_written_into_its_reserve(tmp_path):
         assert s.get("events/x.json") == b"{}" * 100
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_what_fails_for_now_is_told_from_what_will_keep_failing() -> None:
+    import errno
+
+    from google.api_core.exceptions import NotFound as GNotFound
+    from google.api_core.exceptions import RetryError, ServiceUnavailable
+
+    from training.storage import is_transient
+
+    assert is_transient(OSError(errno.ETIMEDOUT, "timed out")) and is_transient(ConnectionResetError())
+    assert not is_transient(OSError(errno.ENOSPC, "full")) and not is_transient(OSError(errno.EROFS, "ro"))
+    assert is_transient(ServiceUnavailable("503")) and is_transient(RetryError("deadline", None))
+    assert not is_transient(GNotFound("404")) and not is_transient(ValueError("bad json"))
+
+
+def test_an_injected_outage_fails_only_the_stores_under_its_root_as_their_kind_fails(tmp_path, gcs_root) -> None:
+    import errno
+
+    from google.api_core.exceptions import RetryError
+
+    from training import storage
+
+    run, other = open_store(str(tmp_path / "run")), open_store(str(tmp_path / "local-tier"))
+    gcs = open_store(gcs_root)
+    try:
+        storage.disturb(str(tmp_path / "run"), 30)
+        with pytest.raises(OSError) as e:
+            run.put("status.json", b"{}")
+        assert e.value.errno == errno.ETIMEDOUT
+        other.put("x", b"1")  # another root (the local tier) is not touched
+        assert other.get("x") == b"1"
+        storage.disturb(gcs_root, 30)
+        with pytest.raises(RetryError):
+            gcs.get("status.json")
+        run.put("status.json", b"{}")  # one disturbance at a time: the local run root is back
+    finally:
+        storage.disturb("", 0)
+    gcs.put("status.json", b"{}")

@@ -38,8 +38,11 @@ the same step again does not fire it twice).
                     before the checkpoint of step S is saved.
 ``storage_outage``  ``worker=W,step=S,for_s=T``: from step S, every call of the
                     host agent of worker W to the run root fails for T seconds
-                    (its heartbeats, round looks, lease, events); its worker
-                    trains on.
+                    (its heartbeats, round looks, lease, events; not its local
+                    tier), as a store of that kind fails; its worker trains on.
+                    Longer than the lease, another agent leads; longer than
+                    the heartbeat timeout, the host leaves the round and
+                    rejoins after.
 ``storage_latency`` ``worker=W,step=S,for_s=T,latency_s=L``: the same, but every
                     call takes L seconds more instead of failing.
 ==================  ==========================================================

@@ -85,7 +85,7 @@ class LocalStore:
         return str(self._path(key))
 
     def put(self, key: str, data: bytes) -> None:
-        _count("put", key)
+        _count("put", key, self.uri)
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -126,7 +126,7 @@ class LocalStore:
         ``data`` is written over the start of the reserve, which is cut to its size and
         renamed to ``key``; the reserve is gone after.
         """
-        _count("create_in", key)
+        _count("create_in", key, self.uri)
         src, path = self._path(reserve), self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists():  # keys written this way are unique (a time stamp and a nonce): a plain check will do
@@ -139,7 +139,7 @@ class LocalStore:
         os.rename(src, path)  # a rename takes no new inode (a link can need one, and space for it, on tmpfs)
 
     def create(self, key: str, data: bytes) -> None:
-        _count("create", key)
+        _count("create", key, self.uri)
         # Write to a temporary name, then hard-link: link(2) fails when the
         # target exists, so a reader never sees a half-written object and two
         # writers never both win.
@@ -162,18 +162,18 @@ class LocalStore:
                 os.unlink(tmp)
 
     def get(self, key: str) -> bytes:
-        _count("get", key)
+        _count("get", key, self.uri)
         try:
             return self._path(key).read_bytes()
         except FileNotFoundError:
             raise NotFound(str(self._path(key))) from None
 
     def exists(self, key: str) -> bool:
-        _count("exists", key)
+        _count("exists", key, self.uri)
         return self._path(key).exists()
 
     def list(self, prefix: str = "") -> builtins.list[str]:
-        _count("list", prefix)
+        _count("list", prefix, self.uri)
         base = self._path(prefix) if prefix else self.root
         # A prefix may name a directory ("a/") or the start of a file name ("a/x").
         if base.is_dir():
@@ -196,7 +196,7 @@ class LocalStore:
 
     def checksums(self, prefix: str = "") -> dict[str, builtins.list[int]]:
         """``{key relative to prefix: [size, crc32c]}`` of the objects under ``prefix``."""
-        _count("checksums", prefix)
+        _count("checksums", prefix, self.uri)
         import google_crc32c
 
         out = {}
@@ -213,13 +213,13 @@ class LocalStore:
 
     def move(self, src: str, dst: str) -> None:
         """Move an object or a whole prefix (a rename on one file system)."""
-        _count("move", src)
+        _count("move", src, self.uri)
         target = self._path(dst)
         target.parent.mkdir(parents=True, exist_ok=True)
         os.rename(self._path(src), target)
 
     def delete(self, key: str) -> None:
-        _count("delete", key)
+        _count("delete", key, self.uri)
         path = self._path(key)
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
@@ -263,13 +263,13 @@ class GCSStore:
         return "gs://" + self.bucket_name + "/" + self._name(key)
 
     def put(self, key: str, data: bytes) -> None:
-        _count("put", key)
+        _count("put", key, self.uri)
         from google.cloud.storage.retry import DEFAULT_RETRY
 
         self.bucket.blob(self._name(key)).upload_from_string(data, retry=DEFAULT_RETRY)
 
     def create(self, key: str, data: bytes) -> None:
-        _count("create", key)
+        _count("create", key, self.uri)
         from google.api_core import exceptions
         from google.cloud.storage.retry import DEFAULT_RETRY
 
@@ -284,7 +284,7 @@ class GCSStore:
             raise AlreadyExists(self.child(key)) from None
 
     def get(self, key: str) -> bytes:
-        _count("get", key)
+        _count("get", key, self.uri)
         from google.api_core import exceptions
         from google.cloud.storage.retry import DEFAULT_RETRY
 
@@ -294,13 +294,13 @@ class GCSStore:
             raise NotFound(self.child(key)) from None
 
     def exists(self, key: str) -> bool:
-        _count("exists", key)
+        _count("exists", key, self.uri)
         from google.cloud.storage.retry import DEFAULT_RETRY
 
         return bool(self.bucket.blob(self._name(key)).exists(retry=DEFAULT_RETRY))
 
     def list(self, prefix: str = "") -> builtins.list[str]:
-        _count("list", prefix)
+        _count("list", prefix, self.uri)
         from google.cloud.storage.retry import DEFAULT_RETRY
 
         full = self._name(prefix) if prefix else (self.prefix + "/" if self.prefix else "")
@@ -316,7 +316,7 @@ class GCSStore:
 
         (An emulator that keeps no CRC32C: the object is read and summed here.)
         """
-        _count("checksums", prefix)
+        _count("checksums", prefix, self.uri)
         import base64
 
         import google_crc32c
@@ -341,7 +341,7 @@ class GCSStore:
 
     def move(self, src: str, dst: str) -> None:
         """Copy then delete, object by object (GCS has no rename)."""
-        _count("move", src)
+        _count("move", src, self.uri)
         from google.cloud.storage.retry import DEFAULT_RETRY
 
         src_p = src.rstrip("/")
@@ -353,7 +353,7 @@ class GCSStore:
         self.delete(src_p)
 
     def delete(self, key: str) -> None:
-        _count("delete", key)
+        _count("delete", key, self.uri)
         from google.api_core import exceptions
 
         # The object itself and everything "inside" it (key/...), never key2...
@@ -380,6 +380,30 @@ def gcs_client() -> object:
             project=os.environ.get("GOOGLE_CLOUD_PROJECT", "local"), credentials=AnonymousCredentials()
         )
     return storage.Client()
+
+
+# Write errors a run root keeps giving (a retry cannot help).
+LASTING_WRITE_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM})
+# What a gs:// root raises when it cannot be reached for now (the client's own retries ran out).
+_TRANSIENT_GCS = frozenset(
+    {
+        "RetryError",
+        "ServiceUnavailable",
+        "InternalServerError",
+        "TooManyRequests",
+        "BadGateway",
+        "GatewayTimeout",
+        "DeadlineExceeded",
+        "TransportError",
+    }
+)
+
+
+def is_transient(e: BaseException) -> bool:
+    """Is ``e`` a store failing for now (unreachable, slow, overloaded), not one that will keep failing?"""
+    if isinstance(e, OSError):
+        return e.errno not in LASTING_WRITE_ERRORS
+    return any(c.__module__.startswith("google.") and c.__name__ in _TRANSIENT_GCS for c in type(e).__mro__)
 
 
 OPS_ENV = "RTRAIN_STORE_OPS"  # a directory: every process counts its store calls there (``rtrain bench``)
@@ -442,6 +466,7 @@ def _tally() -> OpTally | None:
 class _Disturbance:
     """Injected trouble with the run root (chaos): until when, and how (a delay, else a failure)."""
 
+    root: str = ""
     until: float = 0.0
     latency_s: float = 0.0
 
@@ -449,20 +474,27 @@ class _Disturbance:
 _DISTURBANCE = _Disturbance()
 
 
-def disturb(for_s: float, latency_s: float = 0.0) -> None:
-    """For ``for_s`` seconds, every store call of this process fails (or, with ``latency_s``, waits that long)."""
+def disturb(root: str, for_s: float, latency_s: float = 0.0) -> None:
+    """For ``for_s`` seconds, every call of this process to a store under ``root`` fails (or, with
+    ``latency_s``, waits that long): as a store of that kind fails when it cannot be reached."""
+    _DISTURBANCE.root = root.rstrip("/")
     _DISTURBANCE.until = time.monotonic() + for_s
     _DISTURBANCE.latency_s = latency_s
 
 
-def _count(op: str, key: str) -> None:
+def _count(op: str, key: str, uri: str) -> None:
     """Before each store call: count it (``RTRAIN_STORE_OPS``), and carry out an injected disturbance."""
     tally = _tally()
     if tally is not None:
         tally.count(op, key)
-    if _DISTURBANCE.until and time.monotonic() < _DISTURBANCE.until:
+    d = _DISTURBANCE
+    if d.until and time.monotonic() < d.until and (uri == d.root or uri.startswith(d.root + "/")):
         if _DISTURBANCE.latency_s:
             time.sleep(_DISTURBANCE.latency_s)
+        elif is_gcs(uri):
+            from google.api_core.exceptions import RetryError, ServiceUnavailable
+
+            raise RetryError("Timeout of 120.0s exceeded (chaos)", ServiceUnavailable(f"{op} {key}: unreachable"))
         else:
             raise OSError(errno.ETIMEDOUT, f"the run root is unreachable (chaos), {op} {key}")
 

@@ -1173,6 +1173,22 @@ def test_why_the_jobset_s_pods_wait_is_read_from_the_cluster_and_told_in_one_lin
     api.pods = [pod("js-slice-0-0", "js", RUNNING)]
     assert hook.waiting("js", "training") == ""
 
+    # An agent that exits at start leaves a Failed pod (restartPolicy Never); one on its way out is not told.
+    def ended(code: int, reason: str, message: str = "") -> dict[str, Any]:
+        state = {"terminated": {"exitCode": code, "reason": reason, **({"message": message} if message else {})}}
+        return {"name": "agent", "ready": False, "restartCount": 0, "image": "img:1", "imageID": "x", "state": state}
+
+    failed = {"phase": "Failed", "containerStatuses": [ended(3, "Error", "config refused")]}
+    oom = {"phase": "Failed", "containerStatuses": [ended(137, "OOMKilled")]}
+    evicted = {"phase": "Failed", "reason": "Evicted", "message": "The node was low on resource: memory."}
+    leaving = pod("js-slice-3-0", "js", UNSCHEDULABLE)
+    leaving["metadata"]["deletionTimestamp"] = "2026-12-01T10:00:00Z"
+    api.pods = [pod("a", "js", failed), pod("b", "js", oom), pod("c", "js", evicted), leaving]
+    line = hook.waiting("js", "training")
+    assert "1 pod Failed (exit code 3: config refused): the agent exited with an error" in line
+    assert "1 pod OOMKilled (exit code 137): the agent ran out of the pod's memory" in line
+    assert "1 pod Evicted (The node was low on resource: memory.)" in line and "Unschedulable" not in line
+
 
 def test_the_gke_backend_s_poll_says_why_pods_wait_or_that_kueue_holds_the_jobset(
     k8s: tuple[FakeKubernetes, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
@@ -1567,6 +1583,10 @@ def test_the_sensor_s_log_says_why_pods_wait_once_per_change(
     h |= {"launched_at": time.time(), "events_after": None, "attached": False}
 
     def later() -> None:
+        time.sleep(0.6)
+        other_message = copy.deepcopy(IMAGE_PULL)
+        other_message["containerStatuses"][0]["state"]["waiting"]["message"] = "ErrImagePull again"
+        api.pods = [pod(f"{m.name}-slice-0-0", m.name, other_message)]  # the same reason: not told again
         time.sleep(0.6)
         api.pods = [pod(f"{m.name}-slice-0-0", m.name, RUNNING)]
         time.sleep(0.6)

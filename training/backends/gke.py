@@ -782,6 +782,9 @@ POD_WAITING_HINTS = {
     "InvalidImageName": "gke.image is not a valid image reference",
     "CreateContainerConfigError": "the pod's configuration is refused (a missing Secret, ConfigMap or service account)",
     "CrashLoopBackOff": "the agent keeps exiting at start: see the pod's log",
+    "Failed": "the agent exited with an error (the pod is replaced while its index has retries): see the pod's log",
+    "OOMKilled": "the agent ran out of the pod's memory (the local tier's emptyDir counts against it)",
+    "Evicted": "the node evicted the pod (memory or disk pressure)",
 }
 
 
@@ -798,8 +801,14 @@ def pods_waiting(pods: list[Mapping[str, Any]]) -> list[PodWaiting]:
     """The pods (API objects as JSON) that wait: not scheduled, or a container that cannot start."""
     out = []
     for pod in pods:
-        name = str((pod.get("metadata") or {}).get("name", "?"))
+        meta = pod.get("metadata") or {}
+        name = str(meta.get("name", "?"))
         status = pod.get("status") or {}
+        if meta.get("deletionTimestamp"):
+            continue  # on its way out (a lost slice, the JobSet's end)
+        if status.get("phase") == "Failed":
+            out.append(PodWaiting(name, *_failure(status)))
+            continue
         if status.get("phase") not in ("Pending", "Running"):
             continue
         waiting = _waiting_container(status)
@@ -810,6 +819,18 @@ def pods_waiting(pods: list[Mapping[str, Any]]) -> list[PodWaiting]:
             if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
                 out.append(PodWaiting(name, str(cond.get("reason") or "Unschedulable"), str(cond.get("message") or "")))
     return out
+
+
+def _failure(status: Mapping[str, Any]) -> tuple[str, str]:
+    """A failed pod's reason: the pod's own (Evicted), else its container's end (OOMKilled, an exit code)."""
+    if status.get("reason") in POD_WAITING_HINTS:
+        return str(status["reason"]), str(status.get("message") or "")
+    for cs in status.get("containerStatuses") or []:
+        ended = (cs.get("state") or {}).get("terminated") or {}
+        if ended.get("exitCode"):
+            reason = "OOMKilled" if ended.get("reason") == "OOMKilled" else "Failed"
+            return reason, f"exit code {ended['exitCode']}" + (f": {ended['message']}" if ended.get("message") else "")
+    return "Failed", str(status.get("message") or "")
 
 
 def _waiting_container(status: Mapping[str, Any]) -> tuple[str, str] | None:

@@ -62,10 +62,11 @@ from training.events import EventLog
 from training.faults import HOST_ACTIONS, STORAGE_ACTIONS, parse_chaos
 from training.layout import CONFIG, LOGS
 from training.scalars import ScalarLog
-from training.storage import Store, is_gcs, join, open_store
+from training.storage import LASTING_WRITE_ERRORS, Store, is_gcs, is_transient, join, open_store
 
 log = logging.getLogger("rtrain.agent")
 
+WRITE_RETRY_S = 120.0  # a background write (an event, a commit's ledger record) is tried again this long
 SCALARS_FLUSH_S = 5.0  # step scalars reach the run's TensorBoard files this often (and at each round's end)
 HOST_RE = re.compile(r"^(?:s(?P<slice>\d+)-)?h(?P<index>\d+)$")
 # Worker reports that become events (rank 0's; worker_started and chaos come from every rank).
@@ -196,6 +197,7 @@ class HostAgent:
         self.cadence = cadence(self.cfg.max_workers, is_gcs(run), self.cfg.heartbeat_s, self.cfg.lease_s)
         self._follow_at = 0.0
         self._list_at = time.monotonic()
+        self._lead_failing_since: float | None = None  # leading has met a run root failing for now since
         self._step_beat_at = 0.0
         self._writes: queue.Queue[Callable[[], object] | None] = queue.Queue()
         self._writer_thread = threading.Thread(target=self._writer, name="writer", daemon=True)
@@ -219,10 +221,16 @@ class HostAgent:
             job = self._writes.get()
             if job is None:
                 return
-            try:
-                job()
-            except Exception as e:  # noqa: BLE001 - logged; the next write goes on
-                log.warning("[%s] a background write failed: %s", self.host, e)
+            give_up = time.monotonic() + WRITE_RETRY_S
+            while True:
+                try:
+                    job()
+                    break
+                except Exception as e:  # noqa: BLE001 - logged; a run root that fails for now is tried again
+                    if not is_transient(e) or time.monotonic() > give_up or self._stop.is_set():
+                        log.warning("[%s] a background write failed: %s", self.host, e)
+                        break
+                    time.sleep(0.5)
 
     def _coordinator_address(self) -> str:
         port = self.coordinator_port or free_port(self.coordinator_host)
@@ -389,8 +397,8 @@ class HostAgent:
         """Follow the rounds; a run root that fails for now is looked at again next time."""
         try:
             self._follow()
-        except OSError as e:
-            if store_failure(e, self.run_uri):
+        except Exception as e:
+            if not is_transient(e):
                 raise
             log.warning("[%s] cannot read the rounds now: %s", self.host, e)
 
@@ -657,7 +665,7 @@ class HostAgent:
         """Chaos on this agent's link to the run root: every call fails (or is slow) for a while."""
         f = parse_chaos(str(msg.get("spec")))
         log.warning("[%s] chaos %s: the run root is %s for %ss", self.host, f.spec, f.action, f.get("for_s"))
-        storage.disturb(float(f.get("for_s") or 0.0), float(f.get("latency_s") or 0.0))
+        storage.disturb(self.run_uri, float(f.get("for_s") or 0.0), float(f.get("latency_s") or 0.0))
 
     def _host_fault(self, action: str, msg: dict[str, Any]) -> None:
         """Chaos carried out on this whole host (the worker said so, then waits)."""
@@ -793,10 +801,13 @@ class HostAgent:
         )
 
     def _report(self, round_: int, rank: int, outcome: Outcome, **fields: Any) -> None:
+        rep = Report(round=round_, host=self.host, rank=rank, outcome=outcome.value, **fields)
         try:
-            self.rdv.report(Report(round=round_, host=self.host, rank=rank, outcome=outcome.value, **fields))
+            self.rdv.report(rep)
         except Exception as e:  # noqa: BLE001 - the leader also sees the heartbeat
             log.warning("[%s] could not report round %s: %s", self.host, round_, e)
+            if is_transient(e):
+                self._writes.put(lambda: self.rdv.report(rep))  # the writer tries again while the root fails
 
     # --- leading ------------------------------------------------------------------------------
 
@@ -850,13 +861,16 @@ class HostAgent:
                 self._follow_at = 0.0  # this host's own part in the round it just opened: at once
         except LockLost as e:
             self._step_down(str(e))
-        except OSError as e:
-            if store_failure(e, self.run_uri):
-                self._lead_failed(leader, e)
-            else:  # the run root fails for now: lead on at the next tick (a lease that lapses meanwhile is lost)
-                log.warning("[%s] leading: the run root failed for now: %s", self.host, e)
         except Exception as e:  # noqa: BLE001 - leading failed: the job still ends with the reason
-            self._lead_failed(leader, e)
+            now = time.monotonic()
+            if not is_transient(e) or now - (self._lead_failing_since or now) > self.cfg.heartbeat_timeout_s * 3:
+                self._lead_failed(leader, e)
+                return
+            # The run root fails for now: lead on at the next tick (a lease that lapses meanwhile is lost).
+            self._lead_failing_since = self._lead_failing_since or now
+            log.warning("[%s] leading: the run root fails for now: %s", self.host, e)
+        else:
+            self._lead_failing_since = None
 
     def _lead_failed(self, leader: Leader, e: Exception) -> None:
         """Leading raised: the job ends, with the reason (a full disk: the space held back is freed first)."""
@@ -877,10 +891,6 @@ class HostAgent:
         self.leader = None
         self.lock.gen = None
         self.update(leader=False)
-
-
-# Write errors a run root keeps giving (a retry cannot help): the job ends, naming them.
-LASTING_WRITE_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM})
 
 
 def store_failure(e: Exception, run_uri: str) -> str:

@@ -143,6 +143,10 @@ class Leader:
         # cadence's step beat, the leader reads it within a host scan).
         self.cadence = agent.cadence
         self._control_at = 0.0
+        # The job's end, once decided (a leader that takes over an ended job: the end its stop round says).
+        self._ending: tuple[RunState, str] | None = None
+        if self.round is not None and self.round.action == "stop" and self.round.final:
+            self._ending = (RunState(self.round.final), self.round.reason)
         self.agent.emit(
             "leader",
             host=agent.host,
@@ -175,7 +179,7 @@ class Leader:
             Phase.FORM: self._form,
             Phase.WAIT: self._wait,
             Phase.RUNNING: self._running,
-            Phase.DONE: lambda _now: None,
+            Phase.DONE: self._done,
         }[self.phase](now)
         self._write_status()
 
@@ -194,9 +198,9 @@ class Leader:
     # --- hosts ----------------------------------------------------------------------------------
 
     def _read_hosts(self, now: float) -> None:
-        self._hosts_at = now
         mono = time.monotonic()
         self.hosts = self.rdv.hosts(self.job)
+        self._hosts_at = now  # a scan that failed is tried again at the next tick
         for h, rec in self.hosts.items():
             seen = self._seen.get(h)
             if seen is None:
@@ -503,7 +507,7 @@ class Leader:
     def _record_failure(self, lost: list[str], resume_step: int | None) -> bool:
         """Emit the failure with its best explanation and the steps it loses; False when the job has failed."""
         assert self.failure is not None
-        f, self.failure = self.failure, None
+        f = self.failure  # cleared once what the store says is read: a tick the store failed comes back here
         rnd = self.round
         assert rnd is not None
         # Every failed report of the round by now, not only those that raised the alarm: the peer watch
@@ -540,13 +544,14 @@ class Leader:
             if blame is not None and blame.error:
                 reason += f": {blame.error}"
         fault_at = next((r.fault_at for r in reports if r.fault_at), None) or self._fault_time(rnd)
+        reached = self._reached(rnd)
+        self.failure = None
         self.failures += 1
         full = [r for r in reports if "No space left on device" in f"{r.reason} {r.error}"]
         if full:
             # Another round would fill the same disk again: end the job with the reason now.
             self._fail(f"no space left on {self.store.uri} (No space left on device): {reason}")
             return False
-        reached = self._reached(rnd)
         steps_lost = max(reached - (resume_step or 0), 0) if reached is not None else 0
         self.recovery = {
             "cause": reason,
@@ -596,10 +601,10 @@ class Leader:
 
     def _guard(self, rep: Report, rnd: Round) -> None:
         g = rep.guard or {}
-        self.guards += 1
         step, reason = int(g.get("step", -1)), str(g.get("reason", "bad loss"))
         restored = g.get("restored_from")
-        states = self.ledger.states()
+        states = self.ledger.states()  # read before counting: a tick the store failed comes back here
+        self.guards += 1
         good = sorted(s for s, r in states.items() if r["state"] in USABLE_STATES and s < step)
         suspect: list[int] = []
         if restored is not None and not g.get("committed_since_restore"):
@@ -708,10 +713,16 @@ class Leader:
             self.store.delete(RDV_RESERVE)
             self._write_end(state, reason)
 
+    def _done(self, _now: float) -> None:
+        """The job has ended: an end whose records a failing run root cut short is written again."""
+        if self._ending is not None and (self.round is None or self.round.action != "stop"):
+            self._write_end(*self._ending)
+
     def _write_end(self, state: RunState, reason: str) -> None:
         self._fence()
         self.status["reason"] = reason
         self.phase = Phase.DONE
+        self._ending = (state, reason)
         self._write_status(force=True, state=state)
         if self.round is not None and self.round.action == "stop":
             return  # written already (a retry after a full disk)
@@ -760,6 +771,8 @@ class Leader:
                 self.agent.emit("capacity", available=to, reason="chaos")
 
     def _state(self) -> RunState:
+        if self.phase == Phase.DONE and self._ending is not None:
+            return self._ending[0]
         if self.phase == Phase.GATHER:
             return RunState.STARTING
         if self.phase == Phase.WAIT:

@@ -8,14 +8,16 @@ the job was killed at once, an OOM took them all, the launcher too), the status
 would say "running" forever; so whoever looks next (``rtrain status``, the
 Airflow sensor, the local slice) checks: a status that says alive, not written
 for longer than the run's heartbeat timeout, no host of the job beating within
-it, and no job holding the run lock (its lease lapsed) belongs to a job that is
-gone.  The reader then takes the lock and records the final state with the
+it (nor an agent of it running on this machine, cut off from the run root for a
+while), and no job holding the run lock (its lease lapsed) belongs to a job that
+is gone.  The reader then takes the lock and records the final state with the
 reason, as an event too.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import time
 from typing import Any
 
@@ -39,12 +41,27 @@ def stale_after_s(store: Store) -> float:
 
 
 def _beating(store: Store, job: Any, within_s: float, now: float) -> list[str]:
-    """Hosts of ``job`` whose heartbeat is newer than ``within_s`` (a leader may be taking over)."""
+    """Hosts of ``job`` whose heartbeat is newer than ``within_s`` (a leader may be taking over), or whose
+    agent runs on this machine (alive, but cut off from the run root for a while)."""
     try:
         recs = Rendezvous(store).hosts(str(job)).values()
     except (NotFound, OSError):
         return []
-    return sorted(r.host for r in recs if r.state != "gone" and now - float(r.time) < within_s)
+    here = socket.gethostname()
+    return sorted(
+        r.host
+        for r in recs
+        if r.state != "gone" and (now - float(r.time) < within_s or (r.node == here and _agent_runs(r.pid)))
+    )
+
+
+def _agent_runs(pid: int) -> bool:
+    """Is ``pid`` a host agent's process on this machine?"""
+    try:
+        with open(f"/proc/{int(pid)}/cmdline", "rb") as f:
+            return b"training.elastic.agent" in f.read()
+    except (OSError, ValueError):
+        return False
 
 
 def status(run_uri: str, repair: bool = True) -> dict[str, Any] | None:

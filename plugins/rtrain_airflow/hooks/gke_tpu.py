@@ -515,17 +515,24 @@ class GKETPUHook(GKEHook):
         if op is not None:
             st.pending[spec.name] = _Pending(spec, op)
             return
-        pool = self.get_node_pool(cluster_name=st.cluster_name, node_pool_name=spec.name, project_id=st.project_id)
-        if pool.status == container_v1.NodePool.Status.ERROR:
-            self.log.warning(
-                "Node pool %s is in ERROR (%s): deleting it to create it again", spec.name, pool.status_message
-            )
-            delete = self.delete_tpu_node_pool(
-                cluster_name=st.cluster_name, node_pool_name=spec.name, project_id=st.project_id, wait_to_complete=False
-            )
-            st.pending[spec.name] = _Pending(spec, delete, then="create", retry=delete is None)
-        else:
-            self._pool_seen(st, _Pending(spec), pool)
+        try:
+            pool = self.get_node_pool(cluster_name=st.cluster_name, node_pool_name=spec.name, project_id=st.project_id)
+            if pool.status == container_v1.NodePool.Status.ERROR:
+                self.log.warning(
+                    "Node pool %s is in ERROR (%s): deleting it to create it again", spec.name, pool.status_message
+                )
+                delete = self.delete_tpu_node_pool(
+                    cluster_name=st.cluster_name,
+                    node_pool_name=spec.name,
+                    project_id=st.project_id,
+                    wait_to_complete=False,
+                )
+                st.pending[spec.name] = _Pending(spec, delete, then="create", retry=delete is None)
+            else:
+                self._pool_seen(st, _Pending(spec), pool)
+        except (NotFound, *TRANSIENT_ERRORS) as e:  # gone meanwhile, or a look that failed: ask again
+            self.log.warning("Node pool %s: %s; asking again", spec.name, e)
+            st.pending[spec.name] = _Pending(spec, retry=True)
 
     def _pool_seen(self, st: _Provisioning, p: _Pending, pool: container_v1.NodePool) -> None:
         """A pool found made by an earlier try: up when RUNNING, watched while on its way, failed in ERROR."""

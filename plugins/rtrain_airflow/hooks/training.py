@@ -484,7 +484,12 @@ class GKEBackend:
         if state == "suspended":
             queue = self.gke.get("kueue_queue")
             return {**look, "waiting": f"the JobSet is suspended: waiting for Kueue to admit it (queue {queue})"}
-        waiting = jobsets.waiting(handle["jobset"], handle["namespace"])
+        try:
+            waiting = jobsets.waiting(handle["jobset"], handle["namespace"])
+        except Exception as e:  # noqa: BLE001 - why pods wait is a diagnosis: a failed look is no failure of the job
+            if self.log is not None:
+                self.log.warning("Reading the pods of %s failed: %s", handle["jobset"], e)
+            return look
         return {**look, "waiting": waiting} if waiting else look
 
     def release(self, cfg: Config, spec: Mapping[str, Any], handles: list[Mapping[str, Any]]) -> dict[str, Any]:

@@ -28,6 +28,7 @@ The blocking reads (a local file or a GCS object) run in a thread.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -118,6 +119,11 @@ class Progress:
         elif isinstance(total, int) and isinstance(ev.get("step"), int) and total > ev["step"] and per_step is not None:
             fields["eta_s"] = (total - ev["step"]) * per_step
         return describe(fields)
+
+
+def _gist(waiting: str) -> str:
+    """A line of why pods wait without the messages in parentheses (they change while nothing else does)."""
+    return re.sub(r" \([^()]*\)", "", waiting)
 
 
 def queued_line(row: QueueRow) -> str:
@@ -238,7 +244,7 @@ class RTrainTrainingJobTrigger(BaseTrigger):
                 await asyncio.sleep(self.poll_interval)
                 continue
             st = found.get("status") or {}
-            if found.get("waiting", "") != waiting:
+            if _gist(found.get("waiting", "")) != _gist(waiting):  # the reasons and counts, not the messages
                 waiting = found.get("waiting", "")
                 self.log.info("[rtrain] %s", f"pods waiting: {waiting}" if waiting else "no pod waits any more")
             now = time.monotonic()
