@@ -477,7 +477,7 @@ _DISTURBANCE = _Disturbance()
 def disturb(root: str, for_s: float, latency_s: float = 0.0) -> None:
     """For ``for_s`` seconds, every call of this process to a store under ``root`` fails (or, with
     ``latency_s``, waits that long): as a store of that kind fails when it cannot be reached."""
-    _DISTURBANCE.root = root.rstrip("/")
+    _DISTURBANCE.root = root.rstrip("/") if is_gcs(root) or not root else str(Path(root).expanduser().resolve())
     _DISTURBANCE.until = time.monotonic() + for_s
     _DISTURBANCE.latency_s = latency_s
 

@@ -1188,6 +1188,13 @@ def test_why_the_jobset_s_pods_wait_is_read_from_the_cluster_and_told_in_one_lin
     assert "1 pod Failed (exit code 3: config refused): the agent exited with an error" in line
     assert "1 pod OOMKilled (exit code 137): the agent ran out of the pod's memory" in line
     assert "1 pod Evicted (The node was low on resource: memory.)" in line and "Unschedulable" not in line
+    # A failed pod stays after its index's next pod started: that one is told, not the old one.
+    index = {"jobset.sigs.k8s.io/job-index": "0", "batch.kubernetes.io/job-completion-index": "1"}
+    old, new = pod("js-slice-0-1-a", "js", failed), pod("js-slice-0-1-b", "js", RUNNING)
+    for p in (old, new):
+        p["metadata"]["labels"].update(index)
+    api.pods = [old, new]
+    assert hook.waiting("js", "training") == ""
 
 
 def test_the_gke_backend_s_poll_says_why_pods_wait_or_that_kueue_holds_the_jobset(

@@ -800,6 +800,7 @@ class PodWaiting:
 def pods_waiting(pods: list[Mapping[str, Any]]) -> list[PodWaiting]:
     """The pods (API objects as JSON) that wait: not scheduled, or a container that cannot start."""
     out = []
+    replaced = {_pod_index(p) for p in pods if (p.get("status") or {}).get("phase") != "Failed"} - {None}
     for pod in pods:
         meta = pod.get("metadata") or {}
         name = str(meta.get("name", "?"))
@@ -807,7 +808,8 @@ def pods_waiting(pods: list[Mapping[str, Any]]) -> list[PodWaiting]:
         if meta.get("deletionTimestamp"):
             continue  # on its way out (a lost slice, the JobSet's end)
         if status.get("phase") == "Failed":
-            out.append(PodWaiting(name, *_failure(status)))
+            if _pod_index(pod) not in replaced:  # a failed pod stays after its index's next pod started
+                out.append(PodWaiting(name, *_failure(status)))
             continue
         if status.get("phase") not in ("Pending", "Running"):
             continue
@@ -819,6 +821,15 @@ def pods_waiting(pods: list[Mapping[str, Any]]) -> list[PodWaiting]:
             if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
                 out.append(PodWaiting(name, str(cond.get("reason") or "Unschedulable"), str(cond.get("message") or "")))
     return out
+
+
+def _pod_index(pod: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The (slice, host) a JobSet pod stands for: its replacements have the same."""
+    meta = pod.get("metadata") or {}
+    labels, notes = meta.get("labels") or {}, meta.get("annotations") or {}
+    host = notes.get(COMPLETION_INDEX_ANNOTATION, labels.get(COMPLETION_INDEX_ANNOTATION))
+    slice_ = labels.get(JOB_INDEX_LABEL)
+    return None if host is None or slice_ is None else (str(slice_), str(host))
 
 
 def _failure(status: Mapping[str, Any]) -> tuple[str, str]:

@@ -66,7 +66,7 @@ from training.storage import LASTING_WRITE_ERRORS, Store, is_gcs, is_transient, 
 
 log = logging.getLogger("rtrain.agent")
 
-WRITE_RETRY_S = 120.0  # a background write (an event, a commit's ledger record) is tried again this long
+WRITE_RETRY_S = 120.0  # a report the run root refused for now is tried again this long
 SCALARS_FLUSH_S = 5.0  # step scalars reach the run's TensorBoard files this often (and at each round's end)
 HOST_RE = re.compile(r"^(?:s(?P<slice>\d+)-)?h(?P<index>\d+)$")
 # Worker reports that become events (rank 0's; worker_started and chaos come from every rank).
@@ -179,6 +179,7 @@ class HostAgent:
         self._beat_lock = threading.Lock()  # one record write at a time
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._closing = threading.Event()
         self.worker: WorkerProc | None = None
         self.standby: WorkerProc | None = None
         self.spawned = 0
@@ -221,16 +222,22 @@ class HostAgent:
             job = self._writes.get()
             if job is None:
                 return
-            give_up = time.monotonic() + WRITE_RETRY_S
-            while True:
-                try:
-                    job()
-                    break
-                except Exception as e:  # noqa: BLE001 - logged; a run root that fails for now is tried again
-                    if not is_transient(e) or time.monotonic() > give_up or self._stop.is_set():
-                        log.warning("[%s] a background write failed: %s", self.host, e)
-                        break
-                    time.sleep(0.5)
+            try:
+                job()
+            except Exception as e:  # noqa: BLE001 - logged; the next write goes on
+                log.warning("[%s] a background write failed: %s", self.host, e)
+
+    def _until_written(self, write: Callable[[], object]) -> None:
+        """Write; a run root that fails for now is tried again (up to WRITE_RETRY_S, while the agent runs)."""
+        give_up = time.monotonic() + WRITE_RETRY_S
+        while True:
+            try:
+                write()
+                return
+            except Exception as e:
+                if not is_transient(e) or time.monotonic() > give_up or self._closing.is_set():
+                    raise
+                time.sleep(0.5)
 
     def _coordinator_address(self) -> str:
         port = self.coordinator_port or free_port(self.coordinator_host)
@@ -370,6 +377,7 @@ class HostAgent:
         return True
 
     def _shutdown(self) -> None:
+        self._closing.set()  # writes still queued are tried once more, not again and again
         for w in (self.worker, self.standby):
             if w is not None:
                 self._kill(w)
@@ -806,8 +814,8 @@ class HostAgent:
             self.rdv.report(rep)
         except Exception as e:  # noqa: BLE001 - the leader also sees the heartbeat
             log.warning("[%s] could not report round %s: %s", self.host, round_, e)
-            if is_transient(e):
-                self._writes.put(lambda: self.rdv.report(rep))  # the writer tries again while the root fails
+            if is_transient(e):  # the writer tries again while the root fails
+                self._writes.put(lambda: self._until_written(lambda: self.rdv.report(rep)))
 
     # --- leading ------------------------------------------------------------------------------
 
@@ -839,6 +847,7 @@ class HostAgent:
             self.lock, on_lost=lambda why: log.warning("[%s] %s", self.host, why), on_error=self._store_error
         ).start()
         self.update(leader=True)
+        self._lead_failing_since = None
         self.leader = Leader(self)
         log.warning("[%s] leads job %s (lease generation %s)", self.host, self.job, self.lock.gen)
 
@@ -885,6 +894,7 @@ class HostAgent:
 
     def _step_down(self, why: str) -> None:
         log.warning("[%s] no longer leads: %s", self.host, why)
+        self._lead_failing_since = None
         if self.keeper is not None:
             self.keeper.stop()
         self.keeper = None

@@ -145,8 +145,9 @@ class Leader:
         self._control_at = 0.0
         # The job's end, once decided (a leader that takes over an ended job: the end its stop round says).
         self._ending: tuple[RunState, str] | None = None
-        if self.round is not None and self.round.action == "stop" and self.round.final:
+        if self.round is not None and self.round.action == "stop" and self.round.final in {x.value for x in RunState}:
             self._ending = (RunState(self.round.final), self.round.reason)
+            self.status["reason"] = self.round.reason
         self.agent.emit(
             "leader",
             host=agent.host,
@@ -519,6 +520,8 @@ class Leader:
             log.warning("[%s] could not read round %d's reports: %s", self.agent.host, rnd.round, e)
             later = []
         reports += [r for r in later if r.host not in {x.host for x in reports}]
+        fault_at = next((r.fault_at for r in reports if r.fault_at), None) or self._fault_time(rnd)
+        reached = self._reached(rnd)  # the store is read: what follows is recorded once
         # What told the group: the peer watch (a worker left because it saw another process go), a worker
         # that failed on its own, a heartbeat that lapsed, or the leader's own checks (a hang, a straggler).
         if any(r.peer_lost is not None for r in reports):
@@ -543,8 +546,6 @@ class Leader:
             reason = blame.reason if blame is not None else "the round failed"
             if blame is not None and blame.error:
                 reason += f": {blame.error}"
-        fault_at = next((r.fault_at for r in reports if r.fault_at), None) or self._fault_time(rnd)
-        reached = self._reached(rnd)
         self.failure = None
         self.failures += 1
         full = [r for r in reports if "No space left on device" in f"{r.reason} {r.error}"]
@@ -678,6 +679,9 @@ class Leader:
                 self.status.update(step=rank0.step, loss=rank0.loss)
             if rank0.committed is not None:
                 self.status["latest_committed"] = max(rank0.committed, int(self.status.get("latest_committed") or 0))
+        # Every member reached the last step and saved it (a round that restored it trains no step to report).
+        for key in ("step", "latest_committed"):
+            self.status[key] = max(int(self.status.get(key) or 0), self.cfg.steps)
         step = self.status.get("step")
         self.agent.emit("finished", step=step, failures=self.failures, seconds=time.time() - self.started_at)
         self._end(RunState.FINISHED, "")
@@ -716,7 +720,7 @@ class Leader:
     def _done(self, _now: float) -> None:
         """The job has ended: an end whose records a failing run root cut short is written again."""
         if self._ending is not None and (self.round is None or self.round.action != "stop"):
-            self._write_end(*self._ending)
+            self._end(*self._ending)
 
     def _write_end(self, state: RunState, reason: str) -> None:
         self._fence()
@@ -738,7 +742,13 @@ class Leader:
             failures=self.failures,
             guards=self.guards,
         )
-        self.rdv.open_round(stop)
+        try:
+            self.rdv.open_round(stop)
+        except AlreadyExists:  # ours, written by a try that seemed to fail; else another leader of the job
+            other = self.rdv.round(stop.round)
+            if other is None or other.action != "stop" or other.job != self.job or other.leader != self.agent.host:
+                raise LockLost(f"round {stop.round} of job {self.job} was written by another leader") from None
+            stop = other
         self.round = stop
 
     # --- requests, chaos, status ----------------------------------------------------------------

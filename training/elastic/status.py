@@ -40,7 +40,7 @@ def stale_after_s(store: Store) -> float:
         return STALE_STATUS_S
 
 
-def _beating(store: Store, job: Any, within_s: float, now: float) -> list[str]:
+def _beating(store: Store, job: Any, within_s: float, now: float, run_uri: str = "") -> list[str]:
     """Hosts of ``job`` whose heartbeat is newer than ``within_s`` (a leader may be taking over), or whose
     agent runs on this machine (alive, but cut off from the run root for a while)."""
     try:
@@ -51,17 +51,25 @@ def _beating(store: Store, job: Any, within_s: float, now: float) -> list[str]:
     return sorted(
         r.host
         for r in recs
-        if r.state != "gone" and (now - float(r.time) < within_s or (r.node == here and _agent_runs(r.pid)))
+        if r.state != "gone"
+        and (
+            now - float(r.time) < within_s
+            or (r.node == here and _agent_runs(r.pid, {store.uri, run_uri} - {""}, str(job)))
+        )
     )
 
 
-def _agent_runs(pid: int) -> bool:
-    """Is ``pid`` a host agent's process on this machine?"""
+def _agent_runs(pid: int, run_uris: set[str], job: str) -> bool:
+    """Is ``pid`` this job's host agent, running (not stopped, not a zombie) on this machine?"""
     try:
         with open(f"/proc/{int(pid)}/cmdline", "rb") as f:
-            return b"training.elastic.agent" in f.read()
-    except (OSError, ValueError):
+            argv = f.read().split(b"\0")
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, ValueError, IndexError):
         return False
+    mine = b"training.elastic.agent" in argv and job.encode() in argv and any(u.encode() in argv for u in run_uris)
+    return mine and state not in (b"T", b"t", b"Z", b"X")
 
 
 def status(run_uri: str, repair: bool = True) -> dict[str, Any] | None:
@@ -72,7 +80,7 @@ def status(run_uri: str, repair: bool = True) -> dict[str, Any] | None:
     now = time.time()
     within = stale_after_s(store)
     age = now - float(st.get("updated_at", 0))
-    if age < within or _beating(store, st.get("job"), within, now):
+    if age < within or _beating(store, st.get("job"), within, now, run_uri):
         return st  # a holder wrote it lately, or a host of the job beats (a new leader is taking over)
     lock = RunLock(store, owner="status check", lease_s=10.0)
     if lock.held_by() is not None:
