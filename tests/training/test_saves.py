@@ -13,6 +13,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 SETUP = """
 import json, os, sys
 import numpy as np
@@ -179,3 +181,36 @@ def test_checkpoints_are_uncompressed_by_default_and_older_compressed_ones_still
     assert plain == ["none"] or (plain and "zstd" not in plain), res
     assert "zstd" in zstd, res
     assert res["plain_restores"] and res["zstd_restores"] and res["old_restores"], res
+
+
+LISTER = """
+import sys, time
+from pathlib import Path
+import training.checkpoint.manager  # what every worker imports before Orbax lists a gs:// root
+from etils import epath
+
+root = epath.Path(sys.argv[1])
+print(sorted(p.name for p in root.iterdir()), flush=True)
+while not Path(sys.argv[2]).exists():
+    time.sleep(0.05)
+print(sorted(p.name for p in root.iterdir()), flush=True)
+"""
+
+
+@pytest.mark.gcs
+def test_a_process_sees_the_steps_another_host_committed_on_gs(gcs_root: str, tmp_path: Path) -> None:
+    """Orbax lists gs:// through gcsfs, whose listings would otherwise stay as first seen in each process."""
+    from training.storage import open_store
+
+    store = open_store(f"{gcs_root}/checkpoints")
+    store.put("4/commit_success.txt", b"ok")
+    go = tmp_path / "go"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LISTER, f"{gcs_root}/checkpoints", str(go)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "['4']"
+    store.put("8/commit_success.txt", b"ok")  # another host's commit
+    go.touch()
+    assert proc.stdout.readline().strip() == "['4', '8']"
+    assert proc.wait(timeout=60) == 0

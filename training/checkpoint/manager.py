@@ -28,6 +28,22 @@ from training.storage import is_gcs
 State = dict[str, Any]
 
 
+def _fresh_gcs_listings() -> None:
+    """Make every gs:// listing Orbax does (through fsspec's gcsfs) ask the bucket.
+
+    gcsfs keeps each directory listing it made and forgets it only on its own writes, so a
+    process would never see a step another host committed: the save would seem not to have
+    committed, and the newest checkpoint would be missed on restore.
+    """
+    import fsspec.config
+
+    for protocol in ("gs", "gcs"):
+        fsspec.config.conf.setdefault(protocol, {})["use_listings_cache"] = False
+
+
+_fresh_gcs_listings()
+
+
 def use_ocdbt(cfg: Config) -> bool:
     """OCDBT (Orbax's default) unless told otherwise.
 
