@@ -23,17 +23,24 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# The emulator serves one request at a time from a listen queue of 5 (http.server's default): a job's
+# many clients overflow it, and each dropped connection waits out TCP's SYN retries (1 s, 3 s, 7 s, ...).
+# A queue of 1024 keeps them waiting in line instead.
+_LAUNCH = (
+    "import socketserver, sys\n"
+    "socketserver.TCPServer.request_queue_size = 1024\n"
+    "from gcp_storage_emulator.__main__ import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
 @contextmanager
 def gcs_emulator(bucket: str) -> Iterator[str]:
     """Run an emulator holding an empty ``bucket`` while the block runs; yields its URL."""
     port = _free_port()
-    exe = Path(sys.executable).parent / "gcp-storage-emulator"
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"gcs-emulator-{port}.log", "ab")
-    proc = subprocess.Popen(
-        [str(exe), "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory", "-q"],
-        stdout=log,
-        stderr=log,
-    )
+    args = ["start", "--host", "127.0.0.1", "--port", str(port), "--in-memory", "-q"]
+    proc = subprocess.Popen([sys.executable, "-c", _LAUNCH, *args], stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while True:
