@@ -235,14 +235,21 @@ def set_up(cfg: Any, run: str, a: Assignment, rep: Reporter, task: Any, t_assign
             coordinator_bind_address=a.bind or None,  # process 0 listens on this host's address only
             heartbeat_timeout_seconds=10,
             initialization_timeout=120,
+            # The round says every process's place: JAX must not probe the cluster for it (in a pod it would
+            # ask the Kubernetes API, which needs a service account token and pod-reading rights).
+            cluster_detection_method="deactivate",
         )
         watch_peers(a, rep)
+    from training.backends.gke import is_round_env
+
     rep.send(
         "worker_started",
         everyone=True,
         seconds=time.time() - t_assigned,
         host=os.environ.get("RTRAIN_HOST"),
         pid=os.getpid(),
+        # The TPU identity and Multislice values the runtime started with (this round's, none left of another).
+        runtime_env={k: v for k, v in sorted(os.environ.items()) if is_round_env(k)},
     )
     plan = plan_mesh(cfg, a.processes)
     check_batch(cfg, plan)
