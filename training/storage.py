@@ -59,6 +59,22 @@ def is_gcs(uri: str) -> bool:
     return uri.startswith("gs://")
 
 
+# Buckets mounted on this host (GCS FUSE on GKE): ``bucket=/path[,bucket=/path...]``, set by the pod spec.
+GCS_MOUNTS_ENV = "RTRAIN_GCS_MOUNTS"
+
+
+def mounted_path(uri: str) -> str | None:
+    """The local path of a ``gs://`` URI when its bucket is mounted here (``RTRAIN_GCS_MOUNTS``), else None."""
+    if not is_gcs(uri):
+        return None
+    bucket, _, key = uri[len("gs://") :].partition("/")
+    for item in filter(None, os.environ.get(GCS_MOUNTS_ENV, "").split(",")):
+        name, sep, path = item.partition("=")
+        if sep and name == bucket and path:
+            return os.path.join(path, key) if key else path
+    return None
+
+
 def join(uri: str, *parts: str) -> str:
     out = uri.rstrip("/")
     for p in parts:

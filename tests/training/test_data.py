@@ -286,6 +286,41 @@ def test_gcs_round_trip_matches_a_local_preparation(tiny: str, gcs_root: str, tm
     assert Path(paths[0]).read_bytes() == (Path(tiny) / Path(paths[0]).name).read_bytes()
 
 
+@pytest.mark.gcs
+def test_a_gcs_dataset_whose_bucket_is_mounted_is_read_there_not_downloaded(
+    tiny: str, gcs_root: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GCS FUSE on GKE: the bucket mounted read-only at a path the pod spec names (RTRAIN_GCS_MOUNTS)."""
+    bucket, prefix = gcs_root[len("gs://") :].split("/", 1)
+    dataset = f"{gcs_root}/ds"
+    store = open_store(dataset)
+    mount = tmp_path / "mnt" / bucket
+    for f in sorted(Path(tiny).iterdir()):
+        if f.is_file() and not f.name.startswith("."):
+            store.put(f.name, f.read_bytes())
+            (mount / prefix / "ds").mkdir(parents=True, exist_ok=True)
+            (mount / prefix / "ds" / f.name).write_bytes(f.read_bytes())
+    (mount / prefix / "ds").chmod(0o555)  # read-only, as the mount is
+    monkeypatch.setenv("RTRAIN_GCS_MOUNTS", f"other=/nowhere,{bucket}={mount}")
+    cache = tmp_path / "cache"
+    paths = data.local_shards(dataset, "train", str(cache))
+    assert paths and all(p.startswith(str(mount / prefix / "ds")) for p in paths)
+    assert not [p for p in cache.rglob("*") if p.name != preparation.VERIFIED], "nothing downloaded"
+    assert (cache / preparation.VERIFIED).exists(), "what was verified is remembered off the mount"
+    batches = data.make_batches(
+        dataset, "train", seed=3, global_batch=B, process_index=0, process_count=1, cache_dir=str(cache)
+    )
+    local = data.make_batches(tiny, "train", seed=3, global_batch=B, process_index=0, process_count=1)
+    for a, b in itertools.islice(zip(batches, local, strict=False), 4):
+        np.testing.assert_array_equal(a["inputs"], b["inputs"])
+    # A shard that differs from the manifest on the mount is refused, naming it.
+    (mount / prefix / "ds").chmod(0o755)
+    Path(paths[0]).write_bytes(b"changed")
+    preparation._verified_here.clear()
+    with pytest.raises(data.DatasetError, match=Path(paths[0]).name):
+        data.local_shards(dataset, "train", str(cache))
+
+
 def test_a_changed_shard_is_refused_at_load_naming_the_shard_and_its_checksum(tmp_path: Path, monkeypatch) -> None:
     write_corpus(tmp_path / "src")
     out = tmp_path / "ds"

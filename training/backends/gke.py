@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from training.priorities import PRIORITIES, PriorityError, priority_value
+from training.storage import GCS_MOUNTS_ENV
 
 if TYPE_CHECKING:
     from training.config import Config
@@ -70,6 +71,12 @@ REPLICATED_JOB = "slice"
 CONTAINER_NAME = "agent"
 LOCAL_TIER_VOLUME = "local-checkpoints"  # the emptyDir of the local checkpoint tier
 LOCAL_TIER_PATH = "/var/rtrain/local"  # where it is mounted (RTRAIN_LOCAL_CHECKPOINT_DIR)
+# GCS FUSE (the GKE add-on's CSI driver): the dataset's bucket, read-only, where the workers read it.
+GCS_FUSE_DRIVER = "gcsfuse.csi.storage.gke.io"
+GCS_FUSE_ANNOTATION = "gke-gcsfuse/volumes"  # asks GKE to inject the FUSE sidecar into the pod
+GCS_FUSE_CACHE_ANNOTATION = "gke-gcsfuse/ephemeral-storage-limit"  # the sidecar's disk: the file cache
+GCS_FUSE_VOLUME = "dataset"
+GCS_FUSE_ROOT = "/var/rtrain/gcs"  # the bucket at <root>/<bucket> (RTRAIN_GCS_MOUNTS)
 # Kueue: the LocalQueue a JobSet is submitted to, and its WorkloadPriorityClass (one per priority level).
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
@@ -369,6 +376,10 @@ class GKELaunch:
     # TPUNodePoolSpec.spot_shutdown_grace_s=120.
     spot_grace_s: int = SPOT_POD_GRACE_S
     identity: str = "workload-identity"  # how the pods reach gs:// (IDENTITIES)
+    # Mount the dataset's bucket with GCS FUSE: the workers read its shards there instead of downloading them,
+    # through a file cache of up to gcs_fuse_cache on the node's disk (the FUSE sidecar's ephemeral storage).
+    gcs_fuse: bool = False
+    gcs_fuse_cache: str = "20Gi"
     # The local checkpoint tier's volume (an emptyDir in memory; counts against the pod's memory).
     local_tier_size: str = "16Gi"
     env: Mapping[str, str] = field(default_factory=dict)  # more environment for every worker
@@ -405,6 +416,13 @@ class GKELaunch:
                 "identity: pods on the host network (host_network=True) cannot use Workload Identity: GKE's "
                 "metadata server only serves the pod network, so gs:// would answer 403.  Set identity='node' "
                 "and grant the node pool's service account the bucket (docs/gke.md), or leave host_network off"
+            )
+        if not re.fullmatch(r"[1-9][0-9]*(Ki|Mi|Gi|Ti)?", self.gcs_fuse_cache):
+            raise GKEConfigError(f"gcs_fuse_cache: a size such as 20Gi, got {self.gcs_fuse_cache!r}")
+        if self.gcs_fuse and self.identity != "workload-identity":
+            raise GKEConfigError(
+                "gcs_fuse: the GCS FUSE sidecar reads the bucket as the pod's Kubernetes service account "
+                "(Workload Identity); it does not work with identity='node' (the host network)"
             )
         for pool in self.node_pools:
             if not _DNS_LABEL_RE.match(pool):
@@ -455,6 +473,13 @@ def check_config(cfg: Config, tpu: TPUSlice) -> None:
             f"but hosts_per_slice={cfg.hosts_per_slice} (a slice is lost and gained whole)"
         )
     slice_bounds(cfg, tpu)
+
+
+def dataset_bucket(cfg: Config) -> str:
+    """The bucket of the run's dataset (GCS FUSE mounts it); the dataset must be on gs://."""
+    if not cfg.dataset.startswith("gs://"):
+        raise GKEConfigError(f"gcs_fuse: mounts the dataset's bucket, but dataset={cfg.dataset!r} is not on gs://")
+    return cfg.dataset[len("gs://") :].split("/", 1)[0]
 
 
 def check_grace(cfg: Config, launch: GKELaunch) -> None:
@@ -624,14 +649,40 @@ def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, job: str, num_slices: 
         "resources": resources,
     }
     volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    pod_annotations = dict(annotations)
     if cfg.local_checkpoint_every:
         # The local checkpoint tier: host memory that survives the worker (not the pod), as Orbax's
         # multi-tier checkpointing uses on GKE.
         volumes.append(
             {"name": LOCAL_TIER_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": launch.local_tier_size}}
         )
-        container["volumeMounts"] = [{"name": LOCAL_TIER_VOLUME, "mountPath": LOCAL_TIER_PATH}]
+        mounts.append({"name": LOCAL_TIER_VOLUME, "mountPath": LOCAL_TIER_PATH})
         env.append(_env("RTRAIN_LOCAL_CHECKPOINT_DIR", LOCAL_TIER_PATH))
+    if launch.gcs_fuse:
+        bucket = dataset_bucket(cfg)
+        volumes.append(
+            {
+                "name": GCS_FUSE_VOLUME,
+                "csi": {
+                    "driver": GCS_FUSE_DRIVER,
+                    "readOnly": True,
+                    # Records are read at random offsets: each shard is cached whole on its first read.
+                    "volumeAttributes": {
+                        "bucketName": bucket,
+                        "mountOptions": "implicit-dirs",
+                        "fileCacheCapacity": "-1",  # the whole cache volume (gke-gcsfuse/ephemeral-storage-limit)
+                        "fileCacheForRangeRead": "true",
+                    },
+                },
+            }
+        )
+        mounts.append({"name": GCS_FUSE_VOLUME, "mountPath": f"{GCS_FUSE_ROOT}/{bucket}", "readOnly": True})
+        env.append(_env(GCS_MOUNTS_ENV, f"{bucket}={GCS_FUSE_ROOT}/{bucket}"))
+        pod_annotations[GCS_FUSE_ANNOTATION] = "true"
+        pod_annotations[GCS_FUSE_CACHE_ANNOTATION] = launch.gcs_fuse_cache
+    if mounts:
+        container["volumeMounts"] = mounts
 
     node_selector = {ACCELERATOR_LABEL: tpu.accelerator, TOPOLOGY_LABEL: tpu.topology}
     if launch.spot:
@@ -692,7 +743,7 @@ def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, job: str, num_slices: 
                 ]
             },
             "template": {
-                "metadata": {"labels": dict(labels), "annotations": dict(annotations)},
+                "metadata": {"labels": dict(labels), "annotations": pod_annotations},
                 "spec": pod_spec,
             },
         },

@@ -28,7 +28,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,7 @@ import numpy as np
 from training.data.errors import DatasetError as DatasetError
 from training.data.formats import Source, open_source
 from training.data.tokenizer import HF_FILE, SPM_FILE, BPETrainer, Tokenizer, resolve
-from training.storage import NotFound, Store, is_gcs, open_store
+from training.storage import NotFound, Store, is_gcs, mounted_path, open_store
 
 FORMAT = 1  # Byte-level datasets (their fingerprint and manifest are unchanged since the first format).
 TOKENIZED_FORMAT = 2  # Datasets of another tokenizer: token_dtype, eos_id and the tokenizer in the manifest.
@@ -492,25 +492,29 @@ def _split_info(manifest: dict[str, Any], dataset_uri: str, split: str) -> dict[
 def local_shards(dataset_uri: str, split: str, cache_dir: str | None = None) -> list[str]:
     """Local paths of a split's shards, in record order.
 
-    ArrayRecord readers need local files, so a gs:// dataset is downloaded into
-    ``cache_dir`` (default ``~/.cache/rtrain/datasets/<fingerprint>``).  Every
-    cached file is checked against the manifest's sha256, so a torn download or
+    ArrayRecord readers need local files, so a gs:// dataset is read where its
+    bucket is mounted on this host (GCS FUSE, ``RTRAIN_GCS_MOUNTS``), else
+    downloaded into ``cache_dir`` (default ``~/.cache/rtrain/datasets/<fingerprint>``).
+    Every file is checked against the manifest's sha256, so a torn download or
     a stale file from another dataset is fetched again, never trained on.
     Downloads land under a temporary name and are renamed into place, so
     processes sharing the cache do not see each other's partial files.
     """
     manifest = load_manifest(dataset_uri)
     shards = _split_info(manifest, dataset_uri, split)["shards"]
-    if not is_gcs(dataset_uri):
-        root = Path(dataset_uri).expanduser().resolve()
+    mounted = mounted_path(dataset_uri)
+    if not is_gcs(dataset_uri) or mounted is not None:
+        root = Path(mounted or dataset_uri).expanduser().resolve()
         paths = [root / s["name"] for s in shards]
         missing = [str(p) for p in paths if not p.is_file()]
         if missing:
             raise DatasetError(f"{dataset_uri}: shards named in the manifest are missing: {missing[:3]}")
-        _verify_local(root, shards)
+        # A mount is read-only: what was verified is remembered in this host's cache instead.
+        verified = None if mounted is None else _cache_root(cache_dir, manifest) / VERIFIED
+        _verify_local(root, shards, verified)
         return [str(p) for p in paths]
 
-    cache = Path(cache_dir or Path.home() / ".cache" / "rtrain" / "datasets" / manifest["fingerprint"]).expanduser()
+    cache = _cache_root(cache_dir, manifest)
     cache.mkdir(parents=True, exist_ok=True)
     store = open_store(dataset_uri)
     out = []
@@ -535,18 +539,23 @@ def local_shards(dataset_uri: str, split: str, cache_dir: str | None = None) -> 
     return out
 
 
+def _cache_root(cache_dir: str | None, manifest: Mapping[str, Any]) -> Path:
+    return Path(cache_dir or Path.home() / ".cache" / "rtrain" / "datasets" / manifest["fingerprint"]).expanduser()
+
+
 VERIFIED = ".verified.json"  # shard -> [size, mtime_ns] of the copy whose sha256 matched the manifest
 _verified_here: dict[str, tuple[int, int]] = {}
 
 
-def _verify_local(root: Path, shards: list[dict[str, Any]]) -> None:
+def _verify_local(root: Path, shards: list[dict[str, Any]], cache_path: Path | None = None) -> None:
     """Check each shard's size and sha256 against the manifest before it is trained on.
 
     A shard is hashed once per (size, mtime): the result is remembered in this
-    process and in ``<dataset>/.verified.json``, so a relaunch does not hash again
-    unless the file changed.  A mismatch names the shard and both checksums.
+    process and in ``cache_path`` (default ``<dataset>/.verified.json``), so a
+    relaunch does not hash again unless the file changed.  A mismatch names the
+    shard and both checksums.
     """
-    cache_path = root / VERIFIED
+    cache_path = cache_path or root / VERIFIED
     try:
         cache: dict[str, list[int]] = json.loads(cache_path.read_text())
     except (OSError, ValueError):
@@ -575,7 +584,8 @@ def _verify_local(root: Path, shards: list[dict[str, Any]]) -> None:
         changed = True
     if changed:
         try:
-            fd, tmp = tempfile.mkstemp(dir=root, prefix=f"{VERIFIED}.")
+            cache_path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=cache_path.parent, prefix=f"{VERIFIED}.")
             with os.fdopen(fd, "w") as f:
                 json.dump(cache, f)
             os.replace(tmp, cache_path)
