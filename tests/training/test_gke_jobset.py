@@ -1,10 +1,11 @@
 """The GKE backend: TPU shapes, the JobSet and Service of a job, and capacity from nodes.
 
 The manifests are checked against the Kubernetes schemas (kubernetes_validate,
-strict: unknown fields are errors).  The JobSet CRD has no schema there, so
-its embedded Job and pod templates are validated as core objects, the JobSet's
-own fields are checked against the v1alpha2 API and its webhook's rules, and
-the pods the JobSet and Job controllers would make are built and validated.
+strict: unknown fields are errors): the Service, the Job and pod templates as
+core objects, and the JobSet against the real JobSet CRD of the release the docs
+install (vendored in tests/training/data: its OpenAPI schema, strict, and its
+CEL rules), with its webhook's name rules; the pods the JobSet and Job
+controllers would make are built and validated.
 Then each pod's environment is resolved as the kubelet would (downward API)
 and its real entrypoint runs under /bin/sh to show the host agent each pod
 starts: its host id, and the addresses its worker serves and binds.
@@ -12,15 +13,19 @@ starts: its host id, and the addresses its worker serves and binds.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import kubernetes_validate
 import pytest
+import yaml
 from kubernetes.client import (
     V1Node,
     V1NodeCondition,
@@ -43,29 +48,15 @@ from training.backends.gke import (
     render,
     slice_bounds,
 )
+from training.backends.pod_emulator import container_env, expand_pods
 from training.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 K8S_VERSION = kubernetes_validate.latest_version()
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
-# The fields of JobSetSpec, ReplicatedJob, Network, FailurePolicy, SuccessPolicy in jobset.x-k8s.io/v1alpha2.
-JOBSET_SPEC_FIELDS = {
-    "replicatedJobs",
-    "network",
-    "successPolicy",
-    "failurePolicy",
-    "startupPolicy",
-    "suspend",
-    "coordinator",
-    "managedBy",
-    "ttlSecondsAfterFinished",
-    "volumeClaimPolicies",
-}
-REPLICATED_JOB_FIELDS = {"name", "groupName", "template", "replicas", "dependsOn"}
-NETWORK_FIELDS = {"enableDNSHostnames", "subdomain", "publishNotReadyAddresses"}
-FAILURE_POLICY_FIELDS = {"maxRestarts", "restartStrategy", "rules"}
-SUCCESS_POLICY_FIELDS = {"operator", "targetReplicatedJobs"}
+# The JobSet CRD of the release the docs install (jobset.x-k8s.io v1alpha2), vendored unmodified.
+JOBSET_CRD = Path(__file__).parent / "data" / "jobset.x-k8s.io_jobsets-v0.8.1.yaml"
 
 
 def gke_config(**overrides: Any) -> Any:
@@ -255,59 +246,6 @@ def test_launch_options_are_checked(kwargs: dict[str, Any], key: str) -> None:
 # --- the manifests -----------------------------------------------------------------------------
 
 
-def expand_pods(jobset: dict[str, Any]) -> list[dict[str, Any]]:
-    """The pods the JobSet controller (Jobs) and the Job controller (Indexed pods) make of a JobSet."""
-    name = jobset["metadata"]["name"]
-    namespace = jobset["metadata"]["namespace"]
-    subdomain = jobset["spec"]["network"].get("subdomain") or name
-    pods = []
-    for rjob in jobset["spec"]["replicatedJobs"]:
-        job_spec = rjob["template"]["spec"]
-        assert job_spec["completionMode"] == "Indexed"
-        for j in range(rjob["replicas"]):
-            for i in range(job_spec["completions"]):
-                tmpl = job_spec["template"]
-                index_meta = {
-                    gke.JOBSET_NAME_LABEL: name,
-                    "jobset.sigs.k8s.io/replicatedjob-name": rjob["name"],
-                    gke.JOB_INDEX_LABEL: str(j),
-                    gke.COMPLETION_INDEX_ANNOTATION: str(i),
-                }
-                pods.append(
-                    {
-                        "apiVersion": "v1",
-                        "kind": "Pod",
-                        "metadata": {
-                            "name": f"{name}-{rjob['name']}-{j}-{i}-abcde",
-                            "namespace": namespace,
-                            "labels": {**tmpl["metadata"]["labels"], **index_meta},
-                            "annotations": {**tmpl["metadata"]["annotations"], **index_meta},
-                        },
-                        "spec": {**tmpl["spec"], "hostname": f"{name}-{rjob['name']}-{j}-{i}", "subdomain": subdomain},
-                    }
-                )
-    return pods
-
-
-def resolve_env(pod: dict[str, Any], container: dict[str, Any]) -> dict[str, str]:
-    """Environment values as the kubelet sets them (values and downward-API field refs)."""
-    env = {}
-    for item in container["env"]:
-        if "value" in item:
-            env[item["name"]] = item["value"]
-            continue
-        path = item["valueFrom"]["fieldRef"]["fieldPath"]
-        if path == "status.podIP":
-            env[item["name"]] = pod["status"]["podIP"]
-            continue
-        m = re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", path)
-        assert m, f"unsupported fieldPath {path}"
-        meta = pod["metadata"][m.group(1)]
-        assert m.group(2) in meta, f"{path} is not set on the pod"
-        env[item["name"]] = meta[m.group(2)]
-    return env
-
-
 def run_entrypoint(container: dict[str, Any], env: dict[str, str]) -> list[str]:
     """Run the container's real command with ``env``, ``echo`` in place of the program; return the agent's argv."""
     assert container["command"][:2] == ["/bin/sh", "-c"]
@@ -333,23 +271,70 @@ def agent_args(argv: list[str]) -> dict[str, str]:
     return {k: v for k, v in vars(p.parse_args(argv)).items() if k != "cmd"} | {"run": argv[2]}
 
 
+def _strict(schema: Any) -> Any:
+    """The schema with unknown fields refused (as ``kubectl apply --validate=strict``), where it does not keep them."""
+    if isinstance(schema, list):
+        return [_strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _strict(v) for k, v in schema.items()}
+    if "properties" in out and not out.get("x-kubernetes-preserve-unknown-fields"):
+        out.setdefault("additionalProperties", False)
+    return out
+
+
+@functools.cache
+def jobset_schema() -> dict[str, Any]:
+    crd = yaml.safe_load(JOBSET_CRD.read_text())
+    assert crd["spec"]["group"] == gke.JOBSET_GROUP and crd["spec"]["names"]["plural"] == gke.JOBSET_PLURAL
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == gke.JOBSET_VERSION]
+    return dict(_strict(version["schema"]["openAPIV3Schema"]))
+
+
+def cel_rules(schema: dict[str, Any], obj: Any, path: str = "$") -> Iterator[tuple[str, str, str, Any]]:
+    """The CEL rules (``x-kubernetes-validations``) that apply to ``obj``: (path, rule, message, value).
+
+    Transition rules (those that read ``oldSelf``) only apply to an update and are left out.
+    """
+    for v in schema.get("x-kubernetes-validations") or []:
+        if "oldSelf" not in v["rule"]:
+            yield path, v["rule"], v.get("message", ""), obj
+    if isinstance(obj, dict):
+        for key, sub in (schema.get("properties") or {}).items():
+            if key in obj:
+                yield from cel_rules(sub, obj[key], f"{path}.{key}")
+        extra = schema.get("additionalProperties")
+        if isinstance(extra, dict):
+            for key, value in obj.items():
+                yield from cel_rules(extra, value, f"{path}.{key}")
+    elif isinstance(obj, list) and isinstance(schema.get("items"), dict):
+        for n, value in enumerate(obj):
+            yield from cel_rules(schema["items"], value, f"{path}[{n}]")
+
+
+def validate_jobset(jobset: dict[str, Any]) -> None:
+    """A JobSet against the real CRD: its OpenAPI schema (strict) and its CEL rules; raises on the first error."""
+    import celpy
+
+    schema = jobset_schema()
+    jsonschema.validate(jobset, schema)
+    env = celpy.Environment()
+    for path, rule, message, value in cel_rules(schema, jobset):
+        ok = env.program(env.compile(rule)).evaluate({"self": celpy.json_to_cel(value)})
+        if not ok:
+            raise jsonschema.ValidationError(f"{path}: {message or rule}")
+
+
 def check_jobset_structure(jobset: dict[str, Any]) -> None:
-    """The JobSet's own fields (v1alpha2) and the rules its validating webhook applies."""
-    assert jobset["apiVersion"] == "jobset.x-k8s.io/v1alpha2" and jobset["kind"] == "JobSet"
+    """The JobSet against its CRD, and the rules of its validating webhook (names that fit DNS labels)."""
+    validate_jobset(jobset)
     name = jobset["metadata"]["name"]
     assert DNS_1035.match(name)
     spec = jobset["spec"]
-    assert set(spec) <= JOBSET_SPEC_FIELDS
-    assert set(spec["network"]) <= NETWORK_FIELDS
-    assert set(spec["failurePolicy"]) <= FAILURE_POLICY_FIELDS
-    assert set(spec["successPolicy"]) <= SUCCESS_POLICY_FIELDS
-    assert spec["successPolicy"]["operator"] in ("All", "Any")
     names = [r["name"] for r in spec["replicatedJobs"]]
     assert set(spec["successPolicy"].get("targetReplicatedJobs", [])) <= set(names)
     assert DNS_1035.match(spec["network"]["subdomain"]) and len(spec["network"]["subdomain"]) <= 63
     for rjob in spec["replicatedJobs"]:
-        assert set(rjob) <= REPLICATED_JOB_FIELDS
-        assert isinstance(rjob["replicas"], int) and rjob["replicas"] >= 1
         longest_job = f"{name}-{rjob['name']}-{rjob['replicas'] - 1}"
         assert DNS_1035.match(longest_job) and len(longest_job) <= 63
         longest_pod = f"{longest_job}-{rjob['template']['spec']['completions'] - 1}-abcde"
@@ -417,6 +402,37 @@ def test_a_broken_manifest_fails_the_schema_check() -> None:
         validate_core({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": tmpl})
 
 
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        (lambda js: js["spec"].update(successPolicyy={"operator": "All"}), "successPolicyy"),
+        (lambda js: js["spec"]["successPolicy"].update(operator="Some"), "Some"),
+        (lambda js: js["spec"]["replicatedJobs"][0].update(replicas="2"), "'2'"),
+        (lambda js: js["spec"]["network"].update(enableDNSHostnames="yes"), "yes"),
+        (
+            lambda js: js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"].update(
+                restartPolicyy="Never"
+            ),
+            "restartPolicyy",
+        ),
+        (
+            lambda js: (
+                js["spec"].update(startupPolicy={"startupPolicyOrder": "InOrder"})
+                or js["spec"]["replicatedJobs"][0].update(dependsOn=[{"name": "other", "status": "Ready"}])
+            ),
+            "mutually exclusive",
+        ),
+    ],
+)
+def test_the_jobset_crd_refuses_a_broken_jobset(change: Any, error: str) -> None:
+    """The CRD check can fail: an unknown field, a bad enum or type, and a CEL rule broken."""
+    m = render(gke_config(), TPUSlice("ct6e-standard-4t", "4x4"), LAUNCH, "j1")
+    validate_jobset(m.jobset)
+    change(m.jobset)
+    with pytest.raises(jsonschema.ValidationError, match=re.escape(error)):
+        validate_jobset(m.jobset)
+
+
 def test_a_lost_host_is_recreated_while_the_jobset_itself_never_restarts() -> None:
     tpu = TPUSlice("ct6e-standard-4t", "4x4")
     m = render(gke_config(), tpu, LAUNCH, "j1")
@@ -469,7 +485,7 @@ def test_every_pod_runs_one_host_agent_with_its_identity_and_addresses(
     for n, pod in enumerate(expand_pods(m.jobset)):
         pod["status"] = {"podIP": f"10.8.0.{n + 2}"}
         (container,) = pod["spec"]["containers"]
-        env = resolve_env(pod, container)
+        env = container_env(pod, container)
         env["HOSTNAME"] = pod["spec"]["hostname"]  # the kubelet sets it to the pod's hostname
         args = agent_args(run_entrypoint(container, env))
         assert args["host"] not in seen, f"host id {args['host']} twice"
@@ -536,7 +552,7 @@ def test_on_the_host_network_the_coordinator_name_is_the_pods_not_the_nodes() ->
         assert spec["hostNetwork"] is True and spec["dnsPolicy"] == "ClusterFirstWithHostNet"
         pod["status"] = {"podIP": f"10.128.0.{n + 2}"}  # on the host network: the node's IP
         (container,) = spec["containers"]
-        env = resolve_env(pod, container)
+        env = container_env(pod, container)
         env["HOSTNAME"] = f"gke-train-tpu-a-{n:04d}"  # what the kubelet gives a hostNetwork pod: the node's name
         args = agent_args(run_entrypoint(container, env))
         # The name the headless Service publishes for this pod (Indexed Job hostname . subdomain).
@@ -644,7 +660,7 @@ def test_round_env_names_the_pods_the_jobset_makes() -> None:
     for n, pod in enumerate(expand_pods(m.jobset)):
         pod["status"] = {"podIP": f"10.8.0.{n + 2}"}
         (container,) = pod["spec"]["containers"]
-        args = agent_args(run_entrypoint(container, resolve_env(pod, container)))
+        args = agent_args(run_entrypoint(container, container_env(pod, container)))
         names[args["host"]] = (args["coordinator_host"], f"{pod['spec']['hostname']}.{pod['spec']['subdomain']}")
     members = sorted(names, key=lambda h: (int(h[1 : h.index("-")]), int(h.rsplit("h", 1)[1])))
     coordinator = f"{names[members[0]][0]}:{gke.DEFAULT_COORDINATOR_PORT}"  # rank 0's, as the leader writes it
@@ -872,3 +888,52 @@ def test_kueue_queues_the_whole_jobset_at_the_runs_priority_class() -> None:
         assert c["apiVersion"] == "kueue.x-k8s.io/v1beta1" and c["kind"] == "WorkloadPriorityClass"
         assert set(c) == {"apiVersion", "kind", "metadata", "value", "description"}
         assert DNS_1035.match(c["metadata"]["name"])
+
+
+def test_gcs_fuse_mounts_the_dataset_bucket_read_only_where_the_workers_read_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from training.storage import mounted_path
+
+    cfg = gke_config(dataset="gs://rtrain-data/tokens/v3")
+    m = render(cfg, TPUSlice("ct6e-standard-4t", "4x4"), GKELaunch(image="img:1", gcs_fuse=True), "j1")
+    check_jobset_structure(m.jobset)
+    (pod,) = expand_pods(m.jobset)[:1]
+    validate_core(pod)
+    assert pod["metadata"]["annotations"]["gke-gcsfuse/volumes"] == "true"  # GKE injects the FUSE sidecar
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "dataset"]
+    assert volume["csi"] == {
+        "driver": "gcsfuse.csi.storage.gke.io",
+        "readOnly": True,
+        "volumeAttributes": {
+            "bucketName": "rtrain-data",
+            "mountOptions": "implicit-dirs",
+            "fileCacheCapacity": "-1",
+            "fileCacheForRangeRead": "true",
+        },
+    }
+    assert pod["metadata"]["annotations"]["gke-gcsfuse/ephemeral-storage-limit"] == "20Gi"
+    (container,) = pod["spec"]["containers"]
+    assert {"name": "dataset", "mountPath": "/var/rtrain/gcs/rtrain-data", "readOnly": True} in container[
+        "volumeMounts"
+    ]
+    env = container_env({**pod, "status": {"podIP": "10.0.0.2"}}, container)
+    monkeypatch.setenv("RTRAIN_GCS_MOUNTS", env["RTRAIN_GCS_MOUNTS"])
+    assert mounted_path(cfg.dataset) == "/var/rtrain/gcs/rtrain-data/tokens/v3"  # what the worker reads
+    assert mounted_path("gs://another-bucket/x") is None
+    plain = render(cfg, TPUSlice("ct6e-standard-4t", "4x4"), LAUNCH, "j1")
+    assert "gke-gcsfuse/volumes" not in expand_pods(plain.jobset)[0]["metadata"]["annotations"]
+    with pytest.raises(GKEConfigError, match="^gcs_fuse:.*not on gs://"):
+        render(
+            gke_config(dataset="/data/x"), TPUSlice("ct6e-standard-4t", "4x4"), GKELaunch(image="i", gcs_fuse=True), "j"
+        )
+    with pytest.raises(GKEConfigError, match="^gcs_fuse:"):
+        GKELaunch(image="i", gcs_fuse=True, host_network=True, identity="node")
+    with pytest.raises(GKEConfigError, match="^gcs_fuse_cache:"):
+        GKELaunch(image="i", gcs_fuse=True, gcs_fuse_cache="lots")
+
+
+def test_the_vendored_jobset_crd_is_the_release_the_docs_install() -> None:
+    docs = (REPO / "docs" / "gke.md").read_text()
+    (version,) = re.findall(r"export JOBSET_VERSION=(v[\d.]+)", docs)
+    assert JOBSET_CRD.name == f"jobset.x-k8s.io_jobsets-{version}.yaml" and JOBSET_CRD.exists()

@@ -1,0 +1,356 @@
+"""The GKE path run as pods: a rendered JobSet's pods as local processes (``training.backends.pod_emulator``).
+
+Each pod runs the container's own command (``rtrain agent`` through the
+entrypoint script) with what GKE gives it: the downward API, the TPU webhook's
+``TPU_WORKER_*`` and ``MEGASCALE_*``, its hostname, a pod IP of its own and the
+headless Service's DNS names.  A Spot reclaim deletes a slice's pods (SIGTERM,
+then SIGKILL after their grace) and the Job makes them again, Pending until the
+slice's nodes return; a host error kills a pod at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jobs import assert_exact_data, hosts, job_config, wait_for
+
+from training import api
+from training.backends import gke
+from training.backends.gke import GKELaunch, TPUSlice, describe_waiting, jobset_state, pods_waiting, render
+from training.backends.pod_emulator import (
+    EmulatedJobSet,
+    PodEmulatorError,
+    cpu_image_env,
+    expand_pods,
+    webhook_env,
+)
+from training.events import EventLog
+from training.storage import open_store
+
+TPU = TPUSlice("ct5p-hightpu-4t", "2x2x2")  # 2 hosts of 4 chips a slice
+GCS_ENV = (
+    "STORAGE_EMULATOR_HOST",
+    "TENSORSTORE_GCS_HTTP_URL",
+    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT",
+    "GOOGLE_CLOUD_PROJECT",
+)
+
+
+def _image_env() -> dict[str, str]:
+    return cpu_image_env(TPU.chips_per_host, {k: os.environ[k] for k in GCS_ENV if k in os.environ})
+
+
+def _events(run_uri: str, *types: str) -> list[dict[str, Any]]:
+    return api.events(run_uri, types or None)
+
+
+class Events:
+    """A run's events as they come, each read once (the one emulator serves the job too: poll it lightly)."""
+
+    def __init__(self, run_uri: str) -> None:
+        self.log = EventLog(open_store(run_uri))
+        self.seen: list[dict[str, Any]] = []
+
+    def __call__(self, *types: str) -> list[dict[str, Any]]:
+        self.seen += self.log.read(after_key=self.seen[-1]["_key"] if self.seen else None)
+        return [e for e in self.seen if not types or e["type"] in types]
+
+    def started(self, round_: int) -> list[dict[str, Any]]:
+        """The workers of a round that started (one event each, with the TPU values its runtime started with)."""
+        return [e for e in self("worker_started") if e.get("attempt") == round_]
+
+
+def _worker_envs(js: EmulatedJobSet, slice_: int) -> list[dict[str, str]]:
+    """The environments the worker processes of a slice's running pods were started with (standbys too)."""
+    envs = [env for pod in js.running(slice_) for env in js.process_environ(pod)]
+    return [e for e in envs if "RTRAIN_CONTROL_FD" in e]
+
+
+def _pod_logs(js: EmulatedJobSet) -> str:
+    logs = sorted((js.workdir / "pods").rglob("*.log"))
+    return "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-2500:]}" for p in logs)
+
+
+@pytest.mark.slow
+def test_a_2_slice_jobset_run_as_pods_rides_out_a_spot_reclaim_and_a_lost_host(
+    gcs_root: str, tiny_dataset: str, jax_cache: str, tmp_path: Path
+) -> None:
+    cfg = job_config(
+        gcs_root,
+        tiny_dataset,
+        jax_cache,
+        backend="gke",
+        run_name="pods",
+        steps=32,
+        checkpoint_every=8,
+        min_workers=2,
+        max_workers=4,
+        hosts_per_slice=TPU.hosts,
+        devices_per_worker=TPU.chips_per_host,
+        # 4 agents and 4 workers on 2 cores share one emulator that serves a request at a time: a commit
+        # takes 10-20 s here, and a notice may have to wait for the one in flight before its own.  A Spot
+        # pool made with spot_shutdown_grace_s=120 gives its pods 105 s.
+        preemption_grace_s=60,
+        heartbeat_timeout_s=40.0,
+        lease_s=30.0,
+        trace_data_ids=True,
+    )
+    launch = GKELaunch(image="rtrain:test", spot=True, spot_grace_s=105)
+    job = api.begin_job(cfg, backend="gke", by="the pod emulator test")
+    manifests = render(cfg, TPU, launch, job)
+    assert manifests.num_slices == 2 and launch.pod_grace_s == 105
+
+    events = Events(cfg.run_uri)
+    with EmulatedJobSet(manifests, tmp_path / "cluster", _image_env()) as js:
+        try:
+            # Both slices train: every worker was told of the 2 slices, its own slice's hosts, its place.
+            # (A checkpoint is committed first: the notice's own save then waits for no other.)
+            wait_for(lambda: any(e["committed"] for e in events("checkpoint")), 400, "a commit on 2 slices", every=2)
+            [first] = events("launch")
+            assert first["workers"] == 4 and first["members"] == ["s0-h0", "s0-h1", "s1-h0", "s1-h1"]
+            started = events.started(first["round"])
+            assert len(started) == 4 and {e["runtime_env"]["MEGASCALE_NUM_SLICES"] for e in started} == {"2"}
+            assert sorted(
+                e["runtime_env"]["MEGASCALE_SLICE_ID"] + e["runtime_env"]["TPU_WORKER_ID"] for e in started
+            ) == [
+                "00",
+                "01",
+                "10",
+                "11",
+            ]
+            # Started with none of what the webhook gave the pod: each round sets its own.
+            envs = _worker_envs(js, 0) + _worker_envs(js, 1)
+            assert len(envs) >= 4 and not any(gke.is_round_env(k) for e in envs for k in e)
+
+            # A Spot reclaim of slice 1: its pods get SIGTERM (a notice) and their grace; the job commits and shrinks.
+            js.preempt_slice(1)
+            wait_for(lambda: len(events("launch")) >= 2, 300, "the round on slice 0", every=2)
+            # The Job made the slice's pods again; they wait for nodes, and say so.
+            waiting = wait_for(lambda: describe_waiting(pods_waiting(js.objects())), 30, "pods waiting")
+            assert "2 pods Unschedulable" in waiting and "Insufficient google.com/tpu" in waiting
+            # The workers of the 1-slice round have no Multislice value left from the JobSet's webhook.
+            second = events("launch")[1]
+            wait_for(lambda: len(events.started(second["round"])) == 2, 120, "slice 0's workers", every=2)
+            started = events.started(second["round"])
+            slice_0 = webhook_env(manifests.jobset, 0, 0)["TPU_WORKER_HOSTNAMES"]
+            assert [sorted(e["runtime_env"]) for e in started] == [["TPU_WORKER_HOSTNAMES", "TPU_WORKER_ID"]] * 2
+            assert {e["runtime_env"]["TPU_WORKER_HOSTNAMES"] for e in started} == {slice_0}
+
+            # The nodes return: the pods start, their agents join, the group grows back at a checkpoint.
+            js.return_slice(1)
+            wait_for(lambda: len(events("launch")) >= 3, 400, "the group to grow back", every=2)
+            assert not describe_waiting(pods_waiting(js.objects()))
+
+            # A host error on slice 1: its pod dies at once; the slice leaves, its pod is made again and rejoins.
+            third = events("launch")[2]
+            assert third["workers"] == 4, [(e["workers"], e["reason"]) for e in events("launch")]
+            wait_for(lambda: len(events.started(third["round"])) == 4, 120, "the 4 workers", every=2)
+            js.kill_pod(1, 1)
+            wait_for(lambda: gke.jobset_state(js.object()) != "running", 900, "the JobSet's end", every=2)
+        except BaseException:
+            print(_pod_logs(js))
+            raise
+        state = jobset_state(js.object())
+    assert state == "completed", (js.failed_jobs, _pod_logs(js))
+
+    st = api.status(cfg.run_uri)
+    assert st["state"] == "finished" and st["step"] == 32, st
+    launches = _events(cfg.run_uri, "launch")
+    assert [e["workers"] for e in launches] == [4, 2, 4, 2, 4], [(e["workers"], e["members"]) for e in launches]
+    assert launches[1]["members"] == ["s0-h0", "s0-h1"] and launches[3]["members"] == ["s0-h0", "s0-h1"]
+    assert [(e["old_workers"], e["new_workers"]) for e in _events(cfg.run_uri, "resize")] == [
+        (4, 2),
+        (2, 4),
+        (4, 2),
+        (2, 4),
+    ]
+
+    # The notice: the step the group stopped at was committed within the pods' grace, and resumed exactly.
+    notices = _events(cfg.run_uri, "preemption_notice")
+    assert notices and all(n["committed"] and 0 < n["seconds"] < cfg.preemption_grace_s for n in notices)
+    restores = _events(cfg.run_uri, "restore")
+    assert restores[0]["step"] == notices[0]["step"]
+    recovered = _events(cfg.run_uri, "recovered")
+    assert recovered[0]["kind"] == "notice" and recovered[0]["steps_lost"] == 0
+    # Growing is not a failure; the host error is the only one, and it names the lost host.
+    [failure] = _events(cfg.run_uri, "failure")
+    assert "s1-h1" in failure["hosts"] and "lost" in failure["reason"]
+    assert restores[2]["step"] == failure["resume_step"] and restores[2]["step"] in api.committed_steps(cfg.run_uri)
+    assert_exact_data(cfg.run_uri, tiny_dataset, cfg)
+
+    # Slice 0's agents stayed up the whole run; slice 1's are the pods the Job made again (the hostnames
+    # are the pods', every agent's coordinator is its pod's DNS name on the headless Service).
+    records = hosts(cfg.run_uri)
+    assert all(records[h].started < failure["time"] for h in ("s0-h0", "s0-h1"))
+    assert records["s1-h1"].started > failure["time"]
+    for host, rec in records.items():
+        j, i = host[1], host[-1]
+        assert rec.node == f"{manifests.name}-slice-{j}-{i}"
+        assert rec.coordinator == f"{manifests.name}-slice-{j}-{i}.{manifests.name}:{launch.coordinator_port}"
+
+
+def _policy_jobset(tmp_path: Path, **overrides: Any) -> tuple[Any, dict[str, str]]:
+    """A 2-slice JobSet whose program (on PATH as ``rtrain``) waits, then exits with the code put in a file."""
+    cfg = job_config(
+        "gs://b/r",
+        "unused",
+        "unused",
+        backend="gke",
+        run_name="policy",
+        min_workers=2,
+        max_workers=4,
+        hosts_per_slice=2,
+        devices_per_worker=4,
+        preemption_grace_s=9,
+        **overrides,
+    )
+    m = render(cfg, TPU, GKELaunch(image="img:1", spot=True), "j1")
+    script = tmp_path / "rtrain"
+    script.write_text(
+        "#!/bin/sh\ntrap 'exit 6' TERM\n"  # AgentExit.INTERRUPTED, as the agent on a notice
+        'f="$EXIT_DIR/$RTRAIN_SLICE_INDEX-$RTRAIN_HOST_INDEX"\n'
+        'while [ ! -e "$f" ]; do sleep 0.1; done\n'
+        'code=$(cat "$f"); rm -f "$f"; exit "$code"\n'
+    )
+    script.chmod(0o755)
+    return m, {"PATH": f"{tmp_path}:/usr/bin:/bin", "EXIT_DIR": str(tmp_path)}
+
+
+def _exit(tmp_path: Path, slice_: int, index: int, code: int) -> None:
+    (tmp_path / f".{slice_}-{index}").write_text(str(code))
+    (tmp_path / f".{slice_}-{index}").rename(tmp_path / f"{slice_}-{index}")
+
+
+@pytest.mark.parametrize("final", [3, 5])  # AgentExit.FAILED, SUPERSEDED
+def test_the_emulated_jobset_follows_the_jobs_failure_policy(tmp_path: Path, final: int) -> None:
+    """A preempted pod is made again without counting; another failure counts; a final code fails the Job at once."""
+    m, env = _policy_jobset(tmp_path)
+    with EmulatedJobSet(m, tmp_path / "cluster", env) as js:
+        wait_for(lambda: len(js.running()) == 4, 20, "4 pods running")
+        names = {p.name for p in js.running()}
+        js.preempt_slice(1, grace_s=2)
+        wait_for(lambda: len(js.running()) == 2, 20, "slice 1's pods gone")
+        assert [w.reason for w in pods_waiting(js.objects())] == ["Unschedulable", "Unschedulable"]
+        js.return_slice(1)
+        wait_for(lambda: len(js.running()) == 4, 20, "slice 1's pods made again")
+        assert len({p.name for p in js.running()} - names) == 2  # new pods, not restarted ones
+        assert [js.indexes[(1, i)].failures for i in (0, 1)] == [0, 0]  # a DisruptionTarget does not count
+        _exit(tmp_path, 0, 0, 1)  # an error: counted, the pod made again
+        wait_for(lambda: js.indexes[(0, 0)].failures == 1 and len(js.running()) == 4, 20, "the pod made again")
+        assert gke.jobset_state(js.object()) == "running"
+        _exit(tmp_path, 0, 1, final)  # podFailurePolicy FailJob
+        wait_for(lambda: gke.jobset_state(js.object()) == "failed", 20, "the JobSet to fail")
+        assert f"exited {final} (podFailurePolicy FailJob)" in js.failed_jobs[0]
+        wait_for(lambda: not js.running(), 20, "every pod deleted")
+
+
+def test_an_index_out_of_retries_is_not_made_again_and_fails_its_job_once_the_others_end(tmp_path: Path) -> None:
+    m, env = _policy_jobset(tmp_path, max_failures=1)  # backoffLimitPerIndex 1
+    with EmulatedJobSet(m, tmp_path / "cluster", env) as js:
+        wait_for(lambda: len(js.running()) == 4, 20, "4 pods running")
+        for n in (1, 2):
+            _exit(tmp_path, 0, 0, 1)
+            wait_for(functools.partial(lambda n: js.indexes[(0, 0)].failures == n, n), 20, f"failure {n}")
+        wait_for(lambda: js.indexes[(0, 0)].failed, 20, "the index failed")
+        time.sleep(0.5)
+        assert len(js.running()) == 3 and gke.jobset_state(js.object()) == "running"  # the Job goes on
+        _exit(tmp_path, 0, 1, 0)  # the slice's last index ends: the Job has a failed index
+        wait_for(lambda: gke.jobset_state(js.object()) == "failed", 20, "the JobSet to fail")
+        assert "indexes [0] failed" in js.failed_jobs[0]
+
+
+def test_a_pod_that_ignores_sigterm_is_killed_after_its_grace(tmp_path: Path) -> None:
+    cfg = job_config(
+        "gs://b/r",
+        "unused",
+        "unused",
+        backend="gke",
+        run_name="grace",
+        min_workers=2,
+        max_workers=2,
+        hosts_per_slice=2,
+        devices_per_worker=4,
+        preemption_grace_s=9,
+    )
+    m = render(cfg, TPU, GKELaunch(image="img:1", spot=True), "j1")
+    script = tmp_path / "rtrain"
+    script.write_text("#!/bin/sh\ntrap '' TERM\ntouch \"$OUT/$(hostname)\"\nwhile true; do sleep 0.1; done\n")
+    script.chmod(0o755)
+    with EmulatedJobSet(m, tmp_path / "cluster", {"PATH": f"{tmp_path}:/usr/bin:/bin", "OUT": str(tmp_path)}) as js:
+        wait_for(lambda: (tmp_path / f"{m.name}-slice-0-0").exists(), 20, "the pod to ignore SIGTERM")
+        pod = js.running(0)[0]
+        assert pod.index == 0
+        t0 = time.monotonic()
+        js.preempt_slice(0, grace_s=1.5)
+        wait_for(lambda: pod.exit_code is not None, 20, "the pod to be killed")
+        assert 1.4 < time.monotonic() - t0 < 5
+        assert pod.exit_code == 137  # SIGKILL, as the runtime reports it
+
+
+def test_every_pod_resolves_the_services_names_to_the_pods_and_has_its_own_hostname(tmp_path: Path) -> None:
+    cfg = job_config(
+        "gs://b/r",
+        "unused",
+        "unused",
+        backend="gke",
+        run_name="dns",
+        min_workers=2,
+        max_workers=4,
+        hosts_per_slice=2,
+        devices_per_worker=4,
+        preemption_grace_s=9,
+    )
+    m = render(cfg, TPU, GKELaunch(image="img:1", spot=True), "j1")
+    script = tmp_path / "rtrain"
+    script.write_text(
+        "#!/bin/sh\n"
+        'for h in $(echo "$TPU_WORKER_HOSTNAMES" | tr , " "); do getent hosts "$h" | cut -f1 -d" "; done '
+        '> "$OUT/.$(hostname)" && mv "$OUT/.$(hostname)" "$OUT/$(hostname)"\nexec sleep 60\n'
+    )
+    script.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "OUT": str(tmp_path)}
+    with EmulatedJobSet(m, tmp_path / "cluster", env) as js:
+        wait_for(lambda: len(js.running()) == 4, 20, "4 pods running")
+        ips = {(p.slice, p.index): p.ip for p in js.running()}
+        for j, i in ips:
+            look = tmp_path / f"{m.name}-slice-{j}-{i}"
+            wait_for(look.exists, 10, "the pod's look")
+            time.sleep(0.2)
+            assert look.read_text().split() == [ips[(j, 0)], ips[(j, 1)]]
+    assert len(set(ips.values())) == 4 and all(ip.startswith("127.") for ip in ips.values())
+    assert subprocess.run(["getent", "hosts", f"{m.name}-slice-0-0.{m.name}"], check=False).returncode != 0
+
+
+def test_expand_pods_makes_one_pod_per_host_of_each_slice() -> None:
+    cfg = job_config(
+        "gs://b/r",
+        "unused",
+        "unused",
+        backend="gke",
+        run_name="x",
+        min_workers=2,
+        max_workers=4,
+        hosts_per_slice=2,
+        devices_per_worker=4,
+        preemption_grace_s=9,
+    )
+    m = render(cfg, TPU, GKELaunch(image="img:1", spot=True), "j1")
+    pods = expand_pods(m.jobset)
+    assert [
+        (p["metadata"]["labels"][gke.JOB_INDEX_LABEL], p["metadata"]["annotations"][gke.COMPLETION_INDEX_ANNOTATION])
+        for p in pods
+    ] == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
+    assert {p["spec"]["hostname"] for p in pods} == {f"{m.name}-slice-{j}-{i}" for j in (0, 1) for i in (0, 1)}
+    jobset = {**m.jobset, "spec": {**m.jobset["spec"]}}
+    rjob = jobset["spec"]["replicatedJobs"][0]
+    jobset["spec"]["replicatedJobs"] = [
+        {**rjob, "template": {"spec": {**rjob["template"]["spec"], "completionMode": "NonIndexed"}}}
+    ]
+    with pytest.raises(PodEmulatorError, match="Indexed"):
+        expand_pods(jobset)

@@ -1,0 +1,617 @@
+"""A JobSet without Kubernetes: the pods of a rendered JobSet run as local processes, as GKE runs them.
+
+For tests and trials of the GKE path on one machine.  What the cluster would do
+is done here in small:
+
+- the JobSet and Job controllers make one pod per (slice, host index), with the
+  labels, annotations and hostname they set, and recreate a pod that ended by
+  the Job's ``podFailurePolicy`` and ``backoffLimitPerIndex``;
+- the scheduler starts a pod only while its slice's nodes are up (a pod of a
+  slice whose nodes are gone waits ``Pending``/``Unschedulable``);
+- the kubelet gives the container its environment (values, downward-API fields,
+  ``HOSTNAME``), what GKE's TPU webhook injects into JobSet pods
+  (``TPU_WORKER_ID``, ``TPU_WORKER_HOSTNAMES``, ``MEGASCALE_*``), a pod IP of
+  its own on loopback, the pod DNS names of the headless Service resolved to
+  those IPs (``/etc/hosts`` in the pod's own mount namespace), its hostname (the
+  node's on the host network, in its own UTS namespace), and directories for its
+  volumes; a deleted pod gets SIGTERM, then SIGKILL once its grace is over.
+
+The container's command runs as written, with this repository's ``rtrain`` in
+place of the image's.  The image's own environment is what the caller passes
+(for JAX on CPU: ``JAX_PLATFORMS``, gloo, and as many CPU devices as the pod asks
+TPU chips).  It needs ``unshare`` (util-linux) and either root or user namespaces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from training.backends.gke import (
+    COMPLETION_INDEX_ANNOTATION,
+    JOB_INDEX_LABEL,
+    JOBSET_NAME_LABEL,
+    TPU_RESOURCE,
+    GKEManifests,
+)
+
+REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
+# The process that becomes a pod's container: its own /etc/hosts and hostname, then the container's command.
+POD_INIT = 'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"'
+
+
+class PodEmulatorError(RuntimeError):
+    """The emulator cannot run pods on this machine (no ``unshare``, no namespaces) or was given a bad JobSet."""
+
+
+@dataclass
+class Pod:
+    """One pod of the emulated JobSet: its object, and the process its container is."""
+
+    name: str
+    slice: int
+    index: int
+    obj: dict[str, Any]
+    created: float = field(default_factory=time.time)
+    ip: str = ""
+    node: str = ""
+    proc: subprocess.Popen[bytes] | None = None
+    exit_code: int | None = None
+    disruption: str = ""  # why the node ended the pod (a DisruptionTarget: its shutdown), if it did
+    deleting_since: float | None = None
+    kill_at: float | None = None
+    log: Path | None = None
+
+    @property
+    def phase(self) -> str:
+        if self.exit_code is not None:  # deleted or not, by its container's exit (the kubelet's rule since 1.27)
+            return "Succeeded" if self.exit_code == 0 else "Failed"
+        return "Running" if self.proc is not None else "Pending"
+
+
+@dataclass
+class _Index:
+    """One completion index of one slice's Job: its pods so far, and its failures that count."""
+
+    pods: list[Pod] = field(default_factory=list)
+    failures: int = 0
+    done: bool = False  # succeeded
+    failed: bool = False  # out of retries (backoffLimitPerIndex) or FailIndex: not made again
+
+
+def pod_ip(n: int, net: int = 1) -> str:
+    """The ``n``-th address of 127.<net>.0.0/16 (all loopback on Linux): pods on 127.1, nodes on 127.2."""
+    if not 0 <= n < 250 * 256:
+        raise PodEmulatorError(f"no address left for pod {n}")
+    return f"127.{net}.{n // 250}.{n % 250 + 2}"
+
+
+def expand_pod(jobset: Mapping[str, Any], slice_: int, index: int, suffix: str) -> dict[str, Any]:
+    """The pod the JobSet (its Job ``slice_``) and the Job controller (index ``index``) make of the template."""
+    name = jobset["metadata"]["name"]
+    (rjob,) = jobset["spec"]["replicatedJobs"]
+    job_spec = rjob["template"]["spec"]
+    if job_spec.get("completionMode") != "Indexed":
+        raise PodEmulatorError("only Indexed Jobs are emulated")
+    tmpl = job_spec["template"]
+    subdomain = jobset["spec"]["network"].get("subdomain") or name
+    index_meta = {
+        JOBSET_NAME_LABEL: name,
+        REPLICATED_JOB_LABEL: rjob["name"],
+        JOB_INDEX_LABEL: str(slice_),
+        COMPLETION_INDEX_ANNOTATION: str(index),
+    }
+    hostname = f"{name}-{rjob['name']}-{slice_}-{index}"
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": f"{hostname}-{suffix}",
+            "namespace": jobset["metadata"]["namespace"],
+            "labels": {**tmpl["metadata"].get("labels", {}), **index_meta},
+            "annotations": {**tmpl["metadata"].get("annotations", {}), **index_meta},
+        },
+        "spec": {**tmpl["spec"], "hostname": hostname, "subdomain": subdomain},
+    }
+
+
+def expand_pods(jobset: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Every pod of a JobSet, as the controllers first make them (slice-major)."""
+    (rjob,) = jobset["spec"]["replicatedJobs"]
+    hosts = rjob["template"]["spec"]["completions"]
+    return [expand_pod(jobset, j, i, "abcde") for j in range(rjob["replicas"]) for i in range(hosts)]
+
+
+def container_env(pod: Mapping[str, Any], container: Mapping[str, Any]) -> dict[str, str]:
+    """The container's ``env`` as the kubelet resolves it: values and downward-API field refs."""
+    env: dict[str, str] = {}
+    for item in container.get("env") or []:
+        if "value" in item:
+            env[item["name"]] = str(item["value"])
+            continue
+        path = item["valueFrom"]["fieldRef"]["fieldPath"]
+        if path in ("status.podIP", "status.hostIP"):
+            env[item["name"]] = str(pod["status"][path.split(".")[1]])
+            continue
+        if path in ("metadata.name", "metadata.namespace", "spec.nodeName"):
+            section, key = path.split(".")
+            env[item["name"]] = str(pod[section][key])
+            continue
+        m = re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", path)
+        if not m or m.group(2) not in pod["metadata"].get(m.group(1), {}):
+            raise PodEmulatorError(f"{pod['metadata']['name']}: fieldPath {path} has no value on the pod")
+        env[item["name"]] = str(pod["metadata"][m.group(1)][m.group(2)])
+    return env
+
+
+def webhook_env(jobset: Mapping[str, Any], slice_: int, index: int) -> dict[str, str]:
+    """What GKE's TPU webhook injects into a JobSet pod that asks for TPU chips on a multi-host slice."""
+    name = jobset["metadata"]["name"]
+    (rjob,) = jobset["spec"]["replicatedJobs"]
+    subdomain = jobset["spec"]["network"].get("subdomain") or name
+    hosts = int(rjob["template"]["spec"]["completions"])
+    env: dict[str, str] = {}
+    if hosts > 1:
+        env["TPU_WORKER_ID"] = str(index)
+        env["TPU_WORKER_HOSTNAMES"] = ",".join(f"{name}-{rjob['name']}-{slice_}-{i}.{subdomain}" for i in range(hosts))
+    if int(rjob["replicas"]) > 1:
+        env["MEGASCALE_COORDINATOR_ADDRESS"] = f"{name}-{rjob['name']}-0-0.{subdomain}"
+        env["MEGASCALE_NUM_SLICES"] = str(rjob["replicas"])
+        env["MEGASCALE_SLICE_ID"] = str(slice_)
+    return env
+
+
+def _rule_action(rules: list[Mapping[str, Any]], exit_code: int, disrupted: bool, container: str) -> str:
+    """The action of the Job's ``podFailurePolicy`` for a failed pod: its first matching rule's, else Count."""
+    for rule in rules:
+        conds = rule.get("onPodConditions") or []
+        if disrupted and any(c.get("type") == "DisruptionTarget" and c.get("status", "True") == "True" for c in conds):
+            return str(rule["action"])
+        codes = rule.get("onExitCodes")
+        if codes and codes.get("containerName", container) == container and exit_code != 0:
+            if (exit_code in codes["values"]) == (codes["operator"] == "In"):
+                return str(rule["action"])
+    return "Count"
+
+
+class EmulatedJobSet:
+    """A rendered JobSet whose pods run here; its slices' nodes come and go at the caller's word."""
+
+    def __init__(
+        self,
+        manifests: GKEManifests,
+        workdir: str | Path,
+        image_env: Mapping[str, str],
+        tick_s: float = 0.2,
+    ) -> None:
+        self.m = manifests
+        self.jobset = manifests.jobset
+        (self.rjob,) = self.jobset["spec"]["replicatedJobs"]
+        self.job_spec = self.rjob["template"]["spec"]
+        self.slices = int(self.rjob["replicas"])
+        self.hosts = int(self.job_spec["completions"])
+        self.workdir = Path(workdir).resolve()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.image_env = dict(image_env)
+        self.tick_s = tick_s
+        self.up = set(range(self.slices))  # slices whose nodes are there
+        self.indexes = {(j, i): _Index() for j in range(self.slices) for i in range(self.hosts)}
+        self.failed_jobs: dict[int, str] = {}
+        self.state = ""  # "", "Completed" or "Failed": the JobSet's terminal condition
+        self.deleted = False  # the JobSet was deleted: its pods go and none is made again
+        self.error: BaseException | None = None  # what stopped the controllers' thread, raised to the caller
+        self._made = 0  # pods made (their names' suffix)
+        self._placed = 0  # pods given an IP
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="jobset-emulator", daemon=True)
+        self.hosts_file = self.workdir / "hosts"
+        self._unshare = self._unshare_argv()
+
+    # --- the caller's view ---------------------------------------------------------------------
+
+    def __enter__(self) -> EmulatedJobSet:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.delete(grace_s=1 if exc_type is not None else None)  # a failing caller does not wait out the grace
+
+    def start(self) -> None:
+        """Create the JobSet: its pods, started on the slices that are up."""
+        with self._lock:
+            for (j, i), idx in self.indexes.items():
+                idx.pods.append(self._new_pod(j, i))
+            self._write_hosts()
+        self._thread.start()
+
+    def objects(self) -> list[dict[str, Any]]:
+        """The pods as API objects (with status), as ``kubectl get pods -o json`` lists them."""
+        self._check()
+        with self._lock:
+            return [self._status(p) for idx in self.indexes.values() for p in idx.pods]
+
+    def object(self) -> dict[str, Any]:
+        """The JobSet as an API object, with its terminal condition once it has one."""
+        self._check()
+        conditions = []
+        if self.state:
+            conditions.append({"type": self.state, "status": "True", "reason": self.state})
+        return {**self.jobset, "status": {"conditions": conditions, "terminalState": self.state or None}}
+
+    def running(self, slice_: int | None = None) -> list[Pod]:
+        """The pods whose container runs (of one slice, or of all)."""
+        self._check()
+        with self._lock:
+            return [
+                idx.pods[-1]
+                for (j, _), idx in sorted(self.indexes.items())
+                if idx.pods and idx.pods[-1].phase == "Running" and slice_ in (None, j)
+            ]
+
+    def preempt_slice(self, slice_: int, grace_s: float | None = None) -> None:
+        """A Spot reclaim of a slice: its nodes go, each of its pods gets SIGTERM and then SIGKILL after its grace."""
+        with self._lock:
+            self.up.discard(slice_)
+            for i in range(self.hosts):
+                self._delete_pod(self.indexes[(slice_, i)].pods[-1], "the node was preempted (Spot)", grace_s)
+
+    def return_slice(self, slice_: int) -> None:
+        """The slice's nodes are back: its waiting pods are scheduled at the next tick."""
+        with self._lock:
+            self.up.add(slice_)
+
+    def kill_pod(self, slice_: int, index: int) -> None:
+        """A host error: the pod's processes die at once (no grace, no disruption): it counts as a failure."""
+        with self._lock:
+            pod = self.indexes[(slice_, index)].pods[-1]
+            if pod.proc is not None and pod.exit_code is None:
+                _killpg(pod.proc.pid, signal.SIGKILL)
+
+    def process_environ(self, pod: Pod) -> list[dict[str, str]]:
+        """The environment of each process of the pod other than its container's first (the workers)."""
+        if pod.proc is None:
+            return []
+        out = []
+        for pid in _group_pids(pod.proc.pid):
+            if pid == pod.proc.pid:
+                continue
+            with contextlib.suppress(OSError):
+                raw = Path(f"/proc/{pid}/environ").read_bytes()
+                out.append(dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv))
+        return out
+
+    def delete(self, grace_s: float | None = None) -> None:
+        """Delete the JobSet: every pod is deleted (SIGTERM, SIGKILL after the grace) and waited for."""
+        with self._lock:
+            self.deleted = True
+            for idx in self.indexes.values():
+                for pod in idx.pods:
+                    self._delete_pod(pod, "", grace_s)
+            last_kill = max([p.kill_at or 0.0 for idx in self.indexes.values() for p in idx.pods] + [time.time()])
+        while time.time() < last_kill + 5 and self._live():
+            with self._lock:
+                self._reap(time.time())
+            time.sleep(0.1)
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        with self._lock:
+            for pod in self._live():
+                assert pod.proc is not None
+                _killpg(pod.proc.pid, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self._ended(pod, pod.proc.wait(timeout=10))
+
+    def _live(self) -> list[Pod]:
+        """The pods whose container has not ended."""
+        return [p for idx in self.indexes.values() for p in idx.pods if p.proc is not None and p.exit_code is None]
+
+    # --- the controllers -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._tick()
+            except BaseException as e:  # noqa: BLE001 - raised to the caller at its next look
+                self.error = e
+                return
+            self._stop.wait(self.tick_s)
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise PodEmulatorError(f"the emulated cluster stopped: {self.error!r}") from self.error
+
+    def _tick(self) -> None:
+        with self._lock:
+            self._reap(time.time())
+            for (j, i), idx in self.indexes.items():
+                self._job_controller(j, i, idx)
+            self._schedule()
+
+    def _reap(self, now: float) -> None:
+        """The kubelet's part: note the containers that ended, kill those whose grace is over."""
+        for pod in self._live():
+            assert pod.proc is not None
+            code = pod.proc.poll()
+            if code is not None:
+                self._ended(pod, code)
+            elif pod.kill_at is not None and now >= pod.kill_at:
+                _killpg(pod.proc.pid, signal.SIGKILL)
+
+    def _ended(self, pod: Pod, code: int) -> None:
+        """The container's first process ended: the rest of the container goes with it."""
+        pod.exit_code = 128 - code if code < 0 else code  # a signal as the runtime reports it (137 = SIGKILL)
+        assert pod.proc is not None
+        _killpg(pod.proc.pid, signal.SIGKILL)
+
+    def _job_controller(self, j: int, i: int, idx: _Index) -> None:
+        """The Job controller for one index: by its pod's end, done, made again, failed, or the Job failed."""
+        pod = idx.pods[-1]
+        if self.state or self.deleted or idx.done or idx.failed:
+            return
+        if pod.proc is None:
+            if pod.deleting_since is not None:  # deleted before it ran: made again
+                idx.pods.append(self._new_pod(j, i))
+            return
+        if pod.exit_code is None:
+            return
+        if pod.phase == "Succeeded":
+            idx.done = True
+        else:
+            rules = (self.job_spec.get("podFailurePolicy") or {}).get("rules") or []
+            action = _rule_action(rules, pod.exit_code, bool(pod.disruption), _container(self.job_spec)["name"])
+            if action == "FailJob":
+                self._fail_job(j, f"pod {pod.name} exited {pod.exit_code} (podFailurePolicy FailJob)")
+                return
+            if action != "Ignore":
+                idx.failures += 1
+            if action == "FailIndex" or idx.failures > int(self.job_spec.get("backoffLimitPerIndex", 0)):
+                idx.failed = True  # not made again; the Job goes on with its other indexes
+            else:
+                idx.pods.append(self._new_pod(j, i))
+                return
+        self._job_ended(j)
+
+    def _job_ended(self, j: int) -> None:
+        """A slice's Job ends once each of its indexes has: Complete when all succeeded, else Failed."""
+        mine = [(i, x) for (s, i), x in sorted(self.indexes.items()) if s == j]
+        if not all(x.done or x.failed for _, x in mine):
+            return
+        failed = [i for i, x in mine if x.failed]
+        if failed:
+            self._fail_job(
+                j, f"indexes {failed} failed (backoffLimitPerIndex {self.job_spec.get('backoffLimitPerIndex')})"
+            )
+        else:
+            self.state = "Completed"  # successPolicy Any over the slice Jobs
+            self._end_all()
+
+    def _fail_job(self, j: int, why: str) -> None:
+        self.failed_jobs[j] = why
+        self.state = "Failed"  # failurePolicy.maxRestarts 0: a failed Job fails the JobSet
+        self._end_all()
+
+    def _end_all(self) -> None:
+        for idx in self.indexes.values():
+            for pod in idx.pods:
+                self._delete_pod(pod, "", None)
+
+    def _schedule(self) -> None:
+        changed = False
+        for (j, _), idx in sorted(self.indexes.items()):
+            pod = idx.pods[-1]
+            if pod.proc is None and pod.deleting_since is None and j in self.up and not (self.state or self.deleted):
+                self._place(pod)
+                changed = True
+        if changed:
+            self._write_hosts()
+        for _, idx in sorted(self.indexes.items()):
+            pod = idx.pods[-1]
+            if pod.ip and pod.proc is None and pod.deleting_since is None:
+                self._start(pod)
+
+    # --- the kubelet ---------------------------------------------------------------------------
+
+    def _new_pod(self, j: int, i: int) -> Pod:
+        self._made += 1
+        obj = expand_pod(self.jobset, j, i, f"{self._made:05d}")
+        return Pod(name=obj["metadata"]["name"], slice=j, index=i, obj=obj)
+
+    def _place(self, pod: Pod) -> None:
+        self._placed += 1
+        pod.node = f"node-s{pod.slice}-h{pod.index}"
+        host_network = bool(pod.obj["spec"].get("hostNetwork"))
+        pod.ip = pod_ip(self._placed)
+        if host_network:  # the node's address; a node keeps it
+            pod.ip = pod_ip(pod.slice * self.hosts + pod.index, net=2)
+        pod.obj["spec"]["nodeName"] = pod.node
+
+    def _env(self, pod: Pod) -> dict[str, str]:
+        container = _container(self.job_spec)
+        status = {"podIP": pod.ip, "hostIP": pod.ip}
+        env = container_env({**pod.obj, "status": status}, container)
+        mounts = {m["mountPath"]: self._volume_dir(pod, m["name"]) for m in container.get("volumeMounts") or []}
+        for key, value in env.items():  # a volume's mount path is the pod's directory for it
+            for path, local in mounts.items():
+                if value == path or value.startswith(path + "/"):
+                    env[key] = str(local) + value[len(path) :]
+        hostname = pod.node if pod.obj["spec"].get("hostNetwork") else pod.obj["spec"]["hostname"]
+        return {
+            "HOME": str(self._pod_dir(pod)),  # the runtime sets one; the container's is its own directory here
+            **self.image_env,
+            **webhook_env(self.jobset, pod.slice, pod.index),
+            **env,
+            "HOSTNAME": hostname,
+            "KUBERNETES_SERVICE_HOST": "127.0.0.1",
+            "KUBERNETES_SERVICE_PORT": "443",
+        }
+
+    def _pod_dir(self, pod: Pod) -> Path:
+        path = self.workdir / "pods" / pod.name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def _volume_dir(self, pod: Pod, name: str) -> Path:
+        path = self._pod_dir(pod) / "volumes" / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def _start(self, pod: Pod) -> None:
+        container = _container(self.job_spec)
+        env = self._env(pod)
+        cwd = self._pod_dir(pod)
+        pod.log = cwd / "container.log"
+        argv = [*container.get("command", []), *container.get("args", [])]
+        if not argv:
+            raise PodEmulatorError("the container has no command")
+        with open(pod.log, "ab") as out:
+            pod.proc = subprocess.Popen(
+                [*self._unshare, "/bin/sh", "-c", POD_INIT, "pod-init", str(self.hosts_file), env["HOSTNAME"], *argv],
+                env=env,
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # the container: one process group, killed whole
+                preexec_fn=_die_with_parent,
+            )
+
+    def _delete_pod(self, pod: Pod, disruption: str, grace_s: float | None) -> None:
+        if pod.deleting_since is not None:
+            return
+        pod.deleting_since = time.time()
+        pod.disruption = disruption
+        grace = float(pod.obj["spec"].get("terminationGracePeriodSeconds", 30) if grace_s is None else grace_s)
+        pod.kill_at = pod.deleting_since + grace
+        if pod.proc is not None and pod.exit_code is None:
+            with contextlib.suppress(ProcessLookupError):
+                pod.proc.send_signal(signal.SIGTERM)  # to the container's first process, as the runtime does
+
+    def _status(self, pod: Pod) -> dict[str, Any]:
+        obj = {**pod.obj, "metadata": dict(pod.obj["metadata"])}
+        if pod.deleting_since is not None and pod.exit_code is None and not pod.disruption:
+            # Deleted through the API; a node's shutdown (a Spot reclaim) ends the pod without one.
+            obj["metadata"]["deletionTimestamp"] = _rfc3339(pod.deleting_since)
+        status: dict[str, Any] = {"phase": pod.phase}
+        conditions = []
+        if pod.disruption:
+            conditions.append(
+                {
+                    "type": "DisruptionTarget",
+                    "status": "True",
+                    "reason": "TerminationByKubelet",
+                    "message": pod.disruption,
+                }
+            )
+        if pod.proc is None and pod.exit_code is None:
+            tpus = _container(self.job_spec)["resources"]["limits"].get(TPU_RESOURCE, "0")
+            conditions.append(
+                {
+                    "type": "PodScheduled",
+                    "status": "False",
+                    "reason": "Unschedulable",
+                    "message": f"0/{len(self.up) * self.hosts} nodes are available: "
+                    f"{self.hosts} Insufficient {TPU_RESOURCE} ({tpus} per pod)",
+                }
+            )
+        else:
+            status["podIP"] = pod.ip
+            state: dict[str, Any] = {"running": {}}
+            if pod.exit_code is not None:
+                state = {
+                    "terminated": {"exitCode": pod.exit_code, "reason": "Completed" if not pod.exit_code else "Error"}
+                }
+            status["containerStatuses"] = [{"name": _container(self.job_spec)["name"], "state": state}]
+        status["conditions"] = conditions
+        obj["status"] = status
+        return obj
+
+    def _write_hosts(self) -> None:
+        """The pods' /etc/hosts: localhost, and each placed pod's DNS names (in place: the pods bind-mount its inode)."""
+        subdomain = self.jobset["spec"]["network"].get("subdomain") or self.m.name
+        ns = self.jobset["metadata"]["namespace"]
+        lines = ["127.0.0.1\tlocalhost"]
+        for (_, _), idx in sorted(self.indexes.items()):
+            for pod in idx.pods:
+                if pod.ip and pod.exit_code is None:
+                    host = pod.obj["spec"]["hostname"]
+                    lines.append(f"{pod.ip}\t{host}.{subdomain}.{ns}.svc.cluster.local {host}.{subdomain} {host}")
+                    if pod.obj["spec"].get("hostNetwork"):
+                        lines.append(f"{pod.ip}\t{pod.node}")
+        data = ("\n".join(lines) + "\n").encode()
+        fd = os.open(self.hosts_file, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # one write over the old text, padded so the file never shrinks: no reader sees it empty
+            old_size = os.fstat(fd).st_size
+            if len(data) < old_size:
+                data += b"#" * (old_size - len(data) - 1) + b"\n"
+            os.pwrite(fd, data, 0)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _unshare_argv() -> list[str]:
+        exe = shutil.which("unshare")
+        if exe is None:
+            raise PodEmulatorError("the pod emulator needs unshare (util-linux) for each pod's /etc/hosts and hostname")
+        argv = [exe, "--mount", "--uts"]
+        if os.geteuid() != 0:
+            argv.append("--map-root-user")
+        probe = subprocess.run([*argv, "true"], capture_output=True, text=True, check=False)
+        if probe.returncode != 0:
+            raise PodEmulatorError(f"unshare cannot make a pod's namespaces here: {probe.stderr.strip()}")
+        return argv
+
+
+def cpu_image_env(chips_per_host: int, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """An image's environment for JAX on CPU: each pod's TPU chips become as many CPU devices, gloo between pods."""
+    return {
+        "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
+        "JAX_PLATFORMS": "cpu",
+        "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={chips_per_host}",
+        "PYTHONUNBUFFERED": "1",
+        **(extra or {}),
+    }
+
+
+def _container(job_spec: Mapping[str, Any]) -> dict[str, Any]:
+    (container,) = job_spec["template"]["spec"]["containers"]
+    return dict(container)
+
+
+def _group_pids(pgid: int) -> Iterator[int]:
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                stat = Path(f"/proc/{entry.name}/stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
+                    yield int(entry.name)
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGKILL when the emulator's process goes, so no pod outlives it (Linux prctl)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _rfc3339(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
