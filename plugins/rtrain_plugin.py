@@ -285,6 +285,7 @@ def chart_data(
         "leader",
         "restore",
         "waiting_for_capacity",
+        "pods_waiting",
         "guard",
         "rescale_requested",
     }

@@ -137,6 +137,7 @@ __all__ = [
     "prune",
     "report",
     "rollback",
+    "record_pods_waiting",
     "set_capacity",
     "status",
     "stop_job",
@@ -563,6 +564,11 @@ def release_capacity(run_uri: str, reason: str = "released") -> None:
     store = open_store(run_uri)
     store.delete(CAPACITY)
     EventLog(store, source="airflow").emit("capacity", available=0, reason=reason)
+
+
+def record_pods_waiting(run_uri: str, reason: str, job: str | None = None) -> None:
+    """Record why the job's pods wait (``""``: none does now) among the run's events, for its timeline."""
+    EventLog(open_store(run_uri), source="airflow").emit("pods_waiting", reason=reason, job=job)
 
 
 # --- the checkpoint lifecycle --------------------------------------------------------------------------

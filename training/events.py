@@ -65,6 +65,7 @@ class EventType(StrEnum):
     RESIZE = "resize"
     CAPACITY = "capacity"
     WAITING_FOR_CAPACITY = "waiting_for_capacity"
+    PODS_WAITING = "pods_waiting"  # why the job's pods do not run (GKE), told by the Airflow sensor; "" when none
     CHAOS = "chaos"
     FINISHED = "finished"
     FAILED = "failed"
@@ -101,6 +102,7 @@ REQUIRED: dict[EventType, tuple[str, ...]] = {
     EventType.RESIZE: ("old_workers", "new_workers", "old_mesh", "new_mesh"),
     EventType.CAPACITY: ("available",),
     EventType.WAITING_FOR_CAPACITY: ("available", "min_workers"),
+    EventType.PODS_WAITING: ("reason",),
     EventType.CHAOS: ("action",),
     EventType.FINISHED: ("step",),
     EventType.FAILED: ("reason",),
@@ -506,6 +508,7 @@ SENTENCES: dict[str, Any] = {
     "waiting_for_capacity": lambda g: (
         f"waiting for capacity: {_plural(g('available'), 'host')} available, at least {g('min_workers')} needed"
     ),
+    "pods_waiting": lambda g: f"pods waiting: {g('reason')}" if g("reason") else "no pod waits any more",
     "chaos": _chaos,
     "finished": _finished,
     "failed": lambda g: f"the job failed: {g('reason')}" + (f" (at step {g('step')})" if g("step") is not None else ""),

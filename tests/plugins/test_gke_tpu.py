@@ -416,6 +416,37 @@ def test_spot_pools_can_give_the_pods_more_shutdown_grace(hook: GKETPUHook) -> N
     }
 
 
+@pytest.mark.parametrize("queued", [False, True])
+def test_flex_start_pools_are_created_empty_and_scale_to_their_slice(hook: GKETPUHook, queued: bool) -> None:
+    spec = TPUNodePoolSpec(
+        name="slice-flex",
+        machine_type="ct5p-hightpu-4t",
+        tpu_topology="2x2x4",
+        flex_start=True,
+        queued_provisioning=queued,
+    )
+    pool = sent(hook.create_request(spec, project_id=PROJECT, cluster_name=CLUSTER))["nodePool"]
+    assert pool["config"]["flexStart"] is True and "spot" not in pool["config"]
+    assert pool["config"]["reservationAffinity"] == {"consumeReservationType": "NO_RESERVATION"}
+    assert "initialNodeCount" not in pool  # 0: the pods' demand makes the slice
+    assert pool["autoscaling"] == {
+        "enabled": True,
+        "totalMaxNodeCount": 4,  # the slice's 4 hosts, made and removed together
+        "locationPolicy": "ANY",
+    }
+    assert pool["management"] == {"autoUpgrade": True}  # no auto-repair: a repaired flex-start VM is a new request
+    assert pool["placementPolicy"] == {"tpuTopology": "2x2x4"}
+    assert pool.get("queuedProvisioning") == ({"enabled": True} if queued else None)
+    plain = sent(
+        hook.create_request(
+            TPUNodePoolSpec(name="s", machine_type="ct5p-hightpu-4t", tpu_topology="2x2x4"),
+            project_id=PROJECT,
+            cluster_name=CLUSTER,
+        )
+    )
+    assert "autoscaling" not in plain["nodePool"] and "flexStart" not in plain["nodePool"]["config"]
+
+
 def test_create_request_for_a_reservation(hook: GKETPUHook) -> None:
     spec = TPUNodePoolSpec(
         name="slice-r",
@@ -456,6 +487,9 @@ def test_resize_and_delete_requests_name_the_pool(hook: GKETPUHook) -> None:
         ({"placement_policy": "my-policy"}, "placement_policy"),  # a 4x4 slice is placed by its tpu_topology
         ({"spot_shutdown_grace_s": 120}, "spot_shutdown_grace_s"),  # not Spot
         ({"spot": True, "spot_shutdown_grace_s": 60}, "spot_shutdown_grace_s"),  # GKE takes 30 or 120
+        ({"flex_start": True, "spot": True}, "flex_start"),
+        ({"flex_start": True, "reservation": "res"}, "flex_start"),
+        ({"queued_provisioning": True}, "queued_provisioning"),  # flex-start pools only
     ],
 )
 def test_node_pool_spec_refuses_bad_inputs_naming_them(kwargs: dict[str, Any], key: str) -> None:
@@ -1220,14 +1254,29 @@ def test_the_gke_backend_s_poll_says_why_pods_wait_or_that_kueue_holds_the_jobse
     backend = GKEBackend(gke)
     monkeypatch.setattr(backend, "_jobsets", lambda: hook)
     run = tmp_path / "run"
-    handle = {"backend": "gke", "run_uri": str(run), "job": "j7", "jobset": m.name, "namespace": "training"}
-    handle["launched_at"] = time.time()
+    handle: dict[str, Any] = {"backend": "gke", "run_uri": str(run), "job": "j7", "jobset": m.name}
+    handle |= {"namespace": "training", "launched_at": time.time()}
     look = backend.poll(handle, {"start_timeout_s": 900})
     assert look["state"] not in ("finished", "failed")
     assert look["waiting"].startswith("1 pod Unschedulable (0/3 nodes are available")
+    # Pods waiting for nodes the cluster is still to make (flex-start, a stockout): past the start timeout,
+    # the job waits up to the provisioning timeout, then fails saying why.
+    later = handle["launched_at"] + 1000
+    assert backend.poll(handle, {"start_timeout_s": 900}, now=later)["state"] == "pending"
+    failed = backend.poll(handle, {"start_timeout_s": 900}, now=handle["launched_at"] + 3700)
+    assert (
+        failed["state"] == "failed"
+        and "did not start within 3600s; pods waiting: 1 pod Unschedulable" in failed["reason"]
+    )
+    # Kueue holds the JobSet: no start timeout at all.
     api.objects[("JobSet", "training", m.name)]["spec"]["suspend"] = True
-    look = backend.poll(handle, {"start_timeout_s": 900})
+    look = backend.poll(handle, {"start_timeout_s": 900}, now=handle["launched_at"] + 99_999)
+    assert look["state"] == "pending"
     assert look["waiting"] == "the JobSet is suspended: waiting for Kueue to admit it (queue tpu-v6e)"
+    # Pods that run but whose agents never write the job's status: the start timeout.
+    api.objects[("JobSet", "training", m.name)]["spec"]["suspend"] = False
+    api.pods = [pod(f"{m.name}-slice-0-0", m.name, RUNNING)]
+    assert backend.poll(handle, {"start_timeout_s": 900}, now=later)["state"] == "failed"
 
 
 def test_capacity_and_ready_nodes_through_the_kubernetes_client(k8s: tuple[FakeKubernetes, str]) -> None:
@@ -1563,6 +1612,43 @@ def test_the_gke_backend_provisions_for_min_workers_and_reports_each_pool(
         backend.provision(cfg_all, {"gke": gke})
 
 
+def test_queued_provisioning_needs_flex_start_and_a_kueue_queue() -> None:
+    from rtrain_airflow.hooks.training import GKEBackend, RTrainConfigError
+
+    gke = {k: "x" for k in GKEBackend.REQUIRED} | {"node_pools": ["p"], "queued_provisioning": True}
+    with pytest.raises(RTrainConfigError, match="needs gke.kueue_queue"):
+        GKEBackend({**gke, "flex_start": True})
+    with pytest.raises(RTrainConfigError, match="flex-start pools only"):
+        GKEBackend({**gke, "kueue_queue": "q"})
+    GKEBackend({**gke, "flex_start": True, "kueue_queue": "q"})
+
+
+def test_the_gke_backend_makes_flex_start_pools_when_the_conf_asks(
+    hook: GKETPUHook, fake: FakeClusterManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rtrain_airflow.hooks.training import GKEBackend
+
+    gke = {
+        "project_id": PROJECT,
+        "location": LOCATION,
+        "cluster_name": CLUSTER,
+        "machine_type": "ct5p-hightpu-4t",
+        "tpu_topology": "2x2x2",
+        "image": "img",
+        "node_pools": ["slice-0", "slice-1"],
+        "flex_start": True,
+        "queued_provisioning": True,
+        "kueue_queue": "tpu-v5p",
+    }
+    backend = GKEBackend(gke)
+    monkeypatch.setattr(backend, "_gke_hook", lambda: hook)
+    cfg = load_config("tiny", None, {"root": "gs://b/runs", "min_workers": 2, "max_workers": 4, "hosts_per_slice": 2})
+    assert sorted(backend.provision(cfg, {"gke": gke})["node_pools_up"]) == ["slice-0", "slice-1"]
+    pools = list(fake.pools.values())
+    assert len(pools) == 2 and all(p.config.flex_start and p.queued_provisioning.enabled for p in pools)
+    assert all(p.initial_node_count == 0 and p.autoscaling.total_max_node_count == 2 for p in pools)
+
+
 def test_the_sensor_s_log_says_why_pods_wait_once_per_change(
     k8s: tuple[FakeKubernetes, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -1614,3 +1700,15 @@ def test_the_sensor_s_log_says_why_pods_wait_once_per_change(
         "docs/gke.md section 2)",
         "[rtrain] no pod waits any more",
     ], lines
+    # The same, on the run's record: the Training view's timeline tells it.
+    from rtrain_plugin import chart_data
+
+    from training.events import EventLog, describe
+
+    told = [e for e in EventLog(store).read() if e["type"] == "pods_waiting"]
+    assert [e["reason"].split(" (")[0] for e in told] == ["1 pod ImagePullBackOff", ""]
+    assert describe(told[1]) == "no pod waits any more" and describe(told[0]).startswith("pods waiting: 1 pod")
+    timeline = [
+        row for row in chart_data(EventLog(store).read(), {}, None)["timeline"] if row["type"] == "pods_waiting"
+    ]
+    assert [row["text"] for row in timeline] == [describe(e) for e in told]

@@ -111,6 +111,10 @@ class TPUNodePoolSpec:
         exclusion keeps upgrades off the training pools there), so ``False`` is for static-version clusters.
     :param spot_shutdown_grace_s: Spot only: the node's graceful shutdown on preemption, 30 or 120
         (newer GKE).  GKE keeps 15 s of it for system pods; the training pods get the rest (default: 15 s).
+    :param flex_start: flex-start VMs (Dynamic Workload Scheduler): the pool is created empty and scales
+        to its slice when the job's pods ask for it, for up to 7 days; neither Spot nor a reservation.
+    :param queued_provisioning: with ``flex_start``: the slice is provisioned all at once for a
+        ProvisioningRequest (Kueue's ProvisioningRequest admission check makes one for the JobSet).
     """
 
     name: str
@@ -130,6 +134,8 @@ class TPUNodePoolSpec:
     workload_identity: bool = True
     auto_upgrade: bool = True
     spot_shutdown_grace_s: int | None = None
+    flex_start: bool = False
+    queued_provisioning: bool = False
 
     def __post_init__(self) -> None:
         if not _POOL_NAME_RE.match(self.name):
@@ -158,6 +164,15 @@ class TPUNodePoolSpec:
             raise GKEConfigError(
                 f"placement_policy: a {self.machine_type} {self.tpu_topology} pool is a multi-host slice, placed by "
                 "its tpu_topology; GKE refuses a placement policy name together with it"
+            )
+        if self.flex_start and (self.spot or self.reservation):
+            raise GKEConfigError(
+                "flex_start: flex-start VMs are neither Spot nor from a reservation; choose one of spot, "
+                "reservation, flex_start"
+            )
+        if self.queued_provisioning and not self.flex_start:
+            raise GKEConfigError(
+                "queued_provisioning: GKE queues the provisioning of flex-start pools only (flex_start=True)"
             )
         if self.spot_shutdown_grace_s is not None:
             if not self.spot:
@@ -220,6 +235,22 @@ class TPUNodePoolSpec:
             locations=list(self.node_locations),
             management=container_v1.NodeManagement(auto_repair=True, auto_upgrade=self.auto_upgrade),
         )
+        if self.flex_start:
+            # Empty until the pods ask: the autoscaler makes the slice (all of its VMs at once) and removes it.
+            pool.config.flex_start = True  # the pool holds a copy of config
+            pool.config.reservation_affinity = container_v1.ReservationAffinity(
+                consume_reservation_type=container_v1.ReservationAffinity.Type.NO_RESERVATION
+            )
+            pool.initial_node_count = 0
+            pool.autoscaling = container_v1.NodePoolAutoscaling(
+                enabled=True,
+                total_min_node_count=0,
+                total_max_node_count=self.node_count,
+                location_policy=container_v1.NodePoolAutoscaling.LocationPolicy.ANY,
+            )
+            pool.management.auto_repair = False  # a repair would recreate a flex-start VM GKE cannot give back
+        if self.queued_provisioning:
+            pool.queued_provisioning = container_v1.NodePool.QueuedProvisioning(enabled=True)
         if tpu.multi_host:
             # The topology makes GKE provision the VMs as one ICI-connected slice (compact by construction);
             # GKE takes no placement type or policy name with it.

@@ -397,6 +397,13 @@ class GKEBackend:
         missing = [k for k in self.REQUIRED if not gke.get(k)]
         if missing:
             raise RTrainConfigError(f"gke: backend 'gke' needs {', '.join('gke.' + k for k in missing)}")
+        if gke.get("queued_provisioning") and not gke.get("kueue_queue"):
+            raise RTrainConfigError(
+                "gke.queued_provisioning: a queued pool makes nodes only for a ProvisioningRequest, which Kueue's "
+                "admission check makes for the JobSet: it needs gke.kueue_queue (docs/gke.md)"
+            )
+        if gke.get("queued_provisioning") and not gke.get("flex_start"):
+            raise RTrainConfigError("gke.queued_provisioning: GKE queues the provisioning of flex-start pools only")
         if priority is not None and not gke.get("kueue_queue"):
             raise RTrainConfigError(
                 f"priority {priority!r} on GKE is a Kueue priority: it needs gke.kueue_queue (the LocalQueue's name)"
@@ -432,6 +439,8 @@ class GKEBackend:
                 spot=bool(self.gke.get("spot", False)),
                 node_locations=tuple(self.gke.get("node_locations", ())),
                 service_account=self.gke.get("node_service_account"),
+                flex_start=bool(self.gke.get("flex_start", False)),
+                queued_provisioning=bool(self.gke.get("queued_provisioning", False)),
             )
             for pool in self.gke["node_pools"]
         ]
@@ -462,6 +471,7 @@ class GKEBackend:
             spot=bool(self.gke.get("spot", False)),
             kueue_queue=self.gke.get("kueue_queue"),
             priority=self.priority,
+            gcs_fuse=bool(self.gke.get("gcs_fuse", False)),
         )
 
     def launch(self, cfg: Config, spec: Mapping[str, Any], attempt: int) -> JobHandle:
@@ -474,7 +484,13 @@ class GKEBackend:
     def poll(
         self, handle: Mapping[str, Any], timeouts: Mapping[str, float], now: float | None = None
     ) -> dict[str, Any]:
-        look = api.job_state(handle, timeouts.get("start_timeout_s", 900.0))
+        """One look at the job, its JobSet and why its pods wait.
+
+        A job that has not started fails after ``start_timeout_s``, but not while Kueue holds its
+        JobSet, and only after ``gke.provision_timeout_s`` while its pods wait for nodes the cluster
+        is still to make (flex-start pools are created empty; a stockout may clear).
+        """
+        look = api.job_state(handle, float("inf"))  # the start timeout is applied below, knowing why pods wait
         if look["state"] in ("finished", "failed"):
             return look
         jobsets = self._jobsets()
@@ -489,7 +505,15 @@ class GKEBackend:
         except Exception as e:  # noqa: BLE001 - why pods wait is a diagnosis: a failed look is no failure of the job
             if self.log is not None:
                 self.log.warning("Reading the pods of %s failed: %s", handle["jobset"], e)
-            return look
+            waiting = ""
+        if look["state"] == "pending":
+            limit = float(timeouts.get("start_timeout_s", 900.0))
+            if "Unschedulable" in waiting:
+                limit = max(limit, float(self.gke.get("provision_timeout_s", 3600.0)))
+            age = (time.time() if now is None else now) - float(handle.get("launched_at", time.time()))
+            if age > limit:
+                why = f"job {handle.get('job')} did not start within {limit:.0f}s"
+                return {**look, "state": "failed", "reason": why + (f"; pods waiting: {waiting}" if waiting else "")}
         return {**look, "waiting": waiting} if waiting else look
 
     def release(self, cfg: Config, spec: Mapping[str, Any], handles: list[Mapping[str, Any]]) -> dict[str, Any]:

@@ -152,6 +152,8 @@ class GKECreateTPUNodePoolOperator(_GKETPUNodePoolBaseOperator):
     :param auto_upgrade: GKE node auto-upgrade (``False`` only on a cluster outside release channels;
         elsewhere keep upgrades off the pools with a maintenance exclusion, docs/gke.md §4).
     :param spot_shutdown_grace_s: Spot only: the nodes' shutdown grace, 30 or 120 (the pods get it less 15 s).
+    :param flex_start: flex-start VMs: the pool is created empty and scales to its slice for the job's pods.
+    :param queued_provisioning: with ``flex_start``: the slice comes all at once for a ProvisioningRequest.
     :param additional_networks: extra node networks, ``[{"network": ..., "subnetwork": ...}]``.
     :param node_locations: the zone(s) of the pool (TPUs are zonal).
     :param node_service_account: the nodes' Google service account (least privilege: see docs/gke.md).
@@ -188,6 +190,8 @@ class GKECreateTPUNodePoolOperator(_GKETPUNodePoolBaseOperator):
         disk_type: str | None = None,
         auto_upgrade: bool = True,
         spot_shutdown_grace_s: int | None = None,
+        flex_start: bool = False,
+        queued_provisioning: bool = False,
         recreate_failed_pool: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -207,6 +211,8 @@ class GKECreateTPUNodePoolOperator(_GKETPUNodePoolBaseOperator):
         self.disk_type = disk_type
         self.auto_upgrade = auto_upgrade
         self.spot_shutdown_grace_s = spot_shutdown_grace_s
+        self.flex_start = flex_start
+        self.queued_provisioning = queued_provisioning
         self.recreate_failed_pool = recreate_failed_pool
         if not _templated(*(getattr(self, f) for f in self.template_fields)):
             self.spec()  # refuse a bad shape when the DAG is parsed
@@ -233,6 +239,8 @@ class GKECreateTPUNodePoolOperator(_GKETPUNodePoolBaseOperator):
             disk_type=self.disk_type,
             auto_upgrade=self.auto_upgrade,
             spot_shutdown_grace_s=self.spot_shutdown_grace_s,
+            flex_start=self.flex_start,
+            queued_provisioning=self.queued_provisioning,
         )
 
     def _result(self, spec: TPUNodePoolSpec, created: bool) -> dict[str, Any]:
@@ -449,6 +457,7 @@ class GKEStartTPUJobSetOperator(_GKEJobSetBaseOperator):
         ``node`` (the node pool's service account).
     :param termination_grace_period_s: the pods' grace; ``None``: what a preemption gives (Spot: ``spot_grace_s``).
     :param spot_grace_s: what a Spot preemption gives a pod (15 s; 105 s on pools with ``spot_shutdown_grace_s=120``).
+    :param gcs_fuse: mount the dataset's bucket with GCS FUSE; the workers read its shards there.
 
     Returns the job handle: ``job``, ``jobset``, ``namespace``, ``num_slices``, ``run_uri``, ``state``, ...
     """
@@ -483,6 +492,7 @@ class GKEStartTPUJobSetOperator(_GKEJobSetBaseOperator):
         identity: str = "workload-identity",
         termination_grace_period_s: int | None = None,
         spot_grace_s: int = 15,
+        gcs_fuse: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -501,6 +511,7 @@ class GKEStartTPUJobSetOperator(_GKEJobSetBaseOperator):
         self.identity = identity
         self.termination_grace_period_s = termination_grace_period_s
         self.spot_grace_s = spot_grace_s
+        self.gcs_fuse = gcs_fuse
         static = ("config", "machine_type", "tpu_topology", "image", "namespace", "service_account", "node_pools")
         if not _templated(*(getattr(self, f) for f in static)):
             self._static_inputs()  # refuse a config that cannot run on the shape when the DAG is parsed
@@ -526,6 +537,7 @@ class GKEStartTPUJobSetOperator(_GKEJobSetBaseOperator):
             identity=self.identity,
             termination_grace_period_s=self.termination_grace_period_s,
             spot_grace_s=self.spot_grace_s,
+            gcs_fuse=self.gcs_fuse,
         )
         return cfg, tpu, launch
 

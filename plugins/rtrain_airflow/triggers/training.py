@@ -211,6 +211,15 @@ class RTrainTrainingJobTrigger(BaseTrigger):
         new = hook.events(self.run_uri, after=cursor)
         return found, new
 
+    def _record_waiting(self, waiting: str) -> None:
+        """Put why the pods wait (or that none does now) on the run's record: the Training view's timeline shows it."""
+        from training import api
+
+        try:
+            api.record_pods_waiting(self.run_uri, waiting, job=self.handle.get("job"))
+        except Exception as e:  # noqa: BLE001 - the record is an extra: the log line above says it already
+            self.log.warning("Recording why pods wait in %s failed: %s", self.run_uri, e)
+
     async def run(self) -> AsyncIterator[TriggerEvent]:
         cursor = self.events_after
         failures: list[dict[str, Any]] = []
@@ -247,6 +256,7 @@ class RTrainTrainingJobTrigger(BaseTrigger):
             if _gist(found.get("waiting", "")) != _gist(waiting):  # the reasons and counts, not the messages
                 waiting = found.get("waiting", "")
                 self.log.info("[rtrain] %s", f"pods waiting: {waiting}" if waiting else "no pod waits any more")
+                await asyncio.to_thread(self._record_waiting, waiting)
             now = time.monotonic()
             due = self.progress_every_s > 0 and (
                 progress.logged_at is None or now - progress.logged_at >= self.progress_every_s
