@@ -25,6 +25,7 @@ TPU chips).  It needs ``unshare`` (util-linux) and either root or user namespace
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import shutil
@@ -33,7 +34,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -156,7 +157,12 @@ def container_env(pod: Mapping[str, Any], container: Mapping[str, Any]) -> dict[
 
 
 def webhook_env(jobset: Mapping[str, Any], slice_: int, index: int) -> dict[str, str]:
-    """What GKE's TPU webhook injects into a JobSet pod that asks for TPU chips on a multi-host slice."""
+    """What GKE's TPU webhook injects into a JobSet pod that asks for TPU chips, as GKE's docs describe it.
+
+    ``TPU_WORKER_ID`` and ``TPU_WORKER_HOSTNAMES`` on multi-host slices, ``MEGASCALE_*`` when the JobSet
+    has more than one slice.  The shape's own values (``TPU_TOPOLOGY``, ...) never change between rounds
+    and are left out.  Taken from the documentation, not from a cluster.
+    """
     name = jobset["metadata"]["name"]
     (rjob,) = jobset["spec"]["replicatedJobs"]
     subdomain = jobset["spec"]["network"].get("subdomain") or name
@@ -485,7 +491,7 @@ class EmulatedJobSet:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # the container: one process group, killed whole
-                preexec_fn=_die_with_parent,
+                preexec_fn=_die_with_parent(),
             )
 
     def _delete_pod(self, pod: Pod, disruption: str, grace_s: float | None) -> None:
@@ -600,12 +606,17 @@ def _group_pids(pgid: int) -> Iterator[int]:
                     yield int(entry.name)
 
 
-def _die_with_parent() -> None:
-    """In the child: SIGKILL when the emulator's process goes, so no pod outlives it (Linux prctl)."""
+@functools.cache
+def _die_with_parent() -> Callable[[], object]:
+    """What a child runs before exec: SIGKILL when the emulator's process goes, so no pod outlives it.
+
+    Looked up in the parent: between fork and exec the child must not import (another thread may
+    hold the import lock).
+    """
     import ctypes
 
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    pr_set_pdeathsig = 1
+    return functools.partial(ctypes.CDLL(None, use_errno=True).prctl, pr_set_pdeathsig, signal.SIGKILL)
 
 
 def _killpg(pgid: int, sig: int) -> None:
