@@ -549,6 +549,13 @@ def test_an_existing_pool_of_another_shape_is_an_error(hook: GKETPUHook, fake: F
         create_op(hook, tpu_topology="4x4").execute(context={})
 
 
+
+def test_an_existing_on_demand_pool_is_not_a_flex_start_one(hook: GKETPUHook, fake: FakeClusterManager) -> None:
+    create_op(hook).execute(context={})
+    with pytest.raises(TPUNodePoolError, match="flex_start=False, not True"):
+        create_op(hook, flex_start=True).execute(context={})
+
+
 def test_the_project_falls_back_to_the_connection(hook: GKETPUHook, fake: FakeClusterManager) -> None:
     op = create_op(hook, project_id=None)
     op.execute(context={})

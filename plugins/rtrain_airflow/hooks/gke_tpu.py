@@ -650,6 +650,12 @@ def check_same_shape(existing: container_v1.NodePool, spec: TPUNodePoolSpec) -> 
         problems.append(f"topology {existing.placement_policy.tpu_topology!r}, not {spec.tpu_topology!r}")
     if existing.config.spot != spec.spot:
         problems.append(f"spot={existing.config.spot}, not {spec.spot}")
+    if bool(existing.config.flex_start) != spec.flex_start:
+        problems.append(f"flex_start={bool(existing.config.flex_start)}, not {spec.flex_start}")
+    if bool(existing.queued_provisioning.enabled) != spec.queued_provisioning:
+        problems.append(
+            f"queued_provisioning={bool(existing.queued_provisioning.enabled)}, not {spec.queued_provisioning}"
+        )
     if problems:
         raise TPUNodePoolError(
             f"node pool {spec.name} exists with {'; '.join(problems)}: delete it or pick another name"
