@@ -172,13 +172,10 @@ class EventLog:
     def keys(self, after_key: str | None = None) -> list[str]:
         return [k for k in self.store.list(EVENTS) if k.endswith(".json") and (after_key is None or k > after_key)]
 
-    def newest_key(self) -> str | None:
-        keys = self.keys()
-        return max(keys) if keys else None
-
-    def read(self, types: tuple[str, ...] | None = None, after_key: str | None = None) -> list[dict[str, Any]]:
+    def get(self, keys: list[str], types: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+        """The events of ``keys`` (each with its ``_key``), of ``types`` if given; keys gone since are left out."""
         events = []
-        for key in self.keys(after_key):
+        for key in keys:
             try:
                 ev = json.loads(self.store.get(key))
             except NotFound:  # pruned between list and get
@@ -188,13 +185,33 @@ class EventLog:
                 events.append(ev)
         return events
 
+    def newest_key(self) -> str | None:
+        keys = self.keys()
+        return max(keys) if keys else None
+
+    def read(self, types: tuple[str, ...] | None = None, after_key: str | None = None) -> list[dict[str, Any]]:
+        return self.get(self.keys(after_key), types)
+
+
+# An event's name is stamped before it is stored, so one may land after events stamped later (a slow
+# upload, a retried write, a host whose clock is behind): a reader that goes on from the newest name it
+# saw looks again this far back for such late events.
+LATE_S = 120.0
+
+
+def floor_key(key: str, margin_s: float = LATE_S) -> str:
+    """The event name ``margin_s`` before ``key``'s stamp: events listed after it include the late ones."""
+    ns = int(key[len(EVENTS) :].split("-", 1)[0]) - int(margin_s * 1e9)
+    return f"{EVENTS}{max(ns, 0):020d}"
+
 
 class EventReader:
-    """Runs' events, each read once across looks: the reader keeps what it read and asks only for newer keys.
+    """Runs' events, each read once across looks: the reader keeps what it read and reads only new names.
 
-    Event objects are write-once with names that sort in time order. A run not looked at for
-    ``ttl_s`` is read again from its start (a run deleted and started over under the same name);
-    at most ``size`` runs are kept. Safe to share between threads.
+    Event objects are write-once with names that sort in time order of their stamps; each look lists
+    from :data:`LATE_S` before the newest name seen, so an event that landed late is not missed. A
+    run not looked at for ``ttl_s`` is read again from its start (a run deleted and started over under
+    the same name); at most ``size`` runs are kept. Safe to share between threads.
     """
 
     def __init__(self, size: int = 32, ttl_s: float = 300.0) -> None:
@@ -208,8 +225,11 @@ class EventReader:
             seen, kept = self._runs.get(run_uri, (time.monotonic(), []))
         if time.monotonic() - seen > self.ttl_s:
             kept = []
-        new = EventLog(open_store(run_uri)).read(after_key=kept[-1]["_key"] if kept else None)
-        events = kept + new if new else kept
+        log = EventLog(open_store(run_uri))
+        floor = floor_key(kept[-1]["_key"]) if kept else None
+        have = {e["_key"] for e in kept if floor is None or e["_key"] > floor}
+        new = log.get([k for k in log.keys(floor) if k not in have])
+        events = sorted(kept + new, key=lambda e: str(e["_key"])) if new else kept
         with self._lock:
             self._runs[run_uri] = (time.monotonic(), events)
             self._runs.move_to_end(run_uri)

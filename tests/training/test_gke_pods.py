@@ -31,8 +31,7 @@ from training.backends.pod_emulator import (
     expand_pods,
     webhook_env,
 )
-from training.events import EventLog
-from training.storage import open_store
+from training.events import EventReader
 
 TPU = TPUSlice("ct5p-hightpu-4t", "2x2x2")  # 2 hosts of 4 chips a slice
 GCS_ENV = (
@@ -55,12 +54,11 @@ class Events:
     """A run's events as they come, each read once (the one emulator serves the job too: poll it lightly)."""
 
     def __init__(self, run_uri: str) -> None:
-        self.log = EventLog(open_store(run_uri))
-        self.seen: list[dict[str, Any]] = []
+        self.run_uri = run_uri
+        self.reader = EventReader()
 
     def __call__(self, *types: str) -> list[dict[str, Any]]:
-        self.seen += self.log.read(after_key=self.seen[-1]["_key"] if self.seen else None)
-        return [e for e in self.seen if not types or e["type"] in types]
+        return [e for e in self.reader.read(self.run_uri) if not types or e["type"] in types]
 
     def started(self, round_: int) -> list[dict[str, Any]]:
         """The workers of a round that started (one event each, with the TPU values its runtime started with)."""

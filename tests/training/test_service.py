@@ -95,6 +95,27 @@ def test_an_event_reader_kept_across_looks_reads_each_event_once(tmp_path):
     assert EventReader().read(str(tmp_path / "nothing")) == []
 
 
+def test_an_event_reader_finds_an_event_that_landed_after_a_later_stamped_one(tmp_path):
+    """An event is named by its stamp before it is stored: a slow upload or a host's clock behind lands it late."""
+    from training.events import EventLog, EventReader
+    from training.layout import EVENTS
+    from training.storage import open_store
+
+    uri = str(tmp_path / "r")
+    store = open_store(uri)
+    log = EventLog(store, source="test")
+    log.emit("launch", round=0, attempt=0, workers=2, mesh={"data": 2})
+    newest = log.emit("progress", step=1, attempt=0, step_time=0.5, loss=2.0)
+    reader = EventReader()
+    assert [e["type"] for e in reader.read(uri)] == ["launch", "progress"]
+    # Stamped 30 s before the newest event seen, stored only now: it sorts before it.
+    ns = int((newest["time"] - 30) * 1e9)
+    late = {"type": "failure", "time": ns / 1e9, "source": "slow-host", "attempt": 0, "reason": "a late one"}
+    store.create(f"{EVENTS}{ns:020d}-slow-host-x.json", json.dumps(late).encode())
+    assert [e["type"] for e in reader.read(uri)] == ["failure", "launch", "progress"]  # in stamp order
+    assert [e["type"] for e in reader.read(uri)] == ["failure", "launch", "progress"], "each event once"
+
+
 def test_bad_requests_are_one_line_refusals_that_change_nothing(tmp_path, tiny_dataset, jax_cache):
     root = str(tmp_path / "runs")
     cfg = job_config(root, tiny_dataset, jax_cache, run_name="big", min_workers=4, max_workers=4)
