@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, TypedDict
 
 # The GKE backend's manifests and capacity (pure Python), re-exported: the Airflow side imports this module only.
@@ -64,6 +64,7 @@ from training.events import (
     RunState,
     describe,
     duration,
+    floor_key,
     mesh_text,
     read_status,
     readable,
@@ -130,6 +131,8 @@ __all__ = [
     "begin_job",
     "committed_steps",
     "events",
+    "events_since",
+    "floor_key",
     "job_state",
     "launch",
     "plan",
@@ -536,6 +539,16 @@ def job_state(handle: Mapping[str, Any], start_timeout_s: float = 300.0) -> dict
 
 def events(run_uri: str, types: tuple[str, ...] | None = None, after: str | None = None) -> list[dict[str, Any]]:
     return EventLog(open_store(run_uri)).read(types=types, after_key=after)
+
+
+def events_since(run_uri: str, cursor: str | None, seen: Collection[str]) -> list[dict[str, Any]]:
+    """The run's events after ``cursor``, and those that landed late (stamped up to ``LATE_S`` before it), less ``seen``.
+
+    For a follower that goes on from the newest event it saw: it keeps the names it saw since
+    ``floor_key(cursor)`` in ``seen``.
+    """
+    log = EventLog(open_store(run_uri))
+    return log.get([k for k in log.keys(floor_key(cursor) if cursor else None) if k not in seen])
 
 
 def newest_event_key(run_uri: str) -> str | None:

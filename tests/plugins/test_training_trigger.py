@@ -113,6 +113,34 @@ def test_finished_job_succeeds_and_reports_recoveries(run: tuple[str, Any, Event
     assert event["events_after"] and event["events_after"].startswith("events/")
 
 
+def test_a_failure_that_landed_after_a_later_stamped_event_is_still_counted(run: tuple[str, Any, EventLog]) -> None:
+    """An event is named by its stamp before it is stored: one stored late sorts before events already read."""
+    import json
+
+    uri, store, log = run
+    log.emit("launch", attempt=0, workers=2, mesh={"data": 2})
+    write_status(store, state="running", step=3, job="j1")
+    t_fault = time.time()
+    late_key = f"events/{int(t_fault * 1e9):020d}-slow-host-x.json"
+    log.emit("progress", step=3, attempt=0, step_time=0.1, loss=2.0)  # stamped after the failure, stored first
+
+    def later() -> None:
+        time.sleep(0.5)  # the trigger has read the progress event by now
+        failure = {"type": "failure", "time": t_fault, "source": "slow-host", "attempt": 0, "reason": "host h1 lost"}
+        store.create(late_key, json.dumps(failure).encode())
+        time.sleep(0.5)
+        log.emit("launch", attempt=1, workers=1, mesh={"data": 1})
+        log.emit("resumed", step=3)
+        write_status(store, state="finished", step=10, latest_committed=10, failures=1, job="j1")
+
+    t = threading.Thread(target=later)
+    t.start()
+    event = run_trigger(RTrainTrainingJobTrigger(uri, handle(uri), poll_interval=0.1))
+    t.join()
+    [rec] = event["recoveries"]
+    assert rec["cause"] == "host h1 lost" and rec["resumed_step"] == 3
+
+
 def test_failed_job_fails_with_the_agents_reason(run: tuple[str, Any, EventLog]) -> None:
     uri, store, _ = run
     write_status(store, state="failed", reason="failure budget spent: 4 failures > max_failures=3", step=17, job="j1")

@@ -30,7 +30,7 @@ import re
 import signal
 import socket
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -654,6 +654,9 @@ class RTrainHook(BaseHook):
         self, run_uri: str, types: tuple[str, ...] | None = None, after: str | None = None
     ) -> list[dict[str, Any]]:
         return api.events(run_uri, types, after)
+
+    def events_since(self, run_uri: str, cursor: str | None, seen: Collection[str]) -> list[dict[str, Any]]:
+        return api.events_since(run_uri, cursor, seen)
 
     def newest_event_key(self, run_uri: str) -> str | None:
         return api.newest_event_key(run_uri)

@@ -35,7 +35,7 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from training.api import EventReader, describe, duration
+from training.api import EventReader, describe, duration, floor_key
 from training.service import commands
 from training.service.commands import QueueRow
 
@@ -200,7 +200,11 @@ class RTrainTrainingJobTrigger(BaseTrigger):
             self.log.warning("Reading the queue of %s failed: %s", self.handle.get("root"), e)
             return None
 
-    def _look(self, cursor: str | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    def _look(self, cursor: str | None, seen: set[str] | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The job's state, and its events since the last look (``seen``: those read since ``floor_key(cursor)``).
+
+        The first look reads after ``cursor``; later ones look back for events that landed late.
+        """
         from rtrain_airflow.hooks.training import RTrainHook
 
         hook = RTrainHook()
@@ -208,7 +212,7 @@ class RTrainTrainingJobTrigger(BaseTrigger):
         found = backend.poll(
             self.handle, {"start_timeout_s": self.start_timeout_s, "stale_after_s": self.stale_after_s}
         )
-        new = hook.events(self.run_uri, after=cursor)
+        new = hook.events(self.run_uri, after=cursor) if seen is None else hook.events_since(self.run_uri, cursor, seen)
         return found, new
 
     def _record_waiting(self, waiting: str) -> None:
@@ -228,10 +232,11 @@ class RTrainTrainingJobTrigger(BaseTrigger):
         told = False  # the engine's own "recovered" event told the last recovery (the trigger's line is not needed)
         assumed: tuple[str, ...] = ()  # the ETA's assumptions last logged
         waiting = ""  # why the job's pods wait (GKE), as last logged
+        seen: set[str] | None = None  # events read since floor_key(cursor); None until the first look
         errors = 0
         while True:
             try:
-                found, new = await asyncio.to_thread(self._look, cursor)
+                found, new = await asyncio.to_thread(self._look, cursor, seen)
                 errors = 0
             except Exception as e:  # noqa: BLE001 - a transient read error (GCS 5xx) is retried a few times
                 errors += 1
@@ -274,8 +279,12 @@ class RTrainTrainingJobTrigger(BaseTrigger):
             if found["state"] == "queued" and due and outlook is not None:
                 self.log.info("[rtrain] %s", queued_line(outlook))
                 progress.logged_at = now
+            seen = seen if seen is not None else set()
+            seen.update(ev["_key"] for ev in new)
+            cursor = max([cursor or "", *seen]) or None
+            floor = floor_key(cursor) if cursor else ""
+            seen = {k for k in seen if k > floor}
             for i, ev in enumerate(new):
-                cursor = ev["_key"]
                 progress.see(ev)
                 recovered = None
                 if ev["type"] == "failure" or (ev["type"] == "rollback" and ev.get("kind") == "in-job"):
