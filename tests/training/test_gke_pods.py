@@ -150,6 +150,7 @@ def test_a_2_slice_jobset_run_as_pods_rides_out_a_spot_reclaim_and_a_lost_host(
             third = events("launch")[2]
             assert third["workers"] == 4, [(e["workers"], e["reason"]) for e in events("launch")]
             wait_for(lambda: len(events.started(third["round"])) == 4, 120, "the 4 workers", every=5)
+            t_kill = time.time()
             js.kill_pod(1, 1)
             wait_for(lambda: gke.jobset_state(js.object()) != "running", 900, "the JobSet's end", every=5)
         except BaseException:
@@ -161,14 +162,12 @@ def test_a_2_slice_jobset_run_as_pods_rides_out_a_spot_reclaim_and_a_lost_host(
     st = api.status(cfg.run_uri)
     assert st["state"] == "finished" and st["step"] == 32, st
     launches = _events(cfg.run_uri, "launch")
-    assert [e["workers"] for e in launches] == [4, 2, 4, 2, 4], [(e["workers"], e["members"]) for e in launches]
-    assert launches[1]["members"] == ["s0-h0", "s0-h1"] and launches[3]["members"] == ["s0-h0", "s0-h1"]
-    assert [(e["old_workers"], e["new_workers"]) for e in _events(cfg.run_uri, "resize")] == [
-        (4, 2),
-        (2, 4),
-        (4, 2),
-        (2, 4),
-    ]
+    sizes = [e["workers"] for e in launches]
+    # Shrunk to slice 0 by the reclaim, grown back; after the host error, the pod the Job made at once on
+    # its node rejoins the next round (4), or that round forms without slice 1 first and grows back.
+    assert sizes in ([4, 2, 4, 4], [4, 2, 4, 2, 4]), [(e["workers"], e["members"], e["reason"]) for e in launches]
+    assert launches[1]["members"] == ["s0-h0", "s0-h1"]
+    assert [(e["old_workers"], e["new_workers"]) for e in _events(cfg.run_uri, "resize")][:2] == [(4, 2), (2, 4)]
 
     # The notice: the step the group stopped at was committed within the pods' grace, and resumed exactly.
     notices = _events(cfg.run_uri, "preemption_notice")
@@ -177,17 +176,18 @@ def test_a_2_slice_jobset_run_as_pods_rides_out_a_spot_reclaim_and_a_lost_host(
     assert restores[0]["step"] == notices[0]["step"]
     recovered = _events(cfg.run_uri, "recovered")
     assert recovered[0]["kind"] == "notice" and recovered[0]["steps_lost"] == 0
-    # Growing is not a failure; the host error is the only one, and it names the lost host.
+    # Growing is not a failure; the host error is the only one: its host, and a resume from a committed step.
     [failure] = _events(cfg.run_uri, "failure")
-    assert "s1-h1" in failure["hosts"] and "lost" in failure["reason"]
-    assert restores[2]["step"] == failure["resume_step"] and restores[2]["step"] in api.committed_steps(cfg.run_uri)
+    assert failure["hosts"] == ["s1-h1"] and failure["time"] > t_kill, failure
+    after = [r for r in restores if r["time"] > failure["time"]]
+    assert after[0]["step"] == failure["resume_step"] and after[0]["step"] in api.committed_steps(cfg.run_uri)
     assert_exact_data(cfg.run_uri, tiny_dataset, cfg)
 
     # Slice 0's agents stayed up the whole run; slice 1's are the pods the Job made again (the hostnames
     # are the pods', every agent's coordinator is its pod's DNS name on the headless Service).
     records = hosts(cfg.run_uri)
-    assert all(records[h].started < failure["time"] for h in ("s0-h0", "s0-h1"))
-    assert records["s1-h1"].started > failure["time"]
+    assert all(records[h].started < t_kill for h in ("s0-h0", "s0-h1"))
+    assert records["s1-h1"].started > t_kill
     for host, rec in records.items():
         j, i = host[1], host[-1]
         assert rec.node == f"{manifests.name}-slice-{j}-{i}"
