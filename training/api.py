@@ -541,14 +541,18 @@ def events(run_uri: str, types: tuple[str, ...] | None = None, after: str | None
     return EventLog(open_store(run_uri)).read(types=types, after_key=after)
 
 
-def events_since(run_uri: str, cursor: str | None, seen: Collection[str]) -> list[dict[str, Any]]:
+def events_since(
+    run_uri: str, cursor: str | None, seen: Collection[str], start: str | None = None
+) -> list[dict[str, Any]]:
     """The run's events after ``cursor``, and those that landed late (stamped up to ``LATE_S`` before it), less ``seen``.
 
     For a follower that goes on from the newest event it saw: it keeps the names it saw since
-    ``floor_key(cursor)`` in ``seen``.
+    ``floor_key(cursor)`` in ``seen``.  Nothing at or before ``start`` (where the follower began: an
+    earlier job's events) is returned.
     """
     log = EventLog(open_store(run_uri))
-    return log.get([k for k in log.keys(floor_key(cursor) if cursor else None) if k not in seen])
+    after = max(floor_key(cursor) if cursor else "", start or "") or None
+    return log.get([k for k in log.keys(after) if k not in seen])
 
 
 def newest_event_key(run_uri: str) -> str | None:

@@ -549,7 +549,6 @@ def test_an_existing_pool_of_another_shape_is_an_error(hook: GKETPUHook, fake: F
         create_op(hook, tpu_topology="4x4").execute(context={})
 
 
-
 def test_an_existing_on_demand_pool_is_not_a_flex_start_one(hook: GKETPUHook, fake: FakeClusterManager) -> None:
     create_op(hook).execute(context={})
     with pytest.raises(TPUNodePoolError, match="flex_start=False, not True"):

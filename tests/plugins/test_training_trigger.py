@@ -141,6 +141,31 @@ def test_a_failure_that_landed_after_a_later_stamped_event_is_still_counted(run:
     assert rec["cause"] == "host h1 lost" and rec["resumed_step"] == 3
 
 
+def test_a_new_job_s_watch_never_reads_the_events_of_the_job_before_it(run: tuple[str, Any, EventLog]) -> None:
+    from training.api import newest_event_key
+
+    uri, store, log = run
+    log.emit("launch", attempt=0, workers=2, mesh={"data": 2})
+    log.emit("failure", attempt=0, reason="the old job's failure")
+    log.emit("failed", reason="the old job ended")
+    after = newest_event_key(uri)
+    write_status(store, state="running", step=3, job="j2")
+
+    def later() -> None:
+        time.sleep(0.5)  # a few looks find nothing new
+        log.emit("launch", attempt=1, workers=2, mesh={"data": 2})
+        log.emit("resumed", step=3)
+        time.sleep(0.5)
+        write_status(store, state="finished", step=10, latest_committed=10, failures=0, job="j2")
+
+    t = threading.Thread(target=later)
+    t.start()
+    h = {**handle(uri, job="j2"), "events_after": after}
+    event = run_trigger(RTrainTrainingJobTrigger(uri, h, poll_interval=0.1, events_after=after))
+    t.join()
+    assert event["status"] == "success" and event["recoveries"] == []
+
+
 def test_failed_job_fails_with_the_agents_reason(run: tuple[str, Any, EventLog]) -> None:
     uri, store, _ = run
     write_status(store, state="failed", reason="failure budget spent: 4 failures > max_failures=3", step=17, job="j1")

@@ -655,8 +655,10 @@ class RTrainHook(BaseHook):
     ) -> list[dict[str, Any]]:
         return api.events(run_uri, types, after)
 
-    def events_since(self, run_uri: str, cursor: str | None, seen: Collection[str]) -> list[dict[str, Any]]:
-        return api.events_since(run_uri, cursor, seen)
+    def events_since(
+        self, run_uri: str, cursor: str | None, seen: Collection[str], start: str | None = None
+    ) -> list[dict[str, Any]]:
+        return api.events_since(run_uri, cursor, seen, start)
 
     def newest_event_key(self, run_uri: str) -> str | None:
         return api.newest_event_key(run_uri)

@@ -212,7 +212,10 @@ class RTrainTrainingJobTrigger(BaseTrigger):
         found = backend.poll(
             self.handle, {"start_timeout_s": self.start_timeout_s, "stale_after_s": self.stale_after_s}
         )
-        new = hook.events(self.run_uri, after=cursor) if seen is None else hook.events_since(self.run_uri, cursor, seen)
+        if seen is None:
+            new = hook.events(self.run_uri, after=cursor)
+        else:  # never before where this watch began (an earlier job's events)
+            new = hook.events_since(self.run_uri, cursor, seen, self.events_after)
         return found, new
 
     def _record_waiting(self, waiting: str) -> None:
