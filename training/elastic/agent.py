@@ -821,8 +821,8 @@ class HostAgent:
 
     def _maybe_lead(self) -> None:
         now = time.monotonic()
-        if self.leader is not None or now < self._next_lead_try or self.leaving is not None:
-            return  # leading, not yet time to look, or on its way out (a host that stays should lead)
+        if self.leader is not None or now < self._next_lead_try:
+            return
         self._next_lead_try = now + self.cfg.heartbeat_s
         try:
             holder = self.lock.held_by()
