@@ -245,6 +245,11 @@ def mesh_name(m: Any) -> str:
     return " x ".join(f"{k}{v}" for k, v in m.items() if v != 1 or k == "data") or "-"
 
 
+def events_cursor(events: list[dict[str, Any]]) -> str | None:
+    """What the page compares to know the events changed: the newest name, and how many (a late one adds one)."""
+    return f"{events[-1]['_key']}#{len(events)}" if events and "_key" in events[-1] else None
+
+
 def chart_data(
     events: list[dict[str, Any]], ledger: dict[int, dict[str, Any]], status: dict[str, Any] | None
 ) -> dict[str, Any]:
@@ -413,7 +418,7 @@ def chart_data(
         st["stale_s"] = round(time.time() - float(st["updated_at"]), 1)
     return {
         "status": st,
-        "cursor": events[-1]["_key"] if events and "_key" in events[-1] else None,
+        "cursor": events_cursor(events),
         "loss": loss,
         "hosts": hosts,
         "markers": markers,
@@ -672,7 +677,7 @@ def _run_routes(locate: Callable[..., Run], query: Callable[[Run], str], cache: 
     @router.get("/chart")
     def chart(run: Run = Depends(locate), since: str | None = None) -> JSONResponse:
         evs = storage("the run's events", lambda: cache.read(run.uri))
-        cursor = evs[-1].get("_key") if evs else None
+        cursor = events_cursor(evs)
         st = storage("the run's status", lambda: api.status(run.uri, repair=False))
         queue = queue_row(run, cache)
         if since is not None and since == cursor:

@@ -244,6 +244,18 @@ def test_chart_data_of_a_finished_run(client: Any, run: str) -> None:
     # Nothing new: the next look says so (the page then redraws nothing).
     again = client.get("/runs/ui-demo/chart", params={"since": chart["cursor"]}).json()
     assert again["unchanged"] is True and again["cursor"] == chart["cursor"]
+    # An event that lands after a later-stamped one (a slow upload) sorts before the newest: it changes the
+    # chart all the same.
+    import json
+
+    from training.storage import open_store
+
+    newest = sorted((Path(run) / "events").iterdir())[-1].name
+    ns = int(newest.split("-", 1)[0]) - 1_000_000_000
+    late = {"type": "host_lost", "time": ns / 1e9, "source": "slow", "host": "h9", "reason": "a late one"}
+    open_store(run).create(f"events/{ns:020d}-slow-x.json", json.dumps(late).encode())
+    later = client.get("/runs/ui-demo/chart", params={"since": chart["cursor"]}).json()
+    assert "unchanged" not in later and any("h9" in t["text"] for t in later["timeline"])
 
 
 def test_goodput_breakdown_adds_up() -> None:
