@@ -186,19 +186,26 @@ def test_checkpoints_are_uncompressed_by_default_and_older_compressed_ones_still
 LISTER = """
 import sys, time
 from pathlib import Path
-import training.checkpoint.manager  # what every worker imports before Orbax lists a gs:// root
 from etils import epath
 
 root = epath.Path(sys.argv[1])
-print(sorted(p.name for p in root.iterdir()), flush=True)
+if sys.argv[3] == "worker":
+    import training.checkpoint.manager  # what every worker imports before Orbax lists a gs:// root
+    look = lambda: sorted(p.name for p in root.iterdir())
+else:  # the Airflow side: a listing made before, then the committed steps
+    from training.checkpoint.steps import committed_steps
+    sorted(p.name for p in root.iterdir())
+    look = lambda: [str(s) for s in committed_steps(sys.argv[1].rsplit("/checkpoints", 1)[0])]
+print(look(), flush=True)
 while not Path(sys.argv[2]).exists():
     time.sleep(0.05)
-print(sorted(p.name for p in root.iterdir()), flush=True)
+print(look(), flush=True)
 """
 
 
 @pytest.mark.gcs
-def test_a_process_sees_the_steps_another_host_committed_on_gs(gcs_root: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("who", ["worker", "reader"])
+def test_a_process_sees_the_steps_another_host_committed_on_gs(gcs_root: str, tmp_path: Path, who: str) -> None:
     """Orbax lists gs:// through gcsfs, whose listings would otherwise stay as first seen in each process."""
     from training.storage import open_store
 
@@ -206,7 +213,7 @@ def test_a_process_sees_the_steps_another_host_committed_on_gs(gcs_root: str, tm
     store.put("4/commit_success.txt", b"ok")
     go = tmp_path / "go"
     proc = subprocess.Popen(
-        [sys.executable, "-c", LISTER, f"{gcs_root}/checkpoints", str(go)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", LISTER, f"{gcs_root}/checkpoints", str(go), who], stdout=subprocess.PIPE, text=True
     )
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "['4']"

@@ -21,6 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import type_handlers
 
+from training.checkpoint.steps import fresh_gcs_listings
 from training.config import Config
 from training.layout import checkpoints_uri, step_uri
 from training.storage import is_gcs
@@ -28,20 +29,7 @@ from training.storage import is_gcs
 State = dict[str, Any]
 
 
-def _fresh_gcs_listings() -> None:
-    """Make every gs:// listing Orbax does (through fsspec's gcsfs) ask the bucket.
-
-    gcsfs keeps each directory listing it made and forgets it only on its own writes, so a
-    process would never see a step another host committed: the save would seem not to have
-    committed, and the newest checkpoint would be missed on restore.
-    """
-    import fsspec.config
-
-    for protocol in ("gs", "gcs"):
-        fsspec.config.conf.setdefault(protocol, {})["use_listings_cache"] = False
-
-
-_fresh_gcs_listings()
+fresh_gcs_listings()  # before Orbax lists a gs:// root in this process
 
 
 def use_ocdbt(cfg: Config) -> bool:

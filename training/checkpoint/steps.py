@@ -15,14 +15,39 @@ their own for our formats (zarr and OCDBT chunks carry no checksums).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from training.layout import checkpoints_uri, step_uri
 from training.storage import open_store
 
+_fresh = False
+
+
+def fresh_gcs_listings() -> None:
+    """Make every gs:// listing through fsspec's gcsfs (Orbax's, through ``etils.epath``) ask the bucket.
+
+    gcsfs keeps each directory listing it made and forgets it only on its own writes, so a
+    process would never see a step another host committed: a save would seem not to have
+    committed, and the newest checkpoint would be missed.  A filesystem made before this call
+    keeps its listings, so the one ``etils`` holds is dropped.
+    """
+    global _fresh
+    if _fresh:
+        return
+    import fsspec.config
+
+    for protocol in ("gs", "gcs"):
+        fsspec.config.conf.setdefault(protocol, {})["use_listings_cache"] = False
+    backend = sys.modules.get("etils.epath.backend")
+    if backend is not None:
+        backend._FileSystemSpecBackend._get_filesystem.cache_clear()
+    _fresh = True
+
 
 def committed_steps(run: str) -> list[int]:
     """Committed (finalised) checkpoint steps of a run, ascending, as Orbax decides."""
+    fresh_gcs_listings()
     from etils import epath
 
     # Orbax's own rule (a renamed directory locally, a commit marker on gs://): imported here,
