@@ -1586,20 +1586,18 @@ def test_docker_compose_validates_the_file_offline() -> None:
     assert bad.returncode != 0 and "AIRFLOW_JWT_SECRET" in bad.stderr
 
 
+def gke_conf(**keys: Any) -> dict[str, Any]:
+    """The DAG conf's ``gke`` object for the fake cluster: a v6e 4x4 shape unless ``keys`` say otherwise."""
+    base = {"project_id": PROJECT, "location": LOCATION, "cluster_name": CLUSTER}
+    return {**base, "machine_type": "ct6e-standard-4t", "tpu_topology": "4x4", "image": "img", **keys}
+
+
 def test_the_gke_backend_provisions_for_min_workers_and_reports_each_pool(
     hook: GKETPUHook, fake: FakeClusterManager, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from rtrain_airflow.hooks.training import GKEBackend
 
-    gke = {
-        "project_id": PROJECT,
-        "location": LOCATION,
-        "cluster_name": CLUSTER,
-        "machine_type": "ct6e-standard-4t",
-        "tpu_topology": "4x4",
-        "image": "img",
-        "node_pools": [f"slice-{i}" for i in range(4)],
-    }
+    gke = gke_conf(node_pools=[f"slice-{i}" for i in range(4)])
     backend = GKEBackend(gke)
     monkeypatch.setattr(backend, "_gke_hook", lambda: hook)
     cfg = load_config("tiny", None, {"root": "gs://b/runs", "min_workers": 8, "max_workers": 16, "hosts_per_slice": 4})
@@ -1634,18 +1632,14 @@ def test_the_gke_backend_makes_flex_start_pools_when_the_conf_asks(
 ) -> None:
     from rtrain_airflow.hooks.training import GKEBackend
 
-    gke = {
-        "project_id": PROJECT,
-        "location": LOCATION,
-        "cluster_name": CLUSTER,
-        "machine_type": "ct5p-hightpu-4t",
-        "tpu_topology": "2x2x2",
-        "image": "img",
-        "node_pools": ["slice-0", "slice-1"],
-        "flex_start": True,
-        "queued_provisioning": True,
-        "kueue_queue": "tpu-v5p",
-    }
+    gke = gke_conf(
+        machine_type="ct5p-hightpu-4t",
+        tpu_topology="2x2x2",
+        node_pools=["slice-0", "slice-1"],
+        flex_start=True,
+        queued_provisioning=True,
+        kueue_queue="tpu-v5p",
+    )
     backend = GKEBackend(gke)
     monkeypatch.setattr(backend, "_gke_hook", lambda: hook)
     cfg = load_config("tiny", None, {"root": "gs://b/runs", "min_workers": 2, "max_workers": 4, "hosts_per_slice": 2})

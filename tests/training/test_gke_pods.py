@@ -194,31 +194,36 @@ def test_a_2_slice_jobset_run_as_pods_rides_out_a_spot_reclaim_and_a_lost_host(
         assert rec.coordinator == f"{manifests.name}-slice-{j}-{i}.{manifests.name}:{launch.coordinator_port}"
 
 
-def _policy_jobset(tmp_path: Path, **overrides: Any) -> tuple[Any, dict[str, str]]:
-    """A 2-slice JobSet whose program (on PATH as ``rtrain``) waits, then exits with the code put in a file."""
+def _toy_jobset(tmp_path: Path, program: str, **overrides: Any) -> tuple[Any, dict[str, str]]:
+    """A 2-host-a-slice JobSet whose pods run ``program`` (a shell script, on PATH as ``rtrain``); its env."""
+    base: dict[str, Any] = {"run_name": "toy", "min_workers": 2, "max_workers": 4}
     cfg = job_config(
         "gs://b/r",
         "unused",
         "unused",
         backend="gke",
-        run_name="policy",
-        min_workers=2,
-        max_workers=4,
         hosts_per_slice=2,
         devices_per_worker=4,
         preemption_grace_s=9,
-        **overrides,
+        **{**base, **overrides},
     )
     m = render(cfg, TPU, GKELaunch(image="img:1", spot=True), "j1")
     script = tmp_path / "rtrain"
-    script.write_text(
-        "#!/bin/sh\ntrap 'exit 6' TERM\n"  # AgentExit.INTERRUPTED, as the agent on a notice
+    script.write_text("#!/bin/sh\n" + program)
+    script.chmod(0o755)
+    return m, {"PATH": f"{tmp_path}:/usr/bin:/bin", "EXIT_DIR": str(tmp_path), "OUT": str(tmp_path)}
+
+
+def _policy_jobset(tmp_path: Path, **overrides: Any) -> tuple[Any, dict[str, str]]:
+    """A 2-slice JobSet whose program waits, then exits with the code put in a file."""
+    return _toy_jobset(
+        tmp_path,
+        "trap 'exit 6' TERM\n"  # AgentExit.INTERRUPTED, as the agent on a notice
         'f="$EXIT_DIR/$RTRAIN_SLICE_INDEX-$RTRAIN_HOST_INDEX"\n'
         'while [ ! -e "$f" ]; do sleep 0.1; done\n'
-        'code=$(cat "$f"); rm -f "$f"; exit "$code"\n'
+        'code=$(cat "$f"); rm -f "$f"; exit "$code"\n',
+        **overrides,
     )
-    script.chmod(0o755)
-    return m, {"PATH": f"{tmp_path}:/usr/bin:/bin", "EXIT_DIR": str(tmp_path)}
 
 
 def _exit(tmp_path: Path, slice_: int, index: int, code: int) -> None:
@@ -265,23 +270,9 @@ def test_an_index_out_of_retries_is_not_made_again_and_fails_its_job_once_the_ot
 
 
 def test_a_pod_that_ignores_sigterm_is_killed_after_its_grace(tmp_path: Path) -> None:
-    cfg = job_config(
-        "gs://b/r",
-        "unused",
-        "unused",
-        backend="gke",
-        run_name="grace",
-        min_workers=2,
-        max_workers=2,
-        hosts_per_slice=2,
-        devices_per_worker=4,
-        preemption_grace_s=9,
-    )
-    m = render(cfg, TPU, GKELaunch(image="img:1", spot=True), "j1")
-    script = tmp_path / "rtrain"
-    script.write_text("#!/bin/sh\ntrap '' TERM\ntouch \"$OUT/$(hostname)\"\nwhile true; do sleep 0.1; done\n")
-    script.chmod(0o755)
-    with EmulatedJobSet(m, tmp_path / "cluster", {"PATH": f"{tmp_path}:/usr/bin:/bin", "OUT": str(tmp_path)}) as js:
+    program = "trap '' TERM\ntouch \"$OUT/$(hostname)\"\nwhile true; do sleep 0.1; done\n"
+    m, env = _toy_jobset(tmp_path, program, max_workers=2)
+    with EmulatedJobSet(m, tmp_path / "cluster", env) as js:
         wait_for(lambda: (tmp_path / f"{m.name}-slice-0-0").exists(), 20, "the pod to ignore SIGTERM")
         pod = js.running(0)[0]
         assert pod.index == 0
@@ -293,27 +284,11 @@ def test_a_pod_that_ignores_sigterm_is_killed_after_its_grace(tmp_path: Path) ->
 
 
 def test_every_pod_resolves_the_services_names_to_the_pods_and_has_its_own_hostname(tmp_path: Path) -> None:
-    cfg = job_config(
-        "gs://b/r",
-        "unused",
-        "unused",
-        backend="gke",
-        run_name="dns",
-        min_workers=2,
-        max_workers=4,
-        hosts_per_slice=2,
-        devices_per_worker=4,
-        preemption_grace_s=9,
-    )
-    m = render(cfg, TPU, GKELaunch(image="img:1", spot=True), "j1")
-    script = tmp_path / "rtrain"
-    script.write_text(
-        "#!/bin/sh\n"
+    m, env = _toy_jobset(
+        tmp_path,
         'for h in $(echo "$TPU_WORKER_HOSTNAMES" | tr , " "); do getent hosts "$h" | cut -f1 -d" "; done '
-        '> "$OUT/.$(hostname)" && mv "$OUT/.$(hostname)" "$OUT/$(hostname)"\nexec sleep 60\n'
+        '> "$OUT/.$(hostname)" && mv "$OUT/.$(hostname)" "$OUT/$(hostname)"\nexec sleep 60\n',
     )
-    script.chmod(0o755)
-    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "OUT": str(tmp_path)}
     with EmulatedJobSet(m, tmp_path / "cluster", env) as js:
         wait_for(lambda: len(js.running()) == 4, 20, "4 pods running")
         ips = {(p.slice, p.index): p.ip for p in js.running()}
@@ -326,20 +301,8 @@ def test_every_pod_resolves_the_services_names_to_the_pods_and_has_its_own_hostn
     assert subprocess.run(["getent", "hosts", f"{m.name}-slice-0-0.{m.name}"], check=False).returncode != 0
 
 
-def test_expand_pods_makes_one_pod_per_host_of_each_slice() -> None:
-    cfg = job_config(
-        "gs://b/r",
-        "unused",
-        "unused",
-        backend="gke",
-        run_name="x",
-        min_workers=2,
-        max_workers=4,
-        hosts_per_slice=2,
-        devices_per_worker=4,
-        preemption_grace_s=9,
-    )
-    m = render(cfg, TPU, GKELaunch(image="img:1", spot=True), "j1")
+def test_expand_pods_makes_one_pod_per_host_of_each_slice(tmp_path: Path) -> None:
+    m, _ = _toy_jobset(tmp_path, "")
     pods = expand_pods(m.jobset)
     assert [
         (p["metadata"]["labels"][gke.JOB_INDEX_LABEL], p["metadata"]["annotations"][gke.COMPLETION_INDEX_ANNOTATION])
