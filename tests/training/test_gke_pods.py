@@ -29,6 +29,7 @@ from training.backends.pod_emulator import (
     PodEmulatorError,
     cpu_image_env,
     expand_pods,
+    process_environ,
     webhook_env,
 )
 from training.events import EventReader
@@ -67,7 +68,7 @@ class Events:
 
 def _worker_envs(js: EmulatedJobSet, slice_: int) -> list[dict[str, str]]:
     """The environments the worker processes of a slice's running pods were started with (standbys too)."""
-    envs = [env for pod in js.running(slice_) for env in js.process_environ(pod)]
+    envs = [env for pod in js.running(slice_) for env in process_environ(pod)]
     return [e for e in envs if "RTRAIN_CONTROL_FD" in e]
 
 

@@ -223,7 +223,7 @@ class EmulatedJobSet:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jobset-emulator", daemon=True)
         self.hosts_file = self.workdir / "hosts"
-        self._unshare = self._unshare_argv()
+        self._unshare = unshare_argv()
 
     # --- the caller's view ---------------------------------------------------------------------
 
@@ -246,7 +246,12 @@ class EmulatedJobSet:
         """The pods as API objects (with status), as ``kubectl get pods -o json`` lists them."""
         self._check()
         with self._lock:
-            return [self._status(p) for idx in self.indexes.values() for p in idx.pods]
+            pending = (
+                f"0/{len(self.up) * self.hosts} nodes are available: {self.hosts} Insufficient {TPU_RESOURCE} "
+                f"({_container(self.job_spec)['resources']['limits'].get(TPU_RESOURCE, '0')} per pod)"
+            )
+            container = _container(self.job_spec)["name"]
+            return [pod_object(p, container, pending) for idx in self.indexes.values() for p in idx.pods]
 
     def object(self) -> dict[str, Any]:
         """The JobSet as an API object, with its terminal condition once it has one."""
@@ -285,19 +290,6 @@ class EmulatedJobSet:
             if pod.proc is not None and pod.exit_code is None:
                 _killpg(pod.proc.pid, signal.SIGKILL)
 
-    def process_environ(self, pod: Pod) -> list[dict[str, str]]:
-        """The environment of each process of the pod other than its container's first (the workers)."""
-        if pod.proc is None:
-            return []
-        out = []
-        for pid in _group_pids(pod.proc.pid):
-            if pid == pod.proc.pid:
-                continue
-            with contextlib.suppress(OSError):
-                raw = Path(f"/proc/{pid}/environ").read_bytes()
-                out.append(dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv))
-        return out
-
     def delete(self, grace_s: float | None = None) -> None:
         """Delete the JobSet: every pod is deleted (SIGTERM, SIGKILL after the grace) and waited for."""
         with self._lock:
@@ -322,7 +314,7 @@ class EmulatedJobSet:
 
     def _live(self) -> list[Pod]:
         """The pods whose container has not ended."""
-        return [p for idx in self.indexes.values() for p in idx.pods if p.proc is not None and p.exit_code is None]
+        return [p for x in self.indexes.values() for p in x.pods if p.proc is not None and p.exit_code is None]
 
     # --- the controllers -----------------------------------------------------------------------
 
@@ -446,31 +438,18 @@ class EmulatedJobSet:
 
     def _env(self, pod: Pod) -> dict[str, str]:
         container = _container(self.job_spec)
-        status = {"podIP": pod.ip, "hostIP": pod.ip}
-        env = container_env({**pod.obj, "status": status}, container)
-        mounts = {m["mountPath"]: self._volume_dir(pod, m["name"]) for m in container.get("volumeMounts") or []}
-        for key, value in env.items():  # a volume's mount path is the pod's directory for it
-            for path, local in mounts.items():
-                if value == path or value.startswith(path + "/"):
-                    env[key] = str(local) + value[len(path) :]
-        hostname = pod.node if pod.obj["spec"].get("hostNetwork") else pod.obj["spec"]["hostname"]
+        mounts = container.get("volumeMounts") or []
+        volumes = {m["mountPath"]: self._pod_dir(pod, "volumes", m["name"]) for m in mounts}
         return {
             "HOME": str(self._pod_dir(pod)),  # the runtime sets one; the container's is its own directory here
             **self.image_env,
             **webhook_env(self.jobset, pod.slice, pod.index),
-            **env,
-            "HOSTNAME": hostname,
-            "KUBERNETES_SERVICE_HOST": "127.0.0.1",
-            "KUBERNETES_SERVICE_PORT": "443",
+            **kubelet_env(pod, container, volumes),
         }
 
-    def _pod_dir(self, pod: Pod) -> Path:
-        path = self.workdir / "pods" / pod.name
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-
-    def _volume_dir(self, pod: Pod, name: str) -> Path:
-        path = self._pod_dir(pod) / "volumes" / name
+    def _pod_dir(self, pod: Pod, *sub: str) -> Path:
+        """The pod's own directory (its working directory and home), or one under it (a volume's)."""
+        path = self.workdir.joinpath("pods", pod.name, *sub)
         path.mkdir(parents=True, exist_ok=True)
         return path
 
@@ -494,6 +473,11 @@ class EmulatedJobSet:
                 preexec_fn=_die_with_parent(),
             )
 
+    def _write_hosts(self) -> None:
+        """The pods' /etc/hosts, rewritten in place (the pods bind-mount its inode)."""
+        placed = [p for idx in self.indexes.values() for p in idx.pods if p.ip and p.exit_code is None]
+        rewrite_in_place(self.hosts_file, hosts_text(self.jobset, sorted(placed, key=lambda p: (p.slice, p.index))))
+
     def _delete_pod(self, pod: Pod, disruption: str, grace_s: float | None) -> None:
         if pod.deleting_since is not None:
             return
@@ -505,79 +489,98 @@ class EmulatedJobSet:
             with contextlib.suppress(ProcessLookupError):
                 pod.proc.send_signal(signal.SIGTERM)  # to the container's first process, as the runtime does
 
-    def _status(self, pod: Pod) -> dict[str, Any]:
-        obj = {**pod.obj, "metadata": dict(pod.obj["metadata"])}
-        if pod.deleting_since is not None and pod.exit_code is None and not pod.disruption:
-            # Deleted through the API; a node's shutdown (a Spot reclaim) ends the pod without one.
-            obj["metadata"]["deletionTimestamp"] = _rfc3339(pod.deleting_since)
-        status: dict[str, Any] = {"phase": pod.phase}
-        conditions = []
-        if pod.disruption:
-            conditions.append(
-                {
-                    "type": "DisruptionTarget",
-                    "status": "True",
-                    "reason": "TerminationByKubelet",
-                    "message": pod.disruption,
-                }
-            )
-        if pod.proc is None and pod.exit_code is None:
-            tpus = _container(self.job_spec)["resources"]["limits"].get(TPU_RESOURCE, "0")
-            conditions.append(
-                {
-                    "type": "PodScheduled",
-                    "status": "False",
-                    "reason": "Unschedulable",
-                    "message": f"0/{len(self.up) * self.hosts} nodes are available: "
-                    f"{self.hosts} Insufficient {TPU_RESOURCE} ({tpus} per pod)",
-                }
-            )
-        else:
-            status["podIP"] = pod.ip
-            state: dict[str, Any] = {"running": {}}
-            if pod.exit_code is not None:
-                state = {
-                    "terminated": {"exitCode": pod.exit_code, "reason": "Completed" if not pod.exit_code else "Error"}
-                }
-            status["containerStatuses"] = [{"name": _container(self.job_spec)["name"], "state": state}]
-        status["conditions"] = conditions
-        obj["status"] = status
-        return obj
 
-    def _write_hosts(self) -> None:
-        """The pods' /etc/hosts: localhost, and each placed pod's DNS names (in place: the pods bind-mount its inode)."""
-        subdomain = self.jobset["spec"]["network"].get("subdomain") or self.m.name
-        ns = self.jobset["metadata"]["namespace"]
-        lines = ["127.0.0.1\tlocalhost"]
-        for (_, _), idx in sorted(self.indexes.items()):
-            for pod in idx.pods:
-                if pod.ip and pod.exit_code is None:
-                    host = pod.obj["spec"]["hostname"]
-                    lines.append(f"{pod.ip}\t{host}.{subdomain}.{ns}.svc.cluster.local {host}.{subdomain} {host}")
-                    if pod.obj["spec"].get("hostNetwork"):
-                        lines.append(f"{pod.ip}\t{pod.node}")
-        data = ("\n".join(lines) + "\n").encode()
-        fd = os.open(self.hosts_file, os.O_RDWR | os.O_CREAT, 0o644)
-        try:  # one write over the old text, padded so the file never shrinks: no reader sees it empty
-            old_size = os.fstat(fd).st_size
-            if len(data) < old_size:
-                data += b"#" * (old_size - len(data) - 1) + b"\n"
-            os.pwrite(fd, data, 0)
-        finally:
-            os.close(fd)
+def kubelet_env(pod: Pod, container: Mapping[str, Any], volumes: Mapping[str, Path]) -> dict[str, str]:
+    """What the kubelet sets: the container's ``env``, ``HOSTNAME`` and the cluster's API address.
 
-    @staticmethod
-    def _unshare_argv() -> list[str]:
-        exe = shutil.which("unshare")
-        if exe is None:
-            raise PodEmulatorError("the pod emulator needs unshare (util-linux) for each pod's /etc/hosts and hostname")
-        argv = [exe, "--mount", "--uts"]
-        if os.geteuid() != 0:
-            argv.append("--map-root-user")
-        probe = subprocess.run([*argv, "true"], capture_output=True, text=True, check=False)
-        if probe.returncode != 0:
-            raise PodEmulatorError(f"unshare cannot make a pod's namespaces here: {probe.stderr.strip()}")
-        return argv
+    A value under a volume's mount path names the volume's directory here; on the host network
+    ``HOSTNAME`` is the node's.
+    """
+    env = container_env({**pod.obj, "status": {"podIP": pod.ip, "hostIP": pod.ip}}, container)
+    for key, value in env.items():
+        for path, local in volumes.items():
+            if value == path or value.startswith(path + "/"):
+                env[key] = str(local) + value[len(path) :]
+    hostname = pod.node if pod.obj["spec"].get("hostNetwork") else pod.obj["spec"]["hostname"]
+    return {**env, "HOSTNAME": hostname, "KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+
+
+def pod_object(pod: Pod, container: str, pending: str) -> dict[str, Any]:
+    """The pod as an API object with its status (``pending``: why a pod not yet placed waits)."""
+    obj = {**pod.obj, "metadata": dict(pod.obj["metadata"])}
+    if pod.deleting_since is not None and pod.exit_code is None and not pod.disruption:
+        # Deleted through the API; a node's shutdown (a Spot reclaim) ends the pod without one.
+        obj["metadata"]["deletionTimestamp"] = _rfc3339(pod.deleting_since)
+    status: dict[str, Any] = {"phase": pod.phase}
+    conditions = []
+    if pod.disruption:
+        disrupted = {"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet"}
+        conditions.append({**disrupted, "message": pod.disruption})
+    if pod.proc is None and pod.exit_code is None:
+        conditions.append({"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": pending})
+    else:
+        status["podIP"] = pod.ip
+        state: dict[str, Any] = {"running": {}}
+        if pod.exit_code is not None:
+            reason = "Completed" if not pod.exit_code else "Error"
+            state = {"terminated": {"exitCode": pod.exit_code, "reason": reason}}
+        status["containerStatuses"] = [{"name": container, "state": state}]
+    status["conditions"] = conditions
+    obj["status"] = status
+    return obj
+
+
+def hosts_text(jobset: Mapping[str, Any], pods: list[Pod]) -> bytes:
+    """An /etc/hosts with localhost and each pod's DNS names on the JobSet's headless Service."""
+    subdomain = jobset["spec"]["network"].get("subdomain") or jobset["metadata"]["name"]
+    ns = jobset["metadata"]["namespace"]
+    lines = ["127.0.0.1\tlocalhost"]
+    for pod in pods:
+        host = pod.obj["spec"]["hostname"]
+        lines.append(f"{pod.ip}\t{host}.{subdomain}.{ns}.svc.cluster.local {host}.{subdomain} {host}")
+        if pod.obj["spec"].get("hostNetwork"):
+            lines.append(f"{pod.ip}\t{pod.node}")
+    return ("\n".join(lines) + "\n").encode()
+
+
+def rewrite_in_place(path: Path, data: bytes) -> None:
+    """One write over the old text, padded so the file never shrinks: no reader sees it empty."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        old_size = os.fstat(fd).st_size
+        if len(data) < old_size:
+            data += b"#" * (old_size - len(data) - 1) + b"\n"
+        os.pwrite(fd, data, 0)
+    finally:
+        os.close(fd)
+
+
+def unshare_argv() -> list[str]:
+    """The command that gives a pod its own mount and UTS namespaces here (checked to work)."""
+    exe = shutil.which("unshare")
+    if exe is None:
+        raise PodEmulatorError("the pod emulator needs unshare (util-linux) for each pod's /etc/hosts and hostname")
+    argv = [exe, "--mount", "--uts"]
+    if os.geteuid() != 0:
+        argv.append("--map-root-user")
+    probe = subprocess.run([*argv, "true"], capture_output=True, text=True, check=False)
+    if probe.returncode != 0:
+        raise PodEmulatorError(f"unshare cannot make a pod's namespaces here: {probe.stderr.strip()}")
+    return argv
+
+
+def process_environ(pod: Pod) -> list[dict[str, str]]:
+    """The environment of each process of the pod other than its container's first (the workers)."""
+    if pod.proc is None:
+        return []
+    out = []
+    for pid in _group_pids(pod.proc.pid):
+        if pid == pod.proc.pid:
+            continue
+        with contextlib.suppress(OSError):
+            raw = Path(f"/proc/{pid}/environ").read_bytes()
+            out.append(dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv))
+    return out
 
 
 def cpu_image_env(chips_per_host: int, extra: Mapping[str, str] | None = None) -> dict[str, str]:
