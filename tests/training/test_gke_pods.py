@@ -166,7 +166,10 @@ def test_a_2_slice_jobset_run_as_pods_rides_out_a_spot_reclaim_and_a_lost_host(
     sizes = [e["workers"] for e in launches]
     # Shrunk to slice 0 by the reclaim, grown back; after the host error, the pod the Job made at once on
     # its node rejoins the next round (4), or that round forms without slice 1 first and grows back.
-    assert sizes in ([4, 2, 4, 4], [4, 2, 4, 2, 4]), [(e["workers"], e["members"], e["reason"]) for e in launches]
+    story = [
+        (e["type"], e.get("workers"), e.get("hosts"), e["reason"]) for e in _events(cfg.run_uri, "launch", "failure")
+    ]
+    assert sizes in ([4, 2, 4, 4], [4, 2, 4, 2, 4]), (story, _pod_logs(js))
     assert launches[1]["members"] == ["s0-h0", "s0-h1"]
     assert [(e["old_workers"], e["new_workers"]) for e in _events(cfg.run_uri, "resize")][:2] == [(4, 2), (2, 4)]
 

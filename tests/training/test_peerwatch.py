@@ -23,7 +23,7 @@ PROCESS = textwrap.dedent(
     import os, sys, time
     from training.elastic.peerwatch import PeerWatch
 
-    rank, processes, address = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    rank, processes, address, outlast = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
 
     def lost(peer, why):
         print(f"LOST {peer} {why}", flush=True)
@@ -38,16 +38,16 @@ PROCESS = textwrap.dedent(
     for line in sys.stdin:
         if line.strip() == "bye":
             watch.bye()
-            print("BYE", flush=True)
+            print("BYE", watch.outlast(outlast), flush=True)
             os._exit(0)
     time.sleep(3600)
     """
 )
 
 
-def _start(rank: int, processes: int, address: str = "-") -> subprocess.Popen[str]:
+def _start(rank: int, processes: int, address: str = "-", outlast: float = 30) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-c", PROCESS, str(rank), str(processes), address],
+        [sys.executable, "-c", PROCESS, str(rank), str(processes), address, str(outlast)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -73,10 +73,11 @@ def _say(p: subprocess.Popen[str], line: str) -> None:
 
 
 @pytest.fixture
-def group():
-    """Process 0 and two peers, connected; all killed at the end."""
+def group(request):
+    """Process 0 and two peers, connected; all killed at the end.  Process 0 outlasts its peers for up
+    to 30 s after its bye (``@pytest.mark.parametrize("group", [seconds], indirect=True)`` to change)."""
     procs: list[subprocess.Popen[str]] = []
-    hub = _start(0, 3)
+    hub = _start(0, 3, outlast=getattr(request, "param", 30))
     procs.append(hub)
     kind, address = _line(hub).split()
     assert kind == "ADDRESS"
@@ -114,7 +115,7 @@ def test_when_process_0_is_killed_every_other_process_leaves(group) -> None:
 def _leaves_in_order(p: subprocess.Popen[str], others: list[subprocess.Popen[str]]) -> None:
     """``p`` says bye and exits; the others stay (its connection has closed by the time they are checked)."""
     _say(p, "bye")
-    assert _exit(p) == (0, "BYE")
+    assert _exit(p) == (0, "BYE True")
     time.sleep(0.5)
     assert all(o.poll() is None for o in others), "an orderly end was taken for a loss"
 
@@ -128,11 +129,26 @@ def test_an_orderly_exit_is_not_a_loss(group) -> None:
     assert code == 3 and said.startswith("LOST 2 "), said
 
 
-def test_process_0_saying_bye_lets_the_others_finish(group) -> None:
+def test_process_0_saying_bye_outlasts_the_others_and_lets_them_finish(group) -> None:
+    # Process 0 hosts the coordination service: ending in order, it goes last, as soon as its peers have gone.
     hub, one, two = group
-    _leaves_in_order(hub, [one, two])
-    _leaves_in_order(one, [two])
+    _say(hub, "bye")
+    time.sleep(0.5)
+    assert hub.poll() is None, "process 0 went before its peers"
+    _leaves_in_order(one, [hub, two])
+    t0 = time.monotonic()
     _leaves_in_order(two, [])
+    assert _exit(hub) == (0, "BYE True")
+    assert time.monotonic() - t0 < 3
+
+
+@pytest.mark.parametrize("group", [1.0], indirect=True)
+def test_process_0_outlasts_a_peer_that_stays_only_for_its_timeout(group) -> None:
+    hub, one, two = group
+    _leaves_in_order(one, [hub, two])
+    _say(hub, "bye")
+    assert _exit(hub, timeout=5) == (0, "BYE False")
+    assert two.poll() is None  # a bye is no loss: the peer left waiting was not told to leave
 
 
 def test_a_stranger_dialling_process_0_is_ignored() -> None:

@@ -15,7 +15,9 @@ others which peer went, then every process leaves with that reason (its agent
 reports the round failed at once; the leader then finds out who is alive).
 A process that ends in order (finished, stopped at a checkpoint, a notice, the
 guard) says ``bye`` first: the group's decisions to stop are taken at the same
-step in every process, so the others are stopping too.
+step in every process, so the others are stopping too.  Process 0 then outlasts
+the others (:meth:`PeerWatch.outlast`): it hosts JAX's coordination service, and a
+peer still finishing its last save when the service goes aborts.
 
 Process 0 listens on its coordinator's bind address; the address its peers
 dial goes through the coordination service's key-value store (so nothing new
@@ -30,6 +32,7 @@ import logging
 import selectors
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -111,7 +114,8 @@ class PeerWatch:
     # --- the watch's thread ---------------------------------------------------------------------
 
     def _loop(self) -> None:
-        while not self._closing and self.lost is None:
+        # Process 0 watches on after its bye, until its peers have gone (:meth:`outlast` waits for that).
+        while self.lost is None and not (self._closing and (self.rank != 0 or not self._peers)):
             try:
                 events = self._sel.select(timeout=1.0)
             except (OSError, ValueError):  # closed under us (bye)
@@ -205,6 +209,19 @@ class PeerWatch:
                 conn.setblocking(True)
                 conn.settimeout(1.0)
                 conn.sendall(_msg(BYE, self.rank))
+
+    def outlast(self, timeout: float) -> bool:
+        """Process 0, after :meth:`bye`: wait until every peer's process has gone (its connection closed).
+
+        True when they all went within ``timeout`` seconds; the other processes return at once.
+        """
+        deadline = time.monotonic() + timeout
+        while self.rank == 0 and self._peers and self.lost is None:
+            if time.monotonic() >= deadline:
+                log.warning("peer watch: processes %s still running after %.0fs", sorted(self._peers), timeout)
+                return False
+            time.sleep(0.02)
+        return True
 
 
 def start(

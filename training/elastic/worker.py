@@ -133,6 +133,8 @@ def share_cpu_compilation_cache() -> None:
 
 # This process's end of the round's peer watch (:mod:`training.elastic.peerwatch`), once it has one.
 WATCH: Any = None
+# How long process 0, ending in order, waits for the others to go first (the last of a final save).
+OUTLAST_S = 60.0
 
 
 def leave(rep: Reporter, code: WorkerExit, error: str = "", **fields: Any) -> NoReturn:
@@ -153,6 +155,8 @@ def leave(rep: Reporter, code: WorkerExit, error: str = "", **fields: Any) -> No
             pass
     sys.stdout.flush()
     sys.stderr.flush()
+    if WATCH is not None and code != WorkerExit.ERROR:
+        WATCH.outlast(OUTLAST_S)
     os._exit(int(code))
 
 
@@ -884,7 +888,8 @@ def stop_requested(store: Any, a: Assignment) -> bool:
 
 if __name__ == "__main__":
     code = main()
-    if WATCH is not None:
-        WATCH.bye()  # stopped at a checkpoint, as the whole group did
     sys.stdout.flush()
+    if WATCH is not None:
+        WATCH.bye()  # finished, or stopped at a checkpoint, as the whole group did
+        WATCH.outlast(OUTLAST_S)
     os._exit(code)
