@@ -399,7 +399,7 @@ def _take_run_lock(lock: RunLock, on_line: Callable[[str], None] | None) -> None
         now = time.time()
         if rec is None:
             raise LaunchRefused(f"refused: {held}") from None
-        left = float(rec["expires_at"]) + lock.margin_s - now
+        left = lock.lapses_in(rec, now)
         if left > LAPSE_WAIT_MAX_S or now - start + left > LAPSE_WAIT_MAX_S + lock.margin_s:
             raise LaunchRefused(f"refused: {held}", rec) from None
         gen = int(rec.get("gen") or 0)
@@ -410,14 +410,10 @@ def _take_run_lock(lock: RunLock, on_line: Callable[[str], None] | None) -> None
                 f"its lease lapsing in {left:.1f}s: waiting for it to lapse, then taking the run over "
                 "(refused if the holder refreshes it)"
             )
-        while time.time() < float(rec["expires_at"]) + lock.margin_s:
-            time.sleep(min(0.2, max(lock.margin_s / 2, 0.05)))
-            cur_gen, cur = lock.newest()
-            if cur_gen == gen:
-                continue
-            if cur is not None and cur.get("token") == rec.get("token") and lock.active(cur, time.time()):
-                raise LaunchRefused(f"refused: {lock.message(cur)}", cur) from None  # it refreshes: alive
-            break  # released, or another owner: look again
+        cur = lock.wait_lapse(rec, poll_s=min(0.2, max(lock.margin_s / 2, 0.05)))
+        if cur is not None and cur.get("token") == rec.get("token") and lock.active(cur, time.time()):
+            raise LaunchRefused(f"refused: {lock.message(cur)}", cur) from None  # it refreshes: alive
+        # Lapsed, released, or another owner: look again.
 
 
 def launch(

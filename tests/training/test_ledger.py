@@ -119,7 +119,10 @@ def test_an_expired_lease_is_taken_over_after_its_margin_and_recorded(store: Sto
     with pytest.raises(LockHeld):  # lapsed, but not by the margin yet: a takeover could overlap a slow holder
         b.acquire()
     time.sleep(0.4)
-    assert a.held_by() is None  # lapsed by more than the margin
+    assert a.held_by() is None  # lapsed by more than the margin, by the writer's clock
+    with pytest.raises(LockHeld):  # not yet by b's: b first read it 0.4 s ago, and the lease is 0.3 s + 0.4 s
+        b.acquire()
+    time.sleep(0.4)
     rec = b.acquire()
     assert rec["action"] == "takeover" and rec["previous"]["owner"] == "trainer-a"
     with pytest.raises(LockLost, match="trainer-b"):
@@ -163,14 +166,16 @@ def test_the_lease_keeper_keeps_a_busy_holder_s_lease_and_fences_a_holder_that_l
     assert not keeper.valid()
     with pytest.raises(LockLost):
         keeper.check()
+    assert other.wait_lapse(other.newest()[1]) is None  # watched lapsing on its own clock too
     other.acquire()
     with pytest.raises(LockLost):
         LeaseKeeper(RunLock(store, "leader-2", lease_s=0.4))  # nothing to keep: it does not hold the lock
     # A keeper whose lock was taken over learns it at its next refresh, stops being valid, and says so.
     lost: list[str] = []
     other_keeper = LeaseKeeper(other, on_lost=lost.append)
-    time.sleep(0.5)
-    RunLock(store, "intruder", lease_s=60, margin_s=0.1).acquire()
+    intruder = RunLock(store, "intruder", lease_s=60, margin_s=0.1)
+    assert intruder.wait_lapse(intruder.newest()[1]) is None
+    intruder.acquire()
     other_keeper._run_once()
     assert not other_keeper.valid() and lost
 

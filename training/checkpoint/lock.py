@@ -15,11 +15,16 @@ on the job's leader (the agent holding the lease) keeps it alive with a
 :class:`LeaseKeeper`, a thread independent of the agent's main loop, so the
 lease is refreshed in every state (waiting for capacity, restoring, saving).
 
-Guarantees (multi-process and multi-host safe; the clocks of the machines must
-agree to well within ``margin_s``):
+Guarantees (multi-process and multi-host safe, with clocks that disagree by up to
+``MAX_CLOCK_SKEW_S``):
 
-* a lease is in force until ``expires_at + margin_s``; only then may another
-  owner take it over (the takeover record names the previous holder);
+* a lease is in force until ``expires_at + margin_s`` by its writer's clock; only
+  then may another owner take it over (the takeover record names the previous
+  holder), and only once it has lapsed by the taker's own clock too: the taker
+  has watched that generation stay put for the lease's whole length since it
+  first read it (monotonic), or the lease ran out longer than ``MAX_CLOCK_SKEW_S``
+  ago.  So a taker whose clock runs ahead of the holder's does not take a lease
+  that is still being renewed;
 * the holder treats its lease as lost ``lease_s`` after it *began* its last
   successful refresh (monotonic clock), which is before ``expires_at``; so a
   holder that can no longer refresh stops writing before anyone else may start
@@ -48,6 +53,10 @@ from training.storage import AlreadyExists, NotFound, Store
 log = logging.getLogger(__name__)
 
 DEFAULT_MARGIN_S = 0.5
+# How far the clocks of the machines sharing a run may disagree.  A lease that ran out longer ago than this
+# by its writer's clock has lapsed for every reader; a more recent one is taken over only by a reader that
+# watched it lapse on its own clock.
+MAX_CLOCK_SKEW_S = 60.0
 # Generations kept behind the newest: a reader that follows the lease by name (one look a heartbeat
 # while the holder renews every lease_s / 4) finds the one it saw last still there.
 KEEP_GENERATIONS = 8
@@ -95,6 +104,7 @@ class RunLock:
         self.token = uuid.uuid4().hex
         self.gen: int | None = None  # the generation we last wrote while holding the lock
         self._seen_gen = 0  # the newest generation seen: the next look starts from it
+        self._first_read: dict[int, float] = {}  # generation -> when this process first read it (monotonic)
         self._acquired_at = 0.0
 
     # -- reading ---------------------------------------------------------------------------
@@ -116,7 +126,7 @@ class RunLock:
         if self._seen_gen:
             found = self._read_from(self._seen_gen)
             if found is not None:
-                return found
+                return self._dated(*found)
         for _ in range(5):
             gens = self._generations()
             if not gens:
@@ -127,8 +137,16 @@ class RunLock:
             except NotFound:  # dropped by the holder between list and get: look again
                 continue
             self._seen_gen = gen
-            return gen, rec
+            return self._dated(gen, rec)
         raise RuntimeError(f"could not read the lock of {self.store.uri}")
+
+    def _dated(self, gen: int, rec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """Note when this process first read generation ``gen`` (its own clock: see :meth:`lapses_in`)."""
+        if gen not in self._first_read:
+            self._first_read[gen] = time.monotonic()
+            for old in [g for g in self._first_read if g < gen - KEEP_GENERATIONS]:
+                del self._first_read[old]
+        return gen, rec
 
     def _read_from(self, gen: int) -> tuple[int, dict[str, Any]] | None:
         """Generation ``gen`` or the newest after it, read by name; None when ``gen`` is gone.
@@ -149,8 +167,36 @@ class RunLock:
             gen, rec = gen + 1, rec_next
 
     def active(self, rec: dict[str, Any] | None, now: float) -> bool:
-        """Does ``rec`` keep others out at ``now``?"""
+        """Does ``rec`` keep others out at ``now``, by its writer's clock?"""
         return rec is not None and rec["action"] != "release" and now < float(rec["expires_at"]) + self.margin_s
+
+    def lapses_in(self, rec: dict[str, Any], now: float | None = None) -> float:
+        """Seconds until ``rec``'s lease has lapsed for this process: by the writer's clock, and by its own.
+
+        By its own: the lease's length since this process first read that generation, unless the
+        lease ran out by the writer's clock more than ``MAX_CLOCK_SKEW_S`` ago.  0 once lapsed.
+        """
+        if rec["action"] == "release":
+            return 0.0
+        now = time.time() if now is None else now
+        by_writer = float(rec["expires_at"]) + self.margin_s - now
+        if by_writer <= -MAX_CLOCK_SKEW_S:
+            return 0.0
+        length = max(float(rec["expires_at"]) - float(rec.get("time", rec["expires_at"])), 0.0)
+        first = self._first_read.get(int(rec.get("gen") or 0), time.monotonic())
+        by_reader = first + length + self.margin_s - time.monotonic()
+        return max(by_writer, by_reader, 0.0)
+
+    def wait_lapse(self, rec: dict[str, Any], poll_s: float = 0.2) -> dict[str, Any] | None:
+        """Watch ``rec``'s generation until its lease lapses for this process (None), or until the lock
+        moves on (the newer record: its holder renewed or released it, or another owner took it)."""
+        gen = int(rec.get("gen") or 0)
+        while self.lapses_in(rec) > 0:
+            time.sleep(min(poll_s, max(self.lapses_in(rec), 0.01)))
+            cur_gen, cur = self.newest()
+            if cur_gen != gen:
+                return cur
+        return None
 
     def held_by(self, now: float | None = None) -> dict[str, Any] | None:
         """The holder's record (owner, job, host, pid, acquired_at, expires_at, ...) while in force, else None."""
@@ -158,8 +204,7 @@ class RunLock:
         return rec if self.active(rec, time.time() if now is None else now) else None
 
     def message(self, rec: dict[str, Any], now: float | None = None) -> str:
-        now = time.time() if now is None else now
-        left = float(rec["expires_at"]) + self.margin_s - now
+        left = self.lapses_in(rec, now)
         job = f" of job {rec['job']}" if rec.get("job") else ""
         return (
             f"run {self.store.uri} is locked by {rec['owner']!r}{job} (host {rec['host']}, pid {rec['pid']}), "
@@ -225,10 +270,11 @@ class RunLock:
             self.on_event("lock", owner=self.owner, action=action, job=self.job, **whoami(), **fields)
 
     def _claimable(self, rec: dict[str, Any] | None, now: float) -> bool:
-        if not self.active(rec, now):
+        if rec is None or rec["action"] == "release":
             return True
-        assert rec is not None
-        return rec["action"] == "handoff" and self.job is not None and rec.get("job") == self.job
+        if rec["action"] == "handoff" and self.job is not None and rec.get("job") == self.job:
+            return True
+        return self.lapses_in(rec, now) <= 0
 
     def acquire(self) -> dict[str, Any]:
         """Take the lock (a free one, a lapsed lease, or a handoff to our job); else raise LockHeld."""

@@ -48,6 +48,7 @@ from training.checkpoint.lock import LeaseKeeper, LockLost, RunLock
 from training.checkpoint.retention import USABLE_STATES
 from training.config import Config
 from training.elastic.capacity import LocalCapacity
+from training.elastic.clocks import HostClocks
 from training.elastic.membership import choose_members
 from training.elastic.rendezvous import HostRecord, Outcome, Rendezvous, Report, Round
 from training.events import EventLog, RunState, read_status, write_status
@@ -104,6 +105,7 @@ class Leader:
         self.hosts: dict[str, HostRecord] = {}
         self.lost: dict[str, tuple[float, int]] = {}  # host -> (agent start, heartbeat seq) when declared lost
         self._seen: dict[str, tuple[int, float]] = {}  # host -> (seq, local time it last changed)
+        self.clocks = HostClocks()  # each host's clock against this one, from its beats
         self._hosts_at = 0.0
         self.round: Round | None = self.rdv.newest_round(self.job)
         self.failures = self.round.failures if self.round else 0
@@ -201,6 +203,7 @@ class Leader:
     def _read_hosts(self, now: float) -> None:
         mono = time.monotonic()
         self.hosts = self.rdv.hosts(self.job)
+        read_at = time.time()
         self._hosts_at = now  # a scan that failed is tried again at the next tick
         for h, rec in self.hosts.items():
             seen = self._seen.get(h)
@@ -209,6 +212,7 @@ class Leader:
                 self._seen[h] = (rec.seq, mono - max(now - rec.time, 0.0))
             elif rec.seq != seen[0]:
                 self._seen[h] = (rec.seq, mono)
+                self.clocks.observe(h, rec.started, rec.time, read_at)  # a beat written since the last read
 
     def _age(self, host: str) -> float:
         if host == self.agent.host:
@@ -244,12 +248,13 @@ class Leader:
             self.lost[h] = (rec.started, rec.seq) if rec is not None else (float("inf"), 0)
 
     def _shown_life(self, host: str) -> bool:
-        """A beat newer than the leader's view at the failure, and written after it: a beat the leader read
-        late (written just before the host died) is no sign of life."""
+        """A beat newer than the leader's view at the failure, and written after it (by the leader's clock): a
+        beat the leader read late (written just before the host died) is no sign of life."""
         rec = self.hosts.get(host)
         if rec is None or rec.state in ("leaving", "gone"):
             return False
-        return rec.seq > self.seq_at_fail.get(host, -1) and (self.fail_at is None or rec.time > self.fail_at)
+        written = self.clocks.local_time(host, rec.started, rec.time)
+        return rec.seq > self.seq_at_fail.get(host, -1) and (self.fail_at is None or written > self.fail_at)
 
     # --- phases ---------------------------------------------------------------------------------
 

@@ -102,6 +102,7 @@ class LocalSlice:
         self._stopping = False
         self._final: dict[str, Any] | None = None
         self._hold: RunLock | None = None  # the run lock, while no host of the job is left
+        self._taker: RunLock | None = None  # the lock that will hold it, until it has the lease
         self._keeper: LeaseKeeper | None = None
         self._waiting_since = 0.0
         self._held_status: dict[str, Any] = {}
@@ -187,13 +188,16 @@ class LocalSlice:
     def _no_host_left(self) -> None:
         """No agent of the job runs and the pool has no host for one: hold the run until capacity returns."""
         if self._hold is None:
-            lock = RunLock(
-                self.store,
-                owner=f"local slice of job {self.job} (no host left)",
-                lease_s=self.cfg.lease_s,
-                job=self.job,
-                on_event=lambda type_, **f: self.own_events.emit(type_, **f),
-            )
+            # One lock object across looks: it watches the last leader's lease lapse (RunLock.lapses_in).
+            if self._taker is None:
+                self._taker = RunLock(
+                    self.store,
+                    owner=f"local slice of job {self.job} (no host left)",
+                    lease_s=self.cfg.lease_s,
+                    job=self.job,
+                    on_event=lambda type_, **f: self.own_events.emit(type_, **f),
+                )
+            lock = self._taker
             try:
                 lock.acquire()  # a handoff to the job at once; the last leader's lease once it lapsed
             except LockHeld as e:
@@ -205,7 +209,7 @@ class LocalSlice:
             except OSError as e:
                 log.warning("cannot take the run lock to hold it for job %s: %s", self.job, e)
                 return
-            self._hold = lock
+            self._hold, self._taker = lock, None
             self._keeper = LeaseKeeper(lock, on_lost=lambda why: log.warning("holding the run: %s", why)).start()
             st = read_status(self.store) or {}
             mine = st.get("job") == self.job

@@ -9,8 +9,8 @@ would say "running" forever; so whoever looks next (``rtrain status``, the
 Airflow sensor, the local slice) checks: a status that says alive, not written
 for longer than the run's heartbeat timeout, no host of the job beating within
 it (nor an agent of it running on this machine, cut off from the run root for a
-while), and no job holding the run lock (its lease lapsed) belongs to a job that
-is gone.  The reader then takes the lock and records the final state with the
+while), and no job holding the run lock (its lease lapsed, by the reader's own
+clock too) belongs to a job that is gone.  The reader then takes the lock and records the final state with the
 reason, as an event too.
 """
 
@@ -30,6 +30,8 @@ from training.storage import NotFound, Store, open_store
 # How long a status may go unwritten before a job with no lease holder counts as gone, when the run's
 # config cannot be read (else its heartbeat_timeout_s: a live holder writes the status every second).
 STALE_STATUS_S = 15.0
+# How long a look waits for a gone job's lease to lapse by its own clock before recording the job lost.
+REPAIR_WAIT_S = 15.0
 
 
 def stale_after_s(store: Store) -> float:
@@ -83,8 +85,12 @@ def status(run_uri: str, repair: bool = True) -> dict[str, Any] | None:
     if age < within or _beating(store, st.get("job"), within, now, run_uri):
         return st  # a holder wrote it lately, or a host of the job beats (a new leader is taking over)
     lock = RunLock(store, owner="status check", lease_s=10.0)
-    if lock.held_by() is not None:
-        return st
+    _gen, holder = lock.newest()
+    if holder is not None:
+        # The lease must lapse by this reader's clock too (watched for its length, see RunLock.lapses_in):
+        # a reader whose clock runs ahead of the job's sees a live job's status and beats as old.
+        if lock.lapses_in(holder) > REPAIR_WAIT_S or lock.wait_lapse(holder) is not None:
+            return st  # held for a while yet, or renewed, released or taken meanwhile: not this look's to judge
     try:
         lock.acquire()
     except (LockHeld, OSError):  # taken meanwhile; or the run root refuses writes (a full disk)
