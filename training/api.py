@@ -411,7 +411,7 @@ def _take_run_lock(lock: RunLock, on_line: Callable[[str], None] | None) -> None
                 "(refused if the holder refreshes it)"
             )
         cur = lock.wait_lapse(rec, poll_s=min(0.2, max(lock.margin_s / 2, 0.05)))
-        if cur is not None and cur.get("token") == rec.get("token") and lock.active(cur, time.time()):
+        if cur is not None and cur.get("token") == rec.get("token") and cur["action"] != "release":
             raise LaunchRefused(f"refused: {lock.message(cur)}", cur) from None  # it refreshes: alive
         # Lapsed, released, or another owner: look again.
 
@@ -441,9 +441,8 @@ def launch(
         job = begin_job(cfg, provision=provision, by=by, on_line=on_line)
     except LaunchRefused as e:
         holder = e.holder
-        if allow_attach and holder.get("job") and not _job_alive(store, str(holder["job"])):
-            # The holder's job is gone and its lease about to lapse (a retry right after the job died).
-            _wait_for_lock(store, float(holder.get("expires_at", 0)))
+        if allow_attach and holder.get("job") and not _job_alive(store, str(holder["job"])) and _lease_lapses(store):
+            # The holder's job is gone and its lease lapsed (a retry right after the job died).
             return launch(cfg, detach=detach, provision=provision, by=by, on_line=on_line, on_status=on_status)
         if allow_attach and holder.get("job"):
             return JobHandle(
@@ -498,11 +497,22 @@ def _job_alive(store: Store, job: str) -> bool:
     return st.get("job") == job and time.time() - float(st.get("updated_at", 0)) < STALE_STATUS_S
 
 
-def _wait_for_lock(store: Store, expires_at: float) -> None:
+def _lease_lapses(store: Store) -> bool:
+    """Wait for the run lock's lease to lapse, by this machine's clock too; False when its holder renews
+    it (alive, whatever the status's age says on this clock) or another holder's lasts beyond 30 s more."""
     lock = RunLock(store, owner="launcher", lease_s=60.0)
-    deadline = max(expires_at, time.time()) + lock.margin_s + 30.0
-    while time.time() < deadline and lock.held_by() is not None:
-        time.sleep(0.5)
+    _gen, rec = lock.newest()
+    deadline = time.monotonic() + (lock.lapses_in(rec) if rec is not None else 0.0) + 30.0
+    while rec is not None:
+        if lock.lapses_in(rec) > deadline - time.monotonic():
+            return False
+        newer = lock.wait_lapse(rec, poll_s=0.5)
+        if newer is None:
+            return True
+        if newer.get("token") == rec.get("token") and newer["action"] != "release":
+            return False  # renewed
+        rec = newer  # released, or another owner: wait that one out too
+    return True
 
 
 def stop_job(run_uri: str, reason: str = "asked to stop") -> None:

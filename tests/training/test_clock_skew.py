@@ -79,6 +79,43 @@ def test_a_taker_whose_clock_runs_ahead_takes_no_lease_that_is_renewed_and_takes
     assert taken["action"] == "takeover" and taken["previous"]["owner"] == "holder"
 
 
+LIVE_JOB = """
+import sys, time
+from training.checkpoint.lock import LeaseKeeper, RunLock
+from training.events import write_status
+from training.storage import open_store
+store = open_store(sys.argv[1])
+lock = RunLock(store, "agent h0 of job j-live", lease_s=1.0, margin_s=0.2, job="j-live")
+lock.acquire()
+LeaseKeeper(lock).start()
+print("HOLDS", flush=True)
+while True:
+    write_status(store, state="running", job="j-live", run_uri=sys.argv[1], step=3)
+    time.sleep(0.5)
+"""
+
+
+def test_a_retry_whose_clock_runs_ahead_follows_the_live_job_instead_of_taking_its_run(
+    tmp_path: Path, tiny_dataset: str, jax_cache: str
+) -> None:
+    # An Airflow retry on a machine whose clock runs 30 s ahead of the job's hosts: the job's status and
+    # lease look 30 s old there, yet the job renews its lease: the retry follows it.
+    cfg = job_config(str(tmp_path), tiny_dataset, jax_cache, run_name="live")
+    job = subprocess.Popen(
+        [sys.executable, "-c", LIVE_JOB, cfg.run_uri], env=skewed_env(-30), stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert job.stdout is not None and job.stdout.readline().strip() == "HOLDS"
+        lines: list[str] = []
+        handle = api.launch(cfg, detach=True, allow_attach=True, on_line=lines.append)
+        assert handle["attached"] and handle["job"] == "j-live", (handle, lines)
+        assert (RunLock(open_store(cfg.run_uri), "probe").newest()[1] or {}).get("job") == "j-live"
+        assert job.poll() is None
+    finally:
+        job.kill()
+        job.wait()
+
+
 def test_the_leader_reads_a_skewed_host_s_beats_on_its_own_clock() -> None:
     clocks = HostClocks()
     now = 1_000_000.0
