@@ -4,12 +4,14 @@ Every schedule runs a real job (3 simulated hosts, min 1) with faults drawn from
 a seed: worker crashes, lost hosts (preempt), kills during a save, killed agents,
 frozen hosts (SIGSTOP), capacity coming back, a corrupted newest checkpoint, and
 on some seeds a run root on a small disk that fills up, every host gone at once (then
-back), or the leader's agent alone frozen past its lease (then thawed).  Each is checked for:
+back), the leader's agent alone frozen past its lease (then thawed), or the job's clocks
+running 20 s behind the harness's, which reads the status as Airflow's sensor does
+(libfaketime).  Each is checked for:
 
 * an end: the final step reached, or a final state with its reason;
 * exact data: every step consumed exactly its global batch (when it finished);
 * no orphans: nothing of the job runs once it has ended;
-* one owner at a time: no takeover of a live lease; rounds strictly ordered;
+* one owner at a time: no takeover of a live lease, none by a status check; rounds strictly ordered;
 * a true status: ``status.json`` says how it ended, as the events do.
 
 ``make chaos`` runs ``RTRAIN_CHAOS_SEEDS`` seeds (default 3 in ``make test-all``);
@@ -62,6 +64,7 @@ def schedule(seed: int) -> dict[str, Any]:
         "full_disk": seed % 5 == 2,  # every fifth seed (2, 7, ...): the run root's disk fills up
         "all_lost": seed % 5 == 4,  # every host gone at once (capacity 0), then back
         "frozen_leader": seed % 5 == 1,  # the leader's agent alone SIGSTOPped beyond its lease, then SIGCONT
+        "skewed_clock": seed % 5 == 3,  # the job's processes' clocks run 20 s behind the harness's
     }
 
 
@@ -149,6 +152,8 @@ def _check_one_owner_at_a_time(run_uri: str, margin_s: float) -> None:
     for e in takeovers:
         if not e.get("handoff"):
             assert e["time"] >= float(e["previous_expires_at"]) + margin_s - 0.05, f"a live lease was taken over: {e}"
+        # A status check takes the run only from a job with no agent left: never one of these schedules.
+        assert not str(e["owner"]).startswith("status check"), f"a status check took a live job's run: {e}"
     rounds = [e["round"] for e in api.events(run_uri, ("launch",))]
     assert rounds == sorted(set(rounds)), f"rounds out of order or twice: {rounds}"
 
@@ -172,11 +177,19 @@ def _check_nothing_runs(run_uri: str) -> None:
 
 
 @pytest.mark.parametrize("seed", range(SEEDS))
-def test_a_random_fault_schedule_ends_cleanly_with_exact_data(seed: int, tmp_path, tiny_dataset, jax_cache) -> None:
+def test_a_random_fault_schedule_ends_cleanly_with_exact_data(
+    seed: int, tmp_path, tiny_dataset, jax_cache, monkeypatch
+) -> None:
     from training.checkpoint.lock import DEFAULT_MARGIN_S
     from training.data import global_batch_ids
 
     plan = schedule(seed)
+    if plan["skewed_clock"]:  # the job's processes (the local slice, its agents, their workers) inherit it
+        import libfaketime
+
+        _, preload = libfaketime.get_reload_information()
+        for key, value in {**preload, "FAKETIME": "-20s"}.items():
+            monkeypatch.setenv(key, value)
     root, mnt = tmp_path, None
     if plan["full_disk"]:
         mnt = tmp_path / "disk"

@@ -221,3 +221,34 @@ def test_a_process_sees_the_steps_another_host_committed_on_gs(gcs_root: str, tm
     go.touch()
     assert proc.stdout.readline().strip() == "['4', '8']"
     assert proc.wait(timeout=60) == 0
+
+
+def test_a_step_carries_the_integrity_record_of_what_was_written_before_it_committed(tmp_path, tiny_dataset):
+    """The record is written into the step by its commit: damage right after it is found, never recorded."""
+    res = _run(
+        """
+        from training.checkpoint.steps import INTEGRITY, UNRECORDED, file_checksums, recorded_checksums, verify
+
+        run = os.path.join(sys.argv[1], "integrity")
+        m = ckpt.checkpoint_manager(cfg, run)
+        ckpt.save(m, 4, state, {"next_batch": 4}, cfg)
+        m.wait_until_finished()
+        record = recorded_checksums(run, 4)
+        now = {k: v for k, v in file_checksums(run, 4).items() if k not in UNRECORDED}
+        out = {"same": record == now, "files": len(record or {}), "clean": verify(run, 4, None)}
+        big = max(now, key=lambda k: now[k][0])
+        path = os.path.join(run, "checkpoints", "4", big)
+        raw = bytearray(open(path, "rb").read())
+        raw[len(raw) // 2] ^= 1
+        open(path, "wb").write(bytes(raw))
+        out["damaged"] = verify(run, 4, None)
+        out["big"] = big
+        print(json.dumps(out))
+        """,
+        tmp_path,
+        tiny_dataset,
+    )
+    assert res["same"] and int(res["files"]) > 3 and res["clean"] == "", res
+    assert (
+        res["damaged"] == f"file {res['big']} of checkpoint 4 fails its CRC32C check (changed since it was committed)"
+    )

@@ -12,6 +12,7 @@ which steps exist is :func:`training.checkpoint.steps.committed_steps`.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 from typing import Any
@@ -20,8 +21,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import type_handlers
+from orbax.checkpoint._src.path import atomicity
 
-from training.checkpoint.steps import fresh_gcs_listings
+from training.checkpoint.steps import fresh_gcs_listings, record_integrity
 from training.config import Config
 from training.layout import checkpoints_uri, step_uri
 from training.storage import is_gcs
@@ -42,6 +44,22 @@ def use_ocdbt(cfg: Config) -> bool:
     if cfg.checkpoint_format == "auto":
         return not (is_gcs(cfg.root) and bool(os.environ.get("STORAGE_EMULATOR_HOST")))
     return cfg.checkpoint_format == "ocdbt"
+
+
+class RecordedRename(atomicity.AtomicRenameTemporaryPath):  # type: ignore[misc]
+    """Orbax's commit by rename (local roots), with the step's integrity record written into it first."""
+
+    async def finalize(self) -> None:
+        await asyncio.to_thread(record_integrity, str(self.get()))
+        await super().finalize()
+
+
+class RecordedCommitFile(atomicity.CommitFileTemporaryPath):  # type: ignore[misc]
+    """Orbax's commit by a success file (gs://), with the step's integrity record written into it first."""
+
+    async def finalize(self) -> None:
+        await asyncio.to_thread(record_integrity, str(self.get()))
+        await super().finalize()
 
 
 # A replicated shard is split among its replicas for writing only when each slice has at least this
@@ -74,6 +92,8 @@ def checkpoint_manager(cfg: Config, run: str, *, async_save: bool | None = None)
         cleanup_tmp_directories=True,  # a save cut off by a crash is never restored, and is cleaned up
         enable_async_checkpointing=cfg.async_checkpoint if async_save is None else async_save,
         multiprocessing_options=mp,
+        # Orbax's own choice of commit for the root's scheme, recording the step's integrity first.
+        temporary_path_class=RecordedCommitFile if is_gcs(str(root)) else RecordedRename,
     )
     registry = type_handlers.create_type_handler_registry(
         (

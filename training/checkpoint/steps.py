@@ -4,10 +4,12 @@ Light on purpose: the Airflow side and the CLI list committed steps and check
 integrity records without loading JAX.  ``orbax.checkpoint`` (which imports JAX)
 is imported inside :func:`committed_steps` only, the one place that needs it.
 
-Integrity: when a step commits, its host agent records the size and CRC32C of
-every file of the step in the ledger's ``committed`` record (:func:`file_checksums`;
-on gs:// the object metadata GCS keeps anyway, elsewhere computed with
-google-crc32c).  A restore first compares the files with that record
+Integrity: just before a step commits, the process committing it writes the
+size and CRC32C of every file of the step into the step itself (``integrity.json``,
+:func:`record_integrity`; on gs:// the object metadata GCS keeps anyway, elsewhere
+computed with google-crc32c), so the record is of what was written, whatever
+happens to the files once committed.  Rank 0's agent copies it into the ledger's
+``committed`` record.  A restore first compares the files with that record
 (:func:`verify`): a flipped byte, a truncated or a missing file is found before
 any of it is trusted, and named.  Orbax and TensorStore have no such check of
 their own for our formats (zarr and OCDBT chunks carry no checksums).
@@ -15,11 +17,16 @@ their own for our formats (zarr and OCDBT chunks carry no checksums).
 
 from __future__ import annotations
 
+import json
 import sys
 from typing import Any
 
 from training.layout import checkpoints_uri, step_uri
-from training.storage import open_store
+from training.storage import NotFound, open_store
+
+INTEGRITY = "integrity.json"  # in each step: the size and CRC32C of its files, written before it commits
+# What Orbax writes or rewrites as it commits, after the record: not in it.
+UNRECORDED = frozenset({INTEGRITY, "_CHECKPOINT_METADATA", "commit_success.txt"})
 
 _fresh = False
 
@@ -65,12 +72,29 @@ def file_checksums(run: str, step: int) -> dict[str, list[int]]:
     return open_store(step_uri(run, step)).checksums()
 
 
+def record_integrity(step_dir: str) -> None:
+    """Write the integrity record of the step being committed at ``step_dir`` into it (Orbax's commit calls this)."""
+    store = open_store(step_dir)
+    files = {name: v for name, v in store.checksums().items() if name not in UNRECORDED}
+    store.put(INTEGRITY, json.dumps(files, sort_keys=True).encode())
+
+
+def recorded_checksums(run: str, step: int) -> dict[str, list[int]] | None:
+    """The integrity record written into a step as it committed; None for a step without one."""
+    try:
+        return dict(json.loads(open_store(step_uri(run, step)).get(INTEGRITY)))
+    except (NotFound, ValueError):
+        return None
+
+
 def verify(run: str, step: int, expected: dict[str, Any] | None) -> str:
     """'' when the step's files match its integrity record, else what is wrong (naming the file).
 
-    A step without a record (committed by an older version, or before its
-    agent could record it) is not checked.
+    ``expected``: the ledger's record; without one (the step's agent died before it copied the
+    record), the record written into the step.  A step with neither (committed by an older
+    version) is not checked.
     """
+    expected = expected or recorded_checksums(run, step)
     if not expected:
         return ""
     found = file_checksums(run, step)

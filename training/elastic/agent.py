@@ -52,7 +52,7 @@ from training.cadence import cadence
 from training.checkpoint import local as local_tier
 from training.checkpoint.ledger import Ledger
 from training.checkpoint.lock import LeaseKeeper, LockHeld, LockLost, RunLock
-from training.checkpoint.steps import file_checksums
+from training.checkpoint.steps import file_checksums, recorded_checksums
 from training.config import Config, config_from_json
 from training.elastic.capacity import LocalCapacity
 from training.elastic.codes import AgentExit, WorkerExit
@@ -657,9 +657,12 @@ class HostAgent:
             self._storage_fault(msg)
 
     def _committed(self, step: int, msg: dict[str, Any]) -> None:
-        """Rank 0's agent records a commit (writer thread): the step's file checksums go into the ledger."""
+        """Rank 0's agent records a commit (writer thread): the step's file checksums go into the ledger.
+
+        They are the record written into the step as it committed; a step without one is summed now.
+        """
         try:
-            files = file_checksums(self.run_uri, step)
+            files = recorded_checksums(self.run_uri, step) or file_checksums(self.run_uri, step)
         except Exception as e:  # noqa: BLE001 - the step stays usable, just unverified
             log.warning("[%s] could not checksum checkpoint %s: %s", self.host, step, e)
             files = None
