@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +42,20 @@ def start_job(cfg: Config) -> dict[str, Any]:
     from training.api import launch
 
     return dict(launch(cfg, detach=True))
+
+
+def start_agent(
+    run_uri: str, job: str, host: str, log: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """One host agent of ``job``, as a pod runs it: no local pool behind it (its hosts come back by themselves)."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "training.elastic.agent", run_uri, "--job", job, "--host", host],
+            env=env or {**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def wait_for(check: Callable[[], Any], timeout: float, what: str, every: float = 0.1) -> Any:

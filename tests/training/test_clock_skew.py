@@ -17,7 +17,7 @@ from typing import Any
 
 import libfaketime
 import pytest
-from jobs import assert_exact_data, job_config, wait_for, worker_logs
+from jobs import assert_exact_data, job_config, start_agent, wait_for, worker_logs
 
 from training import api
 from training.checkpoint.lock import LockHeld, RunLock
@@ -162,14 +162,7 @@ def test_hosts_whose_clocks_disagree_train_as_one_job_through_a_crash(tmp_path, 
     procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(host: str) -> None:
-        with open(tmp_path / f"agent-{host}.log", "ab") as out:
-            procs[host] = subprocess.Popen(
-                [sys.executable, "-m", "training.elastic.agent", cfg.run_uri, "--job", job, "--host", host],
-                env=skewed_env(skews[host]),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        procs[host] = start_agent(cfg.run_uri, job, host, tmp_path / f"agent-{host}.log", skewed_env(skews[host]))
 
     lock = RunLock(open_store(cfg.run_uri), "probe")
     states: list[str] = []

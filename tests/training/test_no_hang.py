@@ -15,7 +15,17 @@ import time
 from typing import Any
 
 import pytest
-from jobs import hosts, job_config, pid_running, start_job, wait_finished, wait_for, worker_logs
+from jobs import (
+    assert_exact_data,
+    hosts,
+    job_config,
+    pid_running,
+    start_agent,
+    start_job,
+    wait_finished,
+    wait_for,
+    worker_logs,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -89,6 +99,59 @@ def test_no_host_left_the_job_waits_for_capacity_resumes_when_it_returns_and_fai
     finally:
         if pid_running(int(handle["controller_pid"])):
             _kill_everything(handle)
+
+
+def test_every_host_leaving_where_hosts_come_back_by_themselves_waits_for_them_and_resumes(
+    tmp_path: Any, tiny_dataset: str, jax_cache: str
+) -> None:
+    """GKE's case: a zone's Spot capacity taken back at once (every pod gets its notice); the Job makes the
+    pods again, Pending until nodes return.  Agents with no local pool behind them, as pods run them."""
+    from training import api
+    from training.checkpoint.lock import RunLock
+    from training.storage import open_store
+
+    cfg = job_config(
+        str(tmp_path), tiny_dataset, jax_cache, run_name="pods-gone", min_workers=2, max_workers=2, steps=30,
+        capacity_timeout_s=120, trace_data_ids=True, **QUICK,
+    )  # fmt: skip
+    uri, job = cfg.run_uri, api.begin_job(cfg, on_line=lambda _line: None)
+    agents = {h: start_agent(uri, job, h, tmp_path / f"{h}-1.log") for h in ("h0", "h1")}
+    try:
+        wait_for(lambda: (_state_is(uri, job, "running") or {}).get("step", 0) >= 6, 120, "training")
+        for p in agents.values():
+            p.send_signal(signal.SIGTERM)  # every host's notice at once
+        for p in agents.values():
+            p.wait(timeout=60)
+        # The job waits for its hosts: the status says so, and the lease is handed to the job's next agents.
+        wait_for(lambda: _state_is(uri, job, "waiting_for_capacity"), 30, "waiting_for_capacity")
+        rec = RunLock(open_store(uri), "probe").newest()[1] or {}
+        assert rec.get("action") == "handoff" and rec.get("job") == job, rec
+        assert 100 < float(rec["expires_at"]) - time.time() <= cfg.capacity_timeout_s, rec
+        time.sleep(3.0)
+        st = api.status(uri)  # the check that records a gone job: this one is waiting, not gone
+        assert st is not None and st["state"] == "waiting_for_capacity", st
+        notices = api.events(uri, ("preemption_notice",))
+        assert notices and all(n["committed"] for n in notices), notices
+        # The pods are made again: new agents claim the run, and train on from the notice's step.
+        agents = {h: start_agent(uri, job, h, tmp_path / f"{h}-2.log") for h in ("h0", "h1")}
+        st = wait_for(lambda: _state_is(uri, job, "finished"), 240, "the end")
+        for p in agents.values():
+            p.wait(timeout=60)
+    except BaseException:
+        print(worker_logs(uri)[-6000:])
+        print("".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in sorted(tmp_path.glob("h*.log"))))
+        raise
+    finally:
+        for p in agents.values():
+            if p.poll() is None:
+                p.kill()
+    assert st["step"] == 30
+    launches = api.events(uri, ("launch",))
+    assert [e["reason"] for e in launches][-1] == "capacity returned" and launches[-1]["workers"] == 2, launches
+    restores = [e for e in api.events(uri, ("restore",)) if e["time"] > launches[-1]["time"]]
+    assert restores and restores[0]["step"] == notices[0]["step"], (restores, notices)
+    assert not api.events(uri, ("failed",))
+    assert_exact_data(uri, tiny_dataset, cfg)
 
 
 def test_every_agent_gone_is_recorded_lost_by_the_next_reader_within_the_heartbeat_timeout(

@@ -191,6 +191,7 @@ class HostAgent:
         self._next_lead_try = 0.0
         self._signal: int | None = None
         self.leaving: dict[str, Any] | None = None  # a preemption notice: when, why, the deadline
+        self._hand_over_s = 0.0  # leaving last, hosts to come back: how long the lease waits for them
         self.local_dir = local_tier.host_dir(self.cfg.local_checkpoint_dir, run, job, host)
         self.scalars: ScalarLog | None = None
         self._scalars_at = 0.0
@@ -366,14 +367,19 @@ class HostAgent:
         if self.leader is None:
             return True
         # A leaving leader: another agent of the job takes the lease when this one releases it
-        # (and opens the next round); with no other host left, the job ends, resumable, unless a
+        # (and opens the next round).  With no other host left: where the hosts come back by
+        # themselves (no local pool: pods that their Job makes again), the job waits for them, the
+        # lease handed to its next agents; on the local slice the job ends, resumable, unless a
         # scheduler took the hosts (the local slice then holds the run, queued, until they return).
         queued = self.capacity is not None and self.capacity.assigned()
         if self.leader.phase != Phase.DONE and not (self.leader.fresh() - {self.host}) and not queued:
-            self.leader.fail(
-                "every host of the job left after a preemption notice; a relaunch resumes from the newest "
-                "committed checkpoint"
-            )
+            if self.capacity is None:
+                self._hand_over_s = self.leader.wait_for_returning_hosts()
+            else:
+                self.leader.fail(
+                    "every host of the job left after a preemption notice; a relaunch resumes from the newest "
+                    "committed checkpoint"
+                )
         return True
 
     def _shutdown(self) -> None:
@@ -388,7 +394,13 @@ class HostAgent:
         if self.keeper is not None:
             self.keeper.stop()
         with contextlib.suppress(Exception):
-            self.lock.release()  # a no-op unless this agent still holds it
+            if self._hand_over_s and self.keeper is not None and self.keeper.valid():
+                self.lock.handoff(self.job, self._hand_over_s)  # the job's next agents claim it
+                log.warning(
+                    "[%s] no host of the job is left: it waits %.0fs for its hosts", self.host, self._hand_over_s
+                )
+            else:
+                self.lock.release()  # a no-op unless this agent still holds it
         self._stop.set()
         self._wake.set()
         with contextlib.suppress(Exception):

@@ -691,6 +691,17 @@ class Leader:
         self.agent.emit("finished", step=step, failures=self.failures, seconds=time.time() - self.started_at)
         self._end(RunState.FINISHED, "")
 
+    def wait_for_returning_hosts(self) -> float:
+        """The last host leaves and the job's hosts come back by themselves (pods their Job makes again):
+        the job waits for capacity.  Seconds of ``capacity_timeout_s`` left, for the lease handed to
+        the job's next agents (the next reader records the job failed if none claims it by then)."""
+        now = time.time()
+        if self.phase != Phase.WAIT:
+            self._start_waiting(now)
+            self.t_phase = now
+        self._write_status(force=True)
+        return max(self.cfg.capacity_timeout_s - (now - self.t_phase), 1.0)
+
     def fail(self, reason: str) -> None:
         """End the job as failed with ``reason`` (the agent, when leading itself failed)."""
         if self.phase != Phase.DONE:

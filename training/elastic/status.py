@@ -104,6 +104,12 @@ def status(run_uri: str, repair: bool = True) -> dict[str, Any] | None:
                 f"{st.get('state')!r} last written {age:.0f}s ago, its lease lapsed; every host was lost or "
                 "killed). Launch again to resume from the newest committed checkpoint."
             )
+            if st.get("state") == RunState.WAITING_FOR_CAPACITY.value:
+                reason = (
+                    f"job {st.get('job')} waited for capacity since its last host left and none came back "
+                    f"within capacity_timeout_s (status last written {age:.0f}s ago). Launch again to resume "
+                    "from the newest committed checkpoint."
+                )
             EventLog(store, source="status-check").emit("failed", reason=reason, step=st.get("step"), lost=True)
             st = write_status(store, **{**st, "state": RunState.FAILED.value, "reason": reason})
     finally:
