@@ -8,6 +8,7 @@ view of its hosts and the status check must hold whatever the clocks say.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -74,9 +75,31 @@ def test_a_taker_whose_clock_runs_ahead_takes_no_lease_that_is_renewed_and_takes
     _gen, rec = taker.newest()
     t0 = time.monotonic()
     assert rec is not None and taker.wait_lapse(rec) is None
-    assert 0.5 < time.monotonic() - t0 < 1.2 + 0.5
+    assert 0.5 < time.monotonic() - t0 < 3.0  # the lease (1 s) and its margin after the first read, give or take
     taken = taker.acquire()
     assert taken["action"] == "takeover" and taken["previous"]["owner"] == "holder"
+
+
+def test_a_lease_that_ran_out_over_a_minute_ago_by_its_writer_s_clock_is_lapsed_for_any_reader(
+    tmp_path: Path,
+) -> None:
+    store = open_store(str(tmp_path))
+    now = time.time()
+
+    def write(gen: int, written: float, length: float) -> dict[str, Any]:
+        rec = {"gen": gen, "action": "handoff", "owner": "launcher", "job": "j", "token": "t", "pid": 1,
+               "host": "h", "acquired_at": written, "time": written, "expires_at": written + length}  # fmt: skip
+        store.put(f"lock/{gen:012d}.json", json.dumps(rec).encode())
+        return rec
+
+    reader = RunLock(store, "reader")
+    # A 900 s handoff that ran out 30 s ago by its writer's clock: a first look waits what is left of the
+    # minute a clock may be off, not the handoff's whole length again.
+    rec = write(1, now - 930, 900)
+    assert reader.newest()[0] == 1 and 29 < reader.lapses_in(rec) <= 30.5
+    rec = write(2, now - 1000, 900)
+    assert reader.newest()[0] == 2 and reader.lapses_in(rec) == 0.0
+    assert reader.acquire()["action"] == "takeover"
 
 
 LIVE_JOB = """

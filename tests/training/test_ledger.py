@@ -112,17 +112,17 @@ def test_a_held_lock_is_refused_with_a_clear_message(store: Store) -> None:
 
 def test_an_expired_lease_is_taken_over_after_its_margin_and_recorded(store: Store) -> None:
     events = EventLog(store, source="test")
-    a = RunLock(store, "trainer-a", lease_s=0.3, margin_s=0.4, on_event=events.emit)
+    a = RunLock(store, "trainer-a", lease_s=1.0, margin_s=0.5, on_event=events.emit)
     a.acquire()
-    time.sleep(0.4)
-    b = RunLock(store, "trainer-b", lease_s=60, margin_s=0.4, on_event=events.emit)
+    time.sleep(1.2)
+    b = RunLock(store, "trainer-b", lease_s=60, margin_s=0.5, on_event=events.emit)
     with pytest.raises(LockHeld):  # lapsed, but not by the margin yet: a takeover could overlap a slow holder
         b.acquire()
-    time.sleep(0.4)
+    time.sleep(0.6)
     assert a.held_by() is None  # lapsed by more than the margin, by the writer's clock
-    with pytest.raises(LockHeld):  # not yet by b's: b first read it 0.4 s ago, and the lease is 0.3 s + 0.4 s
+    with pytest.raises(LockHeld):  # not yet by b's: b first read it 0.6 s ago, and the lease is 1.0 s + 0.5 s
         b.acquire()
-    time.sleep(0.4)
+    time.sleep(1.1)
     rec = b.acquire()
     assert rec["action"] == "takeover" and rec["previous"]["owner"] == "trainer-a"
     with pytest.raises(LockLost, match="trainer-b"):

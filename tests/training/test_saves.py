@@ -235,7 +235,12 @@ def test_a_step_carries_the_integrity_record_of_what_was_written_before_it_commi
         m.wait_until_finished()
         record = recorded_checksums(run, 4)
         now = {k: v for k, v in file_checksums(run, 4).items() if k not in UNRECORDED}
+        import glob
+        from training.checkpoint.lifecycle import _data_position
+
         out = {"same": record == now, "files": len(record or {}), "clean": verify(run, 4, None)}
+        out["records"] = sorted(os.path.relpath(p, run) for p in glob.glob(f"{run}/**/{INTEGRITY}", recursive=True))
+        out["position"] = _data_position(run, 4)
         big = max(now, key=lambda k: now[k][0])
         path = os.path.join(run, "checkpoints", "4", big)
         raw = bytearray(open(path, "rb").read())
@@ -249,6 +254,7 @@ def test_a_step_carries_the_integrity_record_of_what_was_written_before_it_commi
         tiny_dataset,
     )
     assert res["same"] and len(str(res["files"])) and int(str(res["files"])) > 3 and res["clean"] == "", res
+    assert res["records"] == ["checkpoints/4/integrity.json"] and res["position"] == {"next_batch": 4}, res
     assert (
         res["damaged"] == f"file {res['big']} of checkpoint 4 fails its CRC32C check (changed since it was committed)"
     )

@@ -19,7 +19,7 @@ from typing import Any
 from training.checkpoint import prune as prune_lib
 from training.checkpoint.ledger import Ledger
 from training.checkpoint.lock import RunLock
-from training.checkpoint.steps import committed_steps
+from training.checkpoint.steps import INTEGRITY, committed_steps
 from training.config import Config, config_from_json
 from training.events import EventLog
 from training.layout import CHECKPOINTS, CONFIG, QUARANTINE, STATUS, step_uri
@@ -152,9 +152,11 @@ def validate_pending(run_uri: str) -> list[dict[str, Any]]:
 
 
 def _data_position(run_uri: str, step: int) -> dict[str, Any]:
+    """The data position saved with a step: Orbax's JSON item (``data/metadata``)."""
     store = open_store(join(step_uri(run_uri, step), "data"))
-    for key in store.list():
-        if not key.startswith("_"):
+    keys = store.list()
+    for key in sorted(keys, key=lambda k: k != "metadata"):  # its name first; an older layout's file else
+        if not key.startswith("_") and key != INTEGRITY:
             try:
                 return dict(json.loads(store.get(key)))
             except (ValueError, UnicodeDecodeError):

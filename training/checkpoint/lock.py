@@ -6,7 +6,7 @@ lock means creating generation ``g+1``: ``create`` is exclusive (``link(2)`` on 
 local root, ``ifGenerationMatch=0`` on GCS), so of two writers racing for a free
 lock exactly one creates it.  After each write the writer re-lists and checks
 that the newest generation is its own; that also makes it safe to delete old
-generations (we keep the newest two) without a late writer reusing a freed name.
+generations (we keep the newest ``KEEP_GENERATIONS``) without a late writer reusing a freed name.
 
 Who holds it: the launcher of a job holds it while it checks and writes the
 run's config, then *hands it off* to the job (``handoff``): any host agent of
@@ -185,7 +185,7 @@ class RunLock:
         length = max(float(rec["expires_at"]) - float(rec.get("time", rec["expires_at"])), 0.0)
         first = self._first_read.get(int(rec.get("gen") or 0), time.monotonic())
         by_reader = first + length + self.margin_s - time.monotonic()
-        return max(by_writer, by_reader, 0.0)
+        return max(min(max(by_writer, by_reader), by_writer + MAX_CLOCK_SKEW_S), 0.0)
 
     def wait_lapse(self, rec: dict[str, Any], poll_s: float = 0.2) -> dict[str, Any] | None:
         """Watch ``rec``'s generation until its lease lapses for this process (None), or until the lock

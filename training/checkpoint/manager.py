@@ -46,11 +46,17 @@ def use_ocdbt(cfg: Config) -> bool:
     return cfg.checkpoint_format == "ocdbt"
 
 
+async def _record(path: Any) -> None:
+    """A step's record (Orbax commits each item's directory with the same class first: those are not steps)."""
+    if path.get_final().name.isdigit():
+        await asyncio.to_thread(record_integrity, str(path.get()))
+
+
 class RecordedRename(atomicity.AtomicRenameTemporaryPath):  # type: ignore[misc]
     """Orbax's commit by rename (local roots), with the step's integrity record written into it first."""
 
     async def finalize(self) -> None:
-        await asyncio.to_thread(record_integrity, str(self.get()))
+        await _record(self)
         await super().finalize()
 
 
@@ -58,7 +64,7 @@ class RecordedCommitFile(atomicity.CommitFileTemporaryPath):  # type: ignore[mis
     """Orbax's commit by a success file (gs://), with the step's integrity record written into it first."""
 
     async def finalize(self) -> None:
-        await asyncio.to_thread(record_integrity, str(self.get()))
+        await _record(self)
         await super().finalize()
 
 

@@ -18,6 +18,7 @@ their own for our formats (zarr and OCDBT chunks carry no checksums).
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from typing import Any
 
@@ -27,6 +28,8 @@ from training.storage import NotFound, open_store
 INTEGRITY = "integrity.json"  # in each step: the size and CRC32C of its files, written before it commits
 # What Orbax writes or rewrites as it commits, after the record: not in it.
 UNRECORDED = frozenset({INTEGRITY, "_CHECKPOINT_METADATA", "commit_success.txt"})
+
+log = logging.getLogger(__name__)
 
 _fresh = False
 
@@ -73,18 +76,32 @@ def file_checksums(run: str, step: int) -> dict[str, list[int]]:
 
 
 def record_integrity(step_dir: str) -> None:
-    """Write the integrity record of the step being committed at ``step_dir`` into it (Orbax's commit calls this)."""
-    store = open_store(step_dir)
-    files = {name: v for name, v in store.checksums().items() if name not in UNRECORDED}
-    store.put(INTEGRITY, json.dumps(files, sort_keys=True).encode())
+    """Write the integrity record of the step being committed at ``step_dir`` into it (Orbax's commit calls this).
+
+    One that cannot be written does not stop the commit: the step's agent sums the committed files instead.
+    """
+    try:
+        store = open_store(step_dir)
+        files = {name: v for name, v in store.checksums().items() if name not in UNRECORDED}
+        store.put(INTEGRITY, json.dumps(files, sort_keys=True).encode())
+    except Exception as e:  # noqa: BLE001 - the commit matters more than where its record comes from
+        log.warning("could not record the integrity of %s: %s", step_dir, e)
+
+
+class UnreadableRecord(ValueError):
+    """A step's integrity record is there but cannot be read: the step cannot be trusted."""
 
 
 def recorded_checksums(run: str, step: int) -> dict[str, list[int]] | None:
     """The integrity record written into a step as it committed; None for a step without one."""
     try:
-        return dict(json.loads(open_store(step_uri(run, step)).get(INTEGRITY)))
-    except (NotFound, ValueError):
+        raw = open_store(step_uri(run, step)).get(INTEGRITY)
+    except NotFound:
         return None
+    try:
+        return dict(json.loads(raw))
+    except (ValueError, TypeError, UnicodeDecodeError):
+        raise UnreadableRecord(f"the integrity record of checkpoint {step} is unreadable") from None
 
 
 def verify(run: str, step: int, expected: dict[str, Any] | None) -> str:
@@ -94,7 +111,11 @@ def verify(run: str, step: int, expected: dict[str, Any] | None) -> str:
     record), the record written into the step.  A step with neither (committed by an older
     version) is not checked.
     """
-    expected = expected or recorded_checksums(run, step)
+    if not expected:
+        try:
+            expected = recorded_checksums(run, step)
+        except UnreadableRecord as e:
+            return str(e)
     if not expected:
         return ""
     found = file_checksums(run, step)

@@ -674,7 +674,11 @@ class HostAgent:
         They are the record written into the step as it committed; a step without one is summed now.
         """
         try:
-            files = recorded_checksums(self.run_uri, step) or file_checksums(self.run_uri, step)
+            try:
+                files = recorded_checksums(self.run_uri, step)
+            except ValueError:  # unreadable: what is there now is all there is
+                files = None
+            files = files or file_checksums(self.run_uri, step)
         except Exception as e:  # noqa: BLE001 - the step stays usable, just unverified
             log.warning("[%s] could not checksum checkpoint %s: %s", self.host, step, e)
             files = None

@@ -42,6 +42,24 @@ def stale_after_s(store: Store) -> float:
         return STALE_STATUS_S
 
 
+def _heartbeat_s(store: Store) -> float:
+    """How often the run's hosts beat (1 s when the config cannot be read)."""
+    try:
+        return float(json.loads(store.get(CONFIG)).get("heartbeat_s") or 1.0)
+    except (NotFound, ValueError, TypeError, AttributeError):
+        return 1.0
+
+
+def _pulse(store: Store, job: Any) -> tuple[Any, ...]:
+    """What a live job keeps changing: its status's time and each of its hosts' heartbeat (agent, sequence)."""
+    st = read_status(store) or {}
+    try:
+        beats = sorted((r.host, r.started, r.seq) for r in Rendezvous(store).hosts(str(job)).values())
+    except (NotFound, OSError):
+        beats = []
+    return (st.get("updated_at"), st.get("state"), *beats)
+
+
 def _beating(store: Store, job: Any, within_s: float, now: float, run_uri: str = "") -> list[str]:
     """Hosts of ``job`` whose heartbeat is newer than ``within_s`` (a leader may be taking over), or whose
     agent runs on this machine (alive, but cut off from the run root for a while)."""
@@ -84,13 +102,18 @@ def status(run_uri: str, repair: bool = True) -> dict[str, Any] | None:
     age = now - float(st.get("updated_at", 0))
     if age < within or _beating(store, st.get("job"), within, now, run_uri):
         return st  # a holder wrote it lately, or a host of the job beats (a new leader is taking over)
+    # The times above are the job's clocks read on this one: a reader whose clock runs ahead of the job's
+    # sees a live job's status and beats as old.  So it watches, on its own clock, before it judges: the
+    # lease must lapse (watched for its length, see RunLock.lapses_in), and nothing of the job may move.
+    t0 = time.monotonic()
+    pulse = _pulse(store, st.get("job"))
     lock = RunLock(store, owner="status check", lease_s=10.0)
     _gen, holder = lock.newest()
-    if holder is not None:
-        # The lease must lapse by this reader's clock too (watched for its length, see RunLock.lapses_in):
-        # a reader whose clock runs ahead of the job's sees a live job's status and beats as old.
-        if lock.lapses_in(holder) > REPAIR_WAIT_S or lock.wait_lapse(holder) is not None:
-            return st  # held for a while yet, or renewed, released or taken meanwhile: not this look's to judge
+    if holder is not None and (lock.lapses_in(holder) > REPAIR_WAIT_S or lock.wait_lapse(holder) is not None):
+        return st  # held for a while yet, or renewed, released or taken meanwhile: not this look's to judge
+    time.sleep(max(2 * _heartbeat_s(store) - (time.monotonic() - t0), 0.0))
+    if _pulse(store, st.get("job")) != pulse:
+        return st  # a host beat, or the status was written, while this look watched: the job is alive
     try:
         lock.acquire()
     except (LockHeld, OSError):  # taken meanwhile; or the run root refuses writes (a full disk)

@@ -133,7 +133,8 @@ def share_cpu_compilation_cache() -> None:
 
 # This process's end of the round's peer watch (:mod:`training.elastic.peerwatch`), once it has one.
 WATCH: Any = None
-# How long process 0, ending in order, waits for the others to go first (the last of a final save).
+# How long process 0, at the end of its program (finished, or stopped at a checkpoint), waits for the
+# others to go first: they may still be finishing the last save, and its coordination service goes with it.
 OUTLAST_S = 60.0
 
 
@@ -155,8 +156,6 @@ def leave(rep: Reporter, code: WorkerExit, error: str = "", **fields: Any) -> No
             pass
     sys.stdout.flush()
     sys.stderr.flush()
-    if WATCH is not None and code != WorkerExit.ERROR:
-        WATCH.outlast(OUTLAST_S)
     os._exit(int(code))
 
 
