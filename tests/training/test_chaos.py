@@ -154,6 +154,8 @@ def _check_one_owner_at_a_time(run_uri: str, margin_s: float) -> None:
             assert e["time"] >= float(e["previous_expires_at"]) + margin_s - 0.05, f"a live lease was taken over: {e}"
         # A status check takes the run only from a job with no agent left: never one of these schedules.
         assert not str(e["owner"]).startswith("status check"), f"a status check took a live job's run: {e}"
+    gone = [e for e in api.events(run_uri, ("failed",)) if e.get("lost")]
+    assert not gone, f"a status check recorded a live job gone: {gone}"
     rounds = [e["round"] for e in api.events(run_uri, ("launch",))]
     assert rounds == sorted(set(rounds)), f"rounds out of order or twice: {rounds}"
 

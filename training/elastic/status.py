@@ -107,7 +107,8 @@ def status(run_uri: str, repair: bool = True) -> dict[str, Any] | None:
     # lease must lapse (watched for its length, see RunLock.lapses_in), and nothing of the job may move.
     t0 = time.monotonic()
     pulse = _pulse(store, st.get("job"))
-    lock = RunLock(store, owner="status check", lease_s=10.0)
+    events = EventLog(store, source="status-check")
+    lock = RunLock(store, owner="status check", lease_s=10.0, on_event=events.emit)
     _gen, holder = lock.newest()
     if holder is not None and (lock.lapses_in(holder) > REPAIR_WAIT_S or lock.wait_lapse(holder) is not None):
         return st  # held for a while yet, or renewed, released or taken meanwhile: not this look's to judge
@@ -133,7 +134,7 @@ def status(run_uri: str, repair: bool = True) -> dict[str, Any] | None:
                     f"within capacity_timeout_s (status last written {age:.0f}s ago). Launch again to resume "
                     "from the newest committed checkpoint."
                 )
-            EventLog(store, source="status-check").emit("failed", reason=reason, step=st.get("step"), lost=True)
+            events.emit("failed", reason=reason, step=st.get("step"), lost=True)
             st = write_status(store, **{**st, "state": RunState.FAILED.value, "reason": reason})
     finally:
         lock.release()
