@@ -2,7 +2,8 @@
 
 Every schedule runs a real job (3 simulated hosts, min 1) with faults drawn from
 a seed: worker crashes, lost hosts (preempt), kills during a save, killed agents,
-frozen hosts (SIGSTOP), capacity coming back, a corrupted newest checkpoint, and
+frozen hosts (SIGSTOP), capacity coming back, a corrupted newest checkpoint, a run
+root that one host cannot reach for longer than the lease while another's is slow, and
 on some seeds a run root on a small disk that fills up, every host gone at once (then
 back), the leader's agent alone frozen past its lease (then thawed), or the job's clocks
 running 20 s behind the harness's, which reads the status as Airflow's sensor does
@@ -56,6 +57,11 @@ def schedule(seed: int) -> dict[str, Any]:
         if kind == "kill_during_save":
             step = max(EVERY, step - step % EVERY)
         chaos.append(f"{kind}:worker={worker},step={step}")
+    if seed % 5 == 0:  # the run root fails one host for longer than the lease, and is slow for another
+        chaos.append(f"storage_outage:worker={rng.randrange(2)},step={rng.randrange(3, STEPS - 8)},for_s=4")
+        chaos.append(
+            f"storage_latency:worker={rng.randrange(2)},step={rng.randrange(3, STEPS - 8)},for_s=5,latency_s=0.3"
+        )
     if any(c.startswith(("preempt", "freeze")) for c in chaos):
         chaos.append(f"capacity:to={HOSTS},step={steps[-1] + 2}")  # hosts come back
     return {
