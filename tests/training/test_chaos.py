@@ -12,7 +12,7 @@ running 20 s behind the harness's, which reads the status as Airflow's sensor do
 * an end: the final step reached, or a final state with its reason;
 * exact data: every step consumed exactly its global batch (when it finished);
 * no orphans: nothing of the job runs once it has ended;
-* one owner at a time: no takeover of a live lease, none by a status check; rounds strictly ordered;
+* one owner at a time: no takeover of a live lease; rounds strictly ordered;
 * a true status: ``status.json`` says how it ended, as the events do.
 
 ``make chaos`` runs ``RTRAIN_CHAOS_SEEDS`` seeds (default 3 in ``make test-all``);
@@ -158,10 +158,6 @@ def _check_one_owner_at_a_time(run_uri: str, margin_s: float) -> None:
     for e in takeovers:
         if not e.get("handoff"):
             assert e["time"] >= float(e["previous_expires_at"]) + margin_s - 0.05, f"a live lease was taken over: {e}"
-        # A status check takes the run only from a job with no agent left: never one of these schedules.
-        assert not str(e["owner"]).startswith("status check"), f"a status check took a live job's run: {e}"
-    gone = [e for e in api.events(run_uri, ("failed",)) if e.get("lost")]
-    assert not gone, f"a status check recorded a live job gone: {gone}"
     rounds = [e["round"] for e in api.events(run_uri, ("launch",))]
     assert rounds == sorted(set(rounds)), f"rounds out of order or twice: {rounds}"
 
