@@ -43,6 +43,7 @@ SEEDS = int(os.environ.get("RTRAIN_CHAOS_SEEDS", "3"))
 STEPS = 24
 EVERY = 4
 HOSTS = 3
+SKEW_S = 20  # how far the job's clocks run behind the harness's on the skewed seeds
 
 
 def schedule(seed: int) -> dict[str, Any]:
@@ -70,7 +71,7 @@ def schedule(seed: int) -> dict[str, Any]:
         "full_disk": seed % 5 == 2,  # every fifth seed (2, 7, ...): the run root's disk fills up
         "all_lost": seed % 5 == 4,  # every host gone at once (capacity 0), then back
         "frozen_leader": seed % 5 == 1,  # the leader's agent alone SIGSTOPped beyond its lease, then SIGCONT
-        "skewed_clock": seed % 5 == 3,  # the job's processes' clocks run 20 s behind the harness's
+        "skewed_clock": seed % 5 == 3,  # the job's processes' clocks run SKEW_S behind the harness's
     }
 
 
@@ -87,7 +88,7 @@ def _corrupt_newest_then_crash(run_uri: str, stop: threading.Event, out: dict[st
                 raw = bytearray(victim.read_bytes())
                 raw[len(raw) // 2] ^= 0x01
                 victim.write_bytes(bytes(raw))
-                out["corrupted"] = newest
+                out["corrupted"], out["corrupted_at"] = newest, time.time()
                 rank0 = next((h for h, r in hosts(run_uri).items() if r.rank == 0 and r.state == "training"), None)
                 if rank0:
                     worker = [p for p in _children(hosts(run_uri)[rank0].pid)]
@@ -192,7 +193,7 @@ def test_a_random_fault_schedule_ends_cleanly_with_exact_data(
         import libfaketime
 
         _, preload = libfaketime.get_reload_information()
-        for key, value in {**preload, "FAKETIME": "-20s"}.items():
+        for key, value in {**preload, "FAKETIME": f"-{SKEW_S}s"}.items():
             monkeypatch.setenv(key, value)
     root, mnt = tmp_path, None
     if plan["full_disk"]:
@@ -265,7 +266,9 @@ def test_a_random_fault_schedule_ends_cleanly_with_exact_data(
             assert waits or seen.get("all_lost_state") in ("failed", "finished"), "no host left: the run said it waits"
         if seen.get("corrupted"):
             corrupt = api.events(cfg.run_uri, ("checkpoint_corrupt",))
-            restored = [e["step"] for e in api.events(cfg.run_uri, ("restore",))]
+            # Restores after the damage (the job's event times are on its clock: SKEW_S behind when skewed).
+            damaged_at = seen["corrupted_at"] - (SKEW_S if plan["skewed_clock"] else 0)
+            restored = [e["step"] for e in api.events(cfg.run_uri, ("restore",)) if e["time"] >= damaged_at]
             assert any(e["step"] == seen["corrupted"] for e in corrupt) or seen["corrupted"] not in restored, (
                 "a damaged checkpoint was restored"
             )
