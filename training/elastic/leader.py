@@ -792,8 +792,10 @@ class Leader:
             if due:
                 self.fired.add(spec)
                 to = int(f.get("to") or 0)
-                self.agent.capacity.set(to, reason=f"chaos {spec}")
+                # On record first: the pool may take this very host at once, and the next leader must not
+                # fire the same fault again.
                 self.agent.emit("chaos", action="capacity", spec=spec, to=to, step=step)
+                self.agent.capacity.set(to, reason=f"chaos {spec}")
                 self.agent.emit("capacity", available=to, reason="chaos")
 
     def _state(self) -> RunState:
