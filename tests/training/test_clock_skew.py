@@ -22,7 +22,7 @@ from jobs import assert_exact_data, job_config, start_agent, wait_for, worker_lo
 
 from training import api
 from training.checkpoint.lock import LockHeld, RunLock
-from training.elastic.clocks import CLEAR_SKEW_S, HostClocks
+from training.elastic.clocks import CLEAR_SKEW_S, MIN_BEATS, HostClocks
 from training.storage import open_store
 
 
@@ -142,20 +142,21 @@ def test_a_retry_whose_clock_runs_ahead_follows_the_live_job_instead_of_taking_i
 def test_the_leader_reads_a_skewed_host_s_beats_on_its_own_clock() -> None:
     clocks = HostClocks()
     now = 1_000_000.0
-    # A host 30 s behind: each beat read between 0.05 and 0.4 s after it was written.
-    for i, delay in enumerate([0.4, 0.2, 0.05, 0.3]):
-        written = now + i - 30.0
-        clocks.observe("h1", 1.0, written, now + i + delay)
+    # A host 30 s behind: each beat read between 0.05 and 0.4 s after it was written; trusted after MIN_BEATS.
+    for i, delay in enumerate([0.4, 0.2, 0.05, 0.3, 0.2, 0.1, 0.4, 0.3][:MIN_BEATS]):
+        assert clocks.skew("h1", 1.0) == 0.0
+        clocks.observe("h1", 1.0, now + i - 30.0, now + i + delay)
     assert clocks.skew("h1", 1.0) == pytest.approx(30.05)
     assert clocks.local_time("h1", 1.0, now - 30.0 + 10) == pytest.approx(now + 10.05)
     # A new agent on that host (a new machine, maybe) starts from nothing.
     assert clocks.skew("h1", 2.0) == 0.0
     # Within the clear skew, times are taken as written (the estimate holds a read's delay too).
-    for i in range(3):
+    for i in range(MIN_BEATS):
         clocks.observe("h2", 1.0, now + i, now + i + CLEAR_SKEW_S * 0.8)
     assert clocks.skew("h2", 1.0) == 0.0
     # A host ahead: its times are moved back.
-    clocks.observe("h3", 1.0, now + 12.0, now + 0.1)
+    for i in range(MIN_BEATS):
+        clocks.observe("h3", 1.0, now + i + 12.0, now + i + 0.1)
     assert clocks.local_time("h3", 1.0, now + 20.0) == pytest.approx(now + 8.1)
 
 

@@ -7,8 +7,9 @@ runs ahead would look alive after it died.  Each beat the leader reads for the
 first time was written before it was read: ``read_at - written_at`` is the
 delay plus the skew, and its least value over many beats is the skew plus the
 shortest delay (small next to a heartbeat).  That estimate corrects the host's
-times once it is clearly more than :data:`CLEAR_SKEW_S`; within it, clocks count
-as agreeing and times are taken as written.
+times once :data:`MIN_BEATS` beats were read and it is clearly more than
+:data:`CLEAR_SKEW_S`; until then, or within it, clocks count as agreeing and
+times are taken as written.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import math
 log = logging.getLogger(__name__)
 
 CLEAR_SKEW_S = 0.5  # an estimated skew within this is no skew (the estimate holds a read's delay too)
+# Beats read before a skew is trusted: a leader that just took over on a loaded machine reads its first few
+# beats late, and would take that delay for a skew.
+MIN_BEATS = 8
 SAY_SKEW_S = 1.0  # a skew beyond this is logged, once per agent
 
 
@@ -27,6 +31,7 @@ class HostClocks:
 
     def __init__(self) -> None:
         self._least: dict[str, tuple[float, float]] = {}  # host -> (its agent's start, least read_at - written_at)
+        self._beats: dict[str, int] = {}  # host -> beats of its agent read so far
         self._said: set[tuple[str, float]] = set()
 
     def observe(self, host: str, started: float, written_at: float, read_at: float) -> None:
@@ -37,8 +42,9 @@ class HostClocks:
         lag = read_at - written_at
         agent, least = self._least.get(host, (started, math.inf))
         if agent != started:  # a new agent: maybe a new machine, with a clock of its own
-            least = math.inf
+            least, self._beats[host] = math.inf, 0
         self._least[host] = (started, min(least, lag))
+        self._beats[host] = self._beats.get(host, 0) + 1
         skew = self.skew(host, started)
         if abs(skew) > SAY_SKEW_S and (host, started) not in self._said:
             self._said.add((host, started))
@@ -48,9 +54,9 @@ class HostClocks:
             )
 
     def skew(self, host: str, started: float) -> float:
-        """Seconds to add to the host's times to read them on this clock (0 when clearly none, or unknown)."""
+        """Seconds to add to the host's times to read them on this clock (0 when clearly none, or not known yet)."""
         agent, least = self._least.get(host, (None, math.inf))
-        if agent != started or not math.isfinite(least) or abs(least) <= CLEAR_SKEW_S:
+        if agent != started or self._beats.get(host, 0) < MIN_BEATS or abs(least) <= CLEAR_SKEW_S:
             return 0.0
         return least
 
