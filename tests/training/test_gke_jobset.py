@@ -230,6 +230,8 @@ def test_render_refuses_slices_outside_min_max(k: int) -> None:
         ({"coordinator_port": 8471}, "coordinator_port"),
         ({"coordinator_port": 8470}, "coordinator_port"),  # its peer watch would take 8471
         ({"coordinator_port": 65535}, "coordinator_port"),  # no port left for the peer watch
+        ({"coordinator_port": 8469}, "coordinator_port"),  # its host watch would take 8471
+        ({"coordinator_port": 65534}, "coordinator_port"),  # no port left for the host watch
         ({"megascale_port": 70000}, "megascale_port"),
         ({"env": {"RTRAIN_PROCESS_ID": "3"}}, "env"),
         ({"node_pools": ("Pool_1",)}, "node_pools"),
@@ -502,6 +504,8 @@ def test_every_pod_runs_one_host_agent_with_its_identity_and_addresses(
         assert int(args["coordinator_port"]) in {p["containerPort"] for p in container["ports"]}
         # Rank 0's peer watch listens next to the coordinator (the agent passes coordinator port + 1).
         assert int(args["coordinator_port"]) + 1 in {p["containerPort"] for p in container["ports"]}
+        # Its agent's host watch listener (the leader's connection to it) is on coordinator port + 2.
+        assert int(args["coordinator_port"]) + 2 in {p["containerPort"] for p in container["ports"]}
         assert args["bind_host"] == pod["status"]["podIP"]
         assert not any(key.startswith("MEGASCALE_") and key != "MEGASCALE_PORT" for key in env)
     assert len(seen) == k * tpu.hosts

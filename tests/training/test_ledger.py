@@ -134,6 +134,23 @@ def test_an_expired_lease_is_taken_over_after_its_margin_and_recorded(store: Sto
     ]
 
 
+def test_a_holder_known_to_have_exited_is_taken_over_at_once_and_only_its_own_generation(store: Store) -> None:
+    contact = {"host": "h0", "started": 1.0, "watch": "127.0.0.1:1"}
+    a = RunLock(store, "agent h0", lease_s=60, job="j", contact=contact)
+    first = a.acquire()
+    assert first["contact"] == contact  # every record says how to reach its holder
+    a.refresh()
+    b = RunLock(store, "agent h1", lease_s=60, job="j")
+    with pytest.raises(LockHeld):  # the generation b was told exited is not the newest: the holder renewed since
+        b.acquire(holder_exited=int(first["gen"]))
+    held = b.held_by()
+    assert held is not None and held["contact"] == contact
+    rec = b.acquire(holder_exited=int(held["gen"]))  # its 60 s lease is not waited out
+    assert rec["action"] == "takeover" and rec["previous"]["owner"] == "agent h0"
+    with pytest.raises(LockLost):
+        a.refresh()
+
+
 def test_a_handoff_is_claimed_at_once_by_the_job_and_keeps_everyone_else_out(tmp_path: Path) -> None:
     store = open_store(str(tmp_path))
     launcher = RunLock(store, "launcher", lease_s=60)

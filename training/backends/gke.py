@@ -397,13 +397,13 @@ class GKELaunch:
             raise GKEConfigError(f"service_account: {self.service_account!r} is not a Kubernetes service account name")
         for key in ("coordinator_port", "megascale_port"):
             port = getattr(self, key)
-            if not 1 <= port <= 65535 - (key == "coordinator_port"):
+            if not 1 <= port <= 65535 - 2 * (key == "coordinator_port"):
                 raise GKEConfigError(f"{key}: {port} is not a TCP port")
         taken = {self.megascale_port, TPU_RUNTIME_PORT}
-        if taken & {self.coordinator_port, self.coordinator_port + 1}:
+        if taken & {self.coordinator_port, self.coordinator_port + 1, self.coordinator_port + 2}:
             raise GKEConfigError(
-                f"coordinator_port: {self.coordinator_port} (and the peer watch's {self.coordinator_port + 1}) "
-                "collides with a TPU runtime port"
+                f"coordinator_port: {self.coordinator_port} (and the peer watch's {self.coordinator_port + 1}, "
+                f"the host watch's {self.coordinator_port + 2}) collides with a TPU runtime port"
             )
         if self.termination_grace_period_s is not None and self.termination_grace_period_s < 1:
             raise GKEConfigError(f"termination_grace_period_s: at least 1, got {self.termination_grace_period_s}")
@@ -643,6 +643,7 @@ def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, job: str, num_slices: 
         "ports": [
             {"name": "coordinator", "containerPort": launch.coordinator_port, "protocol": "TCP"},
             {"name": "peer-watch", "containerPort": launch.coordinator_port + 1, "protocol": "TCP"},
+            {"name": "host-watch", "containerPort": launch.coordinator_port + 2, "protocol": "TCP"},
             {"name": "tpu-runtime", "containerPort": TPU_RUNTIME_PORT, "protocol": "TCP"},
             {"name": "megascale", "containerPort": launch.megascale_port, "protocol": "TCP"},
         ],

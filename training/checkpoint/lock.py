@@ -28,7 +28,11 @@ Guarantees (multi-process and multi-host safe, with clocks that disagree by up t
 * the holder treats its lease as lost ``lease_s`` after it *began* its last
   successful refresh (monotonic clock), which is before ``expires_at``; so a
   holder that can no longer refresh stops writing before anyone else may start
-  (fencing; :meth:`LeaseKeeper.check` is called before each write of a leader).
+  (fencing; :meth:`LeaseKeeper.check` is called before each write of a leader);
+* the one exception: a taker that knows the holder's process has exited (its
+  kernel closed a connection to it: nothing of it can write again) may take
+  that generation over at once (``acquire(holder_exited=gen)``).  Each record
+  carries its holder's ``contact`` (how to reach it) for that.
 
 Emulator caveat: gcp-storage-emulator ignores ``ifGenerationMatch``, so on it
 ``create`` is an exists-check followed by an upload, and two writers racing
@@ -81,6 +85,7 @@ class RunLock:
     :param job: the job we belong to; a handoff to this job may be claimed at once.
     :param lease_s: how long a refresh keeps the lease.
     :param margin_s: how long after its expiry a lease still keeps others out.
+    :param contact: written into every record: how others reach the holder (an agent: its host-watch address).
     """
 
     def __init__(
@@ -92,6 +97,7 @@ class RunLock:
         job: str | None = None,
         margin_s: float = DEFAULT_MARGIN_S,
         on_event: Callable[..., Any] | None = None,
+        contact: dict[str, Any] | None = None,
     ) -> None:
         if lease_s <= 0:
             raise ValueError("lease_s must be positive")
@@ -101,6 +107,7 @@ class RunLock:
         self.lease_s = float(lease_s)
         self.margin_s = float(margin_s)
         self.on_event = on_event
+        self.contact = contact
         self.token = uuid.uuid4().hex
         self.gen: int | None = None  # the generation we last wrote while holding the lock
         self._seen_gen = 0  # the newest generation seen: the next look starts from it
@@ -229,6 +236,8 @@ class RunLock:
             "expires_at": now if action == "release" else now + (lease_s or self.lease_s),
             **whoami(),
         }
+        if self.contact is not None:
+            rec["contact"] = self.contact
         if previous is not None:
             rec["previous"] = {k: previous.get(k) for k in ("owner", "job", "host", "pid", "acquired_at", "expires_at")}
         self.store.create(f"{LOCK}{gen:012d}.json", json.dumps(rec, sort_keys=True).encode())
@@ -269,22 +278,28 @@ class RunLock:
         if self.on_event is not None:
             self.on_event("lock", owner=self.owner, action=action, job=self.job, **whoami(), **fields)
 
-    def _claimable(self, rec: dict[str, Any] | None, now: float) -> bool:
+    def _claimable(self, rec: dict[str, Any] | None, now: float, holder_exited: int | None = None) -> bool:
         if rec is None or rec["action"] == "release":
             return True
         if rec["action"] == "handoff" and self.job is not None and rec.get("job") == self.job:
             return True
+        if holder_exited is not None and rec.get("gen") == holder_exited:
+            return True
         return self.lapses_in(rec, now) <= 0
 
-    def acquire(self) -> dict[str, Any]:
-        """Take the lock (a free one, a lapsed lease, or a handoff to our job); else raise LockHeld."""
+    def acquire(self, holder_exited: int | None = None) -> dict[str, Any]:
+        """Take the lock (a free one, a lapsed lease, or a handoff to our job); else raise LockHeld.
+
+        ``holder_exited``: a generation whose holder's process is known to have exited; while it is
+        the newest, it is taken over at once (see the module docstring).
+        """
         self._seen_gen = 0  # a taker lists: it must not write on a view read by name
         for _ in range(5):
             gen, rec = self.newest()
             now = time.time()
             if rec is not None and rec.get("token") == self.token and self.active(rec, now):
                 return self.refresh()
-            if not self._claimable(rec, now):
+            if not self._claimable(rec, now, holder_exited):
                 assert rec is not None
                 raise LockHeld(self.message(rec, now), rec)
             takeover = rec is not None and rec["action"] != "release"
@@ -303,6 +318,7 @@ class RunLock:
                     previous_job=rec.get("job"),
                     previous_expires_at=rec["expires_at"],
                     handoff=rec["action"] == "handoff",
+                    holder_exited=rec.get("gen") == holder_exited,
                 )
             else:
                 self._emit("acquire")

@@ -56,6 +56,7 @@ from training.checkpoint.steps import file_checksums, recorded_checksums
 from training.config import Config, config_from_json
 from training.elastic.capacity import LocalCapacity
 from training.elastic.codes import AgentExit, WorkerExit
+from training.elastic.hostwatch import HostWatch, Listener
 from training.elastic.leader import Leader, Phase
 from training.elastic.rendezvous import HostRecord, Outcome, Rendezvous, Report, Round
 from training.events import EventLog
@@ -76,6 +77,7 @@ EVENT_REPORTS = frozenset(
         "restore",
         "init",
         "compiled",
+        "compiled_ahead",
         "resumed",
         "resumed_with",
         "data_refreshed",
@@ -149,16 +151,28 @@ class HostAgent:
         self.events = EventLog(self.store, source=f"agent-{host}")
         self.rdv = Rendezvous(self.store)
         self.ledger = Ledger(self.store)
+        self.coordinator_host = coordinator_host
+        self.coordinator_port = coordinator_port  # 0: a free port for each round (the local slice)
+        self.bind_host = bind_host if bind_host is not None else coordinator_host
+        started = time.time()
+        # The leader's connection to this listener ends when this process does: it knows this agent gone at once.
+        # And this agent's connections: to the leader while it follows, to every host while it leads.
+        self.watch_listener = Listener(
+            self.bind_host, coordinator_host, coordinator_port + 2 if coordinator_port else 0
+        )
+        self.host_watch = HostWatch()
         self.lock = RunLock(
-            self.store, owner=f"agent {host} of job {job}", lease_s=self.cfg.lease_s, job=job, on_event=self.emit
+            self.store,
+            owner=f"agent {host} of job {job}",
+            lease_s=self.cfg.lease_s,
+            job=job,
+            on_event=self.emit,
+            contact={"host": host, "started": started, "watch": self.watch_listener.address},
         )
         # The local slice's pool (a preempted host leaves it); on GKE the node pools are the capacity.
         self.capacity: LocalCapacity | None = (
             LocalCapacity(self.store, default=self.cfg.max_workers) if local_capacity else None
         )
-        self.coordinator_host = coordinator_host
-        self.coordinator_port = coordinator_port  # 0: a free port for each round (the local slice)
-        self.bind_host = bind_host if bind_host is not None else coordinator_host
         base = log_dir or (join(run, LOGS) if not is_gcs(run) else os.path.join("var", "logs", self.cfg.run_name))
         self.log_dir = Path(base) / job / host
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -173,7 +187,8 @@ class HostAgent:
             pid=os.getpid(),
             node=socket.gethostname(),
             coordinator=self._coordinator_address(),
-            started=time.time(),
+            started=started,
+            watch=self.watch_listener.address,
         )
         self._rec_lock = threading.Lock()
         self._beat_lock = threading.Lock()  # one record write at a time
@@ -410,6 +425,8 @@ class HostAgent:
                 self.record.seq += 1
                 rec = copy.copy(self.record)
             self.rdv.beat(rec)
+        self.host_watch.close()
+        self.watch_listener.close()
 
     # --- following the rounds -----------------------------------------------------------------
 
@@ -822,6 +839,7 @@ class HostAgent:
             step=resumed.get("step"),
             resume_step=resume_step,
             tier=restore.get("tier"),
+            compile_cached=compiled.get("cache_hit"),
             steps_lost=steps_lost,
             lost_s=lost_s,
             seconds=round(sum(lost_s.values()), 3),
@@ -852,10 +870,13 @@ class HostAgent:
             log.warning("[%s] the run now belongs to job %s; this job's agents stop", self.host, holder.get("job"))
             self.exit_code = AgentExit.SUPERSEDED
             return
+        exited: int | None = None
         if holder is not None and holder.get("action") != "handoff":
-            return  # a live leader of this job
+            exited = self._holder_exited(holder)
+            if exited is None:
+                return  # a live leader of this job
         try:
-            self.lock.acquire()
+            self.lock.acquire(holder_exited=exited)
         except LockHeld:
             return
         except OSError as e:
@@ -869,6 +890,15 @@ class HostAgent:
         self._lead_failing_since = None
         self.leader = Leader(self)
         log.warning("[%s] leads job %s (lease generation %s)", self.host, self.job, self.lock.gen)
+
+    def _holder_exited(self, holder: dict[str, Any]) -> int | None:
+        """The lease's generation when its holder's agent has exited (its host-watch connection was closed)."""
+        contact = holder.get("contact") or {}
+        if not contact.get("watch") or contact.get("started") == self.record.started:
+            return None
+        host, started = str(contact["host"]), float(contact["started"])
+        self.host_watch.watch(host, started, str(contact["watch"]))
+        return int(holder["gen"]) if self.host_watch.exited(host, started) else None
 
     def _store_error(self, e: Exception) -> None:
         """The run root refused a write.  One it will keep refusing ends the job: room is made for its last words."""

@@ -49,6 +49,7 @@ from training.checkpoint.retention import USABLE_STATES
 from training.config import Config
 from training.elastic.capacity import LocalCapacity
 from training.elastic.clocks import HostClocks
+from training.elastic.hostwatch import HostWatch
 from training.elastic.membership import choose_members
 from training.elastic.rendezvous import HostRecord, Outcome, Rendezvous, Report, Round
 from training.events import EventLog, RunState, read_status, write_status
@@ -84,6 +85,7 @@ class LeaderHost(Protocol):
     lock: RunLock
     keeper: LeaseKeeper | None
     capacity: LocalCapacity | None
+    host_watch: HostWatch  # the agent's connections to other agents (they survive a change of leader)
     cadence: Cadence  # how often the control plane looks and writes
     store_failure: str  # why the run root refuses writes for good, once seen ("" until then)
 
@@ -106,6 +108,7 @@ class Leader:
         self.lost: dict[str, tuple[float, int]] = {}  # host -> (agent start, heartbeat seq) when declared lost
         self._seen: dict[str, tuple[int, float]] = {}  # host -> (seq, local time it last changed)
         self.clocks = HostClocks()  # each host's clock against this one, from its beats
+        self.watch = agent.host_watch  # a connection to each host's agent: its end says the agent is gone
         self._hosts_at = 0.0
         self.round: Round | None = self.rdv.newest_round(self.job)
         self.failures = self.round.failures if self.round else 0
@@ -213,6 +216,13 @@ class Leader:
             elif rec.seq != seen[0]:
                 self._seen[h] = (rec.seq, mono)
                 self.clocks.observe(h, rec.started, rec.time, read_at)  # a beat written since the last read
+            if h != self.agent.host and rec.state not in ("leaving", "gone"):
+                self.watch.watch(h, rec.started, rec.watch)
+
+    def _known_gone(self, host: str) -> bool:
+        """Its agent's host-watch connection ended: the process is gone, whatever its last beat says."""
+        rec = self.hosts.get(host)
+        return rec is not None and self.watch.gone(host, rec.started)
 
     def _age(self, host: str) -> float:
         if host == self.agent.host:
@@ -225,7 +235,9 @@ class Leader:
         return {
             h
             for h, r in self.hosts.items()
-            if r.state not in ("leaving", "gone") and self._age(h) < self.cfg.heartbeat_timeout_s
+            if r.state not in ("leaving", "gone")
+            and self._age(h) < self.cfg.heartbeat_timeout_s
+            and not self._known_gone(h)
         }
 
     def fresh(self) -> set[str]:
@@ -239,6 +251,7 @@ class Leader:
             for h, r in self.hosts.items()
             if r.state not in ("leaving", "gone")
             and self._age(h) < 3 * self.cfg.heartbeat_s
+            and not self._known_gone(h)
             and not (h in self.lost and self.lost[h] >= (r.started, r.seq))
         }
 
@@ -274,9 +287,14 @@ class Leader:
     def _form(self, now: float) -> None:
         # A member that does not show life within the settle is lost.  Not just 3 heartbeats: a busy host
         # (its worker tearing down, the machine loaded) can miss a few beats and is not lost for that.
+        # A member whose agent's connection ended is lost at once: no settle.
         settle = max(3 * self.cfg.heartbeat_s, self.cfg.heartbeat_timeout_s / 2)
         if self.fail_at is not None:
-            pending = [h for h in self.prev_members if not self._shown_life(h) and self._age(h) < settle]
+            pending = [
+                h
+                for h in self.prev_members
+                if not self._shown_life(h) and self._age(h) < settle and not self._known_gone(h)
+            ]
             if pending and now - self.fail_at < self.cfg.heartbeat_timeout_s:
                 return  # let the members of the failed round show they are alive
         lost = [h for h in self.prev_members if self.fail_at is not None and not self._shown_life(h)]
@@ -420,7 +438,11 @@ class Leader:
             self._round_over(rnd, reps)
             return
         failed = [r for r in reps.values() if r.outcome == Outcome.FAILED]
-        lapsed = [h for h in rnd.members if h not in reps and self._age(h) >= self.cfg.heartbeat_timeout_s]
+        lapsed = [
+            h
+            for h in rnd.members
+            if h not in reps and (self._age(h) >= self.cfg.heartbeat_timeout_s or self._known_gone(h))
+        ]
         if failed or lapsed:
             self._failed(rnd, failed, lapsed, now)
             return
@@ -528,18 +550,25 @@ class Leader:
         fault_at = next((r.fault_at for r in reports if r.fault_at), None) or self._fault_time(rnd)
         reached = self._reached(rnd)  # the store is read: what follows is recorded once
         # What told the group: the peer watch (a worker left because it saw another process go), a worker
-        # that failed on its own, a heartbeat that lapsed, or the leader's own checks (a hang, a straggler).
+        # that failed on its own, the host watch (an agent's connection ended), a heartbeat that lapsed, or
+        # the leader's own checks (a hang, a straggler).
+        ended = [h for h in lost if self._known_gone(h)]  # the rest did not beat since the failure
         if any(r.peer_lost is not None for r in reports):
             detected_by = "peer watch"
         elif reports:
             detected_by = "failed worker"
+        elif f["lapsed"]:
+            detected_by = "host watch" if set(f["lapsed"]) <= set(ended) else "heartbeat timeout"
         else:
-            detected_by = "heartbeat timeout" if f["lapsed"] else "leader"
+            detected_by = "leader"
         blame: Report | None = None
         if lost:
-            reason = f"host {', '.join(lost)} lost (no heartbeat since the failure)"
+            how = "agent gone" if len(ended) == len(lost) else "no heartbeat since the failure"
+            reason = f"host {', '.join(lost)} lost ({how})"
             for h in lost:
-                self.agent.emit("host_lost", host=h, reason="no heartbeat", round=rnd.round)
+                self.agent.emit(
+                    "host_lost", host=h, reason="agent gone" if h in ended else "no heartbeat", round=rnd.round
+                )
         elif f["why"]:
             reason = f["why"]
         else:

@@ -43,7 +43,7 @@ HELLO, BYE, LOST = b"H", b"B", b"L"  # one byte, then the rank as 4 bytes (big-e
 KEEPALIVE = {"TCP_KEEPIDLE": 2, "TCP_KEEPINTVL": 1, "TCP_KEEPCNT": 3}  # a silent peer: gone after ~5 s
 
 
-def _keepalive(sock: socket.socket) -> None:
+def keepalive(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in KEEPALIVE.items():
         if hasattr(socket, name):  # Linux; elsewhere the system's keepalive timers apply
@@ -99,7 +99,7 @@ class PeerWatch:
         """Every other process: dial process 0 and say who this is."""
         host, port = address.rsplit(":", 1)
         sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
-        _keepalive(sock)
+        keepalive(sock)
         sock.sendall(_msg(HELLO, self.rank))
         sock.setblocking(False)
         self._hub = sock
@@ -128,7 +128,7 @@ class PeerWatch:
             conn, _ = srv.accept()
         except OSError:
             return
-        _keepalive(conn)
+        keepalive(conn)
         conn.setblocking(False)
         self._sel.register(conn, selectors.EVENT_READ, lambda c: self._readable(c, None))
 

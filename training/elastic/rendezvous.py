@@ -75,6 +75,7 @@ class HostRecord:
     leader: bool = False
     started: float = 0.0  # when the agent started
     local: list[list[int]] = field(default_factory=list)  # [step, round] of the local copies it holds
+    watch: str = ""  # host:port of its host-watch listener (the leader holds a connection to it)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> HostRecord:
