@@ -54,6 +54,7 @@ class EventType(StrEnum):
     RESTORE = "restore"
     INIT = "init"
     COMPILED = "compiled"
+    COMPILED_AHEAD = "compiled_ahead"  # the step for a smaller size, compiled into the cache before it is needed
     RESUMED = "resumed"  # the first completed step of a round
     RESUMED_WITH = "resumed_with"
     DATA_REFRESHED = "data_refreshed"
@@ -91,6 +92,7 @@ REQUIRED: dict[EventType, tuple[str, ...]] = {
     EventType.RESTORE: ("step", "mesh", "seconds"),
     EventType.INIT: ("step", "mesh"),
     EventType.COMPILED: ("step", "seconds"),
+    EventType.COMPILED_AHEAD: ("workers", "seconds"),
     EventType.RESUMED: ("step",),
     EventType.RESUMED_WITH: ("step", "next_batch", "lr_scale"),
     EventType.DATA_REFRESHED: ("step", "old", "new"),
@@ -511,6 +513,9 @@ SENTENCES: dict[str, Any] = {
     "restore": _restore,
     "init": _init,
     "compiled": lambda g: f"compiled the train step in {duration(g('seconds'))}",
+    "compiled_ahead": lambda g: (
+        f"compiled the train step for {_plural(g('workers'), 'host')} ahead, in {duration(g('seconds'))}"
+    ),
     "resumed": _resumed,
     "resumed_with": _resumed_with,
     "data_refreshed": _data_refreshed,

@@ -316,13 +316,13 @@ def plan_report(cfg: Config, compiled: bool = False, measure: Measure | None = N
     return report
 
 
-def build_mesh(plan: MeshPlan) -> Any:
-    """A jax Mesh for the plan over all processes' devices (multi-controller)."""
+def build_mesh(plan: MeshPlan, devices: list[Any] | None = None) -> Any:
+    """A jax Mesh for the plan over all processes' devices (multi-controller), or over ``devices``."""
     import jax
     from jax.experimental import mesh_utils
     from jax.sharding import Mesh
 
-    devices = jax.devices()
+    devices = jax.devices() if devices is None else devices
     if len(devices) != plan.devices:
         raise PlanError(f"the plan wants {plan.devices} devices, JAX sees {len(devices)}")
     if plan.workers == 1:

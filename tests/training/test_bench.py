@@ -108,3 +108,19 @@ def test_the_control_plane_figure_counts_the_agents_requests_against_the_model(t
     # gs:// looks are billed: fewer of them than on a local root, where the agents look as often as ever.
     assert cp["gcs"]["measured"]["class_a"] < cp["local"]["measured"]["class_a"]
     assert set(cp["budget"]) == {"64", "256"} and "budget, 256 hosts on gs://" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_recovery_figures_and_the_compile_of_a_recovery_onto_an_unseen_mesh(tmp_path: Path) -> None:
+    proc, r = _bench(tmp_path, "--quick", "--only", "recovery", timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rec = r["recovery"]
+    f_s = [x["total_s"] for x in rec["follower"]]
+    assert rec["ratio"] == pytest.approx(statistics.median(f_s) / statistics.median(rec["cold_starts_s"]))
+    un = rec["unseen_mesh"]
+    # The same lost follower onto a mesh neither job's cache held: compiled ahead, the recovery's step is a
+    # cache hit; not compiled ahead, it is compiled there (a miss).
+    assert un["ahead"]["compile_cached"] is True and un["not_ahead"]["compile_cached"] is False
+    assert un["ratio"] == pytest.approx(un["compile_s"] / un["compile_s_not_ahead"])
+    assert "recovery onto an unseen mesh" in proc.stdout and f"{un['ratio']:.3f}  compile < 0.2 s" in proc.stdout

@@ -81,6 +81,8 @@ def test_a_lost_host_leaves_the_survivors_training_and_its_return_grows_the_grou
     [failure] = _events(cfg.run_uri, "failure")
     [lost] = _events(cfg.run_uri, "host_lost")
     assert failure["hosts"] == [lost["host"]] and "lost" in failure["reason"]
+    # Its agent's connection to the leader ended with it: known gone at once, not after a settle.
+    assert lost["reason"] == "agent gone" and "(agent gone)" in failure["reason"], (lost, failure)
     # The survivors' workers see a vanished peer within about a second; when the lost host was the leader,
     # its lease has to lapse first (lease_s and the takeover margin) before another agent acts on it.
     from training.checkpoint.lock import DEFAULT_MARGIN_S
@@ -139,8 +141,13 @@ def test_losing_the_leader_s_host_another_agent_leads_and_the_run_goes_on(tmp_pa
     leaders = _events(cfg.run_uri, "leader")
     assert [e["host"] for e in leaders][0] == first_leader
     assert leaders[-1]["host"] != first_leader and leaders[-1]["reason"] == "took over a running job"
+    # The next agent knew the leader's agent had exited (its host-watch connection was closed by the dead
+    # process's kernel): it took the lease over without waiting for it to lapse.
+    takeovers = [e for e in _events(cfg.run_uri, "lock") if e["action"] == "takeover" and not e.get("handoff")]
+    assert takeovers[-1]["holder_exited"] is True, takeovers
     [failure] = _events(cfg.run_uri, "failure")
     assert failure["hosts"] == [first_leader]
+    assert "(agent gone)" in failure["reason"], failure
     assert failure["detected_by"] == "peer watch", failure  # the survivors' workers left at once
     assert [e["workers"] for e in _events(cfg.run_uri, "launch")] == [4, 2]
     assert _restored_the_newest_committed(cfg.run_uri, _events(cfg.run_uri, "restore")[0]["step"])
@@ -182,7 +189,7 @@ def test_a_killed_agent_takes_its_worker_along_and_a_frozen_host_is_dropped_afte
 
     led = _events(cfg.run_uri, "leader")[0]["host"] == kill["host"]  # a killed leader's lease lapses first
     assert 0 <= failures[0]["detect_s"] < (cfg.lease_s + DEFAULT_MARGIN_S + cfg.heartbeat_timeout_s if led else 2.5)
-    assert failures[0]["detected_by"] == "peer watch", failures[0]  # its worker died with the agent
+    assert failures[0]["detected_by"] in ("peer watch", "host watch"), failures[0]  # its worker died with it
     # The frozen host raised no error: it is found by its heartbeat, within the timeout (and a poll).
     [frozen] = [e for e in _events(cfg.run_uri, "host_lost") if e["host"] == freeze["host"]]
     assert failures[1]["hosts"] == [freeze["host"]]
@@ -443,3 +450,35 @@ def test_every_listener_of_a_job_is_on_loopback_and_nothing_outlives_a_killed_jo
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
     st = wait_for(lambda: (s := api.status(cfg.run_uri)) and s["state"] == "failed" and s, 60, "the final state")
     assert f"job {handle['job']} is gone" in st["reason"]
+
+
+def test_a_recovery_onto_a_size_the_run_never_ran_on_loads_the_step_compiled_ahead(tmp_path, tiny_dataset):
+    # A cache of its own: no other test's program is in it, so the first round compiles from scratch.
+    cfg = job_config(
+        str(tmp_path),
+        tiny_dataset,
+        str(tmp_path / "jax-cache"),
+        run_name="ahead",
+        steps=60,
+        min_workers=1,
+        max_workers=2,
+        checkpoint_every=5,
+    )
+    handle = start_job(cfg)
+    # Process 0 of the 2-host round compiles the 1-host step in the background, after its first steps.
+    [ahead] = wait_for(lambda: _events(cfg.run_uri, "compiled_ahead"), 240, "the 1-host step compiled ahead")
+    assert ahead["workers"] == 1 and ahead["seconds"] > 0
+    [first] = _events(cfg.run_uri, "compiled")
+    assert first["cache_hit"] is False  # a cache that never saw this program: the check below can fail
+    # The non-leader's host is lost for good: the next round has 1 host, a mesh this run never ran on.
+    leader = api.status(cfg.run_uri)["leader"]
+    other = next(h for h in hosts(cfg.run_uri) if h != leader)
+    LocalCapacity(open_store(cfg.run_uri), default=cfg.max_workers).leave(other, reason="the node is gone")
+    kill_host(cfg.run_uri, other)
+    st = wait_finished(handle)
+    assert st["state"] == "finished" and st["step"] == 60, worker_logs(cfg.run_uri)
+    assert [e["workers"] for e in _events(cfg.run_uri, "launch")] == [2, 1]
+    first, again = _events(cfg.run_uri, "compiled")
+    assert again["cache_hit"] is True, (first, again)
+    [recovered] = _events(cfg.run_uri, "recovered")
+    assert recovered["compile_cached"] is True

@@ -37,6 +37,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from training.elastic import ahead
 from training.elastic.codes import WorkerExit
 
 
@@ -103,6 +104,20 @@ class Assignment:
             tuple(sorted((str(k), str(v)) for k, v in (a.get("env") or {}).items())),
             int(a.get("watch_port") or 0),
         )
+
+
+CACHE_HITS = [0]  # this process's hits in JAX's persistent compilation cache, from its monitoring events
+
+
+def count_cache_hits() -> None:
+    """Count this process's persistent compilation cache hits in :data:`CACHE_HITS`."""
+    from jax import monitoring
+
+    def on_event(event: str, **_: str | int) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            CACHE_HITS[0] += 1
+
+    monitoring.register_event_listener(on_event)
 
 
 def share_cpu_compilation_cache() -> None:
@@ -183,6 +198,7 @@ def main() -> int:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     share_cpu_compilation_cache()
+    count_cache_hits()
     training.checkpoint.manager.copy_bandwidth()  # for the saves' reports, measured while idle
     try:
         task = load_task(cfg)
@@ -211,9 +227,10 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, task: An
     trainer, mngr = set_up(cfg, run, a, rep, task, t_assigned)
     pins = Pins(store, a.rank, a.round)
     start = restore(cfg, run, a, rep, trainer, mngr, ledger, task_data.fingerprint, pins)
-    t0 = time.time()
+    t0, hits = time.time(), CACHE_HITS[0]
     trainer.compile()
-    rep.send("compiled", step=start.step, seconds=time.time() - t0)
+    # Whether the persistent cache held the step (JAX counts its hits; nothing else compiles meanwhile).
+    rep.send("compiled", step=start.step, seconds=time.time() - t0, cache_hit=CACHE_HITS[0] > hits)
     saver = Saver(mngr, rep, pins, trainer.abstract, background=cfg.async_checkpoint)
     return RoundLoop(cfg, store, a, rep, trainer, saver, start, t_assigned, task).run(task_data)
 
@@ -408,6 +425,7 @@ class RoundLoop:
         self.state, self.step = start.state, start.step
         self.next_batch, self.lr_scale, self.skipped = start.next_batch, start.lr_scale, start.skipped
         self.t_assigned, self.tokens_per_example = t_assigned, task.tokens_per_example()
+        self.task = task
         self.loop: Loop  # made when the data pipeline is (run): the first step's clock starts there
 
     def data_position(self) -> dict[str, Any]:
@@ -437,8 +455,11 @@ class RoundLoop:
             start_batch=self.next_batch,
         )
         self.loop = Loop(cfg, self.rep, self.t_assigned, self.step, self.tokens_per_example)
+        ahead_at = self.step + 2  # once the round's first steps ran: they come first
         while self.step < cfg.steps:
             self.one_step(batches)
+            if self.step == ahead_at and a.rank == 0:
+                ahead.start(cfg, self.task, a.processes, self.compiled_ahead)
             save_now = self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps
             local_due = not save_now and self.tier_on and self.step % cfg.local_checkpoint_every == 0
             # Read every step but the newest; before a save of either tier (or at the end), the newest too:
@@ -471,6 +492,10 @@ class RoundLoop:
         self.mngr.close()
         self.rep.send("finished", everyone=True, step=self.step)
         return 0
+
+    def compiled_ahead(self, workers: int, seconds: float) -> None:
+        """Report a smaller size's step compiled ahead (from the compiling thread)."""
+        self.rep.send("compiled_ahead", workers=workers, seconds=round(seconds, 3))
 
     @property
     def tier_on(self) -> bool:
