@@ -335,6 +335,9 @@ def goodput(evs: list[dict[str, Any]], steps_total: int) -> dict[str, Any]:
             r["steps_lost"] += int(e.get("steps_lost") or 0)
     productive = steps_total * step_s
     cat["other"] = max(wall - productive - sum(cat.values()), 0.0)
+    # Steps a validation rollback gave up were thrown away on purpose (the model got worse), not lost to
+    # the engine: the engine's own goodput leaves them out of the wall time.
+    engine_wall = wall - cat["rollback_replay"]
     return {
         "wall_s": wall,
         "productive_s": productive,
@@ -343,6 +346,7 @@ def goodput(evs: list[dict[str, Any]], steps_total: int) -> dict[str, Any]:
         "badput_s": {k: round(v, 3) for k, v in cat.items()},
         "recoveries": recoveries,
         "goodput": productive / wall if wall > 0 and productive else None,
+        "engine_goodput": productive / engine_wall if engine_wall > 0 and productive else None,
     }
 
 
@@ -498,6 +502,12 @@ def format_report(r: dict[str, Any]) -> str:
     if r["goodput"] is not None:
         lines.append(f"goodput        {r['goodput']:.1%} of {r['wall_s']:.0f}s wall time spent on steps that count")
         gp = r.get("goodput_breakdown") or {}
+        thrown = (gp.get("badput_s") or {}).get("rollback_replay") or 0.0
+        if thrown >= 0.05 and gp.get("engine_goodput") is not None:
+            lines.append(
+                f"  engine       {gp['engine_goodput']:.1%} without the {thrown:.1f}s of steps a validation rollback "
+                "gave up on purpose"
+            )
         bad = {k: v for k, v in (gp.get("badput_s") or {}).items() if v >= 0.05}
         if bad:
             parts = ", ".join(f"{k.replace('_', ' ')} {v:.1f}s" for k, v in sorted(bad.items(), key=lambda kv: -kv[1]))
