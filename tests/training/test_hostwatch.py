@@ -115,3 +115,16 @@ def test_a_listener_holds_the_connection_while_its_process_lives_and_closes_it_w
     watch.watch("h1", 1.0, listener.address)  # gone stays gone: the same agent is never dialled again
     time.sleep(0.3)
     assert watch.gone("h1", 1.0)
+    # Unless the leader takes it back (the agent beat again: its connection was cut on the way): dialled again.
+    port = int(listener.address.rsplit(":", 1)[1])
+    again = Listener("127.0.0.1", "127.0.0.1", port)
+    try:
+        watch.forget("h1", 1.0)
+        assert not watch.gone("h1", 1.0)
+        watch.watch("h1", 1.0, again.address)
+        time.sleep(0.5)  # the connection opens
+        assert _opened(watch, "h1", 1.0)
+        again.close()
+        assert _until(lambda: watch.gone("h1", 1.0), 2.0) < 0.5
+    finally:
+        again.close()

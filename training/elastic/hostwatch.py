@@ -180,6 +180,12 @@ class HostWatch:
         with self._lock:
             return self._gone.get((host, started), False)
 
+    def forget(self, host: str, started: float) -> None:
+        """Take back that this agent is gone (it has beaten since): the next :meth:`watch` dials it again."""
+        with self._lock:
+            self._gone.pop((host, started), None)
+            self._failed.pop((host, started), None)
+
     def close(self) -> None:
         self._loop.close()
 

@@ -109,6 +109,7 @@ class Leader:
         self._seen: dict[str, tuple[int, float]] = {}  # host -> (seq, local time it last changed)
         self.clocks = HostClocks()  # each host's clock against this one, from its beats
         self.watch = agent.host_watch  # a connection to each host's agent: its end says the agent is gone
+        self._gone_seq: dict[tuple[str, float], int] = {}  # agent -> its heartbeat seq when first seen gone
         self._hosts_at = 0.0
         self.round: Round | None = self.rdv.newest_round(self.job)
         self.failures = self.round.failures if self.round else 0
@@ -220,9 +221,24 @@ class Leader:
                 self.watch.watch(h, rec.started, rec.watch)
 
     def _known_gone(self, host: str) -> bool:
-        """Its agent's host-watch connection ended: the process is gone, whatever its last beat says."""
+        """Its agent's host-watch connection ended: the process is gone, whatever its last beat says.
+
+        Unless it beats twice more (a beat written just before it died may be read after): then the
+        connection was cut on the way (a reset, a timeout), the agent lives, and it is dialled again.
+        """
         rec = self.hosts.get(host)
-        return rec is not None and self.watch.gone(host, rec.started)
+        if rec is None or not self.watch.gone(host, rec.started):
+            return False
+        agent = (host, rec.started)
+        seq = self._gone_seq.setdefault(agent, rec.seq)
+        if rec.seq < seq + 2:
+            return True
+        log.warning(
+            "[%s] host %s beats again after its host-watch connection ended: dialled again", self.agent.host, host
+        )
+        del self._gone_seq[agent]
+        self.watch.forget(*agent)
+        return False
 
     def _age(self, host: str) -> float:
         if host == self.agent.host:
