@@ -2,7 +2,8 @@
 
 The order: this run's newest committed checkpoint
 that the ledger does not hold unusable (rejected, quarantined, pruned,
-corrupt); else an explicit step; else scratch.  Orbax lists committed steps
+corrupt; a step whose unusable one was moved out is a later save of it);
+else an explicit step; else scratch.  Orbax lists committed steps
 only, so a save cut off mid-write is never a candidate, and a rollback moves
 rejected and corrupt steps out of ``checkpoints/`` altogether.  When the
 ledger's resume pointer names the chosen step, it also says *how* to resume
@@ -71,7 +72,12 @@ def choose_resume(
     """
 
     def usable(s: int) -> bool:
-        return str(states.get(s, {}).get("state", "committed")) in USABLE_STATES
+        rec = states.get(s, {})
+        if str(rec.get("state", "committed")) in USABLE_STATES:
+            return True
+        # Judged unusable and moved out of checkpoints/ (quarantined, corrupt): a step there now is a later
+        # save of that number, committed by Orbax's rule, whose commit its writer did not live to record.
+        return bool(rec.get("location"))
 
     if resume == "none":
         return ResumeDecision(None, None, "resume_from=none: a new run")

@@ -305,6 +305,7 @@ def restore(
     from training.checkpoint import manager as ckpt
     from training.checkpoint.local import LocalTier, host_dir, parse_resume
     from training.checkpoint.resume import ResumeError, choose_resume
+    from training.checkpoint.retention import USABLE_STATES
     from training.checkpoint.steps import committed_steps
     from training.elastic.chaos import WorkerChaos
 
@@ -336,7 +337,8 @@ def restore(
     else:
         try:
             resume = "latest" if a.resume.startswith("local:") else a.resume
-            decision = choose_resume(resume, committed_steps(run), ledger.states(), ledger.pointer_record())
+            states = ledger.states()
+            decision = choose_resume(resume, committed_steps(run), states, ledger.pointer_record())
         except ResumeError as e:
             leave(rep, WorkerExit.ERROR, str(e))
         step0 = decision.step
@@ -351,6 +353,9 @@ def restore(
                     leave(rep, WorkerExit.CORRUPT)
                 raise
             pins.unpin(step0)
+            if a.rank == 0 and str(states.get(step0, {}).get("state", "committed")) not in USABLE_STATES:
+                # A later save of a step whose unusable one was moved out: its commit is on record from now on.
+                ledger.record(step0, "committed", reason="committed by Orbax; its writer did not live to record it")
             rep.send(
                 "restore", step=step0, tier="persistent", mesh=shape, workers=a.processes, seconds=time.time() - t0
             )
@@ -772,6 +777,9 @@ class Saver:
     def poll(self) -> None:
         if self.pending is None or not self._started(block=False):
             return
+        # A background write that failed (a full disk) raises now: Orbax may still count the save as in
+        # progress, and the other processes wait for this one at its commit barrier.
+        self.mngr.check_for_errors()
         if not self.mngr.is_saving_in_progress():
             step, self.pending = self.pending, None
             self._commit(step)
