@@ -147,17 +147,20 @@ def _freeze_the_leader_agent(run_uri: str, lease_s: float, stop: threading.Event
         if (st.get("step") or 0) >= EVERY and st.get("state") == "running" and leader in hosts(run_uri):
             pid = hosts(run_uri)[leader].pid
             os.kill(pid, signal.SIGSTOP)
-            out["frozen_leader"] = leader
+            out["frozen_leader"], out["frozen_pid"] = leader, pid
             stop.wait(lease_s + 3.0)
             os.kill(pid, signal.SIGCONT)
             return
         stop.wait(0.2)
 
 
-def _check_one_owner_at_a_time(run_uri: str, margin_s: float) -> None:
+def _check_one_owner_at_a_time(run_uri: str, margin_s: float, frozen_pid: int | None) -> None:
     takeovers = [e for e in api.events(run_uri, ("lock",)) if e.get("action") == "takeover"]
     for e in takeovers:
-        if not e.get("handoff"):
+        if e.get("holder_exited"):
+            # Taken at once from a holder whose process had exited: never from the frozen one (alive, stopped).
+            assert e.get("previous_pid") != frozen_pid, f"a frozen holder's lease was taken as if it had exited: {e}"
+        elif not e.get("handoff"):
             assert e["time"] >= float(e["previous_expires_at"]) + margin_s - 0.05, f"a live lease was taken over: {e}"
     rounds = [e["round"] for e in api.events(run_uri, ("launch",))]
     assert rounds == sorted(set(rounds)), f"rounds out of order or twice: {rounds}"
@@ -272,7 +275,7 @@ def test_a_random_fault_schedule_ends_cleanly_with_exact_data(
             assert any(e["step"] == seen["corrupted"] for e in corrupt) or seen["corrupted"] not in restored, (
                 "a damaged checkpoint was restored"
             )
-        _check_one_owner_at_a_time(cfg.run_uri, DEFAULT_MARGIN_S)
+        _check_one_owner_at_a_time(cfg.run_uri, DEFAULT_MARGIN_S, seen.get("frozen_pid"))
         _check_nothing_runs(cfg.run_uri)
         outcome = {
             "seed": seed,

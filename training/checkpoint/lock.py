@@ -317,6 +317,7 @@ class RunLock:
                     previous_owner=rec["owner"],
                     previous_job=rec.get("job"),
                     previous_expires_at=rec["expires_at"],
+                    previous_pid=rec.get("pid"),
                     handoff=rec["action"] == "handoff",
                     holder_exited=rec.get("gen") == holder_exited,
                 )
