@@ -13,7 +13,9 @@ after the round's first steps; each size it finishes is reported.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +25,8 @@ from training.config import Config
 from training.mesh import build_mesh, feasible_sizes, plan_mesh
 
 log = logging.getLogger(__name__)
+
+NICE = 10  # the compiling thread's niceness: it takes the CPU the training leaves
 
 
 def smaller_sizes(cfg: Config, workers: int) -> list[int]:
@@ -49,6 +53,8 @@ def start(cfg: Config, task: Any, workers: int, done: Callable[[int, float], Non
         return None
 
     def run() -> None:
+        with contextlib.suppress(OSError):  # the training's threads come first (Linux: a thread's own niceness)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
         try:
             compile_smaller(cfg, task, workers, done)
         except Exception as e:  # noqa: BLE001 - a recovery then compiles as it would have; training goes on
