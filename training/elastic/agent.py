@@ -664,8 +664,8 @@ class HostAgent:
         elif t in ("worker_started", "restore", "compiled"):
             w.seen[t] = dict(msg)
         if t == "resumed":
-            self.update(step=msg.get("step"))
             if w.rank == 0:
+                self.update(step=msg.get("step"))
                 self._recovered(w, msg)
             if self.standby is None and self.leaving is None:
                 # The next worker warms up now, while this one trains: a recovery then starts at

@@ -652,7 +652,8 @@ class Loop:
                 )
                 self.local_saves = []
                 if self.first:
-                    self.rep.send("resumed", step=step, seconds=now - self.t_assigned)
+                    # From every process: each agent starts its next standby now (its round has started).
+                    self.rep.send("resumed", everyone=True, step=step, seconds=now - self.t_assigned)
                     self.first = False
                 self.t_last, self.since = now, 0
         return Verdict(self.bad, self.notice)
