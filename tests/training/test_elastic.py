@@ -452,32 +452,38 @@ def test_every_listener_of_a_job_is_on_loopback_and_nothing_outlives_a_killed_jo
     assert f"job {handle['job']} is gone" in st["reason"]
 
 
-def test_a_recovery_onto_a_size_the_run_never_ran_on_loads_the_step_compiled_ahead(tmp_path, tiny_dataset):
+@pytest.mark.parametrize(
+    ("hosts_", "after"),
+    [(2, 1), pytest.param(4, 2, marks=pytest.mark.extended)],  # one process; a sub-mesh of a multi-process round
+)
+def test_a_recovery_onto_a_size_the_run_never_ran_on_loads_the_step_compiled_ahead(
+    hosts_, after, tmp_path, tiny_dataset
+):
     # A cache of its own: no other test's program is in it, so the first round compiles from scratch.
     cfg = job_config(
         str(tmp_path),
         tiny_dataset,
         str(tmp_path / "jax-cache"),
         run_name="ahead",
-        steps=60,
-        min_workers=1,
-        max_workers=2,
-        checkpoint_every=5,
+        steps=200,  # the job must not end before the smaller step is compiled (at a low priority)
+        min_workers=after,
+        max_workers=hosts_,
+        checkpoint_every=10,
     )
     handle = start_job(cfg)
-    # Process 0 of the 2-host round compiles the 1-host step in the background, after its first steps.
-    [ahead] = wait_for(lambda: _events(cfg.run_uri, "compiled_ahead"), 240, "the 1-host step compiled ahead")
-    assert ahead["workers"] == 1 and ahead["seconds"] > 0
+    # Process 0 of the first round compiles the smaller step in the background, after its first steps.
+    [ahead] = wait_for(lambda: _events(cfg.run_uri, "compiled_ahead"), 300, "the smaller step compiled ahead")
+    assert ahead["workers"] == after and ahead["seconds"] > 0
     [first] = _events(cfg.run_uri, "compiled")
     assert first["cache_hit"] is False  # a cache that never saw this program: the check below can fail
-    # The non-leader's host is lost for good: the next round has 1 host, a mesh this run never ran on.
+    # A host that is not the leader's is lost for good: the next round is smaller, a mesh this run never ran on.
     leader = api.status(cfg.run_uri)["leader"]
     other = next(h for h in hosts(cfg.run_uri) if h != leader)
     LocalCapacity(open_store(cfg.run_uri), default=cfg.max_workers).leave(other, reason="the node is gone")
     kill_host(cfg.run_uri, other)
     st = wait_finished(handle)
-    assert st["state"] == "finished" and st["step"] == 60, worker_logs(cfg.run_uri)
-    assert [e["workers"] for e in _events(cfg.run_uri, "launch")] == [2, 1]
+    assert st["state"] == "finished" and st["step"] == 200, worker_logs(cfg.run_uri)
+    assert [e["workers"] for e in _events(cfg.run_uri, "launch")] == [hosts_, after]
     first, again = _events(cfg.run_uri, "compiled")
     assert again["cache_hit"] is True, (first, again)
     [recovered] = _events(cfg.run_uri, "recovered")
