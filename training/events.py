@@ -82,7 +82,7 @@ class EventType(StrEnum):
     PREEMPTION_NOTICE = "preemption_notice"  # a host was told to go: the step it stopped at, committed or not
     RECOVERED = "recovered"  # the first step after a failure or a notice: steps and seconds lost, by phase
     LOCAL_CHECKPOINT_SKIPPED = "local_checkpoint_skipped"  # a host's local copy failed its check
-    LOCAL_TIER_OFF = "local_tier_off"  # the local tier cannot help on this mesh (and why)
+    LOCAL_TIER_OFF = "local_tier_off"  # the local tier cannot help on this mesh, or a save of it failed (and why)
 
 
 # Every event type and the fields it must carry (more are allowed).

@@ -21,17 +21,17 @@ from training.storage import open_store
 
 
 def _fake_step(directory: Path, step: int, payload: bytes = b"x" * 1000) -> None:
-    """A step directory as Orbax leaves it once finalised (its metadata file, and data)."""
+    """A step directory as the tier leaves it once finalised (its mark, and data)."""
     d = directory / str(step)
     (d / "state").mkdir(parents=True)
     (d / "state" / "data.bin").write_bytes(payload)
-    (d / local.ORBAX_STEP_MARK).write_text("{}")
+    (d / local.STEP_MARK).write_text("{}")
 
 
 def test_finalised_steps_are_described_once_and_a_pruned_step_loses_its_manifest(tmp_path):
     _fake_step(tmp_path, 2)
     _fake_step(tmp_path, 4)
-    (tmp_path / "6.orbax-checkpoint-tmp").mkdir()  # a save in flight: not a step yet
+    (tmp_path / ".6.tmp-1").mkdir()  # a save in flight: not a step yet
     described = local.describe_new(tmp_path, round_=3)
     assert sorted(described) == [2, 4] and described[4].round == 3
     assert described[4].files["state/data.bin"][0] == 1000
@@ -39,7 +39,7 @@ def test_finalised_steps_are_described_once_and_a_pruned_step_loses_its_manifest
     assert local.describe_new(tmp_path, round_=5)[2].round == 3
     import shutil
 
-    shutil.rmtree(tmp_path / "2")  # Orbax's max_to_keep pruned it
+    shutil.rmtree(tmp_path / "2")  # the tier kept local_keep and pruned it
     assert sorted(local.read_manifests(tmp_path)) == [4]
     assert not (tmp_path / "2.manifest.json").exists()
 

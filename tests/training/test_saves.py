@@ -23,7 +23,7 @@ from training.config import load_config
 from training.mesh import build_mesh, plan_mesh
 from training.tasks import load_task
 from training.trainer import Trainer
-from training.checkpoint import manager as ckpt
+from training.checkpoint import manager as ckpt, packing
 
 root, dataset = sys.argv[1], sys.argv[2]
 over = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
@@ -112,8 +112,16 @@ def test_a_background_save_writes_the_state_of_its_step_while_donating_steps_go_
             "collected": [handed_over, took is not None and took > 0, bg.collect()],
             "errors": errors,
             "inline_saves_the_state_itself": given[-1] is state,
-            "local_bytes": ckpt.local_bytes(snap),
+            "local_bytes": ckpt.local_bytes(state),
             "shard_bytes": sum(s.data.nbytes for x in jax.tree.leaves(state) for s in x.addressable_shards),
+            # A small array's copy is whole on every device (the save packs it); a large one keeps its sharding.
+            "snapshot_shardings": [
+                (x.nbytes <= packing.PACK_MAX_BYTES and y.sharding.is_fully_replicated)
+                or (x.nbytes > packing.PACK_MAX_BYTES and y.sharding.spec == x.sharding.spec)
+                for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(snap))
+            ],
+            "small_sharded": sum(x.nbytes <= packing.PACK_MAX_BYTES and not x.sharding.is_fully_replicated
+                                 for x in jax.tree.leaves(state)),
             "bandwidth": ckpt.copy_bandwidth(8 << 20),
         }))
         """,
@@ -128,6 +136,7 @@ def test_a_background_save_writes_the_state_of_its_step_while_donating_steps_go_
     assert res["errors"] == ["disk gone", "disk gone"], "a failed save raises on collect, in a thread or not"
     assert res["inline_saves_the_state_itself"], "without a thread there is no copy to make"
     assert res["local_bytes"] == res["shard_bytes"] and int(str(res["local_bytes"])) > 0
+    assert all(res["snapshot_shardings"]) and int(str(res["small_sharded"])) > 0
     assert float(str(res["bandwidth"])) > 1e8  # bytes/s: any machine copies memory faster than 100 MB/s
 
 
@@ -258,3 +267,103 @@ def test_a_step_carries_the_integrity_record_of_what_was_written_before_it_commi
     assert (
         res["damaged"] == f"file {res['big']} of checkpoint 4 fails its CRC32C check (changed since it was committed)"
     )
+
+
+def test_a_local_copy_restores_onto_another_mesh_and_a_failed_write_turns_the_tier_off(tmp_path, tiny_dataset):
+    """The local tier's own format: a copy written on 2 devices reads back bit for bit on 2 and on 1.
+
+    A write that the OS refuses (a file-size limit standing in for a full tmpfs) turns the tier off
+    with the OS's reason and leaves no half-written copy; training is not stopped by it.
+    """
+    res = _run(
+        """
+        import resource, signal
+        from pathlib import Path
+        from training.checkpoint import local
+
+        d = Path(sys.argv[1]) / "local"
+        tier = local.LocalTier(d, 2, trainer.mesh, abstract)
+        for step in (2, 4, 6):
+            assert tier.save(step, state, {"next_batch": step}) is not None
+            tier.wait()
+            saved = tier.finished()
+        kept = local.finalised_steps(d)
+        back, pos = tier.restore(6)
+        same_mesh = same(host(state), host(back)) and all(
+            a.sharding == b.sharding for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(back)))
+        one = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), trainer.mesh.axis_names)
+        single = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                sharding=jax.sharding.NamedSharding(one, a.sharding.spec)), abstract)
+        other, _ = local.read_step(d, 6, single)
+        on_one = same(host(state), host(other)) and all(
+            len(x.sharding.device_set) == 1 for x in jax.tree.leaves(other))
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+        tier.save(8, state, {"next_batch": 8})
+        tier.wait()
+        print(json.dumps({
+            "kept": kept, "pos": pos, "same_mesh": same_mesh, "on_one": on_one,
+            "saved": [s for s, _ in saved],
+            "enabled": tier.enabled, "failure": tier.failure,
+            "left": sorted(p.name for p in d.iterdir()),
+        }))
+        """,
+        tmp_path,
+        tiny_dataset,
+    )
+    assert res["kept"] == [4, 6]  # local_keep=2
+    assert res["pos"] == {"next_batch": 6}
+    assert res["same_mesh"] and res["on_one"]
+    assert res["saved"] == [6]
+    assert res["enabled"] is False and "a local save failed" in str(res["failure"])
+    assert "File too large" in str(res["failure"])
+    assert res["left"] == ["4", "6"]  # the cut-off copy of step 8 is gone
+
+
+@pytest.mark.parametrize("where", ["local", pytest.param("gcs", marks=pytest.mark.gcs)])
+def test_a_packed_checkpoint_restores_onto_another_mesh_and_reads_whole_or_params_only(
+    request: pytest.FixtureRequest, tmp_path: Path, tiny_dataset: str, where: str
+) -> None:
+    """Small arrays are saved packed: few arrays written, the same state read back on any mesh or one device."""
+    over = {"root": request.getfixturevalue("gcs_root")} if where == "gcs" else {}
+    res = _run(
+        """
+        from training.checkpoint import packing
+        from training.layout import step_uri
+
+        run = cfg.run_uri
+        m = ckpt.checkpoint_manager(cfg, run)
+        snap = ckpt.HostSnapshot(abstract)(state)
+        ckpt.save(m, 1, snap, {"next_batch": 1}, cfg)
+        m.wait_until_finished()
+        layout = m.restore(1, args=ocp.args.Composite(layout=ocp.args.JsonRestore()))["layout"]
+        one = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), trainer.mesh.axis_names)
+        single = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                sharding=jax.sharding.NamedSharding(one, a.sharding.spec)), abstract)
+        back, pos = ckpt.restore(m, 1, abstract)
+        moved, _ = ckpt.restore(m, 1, single)
+        whole = ckpt.load_state_host(run, 1)
+        params = ckpt.load_params_host(run, 1)
+        print(json.dumps({
+            "leaves": len(jax.tree.leaves(state)),
+            "saved_arrays": len([e for e in layout["entries"] if e["name"]]) + len(layout["groups"]),
+            "same": same(host(state), host(back)) and all(
+                a.sharding == b.sharding for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(back))),
+            "moved": same(host(state), host(moved)) and all(
+                len(x.sharding.device_set) == 1 for x in jax.tree.leaves(moved)),
+            "whole": same(host(state), host(whole)),
+            "params": same(host(state["params"]), host(params)),
+            "pos": pos,
+        }))
+        """.replace("from training.checkpoint import packing", "import orbax.checkpoint as ocp"),
+        tmp_path,
+        tiny_dataset,
+        over,
+    )
+    assert res["same"] and res["moved"] and res["whole"] and res["params"], res
+    assert res["pos"] == {"next_batch": 1}
+    # The tiny model's arrays are all small: a few packs (one per top-level key and dtype) instead of 67 arrays.
+    assert int(str(res["saved_arrays"])) <= 6 < int(str(res["leaves"])), res

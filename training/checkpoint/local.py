@@ -8,35 +8,33 @@ survivors resume from the newest step every one of them holds, usually at most
 ``local_checkpoint_every`` steps back (a save that is due while the previous one
 is still being written is skipped), instead of the newest persistent one.
 
-What is saved.  Each process writes the shards *it* holds of the global state
-(Orbax's array handler with ``primary_host=None, replica_id=None``, the handler
-Orbax's own emergency manager uses for its local tier) through a
-:class:`orbax.checkpoint.CheckpointManager` of its own (``active_processes`` is
-this process alone, ``max_to_keep=local_keep``).  With data parallelism across
-hosts (``dcn_fsdp=1``, our elastic default) every host holds a whole replica,
-so one host's copy is a whole checkpoint: it restores onto that host's devices
-(a mesh of the host's own block of the global mesh) and becomes the host's part
-of the new global arrays, whatever the number of hosts.  When state is sharded
-across hosts no single host holds a whole copy; the tier is then off, and says why.
+What is saved.  Each process writes the shards *it* holds of the global state,
+each distinct shard once, into one file beside an index (each array's dtype,
+shape and each shard's box) and the data position: no Orbax, whose metadata and
+per-array bookkeeping cost a small state ten times what its bytes do.  With data
+parallelism across hosts (``dcn_fsdp=1``, our elastic default) every host holds
+a whole replica, so one host's copy is a whole checkpoint: it restores onto that
+host's devices as its part of the new global arrays, whatever the number of hosts.
+When state is sharded across hosts no single host holds a whole copy; the tier is
+then off, and says why.
 
 Why not ``orbax.checkpoint.experimental.emergency.CheckpointManager``: it needs at
-least two data-parallel replicas (it raises below that; our range goes down to one
-host); it saves the persistent tier itself, one ``state`` item only, from the
-primary replica (our data position, config, ledger records and resharding
-restore would all have to move into it); only non-primary replicas keep local
-copies, so with two hosts losing the secondary loses every local copy; and its
-local restore maps processes one to one onto the saved topology.
+least two data-parallel replicas (our range goes down to one host); it saves the
+persistent tier itself, one ``state`` item only, from the primary replica; only
+non-primary replicas keep local copies, so with two hosts losing the secondary
+loses every local copy; and its local restore maps processes one to one onto the
+saved topology.
 
 Which copies count.  A copy is a step of this job (the directory names the job),
-finalised by Orbax (its rename), and described by a manifest the host's agent
-writes beside it (``<step>.manifest.json``: the round that saved it, and the size
-and CRC32C of each file).  The agent advertises its copies in its heartbeat; the
-leader picks the newest step that every member of the next round holds and that
-is newer than the newest persistent checkpoint; the workers check their copies
-against the manifests before restoring one, and step over a copy that fails.
+finalised (written under a temporary name with its mark last, then renamed), and
+described by a manifest the host's agent writes beside it (``<step>.manifest.json``:
+the round that saved it, and the size and CRC32C of each file).  The agent
+advertises its copies in its heartbeat; the leader picks the newest step that
+every member of the next round holds and that is newer than the newest persistent
+checkpoint; the workers check their copies against the manifests before restoring
+one, and step over a copy that fails.
 
-Light at import time (the agent imports it): JAX and Orbax are imported inside
-:class:`LocalTier` only.
+Light at import time (the agent imports it): JAX is imported inside functions only.
 """
 
 from __future__ import annotations
@@ -54,7 +52,10 @@ from typing import Any
 
 MANIFEST = "{step}.manifest.json"
 _MANIFEST_RE = re.compile(r"^(\d+)\.manifest\.json$")
-ORBAX_STEP_MARK = "_CHECKPOINT_METADATA"  # written into every step directory Orbax finalises
+STEP_MARK = "COMMITTED"  # written last into a copy, before its directory gets its name
+STATE_FILE = "state.bin"
+INDEX_FILE = "index.json"
+DATA_FILE = "data.json"
 
 
 LOCAL_DIR_ENV = "RTRAIN_LOCAL_CHECKPOINT_DIR"  # a host's own setting (a pod's volume) wins over the config's
@@ -104,10 +105,10 @@ def _checksums(directory: Path) -> dict[str, list[int]]:
 
 
 def finalised_steps(directory: Path) -> list[int]:
-    """Steps Orbax finalised in ``directory`` (renamed from its temporary name, metadata written)."""
+    """Steps finalised in ``directory`` (renamed from their temporary name, marked)."""
     if not directory.is_dir():
         return []
-    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and (p / ORBAX_STEP_MARK).exists())
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and (p / STEP_MARK).exists())
 
 
 def write_manifest(directory: Path, step: int, round_: int) -> LocalStep:
@@ -121,7 +122,7 @@ def write_manifest(directory: Path, step: int, round_: int) -> LocalStep:
 
 
 def read_manifests(directory: Path) -> dict[int, LocalStep]:
-    """The described steps whose directory is still there (Orbax deletes beyond ``local_keep``)."""
+    """The described steps whose directory is still there (the tier deletes beyond ``local_keep``)."""
     out: dict[int, LocalStep] = {}
     if not directory.is_dir():
         return out
@@ -130,7 +131,7 @@ def read_manifests(directory: Path) -> dict[int, LocalStep]:
         if not m:
             continue
         step = int(m[1])
-        if not (directory / str(step) / ORBAX_STEP_MARK).exists():
+        if not (directory / str(step) / STEP_MARK).exists():
             p.unlink(missing_ok=True)  # its step was pruned
             continue
         try:
@@ -198,87 +199,48 @@ class LocalTier:
     """One worker's local checkpoints (JAX side): save in the background, restore onto the global mesh."""
 
     def __init__(self, directory: Path, keep: int, mesh: Any, abstract: Any) -> None:
-        import jax
-        import orbax.checkpoint as ocp
-        from orbax.checkpoint import type_handlers
-
         self.directory = directory
+        self.keep = keep
         self.mesh = mesh
         self.abstract = abstract
         self.reason = why_not_local(mesh, abstract)
         self.enabled = not self.reason
         self.pending: list[tuple[int, float]] = []
         self.skipped = 0  # saves skipped because the previous one was still being written
-        self.mngr: Any = None
+        self.failure = ""  # why a save failed and turned the tier off (the loop reports it once)
+        self.bg: Any = None
         if not self.enabled:
             return
         from training.checkpoint.manager import BackgroundSave
 
-        self.bg = BackgroundSave(abstract, "rtrain-local-save")
-        me = jax.process_index()
         directory.mkdir(parents=True, exist_ok=True)
-        # Every process is its own primary host, with barriers among itself only.
-        mp = ocp.options.MultiprocessingOptions(
-            primary_host=None, active_processes={me}, barrier_sync_key_prefix=f"rtrain-local-{me}"
-        )
-        registry = type_handlers.create_type_handler_registry(
-            (jax.Array, type_handlers.ArrayHandler(primary_host=None, replica_id=None, use_replica_parallel=False))
-        )
-        options = ocp.CheckpointManagerOptions(
-            save_interval_steps=1,
-            max_to_keep=keep,
-            create=False,  # (not supported with active_processes; made above)
-            cleanup_tmp_directories=True,
-            enable_async_checkpointing=True,
-            multiprocessing_options=mp,
-            # Orbax signals "directories created" under keys shared by every process of the job: with
-            # each process saving on its own, one would go on when another's directories exist.
-            async_options=ocp.options.AsyncOptions(create_directories_asynchronously=False),
-        )
-        self.mngr = ocp.CheckpointManager(
-            directory,
-            options=options,
-            item_handlers={
-                "state": ocp.PyTreeCheckpointHandler(
-                    use_ocdbt=True, use_zarr3=True, multiprocessing_options=mp, type_handler_registry=registry
-                ),
-                "data": ocp.JsonCheckpointHandler(multiprocessing_options=mp),
-            },
-        )
-        self.local_mesh = _host_block(mesh)
+        _remove_orphans(directory)
+        self.bg = BackgroundSave(abstract, "rtrain-local-save")
 
     def forget_after(self, step: int | None) -> None:
         """Drop local copies newer than the step this round starts from: they are of a lineage that ended."""
-        for s in self.mngr.all_steps(read=True):
+        for s in finalised_steps(self.directory):
             if step is None or s > step:
-                self.mngr.delete(s)
-                (self.directory / MANIFEST.format(step=s)).unlink(missing_ok=True)
+                _remove_step(self.directory, s)
 
     def save(self, step: int, state: Any, data: dict[str, Any]) -> float | None:
         """Start a background save of ``step``; the seconds the loop was blocked, or None: skipped.
 
         The loop only dispatches a host copy of the state (:class:`~training.checkpoint.manager.HostSnapshot`);
-        this tier's save thread hands it to Orbax.  Call it when :meth:`can_save`; a save still in
-        flight is never waited for (None).
+        this tier's save thread writes it.  Call it when :meth:`can_save`; a save still in flight is
+        never waited for (None).
         """
         if self.busy():
             return None
         self._started()
         t0 = time.time()
-        self.bg.start(self._save, state, step, data)
+        self.bg.start(write_step, state, self.directory, step, data, self.keep)
         self.pending.append((step, t0))
         return time.time() - t0
 
-    def _save(self, state: Any, step: int, data: dict[str, Any]) -> None:
-        import orbax.checkpoint as ocp
-
-        self.mngr.save(
-            step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data)), force=True
-        )
-
     def busy(self) -> bool:
-        """A save in flight: still being handed to Orbax, or Orbax still writing it."""
-        return self.bg.busy() or bool(self.mngr.is_saving_in_progress())
+        """A save in flight."""
+        return self.bg is not None and self.bg.busy()
 
     def can_save(self) -> bool:
         """Whether a save due now may start (the loop then brings the step through the guard first).
@@ -292,62 +254,137 @@ class LocalTier:
         return True
 
     def _started(self) -> None:
-        """Raise the save thread's error, if any (the manager is touched only once the thread is done)."""
-        self.bg.collect()
+        """Collect the save thread's outcome: a write that failed (a full tmpfs) turns the tier off."""
+        if self.bg is None:
+            return
+        try:
+            self.bg.collect()
+        except OSError as e:
+            self.enabled = False
+            self.reason = self.failure = f"a local save failed: {e}"
+            self.pending = []
+            _remove_orphans(self.directory, also_mine=True)
 
     def finished(self) -> list[tuple[int, float]]:
         """Saves that have finalised since the last call: (step, seconds from its start)."""
-        if not self.pending or self.bg.busy():
+        if not self.pending or self.busy():
             return []
         self._started()
-        self.mngr.check_for_errors()
-        # Not "no save in progress": saving every few steps, one is nearly always in flight.  A step is
-        # done once it, or a newer one, is finalised on disk (the older may be pruned already).
-        newest = max(finalised_steps(self.directory), default=-1)
-        done = [(step, t0) for step, t0 in self.pending if step <= newest]
-        self.pending = [(step, t0) for step, t0 in self.pending if step > newest]
+        done, self.pending = self.pending, []
         now = time.time()
         return [(step, now - t0) for step, t0 in done]
 
     def restore(self, step: int) -> tuple[Any, dict[str, Any]]:
         """This host's copy of ``step`` as the global state on the current mesh, and its data position."""
-        import jax
-        import orbax.checkpoint as ocp
-        from jax.sharding import NamedSharding
-
-        def local(a: Any) -> Any:
-            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(self.local_mesh, a.sharding.spec))
-
-        target = jax.tree.map(local, self.abstract)
-        args = jax.tree.map(
-            lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype), target
-        )
-        out = self.mngr.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(target, restore_args=args), data=ocp.args.JsonRestore()
-            ),
-        )
-        # This host's shards, which are its part of the global arrays of the current mesh.
-        state = jax.tree.map(
-            lambda x, a: jax.make_array_from_single_device_arrays(
-                a.shape, a.sharding, [s.data for s in x.addressable_shards]
-            ),
-            out["state"],
-            self.abstract,
-        )
-        return state, dict(out["data"])
+        return read_step(self.directory, step, self.abstract)
 
     def wait(self) -> None:
-        if self.mngr is not None:
-            self._started()
-            self.mngr.wait_until_finished()
+        self._started()
 
     def close(self) -> None:
-        if self.mngr is not None:
+        if self.bg is not None:
             self.wait()
-            self.mngr.close()
             self.bg.close()
+
+
+# --- the format of one copy ------------------------------------------------------------------------
+#
+# <step>/state.bin   the distinct shards this process held, one after another
+# <step>/index.json  each leaf (by its path in the state): dtype, shape, each shard's box and bytes
+# <step>/data.json   the data position
+# <step>/COMMITTED   written last, before the directory gets its name
+
+
+def _boxes(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[list[int]]:
+    return [[s.start or 0, n if s.stop is None else s.stop] for s, n in zip(index, shape, strict=True)]
+
+
+def write_step(state: Any, directory: Path, step: int, data: dict[str, Any], keep: int) -> None:
+    """Write this process's shards of ``state`` as local step ``step`` (atomically), then keep the newest ``keep``."""
+    import jax
+    import numpy as np
+
+    tmp = directory / f".{step}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    leaves = []
+    offset = 0
+    with open(tmp / STATE_FILE, "wb") as f:
+        for path, x in jax.tree_util.tree_leaves_with_path(state):
+            seen: set[str] = set()
+            shards = []
+            for shard in x.addressable_shards:
+                box = _boxes(shard.index, x.shape)
+                key = json.dumps(box)
+                if key in seen:  # a replica of a shard already written
+                    continue
+                seen.add(key)
+                buf = np.ascontiguousarray(np.asarray(shard.data))
+                f.write(buf.data)
+                shards.append({"box": box, "offset": offset, "nbytes": buf.nbytes})
+                offset += buf.nbytes
+            leaves.append(
+                {"path": jax.tree_util.keystr(path), "dtype": str(x.dtype), "shape": list(x.shape), "shards": shards}
+            )
+    (tmp / INDEX_FILE).write_text(json.dumps({"step": step, "leaves": leaves}))
+    (tmp / DATA_FILE).write_text(json.dumps(data))
+    (tmp / STEP_MARK).write_text(json.dumps({"step": step, "time": time.time()}))
+    final = directory / str(step)
+    if final.exists():
+        _remove_step(directory, step)
+    os.rename(tmp, final)
+    for old in finalised_steps(directory)[:-keep] if keep > 0 else []:
+        _remove_step(directory, old)
+
+
+def read_step(directory: Path, step: int, abstract: Any) -> tuple[Any, dict[str, Any]]:
+    """Local step ``step`` as arrays of ``abstract``'s shapes and shardings, and its data position.
+
+    The copy holds a whole replica of every array (:func:`why_not_local`), so each array is put
+    together on the host and each of this process's devices gets its part of the current mesh.
+    """
+    import jax
+    import numpy as np
+
+    d = directory / str(step)
+    index = {leaf["path"]: leaf for leaf in json.loads((d / INDEX_FILE).read_text())["leaves"]}
+    raw = np.fromfile(d / STATE_FILE, dtype=np.uint8)
+
+    def load(path: Any, a: Any) -> Any:
+        name = jax.tree_util.keystr(path)
+        leaf = index.get(name)
+        if leaf is None:
+            raise ValueError(f"local step {step} has no array {name}")
+        if tuple(leaf["shape"]) != tuple(a.shape) or np.dtype(leaf["dtype"]) != np.dtype(a.dtype):
+            raise ValueError(
+                f"local step {step}: {name} is {leaf['dtype']}{leaf['shape']}, the state wants {a.dtype}{list(a.shape)}"
+            )
+        whole = np.empty(a.shape, a.dtype)
+        held = 0
+        for sh in leaf["shards"]:
+            box = tuple(slice(lo, hi) for lo, hi in sh["box"])
+            part = raw[sh["offset"] : sh["offset"] + sh["nbytes"]].view(a.dtype)
+            whole[box] = part.reshape(whole[box].shape)
+            held += part.size
+        if held < whole.size:
+            raise ValueError(f"local step {step} holds only part of {name}")
+        return jax.make_array_from_callback(a.shape, a.sharding, lambda ix: whole[ix])
+
+    state = jax.tree_util.tree_map_with_path(load, abstract)
+    return state, dict(json.loads((d / DATA_FILE).read_text()))
+
+
+def _remove_step(directory: Path, step: int) -> None:
+    (directory / MANIFEST.format(step=step)).unlink(missing_ok=True)
+    shutil.rmtree(directory / str(step), ignore_errors=True)
+
+
+def _remove_orphans(directory: Path, also_mine: bool = False) -> None:
+    """Remove copies cut off mid-write by a process that is gone (or by this one)."""
+    for p in directory.glob(".*.tmp-*"):
+        pid = p.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and (not Path(f"/proc/{pid}").exists() or (also_mine and int(pid) == os.getpid())):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def why_not_local(mesh: Any, abstract: Any) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import os
 from typing import Any
 
@@ -23,6 +24,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import type_handlers
 from orbax.checkpoint._src.path import atomicity
 
+from training.checkpoint import packing
 from training.checkpoint.steps import fresh_gcs_listings, record_integrity
 from training.config import Config
 from training.layout import checkpoints_uri, step_uri
@@ -104,8 +106,14 @@ def checkpoint_manager(cfg: Config, run: str, *, async_save: bool | None = None)
     registry = type_handlers.create_type_handler_registry(
         (
             jax.Array,
-            type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL),
-        )
+            type_handlers.ArrayHandler(
+                min_slice_bytes_for_replica_parallel=MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL,
+                # Every restore names its target's shardings: a file per array saying the saved ones
+                # costs a quarter of a small state's save.
+                enable_write_sharding_file=False,
+            ),
+        ),
+        (np.ndarray, type_handlers.NumpyHandler()),  # the packs of small arrays
     )
     handlers = {
         "state": ocp.PyTreeCheckpointHandler(
@@ -116,18 +124,22 @@ def checkpoint_manager(cfg: Config, run: str, *, async_save: bool | None = None)
         ),
         "data": ocp.JsonCheckpointHandler(multiprocessing_options=mp),
         "config": ocp.JsonCheckpointHandler(multiprocessing_options=mp),
+        "layout": ocp.JsonCheckpointHandler(multiprocessing_options=mp),
     }
     return ocp.CheckpointManager(root, options=options, item_handlers=handlers)
 
 
 def save(mngr: ocp.CheckpointManager, step: int, state: State, data: dict[str, Any], cfg: Config) -> bool:
+    """Save ``state`` as step ``step``: its small replicated arrays packed (:mod:`training.checkpoint.packing`)."""
+    tree, layout = packing.pack(state)
     return bool(
         mngr.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.PyTreeSave(state),
+                state=ocp.args.PyTreeSave(tree),
                 data=ocp.args.JsonSave(data),
                 config=ocp.args.JsonSave(cfg.model_dump()),
+                layout=ocp.args.JsonSave(layout.to_json()),
             ),
             force=True,
         )
@@ -135,14 +147,27 @@ def save(mngr: ocp.CheckpointManager, step: int, state: State, data: dict[str, A
 
 
 def restore(mngr: ocp.CheckpointManager, step: int, abstract: State) -> tuple[State, dict[str, Any]]:
+    """Step ``step`` as ``abstract``'s arrays (its shapes and the current mesh's shardings), and its data position."""
+    if "layout" not in mngr.item_metadata(step):  # saved before packing: the state's own tree
+        out = mngr.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(
+                    abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)
+                ),
+                data=ocp.args.JsonRestore(),
+            ),
+        )
+        return out["state"], dict(out["data"])
+    layout = packing.Layout.from_json(
+        mngr.restore(step, args=ocp.args.Composite(layout=ocp.args.JsonRestore()))["layout"]
+    )
+    target, args = packing.targets(layout, abstract)
     out = mngr.restore(
         step,
-        args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)),
-            data=ocp.args.JsonRestore(),
-        ),
+        args=ocp.args.Composite(state=ocp.args.PyTreeRestore(target, restore_args=args), data=ocp.args.JsonRestore()),
     )
-    return out["state"], dict(out["data"])
+    return packing.unpack(out["state"], layout, abstract), dict(out["data"])
 
 
 class HostSnapshot:
@@ -170,16 +195,26 @@ class HostSnapshot:
             if self.fn is not None:
                 return
             kinds = {m.kind for m in jax.local_devices()[0].addressable_memories()}
+            out = jax.tree.map(_saved_sharding, self.abstract)
             if "pinned_host" in kinds:
-                out = jax.tree.map(lambda x: x.sharding.with_memory_kind("pinned_host"), self.abstract)
+                out = jax.tree.map(lambda sh: sh.with_memory_kind("pinned_host"), out)
                 jitted = jax.jit(lambda s: s, out_shardings=out)
             else:
-                jitted = jax.jit(lambda s: jax.tree.map(lambda x: x.copy(), s))
+                jitted = jax.jit(lambda s: jax.tree.map(lambda x: x.copy(), s), out_shardings=out)
             self.fn = jitted.lower(self.abstract).compile()
 
     def __call__(self, state: State) -> State:
         self.prepare()
         return dict(self.fn(state))
+
+
+def _saved_sharding(a: Any) -> Any:
+    """The sharding of a leaf's copy for a save: a small one whole on every device (so it is packed)."""
+    sharding = a.sharding
+    small = math.prod(a.shape) * np.dtype(a.dtype).itemsize <= packing.PACK_MAX_BYTES
+    if small and isinstance(sharding, jax.sharding.NamedSharding) and packing.packable_dtype(a.dtype):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return sharding
 
 
 class BackgroundSave:
@@ -265,35 +300,47 @@ def all_finite(tree: Any) -> bool:
     return all(bool(np.isfinite(np.asarray(x)).all()) for x in jax.tree.leaves(jax.device_get(tree)))
 
 
-def _on_first_device(run: str, step: int) -> tuple[Any, Any, Any]:
-    """(path, checkpointer, target) for reading a step's state onto this process's first device.
+def _read_on_first_device(run: str, step: int, top: str | None = None) -> Any:
+    """A checkpoint's state (or one top-level key of it) on this process's first device, as nested dicts.
 
-    The abstract target is read from the checkpoint's own metadata and given a
-    single-device sharding: Orbax reshards whatever mesh wrote it.
+    Orbax reshards whatever mesh wrote it; a checkpoint saved before packing is read by its own metadata.
     """
     from etils import epath
 
-    path = epath.Path(step_uri(run, step)) / "state"
+    step_dir = epath.Path(step_uri(run, step))
+    path = step_dir / "state"
     ck = ocp.PyTreeCheckpointer()
+    try:
+        doc = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(step_dir / "layout")
+    except FileNotFoundError:  # saved before packing: the state's own tree
+        doc = None
+    if doc is not None:
+        layout = packing.Layout.from_json(doc)
+        if top is not None:
+            layout = layout.only(top)
+        target, args = packing.targets(layout, None)
+        tree = ck.restore(path, args=ocp.args.PyTreeRestore(item=target, restore_args=args, partial_restore=True))
+        state = packing.unpack(tree, layout, None)
+        return state[top] if top is not None else state
     meta = ck.metadata(path)
     tree = getattr(meta, "item_metadata", meta)
     tree = getattr(tree, "tree", tree)
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return path, ck, jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), tree)
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), tree)
+    if top is not None:
+        target = {top: target[top]}
+    args = ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
+    )
+    out = ck.restore(path, args=args)
+    return out[top] if top is not None else dict(out)
 
 
 def load_state_host(run: str, step: int) -> State:
     """A checkpoint's state on this process's first device (audits, tests)."""
-    path, ck, target = _on_first_device(run, step)
-    args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
-    return dict(ck.restore(path, args=args))
+    return dict(_read_on_first_device(run, step))
 
 
 def load_params_host(run: str, step: int) -> Any:
     """A checkpoint's parameters alone on this process's first device (the optimizer state is not read)."""
-    path, ck, target = _on_first_device(run, step)
-    target = {"params": target["params"]}
-    args = ocp.args.PyTreeRestore(
-        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
-    )
-    return ck.restore(path, args=args)["params"]
+    return _read_on_first_device(run, step, "params")

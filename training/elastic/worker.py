@@ -481,6 +481,9 @@ class RoundLoop:
             if self.tier is not None:
                 for done, seconds in self.tier.finished():
                     self.rep.send("local_checkpoint", everyone=True, step=done, seconds=seconds, round=a.round)
+                if self.tier.failure:
+                    self.rep.send("local_tier_off", reason=self.tier.failure)
+                    self.tier.failure = ""
             if save_now:
                 if self.save_and_maybe_stop():
                     return 0
