@@ -42,11 +42,11 @@ test-fast: $(STAMP)
 check: lint typecheck imports
 
 lint: $(STAMP)
-	$(BIN)/ruff check training plugins dags tests examples .ci
-	$(BIN)/ruff format --check training plugins dags tests examples .ci
+	$(BIN)/ruff check training benchmarks plugins dags tests examples .ci
+	$(BIN)/ruff format --check training benchmarks plugins dags tests examples .ci
 
 format: $(STAMP)
-	$(BIN)/ruff format training plugins dags tests examples .ci
+	$(BIN)/ruff format training benchmarks plugins dags tests examples .ci
 
 # mypy: the engine strictly, the Airflow side, and the tests (each test folder on its own: they share module
 # names).  In tests, Optional reads that are indexed at once and the loose typing of Airflow's and protobuf's

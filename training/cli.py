@@ -521,7 +521,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from training import bench
+    from benchmarks import bench
 
     return bench.main(args)
 

@@ -5,7 +5,7 @@
    forming the round, worker start, set-up, restore, compile, first step; for a lost
    follower host, for a lost leader host, against a cold start of the same job from
    the same checkpoint (a fresh ``rtrain train`` process), and against Ray Train v2's
-   elastic trainer on the same model, data and kill (``training/bench_ray.py``).
+   elastic trainer on the same model, data and kill (``benchmarks/ray_baseline.py``).
 2. Checkpoint overhead: steady-state step time with async checkpoints every K
    steps / without, runs interleaved A B A B.
 3. Cost of resilience: tokens/s of the engine / tokens/s of a plain ``jit`` loop written
@@ -276,9 +276,9 @@ def bench_unseen_mesh(ws: Path) -> dict[str, Any]:
 
 
 def bench_ray(ws: Path, ours_s: float) -> dict[str, Any]:
-    """Ray Train v2's elastic trainer on the same model, data and kill (training/bench_ray.py)."""
+    """Ray Train v2's elastic trainer on the same model, data and kill (benchmarks/ray_baseline.py)."""
     try:
-        from training.bench_ray import ray_recovery
+        from benchmarks.ray_baseline import ray_recovery
 
         r = ray_recovery(ws / "ray", str(ws / "data"), hosts=WORKERS, devices_per_host=2)
     except Exception as e:  # noqa: BLE001 - reported in the table, the rest of the bench stands
@@ -492,7 +492,7 @@ def bench_cost(ws: Path, repeats: int) -> dict[str, Any]:
             }
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "training.bench", "plain"],
+                    [sys.executable, "-m", "benchmarks.bench", "plain"],
                     env=env,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.DEVNULL,

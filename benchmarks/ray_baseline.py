@@ -583,6 +583,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # Through the module's own name, so that Ray pickles the train loop by reference.
-    from training.bench_ray import main as _main
+    from benchmarks.ray_baseline import main as _main
 
     sys.exit(_main())
