@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from training.elastic.peerwatch import keepalive
+from training.elastic.peerwatch import accept, keepalive, listening_socket
 
 log = logging.getLogger(__name__)
 
@@ -103,13 +103,7 @@ class Listener:
     """An agent's end: accepts the leader's connections and holds them for as long as this process lives."""
 
     def __init__(self, bind_host: str, advertise_host: str, port: int = 0) -> None:
-        bind_host = bind_host.strip("[]")
-        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
-        self._srv = socket.socket(family, socket.SOCK_STREAM)
-        self._srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._srv.bind((bind_host, port))
-        self._srv.listen(16)
-        self._srv.setblocking(False)
+        self._srv = listening_socket(bind_host, port, 16)
         self.address = f"{advertise_host}:{self._srv.getsockname()[1]}"
         self._loop = _Loop("rtrain-host-watch")
         self._loop.call(self._register)
@@ -118,13 +112,9 @@ class Listener:
         self._loop.sel.register(self._srv, selectors.EVENT_READ, self._accept)
 
     def _accept(self, srv: socket.socket, _mask: int) -> None:
-        try:
-            conn, _ = srv.accept()
-        except OSError:
-            return
-        keepalive(conn)
-        conn.setblocking(False)
-        self._loop.sel.register(conn, selectors.EVENT_READ, self._readable)
+        conn = accept(srv)
+        if conn is not None:
+            self._loop.sel.register(conn, selectors.EVENT_READ, self._readable)
 
     def _readable(self, conn: socket.socket, _mask: int) -> None:
         try:

@@ -51,6 +51,28 @@ def keepalive(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+def listening_socket(bind_host: str, port: int, backlog: int) -> socket.socket:
+    """A non-blocking TCP listener on ``bind_host:port`` (0: any free port; IPv6 when the host is)."""
+    bind_host = bind_host.strip("[]")
+    srv = socket.socket(socket.AF_INET6 if ":" in bind_host else socket.AF_INET, socket.SOCK_STREAM)
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind((bind_host, port))
+    srv.listen(backlog)
+    srv.setblocking(False)
+    return srv
+
+
+def accept(srv: socket.socket) -> socket.socket | None:
+    """The next connection on a listener, with keepalive and non-blocking (None: there was none)."""
+    try:
+        conn, _ = srv.accept()
+    except OSError:
+        return None
+    keepalive(conn)
+    conn.setblocking(False)
+    return conn
+
+
 def _msg(kind: bytes, rank: int) -> bytes:
     return kind + rank.to_bytes(4, "big")
 
@@ -82,13 +104,7 @@ class PeerWatch:
 
     def listen(self, bind_host: str, advertise_host: str, port: int = 0) -> str:
         """Process 0: listen, and return the address the others dial (``host:port``)."""
-        bind_host = bind_host.strip("[]")
-        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
-        srv = socket.socket(family, socket.SOCK_STREAM)
-        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        srv.bind((bind_host, port))
-        srv.listen(max(self.processes, 8))
-        srv.setblocking(False)
+        srv = listening_socket(bind_host, port, max(self.processes, 8))
         self._listener = srv
         self._sel.register(srv, selectors.EVENT_READ, self._accept)
         self.address = f"{advertise_host}:{srv.getsockname()[1]}"
@@ -124,13 +140,9 @@ class PeerWatch:
                 key.data(key.fileobj)
 
     def _accept(self, srv: socket.socket) -> None:
-        try:
-            conn, _ = srv.accept()
-        except OSError:
-            return
-        keepalive(conn)
-        conn.setblocking(False)
-        self._sel.register(conn, selectors.EVENT_READ, lambda c: self._readable(c, None))
+        conn = accept(srv)
+        if conn is not None:
+            self._sel.register(conn, selectors.EVENT_READ, lambda c: self._readable(c, None))
 
     def _readable(self, conn: socket.socket, rank: int | None) -> None:
         """Messages (5 bytes each) from one connection, or its end."""
