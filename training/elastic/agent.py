@@ -38,12 +38,10 @@ import queue
 import re
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +57,7 @@ from training.elastic.codes import AgentExit, WorkerExit
 from training.elastic.hostwatch import HostWatch, Listener
 from training.elastic.leader import Leader, Phase
 from training.elastic.rendezvous import HostRecord, Outcome, Rendezvous, Report, Round
+from training.elastic.workerproc import WorkerProc, spawn_worker
 from training.events import EventLog
 from training.faults import HOST_ACTIONS, STORAGE_ACTIONS, parse_chaos
 from training.layout import CONFIG, LOGS
@@ -107,25 +106,6 @@ def slice_and_index(host: str, hosts_per_slice: int) -> tuple[int, int]:
     if m["slice"] is not None:
         return int(m["slice"]), i
     return i // hosts_per_slice, i % hosts_per_slice
-
-
-@dataclass
-class WorkerProc:
-    """A worker process: a standby until assigned, then this round's worker."""
-
-    proc: subprocess.Popen[bytes]
-    fd: int
-    log: Path
-    round: int = -1
-    rank: int = -1
-    buf: bytes = b""
-    eof: bool = False
-    seen: dict[str, Any] = field(default_factory=dict)  # finished / rescale / guard / corrupt / error / chaos
-    plan: Round | None = None  # the round it was assigned
-
-    @property
-    def assigned(self) -> bool:
-        return self.round >= 0
 
 
 class HostAgent:
@@ -520,79 +500,16 @@ class HostAgent:
     def _spawn(self) -> WorkerProc:
         """A standby worker: it warms up (imports, config, dataset) and waits for its assignment."""
         self.spawned += 1
-        r, w = os.pipe()
-        path = self.log_dir / f"worker-{os.getpid()}-{self.spawned}.log"
-        from training.backends.gke import worker_base_env  # without a round's TPU variables: _round_env sets them
-
-        env = {
-            **worker_base_env(os.environ),
-            "RTRAIN_RUN_URI": self.run_uri,
-            "RTRAIN_HOST": self.host,
-            "RTRAIN_JOB": self.job,
-            "RTRAIN_CONTROL_FD": str(w),
-            "RTRAIN_AGENT_PID": str(os.getpid()),
-            "TF_CPP_MIN_LOG_LEVEL": "2",
-            "PYTHONUNBUFFERED": "1",
-        }
-        if self.cfg.backend == "local":
-            # The local slice: each simulated host is a JAX process with D CPU devices, gloo collectives.
-            env.update(
-                {
-                    "JAX_PLATFORMS": "cpu",
-                    "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
-                    "XLA_FLAGS": f"--xla_force_host_platform_device_count={self.cfg.devices_per_worker}",
-                }
-            )
-        with open(path, "wb") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "training.elastic.worker"],
-                env=env,
-                pass_fds=(w,),
-                stdin=subprocess.PIPE,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        os.close(w)
-        os.set_blocking(r, False)
-        return WorkerProc(proc, r, path)
+        return spawn_worker(
+            self.cfg, self.run_uri, self.host, self.job, self.log_dir / f"worker-{os.getpid()}-{self.spawned}.log"
+        )
 
     @staticmethod
     def _kill(w: WorkerProc) -> None:
-        if w.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                w.proc.kill()
-        w.proc.wait()
-        if not w.eof:
-            w.eof = True
-            os.close(w.fd)
-        if w.proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                w.proc.stdin.close()
+        w.kill()
 
     def _read(self, w: WorkerProc) -> list[dict[str, Any]]:
-        if w.eof:
-            return []
-        chunks = []
-        while True:
-            try:
-                chunk = os.read(w.fd, 1 << 16)
-            except BlockingIOError:
-                break
-            if not chunk:
-                w.eof = True
-                os.close(w.fd)
-                break
-            chunks.append(chunk)
-        w.buf += b"".join(chunks)
-        *lines, w.buf = w.buf.split(b"\n")
-        out = []
-        for line in lines:
-            if line.strip():
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    log.warning("[%s] unreadable report from the worker: %r", self.host, line[:200])
-        return out
+        return w.read(self.host)
 
     def _pump(self) -> None:
         w = self.worker
