@@ -34,14 +34,12 @@ import errno
 import json
 import logging
 import os
-import queue
 import re
 import signal
 import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +56,7 @@ from training.elastic.hostwatch import HostWatch, Listener
 from training.elastic.leader import Leader, Phase
 from training.elastic.rendezvous import HostRecord, Outcome, Rendezvous, Report, Round
 from training.elastic.workerproc import WorkerProc, spawn_worker
+from training.elastic.writer import Writer
 from training.events import EventLog
 from training.faults import HOST_ACTIONS, STORAGE_ACTIONS, parse_chaos
 from training.layout import CONFIG, LOGS
@@ -66,7 +65,6 @@ from training.storage import LASTING_WRITE_ERRORS, Store, is_gcs, is_transient, 
 
 log = logging.getLogger("rtrain.agent")
 
-WRITE_RETRY_S = 120.0  # a report the run root refused for now is tried again this long
 SCALARS_FLUSH_S = 5.0  # step scalars reach the run's TensorBoard files this often (and at each round's end)
 HOST_RE = re.compile(r"^(?:s(?P<slice>\d+)-)?h(?P<index>\d+)$")
 # Worker reports that become events (rank 0's; worker_started and chaos come from every rank).
@@ -174,7 +172,6 @@ class HostAgent:
         self._beat_lock = threading.Lock()  # one record write at a time
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._closing = threading.Event()
         self.worker: WorkerProc | None = None
         self.standby: WorkerProc | None = None
         self.spawned = 0
@@ -196,8 +193,7 @@ class HostAgent:
         self._list_at = time.monotonic()
         self._lead_failing_since: float | None = None  # leading has met a run root failing for now since
         self._step_beat_at = 0.0
-        self._writes: queue.Queue[Callable[[], object] | None] = queue.Queue()
-        self._writer_thread = threading.Thread(target=self._writer, name="writer", daemon=True)
+        self.writer = Writer(host)
 
     # --- small helpers ------------------------------------------------------------------------
 
@@ -211,29 +207,7 @@ class HostAgent:
 
     def emit_later(self, type_: str, **fields: Any) -> None:
         """Write an event from the writer thread, in order: the main loop does not wait for the store."""
-        self._writes.put(lambda: self.emit(type_, **fields))
-
-    def _writer(self) -> None:
-        while True:
-            job = self._writes.get()
-            if job is None:
-                return
-            try:
-                job()
-            except Exception as e:  # noqa: BLE001 - logged; the next write goes on
-                log.warning("[%s] a background write failed: %s", self.host, e)
-
-    def _until_written(self, write: Callable[[], object]) -> None:
-        """Write; a run root that fails for now is tried again (up to WRITE_RETRY_S, while the agent runs)."""
-        give_up = time.monotonic() + WRITE_RETRY_S
-        while True:
-            try:
-                write()
-                return
-            except Exception as e:
-                if not is_transient(e) or time.monotonic() > give_up or self._closing.is_set():
-                    raise
-                time.sleep(0.5)
+        self.writer.put(lambda: self.emit(type_, **fields))
 
     def _coordinator_address(self) -> str:
         port = self.coordinator_port or free_port(self.coordinator_host)
@@ -286,7 +260,7 @@ class HostAgent:
             self._advertise_local(local_tier.read_manifests(self.local_dir))
         beat = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
         beat.start()
-        self._writer_thread.start()
+        self.writer.start()
         self.standby = self._spawn()
         log.info("[%s] agent of job %s on %s, pid %d", self.host, self.job, self.run_uri, os.getpid())
         try:
@@ -378,14 +352,12 @@ class HostAgent:
         return True
 
     def _shutdown(self) -> None:
-        self._closing.set()  # writes still queued are tried once more, not again and again
+        self.writer.closing.set()  # writes still queued are tried once more, not again and again
         for w in (self.worker, self.standby):
             if w is not None:
                 self._kill(w)
         self.worker = self.standby = None
-        self._writes.put(None)
-        if self._writer_thread.is_alive():
-            self._writer_thread.join(timeout=30)  # what the worker reported is on record before the agent goes
+        self.writer.close()  # what the worker reported is on record before the agent goes
         if self.keeper is not None:
             self.keeper.stop()
         with contextlib.suppress(Exception):
@@ -557,7 +529,7 @@ class HostAgent:
                 self.scalars.add(int(msg["step"]), {"tokens_per_s": float(msg["tokens_per_s"])})
         elif t == "checkpoint" and msg.get("committed"):
             step = int(msg["step"])
-            self._writes.put(lambda: self._committed(step, msg))
+            self.writer.put(lambda: self._committed(step, msg))
         elif t in ("finished", "rescale_requested", "guard", "corrupt", "error"):
             w.seen[t] = msg
         elif t == "chaos":
@@ -577,7 +549,7 @@ class HostAgent:
                 )
         elif t == "local_checkpoint":
             round_ = int(msg.get("round", w.round))
-            self._writes.put(lambda: self._describe_local(round_))
+            self.writer.put(lambda: self._describe_local(round_))
         elif t in ("worker_started", "restore", "compiled"):
             w.seen[t] = dict(msg)
         if t == "resumed":
@@ -687,9 +659,9 @@ class HostAgent:
         else:
             # An orderly end is reported after what the worker said before it (its commit records):
             # the leader's next decision reads them.
-            self._writes.put(lambda: self._report(w.round, w.rank, outcome, **fields))
+            self.writer.put(lambda: self._report(w.round, w.rank, outcome, **fields))
         if self.scalars is not None:
-            self._writes.put(self.scalars.flush)
+            self.writer.put(self.scalars.flush)
             self._scalars_at = time.monotonic()
         if self.leaving is not None:
             return  # this host goes: no standby, and it stays "leaving"
@@ -714,7 +686,7 @@ class HostAgent:
         if self.scalars is not None and time.monotonic() - self._scalars_at >= SCALARS_FLUSH_S:
             self._scalars_at = time.monotonic()
             if self.scalars.pending:
-                self._writes.put(self.scalars.flush)
+                self.writer.put(self.scalars.flush)
 
     def _recovered(self, w: WorkerProc, resumed: dict[str, Any]) -> None:
         """Rank 0's first step after a failure or a notice: what the recovery cost, phase by phase."""
@@ -769,7 +741,7 @@ class HostAgent:
         except Exception as e:  # noqa: BLE001 - the leader also sees the heartbeat
             log.warning("[%s] could not report round %s: %s", self.host, round_, e)
             if is_transient(e):  # the writer tries again while the root fails
-                self._writes.put(lambda: self._until_written(lambda: self.rdv.report(rep)))
+                self.writer.put(lambda: self.writer.until_written(lambda: self.rdv.report(rep)))
 
     # --- leading ------------------------------------------------------------------------------
 
