@@ -341,7 +341,7 @@ class HostAgent:
         # lease handed to its next agents; on the local slice the job ends, resumable, unless a
         # scheduler took the hosts (the local slice then holds the run, queued, until they return).
         queued = self.capacity is not None and self.capacity.assigned()
-        if self.leader.phase != Phase.DONE and not (self.leader.fresh() - {self.host}) and not queued:
+        if self.leader.phase != Phase.DONE and not (self.leader.view.fresh() - {self.host}) and not queued:
             if self.capacity is None:
                 self._hand_over_s = self.leader.wait_for_returning_hosts()
             else:

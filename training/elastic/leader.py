@@ -48,10 +48,10 @@ from training.checkpoint.lock import LeaseKeeper, LockLost, RunLock
 from training.checkpoint.retention import USABLE_STATES
 from training.config import Config
 from training.elastic.capacity import LocalCapacity
-from training.elastic.clocks import HostClocks
+from training.elastic.hostview import HostView
 from training.elastic.hostwatch import HostWatch
 from training.elastic.membership import choose_members
-from training.elastic.rendezvous import HostRecord, Outcome, Rendezvous, Report, Round
+from training.elastic.rendezvous import Outcome, Rendezvous, Report, Round
 from training.events import EventLog, RunState, read_status, write_status
 from training.faults import WORKER_SIDE, parse_chaos
 from training.layout import CONTROL, RDV_EVENT_RESERVE, RDV_RESERVE
@@ -104,13 +104,7 @@ class Leader:
         self.ledger = agent.ledger
         self.job = agent.job
         now = time.time()
-        self.hosts: dict[str, HostRecord] = {}
-        self.lost: dict[str, tuple[float, int]] = {}  # host -> (agent start, heartbeat seq) when declared lost
-        self._seen: dict[str, tuple[int, float]] = {}  # host -> (seq, local time it last changed)
-        self.clocks = HostClocks()  # each host's clock against this one, from its beats
-        self.watch = agent.host_watch  # a connection to each host's agent: its end says the agent is gone
-        self._gone_seq: dict[tuple[str, float], int] = {}  # agent -> its heartbeat seq when first seen gone
-        self._hosts_at = 0.0
+        self.view = HostView(self.cfg, self.rdv, self.job, agent.host, agent.host_watch)
         self.round: Round | None = self.rdv.newest_round(self.job)
         self.failures = self.round.failures if self.round else 0
         self.guards = self.round.guards if self.round else 0
@@ -175,8 +169,8 @@ class Leader:
         # A large job's hosts are read less often while it trains; a round to form is read at once.
         steady = self.phase == Phase.RUNNING and self.fail_at is None
         scan_s = self.cadence.hosts_read_s if steady else min(0.25, self.cadence.hosts_read_s)
-        if now - self._hosts_at >= scan_s:
-            self._read_hosts(now)
+        if now - self.view.read_at >= scan_s:
+            self.view.read(now)
         if now - self._control_at >= self.cadence.control_s:
             self._control_at = now
             self._control()
@@ -204,87 +198,6 @@ class Leader:
 
     # --- hosts ----------------------------------------------------------------------------------
 
-    def _read_hosts(self, now: float) -> None:
-        mono = time.monotonic()
-        self.hosts = self.rdv.hosts(self.job)
-        read_at = time.time()
-        self._hosts_at = now  # a scan that failed is tried again at the next tick
-        for h, rec in self.hosts.items():
-            seen = self._seen.get(h)
-            if seen is None:
-                # First sight: date its last beat by the writer's clock (the only time there is).
-                self._seen[h] = (rec.seq, mono - max(now - rec.time, 0.0))
-            elif rec.seq != seen[0]:
-                self._seen[h] = (rec.seq, mono)
-                self.clocks.observe(h, rec.started, rec.time, read_at)  # a beat written since the last read
-            if h != self.agent.host and rec.state not in ("leaving", "gone"):
-                self.watch.watch(h, rec.started, rec.watch)
-
-    def _known_gone(self, host: str) -> bool:
-        """Its agent's host-watch connection ended: the process is gone, whatever its last beat says.
-
-        Unless it beats twice more (a beat written just before it died may be read after): then the
-        connection was cut on the way (a reset, a timeout), the agent lives, and it is dialled again.
-        """
-        rec = self.hosts.get(host)
-        if rec is None or not self.watch.gone(host, rec.started):
-            return False
-        agent = (host, rec.started)
-        seq = self._gone_seq.setdefault(agent, rec.seq)
-        if rec.seq < seq + 2:
-            return True
-        log.warning(
-            "[%s] host %s beats again after its host-watch connection ended: dialled again", self.agent.host, host
-        )
-        del self._gone_seq[agent]
-        self.watch.forget(*agent)
-        return False
-
-    def _age(self, host: str) -> float:
-        if host == self.agent.host:
-            return 0.0  # the leader's own host is alive: it is running this
-        seen = self._seen.get(host)
-        return float("inf") if seen is None else time.monotonic() - seen[1]
-
-    def alive(self) -> set[str]:
-        """Hosts not yet lost: a heartbeat within ``heartbeat_timeout_s``."""
-        return {
-            h
-            for h, r in self.hosts.items()
-            if r.state not in ("leaving", "gone")
-            and self._age(h) < self.cfg.heartbeat_timeout_s
-            and not self._known_gone(h)
-        }
-
-    def fresh(self) -> set[str]:
-        """Hosts a new round may count on: beating now (within ~3 heartbeats), and not declared lost.
-
-        A host declared lost stays lost until it beats again (a later sequence number of the
-        same agent, or a new agent on that host).
-        """
-        return {
-            h
-            for h, r in self.hosts.items()
-            if r.state not in ("leaving", "gone")
-            and self._age(h) < 3 * self.cfg.heartbeat_s
-            and not self._known_gone(h)
-            and not (h in self.lost and self.lost[h] >= (r.started, r.seq))
-        }
-
-    def _declare_lost(self, hosts: list[str]) -> None:
-        for h in hosts:
-            rec = self.hosts.get(h)
-            self.lost[h] = (rec.started, rec.seq) if rec is not None else (float("inf"), 0)
-
-    def _shown_life(self, host: str) -> bool:
-        """A beat newer than the leader's view at the failure, and written after it (by the leader's clock): a
-        beat the leader read late (written just before the host died) is no sign of life."""
-        rec = self.hosts.get(host)
-        if rec is None or rec.state in ("leaving", "gone"):
-            return False
-        written = self.clocks.local_time(host, rec.started, rec.time)
-        return rec.seq > self.seq_at_fail.get(host, -1) and (self.fail_at is None or written > self.fail_at)
-
     # --- phases ---------------------------------------------------------------------------------
 
     def _expected_hosts(self) -> int:
@@ -294,7 +207,7 @@ class Leader:
     def _gather(self, now: float) -> None:
         expected = self._expected_hosts()
         want = max([n for n in feasible_sizes(self.cfg) if n <= expected] or [0])
-        members = choose_members(self.cfg, self.hosts, self.fresh())
+        members = choose_members(self.cfg, self.view.hosts, self.view.fresh())
         if members and (len(members) >= want or now - self.t_phase >= self.cfg.join_timeout_s):
             self._open(members, "start")
         elif now - self.t_phase >= self.cfg.join_timeout_s:
@@ -309,14 +222,20 @@ class Leader:
             pending = [
                 h
                 for h in self.prev_members
-                if not self._shown_life(h) and self._age(h) < settle and not self._known_gone(h)
+                if not self.view.shown_life(h, self.seq_at_fail, self.fail_at)
+                and self.view.age(h) < settle
+                and not self.view.known_gone(h)
             ]
             if pending and now - self.fail_at < self.cfg.heartbeat_timeout_s:
                 return  # let the members of the failed round show they are alive
-        lost = [h for h in self.prev_members if self.fail_at is not None and not self._shown_life(h)]
-        self._declare_lost(lost)
-        alive = self.fresh() - set(lost)
-        members = choose_members(self.cfg, self.hosts, alive, prefer=self.prev_members)
+        lost = [
+            h
+            for h in self.prev_members
+            if self.fail_at is not None and not self.view.shown_life(h, self.seq_at_fail, self.fail_at)
+        ]
+        self.view.declare_lost(lost)
+        alive = self.view.fresh() - set(lost)
+        members = choose_members(self.cfg, self.view.hosts, alive, prefer=self.prev_members)
         resume, resume_step = self._resume_for(members)
         if self.failure is not None:
             if not self._record_failure(lost, resume_step):
@@ -339,7 +258,7 @@ class Leader:
             return []
         common: set[int] | None = None
         for h in members:
-            rec = self.hosts.get(h)
+            rec = self.view.hosts.get(h)
             held = {int(s) for s, r in (rec.local if rec is not None else []) if int(r) >= self.local_floor}
             common = held if common is None else common & held
         newest = self._newest_persistent()
@@ -360,21 +279,21 @@ class Leader:
         return max(steps) if steps else None
 
     def _start_waiting(self, now: float) -> None:
-        n = len(self.fresh())
+        n = len(self.view.fresh())
         self.agent.emit("waiting_for_capacity", available=n, min_workers=self.cfg.min_workers)
         self.status["available"] = n
         self.status["waiting_since"] = now  # whoever holds the run next waits on from here
         self._set_phase(Phase.WAIT)
 
     def _wait(self, now: float) -> None:
-        members = choose_members(self.cfg, self.hosts, self.fresh(), prefer=self.prev_members)
+        members = choose_members(self.cfg, self.view.hosts, self.view.fresh(), prefer=self.prev_members)
         if members is not None:
-            self.agent.emit("capacity", available=len(self.fresh()))
+            self.agent.emit("capacity", available=len(self.view.fresh()))
             self._open(members, "capacity returned")
         elif now - self.t_phase >= self.cfg.capacity_timeout_s:
             self._fail(
                 f"capacity stayed below min_workers={self.cfg.min_workers} for {self.cfg.capacity_timeout_s:.0f}s "
-                f"(available: {len(self.fresh())} hosts)"
+                f"(available: {len(self.view.fresh())} hosts)"
             )
 
     def _open(self, members: list[str], reason: str, resume: str | None = None) -> None:
@@ -395,7 +314,7 @@ class Leader:
             leader=self.agent.host,
             members=members,
             mesh=plan.shape,
-            coordinator=self.hosts[members[0]].coordinator,
+            coordinator=self.view.hosts[members[0]].coordinator,
             resume=self.cfg.resume_from if first else (resume or self._resume_for(members)[0]),
             faults=faults,
             reason=reason,
@@ -457,7 +376,7 @@ class Leader:
         lapsed = [
             h
             for h in rnd.members
-            if h not in reps and (self._age(h) >= self.cfg.heartbeat_timeout_s or self._known_gone(h))
+            if h not in reps and (self.view.age(h) >= self.cfg.heartbeat_timeout_s or self.view.known_gone(h))
         ]
         if failed or lapsed:
             self._failed(rnd, failed, lapsed, now)
@@ -468,7 +387,7 @@ class Leader:
                 missing = sorted(set(rnd.members) - set(reps))
                 self._failed(rnd, [], [], now, f"hosts {missing} did not end round {rnd.round} with the others")
                 return
-        rank0 = self.hosts.get(rnd.members[0])
+        rank0 = self.view.hosts.get(rnd.members[0])
         if rank0 is not None and rank0.round == rnd.round and rank0.step is not None:
             if rank0.step != self.last_step:
                 self.last_step, self.last_step_change = rank0.step, now
@@ -483,7 +402,7 @@ class Leader:
             return
         if not self.rescale_asked:
             # Spares that beat now, members that still do: is a larger round possible?
-            bigger = choose_members(self.cfg, self.hosts, self.fresh(), prefer=rnd.members)
+            bigger = choose_members(self.cfg, self.view.hosts, self.view.fresh(), prefer=rnd.members)
             if bigger is not None and len(bigger) > rnd.workers:
                 self._fence()
                 self.store.put(CONTROL, json.dumps({"round": rnd.round, "action": "stop_at_checkpoint"}).encode())
@@ -539,7 +458,7 @@ class Leader:
     def _failed(self, rnd: Round, failed: list[Report], lapsed: list[str], now: float, why: str = "") -> None:
         """Something broke the round: settle (who is still alive?), then blame, count and re-form."""
         self.fail_at = now
-        self.seq_at_fail = {h: r.seq for h, r in self.hosts.items()}
+        self.seq_at_fail = {h: r.seq for h, r in self.view.hosts.items()}
         for h in lapsed:  # a heartbeat that lapsed is no sign of life, whatever its sequence number
             self.seq_at_fail[h] = 1 << 62
         self.failure = {"round": rnd.round, "reports": failed, "why": why, "detected_at": now, "lapsed": lapsed}
@@ -568,7 +487,7 @@ class Leader:
         # What told the group: the peer watch (a worker left because it saw another process go), a worker
         # that failed on its own, the host watch (an agent's connection ended), a heartbeat that lapsed, or
         # the leader's own checks (a hang, a straggler).
-        ended = [h for h in lost if self._known_gone(h)]  # the rest did not beat since the failure
+        ended = [h for h in lost if self.view.known_gone(h)]  # the rest did not beat since the failure
         if any(r.peer_lost is not None for r in reports):
             detected_by = "peer watch"
         elif reports:
@@ -722,8 +641,8 @@ class Leader:
     # --- the end --------------------------------------------------------------------------------
 
     def _finish(self) -> None:
-        self._read_hosts(time.time())  # the members' last word: the final step and its commit
-        rank0 = self.hosts.get(self.round.members[0]) if self.round is not None else None
+        self.view.read(time.time())  # the members' last word: the final step and its commit
+        rank0 = self.view.hosts.get(self.round.members[0]) if self.round is not None else None
         if rank0 is not None:
             if rank0.step is not None:
                 self.status.update(step=rank0.step, loss=rank0.loss)
@@ -875,7 +794,7 @@ class Leader:
                 "leader": self.agent.host,
                 "steps_total": self.cfg.steps,
                 "failures": self.failures,
-                "hosts_alive": sorted(self.alive()),
+                "hosts_alive": sorted(self.view.alive()),
                 "started_at": self.started_at,
                 "phase": self.phase.value,
             },
