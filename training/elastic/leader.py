@@ -473,48 +473,14 @@ class Leader:
         f = self.failure  # cleared once what the store says is read: a tick the store failed comes back here
         rnd = self.round
         assert rnd is not None
-        # Every failed report of the round by now, not only those that raised the alarm: the peer watch
-        # makes the other processes leave as soon as one fails, and their reports can come first.
-        reports: list[Report] = list(f["reports"])
-        try:
-            later = [r for r in self.rdv.reports(rnd.round).values() if r.outcome == Outcome.FAILED]
-        except Exception as e:  # noqa: BLE001 - blame what raised the alarm
-            log.warning("[%s] could not read round %d's reports: %s", self.agent.host, rnd.round, e)
-            later = []
-        reports += [r for r in later if r.host not in {x.host for x in reports}]
+        reports = self._failed_reports(list(f["reports"]), rnd)
         fault_at = next((r.fault_at for r in reports if r.fault_at), None) or self._fault_time(rnd)
         reached = self._reached(rnd)  # the store is read: what follows is recorded once
-        # What told the group: the peer watch (a worker left because it saw another process go), a worker
-        # that failed on its own, the host watch (an agent's connection ended), a heartbeat that lapsed, or
-        # the leader's own checks (a hang, a straggler).
         ended = [h for h in lost if self.view.known_gone(h)]  # the rest did not beat since the failure
-        if any(r.peer_lost is not None for r in reports):
-            detected_by = "peer watch"
-        elif reports:
-            detected_by = "failed worker"
-        elif f["lapsed"]:
-            detected_by = "host watch" if set(f["lapsed"]) <= set(ended) else "heartbeat timeout"
-        else:
-            detected_by = "leader"
-        blame: Report | None = None
-        if lost:
-            how = "agent gone" if len(ended) == len(lost) else "no heartbeat since the failure"
-            reason = f"host {', '.join(lost)} lost ({how})"
-            for h in lost:
-                self.agent.emit(
-                    "host_lost", host=h, reason="agent gone" if h in ended else "no heartbeat", round=rnd.round
-                )
-        elif f["why"]:
-            reason = f["why"]
-        else:
-            # A worker killed by a signal first, then one that failed on its own, then a bystander
-            # (it left because a peer went first).
-            signalled = [r for r in reports if r.returncode is not None and r.returncode < 0]
-            own = [r for r in reports if r.peer_lost is None]
-            blame = (signalled or own or reports)[0] if reports else None
-            reason = blame.reason if blame is not None else "the round failed"
-            if blame is not None and blame.error:
-                reason += f": {blame.error}"
+        detected_by = detected_by_what(reports, f["lapsed"], ended)
+        for h in lost:
+            self.agent.emit("host_lost", host=h, reason="agent gone" if h in ended else "no heartbeat", round=rnd.round)
+        reason, blame = explain_failure(lost, ended, f["why"], reports)
         self.failure = None
         self.failures += 1
         full = [r for r in reports if "No space left on device" in f"{r.reason} {r.error}"]
@@ -559,6 +525,18 @@ class Leader:
             )
             return False
         return True
+
+    def _failed_reports(self, alarm: list[Report], rnd: Round) -> list[Report]:
+        """Every failed report of the round by now, not only those that raised the alarm.
+
+        The peer watch makes the other processes leave as soon as one fails, and their reports can come first.
+        """
+        try:
+            later = [r for r in self.rdv.reports(rnd.round).values() if r.outcome == Outcome.FAILED]
+        except Exception as e:  # noqa: BLE001 - blame what raised the alarm
+            log.warning("[%s] could not read round %d's reports: %s", self.agent.host, rnd.round, e)
+            later = []
+        return alarm + [r for r in later if r.host not in {x.host for x in alarm}]
 
     def _fault_time(self, rnd: Round) -> float | None:
         """When chaos struck in this round (its event, written before the fault), if it did."""
@@ -799,3 +777,38 @@ class Leader:
                 "phase": self.phase.value,
             },
         )
+
+
+def detected_by_what(reports: list[Report], lapsed: list[str], ended: list[str]) -> str:
+    """What told the group of a failure.
+
+    The peer watch (a worker left because it saw another process go), a worker that failed on its
+    own, the host watch (an agent's connection ended), a heartbeat that lapsed, or the leader's own
+    checks (a hang, a straggler).
+    """
+    if any(r.peer_lost is not None for r in reports):
+        return "peer watch"
+    if reports:
+        return "failed worker"
+    if lapsed:
+        return "host watch" if set(lapsed) <= set(ended) else "heartbeat timeout"
+    return "leader"
+
+
+def explain_failure(lost: list[str], ended: list[str], why: str, reports: list[Report]) -> tuple[str, Report | None]:
+    """(the failure's reason, the worker report blamed for it, if one is).
+
+    Lost hosts come first, then the leader's own finding; else a worker killed by a signal, then one
+    that failed on its own, then a bystander (it left because a peer went first).
+    """
+    if lost:
+        how = "agent gone" if len(ended) == len(lost) else "no heartbeat since the failure"
+        return f"host {', '.join(lost)} lost ({how})", None
+    if why:
+        return why, None
+    signalled = [r for r in reports if r.returncode is not None and r.returncode < 0]
+    own = [r for r in reports if r.peer_lost is None]
+    blame = (signalled or own or reports)[0] if reports else None
+    if blame is None:
+        return "the round failed", None
+    return blame.reason + (f": {blame.error}" if blame.error else ""), blame

@@ -1,0 +1,42 @@
+"""How the leader tells a failure: what detected it, and which reason and worker it blames (pure, tables)."""
+
+from __future__ import annotations
+
+import pytest
+
+from training.elastic.leader import detected_by_what, explain_failure
+from training.elastic.rendezvous import Outcome, Report
+
+
+def _rep(host: str, rank: int, **kw: object) -> Report:
+    return Report(round=3, host=host, rank=rank, outcome=Outcome.FAILED, **kw)
+
+
+@pytest.mark.parametrize(
+    ("reports", "lapsed", "ended", "want"),
+    [
+        ([_rep("h0", 0, peer_lost=1)], [], [], "peer watch"),
+        ([_rep("h1", 1, reason="worker crashed")], [], [], "failed worker"),
+        ([], ["h1"], ["h1"], "host watch"),
+        ([], ["h1", "h2"], ["h1"], "heartbeat timeout"),
+        ([], [], [], "leader"),
+    ],
+)
+def test_what_detected_a_failure(reports: list[Report], lapsed: list[str], ended: list[str], want: str) -> None:
+    assert detected_by_what(reports, lapsed, ended) == want
+
+
+def test_lost_hosts_are_the_reason_and_say_how_they_were_found() -> None:
+    assert explain_failure(["h1"], ["h1"], "", []) == ("host h1 lost (agent gone)", None)
+    assert explain_failure(["h1", "h2"], ["h1"], "", []) == ("host h1, h2 lost (no heartbeat since the failure)", None)
+    assert explain_failure([], [], "step 40 hung for 300s", []) == ("step 40 hung for 300s", None)
+    assert explain_failure([], [], "", []) == ("the round failed", None)
+
+
+def test_a_signalled_worker_is_blamed_before_one_that_failed_on_its_own_before_a_bystander() -> None:
+    bystander = _rep("h0", 0, reason="peer gone", peer_lost=2)
+    own = _rep("h1", 1, reason="worker exited with code 1", error="ValueError: bad batch")
+    killed = _rep("h2", 2, reason="worker killed by SIGKILL", returncode=-9)
+    assert explain_failure([], [], "", [bystander, own, killed]) == ("worker killed by SIGKILL", killed)
+    assert explain_failure([], [], "", [bystander, own]) == ("worker exited with code 1: ValueError: bad batch", own)
+    assert explain_failure([], [], "", [bystander]) == ("peer gone", bystander)
