@@ -154,20 +154,7 @@ class HostAgent:
         base = log_dir or (join(run, LOGS) if not is_gcs(run) else os.path.join("var", "logs", self.cfg.run_name))
         self.log_dir = Path(base) / job / host
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        slice_, index = slice_and_index(host, self.cfg.hosts_per_slice)
-        self.record = HostRecord(
-            host=host,
-            job=job,
-            slice=slice_,
-            index=index,
-            seq=0,
-            time=time.time(),
-            pid=os.getpid(),
-            node=socket.gethostname(),
-            coordinator=self._coordinator_address(),
-            started=started,
-            watch=self.watch_listener.address,
-        )
+        self.record = self._first_record(started)
         self._rec_lock = threading.Lock()
         self._beat_lock = threading.Lock()  # one record write at a time
         self._wake = threading.Event()
@@ -194,6 +181,23 @@ class HostAgent:
         self._lead_failing_since: float | None = None  # leading has met a run root failing for now since
         self._step_beat_at = 0.0
         self.writer = Writer(host)
+
+    def _first_record(self, started: float) -> HostRecord:
+        """This agent's heartbeat record before its first beat: where it is, how to reach it."""
+        slice_, index = slice_and_index(self.host, self.cfg.hosts_per_slice)
+        return HostRecord(
+            host=self.host,
+            job=self.job,
+            slice=slice_,
+            index=index,
+            seq=0,
+            time=time.time(),
+            pid=os.getpid(),
+            node=socket.gethostname(),
+            coordinator=self._coordinator_address(),
+            started=started,
+            watch=self.watch_listener.address,
+        )
 
     # --- small helpers ------------------------------------------------------------------------
 

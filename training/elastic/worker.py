@@ -302,10 +302,8 @@ def restore(
     Every process computes the same decision from the same objects (committed steps, ledger,
     the round's local candidates and every process's verdict on its own copies).
     """
-    from training.checkpoint import manager as ckpt
     from training.checkpoint.local import LocalTier, host_dir, parse_resume
     from training.checkpoint.resume import ResumeError, choose_resume
-    from training.checkpoint.retention import USABLE_STATES
     from training.checkpoint.steps import committed_steps
     from training.elastic.chaos import WorkerChaos
 
@@ -343,19 +341,7 @@ def restore(
             leave(rep, WorkerExit.ERROR, str(e))
         step0 = decision.step
         if step0 is not None:
-            check_integrity(run, step0, ledger, a, rep)
-            pins.pin(step0, "restore")
-            try:
-                state, pos = ckpt.restore(mngr, step0, trainer.abstract)
-            except Exception as e:  # noqa: BLE001 - unreadable data is a corrupt checkpoint; anything else an error
-                if looks_unreadable(e):
-                    rep.send("corrupt", step=step0, reason=f"restore failed: {str(e).strip().splitlines()[0]}")
-                    leave(rep, WorkerExit.CORRUPT)
-                raise
-            pins.unpin(step0)
-            if a.rank == 0 and str(states.get(step0, {}).get("state", "committed")) not in USABLE_STATES:
-                # A later save of a step whose unusable one was moved out: its commit is on record from now on.
-                ledger.record(step0, "committed", reason="committed by Orbax; its writer did not live to record it")
+            state, pos = restore_persistent(run, step0, a, rep, trainer, mngr, ledger, states, pins)
             rep.send(
                 "restore", step=step0, tier="persistent", mesh=shape, workers=a.processes, seconds=time.time() - t0
             )
@@ -363,16 +349,7 @@ def restore(
             state, pos = trainer.init(), {"next_batch": 0}
             rep.send("init", step=0, mesh=shape, workers=a.processes, seconds=time.time() - t0)
     if step0 is not None and pos.get("dataset") not in (None, dataset):
-        if cfg.on_dataset_change != "restart":
-            leave(
-                rep,
-                WorkerExit.ERROR,
-                f"checkpoint {step0} was trained on dataset {pos.get('dataset')}, not {dataset} "
-                "(on_dataset_change=restart continues on the new data)",
-            )
-        # Continual training on refreshed data: the model goes on, the data position starts over.
-        rep.send("data_refreshed", step=step0, old=pos.get("dataset"), new=dataset)
-        pos = {"next_batch": 0, "lr_scale": pos.get("lr_scale", 1.0)}
+        pos = data_changed(cfg, step0, pos, dataset, rep)
     if on:
         tier.forget_after(step0)  # type: ignore[union-attr]
     start = Start(
@@ -395,6 +372,55 @@ def restore(
             "resumed_with", step=start.step, next_batch=start.next_batch, lr_scale=start.lr_scale, skipped=start.skipped
         )
     return start
+
+
+def data_changed(cfg: Any, step: int, pos: dict[str, Any], dataset: str, rep: Reporter) -> dict[str, Any]:
+    """The data position to go on from when checkpoint ``step`` was trained on another dataset (or leave)."""
+    if cfg.on_dataset_change != "restart":
+        leave(
+            rep,
+            WorkerExit.ERROR,
+            f"checkpoint {step} was trained on dataset {pos.get('dataset')}, not {dataset} "
+            "(on_dataset_change=restart continues on the new data)",
+        )
+    # Continual training on refreshed data: the model goes on, the data position starts over.
+    rep.send("data_refreshed", step=step, old=pos.get("dataset"), new=dataset)
+    return {"next_batch": 0, "lr_scale": pos.get("lr_scale", 1.0)}
+
+
+def restore_persistent(
+    run: str,
+    step: int,
+    a: Assignment,
+    rep: Reporter,
+    trainer: Any,
+    mngr: Any,
+    ledger: Any,
+    states: dict[int, dict[str, Any]],
+    pins: Pins,
+) -> tuple[Any, dict[str, Any]]:
+    """Committed checkpoint ``step``, checked and resharded onto this round's mesh, and its data position.
+
+    A checkpoint whose files fail their check, or whose data cannot be read, is reported corrupt and
+    the worker leaves (the leader then resumes from an older one).
+    """
+    from training.checkpoint import manager as ckpt
+    from training.checkpoint.retention import USABLE_STATES
+
+    check_integrity(run, step, ledger, a, rep)
+    pins.pin(step, "restore")
+    try:
+        state, pos = ckpt.restore(mngr, step, trainer.abstract)
+    except Exception as e:  # noqa: BLE001 - unreadable data is a corrupt checkpoint; anything else an error
+        if looks_unreadable(e):
+            rep.send("corrupt", step=step, reason=f"restore failed: {str(e).strip().splitlines()[0]}")
+            leave(rep, WorkerExit.CORRUPT)
+        raise
+    pins.unpin(step)
+    if a.rank == 0 and str(states.get(step, {}).get("state", "committed")) not in USABLE_STATES:
+        # A later save of a step whose unusable one was moved out: its commit is on record from now on.
+        ledger.record(step, "committed", reason="committed by Orbax; its writer did not live to record it")
+    return state, pos
 
 
 def settle_local(tier: Any, rep: Reporter, a: Assignment) -> None:
