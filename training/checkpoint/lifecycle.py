@@ -250,6 +250,46 @@ def goodput(evs: list[dict[str, Any]], steps_total: int) -> dict[str, Any]:
     """
     prog = [e for e in evs if e["type"] == "progress" and e.get("step_time")]
     step_s = statistics.median(e["step_time"] for e in prog) if prog else 0.0
+    wall = _wall_time(evs)
+    cat: dict[str, float] = dict.fromkeys(BADPUT_CAUSES, 0.0)
+    rounds = [e for e in evs if e["type"] == "launch"]
+    steps_lost = _round_badput(evs, rounds, cat)
+    _event_badput(evs, rounds, step_s, cat)
+    cat["replay"] = steps_lost * step_s
+    productive = steps_total * step_s
+    cat["other"] = max(wall - productive - sum(cat.values()), 0.0)
+    # Steps a validation rollback gave up were thrown away on purpose (the model got worse), not lost to
+    # the engine: the engine's own goodput leaves them out of the wall time.
+    engine_wall = wall - cat["rollback_replay"]
+    return {
+        "wall_s": wall,
+        "productive_s": productive,
+        "step_s": step_s,
+        "steps_lost": steps_lost,
+        "badput_s": {k: round(v, 3) for k, v in cat.items()},
+        "recoveries": _recoveries(evs),
+        "goodput": productive / wall if wall > 0 and productive else None,
+        "engine_goodput": productive / engine_wall if engine_wall > 0 and productive else None,
+    }
+
+
+BADPUT_CAUSES = (
+    "detect",
+    "form_round",
+    "worker_start",
+    "setup",
+    "restore",
+    "compile",
+    "first_step",
+    "replay",
+    "rollback_replay",
+    "checkpoint",
+    "waiting_for_capacity",
+)
+
+
+def _wall_time(evs: list[dict[str, Any]]) -> float:
+    """Each job's time from its first launch to its end (or its last event), added up."""
     jobs: dict[str, list[dict[str, Any]]] = {}
     for e in evs:
         jobs.setdefault(str(e.get("job") or _job_of(e, evs)), []).append(e)
@@ -259,23 +299,11 @@ def goodput(evs: list[dict[str, Any]], steps_total: int) -> dict[str, Any]:
         ends = [e["time"] for e in job_evs if e["type"] in ("finished", "failed")]
         if launches:
             wall += (max(ends) if ends else max(e["time"] for e in job_evs)) - min(launches)
-    cat: dict[str, float] = {
-        k: 0.0
-        for k in (
-            "detect",
-            "form_round",
-            "worker_start",
-            "setup",
-            "restore",
-            "compile",
-            "first_step",
-            "replay",
-            "rollback_replay",
-            "checkpoint",
-            "waiting_for_capacity",
-        )
-    }
-    rounds = [e for e in evs if e["type"] == "launch"]
+    return wall
+
+
+def _round_badput(evs: list[dict[str, Any]], rounds: list[dict[str, Any]], cat: dict[str, float]) -> int:
+    """Add each round's start-up to ``cat``; the steps trained again by the round after (not a rollback's)."""
     steps_lost = 0
     for i, launch in enumerate(rounds):
         rnd = launch.get("round", launch.get("attempt"))
@@ -305,6 +333,13 @@ def goodput(evs: list[dict[str, Any]], steps_total: int) -> dict[str, Any]:
             )
             if done and back is not None and back["step"] < max(done) and not rolled_back:
                 steps_lost += max(done) - int(back["step"])
+    return steps_lost
+
+
+def _event_badput(
+    evs: list[dict[str, Any]], rounds: list[dict[str, Any]], step_s: float, cat: dict[str, float]
+) -> None:
+    """Add what single events cost to ``cat``: failures, saves, validation rollbacks, waits for capacity."""
     for e in evs:
         if e["type"] == "failure":
             if e.get("detect_s"):
@@ -324,8 +359,10 @@ def goodput(evs: list[dict[str, Any]], steps_total: int) -> dict[str, Any]:
             )
             if back is not None:
                 cat["waiting_for_capacity"] += back["time"] - e["time"]
-    cat["replay"] = steps_lost * step_s
-    # What each kind of recovery cost, as the agents measured it (failure, notice, guard).
+
+
+def _recoveries(evs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """What each kind of recovery cost, as the agents measured it (failure, notice, guard)."""
     recoveries: dict[str, dict[str, float]] = {}
     for e in evs:
         if e["type"] == "recovered":
@@ -333,21 +370,7 @@ def goodput(evs: list[dict[str, Any]], steps_total: int) -> dict[str, Any]:
             r["count"] += 1
             r["seconds"] = round(r["seconds"] + float(e.get("seconds") or 0.0), 3)
             r["steps_lost"] += int(e.get("steps_lost") or 0)
-    productive = steps_total * step_s
-    cat["other"] = max(wall - productive - sum(cat.values()), 0.0)
-    # Steps a validation rollback gave up were thrown away on purpose (the model got worse), not lost to
-    # the engine: the engine's own goodput leaves them out of the wall time.
-    engine_wall = wall - cat["rollback_replay"]
-    return {
-        "wall_s": wall,
-        "productive_s": productive,
-        "step_s": step_s,
-        "steps_lost": steps_lost,
-        "badput_s": {k: round(v, 3) for k, v in cat.items()},
-        "recoveries": recoveries,
-        "goodput": productive / wall if wall > 0 and productive else None,
-        "engine_goodput": productive / engine_wall if engine_wall > 0 and productive else None,
-    }
+    return recoveries
 
 
 def save_costs(evs: list[dict[str, Any]]) -> dict[str, Any] | None:
