@@ -587,6 +587,33 @@ def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, job: str, num_slices: 
     ``num_slices`` defaults to the most the job may use (``max_workers`` in whole
     slices); the slices whose nodes are missing stay Pending and join when they come.
     """
+    num_slices = _check_slices(cfg, tpu, launch, num_slices)
+    name = jobset_name(cfg.run_name, job)
+    labels = {
+        "app.kubernetes.io/name": "rtrain",
+        "app.kubernetes.io/component": "agent",
+        RUN_LABEL: label_value(cfg.run_name),
+        JOB_LABEL: label_value(job),
+        **launch.labels,
+    }
+    annotations = {RUN_URI_ANNOTATION: cfg.run_uri}
+    container = _container(cfg, tpu, launch, job, name)
+    volumes, pod_annotations = _volumes(cfg, launch, container)
+    pod_spec = _pod_spec(tpu, launch, container, volumes)
+    job_template = _job_template(cfg, tpu.hosts, labels, annotations, {**annotations, **pod_annotations}, pod_spec)
+    return GKEManifests(
+        name=name,
+        namespace=launch.namespace,
+        service=render_service(name, launch.namespace, labels),
+        jobset=_jobset(name, tpu, launch, labels, annotations, job_template, num_slices),
+        num_slices=num_slices,
+        num_processes=num_slices * tpu.hosts,
+        coordinator=coordinator_address(name, launch.coordinator_port),
+    )
+
+
+def _check_slices(cfg: Config, tpu: TPUSlice, launch: GKELaunch, num_slices: int | None) -> int:
+    """The number of slices to render (the most the job may use by default), checked against the config."""
     check_config(cfg, tpu)
     check_grace(cfg, launch)
     k_min, k_max = slice_bounds(cfg, tpu)
@@ -601,39 +628,29 @@ def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, job: str, num_slices: 
             f"min_workers/max_workers: the mesh or global_batch={cfg.global_batch} splits over no number of "
             f"{tpu.machine_type} {tpu.topology} slices in {cfg.min_workers}..{cfg.max_workers} hosts"
         )
-    name = jobset_name(cfg.run_name, job)
-    hosts = tpu.hosts
-    num_processes = num_slices * hosts
-    coordinator = coordinator_address(name, launch.coordinator_port)
-    labels = {
-        "app.kubernetes.io/name": "rtrain",
-        "app.kubernetes.io/component": "agent",
-        RUN_LABEL: label_value(cfg.run_name),
-        JOB_LABEL: label_value(job),
-        **launch.labels,
-    }
-    annotations = {RUN_URI_ANNOTATION: cfg.run_uri}
+    return num_slices
 
+
+def _container(cfg: Config, tpu: TPUSlice, launch: GKELaunch, job: str, name: str) -> dict[str, Any]:
+    """The agent's container: the entrypoint, its environment, its ports and the host's TPU chips."""
     env = [
         _env("RTRAIN_JOB", job),
         _env("RTRAIN_SUBDOMAIN", name),
         _env("RTRAIN_COORDINATOR_PORT", launch.coordinator_port),
-        _env("RTRAIN_HOSTS_PER_SLICE", hosts),
+        _env("RTRAIN_HOSTS_PER_SLICE", tpu.hosts),
         _env("MEGASCALE_PORT", launch.megascale_port),
         _env_field("RTRAIN_SLICE_INDEX", f"metadata.labels['{JOB_INDEX_LABEL}']"),
         _env_field("RTRAIN_HOST_INDEX", f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"),
         _env_field("RTRAIN_POD_IP", "status.podIP"),
     ]
     env += [_env(k, v) for k, v in sorted(launch.env.items())]
-
     chips = str(tpu.chips_per_host)
     resources: dict[str, dict[str, str]] = {"requests": {TPU_RESOURCE: chips}, "limits": {TPU_RESOURCE: chips}}
     if launch.cpu:
         resources["requests"]["cpu"] = launch.cpu
     if launch.memory:
         resources["requests"]["memory"] = launch.memory
-
-    container: dict[str, Any] = {
+    return {
         "name": CONTAINER_NAME,
         "image": launch.image,
         "imagePullPolicy": "IfNotPresent",
@@ -649,9 +666,14 @@ def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, job: str, num_slices: 
         ],
         "resources": resources,
     }
+
+
+def _volumes(cfg: Config, launch: GKELaunch, container: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """(the pod's volumes, the pod annotations they need); mounts them in ``container`` and adds their env."""
     volumes: list[dict[str, Any]] = []
     mounts: list[dict[str, Any]] = []
-    pod_annotations = dict(annotations)
+    pod_annotations: dict[str, str] = {}
+    env = container["env"]
     if cfg.local_checkpoint_every:
         # The local checkpoint tier: host memory that survives the worker (not the pod), as Orbax's
         # multi-tier checkpointing uses on GKE.
@@ -684,7 +706,13 @@ def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, job: str, num_slices: 
         pod_annotations[GCS_FUSE_CACHE_ANNOTATION] = launch.gcs_fuse_cache
     if mounts:
         container["volumeMounts"] = mounts
+    return volumes, pod_annotations
 
+
+def _pod_spec(
+    tpu: TPUSlice, launch: GKELaunch, container: dict[str, Any], volumes: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """One host's pod: on a node of the slice's shape (and pools), never restarted in place."""
     node_selector = {ACCELERATOR_LABEL: tpu.accelerator, TOPOLOGY_LABEL: tpu.topology}
     if launch.spot:
         node_selector[SPOT_LABEL] = "true"
@@ -700,17 +728,10 @@ def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, job: str, num_slices: 
     if launch.service_account:
         pod_spec["serviceAccountName"] = launch.service_account
     if launch.node_pools:
+        pools = {"key": NODEPOOL_LABEL, "operator": "In", "values": list(launch.node_pools)}
         pod_spec["affinity"] = {
             "nodeAffinity": {
-                "requiredDuringSchedulingIgnoredDuringExecution": {
-                    "nodeSelectorTerms": [
-                        {
-                            "matchExpressions": [
-                                {"key": NODEPOOL_LABEL, "operator": "In", "values": list(launch.node_pools)}
-                            ]
-                        }
-                    ]
-                }
+                "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": [pools]}]}
             }
         }
     if launch.spot:
@@ -720,8 +741,19 @@ def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, job: str, num_slices: 
     if launch.host_network:
         pod_spec["hostNetwork"] = True
         pod_spec["dnsPolicy"] = "ClusterFirstWithHostNet"
+    return pod_spec
 
-    job_template = {
+
+def _job_template(
+    cfg: Config,
+    hosts: int,
+    labels: dict[str, str],
+    annotations: dict[str, str],
+    pod_annotations: dict[str, str],
+    pod_spec: dict[str, Any],
+) -> dict[str, Any]:
+    """The Job of one slice: an indexed pod per host, recreated when it fails."""
+    return {
         "metadata": {"labels": dict(labels), "annotations": dict(annotations)},
         "spec": {
             "parallelism": hosts,
@@ -749,6 +781,18 @@ def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, job: str, num_slices: 
             },
         },
     }
+
+
+def _jobset(
+    name: str,
+    tpu: TPUSlice,
+    launch: GKELaunch,
+    labels: dict[str, str],
+    annotations: dict[str, str],
+    job_template: dict[str, Any],
+    num_slices: int,
+) -> dict[str, Any]:
+    """The JobSet: ``num_slices`` copies of the slice's Job, one slice per node pool, admitted whole by Kueue."""
     jobset_annotations = dict(annotations)
     jobset_labels = dict(labels)
     if launch.kueue_queue is not None:
@@ -759,7 +803,7 @@ def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, job: str, num_slices: 
     if tpu.multi_host:
         # One slice per node pool: a multi-host pool is exactly one ICI-connected slice.
         jobset_annotations[EXCLUSIVE_TOPOLOGY_ANNOTATION] = NODEPOOL_LABEL
-    jobset = {
+    return {
         "apiVersion": JOBSET_API_VERSION,
         "kind": "JobSet",
         "metadata": {
@@ -775,15 +819,6 @@ def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, job: str, num_slices: 
             "replicatedJobs": [{"name": REPLICATED_JOB, "replicas": num_slices, "template": job_template}],
         },
     }
-    return GKEManifests(
-        name=name,
-        namespace=launch.namespace,
-        service=render_service(name, launch.namespace, labels),
-        jobset=jobset,
-        num_slices=num_slices,
-        num_processes=num_processes,
-        coordinator=coordinator,
-    )
 
 
 def priority_class_name(priority: str) -> str:
