@@ -312,14 +312,7 @@ def prepare(
     (and to train a BPE) rather than held in memory; the fingerprint is what
     makes "same dataset" decidable before any write.
     """
-    if seq_len < 1:
-        raise DatasetError(f"seq_len must be >= 1, got {seq_len}")
-    if not 0.0 <= val_fraction < 1.0:
-        raise DatasetError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    if max_bytes is not None and max_bytes < 1:
-        raise DatasetError(f"max_bytes must be >= 1 or None, got {max_bytes}")
-    if records_per_shard < 1:
-        raise DatasetError(f"records_per_shard must be >= 1, got {records_per_shard}")
+    _check_args(seq_len, val_fraction, max_bytes, records_per_shard)
     say = _Progress(progress)
     record_len = seq_len + 1
     spec: Tokenizer | BPETrainer = resolve(tokenizer, vocab_size) if isinstance(tokenizer, str) else tokenizer
@@ -330,19 +323,7 @@ def prepare(
     src = open_source(source, fmt, field)
     desc = src.desc
     say(f"reading {src.files} {src.fmt} file{'' if src.files == 1 else 's'} from {desc}")
-    files: list[_File] = []
-    used = 0
-    for i, doc in enumerate(src.documents()):
-        if max_bytes is not None and used >= max_bytes:
-            break
-        data = doc.read(None if max_bytes is None else max_bytes - used)
-        if data:
-            files.append(_File(doc.name, len(data), hashlib.sha256(data).hexdigest()))
-            used += len(data)
-        say(f"hashed {i + 1} documents, {used:,} bytes", force=False)
-    say(f"hashed {len(files)} documents, {used:,} bytes")
-    if not files:
-        raise DatasetError(f"no input data in {desc}")
+    files, used = _hash_documents(src, max_bytes, say)
     files = _assign_splits(files, val_fraction, seq_len)
     definition: dict[str, Any] = {
         "format": FORMAT,
@@ -367,15 +348,7 @@ def prepare(
         if existing.get("fingerprint") == fingerprint:
             say(f"{output} is already prepared (fingerprint {fingerprint[:12]}); nothing to do")
             return existing
-        if not overwrite:
-            raise DatasetExistsError(
-                f"{output} already holds a different dataset (fingerprint {str(existing.get('fingerprint'))[:12]}, "
-                f"from {existing.get('source')!r}, seq_len {existing.get('seq_len')}, tokenizer "
-                f"{_describe_tokenizer(existing.get('tokenizer'))}); this preparation's fingerprint is "
-                f"{fingerprint[:12]} (tokenizer {this_tokenizer}). Choose another output or pass overwrite=True."
-            )
-        # The manifest goes first: from here on the output is visibly incomplete.
-        store.delete(MANIFEST)
+        _replace_existing(store, existing, output, fingerprint, this_tokenizer, overwrite)
 
     with tempfile.TemporaryDirectory(prefix="rtrain-prepare-") as tmp:
         # Pass 2 (bpe only): train the tokenizer on the train split's documents.
@@ -397,34 +370,13 @@ def prepare(
         # Shards of an interrupted or replaced preparation that this one will not
         # overwrite (another shard count), and a tokenizer file it does not use,
         # would otherwise lie about the dataset.
-        planned = {_shard_name(s, i, counts[s]) for s in SPLITS for i in range(counts[s])}
-        for key in store.list():
-            if "/" in key:
-                continue
-            stale_shard = key.endswith(".array_record") and key.split("-")[0] in SPLITS and key not in planned
-            if stale_shard or (key in TOKENIZER_FILES and key != tok.file):
-                store.delete(key)
+        _remove_stale(store, {_shard_name(s, i, counts[s]) for s in SPLITS for i in range(counts[s])}, tok)
         raw = tok.definition()
         if tok.file is not None and raw is not None:
             store.put(tok.file, raw)
-
-        dtype = np.dtype(tok.token_dtype)
-        # (an empty file cannot be mapped)
-        size = os.path.getsize(tokens_path)
-        stream = np.memmap(tokens_path, dtype=dtype, mode="r") if size else np.zeros(0, dtype=dtype)
-        record_bytes = record_len * dtype.itemsize
         writers = {s: _ShardedWriter(store, tmp, s, plan[s], records_per_shard, say) for s in SPLITS}
-        buffers = {s: bytearray() for s in SPLITS}
-        for i, f in enumerate(files):
-            buf = buffers[f.split]
-            buf += stream[offsets[f.name] : offsets[f.name] + lengths[f.name]].tobytes()
-            n = len(buf) // record_bytes
-            for r in range(n):
-                writers[f.split].write(bytes(buf[r * record_bytes : (r + 1) * record_bytes]))
-            del buf[: n * record_bytes]
-            say(f"packed {i + 1}/{len(files)} documents", force=False)
+        _pack(tokens_path, np.dtype(tok.token_dtype), record_len, files, offsets, lengths, writers, say)
         splits = {s: writers[s].finish() for s in SPLITS}
-        del stream
 
     tokens = sum(lengths.values())
     entry = tok.manifest_entry()
@@ -456,6 +408,90 @@ def prepare(
         f"(fingerprint {fingerprint[:12]})"
     )
     return manifest
+
+
+def _check_args(seq_len: int, val_fraction: float, max_bytes: int | None, records_per_shard: int) -> None:
+    if seq_len < 1:
+        raise DatasetError(f"seq_len must be >= 1, got {seq_len}")
+    if not 0.0 <= val_fraction < 1.0:
+        raise DatasetError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if max_bytes is not None and max_bytes < 1:
+        raise DatasetError(f"max_bytes must be >= 1 or None, got {max_bytes}")
+    if records_per_shard < 1:
+        raise DatasetError(f"records_per_shard must be >= 1, got {records_per_shard}")
+
+
+def _hash_documents(src: Source, max_bytes: int | None, say: _Progress) -> tuple[list[_File], int]:
+    """Pass 1: each document that will be used, with its size and SHA-256; the bytes used in all."""
+    files: list[_File] = []
+    used = 0
+    for i, doc in enumerate(src.documents()):
+        if max_bytes is not None and used >= max_bytes:
+            break
+        data = doc.read(None if max_bytes is None else max_bytes - used)
+        if data:
+            files.append(_File(doc.name, len(data), hashlib.sha256(data).hexdigest()))
+            used += len(data)
+        say(f"hashed {i + 1} documents, {used:,} bytes", force=False)
+    say(f"hashed {len(files)} documents, {used:,} bytes")
+    if not files:
+        raise DatasetError(f"no input data in {src.desc}")
+    return files, used
+
+
+def _replace_existing(
+    store: Store, existing: dict[str, Any], output: str, fingerprint: str, this_tokenizer: str, overwrite: bool
+) -> None:
+    """Refuse to replace another dataset at ``output`` unless told to; then make it visibly incomplete."""
+    if not overwrite:
+        raise DatasetExistsError(
+            f"{output} already holds a different dataset (fingerprint {str(existing.get('fingerprint'))[:12]}, "
+            f"from {existing.get('source')!r}, seq_len {existing.get('seq_len')}, tokenizer "
+            f"{_describe_tokenizer(existing.get('tokenizer'))}); this preparation's fingerprint is "
+            f"{fingerprint[:12]} (tokenizer {this_tokenizer}). Choose another output or pass overwrite=True."
+        )
+    # The manifest goes first: from here on the output is visibly incomplete.
+    store.delete(MANIFEST)
+
+
+def _remove_stale(store: Store, planned: set[str], tok: Tokenizer) -> None:
+    """Remove shards this preparation will not overwrite and a tokenizer file it does not use.
+
+    (Left by an interrupted or replaced preparation of another shard count, they would lie about the dataset.)
+    """
+    for key in store.list():
+        if "/" in key:
+            continue
+        stale_shard = key.endswith(".array_record") and key.split("-")[0] in SPLITS and key not in planned
+        if stale_shard or (key in TOKENIZER_FILES and key != tok.file):
+            store.delete(key)
+
+
+def _pack(
+    tokens_path: str,
+    dtype: np.dtype[Any],
+    record_len: int,
+    files: list[_File],
+    offsets: dict[str, int],
+    lengths: dict[str, int],
+    writers: dict[str, _ShardedWriter],
+    say: _Progress,
+) -> None:
+    """Pack each split's documents, in order, as one stream of token ids cut into records."""
+    # (an empty file cannot be mapped)
+    size = os.path.getsize(tokens_path)
+    stream = np.memmap(tokens_path, dtype=dtype, mode="r") if size else np.zeros(0, dtype=dtype)
+    record_bytes = record_len * dtype.itemsize
+    buffers = {s: bytearray() for s in SPLITS}
+    for i, f in enumerate(files):
+        buf = buffers[f.split]
+        buf += stream[offsets[f.name] : offsets[f.name] + lengths[f.name]].tobytes()
+        n = len(buf) // record_bytes
+        for r in range(n):
+            writers[f.split].write(bytes(buf[r * record_bytes : (r + 1) * record_bytes]))
+        del buf[: n * record_bytes]
+        say(f"packed {i + 1}/{len(files)} documents", force=False)
+    del stream
 
 
 def _read_manifest(store: Store) -> dict[str, Any] | None:
