@@ -250,32 +250,8 @@ def events_cursor(events: list[dict[str, Any]]) -> str | None:
     return f"{events[-1]['_key']}#{len(events)}" if events and "_key" in events[-1] else None
 
 
-def chart_data(
-    events: list[dict[str, Any]], ledger: dict[int, dict[str, Any]], status: dict[str, Any] | None
-) -> dict[str, Any]:
-    """What the Training view draws, from the run's events, its ledger and its status.
-
-    * ``loss``: aligned columns over ``step``: ``train`` (the newest loss logged at each step),
-      ``discarded`` (losses of steps that were trained again after a restore or a rollback),
-      ``validated`` and ``rejected`` (validation loss by verdict);
-    * ``hosts``: aligned columns over ``time``: ``workers`` (hosts in the job, 0 once it ended),
-      ``mesh`` (its name) and ``step`` (progress over time);
-    * ``markers``: ``{kind, step, time, label}``, kind one of failure, recovery, resize, rollback, promotion;
-    * ``rounds``, ``checkpoints`` (the ledger), ``timeline`` (notable events in words), ``latest``.
-    """
-    from training.api import describe
-
-    last_step: int | None = None
-    train: dict[int, float | None] = {}
-    discarded: dict[int, float | None] = {}
-    verdicts: dict[str, dict[int, float | None]] = {"validated": {}, "rejected": {}}  # a step may have both
-    markers: list[dict[str, Any]] = []
-    pending: list[dict[str, Any]] = []  # failures not yet recovered from (as the sensor's trigger counts them)
-    host_points: list[tuple[float, int | None, str | None, int | None]] = []  # time, workers, mesh, step
-    rounds: list[dict[str, Any]] = []
-    timeline: list[dict[str, Any]] = []
-    latest: dict[str, Any] = {}
-    notable = {
+NOTABLE = frozenset(
+    {
         "launch",
         "failure",
         "resumed",
@@ -294,140 +270,212 @@ def chart_data(
         "guard",
         "rescale_requested",
     }
+)  # the event types the Training view's timeline shows
 
-    def at(ev: dict[str, Any]) -> int | None:
-        step = ev.get("step")
-        return step if isinstance(step, int) and not isinstance(step, bool) else last_step
 
+def chart_data(
+    events: list[dict[str, Any]], ledger: dict[int, dict[str, Any]], status: dict[str, Any] | None
+) -> dict[str, Any]:
+    """What the Training view draws, from the run's events, its ledger and its status.
+
+    * ``loss``: aligned columns over ``step``: ``train`` (the newest loss logged at each step),
+      ``discarded`` (losses of steps that were trained again after a restore or a rollback),
+      ``validated`` and ``rejected`` (validation loss by verdict);
+    * ``hosts``: aligned columns over ``time``: ``workers`` (hosts in the job, 0 once it ended),
+      ``mesh`` (its name) and ``step`` (progress over time);
+    * ``markers``: ``{kind, step, time, label}``, kind one of failure, recovery, resize, rollback, promotion;
+    * ``rounds``, ``checkpoints`` (the ledger), ``timeline`` (notable events in words), ``latest``.
+    """
+    seen = _ChartEvents()
     for ev in events:
-        kind, t = ev.get("type"), float(ev.get("time") or 0.0)
-        if kind == "progress" and isinstance(ev.get("step"), int):
-            step = int(ev["step"])
-            if step in train:
-                discarded[step] = train[step]
-            train[step] = number(ev.get("loss"))
-            last_step = step
-            host_points.append((t, None, None, step))
-            latest = {
-                k: finite(ev.get(k)) for k in ("step", "loss", "tokens_per_s", "step_time", "grad_norm", "accuracy")
-            }
-        elif kind == "validation" and isinstance(ev.get("step"), int):
-            verdict = str(ev.get("verdict"))
-            if verdict == "promoted":
-                markers.append(
-                    {"kind": "promotion", "step": ev["step"], "time": t, "label": f"step {ev['step']} promoted"}
-                )
-            elif verdict in ("validated", "rejected"):
-                loss = (ev.get("metrics") or {}).get("loss") if isinstance(ev.get("metrics"), dict) else None
-                verdicts[verdict][int(ev["step"])] = number(loss)
-        elif kind == "failure":
-            pending.append(ev)
-            markers.append({"kind": "failure", "step": at(ev), "time": t, "label": f"failure: {ev.get('reason')}"})
-        elif kind == "resumed":
-            if pending:
-                first = pending[0]
-                pending.clear()  # one recovery may absorb several failures
-                took = t - float(first.get("fault_at") or first.get("time") or t)
-                markers.append(
-                    {
-                        "kind": "recovery",
-                        "step": at(ev),
-                        "time": t,
-                        "recovery_s": round(took, 3),
-                        "label": f"training again at step {ev.get('step')} after {took:.1f}s "
-                        f"({one_line(str(first.get('reason')), 80)})",
-                    }
-                )
-        elif kind == "resize":
-            host_points.append((t, ev.get("new_workers"), mesh_name(ev.get("new_mesh")), None))
-            markers.append(
-                {
-                    "kind": "resize",
-                    "step": at(ev),
-                    "time": t,
-                    "label": f"{ev.get('old_workers')} -> {ev.get('new_workers')} hosts, mesh "
-                    f"{mesh_name(ev.get('old_mesh'))} -> {mesh_name(ev.get('new_mesh'))}",
-                }
-            )
-        elif kind == "rollback":
-            if ev.get("kind") == "in-job":
-                pending.append(ev)
-            from_step = ev.get("from_step") if isinstance(ev.get("from_step"), int) else at(ev)
-            markers.append(
-                {
-                    "kind": "rollback",
-                    "step": from_step,
-                    "time": t,
-                    "label": f"rollback ({ev.get('kind') or 'manual'}): step {ev.get('from_step')} -> "
-                    f"{ev.get('to_step')}",
-                }
-            )
-        elif kind == "launch":
-            n = ev.get("workers") if isinstance(ev.get("workers"), int) else None
-            rounds.append(
-                {
-                    "time": t,
-                    "round": ev.get("round", ev.get("attempt")),
-                    "workers": n,
-                    "mesh": mesh_name(ev.get("mesh")),
-                    "members": ev.get("members"),
-                }
-            )
-            host_points.append((t, n, mesh_name(ev.get("mesh")), None))
-        elif kind in ("finished", "failed"):
-            host_points.append((t, 0, "-", None))
-        if kind in notable:
-            timeline.append({"time": t, "type": kind, "step": at(ev), "text": one_line(describe(ev), 240)})
-
-    steps = sorted(set(train) | set(discarded) | set(verdicts["validated"]) | set(verdicts["rejected"]))
-    loss = {
-        "step": steps,
-        "train": [train.get(s) for s in steps],
-        "discarded": [discarded.get(s) for s in steps],
-        "validated": [verdicts["validated"].get(s) for s in steps],
-        "rejected": [verdicts["rejected"].get(s) for s in steps],
-    }
-    # Hosts over time: the number of hosts holds until the next launch, resize or end (a stepped line).
-    host_points.sort(key=lambda p: p[0])
-    hosts: dict[str, list[Any]] = {"time": [], "workers": [], "mesh": [], "step": []}
-    workers: int | None = None
-    mesh: str | None = None
-    for when, w, m, at_step in host_points:
-        if at_step is None:
-            workers, mesh = w, m
-        hosts["time"].append(round(when, 3))
-        hosts["workers"].append(workers)
-        hosts["mesh"].append(mesh)
-        hosts["step"].append(at_step)
-    checkpoints = [
-        {
-            "step": step,
-            "state": rec.get("state"),
-            "history": rec.get("history") or [],
-            "loss": finite((rec.get("metrics") or {}).get("loss")) if isinstance(rec.get("metrics"), dict) else None,
-            "accuracy": finite((rec.get("metrics") or {}).get("accuracy"))
-            if isinstance(rec.get("metrics"), dict)
-            else None,
-            "reason": rec.get("reason") or "",
-            "time": rec.get("time"),
-        }
-        for step, rec in sorted(ledger.items())
-    ]
+        seen.add(ev)
     st = finite(status) if status else None
     if st is not None and st.get("state") in ALIVE and isinstance(st.get("updated_at"), int | float):
         st["stale_s"] = round(time.time() - float(st["updated_at"]), 1)
     return {
         "status": st,
         "cursor": events_cursor(events),
-        "loss": loss,
-        "hosts": hosts,
-        "markers": markers,
-        "rounds": rounds,
-        "checkpoints": checkpoints,
-        "timeline": timeline[-200:],
-        "latest": latest,
+        "loss": seen.loss_columns(),
+        "hosts": seen.host_columns(),
+        "markers": seen.markers,
+        "rounds": seen.rounds,
+        "checkpoints": _checkpoint_rows(ledger),
+        "timeline": seen.timeline[-200:],
+        "latest": seen.latest,
         "events": len(events),
     }
+
+
+class _ChartEvents:
+    """The Training view's series, built one event at a time (in the events' order)."""
+
+    def __init__(self) -> None:
+        self.last_step: int | None = None
+        self.train: dict[int, float | None] = {}
+        self.discarded: dict[int, float | None] = {}
+        self.verdicts: dict[str, dict[int, float | None]] = {"validated": {}, "rejected": {}}  # a step may have both
+        self.markers: list[dict[str, Any]] = []
+        self.pending: list[dict[str, Any]] = []  # failures not yet recovered from (as the sensor's trigger counts them)
+        self.host_points: list[tuple[float, int | None, str | None, int | None]] = []  # time, workers, mesh, step
+        self.rounds: list[dict[str, Any]] = []
+        self.timeline: list[dict[str, Any]] = []
+        self.latest: dict[str, Any] = {}
+
+    def at(self, ev: dict[str, Any]) -> int | None:
+        """The event's step, or the newest step logged before it."""
+        step = ev.get("step")
+        return step if isinstance(step, int) and not isinstance(step, bool) else self.last_step
+
+    def add(self, ev: dict[str, Any]) -> None:
+        from training.api import describe
+
+        kind, t = ev.get("type"), float(ev.get("time") or 0.0)
+        handler = {
+            "progress": self._progress,
+            "validation": self._validation,
+            "failure": self._failure,
+            "resumed": self._resumed,
+            "resize": self._resize,
+            "rollback": self._rollback,
+            "launch": self._launch,
+        }.get(str(kind))
+        if handler is not None:
+            handler(ev, t)
+        elif kind in ("finished", "failed"):
+            self.host_points.append((t, 0, "-", None))
+        if kind in NOTABLE:
+            self.timeline.append({"time": t, "type": kind, "step": self.at(ev), "text": one_line(describe(ev), 240)})
+
+    def _progress(self, ev: dict[str, Any], t: float) -> None:
+        if not isinstance(ev.get("step"), int):
+            return
+        step = int(ev["step"])
+        if step in self.train:
+            self.discarded[step] = self.train[step]
+        self.train[step] = number(ev.get("loss"))
+        self.last_step = step
+        self.host_points.append((t, None, None, step))
+        self.latest = {
+            k: finite(ev.get(k)) for k in ("step", "loss", "tokens_per_s", "step_time", "grad_norm", "accuracy")
+        }
+
+    def _validation(self, ev: dict[str, Any], t: float) -> None:
+        if not isinstance(ev.get("step"), int):
+            return
+        verdict = str(ev.get("verdict"))
+        if verdict == "promoted":
+            self.markers.append(
+                {"kind": "promotion", "step": ev["step"], "time": t, "label": f"step {ev['step']} promoted"}
+            )
+        elif verdict in ("validated", "rejected"):
+            loss = (ev.get("metrics") or {}).get("loss") if isinstance(ev.get("metrics"), dict) else None
+            self.verdicts[verdict][int(ev["step"])] = number(loss)
+
+    def _failure(self, ev: dict[str, Any], t: float) -> None:
+        self.pending.append(ev)
+        self.markers.append(
+            {"kind": "failure", "step": self.at(ev), "time": t, "label": f"failure: {ev.get('reason')}"}
+        )
+
+    def _resumed(self, ev: dict[str, Any], t: float) -> None:
+        if not self.pending:
+            return
+        first = self.pending[0]
+        self.pending.clear()  # one recovery may absorb several failures
+        took = t - float(first.get("fault_at") or first.get("time") or t)
+        self.markers.append(
+            {
+                "kind": "recovery",
+                "step": self.at(ev),
+                "time": t,
+                "recovery_s": round(took, 3),
+                "label": f"training again at step {ev.get('step')} after {took:.1f}s "
+                f"({one_line(str(first.get('reason')), 80)})",
+            }
+        )
+
+    def _resize(self, ev: dict[str, Any], t: float) -> None:
+        self.host_points.append((t, ev.get("new_workers"), mesh_name(ev.get("new_mesh")), None))
+        self.markers.append(
+            {
+                "kind": "resize",
+                "step": self.at(ev),
+                "time": t,
+                "label": f"{ev.get('old_workers')} -> {ev.get('new_workers')} hosts, mesh "
+                f"{mesh_name(ev.get('old_mesh'))} -> {mesh_name(ev.get('new_mesh'))}",
+            }
+        )
+
+    def _rollback(self, ev: dict[str, Any], t: float) -> None:
+        if ev.get("kind") == "in-job":
+            self.pending.append(ev)
+        from_step = ev.get("from_step") if isinstance(ev.get("from_step"), int) else self.at(ev)
+        self.markers.append(
+            {
+                "kind": "rollback",
+                "step": from_step,
+                "time": t,
+                "label": f"rollback ({ev.get('kind') or 'manual'}): step {ev.get('from_step')} -> {ev.get('to_step')}",
+            }
+        )
+
+    def _launch(self, ev: dict[str, Any], t: float) -> None:
+        n = ev.get("workers") if isinstance(ev.get("workers"), int) else None
+        self.rounds.append(
+            {
+                "time": t,
+                "round": ev.get("round", ev.get("attempt")),
+                "workers": n,
+                "mesh": mesh_name(ev.get("mesh")),
+                "members": ev.get("members"),
+            }
+        )
+        self.host_points.append((t, n, mesh_name(ev.get("mesh")), None))
+
+    def loss_columns(self) -> dict[str, list[Any]]:
+        steps = sorted(
+            set(self.train) | set(self.discarded) | set(self.verdicts["validated"]) | set(self.verdicts["rejected"])
+        )
+        return {
+            "step": steps,
+            "train": [self.train.get(s) for s in steps],
+            "discarded": [self.discarded.get(s) for s in steps],
+            "validated": [self.verdicts["validated"].get(s) for s in steps],
+            "rejected": [self.verdicts["rejected"].get(s) for s in steps],
+        }
+
+    def host_columns(self) -> dict[str, list[Any]]:
+        """Hosts over time: the number of hosts holds until the next launch, resize or end (a stepped line)."""
+        hosts: dict[str, list[Any]] = {"time": [], "workers": [], "mesh": [], "step": []}
+        workers: int | None = None
+        mesh: str | None = None
+        for when, w, m, at_step in sorted(self.host_points, key=lambda p: p[0]):
+            if at_step is None:
+                workers, mesh = w, m
+            hosts["time"].append(round(when, 3))
+            hosts["workers"].append(workers)
+            hosts["mesh"].append(mesh)
+            hosts["step"].append(at_step)
+        return hosts
+
+
+def _checkpoint_rows(ledger: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ledger, one row a step: its state, history, validation metrics and reason."""
+    rows = []
+    for step, rec in sorted(ledger.items()):
+        metrics = rec.get("metrics") if isinstance(rec.get("metrics"), dict) else None
+        rows.append(
+            {
+                "step": step,
+                "state": rec.get("state"),
+                "history": rec.get("history") or [],
+                "loss": finite((metrics or {}).get("loss")) if metrics is not None else None,
+                "accuracy": finite((metrics or {}).get("accuracy")) if metrics is not None else None,
+                "reason": rec.get("reason") or "",
+                "time": rec.get("time"),
+            }
+        )
+    return rows
 
 
 def goodput_breakdown(report: dict[str, Any]) -> dict[str, Any] | None:
