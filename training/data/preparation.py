@@ -325,19 +325,7 @@ def prepare(
     say(f"reading {src.files} {src.fmt} file{'' if src.files == 1 else 's'} from {desc}")
     files, used = _hash_documents(src, max_bytes, say)
     files = _assign_splits(files, val_fraction, seq_len)
-    definition: dict[str, Any] = {
-        "format": FORMAT,
-        "seq_len": seq_len,
-        "separator": SEPARATOR,
-        "val_fraction": val_fraction,
-        "max_bytes": max_bytes,
-        "files": [[f.name, f.nbytes, f.sha256] for f in files],
-    }
-    if not byte_level:  # (a byte-level definition is unchanged, so datasets prepared before still match)
-        definition.update(
-            format=TOKENIZED_FORMAT, separator=None, tokenizer={"kind": spec.kind, "fingerprint": spec.fingerprint}
-        )
-    fingerprint = hashlib.sha256(json.dumps(definition, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    fingerprint = _fingerprint(spec, files, seq_len, val_fraction, max_bytes)
     this_tokenizer = _describe_tokenizer(
         None if byte_level else {"kind": spec.kind, "vocab_size": spec.vocab_size, "fingerprint": spec.fingerprint}
     )
@@ -351,15 +339,7 @@ def prepare(
         _replace_existing(store, existing, output, fingerprint, this_tokenizer, overwrite)
 
     with tempfile.TemporaryDirectory(prefix="rtrain-prepare-") as tmp:
-        # Pass 2 (bpe only): train the tokenizer on the train split's documents.
-        tok: Tokenizer
-        if isinstance(spec, BPETrainer):
-            train = [f for f in files if f.split == "train"]
-            say(f"training a byte-level BPE of vocab {spec.vocab_size} on {len(train)} train documents")
-            tok = spec.train(data.decode("utf-8", errors="replace") for _, data in _used(src, train))
-            say(f"trained the BPE: vocab {tok.vocab_size}, eos id {tok.eos_id}, fingerprint {tok.fingerprint[:12]}")
-        else:
-            tok = spec
+        tok = _train_tokenizer(spec, src, files, say) if isinstance(spec, BPETrainer) else spec
 
         # Pass 3: tokenize every document, settle the split on token counts, pack each split's stream.
         tokens_path = os.path.join(tmp, "tokens.bin")
@@ -408,6 +388,34 @@ def prepare(
         f"(fingerprint {fingerprint[:12]})"
     )
     return manifest
+
+
+def _fingerprint(
+    spec: Tokenizer | BPETrainer, files: list[_File], seq_len: int, val_fraction: float, max_bytes: int | None
+) -> str:
+    """What makes two preparations the same dataset: its documents, their split, the tokenizer, the shapes."""
+    definition: dict[str, Any] = {
+        "format": FORMAT,
+        "seq_len": seq_len,
+        "separator": SEPARATOR,
+        "val_fraction": val_fraction,
+        "max_bytes": max_bytes,
+        "files": [[f.name, f.nbytes, f.sha256] for f in files],
+    }
+    if spec.kind != "bytes":  # (a byte-level definition is unchanged, so datasets prepared before still match)
+        definition.update(
+            format=TOKENIZED_FORMAT, separator=None, tokenizer={"kind": spec.kind, "fingerprint": spec.fingerprint}
+        )
+    return hashlib.sha256(json.dumps(definition, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _train_tokenizer(spec: BPETrainer, src: Source, files: list[_File], say: _Progress) -> Tokenizer:
+    """Pass 2 (bpe only): train the tokenizer on the train split's documents."""
+    train = [f for f in files if f.split == "train"]
+    say(f"training a byte-level BPE of vocab {spec.vocab_size} on {len(train)} train documents")
+    tok = spec.train(data.decode("utf-8", errors="replace") for _, data in _used(src, train))
+    say(f"trained the BPE: vocab {tok.vocab_size}, eos id {tok.eos_id}, fingerprint {tok.fingerprint[:12]}")
+    return tok
 
 
 def _check_args(seq_len: int, val_fraction: float, max_bytes: int | None, records_per_shard: int) -> None:
