@@ -121,6 +121,40 @@ class Progress:
         return describe(fields)
 
 
+class Recoveries:
+    """The failures a watch has read, and the recoveries it paired them with (as the sensor counts them)."""
+
+    def __init__(self) -> None:
+        self.failures: list[dict[str, Any]] = []  # not yet recovered from
+        self.recoveries: list[dict[str, Any]] = []
+        self.told = (
+            False  # the engine's own "recovered" event told the last recovery (the trigger's line is not needed)
+        )
+
+    def see(self, ev: dict[str, Any]) -> dict[str, Any] | None:
+        """The recovery this event completes (a ``resumed`` after failures), if it does."""
+        if ev["type"] == "failure" or (ev["type"] == "rollback" and ev.get("kind") == "in-job"):
+            self.failures.append(ev)
+            self.told = False
+        elif ev["type"] == "recovered":
+            self.told = True
+        elif ev["type"] == "resumed" and self.failures:
+            f = self.failures[0]
+            self.failures.clear()  # one recovery may absorb several failures (a fault during a recovery)
+            start = float(f.get("fault_at") or f["time"])
+            recovered = {
+                "cause": f.get("reason"),
+                "failed_at": start,
+                "resumed_at": ev["time"],
+                "recovery_s": round(ev["time"] - start, 3),
+                "resumed_step": ev.get("step"),
+                "seen_after_s": round(time.time() - ev["time"], 3),
+            }
+            self.recoveries.append(recovered)
+            return recovered
+        return None
+
+
 def _gist(waiting: str) -> str:
     """A line of why pods wait without the messages in parentheses (they change while nothing else does)."""
     return re.sub(r" \([^()]*\)", "", waiting)
@@ -227,12 +261,25 @@ class RTrainTrainingJobTrigger(BaseTrigger):
         except Exception as e:  # noqa: BLE001 - the record is an extra: the log line above says it already
             self.log.warning("Recording why pods wait in %s failed: %s", self.run_uri, e)
 
+    def _unreadable(self, e: Exception, story: Recoveries, cursor: str | None) -> TriggerEvent:
+        """The end of a watch that cannot read its run any more."""
+        return TriggerEvent(
+            {
+                "status": "failed",
+                "run_uri": self.run_uri,
+                "message": f"cannot read the run: {e}",
+                "state": None,
+                "step": None,
+                "latest_committed": None,
+                "recoveries": story.recoveries,
+                "events_after": cursor,
+            }
+        )
+
     async def run(self) -> AsyncIterator[TriggerEvent]:
         cursor = self.events_after
-        failures: list[dict[str, Any]] = []
-        recoveries: list[dict[str, Any]] = []
+        story = Recoveries()
         progress = Progress()
-        told = False  # the engine's own "recovered" event told the last recovery (the trigger's line is not needed)
         assumed: tuple[str, ...] = ()  # the ETA's assumptions last logged
         waiting = ""  # why the job's pods wait (GKE), as last logged
         seen: set[str] | None = None  # events read since floor_key(cursor); None until the first look
@@ -245,18 +292,7 @@ class RTrainTrainingJobTrigger(BaseTrigger):
                 errors += 1
                 self.log.warning("Reading run %s failed (%d/5): %s", self.run_uri, errors, e)
                 if errors >= 5:
-                    yield TriggerEvent(
-                        {
-                            "status": "failed",
-                            "run_uri": self.run_uri,
-                            "message": f"cannot read the run: {e}",
-                            "state": None,
-                            "step": None,
-                            "latest_committed": None,
-                            "recoveries": recoveries,
-                            "events_after": cursor,
-                        }
-                    )
+                    yield self._unreadable(e, story, cursor)
                     return
                 await asyncio.sleep(self.poll_interval)
                 continue
@@ -289,32 +325,14 @@ class RTrainTrainingJobTrigger(BaseTrigger):
             seen = {k for k in seen if k > floor}
             for i, ev in enumerate(new):
                 progress.see(ev)
-                recovered = None
-                if ev["type"] == "failure" or (ev["type"] == "rollback" and ev.get("kind") == "in-job"):
-                    failures.append(ev)
-                    told = False
-                elif ev["type"] == "recovered":
-                    told = True
-                elif ev["type"] == "resumed" and failures:
-                    f = failures.pop(0)
-                    failures.clear()  # one recovery may absorb several failures (a fault during a recovery)
-                    start = float(f.get("fault_at") or f["time"])
-                    recovered = {
-                        "cause": f.get("reason"),
-                        "failed_at": start,
-                        "resumed_at": ev["time"],
-                        "recovery_s": round(ev["time"] - start, 3),
-                        "resumed_step": ev.get("step"),
-                        "seen_after_s": round(time.time() - ev["time"], 3),
-                    }
-                    recoveries.append(recovered)
-                    if not told:
-                        self.log.info(
-                            "[rtrain] recovered from %s: training again at step %s, %.1fs after the fault",
-                            recovered["cause"],
-                            recovered["resumed_step"],
-                            recovered["recovery_s"],
-                        )
+                recovered = story.see(ev)
+                if recovered is not None and not story.told:
+                    self.log.info(
+                        "[rtrain] recovered from %s: training again at step %s, %.1fs after the fault",
+                        recovered["cause"],
+                        recovered["resumed_step"],
+                        recovered["recovery_s"],
+                    )
                 if ev["type"] in RELAYED and recovered is None:
                     if ev["type"] != "checkpoint" or ev.get("committed"):  # a save that starts: its commit follows
                         self.log.info("[rtrain] %s", describe(ev))
@@ -327,7 +345,7 @@ class RTrainTrainingJobTrigger(BaseTrigger):
                 "step": st.get("step"),
                 "latest_committed": st.get("latest_committed"),
                 "failures": st.get("failures"),
-                "recoveries": recoveries,
+                "recoveries": story.recoveries,
                 "events_after": cursor,
             }
             if found["state"] == "finished":
