@@ -538,22 +538,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"rtrain {_version()}")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    _job_commands(sub)
+    _service_commands(sub)
+    _lifecycle_commands(sub)
+    _host_commands(sub)
+    return p
 
-    def config_args(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--preset", default=None, help="tiny | small | llama3-8b | llama3-70b (default: tiny)")
-        sp.add_argument(
-            "--config", action="append", default=[], metavar="FILE", help="a YAML file of keys (repeatable)"
-        )
-        sp.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (see `rtrain config`)")
 
-    def run_args(sp: argparse.ArgumentParser, json_flag: bool = True) -> None:
-        sp.add_argument("run", metavar="RUN", help="a run name under --root, or a run URI (path or gs://...)")
-        sp.add_argument("--root", default=None, help="the run root RUN is under (default: the config's, var/runs)")
-        if json_flag:
-            sp.add_argument("--json", action="store_true", help="machine-readable output")
+Subcommands = argparse._SubParsersAction  # the parser's subcommands (argparse has no public name for it)
 
+
+def _config_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--preset", default=None, help="tiny | small | llama3-8b | llama3-70b (default: tiny)")
+    sp.add_argument("--config", action="append", default=[], metavar="FILE", help="a YAML file of keys (repeatable)")
+    sp.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (see `rtrain config`)")
+
+
+def _run_args(sp: argparse.ArgumentParser, json_flag: bool = True) -> None:
+    sp.add_argument("run", metavar="RUN", help="a run name under --root, or a run URI (path or gs://...)")
+    sp.add_argument("--root", default=None, help="the run root RUN is under (default: the config's, var/runs)")
+    if json_flag:
+        sp.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _job_commands(sub: Subcommands[argparse.ArgumentParser]) -> None:
+    """A job's commands: prepare its data, plan, train, watch and steer it."""
     sp = sub.add_parser("prepare", help="tokenize text, JSONL, Parquet or a saved HF dataset into shards")
-    config_args(sp)
+    _config_args(sp)
     sp.add_argument("--source", default=None, help="glob or gs://prefix (default: this Python's stdlib sources)")
     sp.add_argument("--output", default=None, help="dataset URI (default: the config's dataset)")
     sp.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the config's)")
@@ -575,7 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_prepare)
 
     sp = sub.add_parser("plan", help="mesh plans and the memory-fit check at the minimum topology")
-    config_args(sp)
+    _config_args(sp)
     sp.add_argument("--json", action="store_true", help="machine-readable output")
     sp.add_argument(
         "--compiled",
@@ -585,35 +596,38 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_plan)
 
     sp = sub.add_parser("train", help="run (or resume) a training job on the local slice")
-    config_args(sp)
+    _config_args(sp)
     sp.add_argument("--chaos", action="append", default=[], help="fault to inject, e.g. preempt:worker=1,step=12")
     sp.add_argument("--detach", action="store_true", help="start the job in the background and return")
     sp.set_defaults(fn=cmd_train)
 
     sp = sub.add_parser("status", help="the run's state, step, loss, hosts and mesh")
-    run_args(sp)
+    _run_args(sp)
     sp.set_defaults(fn=cmd_status)
 
     sp = sub.add_parser("events", help="the run's events, one sentence each")
-    run_args(sp)
+    _run_args(sp)
     sp.add_argument("--type", action="append", default=[], help="only events of this type (repeatable)")
     sp.set_defaults(fn=cmd_events)
 
     sp = sub.add_parser("capacity", help="set the local slice's number of hosts (take hosts away, give them back)")
-    run_args(sp, json_flag=False)
+    _run_args(sp, json_flag=False)
     sp.add_argument("workers", type=int, metavar="N", help="hosts")
     sp.set_defaults(fn=cmd_capacity)
 
     sp = sub.add_parser("stop", help="stop the run's job (resumable)")
-    run_args(sp, json_flag=False)
+    _run_args(sp, json_flag=False)
     sp.add_argument("--reason", default="stopped with rtrain stop", help="recorded as the job's end")
     sp.set_defaults(fn=cmd_stop)
 
+
+def _service_commands(sub: Subcommands[argparse.ArgumentParser]) -> None:
+    """The shared pool's commands: submit, the queue, priorities, cancel."""
     from training.service.policy import PRIORITIES
 
     levels = " | ".join(PRIORITIES)
     sp = sub.add_parser("submit", help="queue a run on the shared pool at a priority (the scheduler launches it)")
-    config_args(sp)
+    _config_args(sp)
     sp.add_argument("--priority", default="normal", help=f"{levels} (default: normal)")
     sp.add_argument("--pool-hosts", type=int, default=None, metavar="N", help="set the pool's size (hosts)")
     sp.set_defaults(fn=cmd_submit)
@@ -635,40 +649,46 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--reason", default="cancelled with rtrain cancel", help="recorded as the run's end")
     sp.set_defaults(fn=cmd_cancel)
 
+
+def _lifecycle_commands(sub: Subcommands[argparse.ArgumentParser]) -> None:
+    """A run's checkpoints and story: validate, sample, roll back, prune, report; the config."""
     sp = sub.add_parser("validate", help="judge checkpoints on the held-out split")
-    run_args(sp)
+    _run_args(sp)
     sp.add_argument("--step", type=int, default=None, help="default: the newest committed")
     sp.add_argument("--pending", action="store_true", help="every committed checkpoint without a verdict")
     sp.set_defaults(fn=cmd_validate)
 
     sp = sub.add_parser("sample", help="continue a prompt greedily from a checkpoint (the built-in lm task)")
-    run_args(sp)
+    _run_args(sp)
     sp.add_argument("--prompt", default="", help="the text to continue")
     sp.add_argument("--tokens", type=int, default=64, help="new tokens at most (default 64)")
     sp.add_argument("--step", type=int, default=None, help="default: the newest committed")
     sp.set_defaults(fn=cmd_sample)
 
     sp = sub.add_parser("rollback", help="move the resume pointer back to a validated checkpoint")
-    run_args(sp)
+    _run_args(sp)
     sp.add_argument("--to", type=int, default=None, help="default: the newest validated")
     sp.add_argument("--reason", default="manual rollback", help="recorded with the rollback")
     sp.set_defaults(fn=cmd_rollback)
 
     sp = sub.add_parser("prune", help="apply the retention policy")
-    run_args(sp)
+    _run_args(sp)
     sp.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
     sp.set_defaults(fn=cmd_prune)
 
     sp = sub.add_parser("report", help="the run's story: failures, recoveries, verdicts, goodput")
-    run_args(sp)
+    _run_args(sp)
     sp.set_defaults(fn=cmd_report)
 
     sp = sub.add_parser("config", help="every config key with its type, default and description")
-    config_args(sp)
+    _config_args(sp)
     sp.add_argument("--show", action="store_true", help="print the resolved config instead")
     sp.add_argument("--json", action="store_true", help="machine-readable output")
     sp.set_defaults(fn=cmd_config)
 
+
+def _host_commands(sub: Subcommands[argparse.ArgumentParser]) -> None:
+    """What runs on a host: an agent of a job; and the benchmarks."""
     sp = sub.add_parser("agent", help="one host's agent of a job (what each pod runs)")
     sp.add_argument("run", metavar="RUN_URI")
     sp.add_argument("--job", required=True, help="the job id the launcher handed the run to")
@@ -684,7 +704,6 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", default="var/bench/bench.json", help="where the JSON goes")
     sp.add_argument("--only", action="append", default=[], help="run only these figures (repeatable)")
     sp.set_defaults(fn=cmd_bench)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
