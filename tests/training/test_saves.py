@@ -77,7 +77,7 @@ def test_a_background_save_writes_the_state_of_its_step_while_donating_steps_go_
             given.append(snap)
             ckpt.save(mngr, step, snap, {"next_batch": step}, cfg)
 
-        bg = ckpt.BackgroundSave(abstract, "test-save")
+        bg = ckpt.BackgroundSave(abstract, "test-save", gather_small=True)
         bg.start(save, state, 1)
         for _ in range(3):  # each step donates the state it is given
             state, _ = trainer.step(state, trainer.global_batch(next(batches)), 1.0)
@@ -303,10 +303,12 @@ def test_a_local_copy_restores_onto_another_mesh_and_a_failed_write_turns_the_ti
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
         tier.save(8, state, {"next_batch": 8})
         tier.wait()
+        after_failure = tier.save(10, state, {"next_batch": 10})
         print(json.dumps({
             "kept": kept, "pos": pos, "same_mesh": same_mesh, "on_one": on_one,
             "saved": [s for s, _ in saved],
-            "enabled": tier.enabled, "failure": tier.failure,
+            "enabled": tier.enabled, "failure": tier.failure, "after_failure": after_failure,
+            "off_for_mesh": tier.off_for_mesh,
             "left": sorted(p.name for p in d.iterdir()),
         }))
         """,
@@ -319,6 +321,7 @@ def test_a_local_copy_restores_onto_another_mesh_and_a_failed_write_turns_the_ti
     assert res["saved"] == [6]
     assert res["enabled"] is False and "a local save failed" in str(res["failure"])
     assert "File too large" in str(res["failure"])
+    assert res["after_failure"] is None and res["off_for_mesh"] is False  # no write after; the loop's schedule holds
     assert res["left"] == ["4", "6"]  # the cut-off copy of step 8 is gone
 
 
@@ -335,7 +338,7 @@ def test_a_packed_checkpoint_restores_onto_another_mesh_and_reads_whole_or_param
 
         run = cfg.run_uri
         m = ckpt.checkpoint_manager(cfg, run)
-        snap = ckpt.HostSnapshot(abstract)(state)
+        snap = ckpt.HostSnapshot(abstract, gather_small=True)(state)
         ckpt.save(m, 1, snap, {"next_batch": 1}, cfg)
         m.wait_until_finished()
         layout = m.restore(1, args=ocp.args.Composite(layout=ocp.args.JsonRestore()))["layout"]
@@ -347,6 +350,14 @@ def test_a_packed_checkpoint_restores_onto_another_mesh_and_reads_whole_or_param
         moved, _ = ckpt.restore(m, 1, single)
         whole = ckpt.load_state_host(run, 1)
         params = ckpt.load_params_host(run, 1)
+        try:
+            ckpt.restore(m, 1, {k: v for k, v in abstract.items() if k != "rng"})
+            mismatch = ""
+        except ValueError as e:
+            mismatch = str(e)
+        half = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jax.numpy.bfloat16 if a.dtype == np.float32 else a.dtype,
+                                                           sharding=a.sharding), abstract)
+        cast, _ = ckpt.restore(m, 1, half)
         print(json.dumps({
             "leaves": len(jax.tree.leaves(state)),
             "saved_arrays": len([e for e in layout["entries"] if e["name"]]) + len(layout["groups"]),
@@ -357,6 +368,9 @@ def test_a_packed_checkpoint_restores_onto_another_mesh_and_reads_whole_or_param
             "whole": same(host(state), host(whole)),
             "params": same(host(state["params"]), host(params)),
             "pos": pos,
+            "mismatch": mismatch,
+            "cast": all(y.dtype == b.dtype and np.allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=1e-2, atol=1e-2)
+                        for x, y, b in zip(jax.tree.leaves(state), jax.tree.leaves(cast), jax.tree.leaves(half))),
         }))
         """.replace("from training.checkpoint import packing", "import orbax.checkpoint as ocp"),
         tmp_path,
@@ -365,5 +379,7 @@ def test_a_packed_checkpoint_restores_onto_another_mesh_and_reads_whole_or_param
     )
     assert res["same"] and res["moved"] and res["whole"] and res["params"], res
     assert res["pos"] == {"next_batch": 1}
+    assert "not in this run's state: ['rng']" in str(res["mismatch"]), res["mismatch"]
+    assert res["cast"], "a state of another float dtype gets the saved values cast to it"
     # The tiny model's arrays are all small: a few packs (one per top-level key and dtype) instead of 67 arrays.
     assert int(str(res["saved_arrays"])) <= 6 < int(str(res["leaves"])), res

@@ -204,6 +204,7 @@ class LocalTier:
         self.mesh = mesh
         self.abstract = abstract
         self.reason = why_not_local(mesh, abstract)
+        self.off_for_mesh = bool(self.reason)  # the same in every process of the round
         self.enabled = not self.reason
         self.pending: list[tuple[int, float]] = []
         self.skipped = 0  # saves skipped because the previous one was still being written
@@ -214,7 +215,7 @@ class LocalTier:
         from training.checkpoint.manager import BackgroundSave
 
         directory.mkdir(parents=True, exist_ok=True)
-        _remove_orphans(directory)
+        _remove_orphans(directory, also_mine=True)  # (no write of this process has started yet)
         self.bg = BackgroundSave(abstract, "rtrain-local-save")
 
     def forget_after(self, step: int | None) -> None:
@@ -233,6 +234,8 @@ class LocalTier:
         if self.busy():
             return None
         self._started()
+        if not self.enabled:  # the previous write failed
+            return None
         t0 = time.time()
         self.bg.start(write_step, state, self.directory, step, data, self.keep)
         self.pending.append((step, t0))
@@ -348,7 +351,8 @@ def read_step(directory: Path, step: int, abstract: Any) -> tuple[Any, dict[str,
 
     d = directory / str(step)
     index = {leaf["path"]: leaf for leaf in json.loads((d / INDEX_FILE).read_text())["leaves"]}
-    raw = np.fromfile(d / STATE_FILE, dtype=np.uint8)
+    size = (d / STATE_FILE).stat().st_size
+    raw = np.memmap(d / STATE_FILE, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
 
     def load(path: Any, a: Any) -> Any:
         name = jax.tree_util.keystr(path)
@@ -375,13 +379,19 @@ def read_step(directory: Path, step: int, abstract: Any) -> tuple[Any, dict[str,
 
 
 def _remove_step(directory: Path, step: int) -> None:
+    """Remove a copy: out of the steps first (renamed), so that no reader meets it half deleted."""
     (directory / MANIFEST.format(step=step)).unlink(missing_ok=True)
-    shutil.rmtree(directory / str(step), ignore_errors=True)
+    doomed = directory / f".{step}.del-{os.getpid()}"
+    try:
+        os.rename(directory / str(step), doomed)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _remove_orphans(directory: Path, also_mine: bool = False) -> None:
     """Remove copies cut off mid-write by a process that is gone (or by this one)."""
-    for p in directory.glob(".*.tmp-*"):
+    for p in [*directory.glob(".*.tmp-*"), *directory.glob(".*.del-*")]:
         pid = p.name.rsplit("-", 1)[-1]
         if pid.isdigit() and (not Path(f"/proc/{pid}").exists() or (also_mine and int(pid) == os.getpid())):
             shutil.rmtree(p, ignore_errors=True)

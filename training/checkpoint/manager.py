@@ -1,10 +1,12 @@
 """Orbax checkpoint I/O: the manager, save, restore, and reading a step on one device.
 
 Everything the run needs to resume is one Orbax checkpoint per step with
-three items: ``state`` (parameters, AdamW state, step, RNG), ``data`` (the
-global data position) and ``config`` (the resolved config).  Restores are
-given abstract targets carrying the *current* mesh's shardings, so Orbax
-reshards a checkpoint written on any other mesh; no code of ours moves shards.
+four items: ``state`` (parameters, optimizer state, step, RNG; small arrays
+packed, :mod:`training.checkpoint.packing`), ``layout`` (where each leaf of the
+state is in ``state``), ``data`` (the global data position) and ``config`` (the
+resolved config).  Restores are given abstract targets carrying the *current*
+mesh's shardings, so Orbax reshards a checkpoint written on any other mesh; only
+the small packed arrays are placed by our code.
 
 The vocabulary is small: :func:`checkpoint_manager`, :func:`save`, :func:`restore`;
 which steps exist is :func:`training.checkpoint.steps.committed_steps`.
@@ -177,16 +179,20 @@ class HostSnapshot:
     copy.  It goes to the devices' ``pinned_host`` memory where they have it (TPUs, GPUs and JAX's
     CPU devices): host RAM, not accelerator memory, and the transfer Orbax would make anyway.
     Elsewhere it is a copy on the device.  One compiled identity with host output shardings makes
-    the whole copy a single dispatch (a per-array ``device_put`` costs the loop ~5x more).
+    the whole copy a single dispatch (a per-array ``device_put`` costs the loop ~5x more).  With
+    ``gather_small`` each small array is whole in the copy (a persistent save packs those); the
+    copy then gathers them, so every process of the job must make it (a persistent save is made
+    by all of them).
 
     ``abstract`` is the state's shapes and shardings.  :meth:`prepare` compiles the copy; call it
     off the loop (a save thread), or the first save compiles it (a few hundred ms on a busy host).
     """
 
-    def __init__(self, abstract: State) -> None:
+    def __init__(self, abstract: State, *, gather_small: bool = False) -> None:
         import threading
 
         self.abstract = abstract
+        self.gather_small = gather_small
         self.fn: Any = None
         self.lock = threading.Lock()
 
@@ -195,7 +201,7 @@ class HostSnapshot:
             if self.fn is not None:
                 return
             kinds = {m.kind for m in jax.local_devices()[0].addressable_memories()}
-            out = jax.tree.map(_saved_sharding, self.abstract)
+            out = jax.tree.map(_saved_sharding if self.gather_small else (lambda a: a.sharding), self.abstract)
             if "pinned_host" in kinds:
                 out = jax.tree.map(lambda sh: sh.with_memory_kind("pinned_host"), out)
                 jitted = jax.jit(lambda s: s, out_shardings=out)
@@ -226,10 +232,10 @@ class BackgroundSave:
     itself, and is collected the same way.  Both checkpoint tiers save through this.
     """
 
-    def __init__(self, abstract: State, name: str, *, background: bool = True) -> None:
+    def __init__(self, abstract: State, name: str, *, background: bool = True, gather_small: bool = False) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        self.snapshot = HostSnapshot(abstract)
+        self.snapshot = HostSnapshot(abstract, gather_small=gather_small)
         self.thread = ThreadPoolExecutor(1, thread_name_prefix=name) if background else None
         if self.thread is not None:
             self.thread.submit(self.snapshot.prepare)  # compiled while the first steps train
@@ -325,7 +331,7 @@ def _read_on_first_device(run: str, step: int, top: str | None = None) -> Any:
     meta = ck.metadata(path)
     tree = getattr(meta, "item_metadata", meta)
     tree = getattr(tree, "tree", tree)
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), tree)
     if top is not None:
         target = {top: target[top]}

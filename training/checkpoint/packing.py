@@ -2,7 +2,8 @@
 
 A checkpoint library spends a few milliseconds of Python per array it writes, whatever its size:
 a model's norms, biases, counters and RNG are most of its arrays and almost none of its bytes.  So
-a save packs every small, fully replicated array into one host array per (top-level key, dtype),
+a save packs every small, fully replicated array into one host array per (top-level key, dtype)
+(the host copy a persistent save starts from holds every small array whole),
 and writes those with the large arrays, under flat names, beside a :class:`Layout` that says
 where each leaf of the state went.  A restore reads the layout, asks for the large arrays with
 the current mesh's shardings (resharded as ever) and the packs as host arrays, then puts each
@@ -157,7 +158,9 @@ def targets(layout: Layout, abstract: Any) -> tuple[dict[str, Any], dict[str, An
     import orbax.checkpoint as ocp
 
     wanted = _by_path(abstract) if abstract is not None else {}
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    if abstract is not None:
+        _check_same_leaves(layout, set(wanted))
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     target: dict[str, Any] = {}
     args: dict[str, Any] = {}
     for e in layout.entries:
@@ -165,8 +168,9 @@ def targets(layout: Layout, abstract: Any) -> tuple[dict[str, Any], dict[str, An
             continue
         a = wanted.get(e.path)
         sharding = a.sharding if a is not None else device
-        target[e.name] = jax.ShapeDtypeStruct(e.shape, _dtype(e.dtype), sharding=sharding)
-        args[e.name] = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=e.shape, dtype=_dtype(e.dtype))
+        dtype = a.dtype if a is not None else _dtype(e.dtype)  # (Orbax casts a saved dtype to the state's)
+        target[e.name] = jax.ShapeDtypeStruct(e.shape, dtype, sharding=sharding)
+        args[e.name] = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=e.shape, dtype=dtype)
     for group, (dtype, n) in layout.groups.items():
         target[group] = np.zeros(n, _dtype(dtype))
         args[group] = ocp.RestoreArgs(restore_type=np.ndarray)
@@ -176,7 +180,7 @@ def targets(layout: Layout, abstract: Any) -> tuple[dict[str, Any], dict[str, An
 def unpack(restored: dict[str, Any], layout: Layout, abstract: Any) -> Any:
     """The state from a restored saved tree: ``abstract``'s tree and shardings (None: nested dicts, one device)."""
     if abstract is None:
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         out: dict[Any, Any] = {}
         for e in layout.entries:
             node = out
@@ -191,20 +195,30 @@ def unpack(restored: dict[str, Any], layout: Layout, abstract: Any) -> Any:
         e = entries.get(name)
         if e is None:
             raise ValueError(f"the checkpoint has no array {name}")
-        if e.shape != tuple(a.shape) or _dtype(e.dtype) != np.dtype(a.dtype):
-            raise ValueError(
-                f"the checkpoint's {name} is {e.dtype}{list(e.shape)}; the state wants {a.dtype}{list(a.shape)}"
-            )
-        return _leaf(restored, e, a.sharding)
+        if e.shape != tuple(a.shape):
+            raise ValueError(f"the checkpoint's {name} has shape {list(e.shape)}; the state wants {list(a.shape)}")
+        return _leaf(restored, e, a.sharding, a.dtype)
 
     return jax.tree_util.tree_map_with_path(one, abstract)
 
 
-def _leaf(restored: dict[str, Any], e: Entry, sharding: Any) -> Any:
+def _leaf(restored: dict[str, Any], e: Entry, sharding: Any, dtype: Any = None) -> Any:
     if e.name:
         return restored[e.name]
     host = np.asarray(restored[e.group])[e.offset : e.offset + e.size].reshape(e.shape)
+    if dtype is not None:
+        host = host.astype(dtype, copy=False)
     return jax.make_array_from_callback(e.shape, sharding, lambda ix: host[ix])
+
+
+def _check_same_leaves(layout: Layout, wanted: set[str]) -> None:
+    """Raise, naming a few, when the checkpoint's arrays are not the state's (another model or optimizer)."""
+    saved = {e.path for e in layout.entries}
+    extra, missing = sorted(saved - wanted), sorted(wanted - saved)
+    if extra or missing:
+        parts = [f"not in this run's state: {', '.join(extra[:5])}"] if extra else []
+        parts += [f"not in the checkpoint: {', '.join(missing[:5])}"] if missing else []
+        raise ValueError("the checkpoint's state does not match this run's (" + "; ".join(parts) + ")")
 
 
 def _by_path(tree: Any) -> dict[str, Any]:

@@ -492,7 +492,9 @@ class RoundLoop:
             if self.step == ahead_at and a.rank == 0:
                 ahead.start(cfg, self.task, a.processes, self.compiled_ahead)
             save_now = self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps
-            local_due = not save_now and self.tier_on and self.step % cfg.local_checkpoint_every == 0
+            # Due by the config and the step alone, the same in every process (a process whose local
+            # write failed has its tier off, and skips only the write).
+            local_due = not save_now and self.tier_planned and self.step % cfg.local_checkpoint_every == 0
             # Read every step but the newest; before a save of either tier (or at the end), the newest too:
             # the guard passes every step before it is saved, and a save's copy never waits for a step.
             # Decided by the step alone, the same in every process: a process that read the newest step
@@ -513,7 +515,7 @@ class RoundLoop:
             if save_now:
                 if self.save_and_maybe_stop():
                     return 0
-            elif local_due and self.tier.can_save():  # each process's copy is its own
+            elif local_due and self.tier_on and self.tier.can_save():  # each process's copy is its own
                 blocking = self.tier.save(self.step, self.state, self.data_position())
                 if blocking is not None:
                     self.loop.local_saves.append(blocking)
@@ -534,6 +536,11 @@ class RoundLoop:
     @property
     def tier_on(self) -> bool:
         return self.tier is not None and self.tier.enabled
+
+    @property
+    def tier_planned(self) -> bool:
+        """The tier could help on this round's mesh (the same in every process)."""
+        return self.tier is not None and not self.tier.off_for_mesh
 
     def one_step(self, batches: Iterator[dict[str, Any]]) -> None:
         """Dispatch the next step (its metrics are read later), with its faults and its data ids traced if asked."""
@@ -782,7 +789,7 @@ class Saver:
         self.pending: int | None = None
         self.last_saved: int | None = None
         self.committed_any = False
-        self.bg = BackgroundSave(abstract, "rtrain-save", background=background)
+        self.bg = BackgroundSave(abstract, "rtrain-save", background=background, gather_small=True)
         self.nbytes: int | None = None
         self.cost: dict[str, Any] = {}
 
