@@ -382,6 +382,7 @@ def _remove_step(directory: Path, step: int) -> None:
     """Remove a copy: out of the steps first (renamed), so that no reader meets it half deleted."""
     (directory / MANIFEST.format(step=step)).unlink(missing_ok=True)
     doomed = directory / f".{step}.del-{os.getpid()}"
+    shutil.rmtree(doomed, ignore_errors=True)  # (a removal of this step cut off before)
     try:
         os.rename(directory / str(step), doomed)
     except FileNotFoundError:
