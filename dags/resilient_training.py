@@ -19,17 +19,11 @@ from __future__ import annotations
 
 import os
 from datetime import datetime, timedelta
-from typing import Any
 
 from airflow.sdk import DAG, CronTriggerTimetable, Param, TaskGroup
 from rtrain_airflow.callbacks import alert_callbacks, rollback_alert
-from rtrain_airflow.hooks.training import (
-    CHAOS_EXAMPLES,
-    CHAOS_RULES,
-    PRIORITY_LEVELS,
-    RUN_NAME_RULES,
-    preset_values,
-)
+from rtrain_airflow.form import config_param, text, when_empty
+from rtrain_airflow.hooks.training import CHAOS_EXAMPLES, CHAOS_RULES, PRIORITY_LEVELS, RUN_NAME_RULES
 from rtrain_airflow.operators.training import (
     RESOLVE_TASK_ID,
     RTrainBranchValidationOperator,
@@ -91,45 +85,38 @@ SECTIONS = (
     "Chaos",
     "Config overrides",
 )
-MARKDOWN = ("`", "**", "](")
+# Form fields that are run-config keys: (section, key, title).  Type, bounds and help come from the config.
+CONFIG_FIELDS = (
+    ("Training", "min_workers", "Fewest hosts"),
+    ("Training", "max_workers", "Most hosts"),
+    ("Checkpoints", "checkpoint_every", "Checkpoint every N steps"),
+    ("Checkpoints", "local_checkpoint_every", "Local checkpoint every N steps"),
+    ("Checkpoints", "keep_last", "Keep the newest N"),
+    ("Checkpoints", "keep_best", "Keep the best N"),
+    ("Checkpoints", "keep_every", "Keep every K-th step"),
+    ("Validation", "val_tolerance", "Loss tolerance"),
+    ("Validation", "val_max_loss", "Highest loss"),
+    ("Validation", "val_min_accuracy", "Lowest accuracy"),
+    ("Validation", "max_rollbacks", "Rollbacks at most"),
+)
 
 
-def _text(text: str) -> dict[str, Any]:
-    """The field's help: ``description_md`` (rendered by the form) when the text has markdown, else ``description``.
-
-    The form shows ``description`` as it is when there is one, and only otherwise renders ``description_md``.
-    """
-    return {"description_md": text} if any(m in text for m in MARKDOWN) else {"description": text}
-
-
-def _shown(value: Any) -> str:
-    return "off" if value in (0, [], "") else str(value)
-
-
-def _when_empty(key: str) -> str:
-    """What an empty field means: the preset's value, one per preset when they differ (read from the presets' YAML)."""
-    values = preset_values(key, PRESETS)
-    if len({repr(v) for v in values.values()}) == 1:
-        return f"Empty: {_shown(next(iter(values.values())))}."
-    return "Empty: the preset's (" + ", ".join(f"{p} {_shown(v)}" for p, v in values.items()) + ")."
-
-
-def _nullable(kind: str, title: str, text: str, key: str, section: str, **bounds: Any) -> Param:
-    """An optional number field: empty (null) keeps the preset's value of config key ``key``."""
-    return Param(
-        None,
-        type=["null", kind],
-        title=title,
-        section=section,
-        **_text(f"{text} {_when_empty(key)}"),
-        **{k: v for k, v in bounds.items() if v is not None},
-    )
+def _config_params(*sections: str) -> dict[str, Param]:
+    return {key: config_param(key, title, sec, PRESETS) for sec, key, title in CONFIG_FIELDS if sec in sections}
 
 
 def training_params(continual: bool) -> dict[str, Param]:
     """The trigger form: each field titled, typed, bounded and described.  Empty (``null``) keeps the preset's
     value, and an empty list or object (chaos, gke, overrides) means off."""
-    steps = (
+    params = _run_params(continual) | _task_and_data_params()
+    params["steps_per_run" if continual else "steps"] = _steps_param(continual)
+    params |= _config_params("Training", "Checkpoints", "Validation")
+    return params | _backend_params() | _chaos_and_overrides_params()
+
+
+def _steps_param(continual: bool) -> Param:
+    """Steps: the run's total, or (continual) how many each scheduled run adds."""
+    return (
         Param(
             20,
             type="integer",
@@ -140,16 +127,12 @@ def training_params(continual: bool) -> dict[str, Param]:
             description="Optimizer steps each scheduled run adds to the newest validated checkpoint (1 to 1,000,000).",
         )
         if continual
-        else _nullable(
-            "integer",
-            "Steps",
-            "Total optimizer steps of the run (1 to 1,000,000).",
-            "steps",
-            "Training",
-            minimum=1,
-            maximum=1_000_000,
-        )
+        else config_param("steps", "Steps", "Training", PRESETS)
     )
+
+
+def _run_params(continual: bool) -> dict[str, Param]:
+    """The Run section: the run's name, preset, priority and (triggered) where it resumes from."""
     params: dict[str, Param] = {
         "run_name": Param(
             "continual" if continual else "demo",
@@ -157,7 +140,7 @@ def training_params(continual: bool) -> dict[str, Param]:
             title="Run name",
             section="Run",
             **RUN_NAME_RULES,
-            **_text(
+            **text(
                 "The run's directory under the storage root: letters, digits and `_` `.` `-`, starting with a "
                 "letter or a digit, at most 63 characters, no `..` and no `/`. An existing run of this name is "
                 "continued."
@@ -169,7 +152,7 @@ def training_params(continual: bool) -> dict[str, Param]:
             enum=PRESETS,
             title="Preset",
             section="Run",
-            **_text(
+            **text(
                 "Model and run preset (`training/configs/<preset>.yml`): `tiny` and `small` run on CPU; the llama3 "
                 "presets are for TPU slices (and show the memory-fit refusal locally). The fields left empty below "
                 "take its values."
@@ -182,7 +165,7 @@ def training_params(continual: bool) -> dict[str, Param]:
         enum=[None, *PRIORITY_LEVELS],
         title="Priority",
         section="Run",
-        **_text(
+        **text(
             "Empty: the run has its capacity to itself. A level (`"
             + "`, `".join(PRIORITY_LEVELS)
             + "`): the run joins its storage root's shared pool of hosts, whose scheduler gives hosts to "
@@ -200,24 +183,29 @@ def training_params(continual: bool) -> dict[str, Param]:
             section="Run",
             examples=["latest", "none"],
             pattern=r"^(latest|none|[0-9]+)$",
-            **_text(
+            **text(
                 "`latest`, `none` or a step number. `latest`: continue the run from its newest committed checkpoint "
                 "(a new run starts from scratch); `none`: a new run only (an existing one is refused); a step: roll "
                 "the run back to that committed step and continue from it."
             ),
         )
-    params |= {
+    return params
+
+
+def _task_and_data_params() -> dict[str, Param]:
+    """The Task and Data sections: what is trained, on what."""
+    return {
         "task": Param(
             None,
             type=["null", "string"],
             minLength=1,
             title="Task",
             section="Task",
-            **_text(
+            **text(
                 "What is trained: `lm` (the built-in Llama 3 on the prepared dataset) or your own code as "
                 "`package.module:factory` or `path/to/file.py:factory` (a path relative to the project), e.g. "
                 "`examples/regression/task.py:make_task`. A task that cannot be loaded fails the run before it "
-                f"trains. {_when_empty('task')}"
+                f"trains. {when_empty('task', PRESETS)}"
             ),
         ),
         "task_args": Param(
@@ -225,7 +213,7 @@ def training_params(continual: bool) -> dict[str, Param]:
             type=["null", "object"],
             title="Task arguments",
             section="Task",
-            **_text(
+            **text(
                 "The task's own arguments, as a JSON object that the task checks, e.g. "
                 '`{"hidden": 64, "seed": 1}`. Empty: none (the built-in `lm` takes none).'
             ),
@@ -237,7 +225,7 @@ def training_params(continual: bool) -> dict[str, Param]:
             title="Dataset source",
             section="Data",
             examples=["stdlib"],
-            **_text(
+            **text(
                 "What to train on: `stdlib` (this Python's standard library sources), a local directory or glob, or "
                 "`gs://bucket/prefix`."
             ),
@@ -248,7 +236,7 @@ def training_params(continual: bool) -> dict[str, Param]:
             minLength=1,
             title="Prepared dataset",
             section="Data",
-            **_text(
+            **text(
                 "Where the prepared dataset lives (a local path or `gs://`); prepared if missing. Empty: "
                 "`var/data/stdlib-seq<seq_len>` (one per sequence length)."
             ),
@@ -261,114 +249,19 @@ def training_params(continual: bool) -> dict[str, Param]:
             section="Data",
             description="Read at most this many bytes of the source (10,000 or more). Empty: all of it.",
         ),
-        "steps_per_run" if continual else "steps": steps,
-        "min_workers": _nullable(
-            "integer",
-            "Fewest hosts",
-            "Fewest hosts the job may run on (1 to 256).",
-            "min_workers",
-            "Training",
-            minimum=1,
-            maximum=256,
-        ),
-        "max_workers": _nullable(
-            "integer",
-            "Most hosts",
-            "Most hosts the job may use (1 to 256).",
-            "max_workers",
-            "Training",
-            minimum=1,
-            maximum=256,
-        ),
-        "checkpoint_every": _nullable(
-            "integer",
-            "Checkpoint every N steps",
-            "Save a checkpoint every N steps, and at the end (1 to 100,000).",
-            "checkpoint_every",
-            "Checkpoints",
-            minimum=1,
-            maximum=100_000,
-        ),
-        "local_checkpoint_every": _nullable(
-            "integer",
-            "Local checkpoint every N steps",
-            "Local tier: every N steps each host also saves to host-local storage, restored from after a lost "
-            "host (0: off; up to 100,000).",
-            "local_checkpoint_every",
-            "Checkpoints",
-            minimum=0,
-            maximum=100_000,
-        ),
-        "keep_last": _nullable(
-            "integer",
-            "Keep the newest N",
-            "Retention: keep the newest N checkpoints (0: rule off; up to 1,000).",
-            "keep_last",
-            "Checkpoints",
-            minimum=0,
-            maximum=1000,
-        ),
-        "keep_best": _nullable(
-            "integer",
-            "Keep the best N",
-            "Retention: keep the best N validated checkpoints by loss (0: rule off; up to 1,000).",
-            "keep_best",
-            "Checkpoints",
-            minimum=0,
-            maximum=1000,
-        ),
-        "keep_every": _nullable(
-            "integer",
-            "Keep every K-th step",
-            "Retention: keep every K-th step as a milestone (0: rule off).",
-            "keep_every",
-            "Checkpoints",
-            minimum=0,
-            maximum=1_000_000,
-        ),
-        "val_tolerance": _nullable(
-            "number",
-            "Loss tolerance",
-            "Validation: reject a checkpoint whose loss is worse than the best validated one by more than this "
-            "fraction (0 to 10; 0.05 is 5%).",
-            "val_tolerance",
-            "Validation",
-            minimum=0.0,
-            maximum=10.0,
-        ),
-        "val_max_loss": _nullable(
-            "number",
-            "Highest loss",
-            "Validation: reject a loss above this (0: no threshold).",
-            "val_max_loss",
-            "Validation",
-            minimum=0.0,
-        ),
-        "val_min_accuracy": _nullable(
-            "number",
-            "Lowest accuracy",
-            "Validation: reject a token accuracy below this (0 to 1; 0: none).",
-            "val_min_accuracy",
-            "Validation",
-            minimum=0.0,
-            maximum=1.0,
-        ),
-        "max_rollbacks": _nullable(
-            "integer",
-            "Rollbacks at most",
-            "Validation rollbacks (each followed by resumed training) this DAG run may do (0 to 10).",
-            "max_rollbacks",
-            "Validation",
-            minimum=0,
-            maximum=10,
-        ),
+    }
+
+
+def _backend_params() -> dict[str, Param]:
+    """The Storage and Backend sections: where the run lives and where its workers run."""
+    return {
         "storage_root": Param(
             "var/runs",
             type="string",
             minLength=1,
             title="Storage root",
             section="Storage",
-            **_text("Run root: a local path (relative to the project) or `gs://bucket/prefix`."),
+            **text("Run root: a local path (relative to the project) or `gs://bucket/prefix`."),
         ),
         "backend": Param(
             "local",
@@ -377,7 +270,7 @@ def training_params(continual: bool) -> dict[str, Param]:
             values_display={"local": "local: simulated hosts on this machine", "gke": "gke: TPU node pools on GKE"},
             title="Backend",
             section="Backend",
-            **_text(
+            **text(
                 "Where the workers run: `local` (simulated hosts on this machine) or `gke` (TPU node pools; fill in "
                 "the GKE field)."
             ),
@@ -387,7 +280,7 @@ def training_params(continual: bool) -> dict[str, Param]:
             type=["null", "object"],
             title="GKE cluster and slices",
             section="Backend",
-            **_text(
+            **text(
                 "`backend: gke` only (empty otherwise): a JSON object with `project_id`, `location`, `cluster_name`, "
                 "`machine_type`, `tpu_topology`, `image`, `node_pools` (one per slice), and optionally `namespace`, "
                 "`spot`, `node_locations`, `node_service_account`, `gcp_conn_id`, `kueue_queue` (a Kueue LocalQueue: "
@@ -417,13 +310,19 @@ def training_params(continual: bool) -> dict[str, Param]:
                 "gcs_fuse": {"type": "boolean"},
             },
         ),
+    }
+
+
+def _chaos_and_overrides_params() -> dict[str, Param]:
+    """The Chaos and Config overrides sections."""
+    return {
         "chaos": Param(
             None,
             type=["null", "array"],
             items=CHAOS_RULES,
             title="Fault injection",
             section="Chaos",
-            **_text(
+            **text(
                 "One fault per line (empty: off), `action:key=value,...`, e.g. "
                 + ", ".join(f"`{x}`" for x in CHAOS_EXAMPLES)
                 + "."
@@ -434,13 +333,12 @@ def training_params(continual: bool) -> dict[str, Param]:
             type=["null", "object"],
             title="Other config keys",
             section="Config overrides",
-            **_text(
+            **text(
                 'Any other run-config key (`rtrain config` lists them), as a JSON object, e.g. `{"learning_rate": '
                 "0.001}`; empty: none. Unknown keys, and keys that have a field of their own above, are refused."
             ),
         ),
     }
-    return params
 
 
 def pipeline(continual: bool) -> None:

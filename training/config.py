@@ -115,7 +115,7 @@ class Config(BaseModel):
     )
 
     # --- optimisation ----------------------------------------------------------
-    steps: int = Field(40, ge=1, description="Total optimizer steps.")
+    steps: int = Field(40, ge=1, le=10_000_000, description="Total optimizer steps of the run.")
     global_batch: int = Field(16, ge=1, description="Sequences per step, constant across resizes.")
     grad_accum: int = Field(
         1, ge=1, description="Micro-batches per step: the global batch is split and the gradients summed."
@@ -138,11 +138,14 @@ class Config(BaseModel):
     seed: int = Field(0, description="Seed for initialisation, data order and dropout.")
 
     # --- checkpoints -----------------------------------------------------------
-    checkpoint_every: int = Field(10, ge=1, description="Save a checkpoint every N steps (and at the end).")
+    checkpoint_every: int = Field(
+        10, ge=1, le=1_000_000, description="Save a checkpoint every N steps (and at the end)."
+    )
     async_checkpoint: bool = Field(True, description="Save in the background while training goes on.")
     local_checkpoint_every: int = Field(
         0,
         ge=0,
+        le=1_000_000,
         description="Local tier: every N steps each host also saves the state to host-local storage "
         "(`local_checkpoint_dir`), restored from after a lost host when newer than the newest persistent "
         "checkpoint (0: off).",
@@ -175,7 +178,10 @@ class Config(BaseModel):
     val_batches: int = Field(4, ge=1, description="Evaluation batches of the held-out split per validation.")
     val_batch: int = Field(16, ge=1, description="Sequences per evaluation batch.")
     val_tolerance: float = Field(
-        0.05, ge=0, description="Reject a checkpoint whose loss exceeds the best validated loss by this fraction."
+        0.05,
+        ge=0,
+        le=10,
+        description="Reject a checkpoint whose loss exceeds the best validated loss by this fraction (0.05: 5%).",
     )
     val_max_loss: float = Field(
         0.0, ge=0, description="Reject a checkpoint whose validation loss is above this (0: no threshold)."
@@ -188,7 +194,7 @@ class Config(BaseModel):
     )
     rollback_lr_scale: float = Field(1.0, gt=0, description="After a rollback, scale the learning rate by this factor.")
     max_rollbacks: int = Field(
-        2, ge=0, description="Validation rollbacks (with resumed training) a pipeline run may do."
+        2, ge=0, le=100, description="Validation rollbacks (each followed by resumed training) a pipeline run may do."
     )
     spike_factor: float = Field(
         4.0, ge=0, description="In-training guard: a loss above this x the running median is a spike (0: off)."
@@ -197,20 +203,22 @@ class Config(BaseModel):
     max_guard_rollbacks: int = Field(
         2, ge=0, description="In-job rollbacks for non-finite or spiking loss before the job fails."
     )
-    keep_last: int = Field(3, ge=0, description="Pruning: keep the newest N checkpoints (0: rule off).")
+    keep_last: int = Field(3, ge=0, le=100_000, description="Pruning: keep the newest N checkpoints (0: rule off).")
     keep_best: int = Field(
-        1, ge=0, description="Pruning: keep the best N validated checkpoints by `best_metric` (0: off)."
+        1, ge=0, le=100_000, description="Pruning: keep the best N validated checkpoints by `best_metric` (0: off)."
     )
     best_metric: str = Field("loss", description="Validation metric for keep_best (lower is better).")
-    keep_every: int = Field(0, ge=0, description="Pruning: keep every K-th step as a milestone (0: off).")
+    keep_every: int = Field(
+        0, ge=0, le=10_000_000, description="Pruning: keep every K-th step as a milestone (0: off)."
+    )
     quarantine_ttl_s: float = Field(
         7 * 86400.0, ge=0, description="Pruning: delete quarantined checkpoints after this long."
     )
 
     # --- elastic job -----------------------------------------------------------
     backend: Literal["local", "gke"] = Field("local", description="Where workers run: the local slice or GKE.")
-    min_workers: int = Field(1, ge=1, description="Fewest workers (hosts) the job may run on.")
-    max_workers: int = Field(2, ge=1, description="Most workers (hosts) the job may use.")
+    min_workers: int = Field(1, ge=1, le=10_000, description="Fewest workers (hosts) the job may run on.")
+    max_workers: int = Field(2, ge=1, le=10_000, description="Most workers (hosts) the job may use.")
     devices_per_worker: int = Field(2, ge=1, description="Accelerator devices per worker (local slice: CPU devices).")
     hosts_per_slice: int = Field(
         1,

@@ -269,3 +269,39 @@ def test_the_graph_draws_the_pipeline_not_the_spec(dagbag: Any) -> None:
         for task in dag.tasks:
             if task.task_id != "resolve_config" and hasattr(task, "spec_from"):
                 assert task.spec_from == "resolve_config" and task.spec is None, task.task_id
+
+
+def test_config_fields_of_the_form_take_type_bounds_and_help_from_the_config(dag: Any) -> None:
+    """A form field of a config key is made from the config's field: a new one is a line in ``CONFIG_FIELDS``."""
+    import resilient_training
+    from rtrain_airflow.form import config_param
+
+    from training.config import Config
+
+    schema = Config.model_json_schema()["properties"]
+    keys = [key for _, key, _ in resilient_training.CONFIG_FIELDS] + ["steps"]
+    for key in keys:
+        param, field = dag.params.get_param(key), schema[key]
+        assert help_text(param).startswith(field["description"]), key
+        for bound in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+            assert param.schema.get(bound) == field.get(bound), (key, bound)
+        assert param.schema["type"] == ["null", field["type"]], key
+    # A config key the form has no field for yet becomes one with its checks, and one that is not a key is refused.
+    lr = config_param("learning_rate", "Peak learning rate", "Training", ("tiny",))
+    assert lr.schema["exclusiveMinimum"] == 0 and "Above 0." in help_text(lr)
+    with pytest.raises(Exception, match="learning_rate"):
+        lr.resolve(-1.0)
+    opt = config_param("optimizer", "Optimizer", "Training", ("tiny", "small"))
+    assert opt.schema["enum"][0] is None and "adamw" in opt.schema["enum"]
+    opt.resolve(None)
+    with pytest.raises(KeyError, match="no_such_key"):
+        config_param("no_such_key", "X", "Training", ("tiny",))
+
+
+def test_a_form_field_out_of_the_configs_bounds_is_refused_by_the_server(dag: Any) -> None:
+    from training.config import Config
+
+    hi = Config.model_json_schema()["properties"]["max_workers"]["maximum"]
+    server_params(dag).deep_merge({"max_workers": hi}).validate()
+    with pytest.raises(Exception, match="max_workers"):
+        server_params(dag).deep_merge({"max_workers": hi + 1}).validate()

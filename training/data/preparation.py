@@ -314,7 +314,6 @@ def prepare(
     """
     _check_args(seq_len, val_fraction, max_bytes, records_per_shard)
     say = _Progress(progress)
-    record_len = seq_len + 1
     spec: Tokenizer | BPETrainer = resolve(tokenizer, vocab_size) if isinstance(tokenizer, str) else tokenizer
     byte_level = spec.kind == "bytes"
 
@@ -338,10 +337,51 @@ def prepare(
             return existing
         _replace_existing(store, existing, output, fingerprint, this_tokenizer, overwrite)
 
+    tok, files, lengths, splits = _write_shards(store, spec, src, files, val_fraction, seq_len, records_per_shard, say)
+    manifest = {
+        "format": FORMAT if byte_level else TOKENIZED_FORMAT,
+        "seq_len": seq_len,
+        "vocab_size": tok.vocab_size,
+        "token_dtype": tok.token_dtype,
+        "eos_id": tok.eos_id,
+        "tokenizer": tok.manifest_entry() | ({"recipe": spec.fingerprint} if isinstance(spec, BPETrainer) else {}),
+        "fingerprint": fingerprint,
+        "source": desc,
+        "input_format": src.fmt,
+        "input_files": len(files),
+        "input_bytes": used,
+        "input_tokens": sum(lengths.values()),
+        "val_fraction": val_fraction,
+        "max_bytes": max_bytes,
+        "splits": splits,
+        "created_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+    # Last: its presence is what makes the dataset exist.
+    store.put(MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
+    say(
+        f"prepared {output}: {splits['train']['records']} train / {splits['validation']['records']} validation "
+        f"records of {seq_len} tokens, {tok.kind} tokenizer, vocab {tok.vocab_size} "
+        f"(fingerprint {fingerprint[:12]})"
+    )
+    return manifest
+
+
+def _write_shards(
+    store: Store,
+    spec: Tokenizer | BPETrainer,
+    src: Source,
+    files: list[_File],
+    val_fraction: float,
+    seq_len: int,
+    records_per_shard: int,
+    say: _Progress,
+) -> tuple[Tokenizer, list[_File], dict[str, int], dict[str, Any]]:
+    """Passes 2 and 3: train the tokenizer if asked, tokenize every document, settle the split on token counts,
+    and pack each split's stream into shards.  Returns the tokenizer, the files (their splits settled), each
+    file's token count and each split's entry of the manifest."""
+    record_len = seq_len + 1
     with tempfile.TemporaryDirectory(prefix="rtrain-prepare-") as tmp:
         tok = _train_tokenizer(spec, src, files, say) if isinstance(spec, BPETrainer) else spec
-
-        # Pass 3: tokenize every document, settle the split on token counts, pack each split's stream.
         tokens_path = os.path.join(tmp, "tokens.bin")
         offsets, lengths = _encode(tok, src, files, tokens_path, say)
         files = _assign_splits(files, val_fraction, seq_len, lengths)
@@ -356,38 +396,7 @@ def prepare(
             store.put(tok.file, raw)
         writers = {s: _ShardedWriter(store, tmp, s, plan[s], records_per_shard, say) for s in SPLITS}
         _pack(tokens_path, np.dtype(tok.token_dtype), record_len, files, offsets, lengths, writers, say)
-        splits = {s: writers[s].finish() for s in SPLITS}
-
-    tokens = sum(lengths.values())
-    entry = tok.manifest_entry()
-    if isinstance(spec, BPETrainer):
-        entry["recipe"] = spec.fingerprint
-    manifest = {
-        "format": FORMAT if byte_level else TOKENIZED_FORMAT,
-        "seq_len": seq_len,
-        "vocab_size": tok.vocab_size,
-        "token_dtype": tok.token_dtype,
-        "eos_id": tok.eos_id,
-        "tokenizer": entry,
-        "fingerprint": fingerprint,
-        "source": desc,
-        "input_format": src.fmt,
-        "input_files": len(files),
-        "input_bytes": used,
-        "input_tokens": tokens,
-        "val_fraction": val_fraction,
-        "max_bytes": max_bytes,
-        "splits": splits,
-        "created_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    }
-    # Last: its presence is what makes the dataset exist.
-    store.put(MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
-    say(
-        f"prepared {output}: {splits['train']['records']} train / {splits['validation']['records']} validation "
-        f"records of {seq_len} tokens, {tok.kind} tokenizer, vocab {tok.vocab_size} "
-        f"(fingerprint {fingerprint[:12]})"
-    )
-    return manifest
+        return tok, files, lengths, {s: writers[s].finish() for s in SPLITS}
 
 
 def _fingerprint(

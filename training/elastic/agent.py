@@ -40,6 +40,7 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +52,10 @@ from training.checkpoint.lock import LeaseKeeper, LockHeld, LockLost, RunLock
 from training.checkpoint.steps import file_checksums, recorded_checksums
 from training.config import Config, config_from_json
 from training.elastic.capacity import LocalCapacity
-from training.elastic.codes import AgentExit, WorkerExit
+from training.elastic.codes import AgentExit
 from training.elastic.hostwatch import HostWatch, Listener
 from training.elastic.leader import Leader, Phase
+from training.elastic.outcomes import last_error, recovery_cost, worker_outcome
 from training.elastic.rendezvous import HostRecord, Outcome, Rendezvous, Report, Round
 from training.elastic.workerproc import WorkerProc, spawn_worker
 from training.elastic.writer import Writer
@@ -619,26 +621,8 @@ class HostAgent:
 
     def _worker_ended(self, w: WorkerProc, code: int) -> None:
         seen = w.seen
-        # What the worker said decides, not how it exited: when the first process of a group exits,
-        # the coordination service goes with it and a peer that has already said "finished" may abort.
-        if "finished" in seen:
-            outcome, reason = Outcome.FINISHED, ""
-        elif "rescale_requested" in seen:
-            outcome, reason = Outcome.RESCALE, ""
-        elif "guard" in seen:
-            outcome, reason = Outcome.GUARD, str(seen["guard"].get("reason"))
-        elif "notice" in seen:
-            outcome, reason = Outcome.NOTICE, f"stopped at step {seen['notice'].get('step')} (preemption notice)"
-        elif code == WorkerExit.CORRUPT:
-            outcome, reason = Outcome.CORRUPT, str(seen.get("corrupt", {}).get("reason", "checkpoint corrupt"))
-        elif seen.get("error", {}).get("peer_lost") is not None:
-            # A bystander: another process of the round went first, and this one left at once.
-            gone = f"peer process {seen['error']['peer_lost']} is gone"
-            outcome, reason = Outcome.FAILED, f"worker {w.rank} on host {self.host} stopped: {gone}"
-        else:
-            how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-            outcome, reason = Outcome.FAILED, f"worker {w.rank} on host {self.host} {how}"
-        error = str(seen.get("error", {}).get("error", "")) or (_last_error(w.log) if outcome == Outcome.FAILED else "")
+        outcome, reason = worker_outcome(seen, code, w.rank, self.host)
+        error = str(seen.get("error", {}).get("error", "")) or (last_error(w.log) if outcome == Outcome.FAILED else "")
         fields = dict(
             returncode=code,
             reason=reason,
@@ -694,48 +678,22 @@ class HostAgent:
 
     def _recovered(self, w: WorkerProc, resumed: dict[str, Any]) -> None:
         """Rank 0's first step after a failure or a notice: what the recovery cost, phase by phase."""
-        rec = dict(w.plan.recovery) if w.plan is not None else {}
-        if not rec:
+        recovery = dict(w.plan.recovery) if w.plan is not None else {}
+        if not recovery:
             return
-        seen = w.seen
-        restore = seen.get("restore") or {}
-        compiled = seen.get("compiled") or {}
-        t_resumed = float(resumed.get("time") or time.time())
-        t_detected = float(rec.get("detected_at") or t_resumed)
-        t_fault = float(rec.get("fault_at") or t_detected)
-        restore_s = float(restore.get("seconds") or 0.0)
-        restore_start = float(restore.get("time") or t_detected) - restore_s
-        compile_s = float(compiled.get("seconds") or 0.0)
-        step_s = float(rec.get("step_s") or 0.0)
-        first_step = max(t_resumed - float(compiled.get("time") or t_resumed) - step_s, 0.0)
-        steps_lost = int(rec.get("steps_lost") or 0)
-        resume_step = rec.get("resume_step")
-        if restore.get("step") is not None and resume_step is not None:
-            # The leader's estimate was made at the failure; a save still in flight then may have
-            # committed since, and the round restored that newer step: count from what it restored.
-            reached = int(resume_step) + steps_lost
-            resume_step = int(restore["step"])
-            steps_lost = max(reached - resume_step, 0)
-        lost_s = {
-            "detect": round(max(t_detected - t_fault, 0.0), 3),
-            "relaunch": round(max(restore_start - t_detected, 0.0), 3),
-            "restore": round(restore_s, 3),
-            "compile": round(compile_s, 3),
-            "first_step": round(first_step, 3),
-            "replay": round(steps_lost * step_s, 3),
-        }
+        cost = recovery_cost(recovery, w.seen, float(resumed.get("time") or time.time()))
         self.emit_later(
             "recovered",
-            cause=rec.get("cause"),
-            kind=rec.get("kind"),
+            cause=recovery.get("cause"),
+            kind=recovery.get("kind"),
             round=w.round,
             step=resumed.get("step"),
-            resume_step=resume_step,
-            tier=restore.get("tier"),
-            compile_cached=compiled.get("cache_hit"),
-            steps_lost=steps_lost,
-            lost_s=lost_s,
-            seconds=round(sum(lost_s.values()), 3),
+            resume_step=cost.resume_step,
+            tier=cost.tier,
+            compile_cached=cost.compile_cached,
+            steps_lost=cost.steps_lost,
+            lost_s=asdict(cost.lost_s),
+            seconds=cost.lost_s.total,
         )
 
     def _report(self, round_: int, rank: int, outcome: Outcome, **fields: Any) -> None:
@@ -855,18 +813,6 @@ def store_failure(e: Exception, run_uri: str) -> str:
     return (
         f"the run root {run_uri} refuses writes ({e.strerror or errno.errorcode.get(e.errno or 0, 'error')}{writing})"
     )
-
-
-def _last_error(path: Path, lines: int = 40) -> str:
-    """The last line of a worker's log that looks like an error (its own exception)."""
-    try:
-        tail = path.read_bytes()[-20000:].decode(errors="replace").splitlines()[-lines:]
-    except OSError:
-        return ""
-    for line in reversed(tail):
-        if re.match(r"^\w[\w.]*(Error|Exception|Interrupt)\b", line.strip()) or "Error:" in line:
-            return line.strip()[:500]
-    return ""
 
 
 def main(argv: list[str] | None = None) -> int:

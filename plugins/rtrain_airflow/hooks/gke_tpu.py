@@ -626,19 +626,22 @@ class GKETPUHook(GKEHook):
         from airflow.providers.google.cloud.hooks.kubernetes_engine import GKEKubernetesHook
 
         cluster = self.get_cluster(name=cluster_name, project_id=project_id)
-        if use_dns_endpoint:
-            url = f"https://{cluster.control_plane_endpoints_config.dns_endpoint_config.endpoint}"
-        elif use_internal_ip:
-            url = f"https://{cluster.private_cluster_config.private_endpoint}"
-        else:
-            url = f"https://{cluster.endpoint}"
         return GKEKubernetesHook(
             gcp_conn_id=self.gcp_conn_id,
             impersonation_chain=self.impersonation_chain,
-            cluster_url=url,
+            cluster_url=cluster_url(cluster, use_internal_ip=use_internal_ip, use_dns_endpoint=use_dns_endpoint),
             ssl_ca_cert=cluster.master_auth.cluster_ca_certificate,
             use_dns_endpoint=use_dns_endpoint,
         )
+
+
+def cluster_url(cluster: container_v1.Cluster, *, use_internal_ip: bool, use_dns_endpoint: bool) -> str:
+    """The address of a cluster's control plane: its DNS endpoint, its private endpoint or its public one."""
+    if use_dns_endpoint:
+        return f"https://{cluster.control_plane_endpoints_config.dns_endpoint_config.endpoint}"
+    if use_internal_ip:
+        return f"https://{cluster.private_cluster_config.private_endpoint}"
+    return f"https://{cluster.endpoint}"
 
 
 def check_same_shape(existing: container_v1.NodePool, spec: TPUNodePoolSpec) -> None:
