@@ -56,6 +56,11 @@ class Config(BaseModel):
         description="Prepared dataset URI (output of `rtrain prepare`); empty: var/data/stdlib-seq<seq_len>, one "
         "dataset of this Python's standard library per sequence length.",
     )
+    dataset_reads: Literal["auto", "direct", "download"] = Field(
+        "auto",
+        description="How each host reads a gs:// dataset: `direct` (in place, only the records it trains on), "
+        "`download` (every shard into a local cache first) or `auto` (direct above 1 GiB a split).",
+    )
     preset: str = Field("tiny", description="Preset the config was built from (informational once resolved).")
     resume_from: str = Field(
         "latest",

@@ -2,7 +2,8 @@
 
 It runs gcp-storage-emulator (real HTTP, in memory) and points this process and
 every process it starts at it: google-cloud-storage (``STORAGE_EMULATOR_HOST``),
-TensorStore (``TENSORSTORE_GCS_HTTP_URL``, used by Orbax) and gcsfs.
+TensorStore (``TENSORSTORE_GCS_HTTP_URL``, used by Orbax), ArrayRecord's reader
+(``CLOUD_STORAGE_EMULATOR_ENDPOINT``) and gcsfs.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def gcs_emulator(bucket: str) -> Iterator[str]:
     env = {
         "STORAGE_EMULATOR_HOST": url,
         "TENSORSTORE_GCS_HTTP_URL": url,
+        "CLOUD_STORAGE_EMULATOR_ENDPOINT": url,  # ArrayRecord's own GCS reader (a dataset read in place)
         "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
         "GOOGLE_CLOUD_PROJECT": "local",
     }

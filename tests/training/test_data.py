@@ -321,6 +321,75 @@ def test_a_gcs_dataset_whose_bucket_is_mounted_is_read_there_not_downloaded(
         data.local_shards(dataset, "train", str(cache))
 
 
+def _upload(tiny: str, dataset: str) -> None:
+    store = open_store(dataset)
+    for f in sorted(Path(tiny).iterdir()):
+        if f.is_file() and not f.name.startswith("."):
+            store.put(f.name, f.read_bytes())
+
+
+@pytest.mark.gcs
+def test_a_gcs_dataset_is_read_in_place_each_host_its_own_records_checked_without_a_download(
+    tiny: str, gcs_root: str, tmp_path: Path
+) -> None:
+    dataset = f"{gcs_root}/in-place"
+    _upload(tiny, dataset)
+    cache = tmp_path / "cache"
+    paths = data.shard_paths(dataset, "train", str(cache), reads="direct")
+    assert paths and all(p.startswith(f"{dataset}/train-") for p in paths)
+    # Each of two hosts reads its half of every global batch, from any batch on: the local dataset's records.
+    for host in (0, 1):
+        for start in (0, 5):
+            remote = data.make_batches(
+                dataset,
+                "train",
+                seed=3,
+                global_batch=B,
+                process_index=host,
+                process_count=2,
+                start_batch=start,
+                cache_dir=str(cache),
+                reads="direct",
+            )
+            local = data.make_batches(
+                tiny, "train", seed=3, global_batch=B, process_index=host, process_count=2, start_batch=start
+            )
+            for a, b in itertools.islice(zip(remote, local, strict=False), 6):
+                np.testing.assert_array_equal(a["ids"], b["ids"])
+                np.testing.assert_array_equal(a["inputs"], b["inputs"])
+    assert not cache.exists(), "nothing was downloaded"
+    # "auto" reads a split this small downloaded; "download" always does.
+    assert all(p.startswith(str(cache)) for p in data.shard_paths(dataset, "train", str(cache)))
+    with pytest.raises(data.DatasetError, match="one of auto, direct, download"):
+        data.shard_paths(dataset, "train", reads="stream")
+
+
+@pytest.mark.gcs
+def test_a_gcs_dataset_read_in_place_refuses_a_replaced_shard_and_a_manifest_without_crc32c(
+    tiny: str, gcs_root: str
+) -> None:
+    dataset = f"{gcs_root}/replaced"
+    _upload(tiny, dataset)
+    store = open_store(dataset)
+    manifest = json.loads(store.get(data.MANIFEST))
+    shard = manifest["splits"]["validation"]["shards"][0]
+    store.put(shard["name"], store.get(shard["name"])[:-1] + b"x")  # same size, other bytes
+    with pytest.raises(data.DatasetError, match=f"{shard['name']}.*CRC32C"):
+        data.shard_paths(dataset, "validation", reads="direct")
+    store.delete(shard["name"])
+    with pytest.raises(data.DatasetError, match=f"shard {shard['name']} named in the manifest is missing"):
+        data.shard_paths(dataset, "validation", reads="direct")
+    # A dataset prepared before the manifest held CRC32Cs cannot be checked in place: it says what to do.
+    old = f"{gcs_root}/old"
+    _upload(tiny, old)
+    for split in manifest["splits"].values():
+        for s in split["shards"]:
+            s.pop("crc32c")
+    open_store(old).put(data.MANIFEST, json.dumps(manifest).encode())
+    with pytest.raises(data.DatasetError, match="no CRC32C.*--overwrite"):
+        data.shard_paths(old, "train", reads="direct")
+
+
 def test_a_changed_shard_is_refused_at_load_naming_the_shard_and_its_checksum(tmp_path: Path, monkeypatch) -> None:
     write_corpus(tmp_path / "src")
     out = tmp_path / "ds"

@@ -10,6 +10,7 @@ and given back through the pool's capacity, as Kubernetes would.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import threading
 import time
@@ -312,6 +313,41 @@ def test_on_a_gcs_root_the_rendezvous_and_a_recovery_work_too(gcs_root, tiny_dat
     store = open_store(cfg.run_uri)
     assert store.exists("config.json") and store.list("events/") and store.list("rendezvous/rounds/")
     assert sorted(hosts(cfg.run_uri)) == ["h0", "h1"]
+
+
+@pytest.mark.gcs
+def test_a_gcs_dataset_read_in_place_keeps_the_exact_data_position_across_a_lost_host(
+    tmp_path, gcs_root, tiny_dataset, jax_cache
+):
+    """Each host reads its own records of a gs:// dataset in place (no download); a lost host changes nothing."""
+    from pathlib import Path
+
+    from training.data import load_manifest
+
+    dataset = f"{gcs_root}/in-place-ds"
+    store = open_store(dataset)
+    for f in sorted(Path(tiny_dataset).iterdir()):
+        if f.is_file() and not f.name.startswith("."):
+            store.put(f.name, f.read_bytes())
+    downloads = Path.home() / ".cache" / "rtrain" / "datasets" / load_manifest(dataset)["fingerprint"]
+    shutil.rmtree(downloads, ignore_errors=True)
+    cfg = job_config(
+        str(tmp_path),
+        dataset,
+        jax_cache,
+        run_name="gcs-data",
+        dataset_reads="direct",
+        steps=16,
+        checkpoint_every=4,
+        min_workers=1,
+        max_workers=2,
+        chaos=["preempt:worker=1,step=10"],
+        trace_data_ids=True,
+    )
+    assert run_job(cfg) == 0, worker_logs(cfg.run_uri)
+    assert [e["workers"] for e in _events(cfg.run_uri, "launch")] == [2, 1]
+    assert not downloads.exists(), "a host downloaded the dataset"
+    assert_exact_data(cfg.run_uri, tiny_dataset, cfg)
 
 
 @pytest.mark.extended

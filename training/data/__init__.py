@@ -22,6 +22,7 @@ from training.data.preparation import (
     load_manifest,
     local_shards,
     prepare,
+    shard_paths,
 )
 from training.data.tokens import lm_source, load_tokenizer
 
@@ -39,6 +40,7 @@ __all__ = [
     "local_shards",
     "make_batches",
     "prepare",
+    "shard_paths",
     "warm",
 ]
 
@@ -61,10 +63,11 @@ def make_batches(
     num_threads: int = 2,
     prefetch: int = 4,
     cache_dir: str | None = None,
+    reads: str = "auto",
 ) -> Iterator[dict[str, np.ndarray]]:
     """This process's batches of a prepared dataset's split, from global batch ``start_batch`` on."""
     return pipeline.batches(
-        lm_source(dataset_uri, split, cache_dir),
+        lm_source(dataset_uri, split, cache_dir, reads),
         seed=seed,
         global_batch=global_batch,
         process_index=process_index,

@@ -9,8 +9,10 @@ Two halves, joined by a directory (local or ``gs://``) with one ``manifest.json`
   written last and names every shard with its checksum, so a dataset is
   complete exactly when it has a manifest: a crash mid-write leaves nothing
   that looks usable, and re-running the same preparation finishes the job.
-* ``local_shards`` hands the shards of a split to the input pipeline
-  (:mod:`training.data.pipeline`), checked against the manifest.
+* ``shard_paths`` hands the shards of a split to the input pipeline
+  (:mod:`training.data.pipeline`), checked against the manifest: local files, a
+  mounted bucket, a downloaded copy, or ``gs://`` objects that each host reads in
+  place, record by record (only the records it trains on).
 
 With the default ``bytes`` tokenizer, tokens are the input's bytes (vocab 256,
 byte 0 ends a document, format 1): no tokenizer to ship, version or download,
@@ -51,7 +53,11 @@ TOKENIZER_FILES = (HF_FILE, SPM_FILE)
 # One record per chunk: grain reads records in a random order, and a larger
 # group would decompress a whole group to return one record.
 SHARD_OPTIONS = "group_size:1"
-ENCODE_BATCH_BYTES = 1 << 20  # Documents are tokenized in batches of about this much text.
+ENCODE_BATCH_BYTES = 1 << 20
+# How a host reads a gs:// dataset: in place (each record a ranged read), downloaded whole into a cache, or by
+# size ("auto": in place when a split's shards hold more than DIRECT_READ_BYTES).
+READS = ("auto", "direct", "download")
+DIRECT_READ_BYTES = 1 << 30  # Documents are tokenized in batches of about this much text.
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +200,8 @@ class _ShardedWriter:
             self._close_shard()
 
     def _close_shard(self) -> None:
+        import google_crc32c
+
         self._writer.close()
         self._writer = None
         name = os.path.basename(self._path)
@@ -201,7 +209,13 @@ class _ShardedWriter:
         self.store.put(name, data)
         os.unlink(self._path)
         self.shards.append(
-            {"name": name, "records": self._in_shard, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            {
+                "name": name,
+                "records": self._in_shard,
+                "bytes": len(data),
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "crc32c": google_crc32c.value(data),  # what GCS keeps of every object: checked without a read
+            }
         )
         self._in_shard = 0
         self.progress(
@@ -540,6 +554,46 @@ def _split_info(manifest: dict[str, Any], dataset_uri: str, split: str) -> dict[
     if split not in manifest["splits"]:
         raise DatasetError(f"{dataset_uri} has no split {split!r}; it has {sorted(manifest['splits'])}")
     return dict(manifest["splits"][split])
+
+
+def shard_paths(dataset_uri: str, split: str, cache_dir: str | None = None, reads: str = "auto") -> list[str]:
+    """Paths of a split's shards that ArrayRecord opens, in record order, each checked against the manifest.
+
+    A ``gs://`` dataset whose bucket is not mounted is read in place (``reads="direct"``, or "auto" for a
+    split above ``DIRECT_READ_BYTES``): each host then reads only the records it trains on, nothing is
+    downloaded first, and each object's size and CRC32C (which GCS keeps) must be the manifest's.
+    Otherwise the shards are local files, a mount or a downloaded copy (``local_shards``).
+    """
+    if reads not in READS:
+        raise DatasetError(f"dataset reads {reads!r}: one of {', '.join(READS)}")
+    if not is_gcs(dataset_uri) or mounted_path(dataset_uri) is not None or reads == "download":
+        return local_shards(dataset_uri, split, cache_dir)
+    shards = _split_info(load_manifest(dataset_uri), dataset_uri, split)["shards"]
+    unsummed = [s["name"] for s in shards if "crc32c" not in s]
+    if reads == "auto" and (unsummed or sum(int(s["bytes"]) for s in shards) <= DIRECT_READ_BYTES):
+        return local_shards(dataset_uri, split, cache_dir)
+    if unsummed:
+        raise DatasetError(
+            f"{dataset_uri}: the manifest has no CRC32C of {unsummed[0]} (prepared by an older version), so it "
+            "cannot be checked in place; prepare it again with --overwrite, or read it downloaded (dataset_reads: "
+            "download)"
+        )
+    return _in_place(dataset_uri, shards)
+
+
+def _in_place(dataset_uri: str, shards: list[dict[str, Any]]) -> list[str]:
+    """The ``gs://`` URIs of the shards, once each object is the manifest's (size and CRC32C, from a listing)."""
+    held = open_store(dataset_uri).checksums()
+    for s in shards:
+        got = held.get(s["name"])
+        if got is None:
+            raise DatasetError(f"{dataset_uri}: shard {s['name']} named in the manifest is missing")
+        if got != [int(s["bytes"]), int(s["crc32c"])]:
+            raise DatasetError(
+                f"{dataset_uri}/{s['name']}: {got[0]} bytes with CRC32C {got[1]:08x} do not match the manifest's "
+                f"{s['bytes']} bytes with CRC32C {int(s['crc32c']):08x}"
+            )
+    return [f"{dataset_uri.rstrip('/')}/{s['name']}" for s in shards]
 
 
 def local_shards(dataset_uri: str, split: str, cache_dir: str | None = None) -> list[str]:

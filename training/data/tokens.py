@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from training.data.errors import DatasetError
-from training.data.preparation import SEPARATOR, load_manifest, local_shards
+from training.data.preparation import SEPARATOR, load_manifest, shard_paths
 from training.data.tokenizer import Tokenizer, from_manifest
 from training.storage import open_store
 
@@ -54,20 +54,21 @@ def segments(inputs: np.ndarray, eos: int) -> dict[str, np.ndarray]:
 
 
 @functools.lru_cache(maxsize=8)
-def records(dataset_uri: str, split: str, cache_dir: str | None = None) -> Any:
+def records(dataset_uri: str, split: str, cache_dir: str | None = None, reads: str = "auto") -> Any:
     """A grain MapDataset of one split's raw records (opened once per process: datasets are immutable)."""
     import grain
 
-    paths = local_shards(dataset_uri, split, cache_dir)
+    paths = shard_paths(dataset_uri, split, cache_dir, reads)
     if not paths:
         raise DatasetError(f"the {split} split of {dataset_uri} is empty")
     return grain.MapDataset.source(grain.sources.ArrayRecordDataSource(paths))
 
 
-def lm_source(dataset_uri: str, split: str, cache_dir: str | None = None) -> Any:
-    """A split of a prepared dataset as language-model examples (a grain MapDataset)."""
+def lm_source(dataset_uri: str, split: str, cache_dir: str | None = None, reads: str = "auto") -> Any:
+    """A split of a prepared dataset as language-model examples (a grain MapDataset); ``reads``: how a host
+    reads a ``gs://`` one (``preparation.READS``)."""
     manifest = load_manifest(dataset_uri)
-    return records(dataset_uri, split, cache_dir).map(LMExample(token_dtype(manifest), eos_id(manifest)))
+    return records(dataset_uri, split, cache_dir, reads).map(LMExample(token_dtype(manifest), eos_id(manifest)))
 
 
 def load_tokenizer(dataset_uri: str) -> Tokenizer:

@@ -86,8 +86,8 @@ class LanguageModel:
     def data(self) -> TaskData:
         manifest = self.check_manifest()
         return TaskData(
-            train=lm_source(self.cfg.dataset, "train"),
-            validation=lm_source(self.cfg.dataset, "validation"),
+            train=lm_source(self.cfg.dataset, "train", reads=self.cfg.dataset_reads),
+            validation=lm_source(self.cfg.dataset, "validation", reads=self.cfg.dataset_reads),
             fingerprint=str(manifest["fingerprint"]),
         )
 
