@@ -182,6 +182,13 @@ class Config(BaseModel):
     # --- checkpoint lifecycle: validation, rollback, guard, retention ---------------
     val_batches: int = Field(4, ge=1, description="Evaluation batches of the held-out split per validation.")
     val_batch: int = Field(16, ge=1, description="Sequences per evaluation batch.")
+    validate_on: Literal["host", "slice"] = Field(
+        "host",
+        description="Where a checkpoint is evaluated: `host` (validation restores its parameters onto one device) "
+        "or `slice` (the job evaluates each step it saves on its own mesh, sharded like training, and "
+        "validation judges those metrics: for a model too big for one device). `val_batch` then splits "
+        "over the job's devices as `global_batch` does.",
+    )
     val_tolerance: float = Field(
         0.05,
         ge=0,

@@ -72,6 +72,7 @@ class EventType(StrEnum):
     FAILED = "failed"
     RESCALE_REQUESTED = "rescale_requested"
     VALIDATION = "validation"
+    EVALUATED = "evaluated"  # the job evaluated a step it saved on its own mesh (validate_on: slice)
     ROLLBACK = "rollback"
     PRUNE = "prune"
     LOCK = "lock"
@@ -99,6 +100,7 @@ REQUIRED: dict[EventType, tuple[str, ...]] = {
     EventType.GUARD: ("step", "metric", "value", "reason"),
     EventType.PROGRESS: ("step", "loss"),
     EventType.CHECKPOINT: ("step", "committed"),
+    EventType.EVALUATED: ("step", "metrics", "seconds"),
     EventType.CHECKPOINT_CORRUPT: ("step", "reason"),
     EventType.FAILURE: ("attempt", "reason"),
     EventType.RESIZE: ("old_workers", "new_workers", "old_mesh", "new_mesh"),
@@ -542,6 +544,12 @@ SENTENCES: dict[str, Any] = {
         + (f" (on {_plural(g('workers'), 'host')})" if g("workers") else "")
     ),
     "validation": _validation,
+    "evaluated": lambda g: (
+        f"evaluated step {g('step')} on the job's mesh in {duration(g('seconds'))}: "
+        + ", ".join(
+            f"{k} {v:.4g}" if isinstance(v, int | float) else f"{k} {v}" for k, v in (g("metrics") or {}).items()
+        )
+    ),
     "rollback": _rollback,
     "prune": _prune,
     "lock": _lock,

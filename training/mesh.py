@@ -120,6 +120,12 @@ def check_batch(cfg: Config, plan: MeshPlan) -> int:
             f"{plan.devices_per_worker} devices (batch shards: {shards}); choose a global batch divisible by "
             f"{math.lcm(shards, plan.workers)} or another worker range"
         )
+    if cfg.validate_on == "slice" and (cfg.val_batch % shards or cfg.val_batch % plan.workers):
+        raise PlanError(
+            f"val_batch={cfg.val_batch} cannot be split over {plan.workers} workers x {plan.devices_per_worker} "
+            f"devices (validate_on: slice evaluates on the job's mesh); choose a val_batch divisible by "
+            f"{math.lcm(shards, plan.workers)}"
+        )
     return cfg.global_batch // shards
 
 

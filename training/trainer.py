@@ -86,6 +86,7 @@ class Trainer:
             donate_argnums=(0,),
         )
         self._compiled: Any = None
+        self._eval: Any = None
         self._scales: dict[float, jax.Array] = {}
         self._flags: dict[int, jax.Array] = {}
 
@@ -158,9 +159,10 @@ class Trainer:
         }
         return new, metrics
 
-    def global_batch(self, local: Mapping[str, np.ndarray]) -> Batch:
-        """Assemble this process's rows of each field into global arrays sharded over (data, fsdp)."""
-        b = self.cfg.global_batch
+    def global_batch(self, local: Mapping[str, np.ndarray], size: int | None = None) -> Batch:
+        """Assemble this process's rows of each field into global arrays sharded over (data, fsdp)
+        (``size`` rows in all; default: the training batch)."""
+        b = size or self.cfg.global_batch
         return {
             k: jax.make_array_from_process_local_data(self.batch_sharding, local[k], (b, *local[k].shape[1:]))
             for k in self.spec
@@ -190,6 +192,16 @@ class Trainer:
             with self.tracing():
                 return cast(tuple[State, dict[str, Any]], fn(state, batch, self._scales[lr_scale], self._flags[flag]))
         return cast(tuple[State, dict[str, Any]], fn(state, batch, self._scales[lr_scale], self._flags[flag]))
+
+    def evaluate(self, params: Any, batch: Batch) -> dict[str, jax.Array]:
+        """The task's evaluation metrics of one global batch on this mesh (replicated scalars)."""
+        if self._eval is None:
+            batch_sh = {k: self.batch_sharding for k in self.spec}
+            self._eval = jax.jit(
+                self.task.evaluate, in_shardings=(self.shardings["params"], batch_sh), out_shardings=self.replicated
+            )
+        with self.tracing():
+            return cast(dict[str, jax.Array], self._eval(params, batch))
 
     def corrupt(self, state: State) -> State:
         """Chaos: overwrite the parameters with noise (a regression validation must catch)."""

@@ -154,3 +154,42 @@ def test_continual_training_on_a_refreshed_dataset_restarts_the_data_position(tm
     [ev] = api.events(cfg.run_uri, ("data_refreshed",))
     assert ev["step"] == 6 and ev["new"] == data.load_manifest(fresh)["fingerprint"] != ev["old"]
     assert api.status(cfg.run_uri)["step"] == 9
+
+
+def test_validate_on_slice_judges_what_the_job_evaluated_on_its_own_mesh(tmp_path, tiny_dataset, jax_cache):
+    """A model too big for one device: the job evaluates each step it saves, sharded like training; validation
+    judges those metrics (the same as one device's), and evaluates on the host only a step the job did not."""
+    from training.checkpoint.lifecycle import evaluate
+    from training.checkpoint.manager import load_params_host
+
+    cfg = job_config(
+        str(tmp_path),
+        tiny_dataset,
+        jax_cache,
+        run_name="on-slice",
+        steps=12,
+        checkpoint_every=4,
+        min_workers=2,
+        max_workers=2,
+        validate_on="slice",
+        chaos=["corrupt:step=12"],
+    )
+    assert run_job(cfg) == 0, worker_logs(cfg.run_uri)
+    evaluated = {e["step"]: e for e in api.events(cfg.run_uri, ("evaluated",))}
+    assert sorted(evaluated) == [4, 8, 12]
+    verdicts = api.validate_pending(cfg.run_uri)
+    assert [(v["step"], v["verdict"], v["evaluated_on"]) for v in verdicts] == [
+        (4, "validated", "slice"),
+        (8, "validated", "slice"),
+        (12, "rejected", "slice"),  # the corrupted parameters, caught from the job's own evaluation
+    ]
+    assert verdicts[1]["metrics"]["loss"] == evaluated[8]["metrics"]["loss"]
+    # The same evaluation set on one device: the same metrics.
+    on_host = evaluate(cfg, load_params_host(cfg.run_uri, 8))
+    for key in ("loss", "accuracy"):
+        assert on_host[key] == pytest.approx(evaluated[8]["metrics"][key], rel=1e-4), key
+    # A step committed again by another round (trained again) has no evaluation of its own: the host evaluates it.
+    Ledger(open_store(cfg.run_uri)).record(4, "committed", attempt=999)
+    again = api.validate(cfg.run_uri, 4)
+    assert again["evaluated_on"] == "host"
+    assert again["metrics"]["loss"] == pytest.approx(evaluated[4]["metrics"]["loss"], rel=1e-4)

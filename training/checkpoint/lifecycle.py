@@ -93,16 +93,22 @@ def validate(run_uri: str, step: int | None = None) -> dict[str, Any]:
     step = steps[-1] if step is None else step
     if step not in steps:
         raise LifecycleError(f"step {step} is not a committed checkpoint of {run_uri} (committed: {steps})")
-    params = load_params_host(run_uri, step)  # the parameters only: no optimizer state
-
     reasons: list[str] = []
-    if not all_finite(params):
-        reasons.append("parameters are not all finite")
-        metrics = {"loss": float("nan"), "perplexity": float("nan"), "accuracy": 0.0}
-    else:
-        metrics = evaluate(cfg, params)
-        if not math.isfinite(metrics["loss"]):
-            reasons.append(f"validation loss is {metrics['loss']}")
+    metrics = _evaluated_on_slice(cfg, ledger, events, step) if cfg.validate_on == "slice" else None
+    evaluated_on = "host" if metrics is None else "slice"
+    if metrics is None:
+        if cfg.validate_on == "slice":
+            logging.getLogger("rtrain.lifecycle").warning(
+                "the job recorded no evaluation of step %s on its mesh: evaluating it on this host", step
+            )
+        params = load_params_host(run_uri, step)  # the parameters only: no optimizer state
+        if not all_finite(params):
+            reasons.append("parameters are not all finite")
+            metrics = {"loss": float("nan"), "perplexity": float("nan"), "accuracy": 0.0}
+        else:
+            metrics = evaluate(cfg, params)
+    if not reasons and not math.isfinite(metrics["loss"]):
+        reasons.append(f"validation loss is {metrics['loss']}")
     best = [s for s in ledger.best("loss", 1) if s != step]
     if best and math.isfinite(metrics["loss"]):
         best_loss = float(ledger.state(best[0])["metrics"]["loss"])  # type: ignore[index]
@@ -124,9 +130,28 @@ def validate(run_uri: str, step: int | None = None) -> dict[str, Any]:
         ledger.record(step, "validated", metrics=clean)
     else:
         ledger.record(step, "rejected", metrics=clean, reason=reason)
-    events.emit("validation", step=step, verdict=verdict, metrics=clean, reason=reason)
+    events.emit("validation", step=step, verdict=verdict, metrics=clean, reason=reason, evaluated_on=evaluated_on)
     _validation_scalars(run_uri, step, metrics, verdict)
-    return {"step": step, "verdict": verdict, "metrics": clean, "reason": reason}
+    return {"step": step, "verdict": verdict, "metrics": clean, "reason": reason, "evaluated_on": evaluated_on}
+
+
+def _evaluated_on_slice(cfg: Config, ledger: Ledger, events: EventLog, step: int) -> dict[str, float] | None:
+    """The metrics the job recorded for ``step`` evaluated on its own mesh (``validate_on: slice``), or None.
+
+    Only the round that saved the committed step counts: a step trained again after a rollback is another state.
+    """
+    attempt = (ledger.state(step) or {}).get("attempt")
+    found = [
+        e
+        for e in events.read(types=("evaluated",))
+        if e.get("step") == step and (attempt is None or e.get("attempt") == attempt)
+    ]
+    if not found:
+        return None
+    metrics = {k: float(v) for k, v in found[-1]["metrics"].items()}  # "nan" and "inf" were written as text
+    if cfg.task == "lm" and "loss" in metrics:  # a language model's loss is a cross-entropy in nats
+        metrics["perplexity"] = float(math.exp(min(metrics["loss"], 80.0)))
+    return metrics
 
 
 def _validation_scalars(run_uri: str, step: int, metrics: dict[str, float], verdict: str) -> None:

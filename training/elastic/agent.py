@@ -82,6 +82,7 @@ EVENT_REPORTS = frozenset(
         "data_refreshed",
         "progress",
         "checkpoint",
+        "evaluated",
         "guard",
         "chaos",
         "rescale_requested",

@@ -27,6 +27,7 @@ same way, from the watch's thread, even while its loop waits in a collective.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
@@ -458,6 +459,8 @@ class RoundLoop:
         self.t_assigned, self.tokens_per_example = t_assigned, task.tokens_per_example()
         self.task = task
         self.loop: Loop  # made when the data pipeline is (run): the first step's clock starts there
+        self.eval_batches: list[Any] | None = None  # validate_on: slice, made at the round's first evaluation
+        self.validation: Any = None  # the task's validation source
 
     def data_position(self) -> dict[str, Any]:
         """The ``data`` item of a checkpoint of the newest step."""
@@ -477,6 +480,7 @@ class RoundLoop:
         from training.data import pipeline
 
         cfg, a = self.cfg, self.a
+        self.validation = task_data.validation
         batches = pipeline.batches(
             task_data.train,
             seed=cfg.seed,
@@ -579,6 +583,8 @@ class RoundLoop:
             self.state = self.trainer.corrupt(self.state)
         self.saver.save(self.step, self.state, self.data_position(), self.cfg)
         self.chaos.after_save_started(self.step)
+        if self.cfg.validate_on == "slice":
+            self.evaluate_saved()
         if self.step < self.cfg.steps and stop_requested(self.store, self.a):
             self.saver.wait()
             self.rep.send("rescale_requested", everyone=True, step=self.step, workers=self.a.processes)
@@ -586,6 +592,34 @@ class RoundLoop:
             return True
         self.loop.reset_clock()  # saving time is not step time
         return False
+
+    def evaluate_saved(self) -> None:
+        """Evaluate the step just saved on this round's mesh, while its save is written; process 0 reports it.
+
+        The evaluation set is the one a host validation reads (``eval_set``), laid out over the processes.
+        """
+        from training.data.pipeline import eval_set
+
+        cfg, a = self.cfg, self.a
+        if self.validation is None:
+            return  # the task has none: validation says so
+        t0 = time.perf_counter()
+        if self.eval_batches is None:
+            local = eval_set(
+                self.validation,
+                batch=cfg.val_batch,
+                max_batches=cfg.val_batches,
+                process_index=a.rank,
+                process_count=a.processes,
+            )
+            self.eval_batches = [self.trainer.global_batch(b, size=cfg.val_batch) for b in local]
+        sums: dict[str, float] = {}
+        for batch in self.eval_batches:
+            for k, v in self.trainer.evaluate(self.state["params"], batch).items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        metrics = {k: v / len(self.eval_batches) for k, v in sums.items()}
+        shown = {k: (v if math.isfinite(v) else str(v)) for k, v in metrics.items()}  # NaN is not JSON
+        self.rep.send("evaluated", step=self.step, metrics=shown, seconds=round(time.perf_counter() - t0, 3))
 
     def stop_here(self, why: str) -> NoReturn:
         """Save and commit the newest step (unless saved already), tell the agent, and leave."""
