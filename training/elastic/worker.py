@@ -228,12 +228,57 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, task: An
     trainer, mngr = set_up(cfg, run, a, rep, task, t_assigned)
     pins = Pins(store, a.rank, a.round)
     start = restore(cfg, run, a, rep, trainer, mngr, ledger, task_data.fingerprint, pins)
+    batches = FirstAhead(train_batches(cfg, a, task_data, start.next_batch))  # read while the step compiles
     t0, hits = time.time(), CACHE_HITS[0]
     trainer.compile()
     # Whether the persistent cache held the step (JAX counts its hits; nothing else compiles meanwhile).
     rep.send("compiled", step=start.step, seconds=time.time() - t0, cache_hit=CACHE_HITS[0] > hits)
     saver = Saver(mngr, rep, pins, trainer.abstract, background=cfg.async_checkpoint)
-    return RoundLoop(cfg, store, a, rep, trainer, saver, start, t_assigned, task).run(task_data)
+    return RoundLoop(cfg, store, a, rep, trainer, saver, start, t_assigned, task).run(task_data, batches)
+
+
+def train_batches(cfg: Any, a: Assignment, task_data: Any, next_batch: int) -> Iterator[dict[str, Any]]:
+    """This process's training batches from global batch ``next_batch`` on (the exact data position)."""
+    from training.data import pipeline
+
+    return pipeline.batches(
+        task_data.train,
+        seed=cfg.seed,
+        global_batch=cfg.global_batch,
+        process_index=a.rank,
+        process_count=a.processes,
+        start_batch=next_batch,
+    )
+
+
+class FirstAhead:
+    """An iterator whose first item is read by a thread of its own at once: the input pipeline starts (its
+    threads, its first reads) while the step compiles, not in the round's first step."""
+
+    def __init__(self, it: Iterator[dict[str, Any]]) -> None:
+        self.it = it
+        self.first: list[dict[str, Any]] = []
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = threading.Thread(target=self._read, name="first-batch", daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        try:
+            self.first.append(next(self.it))
+        except BaseException as e:  # noqa: BLE001 - raised where the batch is asked for
+            self.error = e
+
+    def __iter__(self) -> FirstAhead:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+            if self.error is not None:
+                raise self.error
+            return self.first.pop()
+        return next(self.it)
 
 
 def set_up(cfg: Any, run: str, a: Assignment, rep: Reporter, task: Any, t_assigned: float) -> tuple[Any, Any]:
@@ -475,20 +520,10 @@ class RoundLoop:
             "skipped": self.skipped,
         }
 
-    def run(self, task_data: Any) -> int:
+    def run(self, task_data: Any, batches: Iterator[dict[str, Any]]) -> int:
         """Train to the last step (0), or leave: a notice, a guard verdict, a stop request at a checkpoint."""
-        from training.data import pipeline
-
         cfg, a = self.cfg, self.a
         self.validation = task_data.validation
-        batches = pipeline.batches(
-            task_data.train,
-            seed=cfg.seed,
-            global_batch=cfg.global_batch,
-            process_index=a.rank,
-            process_count=a.processes,
-            start_batch=self.next_batch,
-        )
         self.loop = Loop(cfg, self.rep, self.t_assigned, self.step, self.tokens_per_example)
         ahead_at = self.step + 2  # once the round's first steps ran: they come first
         while self.step < cfg.steps:
