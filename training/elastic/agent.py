@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import errno
 import json
 import logging
@@ -38,7 +37,6 @@ import re
 import signal
 import socket
 import sys
-import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -53,6 +51,7 @@ from training.checkpoint.steps import file_checksums, recorded_checksums
 from training.config import Config, config_from_json
 from training.elastic.capacity import LocalCapacity
 from training.elastic.codes import AgentExit
+from training.elastic.heartbeat import Heartbeat
 from training.elastic.hostwatch import HostWatch, Listener
 from training.elastic.leader import Leader, Phase
 from training.elastic.outcomes import last_error, recovery_cost, worker_outcome
@@ -157,11 +156,7 @@ class HostAgent:
         base = log_dir or (join(run, LOGS) if not is_gcs(run) else os.path.join("var", "logs", self.cfg.run_name))
         self.log_dir = Path(base) / job / host
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.record = self._first_record(started)
-        self._rec_lock = threading.Lock()
-        self._beat_lock = threading.Lock()  # one record write at a time
-        self._wake = threading.Event()
-        self._stop = threading.Event()
+        self.heart = Heartbeat(self.rdv, self._first_record(started), self.cfg.heartbeat_s)
         self.worker: WorkerProc | None = None
         self.standby: WorkerProc | None = None
         self.spawned = 0
@@ -222,31 +217,11 @@ class HostAgent:
 
     def update(self, now: bool = True, **fields: Any) -> None:
         """Change this host's heartbeat record; write it now (else with the next beat)."""
-        with self._rec_lock:
-            for k, v in fields.items():
-                setattr(self.record, k, v)
-        if now:
-            self._wake.set()
+        self.heart.update(now, **fields)
 
-    # --- heartbeat thread ---------------------------------------------------------------------
-
-    def _heartbeat(self) -> None:
-        while not self._stop.is_set():
-            self.beat()
-            self._wake.wait(self.cfg.heartbeat_s)
-            self._wake.clear()
-
-    def beat(self) -> None:
-        """Write this host's record now (one writer at a time: a newer record is never overwritten by an older)."""
-        with self._beat_lock:
-            with self._rec_lock:
-                self.record.seq += 1
-                self.record.time = time.time()
-                rec = copy.copy(self.record)
-            try:
-                self.rdv.beat(rec)
-            except Exception as e:  # noqa: BLE001 - a store hiccup: the next beat tries again
-                log.warning("[%s] heartbeat failed: %s", self.host, e)
+    @property
+    def record(self) -> HostRecord:
+        return self.heart.record
 
     # --- the main loop ------------------------------------------------------------------------
 
@@ -265,8 +240,7 @@ class HostAgent:
         if self.cfg.local_checkpoint_every:
             local_tier.forget_other_jobs(self.cfg.local_checkpoint_dir, self.run_uri, self.job)
             self._advertise_local(local_tier.read_manifests(self.local_dir))
-        beat = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
-        beat.start()
+        self.heart.start()
         self.writer.start()
         self.standby = self._spawn()
         log.info("[%s] agent of job %s on %s, pid %d", self.host, self.job, self.run_uri, os.getpid())
@@ -375,15 +349,8 @@ class HostAgent:
                 )
             else:
                 self.lock.release()  # a no-op unless this agent still holds it
-        self._stop.set()
-        self._wake.set()
         with contextlib.suppress(Exception):
-            with self._rec_lock:
-                self.record.state = "leaving" if self.exit_code == AgentExit.INTERRUPTED else "gone"
-                self.record.time = time.time()
-                self.record.seq += 1
-                rec = copy.copy(self.record)
-            self.rdv.beat(rec)
+            self.heart.last("leaving" if self.exit_code == AgentExit.INTERRUPTED else "gone")
         self.host_watch.close()
         self.watch_listener.close()
 
@@ -643,7 +610,7 @@ class HostAgent:
             self._describe_local(w.round)
         if outcome == Outcome.FAILED:
             if self.cfg.local_checkpoint_every:
-                self.beat()  # the copies on record before the report: the leader forms the next round from both
+                self.heart.beat()  # the copies on record before the report: the leader forms the next round from both
             self._report(w.round, w.rank, outcome, **fields)  # at once: the survivors are waiting
         else:
             # An orderly end is reported after what the worker said before it (its commit records):
