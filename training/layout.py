@@ -29,6 +29,7 @@ RDV_EVENT_RESERVE = RENDEZVOUS + "reserve-event"  # local roots: the blocks a fu
 CAPACITY = "capacity.json"  # the local slice's host count (the stand-in for a node pool's size)
 CONTROL = "control.json"  # the leader's request to the workers: stop at the next checkpoint
 TRACE = "trace/"  # per-step example ids (trace_data_ids=true)
+COMPILED = "compiled/"  # <job>/step-<workers>.bin: a job's compiled steps, loaded by its later rounds of that size
 AIRFLOW = "airflow/"  # what each DAG run's first launch did
 LOGS = "logs"  # local roots: agent and worker logs
 

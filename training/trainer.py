@@ -226,6 +226,16 @@ class Trainer:
         with self.tracing():
             return self._step.lower(self.abstract, self.abstract_batch(), scalar, flags)
 
-    def compile(self) -> None:
-        """AOT-compile the step for the current mesh (a hit in the persistent cache on a resume)."""
+    def compile(self) -> Any:
+        """AOT-compile the step for the current mesh (a hit in the persistent cache on a resume); returns it."""
         self._compiled = self.lower().compile()
+        return self._compiled
+
+    def load(self, compiled: Any) -> None:
+        """Take a step compiled for this mesh before (by this job): no tracing, no lowering, no compiling."""
+        self._compiled = compiled
+
+    @property
+    def compiled(self) -> Any:
+        """The compiled step (None before ``compile`` or ``load``)."""
+        return self._compiled

@@ -522,5 +522,10 @@ def test_a_recovery_onto_a_size_the_run_never_ran_on_loads_the_step_compiled_ahe
     assert [e["workers"] for e in _events(cfg.run_uri, "launch")] == [hosts_, after]
     first, again = _events(cfg.run_uri, "compiled")
     assert again["cache_hit"] is True, (first, again)
+    # The smaller round loaded the step the first one kept whole: no tracing, no lowering, no cache lookup.
+    assert first["loaded"] is False and again["loaded"] is True, (first, again)
+    kept = open_store(cfg.run_uri).list("compiled/")
+    assert sorted(k.rsplit("/", 1)[1] for k in kept) == sorted([f"step-{hosts_}.bin", f"step-{after}.bin"])
+    assert len({k.split("/")[1] for k in kept}) == 1, "one job's steps"
     [recovered] = _events(cfg.run_uri, "recovered")
     assert recovered["compile_cached"] is True

@@ -9,6 +9,12 @@ compiles the step on the devices of its first ``k`` processes (compiling runs
 nothing on them) and JAX writes the executable to the persistent cache, under
 the key the smaller round will look up.  It runs in one background thread
 after the round's first steps; each size it finishes is reported.
+
+Each step compiled (the round's own too) is also kept whole on the run root
+(``compiled/<job>/step-<workers>.bin``): a later round of the job of that size
+loads it as it is, without tracing, lowering or a cache lookup.  Only the job
+that wrote them reads them (its code and config are the ones they were
+compiled from).
 """
 
 from __future__ import annotations
@@ -16,13 +22,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from training.config import Config
+from training.layout import COMPILED
 from training.mesh import build_mesh, feasible_sizes, plan_mesh
+from training.storage import NotFound, Store
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +43,46 @@ def smaller_sizes(cfg: Config, workers: int) -> list[int]:
     return sorted((n for n in feasible_sizes(cfg) if n < workers), reverse=True)
 
 
-def compile_smaller(cfg: Config, task: Any, workers: int, done: Callable[[int, float], None]) -> None:
-    """Compile the step for each smaller size into the persistent cache; ``done(size, seconds)`` after each."""
+def executable_key(job: str, workers: int) -> str:
+    """Where a job's step compiled for ``workers`` hosts is kept on the run root."""
+    return f"{COMPILED}{job}/step-{workers}.bin"
+
+
+def keep(store: Store, job: str, workers: int, compiled: Any) -> None:
+    """Keep a compiled step on the run root for the job's later rounds of ``workers`` hosts."""
+    from jax.experimental import serialize_executable
+
+    store.put(executable_key(job, workers), pickle.dumps(serialize_executable.serialize(compiled)))
+
+
+def load(store: Store, job: str, workers: int) -> Any | None:
+    """The step this job kept for ``workers`` hosts, loaded onto this process's devices (None when none is kept).
+
+    The run root is trusted as the checkpoints are: a kept step is this job's own.
+    """
+    from jax.experimental import serialize_executable
+
+    try:
+        raw = store.get(executable_key(job, workers))
+    except NotFound:
+        return None
+    payload, in_tree, out_tree = pickle.loads(raw)  # noqa: S301 - written by this job's process 0
+    return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+
+
+def forget_other_jobs(store: Store, job: str) -> None:
+    """Delete the steps kept by the run's earlier jobs (their code or config may not be this job's)."""
+    for key in store.list(COMPILED):
+        if not key.startswith(f"{COMPILED}{job}/"):
+            with contextlib.suppress(NotFound):
+                store.delete(key)
+
+
+def compile_smaller(
+    cfg: Config, task: Any, workers: int, done: Callable[[int, float], None], kept: Callable[[int, Any], None]
+) -> None:
+    """Compile the step for each smaller size into the persistent cache; ``done(size, seconds)`` after each,
+    and ``kept(size, compiled)`` to keep it whole."""
     import jax
 
     from training.trainer import Trainer
@@ -43,20 +90,31 @@ def compile_smaller(cfg: Config, task: Any, workers: int, done: Callable[[int, f
     for n in smaller_sizes(cfg, workers):
         t0 = time.time()
         devices = [d for d in jax.devices() if d.process_index < n]
-        Trainer(cfg, build_mesh(plan_mesh(cfg, n), devices), task).compile()
+        compiled = Trainer(cfg, build_mesh(plan_mesh(cfg, n), devices), task).compile()
+        kept(n, compiled)  # before it is reported: a round of that size may start at once
         done(n, time.time() - t0)
 
 
-def start(cfg: Config, task: Any, workers: int, done: Callable[[int, float], None]) -> threading.Thread | None:
-    """Compile ahead in a daemon thread (None when there is nothing smaller, or it is off)."""
-    if not cfg.compile_ahead or not smaller_sizes(cfg, workers):
+def start(
+    cfg: Config,
+    task: Any,
+    workers: int,
+    own: Any,
+    done: Callable[[int, float], None],
+    kept: Callable[[int, Any], None],
+) -> threading.Thread | None:
+    """In a daemon thread (None when it is off): keep the round's own step (``own``, compiled for ``workers``)
+    whole with ``kept``, then compile ahead for each smaller size and keep those too."""
+    if not cfg.compile_ahead:
         return None
 
     def run() -> None:
         with contextlib.suppress(OSError):  # the training's threads come first (Linux: a thread's own niceness)
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
         try:
-            compile_smaller(cfg, task, workers, done)
+            if own is not None:
+                kept(workers, own)
+            compile_smaller(cfg, task, workers, done, kept)
         except Exception as e:  # noqa: BLE001 - a recovery then compiles as it would have; training goes on
             log.warning("compiling ahead failed: %s: %s", type(e).__name__, e)
 

@@ -230,11 +230,28 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, task: An
     start = restore(cfg, run, a, rep, trainer, mngr, ledger, task_data.fingerprint, pins)
     batches = FirstAhead(train_batches(cfg, a, task_data, start.next_batch))  # read while the step compiles
     t0, hits = time.time(), CACHE_HITS[0]
-    trainer.compile()
+    loaded = cfg.compile_ahead and load_kept(store, a, trainer)
+    if not loaded:
+        trainer.compile()
     # Whether the persistent cache held the step (JAX counts its hits; nothing else compiles meanwhile).
-    rep.send("compiled", step=start.step, seconds=time.time() - t0, cache_hit=CACHE_HITS[0] > hits)
+    cache_hit = loaded or CACHE_HITS[0] > hits
+    rep.send("compiled", step=start.step, seconds=time.time() - t0, cache_hit=cache_hit, loaded=loaded)
     saver = Saver(mngr, rep, pins, trainer.abstract, background=cfg.async_checkpoint)
     return RoundLoop(cfg, store, a, rep, trainer, saver, start, t_assigned, task).run(task_data, batches)
+
+
+def load_kept(store: Any, a: Assignment, trainer: Any) -> bool:
+    """Load the step this job kept for a round of this size (``ahead``), if any: True when it did."""
+    job = os.environ.get("RTRAIN_JOB", "")
+    try:
+        compiled = ahead.load(store, job, a.processes) if job else None
+    except Exception as e:  # noqa: BLE001 - compiled as usual instead (a hit in the persistent cache)
+        print(f"could not load the kept step for {a.processes} hosts: {type(e).__name__}: {e}", file=sys.stderr)
+        return False
+    if compiled is None:
+        return False
+    trainer.load(compiled)
+    return True
 
 
 def train_batches(cfg: Any, a: Assignment, task_data: Any, next_batch: int) -> Iterator[dict[str, Any]]:
@@ -505,6 +522,7 @@ class RoundLoop:
         self.task = task
         self.loop: Loop  # made when the data pipeline is (run): the first step's clock starts there
         self.eval_batches: list[Any] | None = None  # validate_on: slice, made at the round's first evaluation
+        self.kept_any = False  # process 0 has kept a compiled step (and deleted other jobs')
         self.validation: Any = None  # the task's validation source
 
     def data_position(self) -> dict[str, Any]:
@@ -529,7 +547,7 @@ class RoundLoop:
         while self.step < cfg.steps:
             self.one_step(batches)
             if self.step == ahead_at and a.rank == 0:
-                ahead.start(cfg, self.task, a.processes, self.compiled_ahead)
+                ahead.start(cfg, self.task, a.processes, self.trainer.compiled, self.compiled_ahead, self.keep_compiled)
             save_now = self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps
             # Due by the config and the step alone, the same in every process (a process whose local
             # write failed has its tier off, and skips only the write).
@@ -567,6 +585,19 @@ class RoundLoop:
         self.mngr.close()
         self.rep.send("finished", everyone=True, step=self.step)
         return 0
+
+    def keep_compiled(self, workers: int, compiled: Any) -> None:
+        """Keep a compiled step on the run root for this job's later rounds of ``workers`` hosts (process 0)."""
+        job = os.environ.get("RTRAIN_JOB", "")
+        if not job:
+            return
+        try:
+            if not self.kept_any:
+                ahead.forget_other_jobs(self.store, job)
+                self.kept_any = True
+            ahead.keep(self.store, job, workers, compiled)
+        except Exception as e:  # noqa: BLE001 - a later round then compiles from the persistent cache
+            print(f"could not keep the step compiled for {workers} hosts: {type(e).__name__}: {e}", file=sys.stderr)
 
     def compiled_ahead(self, workers: int, seconds: float) -> None:
         """Report a smaller size's step compiled ahead (from the compiling thread)."""
