@@ -10,11 +10,11 @@ nothing on them) and JAX writes the executable to the persistent cache, under
 the key the smaller round will look up.  It runs in one background thread
 after the round's first steps; each size it finishes is reported.
 
-Each step compiled (the round's own too) is also kept whole on the run root
-(``compiled/<job>/step-<workers>.bin``): a later round of the job of that size
-loads it as it is, without tracing, lowering or a cache lookup.  Only the job
-that wrote them reads them (its code and config are the ones they were
-compiled from).
+Each step compiled here (the round's own too, not one a cache held) is also
+kept whole on the run root (``compiled/<job>/step-<workers>.bin``): a later
+round of the job of that size loads it as it is, without tracing, lowering or a
+cache lookup.  Only the job that wrote them reads them (its code and config are
+the ones they were compiled from).
 """
 
 from __future__ import annotations
@@ -79,19 +79,29 @@ def forget_other_jobs(store: Store, job: str) -> None:
 
 
 def compile_smaller(
-    cfg: Config, task: Any, workers: int, done: Callable[[int, float], None], kept: Callable[[int, Any], None]
+    cfg: Config,
+    task: Any,
+    workers: int,
+    done: Callable[[int, float], None],
+    kept: Callable[[int, Any], None],
+    cache_hits: Callable[[], int],
 ) -> None:
     """Compile the step for each smaller size into the persistent cache; ``done(size, seconds)`` after each,
-    and ``kept(size, compiled)`` to keep it whole."""
+    and ``kept(size, compiled)`` to keep one compiled here (``cache_hits``: the process's count of hits).
+
+    A step loaded from the persistent cache is not kept: an executable loaded that way may not serialize
+    whole (XLA:CPU's does not: it lacks its functions' code when loaded again).
+    """
     import jax
 
     from training.trainer import Trainer
 
     for n in smaller_sizes(cfg, workers):
-        t0 = time.time()
+        t0, hits = time.time(), cache_hits()
         devices = [d for d in jax.devices() if d.process_index < n]
         compiled = Trainer(cfg, build_mesh(plan_mesh(cfg, n), devices), task).compile()
-        kept(n, compiled)  # before it is reported: a round of that size may start at once
+        if cache_hits() == hits:
+            kept(n, compiled)  # before it is reported: a round of that size may start at once
         done(n, time.time() - t0)
 
 
@@ -102,9 +112,11 @@ def start(
     own: Any,
     done: Callable[[int, float], None],
     kept: Callable[[int, Any], None],
+    cache_hits: Callable[[], int],
 ) -> threading.Thread | None:
-    """In a daemon thread (None when it is off): keep the round's own step (``own``, compiled for ``workers``)
-    whole with ``kept``, then compile ahead for each smaller size and keep those too."""
+    """In a daemon thread (None when it is off): keep the round's own step (``own``, compiled here for
+    ``workers``; None when it came from a cache or was loaded) whole with ``kept``, then compile ahead for
+    each smaller size and keep those compiled here too."""
     if not cfg.compile_ahead:
         return None
 
@@ -114,7 +126,7 @@ def start(
         try:
             if own is not None:
                 kept(workers, own)
-            compile_smaller(cfg, task, workers, done, kept)
+            compile_smaller(cfg, task, workers, done, kept, cache_hits)
         except Exception as e:  # noqa: BLE001 - a recovery then compiles as it would have; training goes on
             log.warning("compiling ahead failed: %s: %s", type(e).__name__, e)
 

@@ -237,7 +237,9 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, task: An
     cache_hit = loaded or CACHE_HITS[0] > hits
     rep.send("compiled", step=start.step, seconds=time.time() - t0, cache_hit=cache_hit, loaded=loaded)
     saver = Saver(mngr, rep, pins, trainer.abstract, background=cfg.async_checkpoint)
-    return RoundLoop(cfg, store, a, rep, trainer, saver, start, t_assigned, task).run(task_data, batches)
+    loop = RoundLoop(cfg, store, a, rep, trainer, saver, start, t_assigned, task)
+    loop.compiled_from_cache = cache_hit
+    return loop.run(task_data, batches)
 
 
 def load_kept(store: Any, a: Assignment, trainer: Any) -> bool:
@@ -523,6 +525,7 @@ class RoundLoop:
         self.loop: Loop  # made when the data pipeline is (run): the first step's clock starts there
         self.eval_batches: list[Any] | None = None  # validate_on: slice, made at the round's first evaluation
         self.kept_any = False  # process 0 has kept a compiled step (and deleted other jobs')
+        self.compiled_from_cache = True  # the round's step came from a cache or was loaded (not kept again)
         self.validation: Any = None  # the task's validation source
 
     def data_position(self) -> dict[str, Any]:
@@ -547,7 +550,10 @@ class RoundLoop:
         while self.step < cfg.steps:
             self.one_step(batches)
             if self.step == ahead_at and a.rank == 0:
-                ahead.start(cfg, self.task, a.processes, self.trainer.compiled, self.compiled_ahead, self.keep_compiled)
+                own = None if self.compiled_from_cache else self.trainer.compiled
+                ahead.start(
+                    cfg, self.task, a.processes, own, self.compiled_ahead, self.keep_compiled, lambda: CACHE_HITS[0]
+                )
             save_now = self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps
             # Due by the config and the step alone, the same in every process (a process whose local
             # write failed has its tier off, and skips only the write).
