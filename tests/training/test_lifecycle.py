@@ -188,8 +188,10 @@ def test_validate_on_slice_judges_what_the_job_evaluated_on_its_own_mesh(tmp_pat
     on_host = evaluate(cfg, load_params_host(cfg.run_uri, 8))
     for key in ("loss", "accuracy"):
         assert on_host[key] == pytest.approx(evaluated[8]["metrics"][key], rel=1e-4), key
-    # A step committed again by another round (trained again) has no evaluation of its own: the host evaluates it.
+    # A step committed again by another round (trained again) has no evaluation of its own: left unjudged by
+    # validate_pending (it is not the newest), evaluated on the host when asked for by name.
     Ledger(open_store(cfg.run_uri)).record(4, "committed", attempt=999)
+    assert api.validate_pending(cfg.run_uri) == []
     again = api.validate(cfg.run_uri, 4)
     assert again["evaluated_on"] == "host"
     assert again["metrics"]["loss"] == pytest.approx(evaluated[4]["metrics"]["loss"], rel=1e-4)

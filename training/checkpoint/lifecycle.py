@@ -169,10 +169,17 @@ def _validation_scalars(run_uri: str, step: int, metrics: dict[str, float], verd
 
 
 def validate_pending(run_uri: str) -> list[dict[str, Any]]:
-    """Validate every committed checkpoint the ledger has no verdict for, oldest first."""
-    _, _, ledger, _ = _run(run_uri)
+    """Validate every committed checkpoint the ledger has no verdict for, oldest first.
+
+    With ``validate_on: slice``, a step the job did not evaluate (one saved at a preemption notice) is left
+    unjudged unless it is the newest committed one: only that one is evaluated on this host.
+    """
+    _, cfg, ledger, events = _run(run_uri)
     states = ledger.states()
-    todo = [s for s in committed_steps(run_uri) if states.get(s, {}).get("state") in (None, "committed")]
+    committed = committed_steps(run_uri)
+    todo = [s for s in committed if states.get(s, {}).get("state") in (None, "committed")]
+    if cfg.validate_on == "slice":
+        todo = [s for s in todo if s == committed[-1] or _evaluated_on_slice(cfg, ledger, events, s) is not None]
     return [validate(run_uri, s) for s in todo]
 
 
