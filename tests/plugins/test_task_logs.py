@@ -43,6 +43,7 @@ SAMPLES: dict[str, Any] = {
     "min_workers": 2,
     "action": "preempt",
     "verdict": "validated",
+    "metrics": {"loss": 2.31412345, "accuracy": 0.4567, "perplexity": 10.1172},
     "from_step": 120,
     "to_step": 100,
     "deleted": [10, 20],
