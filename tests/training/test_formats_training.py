@@ -56,7 +56,9 @@ def test_a_bpe_dataset_from_each_format_trains_through_a_shrink_and_a_regrowth_o
         run_name=f"fmt-{fmt}",
         tokenizer="bpe",
         vocab_size=320,
-        steps=24,
+        # Enough steps on one host for the second host to come back (an agent's start, a warm worker): a round
+        # that loads its kept step trains on at once.
+        steps=90,
         min_workers=1,
         max_workers=2,
         checkpoint_every=3,
@@ -65,7 +67,7 @@ def test_a_bpe_dataset_from_each_format_trains_through_a_shrink_and_a_regrowth_o
     )
     assert run_job(cfg) == 0, worker_logs(cfg.run_uri)
     st = api.status(cfg.run_uri)
-    assert st["state"] == "finished" and st["step"] == 24
+    assert st["state"] == "finished" and st["step"] == 90
 
     ids = step_ids(cfg.run_uri)
     assert sorted(ids) == list(range(cfg.steps)), "every step consumed exactly one global batch"
