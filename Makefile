@@ -1,5 +1,8 @@
 # The two set-up commands of the README: `make demo` (the main job) and `make test`.
-PY      ?= python3.11
+# Python 3.12: on PATH, or pyenv's (whose shim answers only when 3.12 is the selected version).
+ifeq ($(origin PY),undefined)
+PY      := $(firstword $(foreach p,python3.12 $(wildcard $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions/3.12*/bin/python3.12),$(shell $(p) -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && echo $(p))))
+endif
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
@@ -8,8 +11,9 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 .PHONY: test-all install demo test test-fast check lint format typecheck imports chaos bench airflow clean
 
 $(STAMP): pyproject.toml constraints.txt
-	@command -v $(PY) >/dev/null || { echo "need $(PY)"; exit 1; }
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@test -n "$(PY)" || { echo "need Python 3.12 (python3.12 on PATH, or pyenv's 3.12), or PY=/path/to/python3.12"; exit 1; }
+	# A venv of another Python (the project was on 3.11) is made anew.
+	$(BIN)/python -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null || { rm -rf $(VENV); $(PY) -m venv $(VENV); }
 	$(BIN)/pip install -q --upgrade pip
 	# Airflow's install convention: exact versions from the committed constraints file.
 	$(BIN)/pip install -q -e ".[dev]" --constraint constraints.txt

@@ -1436,7 +1436,7 @@ def test_compose_file_runs_airflow_3_components_on_postgres_with_local_executor(
 def test_airflow_image_is_the_official_one_with_our_code() -> None:
     text = (REPO / "docker" / "Dockerfile.airflow").read_text()
     version = re.search(r"^ARG AIRFLOW_VERSION=(\S+)$", text, re.M)
-    assert version and "FROM apache/airflow:${AIRFLOW_VERSION}-python3.11" in text
+    assert version and "FROM apache/airflow:${AIRFLOW_VERSION}-python3.12" in text
     pinned = re.search(r"^apache-airflow==(\S+)$", (REPO / "constraints.txt").read_text(), re.M)
     assert pinned and version.group(1) == pinned.group(1) == "3.3.2"
     assert "--constraint constraints.txt" in text
