@@ -202,7 +202,8 @@ def _task_and_data_params() -> dict[str, Param]:
             title="Task",
             section="Task",
             **text(
-                "What is trained: `lm` (the built-in Llama 3 on the prepared dataset) or your own code as "
+                "What is trained: `lm` (the built-in Llama 3 on the prepared dataset), `maxtext` (a MaxText model "
+                "on it) or your own code as "
                 "`package.module:factory` or `path/to/file.py:factory` (a path relative to the project), e.g. "
                 "`examples/regression/task.py:make_task`. A task that cannot be loaded fails the run before it "
                 f"trains. {when_empty('task', PRESETS)}"
@@ -215,7 +216,8 @@ def _task_and_data_params() -> dict[str, Param]:
             section="Task",
             **text(
                 "The task's own arguments, as a JSON object that the task checks, e.g. "
-                '`{"hidden": 64, "seed": 1}`. Empty: none (the built-in `lm` takes none).'
+                '`{"hidden": 64, "seed": 1}`; for `maxtext`, `{"model_name": "llama3-8b", "overrides": {...}}`. '
+                "Empty: none (the built-in `lm` takes none)."
             ),
         ),
         "dataset_source": Param(

@@ -274,16 +274,21 @@ def _check_dataset(cfg: Config) -> None:
         ) from None
 
 
-def check_task(cfg: Config) -> None:
-    """Build the config's task and open its data, as every worker will (imports JAX); TaskError naming it."""
-    from training.tasks import TaskError, load_task
-    from training.tasks.lm import LanguageModel
+def check_task(cfg: Config, data: bool = True) -> None:
+    """Build the config's task and open its data, as every worker will (imports JAX); TaskError naming it.
 
-    if cfg.task == "lm":
+    ``data=False`` builds the task alone (a token dataset that is prepared later).
+    """
+    from training.tasks import TaskError, load_task
+    from training.tasks.lm import TokenTask
+
+    if data and cfg.prepared_tokens:
         _check_dataset(cfg)  # with the command that prepares it
     task = load_task(cfg)
+    if not data:
+        return
     try:
-        if isinstance(task, LanguageModel):
+        if isinstance(task, TokenTask):
             task.check_manifest()  # its shards are checked by every worker as it opens them
         else:
             task.data()

@@ -34,6 +34,7 @@ RUN_NAME_RE = re.compile(RUN_NAME_PATTERN)
 # Config keys that name local paths: made absolute once, when the config is resolved.
 PATH_KEYS = ("root", "dataset", "compilation_cache", "local_checkpoint_dir")
 BUILTIN_TOKENIZERS = ("bytes", "bpe")
+TOKEN_TASKS = ("lm", "maxtext")  # the built-in tasks that train on a prepared token dataset (`dataset`)
 DEFAULT_DATASET = "var/data/stdlib-seq{seq_len}"  # byte-level; another tokenizer adds its name
 
 
@@ -77,7 +78,8 @@ class Config(BaseModel):
     # --- task: the model and its data ------------------------------------------
     task: str = Field(
         "lm",
-        description="What is trained: a built-in task (`lm`: a Llama 3 decoder on a prepared token dataset) or "
+        description="What is trained: a built-in task (`lm`: a Llama 3 decoder on a prepared token dataset; "
+        "`maxtext`: a MaxText model on it, the `maxtext` extra) or "
         "user code as `package.module:factory` or `path/to/file.py:factory` (factory(cfg, task_args) -> Task).",
     )
     task_args: dict[str, Any] = Field(
@@ -333,6 +335,11 @@ class Config(BaseModel):
             if fault.action == "damage_local" and not self.local_checkpoint_every:
                 raise ValueError(f"chaos {spec!r}: damage_local needs the local tier (local_checkpoint_every > 0)")
         return self
+
+    @property
+    def prepared_tokens(self) -> bool:
+        """Whether the task trains on the prepared token dataset at ``dataset`` (the built-in ``lm`` and ``maxtext``)."""
+        return self.task in TOKEN_TASKS
 
     @property
     def kv_heads(self) -> int:

@@ -24,10 +24,16 @@ from jax.sharding import PartitionSpec as P
 from training.config import Config
 from training.mesh import LOGICAL_RULES
 from training.optim import make_optimizer, make_schedule
-from training.tasks import Task
+from training.tasks import Task, on_mesh
 
 State = dict[str, Any]
 Batch = dict[str, jax.Array]
+
+
+def logical_rules(task: Task) -> tuple[tuple[str, Any], ...]:
+    """The logical axis rules a task is sharded by: its own (an optional ``logical_rules()``) before the engine's."""
+    own = getattr(task, "logical_rules", None)
+    return (tuple(own()) if callable(own) else ()) + LOGICAL_RULES
 
 
 def state_shardings(task: Task, tx: optax.GradientTransformation, mesh: Mesh) -> tuple[Any, Any, Any]:
@@ -37,9 +43,11 @@ def state_shardings(task: Task, tx: optax.GradientTransformation, mesh: Mesh) ->
     like its parameter shares its sharding, and any other (counts, factored
     statistics) is replicated.
     """
-    boxed = jax.eval_shape(task.init, jax.random.key(0))
+    rules = logical_rules(task)
+    with jax.set_mesh(mesh), on_mesh(mesh), nn.logical_axis_rules(rules):
+        boxed = jax.eval_shape(task.init, jax.random.key(0))
     params_abs = nn.unbox(boxed)
-    param_sh = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, LOGICAL_RULES)
+    param_sh = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
     replicated = NamedSharding(mesh, P())
     opt_abs = jax.eval_shape(tx.init, params_abs)
     opt_sh = optax.tree_utils.tree_map_params(
@@ -73,7 +81,8 @@ class Trainer:
         _, param_sh, opt_sh = state_shardings(task, self.tx, mesh)
         scalar = self.replicated
         self.shardings: State = {"step": scalar, "params": param_sh, "opt_state": opt_sh, "rng": scalar}
-        abstract = jax.eval_shape(self._init_state, jax.random.key(0))
+        with self.tracing():
+            abstract = jax.eval_shape(self._init_state, jax.random.key(0))
         self.abstract = jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, self.shardings
         )
@@ -105,7 +114,8 @@ class Trainer:
         """The context the task's code is traced in: this mesh and the logical axis rules (activation constraints)."""
         stack = contextlib.ExitStack()
         stack.enter_context(jax.set_mesh(self.mesh))
-        stack.enter_context(nn.logical_axis_rules(LOGICAL_RULES))
+        stack.enter_context(on_mesh(self.mesh))
+        stack.enter_context(nn.logical_axis_rules(logical_rules(self.task)))
         return stack
 
     def init(self) -> State:

@@ -68,7 +68,7 @@ def test_bad_task_args_are_named_in_one_line(task_args: dict[str, Any], says: st
 
 def test_an_unknown_task_name_is_refused() -> None:
     message = refused(config("regression"))
-    assert "not a built-in task (lm)" in message and "package.module:factory" in message, message
+    assert "not a built-in task (lm, maxtext)" in message and "package.module:factory" in message, message
     assert "cannot import nonexistent.mod" in refused(config("nonexistent.mod:make_task"))
 
 

@@ -77,7 +77,7 @@ def evaluate(cfg: Config, params: Any) -> dict[str, float]:
     out = {k: float(np.mean(v)) for k, v in sums.items()}
     if "loss" not in out:
         raise LifecycleError(f"task {cfg.task!r}: its evaluate() returned no 'loss' (it returned {sorted(out)})")
-    if cfg.task == "lm":  # a language model's loss is a cross-entropy in nats
+    if cfg.prepared_tokens:  # a language model's loss is a cross-entropy in nats
         out["perplexity"] = float(math.exp(min(out["loss"], 80.0)))
     return out
 

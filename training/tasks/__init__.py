@@ -11,24 +11,49 @@ element index being the data position.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import importlib
 import importlib.util
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import jax
+    from jax.sharding import Mesh
 
     from training.config import Config
 
 Batch = Mapping[str, Any]  # field -> array with the batch as its leading axis
 Metrics = dict[str, Any]  # name -> scalar array
 
-BUILTIN: dict[str, str] = {"lm": "training.tasks.lm:make_task"}
+BUILTIN: dict[str, str] = {"lm": "training.tasks.lm:make_task", "maxtext": "training.tasks.maxtext:make_task"}
+
+
+_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("rtrain_task_mesh", default=None)
+
+
+def current_mesh() -> Mesh | None:
+    """The mesh the engine traces the task's code on (None outside the trainer: host validation, one device).
+
+    For a task whose model needs the concrete mesh (a ``shard_map``, or a model built for a mesh): JAX hands
+    traced code only the abstract one.
+    """
+    return _MESH.get()
+
+
+@contextlib.contextmanager
+def on_mesh(mesh: Mesh) -> Iterator[None]:
+    """The trainer's context for tracing a task on ``mesh`` (what :func:`current_mesh` returns within)."""
+    token = _MESH.set(mesh)
+    try:
+        yield
+    finally:
+        _MESH.reset(token)
 
 
 class TaskError(ValueError):
@@ -88,6 +113,9 @@ class Task(Protocol):
     def tokens_per_example(self) -> int:
         """Tokens (or other units) in one example, for throughput figures."""
         ...
+
+    # Optional: ``logical_rules() -> tuple[(logical name, mesh axes), ...]``, the task's own axis names mapped onto
+    # the mesh axes ``data``, ``fsdp`` and ``tensor``; they come before the engine's (``training.mesh``).
 
 
 def load_task(cfg: Config) -> Task:

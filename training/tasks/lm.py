@@ -35,25 +35,20 @@ def llama_config(cfg: Config) -> LlamaConfig:
     )
 
 
-class LanguageModel:
-    """Next-token prediction with Llama 3 on packed documents (segment ids keep them apart)."""
+class TokenTask:
+    """Next-token prediction on a prepared token dataset: the data, the loss and the checks; the model is a subclass's.
+
+    A subclass sets ``vocab_size`` (its model's) and defines ``init`` and ``logits``.
+    """
 
     FIELDS = ("inputs", "targets", "segment_ids", "positions")
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, vocab_size: int) -> None:
         self.cfg = cfg
-        self.model_cfg = llama_config(cfg)
-        self.model = Llama(self.model_cfg)
-
-    def init(self, rng: jax.Array) -> Any:
-        tokens = jnp.zeros((1, self.cfg.seq_len), jnp.int32)
-        return self.model.init(rng, tokens)["params"]
+        self.vocab_size = vocab_size
 
     def logits(self, params: Any, batch: Batch) -> jax.Array:
-        return cast(
-            jax.Array,
-            self.model.apply({"params": params}, batch["inputs"], batch.get("segment_ids"), batch.get("positions")),
-        )
+        raise NotImplementedError
 
     def loss(self, params: Any, batch: Batch, rng: jax.Array) -> tuple[jax.Array, Metrics]:
         loss, accuracy = cross_entropy(self.logits(params, batch), batch["targets"])
@@ -76,10 +71,10 @@ class LanguageModel:
             )
         self._check_tokenizer(manifest)
         vocab = int(manifest.get("vocab_size", 256))
-        if vocab > self.cfg.vocab_size:
+        if vocab > self.vocab_size:
             raise TaskError(
-                f"dataset {self.cfg.dataset} has a vocabulary of {vocab} tokens, more than the config's "
-                f"vocab_size={self.cfg.vocab_size}"
+                f"dataset {self.cfg.dataset} has a vocabulary of {vocab} tokens, more than the model's "
+                f"vocab_size={self.vocab_size}"
             )
         return manifest
 
@@ -111,6 +106,25 @@ class LanguageModel:
 
     def tokens_per_example(self) -> int:
         return self.cfg.seq_len
+
+
+class LanguageModel(TokenTask):
+    """The built-in Llama 3 on packed documents (segment ids keep them apart)."""
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__(cfg, cfg.vocab_size)
+        self.model_cfg = llama_config(cfg)
+        self.model = Llama(self.model_cfg)
+
+    def init(self, rng: jax.Array) -> Any:
+        tokens = jnp.zeros((1, self.cfg.seq_len), jnp.int32)
+        return self.model.init(rng, tokens)["params"]
+
+    def logits(self, params: Any, batch: Batch) -> jax.Array:
+        return cast(
+            jax.Array,
+            self.model.apply({"params": params}, batch["inputs"], batch.get("segment_ids"), batch.get("positions")),
+        )
 
 
 def make_task(cfg: Config, args: dict[str, Any]) -> LanguageModel:

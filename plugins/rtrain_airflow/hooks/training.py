@@ -585,10 +585,10 @@ class RTrainHook(BaseHook):
             raise RTrainConfigError(str(e)) from None
 
     @staticmethod
-    def check_task(cfg: Config) -> None:
-        """Build the config's task and open its data (imports JAX: called from a task's execute)."""
+    def check_task(cfg: Config, data: bool = True) -> None:
+        """Build the config's task and, unless ``data`` is False, open its data (imports JAX: from a task's execute)."""
         try:
-            api.check_task(cfg)
+            api.check_task(cfg, data)
         except api.TaskError as e:
             raise RTrainConfigError(str(e)) from None
 

@@ -170,8 +170,8 @@ class RTrainResolveRunConfigOperator(BaseOperator):
                     raise RTrainConfigError(f"priority: {e}") from None
             if cfg.backend == "gke":
                 self.hook.backend("gke", gke, priority)
-            if cfg.task != "lm":  # user code: it must import and build here (the built-in's data is prepared next)
-                self.hook.check_task(cfg)
+            if cfg.task != "lm":  # it must import and build here (a token dataset is prepared next)
+                self.hook.check_task(cfg, data=not cfg.prepared_tokens)
         except RTrainConfigError as e:
             raise AirflowFailException(f"invalid conf: {e}") from None
         spec = {
@@ -227,7 +227,7 @@ class RTrainPrepareDatasetOperator(_RTrainBaseOperator):
     def execute(self, context: Context) -> dict[str, Any]:
         spec = self.required_spec(context)
         cfg = self.run_config(spec)
-        if cfg.task != "lm":
+        if not cfg.prepared_tokens:
             self.log.info("Task %s brings its own data: nothing to prepare", cfg.task)
             return {"dataset": None, "task": cfg.task}
         data = spec.get("dataset") or {}
