@@ -82,8 +82,11 @@ def evaluate(cfg: Config, params: Any) -> dict[str, float]:
     return out
 
 
-def validate(run_uri: str, step: int | None = None) -> dict[str, Any]:
-    """Judge a committed checkpoint (default: the newest) and record the verdict in the ledger."""
+def validate(run_uri: str, step: int | None = None, evaluated: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Judge a committed checkpoint (default: the newest) and record the verdict in the ledger.
+
+    ``evaluated``: the run's ``evaluated`` events, when the caller has read them already.
+    """
     from training.checkpoint.manager import all_finite, load_params_host  # JAX: only for a validation
 
     store, cfg, ledger, events = _run(run_uri)
@@ -94,7 +97,10 @@ def validate(run_uri: str, step: int | None = None) -> dict[str, Any]:
     if step not in steps:
         raise LifecycleError(f"step {step} is not a committed checkpoint of {run_uri} (committed: {steps})")
     reasons: list[str] = []
-    metrics = _evaluated_on_slice(cfg, ledger, events, step) if cfg.validate_on == "slice" else None
+    metrics = None
+    if cfg.validate_on == "slice":
+        evaluated = events.read(types=("evaluated",)) if evaluated is None else evaluated
+        metrics = _evaluated_on_slice(cfg, ledger, evaluated, step)
     evaluated_on = "host" if metrics is None else "slice"
     if metrics is None:
         if cfg.validate_on == "slice":
@@ -135,21 +141,19 @@ def validate(run_uri: str, step: int | None = None) -> dict[str, Any]:
     return {"step": step, "verdict": verdict, "metrics": clean, "reason": reason, "evaluated_on": evaluated_on}
 
 
-def _evaluated_on_slice(cfg: Config, ledger: Ledger, events: EventLog, step: int) -> dict[str, float] | None:
+def _evaluated_on_slice(
+    cfg: Config, ledger: Ledger, evaluated: list[dict[str, Any]], step: int
+) -> dict[str, float] | None:
     """The metrics the job recorded for ``step`` evaluated on its own mesh (``validate_on: slice``), or None.
 
     Only the round that saved the committed step counts: a step trained again after a rollback is another state.
     """
     attempt = (ledger.state(step) or {}).get("attempt")
-    found = [
-        e
-        for e in events.read(types=("evaluated",))
-        if e.get("step") == step and (attempt is None or e.get("attempt") == attempt)
-    ]
+    found = [e for e in evaluated if e.get("step") == step and (attempt is None or e.get("attempt") == attempt)]
     if not found:
         return None
     metrics = {k: float(v) for k, v in found[-1]["metrics"].items()}  # "nan" and "inf" were written as text
-    if cfg.task == "lm" and "loss" in metrics:  # a language model's loss is a cross-entropy in nats
+    if cfg.prepared_tokens and "loss" in metrics:  # a language model's loss is a cross-entropy in nats
         metrics["perplexity"] = float(math.exp(min(metrics["loss"], 80.0)))
     return metrics
 
@@ -178,9 +182,11 @@ def validate_pending(run_uri: str) -> list[dict[str, Any]]:
     states = ledger.states()
     committed = committed_steps(run_uri)
     todo = [s for s in committed if states.get(s, {}).get("state") in (None, "committed")]
-    if cfg.validate_on == "slice":
-        todo = [s for s in todo if s == committed[-1] or _evaluated_on_slice(cfg, ledger, events, s) is not None]
-    return [validate(run_uri, s) for s in todo]
+    if cfg.validate_on != "slice":
+        return [validate(run_uri, s) for s in todo]
+    evaluated = events.read(types=("evaluated",))  # once for every step
+    todo = [s for s in todo if s == committed[-1] or _evaluated_on_slice(cfg, ledger, evaluated, s) is not None]
+    return [validate(run_uri, s, evaluated) for s in todo]
 
 
 def _data_position(run_uri: str, step: int) -> dict[str, Any]:
