@@ -417,6 +417,7 @@ class HostAgent:
             "env": self._round_env(rnd, rank),
             # Process 0's peer watch listens next to the coordinator (a fixed port on GKE, declared in the pod).
             "watch_port": self.coordinator_port + 1 if rank == 0 and self.coordinator_port else 0,
+            "job": self.job,
         }
         try:
             assert w.proc.stdin is not None

@@ -87,6 +87,7 @@ class Assignment:
     faults: tuple[str, ...]
     env: tuple[tuple[str, str], ...] = ()
     watch_port: int = 0  # process 0: the peer watch's port (0: a free one)
+    job: str = ""  # the job this round belongs to (its kept compiled steps are its own)
 
     @classmethod
     def read(cls, stream: Any) -> Assignment:
@@ -104,6 +105,7 @@ class Assignment:
             tuple(a.get("faults") or ()),
             tuple(sorted((str(k), str(v)) for k, v in (a.get("env") or {}).items())),
             int(a.get("watch_port") or 0),
+            str(a.get("job") or ""),
         )
 
 
@@ -237,16 +239,14 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, task: An
     cache_hit = loaded or CACHE_HITS[0] > hits
     rep.send("compiled", step=start.step, seconds=time.time() - t0, cache_hit=cache_hit, loaded=loaded)
     saver = Saver(mngr, rep, pins, trainer.abstract, background=cfg.async_checkpoint)
-    loop = RoundLoop(cfg, store, a, rep, trainer, saver, start, t_assigned, task)
-    loop.compiled_from_cache = cache_hit
+    loop = RoundLoop(cfg, store, a, rep, trainer, saver, start, t_assigned, task, compiled_from_cache=cache_hit)
     return loop.run(task_data, batches)
 
 
 def load_kept(store: Any, a: Assignment, trainer: Any) -> bool:
     """Load the step this job kept for a round of this size (``ahead``), if any: True when it did."""
-    job = os.environ.get("RTRAIN_JOB", "")
     try:
-        compiled = ahead.load(store, job, a.processes) if job else None
+        compiled = ahead.load(store, a.job, a.processes) if a.job else None
     except Exception as e:  # noqa: BLE001 - compiled as usual instead (a hit in the persistent cache)
         print(f"could not load the kept step for {a.processes} hosts: {type(e).__name__}: {e}", file=sys.stderr)
         return False
@@ -374,7 +374,7 @@ def restore(
 
     t0 = time.time()
     shape = trainer.mesh.shape
-    local_dir = host_dir(cfg.local_checkpoint_dir, run, os.environ.get("RTRAIN_JOB", ""), os.environ["RTRAIN_HOST"])
+    local_dir = host_dir(cfg.local_checkpoint_dir, run, a.job, os.environ["RTRAIN_HOST"])
     tier = LocalTier(local_dir, cfg.local_keep, trainer.mesh, trainer.abstract) if cfg.local_checkpoint_every else None
     on = tier is not None and tier.enabled
     chaos = WorkerChaos(
@@ -514,6 +514,7 @@ class RoundLoop:
         start: Start,
         t_assigned: float,
         task: Any,
+        compiled_from_cache: bool = True,
     ) -> None:
         self.cfg, self.store, self.a, self.rep, self.trainer = cfg, store, a, rep, trainer
         self.saver, self.mngr = saver, saver.mngr
@@ -525,7 +526,7 @@ class RoundLoop:
         self.loop: Loop  # made when the data pipeline is (run): the first step's clock starts there
         self.eval_batches: list[Any] | None = None  # validate_on: slice, made at the round's first evaluation
         self.kept_any = False  # process 0 has kept a compiled step (and deleted other jobs')
-        self.compiled_from_cache = True  # the round's step came from a cache or was loaded (not kept again)
+        self.compiled_from_cache = compiled_from_cache  # the round's step came from a cache or was loaded: not kept
         self.validation: Any = None  # the task's validation source
 
     def data_position(self) -> dict[str, Any]:
@@ -594,7 +595,7 @@ class RoundLoop:
 
     def keep_compiled(self, workers: int, compiled: Any) -> None:
         """Keep a compiled step on the run root for this job's later rounds of ``workers`` hosts (process 0)."""
-        job = os.environ.get("RTRAIN_JOB", "")
+        job = self.a.job
         if not job:
             return
         try:
