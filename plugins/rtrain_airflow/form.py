@@ -55,12 +55,13 @@ def range_text(field: dict[str, Any]) -> str:
     """A config field's bounds in words ("1 to 1,000,000.", "At least 0."), or nothing."""
     lo = field.get("minimum", field.get("exclusiveMinimum"))
     hi = field.get("maximum", field.get("exclusiveMaximum"))
-    above = "exclusiveMinimum" in field
-    if lo is not None and hi is not None and not above:
+    above, below = "exclusiveMinimum" in field, "exclusiveMaximum" in field
+    if lo is not None and hi is not None and not above and not below:
         return f"{_number(lo)} to {_number(hi)}."
-    if lo is not None:
-        return f"{'Above' if above else 'At least'} {_number(lo)}."
-    return f"At most {_number(hi)}." if hi is not None else ""
+    low = f"{'above' if above else 'at least'} {_number(lo)}" if lo is not None else ""
+    high = f"{'below' if below else 'at most'} {_number(hi)}" if hi is not None else ""
+    text = ", ".join(t for t in (low, high) if t)
+    return f"{text[:1].upper()}{text[1:]}." if text else ""
 
 
 def config_field(key: str) -> dict[str, Any]:

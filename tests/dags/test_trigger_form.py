@@ -310,3 +310,21 @@ def test_a_form_field_out_of_the_configs_bounds_is_refused_by_the_server(dag: An
     server_params(dag).deep_merge({"max_workers": hi}).validate()
     with pytest.raises(Exception, match="max_workers"):
         server_params(dag).deep_merge({"max_workers": hi + 1}).validate()
+
+
+@pytest.mark.parametrize(
+    ("bounds", "says"),
+    [
+        ({"minimum": 1, "maximum": 1_000_000}, "1 to 1,000,000."),
+        ({"minimum": 0}, "At least 0."),
+        ({"exclusiveMinimum": 0}, "Above 0."),
+        ({"maximum": 10}, "At most 10."),
+        ({"exclusiveMinimum": 0, "maximum": 10}, "Above 0, at most 10."),
+        ({"minimum": 0, "exclusiveMaximum": 1}, "At least 0, below 1."),
+        ({}, ""),
+    ],
+)
+def test_a_fields_bounds_in_words_keep_both_ends(bounds: dict[str, Any], says: str) -> None:
+    from rtrain_airflow.form import range_text
+
+    assert range_text(bounds) == says
