@@ -847,6 +847,11 @@ def test_training_image_installs_every_runtime_dependency() -> None:
     )
     assert not missing, f"docker/Dockerfile.train does not install {missing}"
     assert "jax[tpu]" in text and "--constraint constraints.txt" in text and "--no-deps" in text
+    # The maxtext extra, behind --build-arg MAXTEXT=1: every package of it.
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["maxtext"]
+    block = text[text.index('if [ "$maxtext" = 1 ]') :].split("; fi", 1)[0]
+    wanted = {re.split(r"[<>=!~\[ ]", d, maxsplit=1)[0].lower().replace("_", "-") for d in extra}
+    assert wanted and not sorted(n for n in wanted if n not in block.split()), block
 
 
 def test_the_local_tier_gets_a_memory_volume_and_the_pods_a_grace_period_the_notice_fits_in() -> None:
