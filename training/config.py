@@ -42,10 +42,9 @@ class ConfigError(ValueError):
     """A config that cannot be run, with a message that names the key."""
 
 
-class Config(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+class RunKeys(BaseModel):
+    """The run: its name, where it lives, its dataset and where a launch resumes from."""
 
-    # --- the run ---------------------------------------------------------------
     run_name: str = Field("demo", description="Run name; the run's directory under `root`. Letters, digits, `_.-`.")
     root: str = Field(
         "var/runs",
@@ -75,7 +74,10 @@ class Config(BaseModel):
         "`restart` the data position at the new dataset's first example (continual training).",
     )
 
-    # --- task: the model and its data ------------------------------------------
+
+class TaskKeys(BaseModel):
+    """The task: what is trained, its arguments and the tokenizer its data is prepared with."""
+
     task: str = Field(
         "lm",
         description="What is trained: a built-in task (`lm`: a Llama 3 decoder on a prepared token dataset; "
@@ -92,7 +94,10 @@ class Config(BaseModel):
         "(Hugging Face) or SentencePiece `.model` file.",
     )
 
-    # --- model (the built-in lm task: Llama 3) -----------------------------------
+
+class ModelKeys(BaseModel):
+    """The built-in ``lm`` task's model: a Llama 3 decoder's shapes and kernels."""
+
     vocab_size: int = Field(256, ge=2, description="Vocabulary size (byte-level tokens: 256).")
     seq_len: int = Field(64, ge=8, description="Tokens per training sequence.")
     d_model: int = Field(64, ge=8, description="Model width.")
@@ -121,7 +126,10 @@ class Config(BaseModel):
         "one) or `reference` (plain einsums, for checking).",
     )
 
-    # --- optimisation ----------------------------------------------------------
+
+class OptimKeys(BaseModel):
+    """Optimisation: steps, the global batch, the optimizer and its schedule."""
+
     steps: int = Field(40, ge=1, le=10_000_000, description="Total optimizer steps of the run.")
     global_batch: int = Field(16, ge=1, description="Sequences per step, constant across resizes.")
     grad_accum: int = Field(
@@ -144,7 +152,10 @@ class Config(BaseModel):
     grad_clip: float = Field(1.0, ge=0, description="Global-norm gradient clipping; 0 disables.")
     seed: int = Field(0, description="Seed for initialisation, data order and dropout.")
 
-    # --- checkpoints -----------------------------------------------------------
+
+class CheckpointKeys(BaseModel):
+    """Checkpoints: how often, how (async, format), the local tier and the notice's grace."""
+
     checkpoint_every: int = Field(
         10, ge=1, le=1_000_000, description="Save a checkpoint every N steps (and at the end)."
     )
@@ -181,7 +192,10 @@ class Config(BaseModel):
         "(about 7% here) and zstd costs CPU in every save and restore, so it is off.",
     )
 
-    # --- checkpoint lifecycle: validation, rollback, guard, retention ---------------
+
+class LifecycleKeys(BaseModel):
+    """The checkpoint lifecycle: validation, rollback, the in-training guard and retention."""
+
     val_batches: int = Field(4, ge=1, description="Evaluation batches of the held-out split per validation.")
     val_batch: int = Field(16, ge=1, description="Sequences per evaluation batch.")
     validate_on: Literal["host", "slice"] = Field(
@@ -229,7 +243,10 @@ class Config(BaseModel):
         7 * 86400.0, ge=0, description="Pruning: delete quarantined checkpoints after this long."
     )
 
-    # --- elastic job -----------------------------------------------------------
+
+class ElasticKeys(BaseModel):
+    """The elastic job: its size range, failure budget and the control plane's timing."""
+
     backend: Literal["local", "gke"] = Field("local", description="Where workers run: the local slice or GKE.")
     min_workers: int = Field(1, ge=1, le=10_000, description="Fewest workers (hosts) the job may run on.")
     max_workers: int = Field(2, ge=1, le=10_000, description="Most workers (hosts) the job may use.")
@@ -260,7 +277,10 @@ class Config(BaseModel):
         15.0, gt=0, description="How long the first round waits for every expected host before it starts with fewer."
     )
 
-    # --- mesh --------------------------------------------------------------------
+
+class MeshKeys(BaseModel):
+    """The device mesh and the memory-fit check."""
+
     ici_data: int = Field(1, description="Data parallelism inside a host (-1: fill).")
     ici_fsdp: int = Field(-1, description="FSDP parallelism inside a host (-1: fill).")
     ici_tensor: int = Field(1, description="Tensor parallelism inside a host (-1: fill).")
@@ -269,7 +289,10 @@ class Config(BaseModel):
     device_memory_gib: float = Field(2.0, gt=0, description="Memory per device for the fit check.")
     activation_checkpointing: bool = Field(False, description="Rematerialise each block in the backward pass.")
 
-    # --- operations --------------------------------------------------------------
+
+class OperationsKeys(BaseModel):
+    """Operations: logging, fault injection, compilation."""
+
     log_every: int = Field(
         10,
         ge=1,
@@ -284,6 +307,16 @@ class Config(BaseModel):
         "after a round's first steps, into the persistent cache: a recovery onto one loads it instead of compiling.",
     )
     trace_data_ids: bool = Field(False, description="Record the example ids of every step (tests, audits).")
+
+
+# Pydantic orders the fields of several bases from the last one: the sections are listed last first, so the
+# keys keep their order (the run first) in dumps, docs and the DAG's form.
+class Config(
+    OperationsKeys, MeshKeys, ElasticKeys, LifecycleKeys, CheckpointKeys, OptimKeys, ModelKeys, TaskKeys, RunKeys
+):
+    """A run's whole configuration: every key of every section, validated together."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
     @model_validator(mode="after")
     def _check(self) -> Config:

@@ -329,19 +329,14 @@ def prepare(
     _check_args(seq_len, val_fraction, max_bytes, records_per_shard)
     say = _Progress(progress)
     spec: Tokenizer | BPETrainer = resolve(tokenizer, vocab_size) if isinstance(tokenizer, str) else tokenizer
-    byte_level = spec.kind == "bytes"
 
     # Pass 1: hash what will be used.  The fingerprint decides, before anything is
     # written, whether the output is already this dataset, another one, or nothing.
     src = open_source(source, fmt, field)
-    desc = src.desc
-    say(f"reading {src.files} {src.fmt} file{'' if src.files == 1 else 's'} from {desc}")
+    say(f"reading {src.files} {src.fmt} file{'' if src.files == 1 else 's'} from {src.desc}")
     files, used = _hash_documents(src, max_bytes, say)
     files = _assign_splits(files, val_fraction, seq_len)
     fingerprint = _fingerprint(spec, files, seq_len, val_fraction, max_bytes)
-    this_tokenizer = _describe_tokenizer(
-        None if byte_level else {"kind": spec.kind, "vocab_size": spec.vocab_size, "fingerprint": spec.fingerprint}
-    )
 
     store = open_store(output)
     existing = _read_manifest(store)
@@ -349,27 +344,11 @@ def prepare(
         if existing.get("fingerprint") == fingerprint:
             say(f"{output} is already prepared (fingerprint {fingerprint[:12]}); nothing to do")
             return existing
-        _replace_existing(store, existing, output, fingerprint, this_tokenizer, overwrite)
+        _replace_existing(store, existing, output, fingerprint, _describe_spec(spec), overwrite)
 
     tok, files, lengths, splits = _write_shards(store, spec, src, files, val_fraction, seq_len, records_per_shard, say)
-    manifest = {
-        "format": FORMAT if byte_level else TOKENIZED_FORMAT,
-        "seq_len": seq_len,
-        "vocab_size": tok.vocab_size,
-        "token_dtype": tok.token_dtype,
-        "eos_id": tok.eos_id,
-        "tokenizer": tok.manifest_entry() | ({"recipe": spec.fingerprint} if isinstance(spec, BPETrainer) else {}),
-        "fingerprint": fingerprint,
-        "source": desc,
-        "input_format": src.fmt,
-        "input_files": len(files),
-        "input_bytes": used,
-        "input_tokens": sum(lengths.values()),
-        "val_fraction": val_fraction,
-        "max_bytes": max_bytes,
-        "splits": splits,
-        "created_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    }
+    written = {"input_files": len(files), "input_bytes": used, "input_tokens": sum(lengths.values()), "splits": splits}
+    manifest = _manifest(spec, tok, src, fingerprint, seq_len, val_fraction, max_bytes, written)
     # Last: its presence is what makes the dataset exist.
     store.put(MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
     say(
@@ -378,6 +357,44 @@ def prepare(
         f"(fingerprint {fingerprint[:12]})"
     )
     return manifest
+
+
+def _describe_spec(spec: Tokenizer | BPETrainer) -> str:
+    """The tokenizer a preparation would use, in words (to compare with an existing dataset's)."""
+    if spec.kind == "bytes":
+        return _describe_tokenizer(None)
+    return _describe_tokenizer({"kind": spec.kind, "vocab_size": spec.vocab_size, "fingerprint": spec.fingerprint})
+
+
+def _manifest(
+    spec: Tokenizer | BPETrainer,
+    tok: Tokenizer,
+    src: Source,
+    fingerprint: str,
+    seq_len: int,
+    val_fraction: float,
+    max_bytes: int | None,
+    written: dict[str, Any],
+) -> dict[str, Any]:
+    """A dataset's manifest: its format, tokenizer, fingerprint, source and what writing it counted (``written``)."""
+    return {
+        "format": FORMAT if spec.kind == "bytes" else TOKENIZED_FORMAT,
+        "seq_len": seq_len,
+        "vocab_size": tok.vocab_size,
+        "token_dtype": tok.token_dtype,
+        "eos_id": tok.eos_id,
+        "tokenizer": tok.manifest_entry() | ({"recipe": spec.fingerprint} if isinstance(spec, BPETrainer) else {}),
+        "fingerprint": fingerprint,
+        "source": src.desc,
+        "input_format": src.fmt,
+        "input_files": written["input_files"],
+        "input_bytes": written["input_bytes"],
+        "input_tokens": written["input_tokens"],
+        "val_fraction": val_fraction,
+        "max_bytes": max_bytes,
+        "splits": written["splits"],
+        "created_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
 
 
 def _write_shards(
