@@ -22,7 +22,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Collection, Mapping
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 # The GKE backend's manifests and capacity (pure Python), re-exported: the Airflow side imports this module only.
 from training.backends.gke import (
@@ -48,8 +48,9 @@ from training.backends.gke import (
 )
 from training.checkpoint import lifecycle
 from training.checkpoint.ledger import Ledger
-from training.checkpoint.lifecycle import LifecycleError, RunNotFound
+from training.checkpoint.lifecycle import LifecycleError, Promotion, Rollback, RunNotFound, Verdict
 from training.checkpoint.lock import LockHeld, RunLock
+from training.checkpoint.prune import Pruned
 from training.config import RUN_NAME_PATTERN, Config, ConfigError, absolute, config_from_json, load_config
 from training.data import DatasetError
 from training.elastic.capacity import LocalCapacity
@@ -146,6 +147,12 @@ __all__ = [
     "stop_job",
     "validate",
     "validate_pending",
+    "Promotion",
+    "Pruned",
+    "Rollback",
+    "Verdict",
+    "JobLook",
+    "PreparedDataset",
 ]
 
 RESERVE_BYTES = 1 << 20
@@ -533,7 +540,17 @@ def status(run_uri: str, repair: bool = True) -> dict[str, Any] | None:
     return run_status(run_uri, repair=repair)
 
 
-def job_state(handle: Mapping[str, Any], start_timeout_s: float = 300.0) -> dict[str, Any]:
+class JobLook(TypedDict):
+    """One look at a job: its state (pending, alive, finished, failed), why it failed, and the run's status."""
+
+    state: str
+    reason: str
+    status: dict[str, Any]
+    waiting: NotRequired[str]  # why the job's pods wait (a backend that can tell)
+    queue: NotRequired[dict[str, Any]]  # the job's row in the shared pool's queue (the pool's backend)
+
+
+def job_state(handle: Mapping[str, Any], start_timeout_s: float = 300.0) -> JobLook:
     """One look at a job: ``{"state", "reason", "status"}``; state is alive, finished or failed.
 
     Whose job: the status carries the job id; until the job's agents write one,
@@ -542,10 +559,10 @@ def job_state(handle: Mapping[str, Any], start_timeout_s: float = 300.0) -> dict
     st = status(str(handle["run_uri"])) or {}
     if st.get("job") != handle.get("job"):
         if time.time() - float(handle.get("launched_at", time.time())) > start_timeout_s:
-            return {"state": "failed", "status": st, "reason": f"job {handle.get('job')} did not start"}
-        return {"state": "pending", "status": st, "reason": ""}
+            return JobLook(state="failed", status=st, reason=f"job {handle.get('job')} did not start")
+        return JobLook(state="pending", status=st, reason="")
     state = str(st.get("state") or "pending")
-    return {"state": state, "status": st, "reason": st.get("reason", "") if state == "failed" else ""}
+    return JobLook(state=state, status=st, reason=str(st.get("reason", "")) if state == "failed" else "")
 
 
 def events(run_uri: str, types: tuple[str, ...] | None = None, after: str | None = None) -> list[dict[str, Any]]:
@@ -602,23 +619,23 @@ def record_pods_waiting(run_uri: str, reason: str, job: str | None = None) -> No
 # --- the checkpoint lifecycle --------------------------------------------------------------------------
 
 
-def validate(run_uri: str, step: int | None = None) -> dict[str, Any]:
+def validate(run_uri: str, step: int | None = None) -> Verdict:
     return lifecycle.validate(run_uri, step)
 
 
-def validate_pending(run_uri: str) -> list[dict[str, Any]]:
+def validate_pending(run_uri: str) -> list[Verdict]:
     return lifecycle.validate_pending(run_uri)
 
 
-def rollback(run_uri: str, to: int | None = None, reason: str = "manual rollback") -> dict[str, Any]:
+def rollback(run_uri: str, to: int | None = None, reason: str = "manual rollback") -> Rollback:
     return lifecycle.rollback(run_uri, to, reason)
 
 
-def promote(run_uri: str, step: int | None = None) -> dict[str, Any]:
+def promote(run_uri: str, step: int | None = None) -> Promotion:
     return lifecycle.promote(run_uri, step)
 
 
-def prune(run_uri: str, dry_run: bool = False) -> dict[str, Any]:
+def prune(run_uri: str, dry_run: bool = False) -> Pruned:
     return lifecycle.prune(run_uri, dry_run)
 
 
@@ -677,7 +694,7 @@ def prepare_dataset(
     vocab_size: int | None = None,
     fmt: str | None = None,
     field: str | None = None,
-) -> dict[str, Any]:
+) -> PreparedDataset:
     """Prepare (idempotently) a token dataset (imports numpy, array_record and the tokenizer when called).
 
     ``tokenizer``: bytes, bpe (of ``vocab_size``) or a tokenizer file; ``fmt`` and
@@ -697,12 +714,24 @@ def prepare_dataset(
         progress=progress,
         overwrite=refresh,
     )
-    return {
-        "dataset": output,
-        "fingerprint": manifest["fingerprint"],
-        "train_records": manifest["splits"]["train"]["records"],
-        "validation_records": manifest["splits"]["validation"]["records"],
-        "seq_len": manifest["seq_len"],
-        "vocab_size": manifest.get("vocab_size", 256),
-        "tokenizer": (manifest.get("tokenizer") or {}).get("kind", "bytes"),
-    }
+    return PreparedDataset(
+        dataset=output,
+        fingerprint=manifest["fingerprint"],
+        train_records=manifest["splits"]["train"]["records"],
+        validation_records=manifest["splits"]["validation"]["records"],
+        seq_len=manifest["seq_len"],
+        vocab_size=manifest.get("vocab_size", 256),
+        tokenizer=(manifest.get("tokenizer") or {}).get("kind", "bytes"),
+    )
+
+
+class PreparedDataset(TypedDict):
+    """A prepared token dataset: where, its fingerprint, its splits' sizes and its tokens."""
+
+    dataset: str
+    fingerprint: str
+    train_records: int
+    validation_records: int
+    seq_len: int
+    vocab_size: int
+    tokenizer: str  # the tokenizer's kind: bytes, bpe, huggingface, sentencepiece

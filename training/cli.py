@@ -34,6 +34,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from enum import IntEnum
 from typing import Any
 
@@ -435,7 +436,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     return Exit.OK
 
 
-def format_validations(results: list[dict[str, Any]]) -> str:
+def format_validations(results: Sequence[Mapping[str, Any]]) -> str:
     """One aligned table of verdicts: the loss first, then each metric the task reported, rounded."""
     if not results:
         return "no checkpoint waits for a verdict"

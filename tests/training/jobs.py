@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +71,7 @@ def wait_for(check: Callable[[], Any], timeout: float, what: str, every: float =
 def wait_finished(handle: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
     from training.api import job_state
 
-    def over() -> dict[str, Any] | None:
+    def over() -> Mapping[str, Any] | None:
         look = job_state(handle)
         return look if look["state"] in ("finished", "failed") else None
 

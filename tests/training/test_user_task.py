@@ -212,7 +212,7 @@ def test_the_example_trains_through_a_lost_host_on_the_exact_examples_and_valida
     assert verdict["step"] == cfg.steps and verdict["verdict"] == "validated", verdict
     assert {"loss", "mae"} <= set(verdict["metrics"]), verdict
     untrained = evaluate(cfg, nn.unbox(task.init(jax.random.key(cfg.seed))))
-    assert verdict["metrics"]["loss"] < 0.5 * untrained["loss"], (verdict, untrained)
+    assert float(verdict["metrics"]["loss"]) < 0.5 * untrained["loss"], (verdict, untrained)
 
 
 def readme_block(heading: str) -> str:

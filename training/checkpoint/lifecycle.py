@@ -14,11 +14,12 @@ import logging
 import math
 import statistics
 import time
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 from training.checkpoint import prune as prune_lib
 from training.checkpoint.ledger import Ledger
 from training.checkpoint.lock import RunLock
+from training.checkpoint.resume import DataPosition, data_position
 from training.checkpoint.steps import INTEGRITY, committed_steps
 from training.config import Config, config_from_json
 from training.events import EventLog
@@ -82,7 +83,40 @@ def evaluate(cfg: Config, params: Any) -> dict[str, float]:
     return out
 
 
-def validate(run_uri: str, step: int | None = None, evaluated: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+class Verdict(TypedDict):
+    """A validation's verdict on one checkpoint."""
+
+    step: int
+    verdict: str  # validated | rejected
+    metrics: dict[str, float | str]  # a non-finite value as text (NaN is not JSON)
+    reason: str  # why it was rejected ("" when validated)
+    evaluated_on: str  # host | slice
+
+
+class ResumeHow(TypedDict):
+    """How the next launch resumes from a rollback's target: its learning-rate scale, and the batch it skips to."""
+
+    lr_scale: float
+    skip_to_batch: NotRequired[int]
+
+
+class Rollback(TypedDict):
+    """What a rollback did: the step it left, the step it went back to, what it quarantined."""
+
+    from_step: int
+    to_step: int
+    quarantined: list[int]
+    resume: ResumeHow
+
+
+class Promotion(TypedDict):
+    """A checkpoint blessed by a pipeline."""
+
+    step: int
+    state: str
+
+
+def validate(run_uri: str, step: int | None = None, evaluated: list[dict[str, Any]] | None = None) -> Verdict:
     """Judge a committed checkpoint (default: the newest) and record the verdict in the ledger.
 
     ``evaluated``: the run's ``evaluated`` events, when the caller has read them already.
@@ -138,7 +172,7 @@ def validate(run_uri: str, step: int | None = None, evaluated: list[dict[str, An
         ledger.record(step, "rejected", metrics=clean, reason=reason)
     events.emit("validation", step=step, verdict=verdict, metrics=clean, reason=reason, evaluated_on=evaluated_on)
     _validation_scalars(run_uri, step, metrics, verdict)
-    return {"step": step, "verdict": verdict, "metrics": clean, "reason": reason, "evaluated_on": evaluated_on}
+    return Verdict(step=step, verdict=verdict, metrics=clean, reason=reason, evaluated_on=evaluated_on)
 
 
 def _evaluated_on_slice(
@@ -172,7 +206,7 @@ def _validation_scalars(run_uri: str, step: int, metrics: dict[str, float], verd
         logging.getLogger("rtrain.lifecycle").warning("validation scalars of step %s not written: %s", step, e)
 
 
-def validate_pending(run_uri: str) -> list[dict[str, Any]]:
+def validate_pending(run_uri: str) -> list[Verdict]:
     """Validate every committed checkpoint the ledger has no verdict for, oldest first.
 
     With ``validate_on: slice``, a step the job did not evaluate (one saved at a preemption notice) is left
@@ -189,20 +223,20 @@ def validate_pending(run_uri: str) -> list[dict[str, Any]]:
     return [validate(run_uri, s, evaluated) for s in todo]
 
 
-def _data_position(run_uri: str, step: int) -> dict[str, Any]:
+def _data_position(run_uri: str, step: int) -> DataPosition:
     """The data position saved with a step: Orbax's JSON item (``data/metadata``)."""
     store = open_store(join(step_uri(run_uri, step), "data"))
     keys = store.list()
     for key in sorted(keys, key=lambda k: k != "metadata"):  # its name first; an older layout's file else
         if not key.startswith("_") and key != INTEGRITY:
             try:
-                return dict(json.loads(store.get(key)))
+                return data_position(json.loads(store.get(key)))
             except (ValueError, UnicodeDecodeError):
                 continue
-    return {}
+    return DataPosition()
 
 
-def rollback(run_uri: str, to: int | None = None, reason: str = "manual rollback") -> dict[str, Any]:
+def rollback(run_uri: str, to: int | None = None, reason: str = "manual rollback") -> Rollback:
     """Move the resume pointer back to a validated checkpoint and quarantine what is newer.
 
     The next launch resumes from ``to`` (default: the newest validated checkpoint),
@@ -223,7 +257,7 @@ def rollback(run_uri: str, to: int | None = None, reason: str = "manual rollback
     if state and state["state"] in ("rejected", "quarantined"):
         raise LifecycleError(f"step {target} is {state['state']}; roll back to a good checkpoint")
     from_step = steps[-1]
-    how: dict[str, Any] = {"lr_scale": cfg.rollback_lr_scale}
+    how = ResumeHow(lr_scale=cfg.rollback_lr_scale)
     if cfg.rollback_skip_data and from_step > target:
         how["skip_to_batch"] = int(_data_position(run_uri, from_step).get("next_batch", 0))
     quarantined = []
@@ -241,10 +275,10 @@ def rollback(run_uri: str, to: int | None = None, reason: str = "manual rollback
         kind="validation",
         resume=how,
     )
-    return {"from_step": from_step, "to_step": target, "quarantined": quarantined, "resume": how}
+    return Rollback(from_step=from_step, to_step=target, quarantined=quarantined, resume=how)
 
 
-def promote(run_uri: str, step: int | None = None) -> dict[str, Any]:
+def promote(run_uri: str, step: int | None = None) -> Promotion:
     """Bless a validated checkpoint (default: the newest validated)."""
     _, _, ledger, events = _run(run_uri)
     step = ledger.newest_validated() if step is None else step
@@ -253,10 +287,10 @@ def promote(run_uri: str, step: int | None = None) -> dict[str, Any]:
         raise LifecycleError(f"step {step} is not validated; only validated checkpoints are promoted")
     ledger.record(step, "promoted")
     events.emit("validation", step=step, verdict="promoted", metrics=st.get("metrics"))
-    return {"step": step, "state": "promoted"}
+    return Promotion(step=step, state="promoted")
 
 
-def prune(run_uri: str, dry_run: bool = False) -> dict[str, Any]:
+def prune(run_uri: str, dry_run: bool = False) -> prune_lib.Pruned:
     """Apply the run's retention policy to checkpoints/ and expire old quarantined ones."""
     store, cfg, ledger, events = _run(run_uri)
     policy = prune_lib.policy_from_config(

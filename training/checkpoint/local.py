@@ -50,6 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from training.checkpoint.resume import DataPosition, data_position
+
 MANIFEST = "{step}.manifest.json"
 _MANIFEST_RE = re.compile(r"^(\d+)\.manifest\.json$")
 STEP_MARK = "COMMITTED"  # written last into a copy, before its directory gets its name
@@ -224,7 +226,7 @@ class LocalTier:
             if step is None or s > step:
                 _remove_step(self.directory, s)
 
-    def save(self, step: int, state: Any, data: dict[str, Any]) -> float | None:
+    def save(self, step: int, state: Any, data: DataPosition) -> float | None:
         """Start a background save of ``step``; the seconds the loop was blocked, or None: skipped.
 
         The loop only dispatches a host copy of the state (:class:`~training.checkpoint.manager.HostSnapshot`);
@@ -277,7 +279,7 @@ class LocalTier:
         now = time.time()
         return [(step, now - t0) for step, t0 in done]
 
-    def restore(self, step: int) -> tuple[Any, dict[str, Any]]:
+    def restore(self, step: int) -> tuple[Any, DataPosition]:
         """This host's copy of ``step`` as the global state on the current mesh, and its data position."""
         return read_step(self.directory, step, self.abstract)
 
@@ -302,7 +304,7 @@ def _boxes(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[list[int]]:
     return [[s.start or 0, n if s.stop is None else s.stop] for s, n in zip(index, shape, strict=True)]
 
 
-def write_step(state: Any, directory: Path, step: int, data: dict[str, Any], keep: int) -> None:
+def write_step(state: Any, directory: Path, step: int, data: DataPosition, keep: int) -> None:
     """Write this process's shards of ``state`` as local step ``step`` (atomically), then keep the newest ``keep``."""
     import jax
     import numpy as np
@@ -340,7 +342,7 @@ def write_step(state: Any, directory: Path, step: int, data: dict[str, Any], kee
         _remove_step(directory, old)
 
 
-def read_step(directory: Path, step: int, abstract: Any) -> tuple[Any, dict[str, Any]]:
+def read_step(directory: Path, step: int, abstract: Any) -> tuple[Any, DataPosition]:
     """Local step ``step`` as arrays of ``abstract``'s shapes and shardings, and its data position.
 
     The copy holds a whole replica of every array (:func:`why_not_local`), so each array is put
@@ -375,7 +377,7 @@ def read_step(directory: Path, step: int, abstract: Any) -> tuple[Any, dict[str,
         return jax.make_array_from_callback(a.shape, a.sharding, lambda ix: whole[ix])
 
     state = jax.tree_util.tree_map_with_path(load, abstract)
-    return state, dict(json.loads((d / DATA_FILE).read_text()))
+    return state, data_position(json.loads((d / DATA_FILE).read_text()))
 
 
 def _remove_step(directory: Path, step: int) -> None:

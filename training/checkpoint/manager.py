@@ -27,6 +27,7 @@ from orbax.checkpoint import type_handlers
 from orbax.checkpoint._src.path import atomicity
 
 from training.checkpoint import packing
+from training.checkpoint.resume import DataPosition, data_position
 from training.checkpoint.steps import fresh_gcs_listings, record_integrity
 from training.config import Config
 from training.layout import checkpoints_uri, step_uri
@@ -131,7 +132,7 @@ def checkpoint_manager(cfg: Config, run: str, *, async_save: bool | None = None)
     return ocp.CheckpointManager(root, options=options, item_handlers=handlers)
 
 
-def save(mngr: ocp.CheckpointManager, step: int, state: State, data: dict[str, Any], cfg: Config) -> bool:
+def save(mngr: ocp.CheckpointManager, step: int, state: State, data: DataPosition, cfg: Config) -> bool:
     """Save ``state`` as step ``step``: its small replicated arrays packed (:mod:`training.checkpoint.packing`)."""
     tree, layout = packing.pack(state)
     return bool(
@@ -148,7 +149,7 @@ def save(mngr: ocp.CheckpointManager, step: int, state: State, data: dict[str, A
     )
 
 
-def restore(mngr: ocp.CheckpointManager, step: int, abstract: State) -> tuple[State, dict[str, Any]]:
+def restore(mngr: ocp.CheckpointManager, step: int, abstract: State) -> tuple[State, DataPosition]:
     """Step ``step`` as ``abstract``'s arrays (its shapes and the current mesh's shardings), and its data position."""
     if "layout" not in mngr.item_metadata(step):  # saved before packing: the state's own tree
         out = mngr.restore(
@@ -160,7 +161,7 @@ def restore(mngr: ocp.CheckpointManager, step: int, abstract: State) -> tuple[St
                 data=ocp.args.JsonRestore(),
             ),
         )
-        return out["state"], dict(out["data"])
+        return out["state"], data_position(out["data"])
     layout = packing.Layout.from_json(
         mngr.restore(step, args=ocp.args.Composite(layout=ocp.args.JsonRestore()))["layout"]
     )
@@ -169,7 +170,7 @@ def restore(mngr: ocp.CheckpointManager, step: int, abstract: State) -> tuple[St
         step,
         args=ocp.args.Composite(state=ocp.args.PyTreeRestore(target, restore_args=args), data=ocp.args.JsonRestore()),
     )
-    return packing.unpack(out["state"], layout, abstract), dict(out["data"])
+    return packing.unpack(out["state"], layout, abstract), data_position(out["data"])
 
 
 class HostSnapshot:

@@ -27,9 +27,9 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal, TypedDict
 
 from training.checkpoint.ledger import Ledger, pinned_steps
 from training.checkpoint.retention import (
@@ -68,11 +68,34 @@ class PrunePlan:
     def bytes_freed(self) -> int:
         return sum(self.sizes.get(str(s), 0) for s in self.deleted) + sum(self.sizes.get(n, 0) for n in self.incomplete)
 
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["kept"] = {str(k): v for k, v in self.kept.items()}
-        d["bytes_freed"] = self.bytes_freed
-        return d
+    def to_dict(self) -> Pruned:
+        return Pruned(
+            run_uri=self.run_uri,
+            now=self.now,
+            kept={str(k): v for k, v in self.kept.items()},
+            deleted=list(self.deleted),
+            incomplete=list(self.incomplete),
+            left_alone=dict(self.left_alone),
+            sizes=dict(self.sizes),
+            dry_run=self.dry_run,
+            bytes_freed=self.bytes_freed,
+            quarantine_expired=[],
+        )
+
+
+class Pruned(TypedDict):
+    """What a prune kept, deleted and freed, as JSON (the CLI's and the DAG's result)."""
+
+    run_uri: str
+    now: float
+    kept: dict[str, list[str]]  # step (as text) -> the reasons it is kept
+    deleted: list[int]
+    incomplete: list[str]
+    left_alone: dict[str, str]
+    sizes: dict[str, int]
+    dry_run: bool
+    bytes_freed: int
+    quarantine_expired: list[str]  # quarantined checkpoints past their time to live (deleted unless a dry run)
 
 
 def policy_from_config(

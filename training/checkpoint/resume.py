@@ -35,6 +35,21 @@ class DataPosition(TypedDict, total=False):
     skipped: list[list[int]]  # [start, end) batch windows skipped by rollbacks
 
 
+def data_position(raw: Mapping[str, Any]) -> DataPosition:
+    """A checkpoint's ``data`` item as read back (JSON), with its types; keys it lacks stay absent."""
+    pos = DataPosition()
+    for key in ("next_batch", "examples_consumed", "global_batch", "seed"):
+        if raw.get(key) is not None:
+            pos[key] = int(raw[key])
+    if raw.get("dataset") is not None:
+        pos["dataset"] = str(raw["dataset"])
+    if raw.get("lr_scale") is not None:
+        pos["lr_scale"] = float(raw["lr_scale"])
+    if raw.get("skipped") is not None:
+        pos["skipped"] = [[int(a), int(b)] for a, b in raw["skipped"]]
+    return pos
+
+
 @dataclass(frozen=True)
 class ResumeHint:
     """How to resume from a step the resume pointer names (after a rollback)."""

@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from training.checkpoint.resume import DataPosition
 from training.elastic import ahead
 from training.elastic.codes import WorkerExit
 
@@ -411,7 +412,7 @@ def restore(
                 "restore", step=step0, tier="persistent", mesh=shape, workers=a.processes, seconds=time.time() - t0
             )
         else:
-            state, pos = trainer.init(), {"next_batch": 0}
+            state, pos = trainer.init(), DataPosition(next_batch=0)
             rep.send("init", step=0, mesh=shape, workers=a.processes, seconds=time.time() - t0)
     if step0 is not None and pos.get("dataset") not in (None, dataset):
         pos = data_changed(cfg, step0, pos, dataset, rep)
@@ -439,7 +440,7 @@ def restore(
     return start
 
 
-def data_changed(cfg: Any, step: int, pos: dict[str, Any], dataset: str, rep: Reporter) -> dict[str, Any]:
+def data_changed(cfg: Any, step: int, pos: DataPosition, dataset: str, rep: Reporter) -> DataPosition:
     """The data position to go on from when checkpoint ``step`` was trained on another dataset (or leave)."""
     if cfg.on_dataset_change != "restart":
         leave(
@@ -450,7 +451,7 @@ def data_changed(cfg: Any, step: int, pos: dict[str, Any], dataset: str, rep: Re
         )
     # Continual training on refreshed data: the model goes on, the data position starts over.
     rep.send("data_refreshed", step=step, old=pos.get("dataset"), new=dataset)
-    return {"next_batch": 0, "lr_scale": pos.get("lr_scale", 1.0)}
+    return DataPosition(next_batch=0, lr_scale=pos.get("lr_scale", 1.0))
 
 
 def restore_persistent(
@@ -463,7 +464,7 @@ def restore_persistent(
     ledger: Any,
     states: dict[int, dict[str, Any]],
     pins: Pins,
-) -> tuple[Any, dict[str, Any]]:
+) -> tuple[Any, DataPosition]:
     """Committed checkpoint ``step``, checked and resharded onto this round's mesh, and its data position.
 
     A checkpoint whose files fail their check, or whose data cannot be read, is reported corrupt and
@@ -529,18 +530,18 @@ class RoundLoop:
         self.compiled_from_cache = compiled_from_cache  # the round's step came from a cache or was loaded: not kept
         self.validation: Any = None  # the task's validation source
 
-    def data_position(self) -> dict[str, Any]:
+    def data_position(self) -> DataPosition:
         """The ``data`` item of a checkpoint of the newest step."""
         cfg = self.cfg
-        return {
-            "next_batch": self.next_batch,
-            "examples_consumed": (self.next_batch - sum(end - start for start, end in self.skipped)) * cfg.global_batch,
-            "global_batch": cfg.global_batch,
-            "seed": cfg.seed,
-            "dataset": self.dataset,
-            "lr_scale": self.lr_scale,
-            "skipped": self.skipped,
-        }
+        return DataPosition(
+            next_batch=self.next_batch,
+            examples_consumed=(self.next_batch - sum(end - start for start, end in self.skipped)) * cfg.global_batch,
+            global_batch=cfg.global_batch,
+            seed=cfg.seed,
+            dataset=self.dataset,
+            lr_scale=self.lr_scale,
+            skipped=self.skipped,
+        )
 
     def run(self, task_data: Any, batches: Iterator[dict[str, Any]]) -> int:
         """Train to the last step (0), or leave: a notice, a guard verdict, a stop request at a checkpoint."""
@@ -933,7 +934,7 @@ class Saver:
         self.mngr.wait_until_finished()
         self.poll()
 
-    def save(self, step: int, state: Any, data_pos: dict[str, Any], cfg: Any) -> None:
+    def save(self, step: int, state: Any, data_pos: DataPosition, cfg: Any) -> None:
         from training.checkpoint import manager as ckpt
 
         if self.pending is not None:

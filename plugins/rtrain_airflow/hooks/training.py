@@ -30,7 +30,7 @@ import re
 import signal
 import socket
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -107,7 +107,7 @@ def preset_values(key: str, presets: Iterable[str]) -> dict[str, Any]:
     return {p: getattr(preset_config(p), key) for p in presets}
 
 
-def format_validations(results: list[dict[str, Any]]) -> str:
+def format_validations(results: Sequence[Mapping[str, Any]]) -> str:
     """One aligned table of verdicts with rounded numbers (the columns of ``rtrain validate``)."""
     if not results:
         return "no checkpoint waits for a verdict"
@@ -241,9 +241,7 @@ class LocalSliceBackend:
         )
         return handle
 
-    def poll(
-        self, handle: Mapping[str, Any], timeouts: Mapping[str, float], now: float | None = None
-    ) -> dict[str, Any]:
+    def poll(self, handle: Mapping[str, Any], timeouts: Mapping[str, float], now: float | None = None) -> api.JobLook:
         """One look at the job: ``{"state", "reason", "status"}``; state is one of ALIVE, finished, failed.
 
         A job whose hosts are all gone is failed by ``training.api.status`` (its lease lapsed); one
@@ -339,9 +337,7 @@ class SharedPoolBackend:
         self._say("Submitted %s to the queue of %s at priority %s", cfg.run_name, cfg.root, sub.priority)
         return {**handle, "attached": False, "job": ""}
 
-    def poll(
-        self, handle: Mapping[str, Any], timeouts: Mapping[str, float], now: float | None = None
-    ) -> dict[str, Any]:
+    def poll(self, handle: Mapping[str, Any], timeouts: Mapping[str, float], now: float | None = None) -> api.JobLook:
         """One look: ``{"state", "reason", "status", "queue"}``; ``queued`` while the run holds no host.
 
         A run still in the queue whose scheduler is gone (killed) gets a new one.
@@ -481,9 +477,7 @@ class GKEBackend:
         handle["gke"] = self.gke
         return handle
 
-    def poll(
-        self, handle: Mapping[str, Any], timeouts: Mapping[str, float], now: float | None = None
-    ) -> dict[str, Any]:
+    def poll(self, handle: Mapping[str, Any], timeouts: Mapping[str, float], now: float | None = None) -> api.JobLook:
         """One look at the job, its JobSet and why its pods wait.
 
         A job that has not started fails after ``start_timeout_s``, but not while Kueue holds its
@@ -612,7 +606,7 @@ class RTrainHook(BaseHook):
         refresh: bool = False,
         tokenizer: str = "bytes",
         vocab_size: int | None = None,
-    ) -> dict[str, Any]:
+    ) -> api.PreparedDataset:
         """Prepare (idempotently) the token dataset; imports numpy/array_record, so call it in execute().
 
         ``refresh``: a source whose content changed replaces the prepared dataset (continual training);
@@ -683,17 +677,17 @@ class RTrainHook(BaseHook):
 
     # --- the checkpoint lifecycle ------------------------------------------------------------------
 
-    def validate_pending(self, run_uri: str) -> list[dict[str, Any]]:
-        return list(api.validate_pending(run_uri))
+    def validate_pending(self, run_uri: str) -> list[api.Verdict]:
+        return api.validate_pending(run_uri)
 
-    def rollback(self, run_uri: str, to: int | None = None, reason: str = "") -> dict[str, Any]:
-        return dict(api.rollback(run_uri, to=to, reason=reason or "rollback from Airflow"))
+    def rollback(self, run_uri: str, to: int | None = None, reason: str = "") -> api.Rollback:
+        return api.rollback(run_uri, to=to, reason=reason or "rollback from Airflow")
 
-    def promote(self, run_uri: str, step: int | None = None) -> dict[str, Any]:
-        return dict(api.promote(run_uri, step))
+    def promote(self, run_uri: str, step: int | None = None) -> api.Promotion:
+        return api.promote(run_uri, step)
 
-    def prune(self, run_uri: str, dry_run: bool = False) -> dict[str, Any]:
-        return dict(api.prune(run_uri, dry_run=dry_run))
+    def prune(self, run_uri: str, dry_run: bool = False) -> api.Pruned:
+        return api.prune(run_uri, dry_run=dry_run)
 
     def report(self, run_uri: str) -> dict[str, Any]:
         return dict(api.report(run_uri))

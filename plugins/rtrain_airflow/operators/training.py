@@ -237,15 +237,17 @@ class RTrainPrepareDatasetOperator(_RTrainBaseOperator):
         from training.api import DatasetError
 
         try:
-            return self.hook.prepare_dataset(
-                data.get("source"),
-                cfg.dataset,
-                cfg.seq_len,
-                None if max_bytes is None else int(max_bytes),
-                progress=lambda line: self.log.info("[prepare] %s", line),
-                refresh=bool(data.get("refresh")),
-                tokenizer=cfg.tokenizer,
-                vocab_size=cfg.vocab_size,
+            return dict(
+                self.hook.prepare_dataset(
+                    data.get("source"),
+                    cfg.dataset,
+                    cfg.seq_len,
+                    None if max_bytes is None else int(max_bytes),
+                    progress=lambda line: self.log.info("[prepare] %s", line),
+                    refresh=bool(data.get("refresh")),
+                    tokenizer=cfg.tokenizer,
+                    vocab_size=cfg.vocab_size,
+                )
             )
         except DatasetError as e:  # a different dataset at the output, a bad source: a retry cannot help
             raise AirflowFailException(str(e)) from None
@@ -418,8 +420,8 @@ class RTrainPromoteCheckpointOperator(_RTrainBaseOperator):
     def execute(self, context: Context) -> dict[str, Any]:
         spec = self.required_spec(context)
         result = self.hook.promote(spec["run_uri"])
-        self.log.info("Promoted checkpoint %s", result.get("step"))
-        return result
+        self.log.info("Promoted checkpoint %s", result["step"])
+        return dict(result)
 
 
 class RTrainRollbackAndResumeOperator(_RTrainBaseOperator):
@@ -501,7 +503,7 @@ class RTrainRollbackAndResumeOperator(_RTrainBaseOperator):
             rb["to_step"],
             rb["quarantined"],
         )
-        rounds = [*rounds, rb]
+        rounds = [*rounds, dict(rb)]
         handle = backend.launch(
             cfg.model_copy(update={"resume_from": "latest"}), spec, attempt=context["ti"].try_number + 100 * len(rounds)
         )

@@ -250,7 +250,7 @@ class RTrainTrainingJobTrigger(BaseTrigger):
             new = hook.events(self.run_uri, after=cursor)
         else:  # never before where this watch began (an earlier job's events)
             new = hook.events_since(self.run_uri, cursor, seen, self.events_after)
-        return found, new
+        return dict(found), new
 
     def _record_waiting(self, waiting: str) -> None:
         """Put why the pods wait (or that none does now) on the run's record: the Training view's timeline shows it."""
