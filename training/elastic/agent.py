@@ -53,7 +53,8 @@ from training.elastic.capacity import LocalCapacity
 from training.elastic.codes import AgentExit
 from training.elastic.heartbeat import Heartbeat
 from training.elastic.hostwatch import HostWatch, Listener
-from training.elastic.leader import Leader, Phase
+from training.elastic.jobstatus import Phase
+from training.elastic.leader import Leader
 from training.elastic.outcomes import last_error, recovery_cost, worker_outcome
 from training.elastic.rendezvous import HostRecord, Outcome, Rendezvous, Report, Round
 from training.elastic.workerproc import WorkerProc, spawn_worker
