@@ -464,7 +464,7 @@ def matmul_flops_per_s() -> float:
 
 
 def bench_cost(ws: Path, repeats: int) -> dict[str, Any]:
-    from training.elastic.agent import free_port
+    from training.elastic.supervisor import free_port
 
     steps, lo, hi = 45, 10, 40
     tok = 16 * 64

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from training.elastic.leader import detected_by_what, explain_failure
 from training.elastic.rendezvous import Outcome, Report
+from training.elastic.round_end import detected_by_what, explain_failure
 
 
 def _rep(host: str, rank: int, **kw: object) -> Report:

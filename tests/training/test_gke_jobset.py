@@ -679,11 +679,12 @@ def test_round_env_names_the_pods_the_jobset_makes() -> None:
 def test_the_agent_gives_its_worker_only_this_rounds_tpu_values(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """HostAgent: the child process starts without the webhook's values, and the round's env brings its own."""
+    """The agent's worker supervisor: the child process starts without the webhook's values, and the round's env
+    brings its own."""
     from types import SimpleNamespace
 
-    from training.elastic import agent
     from training.elastic.rendezvous import Round
+    from training.elastic.supervisor import WorkerSupervisor
 
     for k, v in WEBHOOK_ENV.items():
         monkeypatch.setenv(k, v)
@@ -694,15 +695,11 @@ def test_the_agent_gives_its_worker_only_this_rounds_tpu_values(
             seen["env"] = env
 
     monkeypatch.setattr("subprocess.Popen", FakePopen)
-    stub = SimpleNamespace(
-        spawned=0,
-        log_dir=tmp_path,
-        run_uri="gs://b/runs/r",
-        host="s1-h3",
-        job="j1",
-        cfg=SimpleNamespace(backend="gke", hosts_per_slice=4, devices_per_worker=4),
+    cfg = SimpleNamespace(backend="gke", hosts_per_slice=4, devices_per_worker=4)
+    workers = WorkerSupervisor(
+        cfg, "gs://b/runs/r", "s1-h3", "j1", tmp_path, coordinator_host="127.0.0.1", coordinator_port=0, bind_host=""
     )
-    w = agent.HostAgent._spawn(stub)
+    w = workers.spawn()
     os.close(w.fd)
     child = dict(seen["env"])
     assert not [k for k in child if gke.is_round_env(k)], child
@@ -710,7 +707,7 @@ def test_the_agent_gives_its_worker_only_this_rounds_tpu_values(
     rnd = Round(
         round=3, job="j1", gen=1, leader="s1-h0", members=TWO_SLICES[4:], coordinator="r-abc-slice-1-0.r-abc:8476"
     )
-    child.update(agent.HostAgent._round_env(stub, rnd, 3))  # what worker.py does
+    child.update(workers.round_env(rnd, 3))  # what worker.py does
     assert not [k for k in child if k.startswith("MEGASCALE_")]
     assert child["TPU_WORKER_ID"] == "3"
     assert child["TPU_WORKER_HOSTNAMES"] == ",".join(f"r-abc-slice-1-{i}.r-abc" for i in range(4))

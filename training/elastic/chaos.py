@@ -1,4 +1,8 @@
-"""Fault injection on the worker side: each fault of ``training.faults`` fired at the step its spec names."""
+"""Fault injection: each fault of ``training.faults`` fired at the step its spec names.
+
+On the worker side (``WorkerChaos``), and the leader's record of what the job fired (``JobChaos``):
+the worker faults a new round carries, and the capacity faults the leader fires itself.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from training.faults import HOST_ACTIONS, STORAGE_ACTIONS, ChaosError, Fault, parse_chaos
+from training.elastic.capacity import LocalCapacity
+from training.events import EventLog
+from training.faults import HOST_ACTIONS, STORAGE_ACTIONS, WORKER_SIDE, ChaosError, Fault, parse_chaos
 
 
 class WorkerChaos:
@@ -106,3 +112,53 @@ class WorkerChaos:
             if f.action == "kill_during_save" and f.step == step and f.worker == self.rank:
                 self._fire(f, step, everyone=True)
                 os.kill(os.getpid(), signal.SIGKILL)
+
+
+class JobChaos:
+    """The faults a job has fired, as its leader keeps them (each one on record as a ``chaos`` event).
+
+    A fault fired once is not fired again, by this leader or the next one, unless its spec repeats.
+    """
+
+    def __init__(
+        self, specs: list[str], events: EventLog, emit: Callable[..., None], capacity: LocalCapacity | None
+    ) -> None:
+        self.specs = specs
+        self.events = events
+        self.emit = emit  # write an event now
+        self.capacity = capacity
+        self.fired = self._on_record()
+
+    def _on_record(self) -> set[str]:
+        return {str(e.get("spec")) for e in self.events.read(types=("chaos",))}
+
+    def round_faults(self) -> list[str]:
+        """The worker-side faults a new round carries: those not fired yet, and those that repeat."""
+        if any(parse_chaos(spec).action in WORKER_SIDE for spec in self.specs):
+            self.fired |= self._on_record()
+        return [
+            spec
+            for spec in self.specs
+            if parse_chaos(spec).action in WORKER_SIDE and (parse_chaos(spec).repeats or spec not in self.fired)
+        ]
+
+    def capacity_due(self, step: int | None, elapsed: float) -> None:
+        """Fire the ``capacity`` faults due at rank 0's ``step``, ``elapsed`` seconds into the job."""
+        if self.capacity is None:
+            return
+        for spec in self.specs:
+            f = parse_chaos(spec)
+            if f.action != "capacity" or spec in self.fired:
+                continue
+            after = f.get("after_s")
+            due = (f.step is not None and step is not None and int(step) >= f.step) or (
+                after is not None and elapsed >= float(after)
+            )
+            if due:
+                self.fired.add(spec)
+                to = int(f.get("to") or 0)
+                # On record first: the pool may take this very host at once, and the next leader must not
+                # fire the same fault again.
+                self.emit("chaos", action="capacity", spec=spec, to=to, step=step)
+                self.capacity.set(to, reason=f"chaos {spec}")
+                self.emit("capacity", available=to, reason="chaos")

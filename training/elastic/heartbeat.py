@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
+import re
+import socket
 import threading
 import time
 from typing import Any
@@ -11,6 +14,37 @@ from typing import Any
 from training.elastic.rendezvous import HostRecord, Rendezvous
 
 log = logging.getLogger("rtrain.agent")
+
+HOST_RE = re.compile(r"^(?:s(?P<slice>\d+)-)?h(?P<index>\d+)$")
+
+
+def slice_and_index(host: str, hosts_per_slice: int) -> tuple[int, int]:
+    """``h5`` -> (5 // hosts_per_slice, 5 % hosts_per_slice); ``s2-h1`` -> (2, 1)."""
+    m = HOST_RE.match(host)
+    if not m:
+        raise ValueError(f"host id {host!r} is not h<N> or s<slice>-h<N>")
+    i = int(m["index"])
+    if m["slice"] is not None:
+        return int(m["slice"]), i
+    return i // hosts_per_slice, i % hosts_per_slice
+
+
+def first_record(host: str, job: str, hosts_per_slice: int, coordinator: str, started: float, watch: str) -> HostRecord:
+    """An agent's heartbeat record before its first beat: where it is, how to reach it."""
+    slice_, index = slice_and_index(host, hosts_per_slice)
+    return HostRecord(
+        host=host,
+        job=job,
+        slice=slice_,
+        index=index,
+        seq=0,
+        time=time.time(),
+        pid=os.getpid(),
+        node=socket.gethostname(),
+        coordinator=coordinator,
+        started=started,
+        watch=watch,
+    )
 
 
 class Heartbeat:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 from training.config import Config
 from training.elastic.clocks import HostClocks
@@ -16,6 +17,14 @@ from training.elastic.hostwatch import HostWatch
 from training.elastic.rendezvous import HostRecord, Rendezvous
 
 log = logging.getLogger("rtrain.leader")
+
+
+@dataclass(frozen=True)
+class Settle:
+    """A failure's moment and the hosts' heartbeat numbers then: a host that beats since is alive."""
+
+    at: float
+    seq: dict[str, int]
 
 
 class HostView:
@@ -114,3 +123,19 @@ class HostView:
             return False
         written = self.clocks.local_time(host, rec.started, rec.time)
         return rec.seq > seq_at_fail.get(host, -1) and (fail_at is None or written > fail_at)
+
+    def settle(self, now: float, lapsed: list[str]) -> Settle:
+        """The moment of a failure: a heartbeat that lapsed is no sign of life, whatever its sequence number."""
+        return Settle(now, {h: r.seq for h, r in self.hosts.items()} | {h: 1 << 62 for h in lapsed})
+
+    def unsettled(self, members: list[str], since: Settle, settle_s: float) -> list[str]:
+        """Members that have not shown life since the failure but may still (within ``settle_s``, agent not gone)."""
+        return [
+            h
+            for h in members
+            if not self.shown_life(h, since.seq, since.at) and self.age(h) < settle_s and not self.known_gone(h)
+        ]
+
+    def lost_since(self, members: list[str], since: Settle | None) -> list[str]:
+        """Members that showed no life since the failure."""
+        return [h for h in members if since is not None and not self.shown_life(h, since.seq, since.at)]

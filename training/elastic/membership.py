@@ -1,4 +1,4 @@
-"""Who trains in the next round: pure policy, no I/O (tested with tables, no processes).
+"""Who trains in the next round, and from which step: pure policy, no I/O (tested with tables, no processes).
 
 A multi-host TPU slice is lost and gained whole, so hosts count only in whole
 slices: a slice whose hosts are not all alive contributes nothing.  Of the
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
+from training.checkpoint.retention import USABLE_STATES
 from training.config import Config
 from training.elastic.rendezvous import HostRecord
 from training.mesh import feasible_sizes
@@ -54,3 +55,35 @@ def possible_size(cfg: Config, hosts: Mapping[str, HostRecord], alive: Collectio
     """How many hosts a round could have with ``alive`` (0: below the minimum)."""
     members = choose_members(cfg, hosts, alive)
     return len(members) if members else 0
+
+
+def newest_persistent(states: Mapping[int, Mapping[str, object]]) -> int | None:
+    """The newest committed checkpoint the ledger's ``states`` hold usable (what ``resume=latest`` will pick)."""
+    good = [s for s, r in states.items() if r.get("state") in USABLE_STATES]
+    return max(good) if good else None
+
+
+def resume_for(
+    cfg: Config,
+    states: Mapping[int, Mapping[str, object]],
+    hosts: Mapping[str, HostRecord],
+    members: list[str] | None,
+    local_floor: int,
+) -> tuple[str, int | None]:
+    """The next round's ``resume`` and the step it will start from.
+
+    The steps every member holds a local copy of (of this lineage: saved in round ``local_floor`` or
+    later) that are newer than any persistent checkpoint, newest first; else ``latest``.
+    """
+    newest = newest_persistent(states)
+    local: list[int] = []
+    if members and cfg.local_checkpoint_every:
+        common: set[int] | None = None
+        for h in members:
+            rec = hosts.get(h)
+            held = {int(s) for s, r in (rec.local if rec is not None else []) if int(r) >= local_floor}
+            common = held if common is None else common & held
+        local = sorted((s for s in common or set() if newest is None or s > newest), reverse=True)
+    if local:
+        return "local:" + ",".join(map(str, local)), local[0]
+    return "latest", newest

@@ -1,0 +1,307 @@
+"""What a host's agent does with its worker's reports: heartbeat fields, events, commits, chaos, the round's end.
+
+The worker writes one JSON object a line on its pipe (``training.elastic.worker``).  Rank 0's
+steps go into the heartbeat and the run's TensorBoard scalars; a commit goes into the ledger; the
+reports the run keeps become events; host and storage faults are carried out here; how the worker
+ended becomes this host's report of the round.  Writes to the run root go through the agent's
+writer, in order, except those that must be on record before what follows.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from training import storage
+from training.checkpoint import local as local_tier
+from training.checkpoint.ledger import Ledger
+from training.checkpoint.steps import file_checksums, recorded_checksums
+from training.config import Config
+from training.elastic.capacity import LocalCapacity
+from training.elastic.heartbeat import Heartbeat
+from training.elastic.outcomes import last_error, recovery_cost, worker_outcome
+from training.elastic.rendezvous import Outcome, Rendezvous, Report
+from training.elastic.workerproc import WorkerProc
+from training.elastic.writer import Writer
+from training.faults import HOST_ACTIONS, STORAGE_ACTIONS, parse_chaos
+from training.scalars import ScalarLog
+from training.storage import Store, is_transient
+
+log = logging.getLogger("rtrain.agent")
+
+SCALARS_FLUSH_S = 5.0  # step scalars reach the run's TensorBoard files this often (and at each round's end)
+# Worker reports that become events (rank 0's; worker_started and chaos come from every rank).
+EVENT_REPORTS = frozenset(
+    {
+        "worker_started",
+        "restore",
+        "init",
+        "compiled",
+        "compiled_ahead",
+        "resumed",
+        "resumed_with",
+        "data_refreshed",
+        "progress",
+        "checkpoint",
+        "evaluated",
+        "guard",
+        "chaos",
+        "rescale_requested",
+        "local_checkpoint_skipped",
+        "local_tier_off",
+    }
+)
+
+
+class ReportHandler:
+    """Handles one host's worker reports, and reports the worker's end to the rendezvous."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        store: Store,
+        rdv: Rendezvous,
+        ledger: Ledger,
+        *,
+        run_uri: str,
+        host: str,
+        local_dir: Path,
+        step_beat_s: float,
+        heart: Heartbeat,
+        writer: Writer,
+        emit: Callable[..., None],
+        capacity: LocalCapacity | None,
+        leaving_at: Callable[[], float | None],
+        warm: Callable[[], None],
+    ) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.rdv = rdv
+        self.ledger = ledger
+        self.run_uri = run_uri
+        self.host = host
+        self.heart = heart  # this host's heartbeat record
+        self.writer = writer  # the agent's writes, in order, off the main loop
+        self.emit = emit  # write an event now
+        self.capacity = capacity  # the local slice's pool (a preempted host leaves it)
+        self.leaving_at = leaving_at  # when this host got a preemption notice (None: it did not)
+        self.warm = warm  # start the next worker warming up (unless this host is leaving)
+        self.local_dir = local_dir  # this host's local checkpoint tier
+        self.step_beat_s = step_beat_s  # rank 0's step is written at most this often
+        self.scalars: ScalarLog | None = None
+        self._scalars_at = 0.0
+        self._step_beat_at = 0.0
+
+    def emit_later(self, type_: str, **fields: Any) -> None:
+        """Write an event from the writer thread, in order: the main loop does not wait for the store."""
+        self.writer.put(lambda: self.emit(type_, **fields))
+
+    # --- a worker's reports -------------------------------------------------------------------
+
+    def handle(self, w: WorkerProc, msg: dict[str, Any]) -> None:
+        t = str(msg.pop("type", ""))
+        if t == "metrics":
+            self._metrics(w, msg)
+            return
+        if t == "progress":
+            self.heart.update(now=False, tokens_per_s=msg.get("tokens_per_s"))
+            if self.scalars is not None and msg.get("tokens_per_s") is not None:
+                self.scalars.add(int(msg["step"]), {"tokens_per_s": float(msg["tokens_per_s"])})
+        elif t == "checkpoint" and msg.get("committed"):
+            step = int(msg["step"])
+            self.writer.put(lambda: self._committed(step, msg))
+        elif t in ("finished", "rescale_requested", "guard", "corrupt", "error"):
+            w.seen[t] = msg
+        elif t == "chaos":
+            w.seen["fault_at"] = msg.get("at") or msg.get("time")
+        elif t == "preempted":
+            self._preempted(w, msg)
+        elif t == "local_checkpoint":
+            round_ = int(msg.get("round", w.round))
+            self.writer.put(lambda: self.describe_local(round_))
+        elif t in ("worker_started", "restore", "compiled"):
+            w.seen[t] = dict(msg)
+        if t == "resumed":
+            if w.rank == 0:
+                self.heart.update(step=msg.get("step"))
+                self._recovered(w, msg)
+            # The next worker warms up now, while this one trains: a recovery then starts at
+            # jax.distributed, not at `import jax` (and the warm-up does not slow this round's start).
+            self.warm()
+        self._event(t, msg)
+
+    def _metrics(self, w: WorkerProc, msg: dict[str, Any]) -> None:
+        """Every step (rank 0): the heartbeat's step and loss, and the TensorBoard scalars."""
+        # Rank 0's step is what the status shows: beat soon after it moves, at most every step_beat_s.
+        soon = w.rank == 0 and time.monotonic() - self._step_beat_at >= self.step_beat_s
+        if soon:
+            self._step_beat_at = time.monotonic()
+        self.heart.update(now=soon, step=msg.get("step"), loss=msg.get("loss"), step_time=msg.get("step_time"))
+        if self.scalars is None:
+            self.scalars = ScalarLog(self.run_uri, self.host, store=self.store)
+        values = {k: float(v) for k, v in (msg.get("values") or {}).items() if isinstance(v, int | float)}
+        values["workers"] = w.plan.workers if w.plan is not None else 0
+        if "metrics" not in w.seen:
+            w.seen["metrics"] = True
+            self.scalars.restart(int(msg["step"]))  # what an earlier round wrote from here on is superseded
+        self.scalars.add(int(msg["step"]), values, wall_time=msg.get("time"))
+
+    def _preempted(self, w: WorkerProc, msg: dict[str, Any]) -> None:
+        w.seen["notice"] = msg
+        if msg.get("noticed"):
+            at = self.leaving_at()
+            at = at if at is not None else msg.get("notice_at")
+            seconds = float(msg["committed_at"]) - float(at) if at else None
+            self.emit_later(
+                "preemption_notice",
+                step=msg.get("step"),
+                seconds=seconds,
+                committed=True,
+                stop_s=msg.get("stop_s"),
+                round=w.round,
+            )
+
+    def _event(self, t: str, msg: dict[str, Any]) -> None:
+        """The reports the run keeps become events; a host or storage fault is carried out once on record."""
+        host_fault = t == "chaos" and msg.get("action") in HOST_ACTIONS
+        storage_fault = t == "chaos" and msg.get("action") in STORAGE_ACTIONS
+        committed = t == "checkpoint" and bool(msg.get("committed"))  # its event follows the ledger record
+        if t in EVENT_REPORTS and not committed and (msg.get("process_id") == 0 or t in ("worker_started", "chaos")):
+            msg.pop("time", None)
+            if host_fault or storage_fault:
+                self.emit(t, **msg)  # on record before the host goes down, or loses its run root
+            else:
+                self.emit_later(t, **msg)
+        if host_fault:
+            self._host_fault(str(msg["action"]), msg)
+        if storage_fault:
+            self._storage_fault(msg)
+
+    def _committed(self, step: int, msg: dict[str, Any]) -> None:
+        """Rank 0's agent records a commit (writer thread): the step's file checksums go into the ledger.
+
+        They are the record written into the step as it committed; a step without one is summed now.
+        """
+        try:
+            try:
+                files = recorded_checksums(self.run_uri, step)
+            except ValueError:  # unreadable: what is there now is all there is
+                files = None
+            files = files or file_checksums(self.run_uri, step)
+        except Exception as e:  # noqa: BLE001 - the step stays usable, just unverified
+            log.warning("[%s] could not checksum checkpoint %s: %s", self.host, step, e)
+            files = None
+        self.ledger.record(step, "committed", attempt=msg.get("attempt"), files=files)
+        self.ledger.set_pointer(step, "committed")
+        self.heart.update(committed=step)
+        fields = {k: v for k, v in msg.items() if k != "time"}
+        self.emit("checkpoint", **fields)
+
+    def _storage_fault(self, msg: dict[str, Any]) -> None:
+        """Chaos on this agent's link to the run root: every call fails (or is slow) for a while."""
+        f = parse_chaos(str(msg.get("spec")))
+        log.warning("[%s] chaos %s: the run root is %s for %ss", self.host, f.spec, f.action, f.get("for_s"))
+        storage.disturb(self.run_uri, float(f.get("for_s") or 0.0), float(f.get("latency_s") or 0.0))
+
+    def _host_fault(self, action: str, msg: dict[str, Any]) -> None:
+        """Chaos carried out on this whole host (the worker said so, then waits)."""
+        if action == "preempt" and self.capacity is not None:
+            # This host leaves the pool, and no other: lowering the pool's size alone would let the
+            # local slice stop another host too, when it looks before this one's agent is gone.
+            self.capacity.leave(self.host, reason=f"chaos {msg.get('spec')}: host {self.host} lost")
+            self.emit("capacity", available=self.capacity.available(), reason=f"host {self.host} preempted")
+        log.warning("[%s] chaos %s: taking this host down", self.host, action)
+        sig = signal.SIGSTOP if action == "freeze" else signal.SIGKILL
+        if action == "kill_agent":
+            os.kill(os.getpid(), sig)  # the worker dies with its agent (PR_SET_PDEATHSIG)
+        os.killpg(os.getpgid(0), sig)  # the agent, its worker and its standby: the host is gone (or frozen)
+
+    # --- the worker's end -----------------------------------------------------------------------
+
+    def worker_ended(self, w: WorkerProc, code: int) -> None:
+        """Report how the worker ended (a failure at once: the survivors are waiting)."""
+        seen = w.seen
+        outcome, reason = worker_outcome(seen, code, w.rank, self.host)
+        error = str(seen.get("error", {}).get("error", "")) or (last_error(w.log) if outcome == Outcome.FAILED else "")
+        fields = dict(
+            returncode=code,
+            reason=reason,
+            error=error,
+            log=str(w.log),
+            step=self.heart.record.step,
+            guard=seen.get("guard"),
+            corrupt=seen.get("corrupt"),
+            fault_at=seen.get("fault_at"),
+            notice=seen.get("notice"),
+            peer_lost=seen.get("error", {}).get("peer_lost"),
+        )
+        if self.cfg.local_checkpoint_every:
+            # Local saves this worker finished but did not live to report, and the copies it pruned
+            # since its last report: described now, before the report, so the leader forming the next
+            # round (and this host's record) knows exactly what is on disk.
+            self.describe_local(w.round)
+        if outcome == Outcome.FAILED:
+            if self.cfg.local_checkpoint_every:
+                self.heart.beat()  # the copies on record before the report: the leader forms the next round from both
+            self.report(w.round, w.rank, outcome, **fields)  # at once: the survivors are waiting
+        else:
+            # An orderly end is reported after what the worker said before it (its commit records):
+            # the leader's next decision reads them.
+            self.writer.put(lambda: self.report(w.round, w.rank, outcome, **fields))
+        if self.scalars is not None:
+            self.writer.put(self.scalars.flush)
+            self._scalars_at = time.monotonic()
+
+    def report(self, round_: int, rank: int, outcome: Outcome, **fields: Any) -> None:
+        """This host's report of how its worker ended round ``round_``."""
+        rep = Report(round=round_, host=self.host, rank=rank, outcome=outcome.value, **fields)
+        try:
+            self.rdv.report(rep)
+        except Exception as e:  # noqa: BLE001 - the leader also sees the heartbeat
+            log.warning("[%s] could not report round %s: %s", self.host, round_, e)
+            if is_transient(e):  # the writer tries again while the root fails
+                self.writer.put(lambda: self.writer.until_written(lambda: self.rdv.report(rep)))
+
+    # --- the local tier, TensorBoard scalars, recoveries --------------------------------------
+
+    def describe_local(self, round_: int) -> None:
+        """Describe this host's finalised local copies (manifests with checksums) and advertise them."""
+        try:
+            self.advertise_local(local_tier.describe_new(self.local_dir, round_))
+        except OSError as e:
+            log.warning("[%s] cannot describe the local checkpoints in %s: %s", self.host, self.local_dir, e)
+
+    def advertise_local(self, steps: dict[int, local_tier.LocalStep]) -> None:
+        self.heart.update(local=sorted([s.step, s.round] for s in steps.values()))
+
+    def flush_scalars(self) -> None:
+        if self.scalars is not None and time.monotonic() - self._scalars_at >= SCALARS_FLUSH_S:
+            self._scalars_at = time.monotonic()
+            if self.scalars.pending:
+                self.writer.put(self.scalars.flush)
+
+    def _recovered(self, w: WorkerProc, resumed: dict[str, Any]) -> None:
+        """Rank 0's first step after a failure or a notice: what the recovery cost, phase by phase."""
+        recovery = dict(w.plan.recovery) if w.plan is not None else {}
+        if not recovery:
+            return
+        cost = recovery_cost(recovery, w.seen, float(resumed.get("time") or time.time()))
+        self.emit_later(
+            "recovered",
+            cause=recovery.get("cause"),
+            kind=recovery.get("kind"),
+            round=w.round,
+            step=resumed.get("step"),
+            resume_step=cost.resume_step,
+            tier=cost.tier,
+            compile_cached=cost.compile_cached,
+            steps_lost=cost.steps_lost,
+            lost_s=asdict(cost.lost_s),
+            seconds=cost.lost_s.total,
+        )
