@@ -59,7 +59,7 @@ TESTS_MYPY := $(BIN)/mypy --config-file pyproject.toml --disable-error-code inde
 	--disable-error-code typeddict-item --disable-error-code arg-type --disable-error-code assignment --no-warn-unused-ignores
 typecheck: $(STAMP)
 	$(BIN)/mypy
-	$(TESTS_MYPY) tests/test_storage.py tests/test_readme.py tests/conftest.py
+	$(TESTS_MYPY) tests/test_storage.py tests/test_readme.py tests/test_sizes.py tests/conftest.py
 	MYPYPATH=tests/training:plugins $(TESTS_MYPY) tests/training
 	MYPYPATH=tests/dags:plugins $(TESTS_MYPY) tests/dags
 	MYPYPATH=tests/dags:plugins $(TESTS_MYPY) tests/plugins
