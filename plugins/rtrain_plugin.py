@@ -231,9 +231,7 @@ def run_known(uri: str) -> bool:
             return False
         return True
 
-    return bool(
-        storage("the run", lambda: api.run_exists(uri) or api.status(uri, repair=False) is not None or submitted())
-    )
+    return bool(storage("the run", lambda: api.run_exists(uri) or api.status(uri) is not None or submitted()))
 
 
 # --- the page's data --------------------------------------------------------------------------------
@@ -696,7 +694,7 @@ def _run_routes(locate: Callable[..., Run], query: Callable[[Run], str], cache: 
 
     @router.get("/status")
     def status(run: Run = Depends(locate)) -> JSONResponse:
-        st = storage("the run's status", lambda: api.status(run.uri, repair=False))
+        st = storage("the run's status", lambda: api.status(run.uri))
         if st is None:
             raise HTTPException(404, f"run {run.name} has no status yet")
         return JSONResponse(finite(st))
@@ -726,7 +724,7 @@ def _run_routes(locate: Callable[..., Run], query: Callable[[Run], str], cache: 
     def chart(run: Run = Depends(locate), since: str | None = None) -> JSONResponse:
         evs = storage("the run's events", lambda: cache.read(run.uri))
         cursor = events_cursor(evs)
-        st = storage("the run's status", lambda: api.status(run.uri, repair=False))
+        st = storage("the run's status", lambda: api.status(run.uri))
         queue = queue_row(run, cache)
         if since is not None and since == cursor:
             return JSONResponse(finite({"unchanged": True, "cursor": cursor, "status": st, "queue": queue}))

@@ -56,6 +56,7 @@ from training.data import DatasetError
 from training.elastic.capacity import LocalCapacity
 from training.elastic.rendezvous import Rendezvous
 from training.elastic.status import STALE_STATUS_S
+from training.elastic.status import repair_status as run_repair_status
 from training.elastic.status import status as run_status
 from training.events import (
     ALIVE_STATES,
@@ -144,6 +145,7 @@ __all__ = [
     "record_pods_waiting",
     "set_capacity",
     "status",
+    "repair_status",
     "stop_job",
     "validate",
     "validate_pending",
@@ -535,9 +537,18 @@ def stop_job(run_uri: str, reason: str = "asked to stop") -> None:
 # --- watching ----------------------------------------------------------------------------------------
 
 
-def status(run_uri: str, repair: bool = True) -> dict[str, Any] | None:
-    """The run's status document; a job nobody leads any more is recorded failed (``training.elastic.status``)."""
-    return run_status(run_uri, repair=repair)
+def status(run_uri: str) -> dict[str, Any] | None:
+    """The run's status document as written; a read: nothing is written (see :func:`repair_status`)."""
+    return run_status(run_uri)
+
+
+def repair_status(run_uri: str) -> dict[str, Any] | None:
+    """The run's status, a job nobody leads any more first recorded failed (``training.elastic.status``).
+
+    The watchers' look (a sensor, a trigger, the shared pool's scheduler, ``rtrain status``): without it a
+    job whose every host and launcher died at once would say "running" forever.
+    """
+    return run_repair_status(run_uri)
 
 
 class JobLook(TypedDict):
@@ -556,7 +567,7 @@ def job_state(handle: Mapping[str, Any], start_timeout_s: float = 300.0) -> JobL
     Whose job: the status carries the job id; until the job's agents write one,
     the job is ``pending`` (failed after ``start_timeout_s``).
     """
-    st = status(str(handle["run_uri"])) or {}
+    st = repair_status(str(handle["run_uri"])) or {}
     if st.get("job") != handle.get("job"):
         if time.time() - float(handle.get("launched_at", time.time())) > start_timeout_s:
             return JobLook(state="failed", status=st, reason=f"job {handle.get('job')} did not start")

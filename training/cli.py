@@ -260,7 +260,7 @@ def _show_worker_failure(run_uri: str) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from training.api import status
+    from training.api import repair_status as status
     from training.scalars import logdir
 
     uri = _run_uri(args.run, args.root)

@@ -179,6 +179,9 @@ def test_a_job_whose_hosts_are_all_gone_fails_the_wait_and_its_status_says_so(ru
     uri, store, _ = run
     # Its last status says running, but no agent holds the run's lease any more (every host was killed).
     old_status(store, 60, state="running", step=12, job="j1")
+    written = store.get("status.json")
+    assert api.status(uri)["state"] == "running" and store.get("status.json") == written  # a read writes nothing
+    assert not api.events(uri, ("failed",))
     event = run_trigger(RTrainTrainingJobTrigger(uri, handle(uri), poll_interval=0.05))
     assert event["status"] == "failed" and "job j1 is gone" in event["message"]
     st = api.status(uri)

@@ -484,7 +484,7 @@ def test_every_listener_of_a_job_is_on_loopback_and_nothing_outlives_a_killed_jo
         kill_host(cfg.run_uri, h, signal.SIGKILL)
     gone, alive = psutil.wait_procs(procs, timeout=5)
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
-    st = wait_for(lambda: (s := api.status(cfg.run_uri)) and s["state"] == "failed" and s, 60, "the final state")
+    st = wait_for(lambda: (s := api.repair_status(cfg.run_uri)) and s["state"] == "failed" and s, 60, "the final state")
     assert f"job {handle['job']} is gone" in st["reason"]
 
 

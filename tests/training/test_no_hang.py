@@ -167,7 +167,8 @@ def test_every_agent_gone_is_recorded_lost_by_the_next_reader_within_the_heartbe
     wait_for(lambda: _state_is(uri, job, "running"), 90, "running")
     _kill_everything(handle)
     t0 = time.monotonic()
-    st = wait_for(lambda: (s := api.status(uri)) and s["state"] == "failed" and s, 30, "the reader to record it")
+    assert api.status(uri)["state"] == "running", "a read records nothing"
+    st = wait_for(lambda: (s := api.repair_status(uri)) and s["state"] == "failed" and s, 30, "the reader to record it")
     took = time.monotonic() - t0
     assert f"job {job} is gone" in st["reason"], st
     # No state stays alive without a live agent behind it for longer than the heartbeat timeout (3 s).

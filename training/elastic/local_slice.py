@@ -40,7 +40,7 @@ from training.checkpoint.lock import LeaseKeeper, LockHeld, LockLost, RunLock
 from training.config import Config, config_from_json
 from training.elastic.capacity import LocalCapacity
 from training.elastic.rendezvous import Rendezvous, Round
-from training.elastic.status import status
+from training.elastic.status import repair_status
 from training.events import FINAL_STATES, EventLog, RunState, describe, read_status, write_status
 from training.layout import CONFIG, CONTROL, LOGS
 from training.storage import is_gcs, join, open_store
@@ -357,7 +357,7 @@ class LocalSlice:
             self.kill_all()
         st = self._look() or {}
         if st.get("state") not in FINAL_STATES:
-            st = status(self.cfg.run_uri) or {}  # records the final state of a job nobody leads any more
+            st = repair_status(self.cfg.run_uri) or {}  # records the final state of a job nobody leads any more
         return 0 if st.get("state") == "finished" else 1
 
 

@@ -5,7 +5,7 @@ leader, or, while no host of the job is left, the launcher's local slice holding
 the job ``waiting_for_capacity``.  The holder writes it at least every second and
 writes the final state on every way a job ends.  When nobody can (every host of
 the job was killed at once, an OOM took them all, the launcher too), the status
-would say "running" forever; so whoever looks next (``rtrain status``, the
+would say "running" forever; so whoever looks next with ``repair_status`` (``rtrain status``, the
 Airflow sensor, the local slice) checks: a status that says alive, not written
 for longer than the run's heartbeat timeout, no host of the job beating within
 it (nor an agent of it running on this machine, cut off from the run root for a
@@ -92,10 +92,16 @@ def _agent_runs(pid: int, run_uris: set[str], job: str) -> bool:
     return mine and state not in (b"T", b"t", b"Z", b"X")
 
 
-def status(run_uri: str, repair: bool = True) -> dict[str, Any] | None:
+def status(run_uri: str) -> dict[str, Any] | None:
+    """The run's status document as written (None before any job wrote one); nothing is written."""
+    return read_status(open_store(run_uri))
+
+
+def repair_status(run_uri: str) -> dict[str, Any] | None:
+    """The run's status, after recording the job failed when it is gone (the checks above; this may write)."""
     store = open_store(run_uri)
     st = read_status(store)
-    if not repair or st is None or st.get("state") not in ALIVE_STATES:
+    if st is None or st.get("state") not in ALIVE_STATES:
         return st
     now = time.time()
     within = stale_after_s(store)

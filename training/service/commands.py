@@ -149,7 +149,7 @@ def view(root: str, events: EventReader | None = None) -> QueueView:
     pool = q.pool() or 0
     subs = q.submissions()
     places = {s.run_name: q.placement(s.run_name) for s in subs}
-    statuses = {s.run_name: api.status(s.run_uri, repair=False) or {} for s in subs}
+    statuses = {s.run_name: api.status(s.run_uri) or {} for s in subs}
     waiting = [s for s in subs if not places[s.run_name].ended and not s.cancelled]
     planned = allocate(pool, [s.demand() for s in waiting])
     outlooks = []
@@ -183,7 +183,7 @@ def look(root: str, run: str) -> QueueRow:
     """
     q = Queue(root)
     sub = q.submission(run)
-    return _row(sub, q.placement(run), api.status(sub.run_uri, repair=False) or {}, {}, None)
+    return _row(sub, q.placement(run), api.status(sub.run_uri) or {}, {}, None)
 
 
 def watch(root: str, run: str) -> QueueRow:

@@ -88,7 +88,7 @@ class Scheduler:
 
     def _settle(self, sub: Submission, p: Placement) -> str:
         """Record a run's end (finished, failed, cancelled): ``ended``, ``stopping`` (cancelled) or ``active``."""
-        st = api.status(sub.run_uri) or {}
+        st = api.repair_status(sub.run_uri) or {}
         mine = bool(p.job) and st.get("job") == p.job
         if mine and st.get("state") in FINAL_STATES:
             ended = "cancelled" if sub.cancelled else str(st["state"])
@@ -144,7 +144,7 @@ class Scheduler:
             log.info("run %s: %s", sub.run_name, why)
 
     def _launch(self, sub: Submission, p: Placement, hosts: int) -> None:
-        st = api.status(sub.run_uri) or {}
+        st = api.repair_status(sub.run_uri) or {}
         if st.get("state") in ALIVE_STATES and st.get("job"):
             # Launched before a restart of this scheduler, or by hand: adopt it, do not launch twice.
             p.job = str(st["job"])

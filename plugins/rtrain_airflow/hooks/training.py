@@ -347,7 +347,7 @@ class SharedPoolBackend:
         if row.job and row.state not in ("queued", "cancelling", *commands.ENDED):
             launched = {**handle, "job": row.job, "launched_at": row.launched_at or handle.get("launched_at")}
             return {**LocalSliceBackend(self.log).poll(launched, timeouts, now), "queue": queue}
-        status = api.status(str(handle["run_uri"])) or {}
+        status = api.repair_status(str(handle["run_uri"])) or {}
         if row.state == "finished":
             return {"state": "finished", "reason": "", "status": status, "queue": queue}
         if row.state in commands.ENDED:
