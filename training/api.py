@@ -24,8 +24,38 @@ import uuid
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, NotRequired, TypedDict
 
+from training.checkpoint import lifecycle
+from training.checkpoint.ledger import Ledger
+from training.checkpoint.lifecycle import LifecycleError, Promotion, Rollback, RunNotFound, RunReport, Verdict
+from training.checkpoint.lock import LockHeld, RunLock
+from training.checkpoint.prune import Pruned
+from training.config import RUN_NAME_PATTERN, Config, ConfigError, absolute, config_from_json, load_config
+from training.data import DatasetError
+from training.elastic.capacity import LocalCapacity
+from training.elastic.rendezvous import Rendezvous
+from training.elastic.status import STALE_STATUS_S
+from training.elastic.status import repair_status as run_repair_status
+from training.elastic.status import status as run_status
+from training.events import (
+    ALIVE_STATES,
+    FINAL_STATES,
+    EventLog,
+    EventReader,
+    RunState,
+    RunStatus,
+    describe,
+    duration,
+    floor_key,
+    mesh_text,
+    read_status,
+    readable,
+    write_status,
+)
+from training.faults import ACTIONS as CHAOS_ACTIONS
+from training.faults import ChaosError, parse_chaos, spec_pattern
+
 # The GKE backend's manifests and capacity (pure Python), re-exported: the Airflow side imports this module only.
-from training.backends.gke import (
+from training.gke.manifests import (
     ACCELERATOR_LABEL,
     JOBSET_API_VERSION,
     JOBSET_GROUP,
@@ -46,36 +76,8 @@ from training.backends.gke import (
     render,
     workload_priority_classes,
 )
-from training.checkpoint import lifecycle
-from training.checkpoint.ledger import Ledger
-from training.checkpoint.lifecycle import LifecycleError, Promotion, Rollback, RunNotFound, Verdict
-from training.checkpoint.lock import LockHeld, RunLock
-from training.checkpoint.prune import Pruned
-from training.config import RUN_NAME_PATTERN, Config, ConfigError, absolute, config_from_json, load_config
-from training.data import DatasetError
-from training.elastic.capacity import LocalCapacity
-from training.elastic.rendezvous import Rendezvous
-from training.elastic.status import STALE_STATUS_S
-from training.elastic.status import repair_status as run_repair_status
-from training.elastic.status import status as run_status
-from training.events import (
-    ALIVE_STATES,
-    FINAL_STATES,
-    EventLog,
-    EventReader,
-    RunState,
-    describe,
-    duration,
-    floor_key,
-    mesh_text,
-    read_status,
-    readable,
-    write_status,
-)
-from training.faults import ACTIONS as CHAOS_ACTIONS
-from training.faults import ChaosError, parse_chaos, spec_pattern
 from training.layout import AIRFLOW, CAPACITY, CONFIG, CONFIG_HISTORY, CONTROL, RDV_EVENT_RESERVE, RDV_RESERVE
-from training.mesh import MemoryEstimate, MeshPlan, PlanError, plan_report
+from training.mesh import MemoryEstimate, MeshPlan, PlanEnd, PlanError, PlanReport, plan_report
 from training.mesh import check_fit as _check_fit
 from training.records import stamp
 from training.storage import AlreadyExists, NotFound, Store, is_gcs, open_store
@@ -155,6 +157,10 @@ __all__ = [
     "Verdict",
     "JobLook",
     "PreparedDataset",
+    "PlanEnd",
+    "PlanReport",
+    "RunReport",
+    "RunStatus",
 ]
 
 RESERVE_BYTES = 1 << 20
@@ -212,7 +218,7 @@ def new_job_id() -> str:
     return time.strftime("j%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
 
 
-def plan(cfg: Config, compiled: bool = False) -> dict[str, Any]:
+def plan(cfg: Config, compiled: bool = False) -> PlanReport:
     """Mesh plans and the memory-fit check; raises PlanError with the numbers.
 
     ``compiled``: also measure the compiled step's per-device memory (seconds to a
@@ -438,7 +444,7 @@ def launch(
     provision: bool = False,
     by: str | None = None,
     on_line: Callable[[str], None] | None = None,
-    on_status: Callable[[dict[str, Any]], None] | None = None,
+    on_status: Callable[[RunStatus], None] | None = None,
 ) -> JobHandle:
     """Start a job of the run on the local slice; never starts over, never overwrites.
 
@@ -537,12 +543,12 @@ def stop_job(run_uri: str, reason: str = "asked to stop") -> None:
 # --- watching ----------------------------------------------------------------------------------------
 
 
-def status(run_uri: str) -> dict[str, Any] | None:
+def status(run_uri: str) -> RunStatus | None:
     """The run's status document as written; a read: nothing is written (see :func:`repair_status`)."""
     return run_status(run_uri)
 
 
-def repair_status(run_uri: str) -> dict[str, Any] | None:
+def repair_status(run_uri: str) -> RunStatus | None:
     """The run's status, a job nobody leads any more first recorded failed (``training.elastic.status``).
 
     The watchers' look (a sensor, a trigger, the shared pool's scheduler, ``rtrain status``): without it a
@@ -556,7 +562,7 @@ class JobLook(TypedDict):
 
     state: str
     reason: str
-    status: dict[str, Any]
+    status: RunStatus
     waiting: NotRequired[str]  # why the job's pods wait (a backend that can tell)
     queue: NotRequired[dict[str, Any]]  # the job's row in the shared pool's queue (the pool's backend)
 
@@ -616,10 +622,11 @@ def local_job_pids(run_uri: str) -> list[int]:
     return sorted(rec.pid for rec in Rendezvous(open_store(run_uri)).hosts().values() if rec.node == node)
 
 
-def release_capacity(run_uri: str, reason: str = "released") -> None:
+def release_capacity(run_uri: str, reason: str = "released", source: str = "airflow") -> None:
+    """The local slice's hosts given back: no capacity left for the run."""
     store = open_store(run_uri)
     store.delete(CAPACITY)
-    EventLog(store, source="airflow").emit("capacity", available=0, reason=reason)
+    EventLog(store, source=source).emit("capacity", available=0, reason=reason)
 
 
 def record_pods_waiting(run_uri: str, reason: str, job: str | None = None) -> None:
@@ -650,7 +657,8 @@ def prune(run_uri: str, dry_run: bool = False) -> Pruned:
     return lifecycle.prune(run_uri, dry_run)
 
 
-def report(run_uri: str) -> dict[str, Any]:
+def report(run_uri: str) -> RunReport:
+    """The run's story from its events and ledger (reads no checkpoint)."""
     return lifecycle.report(run_uri)
 
 

@@ -39,7 +39,7 @@ from enum import IntEnum
 from typing import Any
 
 from training.config import ConfigError, describe_keys, load_config
-from training.events import duration
+from training.events import RunStatus, duration
 
 
 class Exit(IntEnum):
@@ -188,7 +188,7 @@ class Progress:
         else:
             print(text, flush=True)
 
-    def status(self, st: dict[str, Any]) -> None:
+    def status(self, st: RunStatus) -> None:
         step = st.get("step")
         loss = st.get("loss")
         tps = st.get("tokens_per_s")
@@ -209,13 +209,21 @@ class Progress:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from training.api import launch, status
+    from training.backends import BackendError, backend
 
     cfg = _config(args)
+    if cfg.backend != "local":
+        raise BackendError(
+            f"backend: rtrain train runs the local slice; a {cfg.backend!r} run is launched by the Airflow DAG, "
+            "whose cluster calls use Airflow's Google connection (docs/gke.md)"
+        )
     if args.detach:
-        handle = launch(cfg, detach=True, provision=True)
+        local = backend("local", by="rtrain")
+        local.provision(cfg, {})
+        handle = local.launch(cfg, {}, attempt=1)
         print(
-            f"job {handle['job']} of run {cfg.run_name} started on the local slice ({cfg.run_uri}); "
-            f"follow it with `rtrain status {cfg.run_name}`"
+            f"job {handle['job']} of run {cfg.run_name} {'followed' if handle.get('attached') else 'started'} "
+            f"on the local slice ({cfg.run_uri}); follow it with `rtrain status {cfg.run_name}`"
             + ("" if cfg.root.endswith("var/runs") else f" --root {cfg.root}")
         )
         return Exit.OK
@@ -710,6 +718,7 @@ def _host_commands(sub: Subcommands[argparse.ArgumentParser]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from training.api import LaunchError, LaunchRefused, LifecycleError, RunNotFound
+    from training.backends import BackendError
     from training.checkpoint.resume import ResumeError
     from training.data import DatasetError
     from training.mesh import PlanError
@@ -726,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return int(args.fn(args))
-    except (ConfigError, PlanError, ResumeError, TaskError, PriorityError) as e:
+    except (ConfigError, PlanError, ResumeError, TaskError, PriorityError, BackendError) as e:
         return fail(Exit.CONFIG, e)
     except (NotFoundError, RunNotFound) as e:
         return fail(Exit.NOT_FOUND, e)

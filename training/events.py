@@ -21,7 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from enum import StrEnum
-from typing import Any, NotRequired, TypedDict
+from typing import Any, NotRequired, TypedDict, cast
 
 from training.layout import EVENTS, STATUS
 from training.records import nonce, stamp
@@ -242,7 +242,33 @@ class EventReader:
         return events
 
 
-def write_status(store: Store, **fields: Any) -> dict[str, Any]:
+class RunStatus(TypedDict, total=False):
+    """``status.json``: the run's state as its job's leader (or the local slice, or a repair) last wrote it."""
+
+    updated_at: float
+    state: str  # a RunState
+    phase: str
+    run_uri: str
+    job: str
+    leader: str
+    reason: str
+    step: int | None
+    steps_total: int
+    loss: float | None
+    tokens_per_s: float
+    latest_committed: int
+    failures: int
+    hosts_alive: list[str]
+    started_at: float
+    workers: int
+    mesh: dict[str, int]
+    members: list[str]
+    round: int
+    available: int
+    waiting_since: float
+
+
+def write_status(store: Store, **fields: Any) -> RunStatus:
     import time
 
     state = fields.get("state")
@@ -250,15 +276,15 @@ def write_status(store: Store, **fields: Any) -> dict[str, Any]:
         raise EventError(f"unknown state {state!r}")
     doc = {"updated_at": time.time(), **fields}
     store.put(STATUS, json.dumps(doc, sort_keys=True, indent=1, default=str).encode())
-    return doc
+    return cast(RunStatus, doc)
 
 
-def read_status(store: Store) -> dict[str, Any] | None:
+def read_status(store: Store) -> RunStatus | None:
     import time
 
     for attempt in range(5):
         try:
-            return dict(json.loads(store.get(STATUS)))
+            return cast(RunStatus, json.loads(store.get(STATUS)))
         except NotFound:
             return None
         except ValueError:  # caught mid-rewrite (an in-place write on a full disk): read again

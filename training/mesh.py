@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, NotRequired, Protocol, TypedDict
 
 from training.config import Config
 
@@ -64,6 +64,30 @@ def _fill(knobs: list[int], total: int, where: str) -> list[int]:
     return knobs
 
 
+class PlanEnd(TypedDict):
+    """One end of the elastic range: its hosts, its devices and the mesh's axis sizes."""
+
+    workers: int
+    devices: int
+    shape: dict[str, int]
+
+
+class PlanReport(TypedDict):
+    """``rtrain plan``'s answer: the feasible sizes, both ends' meshes, the per-device memory at the minimum.
+
+    ``memory_gib`` is the formula's breakdown, or the compiled step's for a task the formula does not
+    know (``memory_source`` says which); ``compiled_memory_gib`` is there whenever the step was compiled.
+    """
+
+    feasible_workers: list[int]
+    min_plan: PlanEnd
+    max_plan: PlanEnd
+    memory_gib: NotRequired[dict[str, float]]
+    memory_source: NotRequired[Literal["formula", "compiled"]]
+    params: NotRequired[int]
+    compiled_memory_gib: NotRequired[dict[str, float]]
+
+
 @dataclass(frozen=True)
 class MeshPlan:
     workers: int
@@ -94,7 +118,7 @@ class MeshPlan:
         s = self.shape
         return s["fsdp"] * s["tensor"]
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> PlanEnd:
         return {"workers": self.workers, "devices": self.devices, "shape": self.shape}
 
 
@@ -294,15 +318,10 @@ def check_fit(
     return plan, est
 
 
-def plan_report(cfg: Config, compiled: bool = False, measure: Measure | None = None) -> dict[str, Any]:
-    """Feasible sizes, both ends' meshes and the per-device memory at the minimum (see :func:`check_fit`).
-
-    ``memory_gib`` is the formula's breakdown, or the compiled step's for a task the
-    formula does not know (``memory_source`` says which); ``compiled_memory_gib``
-    is there whenever the compiled step was measured.
-    """
+def plan_report(cfg: Config, compiled: bool = False, measure: Measure | None = None) -> PlanReport:
+    """Feasible sizes, both ends' meshes and the per-device memory at the minimum (see :func:`check_fit`)."""
     plan, est, got = _fit(cfg, compiled, measure)
-    report: dict[str, Any] = {
+    report: PlanReport = {
         "feasible_workers": feasible_sizes(cfg),
         "min_plan": plan.describe(),
         "max_plan": plan_mesh(cfg, max(feasible_sizes(cfg))).describe(),

@@ -70,7 +70,8 @@ def stop_agents() -> Iterator[list[str]]:
     uris: list[str] = []
     yield uris
     import psutil
-    from rtrain_airflow.hooks.training import stop_process_tree
+
+    from training.backends.local import stop_process_tree
 
     for proc in psutil.process_iter(["pid", "cmdline"]):
         cmdline = " ".join(proc.info.get("cmdline") or [])

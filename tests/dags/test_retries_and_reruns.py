@@ -49,9 +49,8 @@ def test_sensor_retry_relaunches_from_the_newest_committed_checkpoint(
                 what="the job waiting for capacity",
             )
             # One job per run: a second job is refused by the lock (naming the holder), a relaunch re-attaches.
-            from rtrain_airflow.hooks.training import LocalSliceBackend
-
             from training.api import LaunchRefused, launch, load_run_config
+            from training.backends import LocalSliceBackend
 
             try:
                 launch(load_run_config(run_uri), detach=True)

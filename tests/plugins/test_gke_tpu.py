@@ -44,6 +44,7 @@ from google.cloud import container_v1
 from rtrain_airflow.hooks.gke_tpu import (
     GKETPUHook,
     JobSetHook,
+    ProviderCluster,
     TPUNodePoolError,
     TPUNodePoolSpec,
 )
@@ -57,6 +58,7 @@ from rtrain_airflow.operators.gke_tpu import (
 from rtrain_airflow.triggers.gke_tpu import GKETPUNodePoolOperationTrigger
 
 from training.api import GKEConfigError, GKELaunch, TPUSlice, load_config, render
+from training.backends import BackendError, GKEBackend
 
 REPO = Path(__file__).resolve().parents[2]
 PROJECT = "rtrain-prod"
@@ -1240,8 +1242,6 @@ def test_why_the_jobset_s_pods_wait_is_read_from_the_cluster_and_told_in_one_lin
 def test_the_gke_backend_s_poll_says_why_pods_wait_or_that_kueue_holds_the_jobset(
     k8s: tuple[FakeKubernetes, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from rtrain_airflow.hooks.training import GKEBackend
-
     api, url = k8s
     hook = jobset_hook(url)
     cfg = load_config(overrides={**CONFIG, "hosts_per_slice": 4})
@@ -1257,8 +1257,8 @@ def test_the_gke_backend_s_poll_says_why_pods_wait_or_that_kueue_holds_the_jobse
         "node_pools": ["slice-0"],
         "kueue_queue": "tpu-v6e",
     }
-    backend = GKEBackend(gke)
-    monkeypatch.setattr(backend, "_jobsets", lambda: hook)
+    backend = GKEBackend(gke, ProviderCluster(gke))
+    monkeypatch.setattr(backend.cluster, "jobsets", lambda: hook)
     run = tmp_path / "run"
     handle: dict[str, Any] = {"backend": "gke", "run_uri": str(run), "job": "j7", "jobset": m.name}
     handle |= {"namespace": "training", "launched_at": time.time()}
@@ -1311,7 +1311,7 @@ def test_the_dag_in_docs_gke_md_parses_with_these_operators() -> None:
     assert "watch" in dag.get_task("delete_jobset").upstream_task_ids
     assert dag.get_task("watch").upstream_task_ids == {"launch"}
     # The example's run config fits the shape it names: slices, mesh, batch and memory.
-    from training.backends.gke import feasible_slices
+    from training.gke.manifests import feasible_slices
     from training.mesh import check_fit
 
     launch = dag.get_task("launch")
@@ -1344,7 +1344,7 @@ def test_the_gke_conf_in_docs_gke_md_triggers_the_shipped_dag() -> None:
     from rtrain_airflow.operators.training import RTrainResolveRunConfigOperator
 
     from training.api import TPUSlice, check_config, check_fit, config_from_dict
-    from training.backends.gke import feasible_slices, slice_bounds
+    from training.gke.manifests import feasible_slices, slice_bounds
 
     text = (REPO / "docs" / "gke.md").read_text()
     (raw,) = [b for b in re.findall(r"```json\n(.*?)```", text, re.S) if '"backend": "gke"' in b]
@@ -1595,11 +1595,9 @@ def gke_conf(**keys: Any) -> dict[str, Any]:
 def test_the_gke_backend_provisions_for_min_workers_and_reports_each_pool(
     hook: GKETPUHook, fake: FakeClusterManager, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rtrain_airflow.hooks.training import GKEBackend
-
     gke = gke_conf(node_pools=[f"slice-{i}" for i in range(4)])
-    backend = GKEBackend(gke)
-    monkeypatch.setattr(backend, "_gke_hook", lambda: hook)
+    backend = GKEBackend(gke, ProviderCluster(gke))
+    monkeypatch.setattr(backend.cluster, "gke_hook", lambda: hook)
     cfg = load_config("tiny", None, {"root": "gs://b/runs", "min_workers": 8, "max_workers": 16, "hosts_per_slice": 4})
     fake.fail_pools["slice-1"] = "ZONE_RESOURCE_POOL_EXHAUSTED"
     fake.slow_pools["slice-3"] = 1000
@@ -1617,12 +1615,10 @@ def test_the_gke_backend_provisions_for_min_workers_and_reports_each_pool(
 
 
 def test_queued_provisioning_needs_flex_start_and_a_kueue_queue() -> None:
-    from rtrain_airflow.hooks.training import GKEBackend, RTrainConfigError
-
     gke = {k: "x" for k in GKEBackend.REQUIRED} | {"node_pools": ["p"], "queued_provisioning": True}
-    with pytest.raises(RTrainConfigError, match="needs gke.kueue_queue"):
+    with pytest.raises(BackendError, match="needs gke.kueue_queue"):
         GKEBackend({**gke, "flex_start": True})
-    with pytest.raises(RTrainConfigError, match="flex-start pools only"):
+    with pytest.raises(BackendError, match="flex-start pools only"):
         GKEBackend({**gke, "kueue_queue": "q"})
     GKEBackend({**gke, "flex_start": True, "kueue_queue": "q"})
 
@@ -1630,8 +1626,6 @@ def test_queued_provisioning_needs_flex_start_and_a_kueue_queue() -> None:
 def test_the_gke_backend_makes_flex_start_pools_when_the_conf_asks(
     hook: GKETPUHook, fake: FakeClusterManager, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rtrain_airflow.hooks.training import GKEBackend
-
     gke = gke_conf(
         machine_type="ct5p-hightpu-4t",
         tpu_topology="2x2x2",
@@ -1640,8 +1634,8 @@ def test_the_gke_backend_makes_flex_start_pools_when_the_conf_asks(
         queued_provisioning=True,
         kueue_queue="tpu-v5p",
     )
-    backend = GKEBackend(gke)
-    monkeypatch.setattr(backend, "_gke_hook", lambda: hook)
+    backend = GKEBackend(gke, ProviderCluster(gke))
+    monkeypatch.setattr(backend.cluster, "gke_hook", lambda: hook)
     cfg = load_config("tiny", None, {"root": "gs://b/runs", "min_workers": 2, "max_workers": 4, "hosts_per_slice": 2})
     assert sorted(backend.provision(cfg, {"gke": gke})["node_pools_up"]) == ["slice-0", "slice-1"]
     pools = list(fake.pools.values())
@@ -1653,7 +1647,7 @@ def test_the_sensor_s_log_says_why_pods_wait_once_per_change(
     k8s: tuple[FakeKubernetes, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     import structlog
-    from rtrain_airflow.hooks.training import GKEBackend, RTrainHook
+    from rtrain_airflow.hooks.training import RTrainHook
     from rtrain_airflow.triggers.training import RTrainTrainingJobTrigger
 
     from training.events import write_status
@@ -1665,9 +1659,10 @@ def test_the_sensor_s_log_says_why_pods_wait_once_per_change(
     m = render(cfg, TPUSlice("ct6e-standard-4t", "4x4"), GKELaunch(image="img:1", namespace="training"), "j8")
     hook.create(m)
     api.pods = [pod(f"{m.name}-slice-0-0", m.name, IMAGE_PULL)]
-    gke = {"location": LOCATION, "cluster_name": CLUSTER, "machine_type": "ct6e-standard-4t", "tpu_topology": "4x4"}
-    backend = GKEBackend({**gke, "image": "img:1", "node_pools": ["slice-0"]})
-    monkeypatch.setattr(backend, "_jobsets", lambda: hook)
+    gke: dict[str, Any] = {"location": LOCATION, "cluster_name": CLUSTER, "machine_type": "ct6e-standard-4t"}
+    gke |= {"tpu_topology": "4x4", "image": "img:1", "node_pools": ["slice-0"]}
+    backend = GKEBackend(gke, ProviderCluster(gke))
+    monkeypatch.setattr(backend.cluster, "jobsets", lambda: hook)
     monkeypatch.setattr(RTrainHook, "backend", lambda self, *a, **k: backend)
     run = str(tmp_path / "run")
     store = open_store(run)
@@ -1701,7 +1696,7 @@ def test_the_sensor_s_log_says_why_pods_wait_once_per_change(
         "[rtrain] no pod waits any more",
     ], lines
     # The same, on the run's record: the Training view's timeline tells it.
-    from rtrain_plugin import chart_data
+    from rtrain_airflow.runview import chart_data
 
     from training.events import EventLog, describe
 

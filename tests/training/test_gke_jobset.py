@@ -35,8 +35,9 @@ from kubernetes.client import (
     V1Taint,
 )
 
-from training.backends import gke
-from training.backends.gke import (
+from training.config import load_config
+from training.gke import manifests as gke
+from training.gke.manifests import (
     GKECapacity,
     GKEConfigError,
     GKELaunch,
@@ -48,8 +49,7 @@ from training.backends.gke import (
     render,
     slice_bounds,
 )
-from training.backends.pod_emulator import container_env, expand_pods
-from training.config import load_config
+from training.gke.pod_emulator import container_env, expand_pods
 
 REPO = Path(__file__).resolve().parents[2]
 K8S_VERSION = kubernetes_validate.latest_version()
@@ -821,7 +821,7 @@ def test_capacity_asks_for_the_tpu_shape_and_cannot_be_set() -> None:
 
 def test_the_backend_imports_neither_airflow_nor_jax() -> None:
     code = (
-        "import sys, training.backends.gke\n"
+        "import sys, training.gke.manifests\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('airflow', 'jax', 'flax', 'orbax'))\n"
         "assert not bad, bad\n"
     )

@@ -1,4 +1,4 @@
-"""The GKE path run as pods: a rendered JobSet's pods as local processes (``training.backends.pod_emulator``).
+"""The GKE path run as pods: a rendered JobSet's pods as local processes (``training.gke.pod_emulator``).
 
 Each pod runs the container's own command (``rtrain agent`` through the
 entrypoint script) with what GKE gives it: the downward API, the TPU webhook's
@@ -22,9 +22,10 @@ import pytest
 from jobs import assert_exact_data, hosts, job_config, wait_for
 
 from training import api
-from training.backends import gke
-from training.backends.gke import GKELaunch, TPUSlice, describe_waiting, jobset_state, pods_waiting, render
-from training.backends.pod_emulator import (
+from training.events import EventReader
+from training.gke import manifests as gke
+from training.gke.manifests import GKELaunch, TPUSlice, describe_waiting, jobset_state, pods_waiting, render
+from training.gke.pod_emulator import (
     EmulatedJobSet,
     PodEmulatorError,
     cpu_image_env,
@@ -32,7 +33,6 @@ from training.backends.pod_emulator import (
     process_environ,
     webhook_env,
 )
-from training.events import EventReader
 
 TPU = TPUSlice("ct5p-hightpu-4t", "2x2x2")  # 2 hosts of 4 chips a slice
 GCS_ENV = (
@@ -111,7 +111,7 @@ def test_a_2_slice_jobset_run_as_pods_rides_out_a_spot_reclaim_and_a_lost_host(
         try:
             # Both slices train: every worker was told of the 2 slices, its own slice's hosts, its place.
             # (The reclaim comes before the first checkpoint: the notice's save then waits for no other.)
-            wait_for(lambda: (api.status(cfg.run_uri) or {}).get("step", 0) >= 3, 400, "training on 2 slices", every=1)
+            wait_for(lambda: ((api.status(cfg.run_uri) or {}).get("step") or 0) >= 3, 400, "training on 2 slices", every=1)
             [first] = events("launch")
             assert first["workers"] == 4 and first["members"] == ["s0-h0", "s0-h1", "s1-h0", "s1-h1"]
             started = events.started(first["round"])
@@ -325,8 +325,8 @@ def test_expand_pods_makes_one_pod_per_host_of_each_slice(tmp_path: Path) -> Non
 OWNER = """
 import sys, time
 from pathlib import Path
-from training.backends.gke import GKELaunch, TPUSlice, render
-from training.backends.pod_emulator import EmulatedJobSet
+from training.gke.manifests import GKELaunch, TPUSlice, render
+from training.gke.pod_emulator import EmulatedJobSet
 from training.config import load_config
 
 tmp = Path(sys.argv[1])

@@ -1,0 +1,55 @@
+"""Where a run's jobs run, chosen by name: the local slice (the default), the shared pool, GKE.
+
+The Airflow hook and the CLI both choose here; each backend answers the verbs of
+:class:`~training.backends.base.Backend`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from training.backends.base import ALIVE, Backend, BackendError, Log, Provisioned, Released
+from training.backends.gke import GKEBackend, GKECluster, JobSets, PoolsUp
+from training.backends.local import LocalSliceBackend
+from training.backends.pool import SharedPoolBackend
+
+__all__ = [
+    "ALIVE",
+    "NAMES",
+    "Backend",
+    "BackendError",
+    "GKEBackend",
+    "GKECluster",
+    "JobSets",
+    "LocalSliceBackend",
+    "Log",
+    "PoolsUp",
+    "Provisioned",
+    "Released",
+    "SharedPoolBackend",
+    "backend",
+]
+
+NAMES = ("local", "gke")
+
+
+def backend(
+    name: str,
+    *,
+    gke: Mapping[str, Any] | None = None,
+    priority: str | None = None,
+    cluster: GKECluster | None = None,
+    log: Log | None = None,
+    by: str = "Airflow",
+) -> Backend:
+    """The backend called ``name``; ``priority`` puts a local run in its root's shared pool (on GKE: Kueue's).
+
+    ``cluster``: the GKE calls (node pools, JobSets) for the ``gke`` backend.  ``by``: who provisions
+    and tears down, in the run's records.
+    """
+    if name == "local":
+        return SharedPoolBackend(priority, log, by) if priority else LocalSliceBackend(log, by)
+    if name == "gke":
+        return GKEBackend(gke or {}, cluster, log, priority)
+    raise BackendError(f"backend: one of {', '.join(NAMES)}, not {name!r}")

@@ -116,6 +116,63 @@ class Promotion(TypedDict):
     state: str
 
 
+class LaunchRow(TypedDict):
+    """One launch of the run: its attempt, its hosts and its mesh."""
+
+    attempt: int
+    workers: int
+    mesh: dict[str, int]
+
+
+class RecoveryRow(TypedDict):
+    """One failure (or in-job rollback) and the recovery after it."""
+
+    cause: str | None
+    detect_s: float | None
+    recovery_s: float | None
+    restored_step: int | None
+    mesh_after: dict[str, int] | None
+
+
+ResizeRow = TypedDict("ResizeRow", {"from": int, "to": int, "old_mesh": dict[str, int], "new_mesh": dict[str, int]})
+ResizeRow.__doc__ = "One resize of the job: hosts and meshes before and after."
+
+RollbackRow = TypedDict("RollbackRow", {"from": int, "to": int, "kind": str | None, "reason": str})
+RollbackRow.__doc__ = "One rollback: the step left, the step gone back to, in-job or by a pipeline, why."
+
+
+class ValidationRow(TypedDict):
+    """One verdict as the report lists it."""
+
+    step: int
+    verdict: str
+    loss: float | str | None
+    reason: str
+
+
+class RunReport(TypedDict):
+    """The run's story (``rtrain report``): steps, failures, recoveries, meshes, verdicts, checkpoints, goodput."""
+
+    run: str
+    state: str | None
+    steps: int | None
+    steps_total: int
+    final_loss: float | None
+    launches: list[LaunchRow]
+    failures: int
+    recoveries: list[RecoveryRow]
+    resizes: list[ResizeRow]
+    validations: list[ValidationRow]
+    rollbacks: list[RollbackRow]
+    checkpoints_kept: list[int]
+    checkpoints_pruned: list[int]
+    resume_pointer: int | None
+    saves: dict[str, Any] | None
+    wall_s: float
+    goodput: float | None
+    goodput_breakdown: dict[str, Any]
+
+
 def validate(run_uri: str, step: int | None = None, evaluated: list[dict[str, Any]] | None = None) -> Verdict:
     """Judge a committed checkpoint (default: the newest) and record the verdict in the ledger.
 
@@ -484,7 +541,7 @@ def _job_of(e: dict[str, Any], evs: list[dict[str, Any]]) -> str:
     return job
 
 
-def report(run_uri: str) -> dict[str, Any]:
+def report(run_uri: str) -> RunReport:
     """The run's story from its events and ledger: steps, failures, recoveries, meshes, verdicts, goodput.
 
     Reads no checkpoint (no Orbax, no JAX): the ledger knows which steps are kept.
@@ -493,7 +550,7 @@ def report(run_uri: str) -> dict[str, Any]:
     evs = events.read()
     status = json.loads(store.get(STATUS)) if store.exists(STATUS) else {}
     launches = [e for e in evs if e["type"] == "launch"]
-    recoveries = []
+    recoveries: list[RecoveryRow] = []
     for e in evs:
         if e["type"] not in ("failure",) and not (e["type"] == "rollback" and e.get("kind") == "in-job"):
             continue

@@ -41,7 +41,7 @@ from training.config import Config, config_from_json
 from training.elastic.capacity import LocalCapacity
 from training.elastic.rendezvous import Rendezvous, Round
 from training.elastic.status import repair_status
-from training.events import FINAL_STATES, EventLog, RunState, describe, read_status, write_status
+from training.events import FINAL_STATES, EventLog, RunState, RunStatus, describe, read_status, write_status
 from training.layout import CONFIG, CONTROL, LOGS
 from training.storage import is_gcs, join, open_store
 
@@ -84,7 +84,7 @@ class LocalSlice:
         job: str,
         *,
         on_line: Callable[[str], None] | None = None,
-        on_status: Callable[[dict[str, Any]], None] | None = None,
+        on_status: Callable[[RunStatus], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.job = job
@@ -100,7 +100,7 @@ class LocalSlice:
         self._noticed: set[str] = set()  # hosts told to go by a scheduler's assignment, still on their way out
         self._cursor: str | None = None
         self._stopping = False
-        self._final: dict[str, Any] | None = None
+        self._final: RunStatus | None = None
         self._hold: RunLock | None = None  # the run lock, while no host of the job is left
         self._taker: RunLock | None = None  # the lock that will hold it, until it has the lease
         self._keeper: LeaseKeeper | None = None
@@ -108,7 +108,7 @@ class LocalSlice:
         self._held_status: dict[str, Any] = {}
         self._status_at = 0.0
         self._stop_reason = ""
-        self._final_doc: dict[str, Any] = {}
+        self._final_doc: RunStatus = {}
 
     # --- agents ---------------------------------------------------------------------------------
 
@@ -204,14 +204,14 @@ class LocalSlice:
                 holder = e.holder or {}
                 if holder.get("job") not in (None, self.job):
                     log.warning("the run now belongs to job %s; job %s ends here", holder.get("job"), self.job)
-                    self._final = read_status(self.store) or {"state": RunState.FAILED.value}
+                    self._final = read_status(self.store) or RunStatus(state=RunState.FAILED.value)
                 return  # else: the last leader's lease has not lapsed yet; look again
             except OSError as e:
                 log.warning("cannot take the run lock to hold it for job %s: %s", self.job, e)
                 return
             self._hold, self._taker = lock, None
             self._keeper = LeaseKeeper(lock, on_lost=lambda why: log.warning("holding the run: %s", why)).start()
-            st = read_status(self.store) or {}
+            st = read_status(self.store) or RunStatus()
             mine = st.get("job") == self.job
             if not mine or st.get("state") in FINAL_STATES:
                 self._final = st  # the job ended (or the run moved on) before its agents went
@@ -220,7 +220,7 @@ class LocalSlice:
             waiting = mine and st.get("state") == RunState.WAITING_FOR_CAPACITY.value
             self._waiting_since = float(st.get("waiting_since") or time.time()) if waiting else time.time()
             keep = ("step", "loss", "latest_committed", "failures", "started_at", "steps_total", "round", "mesh")
-            self._held_status = {k: st[k] for k in keep if mine and k in st}
+            self._held_status = {k: v for k, v in st.items() if mine and k in keep}
             queued = self.capacity.assigned()
             self.own_events.emit(
                 "waiting_for_capacity",
@@ -318,7 +318,7 @@ class LocalSlice:
         with contextlib.suppress(Exception):
             self.store.put(CONTROL, json.dumps({"action": "stop_job", "reason": reason}).encode())
 
-    def _look(self) -> dict[str, Any] | None:
+    def _look(self) -> RunStatus | None:
         st = read_status(self.store)
         if st is None or st.get("job") != self.job:
             return None

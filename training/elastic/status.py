@@ -23,7 +23,7 @@ from typing import Any
 
 from training.checkpoint.lock import LockHeld, RunLock
 from training.elastic.rendezvous import Rendezvous
-from training.events import ALIVE_STATES, EventLog, RunState, read_status, write_status
+from training.events import ALIVE_STATES, EventLog, RunState, RunStatus, read_status, write_status
 from training.layout import CONFIG
 from training.storage import NotFound, Store, open_store
 
@@ -92,12 +92,12 @@ def _agent_runs(pid: int, run_uris: set[str], job: str) -> bool:
     return mine and state not in (b"T", b"t", b"Z", b"X")
 
 
-def status(run_uri: str) -> dict[str, Any] | None:
+def status(run_uri: str) -> RunStatus | None:
     """The run's status document as written (None before any job wrote one); nothing is written."""
     return read_status(open_store(run_uri))
 
 
-def repair_status(run_uri: str) -> dict[str, Any] | None:
+def repair_status(run_uri: str) -> RunStatus | None:
     """The run's status, after recording the job failed when it is gone (the checks above; this may write)."""
     store = open_store(run_uri)
     st = read_status(store)

@@ -138,7 +138,7 @@ class WorkerSupervisor:
         """
         if self.cfg.backend != "gke":
             return {}
-        from training.backends.gke import round_env
+        from training.gke.manifests import round_env
 
         return round_env(rnd.members, rank, self.cfg.hosts_per_slice, rnd.coordinator, os.environ.get("MEGASCALE_PORT"))
 

@@ -326,7 +326,7 @@ def set_up(cfg: Any, run: str, a: Assignment, rep: Reporter, task: Any, t_assign
             cluster_detection_method="deactivate",
         )
         watch_peers(a, rep)
-    from training.backends.gke import is_round_env
+    from training.gke.manifests import is_round_env
 
     rep.send(
         "worker_started",

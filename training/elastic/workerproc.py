@@ -83,7 +83,7 @@ class WorkerProc:
 
 def spawn_worker(cfg: Config, run_uri: str, host: str, job: str, log_path: Path) -> WorkerProc:
     """Start a standby worker of ``host`` for ``job``, its output going to ``log_path``."""
-    from training.backends.gke import worker_base_env  # without a round's TPU variables: the round sets them
+    from training.gke.manifests import worker_base_env  # without a round's TPU variables: the round sets them
 
     r, w = os.pipe()
     env = {

@@ -56,6 +56,7 @@ from training.api import (
     node_is_usable,
     pods_waiting,
 )
+from training.backends import PoolsUp
 
 if TYPE_CHECKING:
     from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
@@ -304,15 +305,6 @@ def capacity_reason(message: str) -> str:
 
 # A request that may well succeed when sent again.
 TRANSIENT_ERRORS = (ServiceUnavailable, DeadlineExceeded, InternalServerError, Aborted, RetryError)
-
-
-@dataclass
-class PoolsUp:
-    """A run's node pools once enough are up: those up, those still being created, those that failed (why)."""
-
-    ready: list[str]
-    creating: list[str]
-    failed: dict[str, str]
 
 
 @dataclass
@@ -820,3 +812,61 @@ class JobSetHook:
     def list_ready_nodes(self, node_pool_name: str) -> list[Any]:
         """The pool's nodes that are Ready, schedulable and not about to go away."""
         return [n for n in self.list_nodes(node_pool_name) if node_is_usable(n)]
+
+
+class ProviderCluster:
+    """The GKE backend's cluster calls through the Google provider's hooks, for one run's ``gke`` settings.
+
+    Satisfies ``training.backends.GKECluster``: node pools through :class:`GKETPUHook`, JobSets through
+    :class:`JobSetHook` on the cluster's Kubernetes API, both with the connection ``gke.gcp_conn_id``.
+    """
+
+    def __init__(self, gke: Mapping[str, Any]) -> None:
+        self.gke = dict(gke)
+
+    def gke_hook(self) -> GKETPUHook:
+        return GKETPUHook(
+            gcp_conn_id=self.gke.get("gcp_conn_id", "google_cloud_default"), location=self.gke["location"]
+        )
+
+    def jobsets(self) -> JobSetHook:
+        kube = self.gke_hook().get_kubernetes_hook(
+            cluster_name=self.gke["cluster_name"], project_id=self.gke.get("project_id")
+        )
+        return JobSetHook(kube)
+
+    def pool_specs(self) -> list[TPUNodePoolSpec]:
+        """One pool per slice of the settings' TPU shape."""
+        return [
+            TPUNodePoolSpec(
+                name=pool,
+                machine_type=self.gke["machine_type"],
+                tpu_topology=self.gke["tpu_topology"],
+                spot=bool(self.gke.get("spot", False)),
+                node_locations=tuple(self.gke.get("node_locations", ())),
+                service_account=self.gke.get("node_service_account"),
+                flex_start=bool(self.gke.get("flex_start", False)),
+                queued_provisioning=bool(self.gke.get("queued_provisioning", False)),
+            )
+            for pool in self.gke["node_pools"]
+        ]
+
+    def create_node_pools(self, need: int, timeout_s: float) -> PoolsUp:
+        return self.gke_hook().create_tpu_node_pools(
+            cluster_name=self.gke["cluster_name"],
+            specs=self.pool_specs(),
+            need=need,
+            project_id=self.gke.get("project_id"),
+            timeout_s=timeout_s,
+        )
+
+    def delete_node_pools(self) -> list[str]:
+        hook = self.gke_hook()
+        for pool in self.gke["node_pools"]:
+            hook.delete_tpu_node_pool(
+                cluster_name=self.gke["cluster_name"],
+                node_pool_name=pool,
+                project_id=self.gke.get("project_id"),
+                wait_to_complete=True,
+            )
+        return list(self.gke["node_pools"])

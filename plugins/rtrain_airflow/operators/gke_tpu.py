@@ -142,7 +142,7 @@ class GKECreateTPUNodePoolOperator(_GKETPUNodePoolBaseOperator):
     Returns (XCom) ``node_pool``, ``cluster``, ``machine_type``, ``tpu_topology``,
     ``hosts_per_slice``, ``chips_per_host``, ``node_count``, ``spot``, ``created``.
 
-    :param machine_type: a TPU machine type (``training.backends.gke.TPU_MACHINE_TYPES``).
+    :param machine_type: a TPU machine type (``training.gke.manifests.TPU_MACHINE_TYPES``).
     :param tpu_topology: e.g. ``4x4`` (v5e/v6e), ``2x2x2`` (v4/v5p).
     :param spot: Spot VMs. Mutually exclusive with ``reservation``.
     :param reservation: a specific reservation to consume (``NAME`` or ``projects/P/reservations/NAME``).

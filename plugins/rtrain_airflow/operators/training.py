@@ -36,10 +36,13 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from rtrain_airflow.hooks.training import RTrainConfigError, RTrainHook, format_validations, plan_text, readable
 from rtrain_airflow.triggers.training import PROGRESS_EVERY_S, RTrainTrainingJobTrigger
+from training.backends import BackendError
 from training.service import commands
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
+
+    from training.api import PlanReport, RunReport
 
 RESOLVE_TASK_ID = "resolve_config"
 
@@ -169,10 +172,10 @@ class RTrainResolveRunConfigOperator(BaseOperator):
                 except commands.PriorityError as e:
                     raise RTrainConfigError(f"priority: {e}") from None
             if cfg.backend == "gke":
-                self.hook.backend("gke", gke, priority)
+                self.hook.backend("gke", gke, priority)  # checks the gke settings
             if cfg.task != "lm":  # it must import and build here (a token dataset is prepared next)
                 self.hook.check_task(cfg, data=not cfg.prepared_tokens)
-        except RTrainConfigError as e:
+        except BackendError as e:  # RTrainConfigError too
             raise AirflowFailException(f"invalid conf: {e}") from None
         spec = {
             "config": cfg.model_dump(mode="json"),
@@ -260,7 +263,7 @@ class RTrainProvisionCapacityOperator(_RTrainBaseOperator):
         spec = self.required_spec(context)
         try:
             result = self.backend(spec).provision(self.run_config(spec), spec)
-        except RTrainConfigError as e:  # a run that can never fit: no retry helps
+        except BackendError as e:  # a run that can never fit: no retry helps
             raise AirflowFailException(str(e)) from None
         self.log.info("Provisioned: %s", readable(result))
         return dict(result)
@@ -273,7 +276,7 @@ class RTrainPlanTopologyOperator(_RTrainBaseOperator):
     worker starts; ``AirflowFailException`` (the plan is arithmetic: a retry cannot help).
     """
 
-    def execute(self, context: Context) -> dict[str, Any]:
+    def execute(self, context: Context) -> PlanReport:
         from training.api import PlanError
 
         spec = self.required_spec(context)
@@ -573,7 +576,7 @@ class RTrainReportRunOperator(_RTrainBaseOperator):
         self.trigger_rule = TriggerRule.ALL_DONE
         return self
 
-    def execute(self, context: Context) -> dict[str, Any] | None:
+    def execute(self, context: Context) -> RunReport | None:
         spec = self.resolved_spec(context)
         if spec is None or not self.hook.run_exists(spec["run_uri"]):
             self.log.info("No run to report on")

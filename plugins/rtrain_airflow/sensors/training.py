@@ -33,10 +33,11 @@ from urllib.parse import quote, urlsplit
 from airflow.sdk import BaseOperatorLink, BaseSensorOperator, PokeReturnValue
 from airflow.sdk.exceptions import AirflowException
 
-from rtrain_airflow.hooks.training import ALIVE, RTrainHook, absolute
+from rtrain_airflow.hooks.training import RTrainHook, absolute
 from rtrain_airflow.operators.training import RESOLVE_TASK_ID, _is_deferred_value, check_spec
 from rtrain_airflow.triggers.training import PROGRESS_EVERY_S, RTrainTrainingJobTrigger
 from training.api import describe
+from training.backends import ALIVE
 
 if TYPE_CHECKING:
     from airflow.sdk import Context

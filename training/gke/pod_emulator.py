@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from training.backends.gke import (
+from training.gke.manifests import (
     COMPLETION_INDEX_ANNOTATION,
     JOB_INDEX_LABEL,
     JOBSET_NAME_LABEL,

@@ -1,0 +1,75 @@
+"""What every backend answers: provision hosts, launch a job, look at it, stop it, give the hosts back."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol, TypedDict
+
+from training.api import ALIVE_STATES, Config, JobHandle, JobLook
+
+# Live states as the backends report them: the engine's, and ``queued`` (a shared-pool run waiting for hosts).
+ALIVE = tuple(sorted({*ALIVE_STATES, "queued"}))
+
+
+class BackendError(ValueError):
+    """A backend's settings that cannot work, or a run that can never fit its hosts (the message names the key)."""
+
+
+class Log(Protocol):
+    """Where a backend says what it did: a ``logging.Logger`` or Airflow's task log."""
+
+    def info(self, msg: Any, /, *args: Any) -> Any: ...
+
+    def warning(self, msg: Any, /, *args: Any) -> Any: ...
+
+
+class Provisioned(TypedDict, total=False):
+    """What ``provision`` made ready: the local slice's hosts, the shared pool's size, or the node pools up."""
+
+    backend: str
+    run_uri: str
+    hosts: int
+    pool: int
+    priority: str
+    need: int
+    node_pools_up: list[str]
+    node_pools_creating: list[str]
+    node_pools_failed: dict[str, str]
+
+
+class Released(TypedDict, total=False):
+    """What ``release`` gave back: processes stopped, a queued run cancelled, JobSets and node pools deleted."""
+
+    backend: str
+    released: bool
+    stopped_pids: list[int]
+    cancelled: bool
+    ended: str
+    jobsets_deleted: list[str]
+    node_pools_deleted: list[str]
+
+
+class Backend(Protocol):
+    """Where a run's jobs run: the same five verbs for the local slice, the shared pool and GKE."""
+
+    name: str
+
+    def provision(self, cfg: Config, spec: Mapping[str, Any]) -> Provisioned:
+        """Make the run's hosts ready (enough for ``min_workers``; the rest may join later)."""
+        ...
+
+    def launch(self, cfg: Config, spec: Mapping[str, Any], attempt: int) -> JobHandle:
+        """Start a job, or follow the run's live one; never start a second."""
+        ...
+
+    def poll(self, handle: Mapping[str, Any], timeouts: Mapping[str, float], now: float | None = None) -> JobLook:
+        """One look at the job: its state (alive, finished, failed), why, and its status."""
+        ...
+
+    def stop(self, handle: Mapping[str, Any], reason: str) -> None:
+        """Ask the job to stop at a step boundary (resumable); returns at once."""
+        ...
+
+    def release(self, cfg: Config, spec: Mapping[str, Any], handles: list[Mapping[str, Any]]) -> Released:
+        """Stop the jobs of ``handles`` still running and give the hosts back."""
+        ...
