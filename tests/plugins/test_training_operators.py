@@ -14,7 +14,7 @@ import pytest
 from airflow.sdk import DAG
 from airflow.sdk.exceptions import AirflowFailException
 from rtrain_airflow.callbacks import RTrainAlertNotifier, alert_callbacks
-from rtrain_airflow.hooks.training import GKEBackend, RTrainConfigError, RTrainHook, absolute
+from rtrain_airflow.hooks.training import RTrainHook, absolute
 from rtrain_airflow.operators.training import (
     RTrainBranchValidationOperator,
     RTrainPlanTopologyOperator,
@@ -25,6 +25,8 @@ from rtrain_airflow.operators.training import (
     RTrainStartTrainingJobOperator,
 )
 from rtrain_airflow.sensors.training import RTrainTrainingJobSensor
+
+from training.backends import BackendError, GKEBackend
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -221,9 +223,8 @@ def test_release_stops_the_jobs_this_dag_run_launched(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from rtrain_airflow.hooks.training import LocalSliceBackend, pid_alive
-
     from training.api import events
+    from training.backends.local import LocalSliceBackend, pid_alive
 
     spec = spec_for(tmp_path)
     cfg = RTrainHook().config_from_dict(spec["config"])
@@ -284,9 +285,9 @@ def test_a_priority_on_gke_is_the_jobsets_kueue_priority() -> None:
 
 
 def test_gke_backend_names_what_is_missing() -> None:
-    with pytest.raises(RTrainConfigError, match="gke.image, gke.node_pools"):
+    with pytest.raises(BackendError, match="gke.image, gke.node_pools"):
         GKEBackend({"location": "l", "cluster_name": "c", "machine_type": "ct5p-hightpu-4t", "tpu_topology": "2x2x2"})
-    with pytest.raises(RTrainConfigError, match="backend"):
+    with pytest.raises(BackendError, match="backend: one of local, gke, not 'slurm'"):
         RTrainHook().backend("slurm")
 
 
@@ -338,7 +339,9 @@ def test_plugin_registers_its_parts_and_serves_run_status() -> None:
     airflow_test_env.migrate()
     manager = create_auth_manager()
     manager.init()
-    client = TestClient(rtrain_plugin.create_app())
+    (mounted,) = plugin.fastapi_apps
+    assert mounted["url_prefix"] == "/rtrain"
+    client = TestClient(mounted["app"])  # built on its first request
     assert client.get("/runs/x/status").status_code == 401  # Airflow's login in front of the plugin's API
     token = manager.generate_jwt(SimpleAuthManagerUser(username="t", role="viewer"))
     client.headers["Authorization"] = "Bearer " + token

@@ -35,9 +35,9 @@ def token() -> str:
 @pytest.fixture
 def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A project root of its own (its var/runs is the default storage root), and one extra root."""
-    import rtrain_plugin
+    from rtrain_airflow import runroots
 
-    monkeypatch.setattr(rtrain_plugin, "PROJECT_ROOT", tmp_path / "project")
+    monkeypatch.setattr(runroots, "PROJECT_ROOT", tmp_path / "project")
     (tmp_path / "project" / "var" / "runs").mkdir(parents=True)
     (tmp_path / "extra").mkdir()
     monkeypatch.setenv("RTRAIN_STORAGE_ROOTS", f"{tmp_path / 'extra'}:gs://rtrain-ui/runs:relative-root")
@@ -46,10 +46,10 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture
 def client(token: str, project: Path) -> Iterator[Any]:
-    import rtrain_plugin
     from fastapi.testclient import TestClient
+    from rtrain_airflow import webapp
 
-    with TestClient(rtrain_plugin.create_app(), headers={"Authorization": f"Bearer {token}"}) as c:
+    with TestClient(webapp.create_app(), headers={"Authorization": f"Bearer {token}"}) as c:
         yield c
 
 
@@ -62,11 +62,11 @@ def run(project: Path) -> str:
 
 
 def test_every_route_needs_airflows_login(token: str, project: Path, run: str) -> None:
-    import rtrain_plugin
     from fastapi.testclient import TestClient
+    from rtrain_airflow import webapp
 
     paths = [f"/runs/ui-demo/{r}" for r in ROUTES] + [f"/dags/d/runs/r/{r}" for r in ROUTES] + ["/static/view.js"]
-    with TestClient(rtrain_plugin.create_app()) as anonymous:
+    with TestClient(webapp.create_app()) as anonymous:
         for path in paths:
             assert anonymous.get(path).status_code == 401, path
             assert anonymous.get(path, headers={"Authorization": "Bearer not-a-jwt"}).status_code == 403, path
@@ -158,19 +158,19 @@ def test_roots_are_resolved_and_must_lie_inside_the_storage_roots(
 
 
 def test_storage_roots_env_keeps_gs_colons(project: Path, tmp_path: Path) -> None:
-    import rtrain_plugin
+    from rtrain_airflow import runroots
 
-    assert rtrain_plugin._split_roots("/a:gs://b/c::relative:gs://d") == ["/a", "gs://b/c", "relative", "gs://d"]
-    local, gcs = rtrain_plugin.storage_roots()
+    assert runroots._split_roots("/a:gs://b/c::relative:gs://d") == ["/a", "gs://b/c", "relative", "gs://d"]
+    local, gcs = runroots.storage_roots()
     assert local == [
         os.path.realpath(project / "var" / "runs"),
         str(tmp_path / "extra"),
         str(project / "relative-root"),
     ]
     assert gcs == ["gs://rtrain-ui/runs"]
-    assert rtrain_plugin.run_root("r", "gs://rtrain-ui/runs/team-a/") == "gs://rtrain-ui/runs/team-a/r"
-    with pytest.raises(rtrain_plugin.Refused):
-        rtrain_plugin.run_root("r", "gs://rtrain-ui/runs-evil")
+    assert runroots.run_root("r", "gs://rtrain-ui/runs/team-a/") == "gs://rtrain-ui/runs/team-a/r"
+    with pytest.raises(runroots.Refused):
+        runroots.run_root("r", "gs://rtrain-ui/runs-evil")
 
 
 # --- storage errors and values JSON has no word for ------------------------------------------------------
@@ -259,7 +259,7 @@ def test_chart_data_of_a_finished_run(client: Any, run: str) -> None:
 
 
 def test_goodput_breakdown_adds_up() -> None:
-    from rtrain_plugin import goodput_breakdown
+    from rtrain_airflow.runview import goodput_breakdown
 
     b = goodput_breakdown({"wall_s": 100.0, "goodput": 0.6, "recoveries": [{"recovery_s": 10.0}, {"recovery_s": None}]})
     assert b is not None
@@ -350,10 +350,10 @@ def test_an_unknown_dag_run_is_404(client: Any) -> None:
 
 def test_no_route_of_the_app_is_left_open(project: Path) -> None:
     """Every route the app has (its schema included; it serves no docs pages) answers 401 without a login."""
-    import rtrain_plugin
     from fastapi.testclient import TestClient
+    from rtrain_airflow import webapp
 
-    app = rtrain_plugin.create_app()
+    app = webapp.create_app()
     routes = sorted(
         {(re.sub(r"\{[^}]+\}", "x", r.path), m) for r in app.routes for m in getattr(r, "methods", ()) or ()}
     )
@@ -405,12 +405,13 @@ def test_a_dag_runs_tab(
     waits: bool,
 ) -> None:
     """What the Training tab shows for a DAG run, from what the DAG run says of its training run."""
-    import rtrain_plugin
+    from rtrain_airflow import webapp
+    from rtrain_airflow.dagruns import Target
 
     monkeypatch.setattr(
-        rtrain_plugin,
+        webapp,
         "dag_run_target",
-        lambda dag_id, run_id: None if target is None else rtrain_plugin.Target(**target),
+        lambda dag_id, run_id: None if target is None else Target(**target),
     )
     page = client.get("/dags/d/runs/r/view")
     assert page.status_code == code and says in page.text
@@ -442,7 +443,6 @@ def test_the_training_view_shows_a_submitted_runs_place_in_the_queue(client: Any
 
 
 def test_the_queue_is_served_read_only_to_viewers_and_changed_by_editors(client: Any, project: Path) -> None:
-    import rtrain_plugin
     from airflow.api_fastapi.app import create_auth_manager
     from airflow.api_fastapi.auth.managers.simple.user import SimpleAuthManagerUser
     from fastapi.testclient import TestClient
@@ -462,7 +462,9 @@ def test_the_queue_is_served_read_only_to_viewers_and_changed_by_editors(client:
     manager = create_auth_manager()
     manager.init()
     admin = str(manager.generate_jwt(SimpleAuthManagerUser(username="ui-admin", role="admin")))
-    with TestClient(rtrain_plugin.create_app(), headers={"Authorization": f"Bearer {admin}"}) as editor:
+    from rtrain_airflow import webapp
+
+    with TestClient(webapp.create_app(), headers={"Authorization": f"Bearer {admin}"}) as editor:
         r = editor.post("/queue/waiting/priority", params={"priority": "top"})
         assert r.status_code == 400 and "unknown priority 'top'" in r.json()["detail"]
         r = editor.post("/queue/done/priority", params={"priority": "low"})
