@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from training.storage import AlreadyExists, NotFound, open_store
+import time
+
+from training.storage import AlreadyExists, NotFound, open_store, scheme
 
 
 @pytest.fixture(params=["local", "gcs"])
@@ -26,6 +28,28 @@ def test_put_get_list_delete(store):
     assert store.list() == ["b/z.json"]
     with pytest.raises(NotFound):
         store.get("a/x.json")
+
+
+def test_usage_counts_the_bytes_and_newest_write_under_a_prefix_only(store):
+    before = time.time() - 5  # a GCS emulator's clock and this one may differ a little
+    store.put("checkpoints/5/state/a", b"x" * 100)
+    store.put("checkpoints/5/data/b", b"y" * 23)
+    store.put("checkpoints/50/a", b"z" * 1000)
+    size, newest = store.usage("checkpoints/5")
+    assert size == 123 and newest is not None and newest >= before
+    assert store.usage("checkpoints/7") in ((0, None), (0, 0.0))
+
+
+def test_each_scheme_states_what_may_be_assumed_of_it(tmp_path, monkeypatch):
+    local, gcs = scheme(str(tmp_path)), scheme("gs://bucket/runs")
+    assert (local.name, local.filesystem, local.requests, local.atomic_rename) == ("file", True, False, True)
+    assert (gcs.name, gcs.filesystem, gcs.requests, gcs.atomic_rename) == ("gs", False, True, False)
+    assert gcs.cached_listings and not local.cached_listings
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    assert scheme("gs://bucket/runs").generations
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:9023")
+    assert not scheme("gs://bucket/runs").generations, "an emulator's generations are not trusted"
+    assert scheme(str(tmp_path)).generations
 
 
 def test_create_is_write_once(store):

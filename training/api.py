@@ -80,7 +80,7 @@ from training.layout import AIRFLOW, CAPACITY, CONFIG, CONFIG_HISTORY, CONTROL, 
 from training.mesh import MemoryEstimate, MeshPlan, PlanEnd, PlanError, PlanReport, plan_report
 from training.mesh import check_fit as _check_fit
 from training.records import stamp
-from training.storage import AlreadyExists, NotFound, Store, is_gcs, open_store
+from training.storage import AlreadyExists, NotFound, Store, open_store, scheme
 from training.tasks import TaskError
 
 __all__ = [
@@ -377,7 +377,7 @@ def begin_job(
             )
         _write_config(cfg, store, job, who)
         Rendezvous(store).clear()
-        if not is_gcs(cfg.run_uri):
+        if scheme(cfg.run_uri).filesystem:
             # Space held back on a local disk: if it fills up, the leader frees this to record the end.
             store.put(RDV_RESERVE, bytes(RESERVE_BYTES))
             store.put(RDV_EVENT_RESERVE, bytes(EVENT_RESERVE_BYTES))

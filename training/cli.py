@@ -76,7 +76,7 @@ def _run_uri(run: str, root: str | None) -> str:
     """A run name under the root, or a run URI as given (made absolute)."""
     from training.config import absolute
 
-    if "/" in run or run.startswith("gs://"):
+    if "/" in run:  # a path or a URI (gs://...)
         return absolute(run.rstrip("/"))
     cfg = load_config(None, None, [f"root={root}"] if root else [])
     return cfg.model_copy(update={"run_name": run}).run_uri

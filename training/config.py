@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from training.cadence import gcs_timing
 from training.faults import ChaosError, parse_chaos
 from training.layout import run_uri
-from training.storage import is_gcs
+from training.storage import scheme
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 # A run name is one directory name: no "/", no "..", not hidden.  (The DAG's param schema uses the same pattern.)
@@ -326,7 +326,7 @@ class Config(
             )
         if not self.dataset:
             self.dataset = default_dataset(self.tokenizer, self.vocab_size, self.seq_len)
-        if is_gcs(self.root):
+        if scheme(self.root).requests:
             # Every look at a gs:// root is an HTTP request: beat, and renew the lease, less often, and
             # beat slower as the job grows (unless told otherwise).
             timing = gcs_timing(self.max_workers)
@@ -413,7 +413,7 @@ def default_dataset(tokenizer: str, vocab_size: int, seq_len: int) -> str:
 
 def absolute(path: str, base: str | Path | None = None) -> str:
     """A local path made absolute against ``base`` (default: the current directory); gs:// URIs unchanged."""
-    if not path or is_gcs(path):
+    if not path or not scheme(path).filesystem:
         return path
     p = Path(path).expanduser()
     if not p.is_absolute():

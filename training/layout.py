@@ -8,7 +8,9 @@ A local directory and ``gs://bucket/prefix`` hold the same names.
 
 from __future__ import annotations
 
-from training.storage import join
+import os
+
+from training.storage import join, scheme
 
 CONFIG = "config.json"  # the resolved, validated config (replaced whole, under the run lock)
 CONFIG_HISTORY = "config-history/"  # each version of it, write-once, with who wrote it
@@ -46,3 +48,8 @@ def checkpoints_uri(run: str) -> str:
 
 def step_uri(run: str, step: int) -> str:
     return join(run, CHECKPOINTS, str(step))
+
+
+def logs_base(run_uri: str, run_name: str) -> str:
+    """Where a run's agent and worker logs go on this machine: beside the run on a local root, else ``var/logs``."""
+    return join(run_uri, LOGS) if scheme(run_uri).filesystem else os.path.join("var", "logs", run_name)

@@ -53,10 +53,31 @@ class Store(Protocol):
     def move(self, src: str, dst: str) -> None: ...
     def child(self, key: str) -> str: ...
     def checksums(self, prefix: str = "") -> dict[str, builtins.list[int]]: ...
+    def usage(self, prefix: str) -> tuple[int, float | None]: ...
 
 
 def is_gcs(uri: str) -> bool:
     return uri.startswith("gs://")
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """What the code around a store may assume of its kind of storage: the differences, stated once here."""
+
+    name: str
+    filesystem: bool  # a local directory tree: paths expand and glob, directories are made, the disk can fill
+    requests: bool  # every look is a network request: beats, leases and polls are paced for it
+    atomic_rename: bool  # renaming a directory commits it (else a commit marker object does)
+    cached_listings: bool  # the file-system layer above it caches listings per process: flush before judging
+    generations: bool  # object generations and conditional writes behave as the real service's (an emulator's may not)
+
+
+def scheme(uri: str) -> Scheme:
+    """The scheme of a run root, dataset or checkpoint URI (``gs://`` or a local path)."""
+    if is_gcs(uri):
+        emulated = bool(os.environ.get("STORAGE_EMULATOR_HOST"))
+        return Scheme("gs", False, True, False, True, generations=not emulated)
+    return Scheme("file", True, False, True, False, generations=True)
 
 
 # Buckets mounted on this host (GCS FUSE on GKE): ``bucket=/path[,bucket=/path...]``, set by the pod spec.
@@ -227,6 +248,19 @@ class LocalStore:
             out[key[strip:]] = [size, int.from_bytes(crc.digest(), "big")]
         return out
 
+    def usage(self, prefix: str) -> tuple[int, float | None]:
+        """(bytes, newest write time) of everything under ``prefix``; (0, None) when there is nothing."""
+        _count("usage", prefix, self.uri)
+        total, newest = 0, None
+        for dirpath, _dirs, files in os.walk(self._path(prefix.rstrip("/"))):
+            mtimes = [os.stat(dirpath).st_mtime]
+            for name in files:
+                st = os.stat(os.path.join(dirpath, name))
+                total += st.st_size
+                mtimes.append(st.st_mtime)
+            newest = max([*mtimes, newest] if newest is not None else mtimes)
+        return total, newest
+
     def move(self, src: str, dst: str) -> None:
         """Move an object or a whole prefix (a rename on one file system)."""
         _count("move", src, self.uri)
@@ -349,6 +383,20 @@ class GCSStore:
                 crc, size = google_crc32c.value(data), len(data)
             out[b.name[len(base) :]] = [size, crc]
         return out
+
+    def usage(self, prefix: str) -> tuple[int, float | None]:
+        """(bytes, newest write time) of the objects under ``prefix``; (0, None) when there is none."""
+        _count("usage", prefix, self.uri)
+        from google.cloud.storage.retry import DEFAULT_RETRY
+
+        total, newest = 0, None
+        base = self._name(prefix.rstrip("/")) + "/"
+        for blob in self.client.list_blobs(self.bucket_name, prefix=base, retry=DEFAULT_RETRY):  # type: ignore[attr-defined]
+            total += int(blob.size or 0)
+            if blob.updated is not None:
+                t = blob.updated.timestamp()
+                newest = t if newest is None else max(newest, t)
+        return total, newest
 
     def create_in(self, reserve: str, key: str, data: bytes) -> None:
         """``create`` (a bucket does not fill up: the reserve is only given back)."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
-import os
 from typing import Any
 
 import jax
@@ -31,7 +30,7 @@ from training.checkpoint.resume import DataPosition, data_position
 from training.checkpoint.steps import fresh_gcs_listings, record_integrity
 from training.config import Config
 from training.layout import checkpoints_uri, step_uri
-from training.storage import is_gcs
+from training.storage import scheme
 
 State = dict[str, Any]
 
@@ -47,7 +46,7 @@ def use_ocdbt(cfg: Config) -> bool:
     and conditional writes that real GCS has and emulators get wrong.
     """
     if cfg.checkpoint_format == "auto":
-        return not (is_gcs(cfg.root) and bool(os.environ.get("STORAGE_EMULATOR_HOST")))
+        return scheme(cfg.root).generations
     return cfg.checkpoint_format == "ocdbt"
 
 
@@ -94,7 +93,7 @@ def checkpoint_manager(cfg: Config, run: str, *, async_save: bool | None = None)
 
     mp = ocp.options.MultiprocessingOptions(primary_host=0, active_processes=set(range(jax.process_count())))
     root = epath.Path(checkpoints_uri(run))
-    if not is_gcs(str(root)):  # object stores have no directories to create
+    if scheme(str(root)).filesystem:  # object stores have no directories to create
         root.mkdir(parents=True, exist_ok=True)
     options = ocp.CheckpointManagerOptions(
         save_interval_steps=1,  # we decide when to save
@@ -104,7 +103,7 @@ def checkpoint_manager(cfg: Config, run: str, *, async_save: bool | None = None)
         enable_async_checkpointing=cfg.async_checkpoint if async_save is None else async_save,
         multiprocessing_options=mp,
         # Orbax's own choice of commit for the root's scheme, recording the step's integrity first.
-        temporary_path_class=RecordedCommitFile if is_gcs(str(root)) else RecordedRename,
+        temporary_path_class=RecordedRename if scheme(str(root)).atomic_rename else RecordedCommitFile,
     )
     registry = type_handlers.create_type_handler_registry(
         (

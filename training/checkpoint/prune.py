@@ -24,11 +24,9 @@ Safety, in order of importance:
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal, TypedDict
 
 from training.checkpoint.ledger import Ledger, pinned_steps
@@ -44,7 +42,7 @@ from training.checkpoint.retention import (
 )
 from training.events import EventLog
 from training.layout import CHECKPOINTS
-from training.storage import GCSStore, LocalStore, Store, open_store
+from training.storage import NotFound, Store, open_store, scheme
 
 # A committed step being deleted on a local root is first renamed to
 # "<step>.orbax-checkpoint-tmp-pruning-<nonce>": Orbax then sees it as temporary.
@@ -131,8 +129,8 @@ def _checkpoint_dirs(store: Store) -> tuple[dict[int, str], dict[str, int]]:
     from orbax.checkpoint._src.path import step as ocp_step
 
     root = store.child(CHECKPOINTS)
-    if root.startswith("gs://"):
-        _forget_gcs_listings(root)
+    if scheme(root).cached_listings:
+        _forget_listings(root)
     base = epath.Path(root)
     committed: dict[int, str] = {}
     incomplete: dict[str, int] = {}
@@ -150,7 +148,7 @@ def _checkpoint_dirs(store: Store) -> tuple[dict[int, str], dict[str, int]]:
     return committed, incomplete
 
 
-def _forget_gcs_listings(uri: str) -> None:
+def _forget_listings(uri: str) -> None:
     """Drop gcsfs's cached listings (used by epath, hence by Orbax's path checks).
 
     gcsfs caches directory listings for the life of the process; a long-lived
@@ -165,33 +163,9 @@ def _forget_gcs_listings(uri: str) -> None:
         pass
 
 
-def _gcs_name(store: GCSStore, key: str) -> str:
-    return f"{store.prefix}/{key}" if store.prefix else key
-
-
 def _scan(store: Store, dirname: str) -> tuple[int, float | None]:
-    """(bytes, newest write time) of a checkpoint directory; (0, None) where the store cannot tell."""
-    key = f"{CHECKPOINTS}/{dirname}"
-    if isinstance(store, LocalStore):
-        top = Path(store.child(key))
-        total, newest = 0, None
-        for dirpath, _dirs, files in os.walk(top):
-            mtimes = [os.stat(dirpath).st_mtime]
-            for name in files:
-                st = os.stat(os.path.join(dirpath, name))
-                total += st.st_size
-                mtimes.append(st.st_mtime)
-            newest = max([*mtimes, newest] if newest is not None else mtimes)
-        return total, newest
-    if isinstance(store, GCSStore):
-        total, newest = 0, None
-        for blob in store.client.list_blobs(store.bucket_name, prefix=_gcs_name(store, key) + "/"):  # type: ignore[attr-defined]
-            total += int(blob.size or 0)
-            if blob.updated is not None:
-                t = blob.updated.timestamp()
-                newest = t if newest is None else max(newest, t)
-        return total, newest
-    return 0, None
+    """(bytes, newest write time) of a checkpoint directory."""
+    return store.usage(f"{CHECKPOINTS}/{dirname}")
 
 
 def _step_infos(ledger: Ledger, committed: dict[int, str]) -> list[StepInfo]:
@@ -250,18 +224,14 @@ def _delete_dir(store: Store, dirname: str, committed: bool) -> None:
     from orbax.checkpoint._src.path import atomicity_types
 
     key = f"{CHECKPOINTS}/{dirname}"
-    if isinstance(store, LocalStore):
-        path = Path(store.child(key))
-        if committed:
-            doomed = path.with_name(f"{dirname}{atomicity_types.TMP_DIR_SUFFIX}{PRUNING}{uuid.uuid4().hex[:8]}")
-            try:
-                path.rename(doomed)
-                path = doomed
-            except FileNotFoundError:
-                return
-        store.delete(str(path.relative_to(store.root)) + "/")
-        return
-    if committed:
+    if committed and scheme(store.uri).atomic_rename:  # a rename undoes the commit at once
+        doomed = f"{key}{atomicity_types.TMP_DIR_SUFFIX}{PRUNING}{uuid.uuid4().hex[:8]}"
+        try:
+            store.move(key, doomed)
+        except (FileNotFoundError, NotFound):
+            return
+        key = doomed
+    elif committed:
         store.delete(f"{key}/{atomicity_types.COMMIT_SUCCESS_FILE}")
     # The trailing slash matters: a prefix "checkpoints/5" would also match "checkpoints/50".
     store.delete(key + "/")

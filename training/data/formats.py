@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from training.data.errors import DatasetError
-from training.storage import NotFound, Store, is_gcs, open_store
+from training.storage import NotFound, Store, open_store, scheme
 
 FORMATS = ("text", "jsonl", "parquet", "hf")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -101,7 +101,7 @@ def _stdlib_entries() -> tuple[str, list[_Entry]]:
 
 def _entries(source: str) -> list[_Entry]:
     """The files of a glob, directory or gs:// prefix, sorted by relative name."""
-    if is_gcs(source):
+    if not scheme(source).filesystem:
         store = open_store(source)
         entries = [_Entry(key, _stored(store, key)) for key in store.list() if not key.endswith("/")]
     else:
@@ -118,7 +118,7 @@ def _entries(source: str) -> list[_Entry]:
 
 
 def _is_hf_dir(source: str) -> bool:
-    if is_gcs(source):
+    if not scheme(source).filesystem:
         store = open_store(source)
         return any(store.exists(m) for m in HF_MARKERS)
     path = os.path.expanduser(source)
@@ -230,7 +230,7 @@ def _arrow_texts(what: str, opener: Callable[[], IO[bytes]], column: str) -> Ite
 
 def _hf_splits(source: str) -> list[str]:
     """The split directories of a saved dataset, relative to it ("" for a single Dataset)."""
-    store = open_store(source if is_gcs(source) else os.path.expanduser(source))
+    store = open_store(os.path.expanduser(source) if scheme(source).filesystem else source)
     if store.exists("dataset_dict.json"):
         try:
             splits = json.loads(store.get("dataset_dict.json"))["splits"]
@@ -242,7 +242,7 @@ def _hf_splits(source: str) -> list[str]:
 
 def _hf_documents_pyarrow(source: str, column: str) -> Iterator[Document]:
     """A saved Hugging Face dataset read with pyarrow alone: state.json names its Arrow files in order."""
-    root = source if is_gcs(source) else os.path.expanduser(source)
+    root = os.path.expanduser(source) if scheme(source).filesystem else source
     store = open_store(root)
     for split in _hf_splits(source):
         prefix = f"{split}/" if split else ""
@@ -260,7 +260,7 @@ def _hf_documents_pyarrow(source: str, column: str) -> Iterator[Document]:
         row = 0
         for fname in files:
             key = prefix + fname
-            opener = _stored(store, key) if is_gcs(root) else _local(os.path.join(root, key))
+            opener = _local(os.path.join(root, key)) if scheme(root).filesystem else _stored(store, key)
             for text in _arrow_texts(store.child(key), opener, column):
                 yield _row(f"{label}#{row}", text)
                 row += 1
@@ -287,7 +287,7 @@ def _hf_documents_datasets(source: str, column: str) -> Iterator[Document]:
 
 
 def _hf_documents(source: str, column: str) -> Iterator[Document]:
-    if not is_gcs(source) and importlib.util.find_spec("datasets") is not None:
+    if scheme(source).filesystem and importlib.util.find_spec("datasets") is not None:
         return _hf_documents_datasets(source, column)
     return _hf_documents_pyarrow(source, column)
 
@@ -317,11 +317,11 @@ def open_source(source: str | None, fmt: str | None = None, field: str | None = 
     entries = _entries(source)
     fmt = fmt or detect_format(source, entries)
     if fmt == "jsonl":
-        if os.path.isdir(os.path.expanduser(source)) or is_gcs(source):
+        if not scheme(source).filesystem or os.path.isdir(os.path.expanduser(source)):
             entries = [e for e in entries if e.name.endswith(JSONL_SUFFIXES)]
         return Source(source, fmt, len(entries), lambda: _jsonl_documents(entries, column))
     if fmt == "parquet":
-        if os.path.isdir(os.path.expanduser(source)) or is_gcs(source):
+        if not scheme(source).filesystem or os.path.isdir(os.path.expanduser(source)):
             entries = [e for e in entries if e.name.endswith(PARQUET_SUFFIXES)]
         return Source(source, fmt, len(entries), lambda: _parquet_documents(entries, column))
     return Source(source, "text", len(entries), lambda: _text_documents(entries))

@@ -40,7 +40,7 @@ import numpy as np
 from training.data.errors import DatasetError as DatasetError
 from training.data.formats import Source, open_source
 from training.data.tokenizer import HF_FILE, SPM_FILE, BPETrainer, Tokenizer, resolve
-from training.storage import NotFound, Store, is_gcs, mounted_path, open_store
+from training.storage import NotFound, Store, mounted_path, open_store, scheme
 
 FORMAT = 1  # Byte-level datasets (their fingerprint and manifest are unchanged since the first format).
 TOKENIZED_FORMAT = 2  # Datasets of another tokenizer: token_dtype, eos_id and the tokenizer in the manifest.
@@ -583,7 +583,7 @@ def shard_paths(dataset_uri: str, split: str, cache_dir: str | None = None, read
     """
     if reads not in READS:
         raise DatasetError(f"dataset reads {reads!r}: one of {', '.join(READS)}")
-    if not is_gcs(dataset_uri) or mounted_path(dataset_uri) is not None or reads == "download":
+    if scheme(dataset_uri).filesystem or mounted_path(dataset_uri) is not None or reads == "download":
         return local_shards(dataset_uri, split, cache_dir)
     shards = _split_info(load_manifest(dataset_uri), dataset_uri, split)["shards"]
     unsummed = [s["name"] for s in shards if "crc32c" not in s]
@@ -627,7 +627,7 @@ def local_shards(dataset_uri: str, split: str, cache_dir: str | None = None) -> 
     manifest = load_manifest(dataset_uri)
     shards = _split_info(manifest, dataset_uri, split)["shards"]
     mounted = mounted_path(dataset_uri)
-    if not is_gcs(dataset_uri) or mounted is not None:
+    if scheme(dataset_uri).filesystem or mounted is not None:
         root = Path(mounted or dataset_uri).expanduser().resolve()
         paths = [root / s["name"] for s in shards]
         missing = [str(p) for p in paths if not p.is_file()]

@@ -52,8 +52,8 @@ from training.elastic.reports import ReportHandler
 from training.elastic.supervisor import WorkerSupervisor
 from training.elastic.writer import Writer
 from training.events import EventLog
-from training.layout import CONFIG, LOGS
-from training.storage import Store, is_gcs, is_transient, join, open_store
+from training.layout import CONFIG, logs_base
+from training.storage import Store, is_transient, open_store, scheme
 
 log = logging.getLogger("rtrain.agent")
 
@@ -94,7 +94,7 @@ class HostAgent:
         self.capacity: LocalCapacity | None = (
             LocalCapacity(self.store, default=self.cfg.max_workers) if local_capacity else None
         )
-        base = log_dir or (join(run, LOGS) if not is_gcs(run) else os.path.join("var", "logs", self.cfg.run_name))
+        base = log_dir or logs_base(run, self.cfg.run_name)
         self.workers = WorkerSupervisor(
             self.cfg,
             run,
@@ -109,7 +109,7 @@ class HostAgent:
         record = first_record(host, job, self.cfg.hosts_per_slice, address, started, self.watch_listener.address)
         self.heart = Heartbeat(self.rdv, record, self.cfg.heartbeat_s)
         self.writer = Writer(host)
-        self.cadence = cadence(self.cfg.max_workers, is_gcs(run), self.cfg.heartbeat_s, self.cfg.lease_s)
+        self.cadence = cadence(self.cfg.max_workers, scheme(run).requests, self.cfg.heartbeat_s, self.cfg.lease_s)
         self.lead = Leadership(
             self.cfg,
             self.store,

@@ -42,8 +42,8 @@ from training.elastic.capacity import LocalCapacity
 from training.elastic.rendezvous import Rendezvous, Round
 from training.elastic.status import repair_status
 from training.events import FINAL_STATES, EventLog, RunState, RunStatus, describe, read_status, write_status
-from training.layout import CONFIG, CONTROL, LOGS
-from training.storage import is_gcs, join, open_store
+from training.layout import CONFIG, CONTROL, logs_base
+from training.storage import open_store
 
 log = logging.getLogger("rtrain.local_slice")
 
@@ -71,8 +71,7 @@ SHOWN = frozenset(
 
 
 def log_dir_for(cfg: Config, job: str) -> Path:
-    base = join(cfg.run_uri, LOGS) if not is_gcs(cfg.run_uri) else os.path.join("var", "logs", cfg.run_name)
-    return Path(base) / job
+    return Path(logs_base(cfg.run_uri, cfg.run_name)) / job
 
 
 class LocalSlice:

@@ -41,6 +41,7 @@ from typing import Any, NoReturn
 from training.checkpoint.resume import DataPosition
 from training.elastic import ahead
 from training.elastic.codes import WorkerExit
+from training.storage import scheme
 
 
 def die_with_parent() -> None:
@@ -964,7 +965,7 @@ class Saver:
 def _why_not(mngr: Any) -> str:
     """A likely reason a save did not commit: a full disk (Orbax's background error does not always surface)."""
     directory = str(mngr.directory)
-    if directory.startswith("gs://"):
+    if not scheme(directory).filesystem:  # no disk of ours to fill
         return ""
     try:
         st = os.statvfs(directory)

@@ -35,7 +35,7 @@ from training.elastic.capacity import LocalCapacity
 from training.events import ALIVE_STATES, FINAL_STATES, EventLog
 from training.service.policy import allocate
 from training.service.queue import Placement, Queue, Submission
-from training.storage import is_gcs, open_store
+from training.storage import open_store, scheme
 
 log = logging.getLogger("rtrain.scheduler")
 
@@ -213,7 +213,7 @@ def _is_local_slice_of(pid: int, run_uri: str) -> bool:
 
 def log_path(root: str) -> Path:
     """Where a scheduler of ``root`` started by ``ensure_running`` writes its log."""
-    if is_gcs(root):
+    if not scheme(root).filesystem:
         return Path(tempfile.gettempdir()) / f"rtrain-scheduler-{abs(hash(root)):x}.log"
     return Path(root) / "_service" / "scheduler.log"
 

@@ -247,7 +247,7 @@ class RTrainHook(BaseHook):
         otherwise a different dataset at ``output`` is refused.  ``tokenizer``: bytes, bpe (of
         ``vocab_size``) or a tokenizer file, as the run's config says.
         """
-        src = None if source in (None, "", "stdlib") else (source if source.startswith("gs://") else absolute(source))
+        src = None if source in (None, "", "stdlib") else absolute(source)
         return api.prepare_dataset(
             src,
             output,
