@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
-
 import time
+
+import pytest
 
 from training.storage import AlreadyExists, NotFound, open_store, scheme
 
