@@ -85,3 +85,31 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
     graph.add_import(importer="a.c", imported="a.b")
     graph.add_import(importer="a.c", imported="a.d")
     assert cycles(graph) == [["a.b", "a.c"]]
+
+
+def api_names_used(paths: list[Path]) -> dict[str, str]:
+    """Each name the given files take from ``training.api`` (``from training.api import X``, ``api.X``), with a file."""
+    import ast
+
+    used: dict[str, str] = {}
+    for path in paths:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "training.api":
+                used.update({alias.name: str(path) for alias in node.names})
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "api":
+                used.setdefault(node.attr, str(path))
+    return used
+
+
+def test_training_api_s_all_is_the_surface_its_callers_use() -> None:
+    """What the Airflow side, the CLI and the backends take from ``training.api`` is in its ``__all__``."""
+    import training.api
+
+    callers = [*(REPO / "plugins").rglob("*.py"), *(REPO / "dags").rglob("*.py"), REPO / "training" / "cli.py"]
+    callers += [*(REPO / "training" / "backends").rglob("*.py")]
+    used = api_names_used(callers)
+    assert {"launch", "job_state", "plan"} <= set(used), "the scan finds the names the callers use"
+    missing = {n: f for n, f in used.items() if n not in training.api.__all__}
+    assert not missing, f"used through training.api but not in its __all__: {missing}"
+    assert all(hasattr(training.api, n) for n in training.api.__all__)

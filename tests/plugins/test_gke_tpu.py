@@ -57,8 +57,9 @@ from rtrain_airflow.operators.gke_tpu import (
 )
 from rtrain_airflow.triggers.gke_tpu import GKETPUNodePoolOperationTrigger
 
-from training.api import GKEConfigError, GKELaunch, TPUSlice, load_config, render
+from training.api import load_config
 from training.backends import BackendError, GKEBackend
+from training.gke import GKEConfigError, GKELaunch, TPUSlice, render
 
 REPO = Path(__file__).resolve().parents[2]
 PROJECT = "rtrain-prod"
@@ -1343,7 +1344,8 @@ def test_the_gke_conf_in_docs_gke_md_triggers_the_shipped_dag() -> None:
     from airflow.sdk.definitions.param import ParamsDict
     from rtrain_airflow.operators.training import RTrainResolveRunConfigOperator
 
-    from training.api import TPUSlice, check_config, check_fit, config_from_dict
+    from training.api import check_fit, config_from_dict
+    from training.gke import TPUSlice, check_config
     from training.gke.manifests import feasible_slices, slice_bounds
 
     text = (REPO / "docs" / "gke.md").read_text()

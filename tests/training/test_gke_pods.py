@@ -111,7 +111,9 @@ def test_a_2_slice_jobset_run_as_pods_rides_out_a_spot_reclaim_and_a_lost_host(
         try:
             # Both slices train: every worker was told of the 2 slices, its own slice's hosts, its place.
             # (The reclaim comes before the first checkpoint: the notice's save then waits for no other.)
-            wait_for(lambda: ((api.status(cfg.run_uri) or {}).get("step") or 0) >= 3, 400, "training on 2 slices", every=1)
+            wait_for(
+                lambda: ((api.status(cfg.run_uri) or {}).get("step") or 0) >= 3, 400, "training on 2 slices", every=1
+            )
             [first] = events("launch")
             assert first["workers"] == 4 and first["members"] == ["s0-h0", "s0-h1", "s1-h0", "s1-h1"]
             started = events.started(first["round"])

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from training import api
 from training.api import Config, JobHandle, JobLook
 from training.backends.base import BackendError, Log, Provisioned, Released
+from training.gke import GKELaunch, TPUSlice
 
 
 @dataclass
@@ -29,7 +30,7 @@ class PoolsUp:
 class JobSets(Protocol):
     """A job's JobSet in the cluster: start it, read its state and why its pods wait, delete it."""
 
-    def start_job(self, cfg: Config, tpu: api.TPUSlice, launch: api.GKELaunch, by: str = "Airflow") -> JobHandle: ...
+    def start_job(self, cfg: Config, tpu: TPUSlice, launch: GKELaunch, by: str = "Airflow") -> JobHandle: ...
 
     def state(self, name: str, namespace: str) -> str: ...
 
@@ -88,7 +89,7 @@ class GKEBackend:
 
     def provision(self, cfg: Config, spec: Mapping[str, Any]) -> Provisioned:
         """Create every node pool at once; done when enough for ``min_workers`` are up (the rest join later)."""
-        tpu = api.TPUSlice(self.gke["machine_type"], self.gke["tpu_topology"])
+        tpu = TPUSlice(self.gke["machine_type"], self.gke["tpu_topology"])
         hosts_per_pool = tpu.hosts if tpu.multi_host else 1
         need = -(-cfg.min_workers // hosts_per_pool)
         up = self._cluster().create_node_pools(need, float(self.gke.get("provision_timeout_s", 3600.0)))
@@ -100,9 +101,9 @@ class GKEBackend:
             "node_pools_failed": up.failed,
         }
 
-    def placement(self) -> api.GKELaunch:
+    def placement(self) -> GKELaunch:
         """Where and how the JobSet's pods run (image, namespace, node pools, Spot, Kueue queue and priority)."""
-        return api.GKELaunch(
+        return GKELaunch(
             image=self.gke["image"],
             namespace=self.gke.get("namespace", "default"),
             service_account=self.gke.get("service_account", "rtrain-worker"),
@@ -115,7 +116,7 @@ class GKEBackend:
 
     def launch(self, cfg: Config, spec: Mapping[str, Any], attempt: int) -> JobHandle:
         """Take the run for a job and create its JobSet."""
-        tpu = api.TPUSlice(self.gke["machine_type"], self.gke["tpu_topology"])
+        tpu = TPUSlice(self.gke["machine_type"], self.gke["tpu_topology"])
         handle = self._cluster().jobsets().start_job(cfg, tpu, self.placement(), by=f"Airflow (try {attempt})")
         handle["gke"] = self.gke
         return handle

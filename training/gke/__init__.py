@@ -1,1 +1,49 @@
-"""Google Kubernetes Engine, without a cluster: the JobSet manifests of a job and a local pod emulator."""
+"""Google Kubernetes Engine without a cluster: the JobSet of a job, TPU shapes, capacity from nodes.
+
+The names here are the GKE surface the Airflow side and the backends use; ``pod_emulator``
+runs a rendered JobSet's pods as local processes (tests and trials).
+"""
+
+from training.gke.manifests import (
+    ACCELERATOR_LABEL,
+    JOBSET_API_VERSION,
+    JOBSET_GROUP,
+    JOBSET_NAME_LABEL,
+    JOBSET_PLURAL,
+    JOBSET_VERSION,
+    NODEPOOL_LABEL,
+    GKECapacity,
+    GKEConfigError,
+    GKELaunch,
+    GKEManifests,
+    TPUSlice,
+    check_config,
+    describe_waiting,
+    jobset_state,
+    node_is_usable,
+    pods_waiting,
+    render,
+    workload_priority_classes,
+)
+
+__all__ = [
+    "ACCELERATOR_LABEL",
+    "JOBSET_API_VERSION",
+    "JOBSET_GROUP",
+    "JOBSET_NAME_LABEL",
+    "JOBSET_PLURAL",
+    "JOBSET_VERSION",
+    "NODEPOOL_LABEL",
+    "GKECapacity",
+    "GKEConfigError",
+    "GKELaunch",
+    "GKEManifests",
+    "TPUSlice",
+    "check_config",
+    "describe_waiting",
+    "jobset_state",
+    "node_is_usable",
+    "pods_waiting",
+    "render",
+    "workload_priority_classes",
+]

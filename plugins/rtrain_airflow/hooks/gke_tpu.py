@@ -8,7 +8,7 @@ creates (idempotently), resizes and deletes pools.
 :class:`JobSetHook` launches, watches and deletes the JobSet of a training job
 through the cncf-kubernetes provider's ``KubernetesHook`` (custom objects API
 for ``jobset.x-k8s.io/v1alpha2``); the manifests come from the engine
-(``training.api.render``).  :meth:`JobSetHook.start_job` is the one GKE launch
+(``training.gke.render``).  :meth:`JobSetHook.start_job` is the one GKE launch
 path: the pipeline's GKE backend and ``GKEStartTPUJobSetOperator`` both use it.
 
 No JAX here: the TPU table and the manifests are plain Python.
@@ -37,7 +37,9 @@ from google.api_core.exceptions import (
 )
 from google.cloud import container_v1
 
-from training.api import (
+from training.api import JobHandle
+from training.backends import PoolsUp
+from training.gke import (
     ACCELERATOR_LABEL,
     JOBSET_API_VERSION,
     JOBSET_GROUP,
@@ -49,14 +51,14 @@ from training.api import (
     GKEConfigError,
     GKELaunch,
     GKEManifests,
-    JobHandle,
     TPUSlice,
+    check_config,
     describe_waiting,
     jobset_state,
     node_is_usable,
     pods_waiting,
+    render,
 )
-from training.backends import PoolsUp
 
 if TYPE_CHECKING:
     from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
@@ -91,7 +93,7 @@ class TPUNodePoolSpec:
     """One TPU node pool: for a multi-host shape exactly one slice, for a single-host shape ``num_slices`` VMs.
 
     :param name: node pool name (lowercase letters, digits and ``-``; at most 40).
-    :param machine_type: a TPU machine type (``training.api.TPUSlice`` knows them).
+    :param machine_type: a TPU machine type (``training.gke.TPUSlice`` knows them).
     :param tpu_topology: the slice topology, e.g. ``4x4`` (v5e/v6e) or ``2x2x2`` (v4/v5p).
     :param num_slices: single-host shapes only: how many one-VM slices the pool holds.
     :param spot: Spot VMs (cheap, preemptible; the elastic agent absorbs their loss).
@@ -725,11 +727,11 @@ class JobSetHook:
 
         from training import api
 
-        api.check_config(cfg, tpu)
+        check_config(cfg, tpu)
         api.check_fit(cfg)  # a model that cannot fit at the minimum topology is refused before any TPU is used
         after = api.newest_event_key(cfg.run_uri)
         job = api.begin_job(cfg, backend="gke", by=by)
-        manifests = api.render(cfg, tpu, launch, job, num_slices)
+        manifests = render(cfg, tpu, launch, job, num_slices)
         obj = self.create(manifests)
         return JobHandle(
             backend="gke",

@@ -441,7 +441,7 @@ class GKEStartTPUJobSetOperator(_GKEJobSetBaseOperator):
     The same launch path as the pipeline's GKE backend (``JobSetHook.start_job``):
     the run lock is taken and ``config.json`` written only then (a run held by
     another job is refused and nothing is written), the Service and JobSet are
-    rendered from the run config (``training.api.render``) and created.
+    rendered from the run config (``training.gke.render``) and created.
 
     :param config: the run config as ``key: value`` overrides over ``configs/base.yml`` and the preset
         it names (``backend: gke``, a gs:// ``root``); checked when the DAG is parsed.
@@ -519,7 +519,8 @@ class GKEStartTPUJobSetOperator(_GKEJobSetBaseOperator):
             self._num_slices()
 
     def _static_inputs(self) -> tuple[Config, Any, Any]:
-        from training.api import GKELaunch, TPUSlice, check_config, load_config
+        from training.api import load_config
+        from training.gke import GKELaunch, TPUSlice, check_config
 
         tpu = TPUSlice(self.machine_type, self.tpu_topology)
         cfg = load_config(overrides={"hosts_per_slice": tpu.hosts, **self.config})  # base, preset, these keys

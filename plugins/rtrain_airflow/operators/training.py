@@ -158,7 +158,7 @@ class RTrainResolveRunConfigOperator(BaseOperator):
                 gke = {**gke, "image": os.environ["RTRAIN_TRAIN_IMAGE"]}
             if params.get("backend") == "gke" and gke.get("machine_type") and gke.get("tpu_topology"):
                 # A slice of the TPU shape is lost and gained whole: the job counts hosts in slices of it.
-                from training.api import GKEConfigError, TPUSlice
+                from training.gke import GKEConfigError, TPUSlice
 
                 try:
                     overrides.setdefault("hosts_per_slice", TPUSlice(gke["machine_type"], gke["tpu_topology"]).hosts)
