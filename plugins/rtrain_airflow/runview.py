@@ -10,6 +10,7 @@ from typing import Any
 
 from rtrain_airflow.runroots import Refused
 from training.api import ALIVE_STATES as ALIVE
+from training.api import mesh_text
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +72,6 @@ def run_known(uri: str) -> bool:
 
 
 # --- the page's data --------------------------------------------------------------------------------
-
-
-def mesh_name(m: Any) -> str:
-    if not isinstance(m, dict) or not m:
-        return "-"
-    return " x ".join(f"{k}{v}" for k, v in m.items() if v != 1 or k == "data") or "-"
 
 
 def events_cursor(events: list[dict[str, Any]]) -> str | None:
@@ -229,14 +224,14 @@ class _ChartEvents:
         )
 
     def _resize(self, ev: dict[str, Any], t: float) -> None:
-        self.host_points.append((t, ev.get("new_workers"), mesh_name(ev.get("new_mesh")), None))
+        self.host_points.append((t, ev.get("new_workers"), mesh_text(ev.get("new_mesh")), None))
         self.markers.append(
             {
                 "kind": "resize",
                 "step": self.at(ev),
                 "time": t,
                 "label": f"{ev.get('old_workers')} -> {ev.get('new_workers')} hosts, mesh "
-                f"{mesh_name(ev.get('old_mesh'))} -> {mesh_name(ev.get('new_mesh'))}",
+                f"{mesh_text(ev.get('old_mesh'))} -> {mesh_text(ev.get('new_mesh'))}",
             }
         )
 
@@ -260,11 +255,11 @@ class _ChartEvents:
                 "time": t,
                 "round": ev.get("round", ev.get("attempt")),
                 "workers": n,
-                "mesh": mesh_name(ev.get("mesh")),
+                "mesh": mesh_text(ev.get("mesh")),
                 "members": ev.get("members"),
             }
         )
-        self.host_points.append((t, n, mesh_name(ev.get("mesh")), None))
+        self.host_points.append((t, n, mesh_text(ev.get("mesh")), None))
 
     def loss_columns(self) -> dict[str, list[Any]]:
         steps = sorted(

@@ -14,6 +14,7 @@ import logging
 import math
 import statistics
 import time
+from collections.abc import Mapping
 from typing import Any, NotRequired, TypedDict
 
 from training.checkpoint import prune as prune_lib
@@ -22,7 +23,7 @@ from training.checkpoint.lock import RunLock
 from training.checkpoint.resume import DataPosition, data_position
 from training.checkpoint.steps import INTEGRITY, committed_steps
 from training.config import Config, config_from_json
-from training.events import EventLog
+from training.events import EventLog, mesh_text
 from training.layout import CHECKPOINTS, CONFIG, QUARANTINE, STATUS, step_uri
 from training.storage import NotFound, Store, join, open_store
 
@@ -610,10 +611,9 @@ def report(run_uri: str) -> RunReport:
     }
 
 
-def format_report(r: dict[str, Any]) -> str:
-    def mesh(m: dict[str, int] | None) -> str:
-        return "x".join(f"{k}{v}" for k, v in (m or {}).items())
-
+def format_report(r: Mapping[str, Any]) -> str:
+    """The run's story in lines, as ``rtrain report`` prints it (meshes by the axes that split something)."""
+    mesh = mesh_text
     lines = [
         f"run            {r['run']}",
         f"state          {r['state']}  step {r['steps']}/{r['steps_total']}  final loss {r['final_loss']}",

@@ -328,19 +328,5 @@ class RTrainHook(BaseHook):
     @staticmethod
     def format_report(report: Mapping[str, Any]) -> str:
         """The run's story as ``rtrain report`` prints it, every number rounded (a report kept in an XCom, or
-        one read back from an older run, may carry a loss or a time to the last bit) and meshes by the axes
-        that split something."""
-        r = dict(rounded(report))
-
-        def short(mesh: Any) -> Any:  # the axes that split something (data4xfsdp2, not data4xfsdp2xtensor1)
-            if not isinstance(mesh, Mapping):
-                return mesh
-            return {k: v for k, v in mesh.items() if v != 1 or k == "data"}
-
-        for key, fields in (
-            ("launches", ("mesh",)),
-            ("recoveries", ("mesh_after",)),
-            ("resizes", ("old_mesh", "new_mesh")),
-        ):
-            r[key] = [{**x, **{f: short(x.get(f)) for f in fields if f in x}} for x in r.get(key) or []]
-        return api.format_report(r)
+        one read back from an older run, may carry a loss or a time to the last bit)."""
+        return api.format_report(rounded(report))
