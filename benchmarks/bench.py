@@ -1,33 +1,18 @@
 """``rtrain bench``: the engine's figures, each a ratio of two things measured side by side in one run.
 
-1. Recovery (2 simulated hosts, each an agent and a worker): one host is lost (its
-   agent and worker SIGKILLed) -> the first step on the new mesh, split into detect,
-   forming the round, worker start, set-up, restore, compile, first step; for a lost
-   follower host, for a lost leader host, against a cold start of the same job from
-   the same checkpoint (a fresh ``rtrain train`` process), and against Ray Train v2's
+1. Recovery from a lost follower or leader host (agent and worker SIGKILLed) to the first step on the
+   new mesh, by phase, against a cold start from the same checkpoint and against Ray Train v2's
    elastic trainer on the same model, data and kill (``benchmarks/ray_baseline.py``).
-2. Checkpoint overhead: steady-state step time with async checkpoints every K
-   steps / without, runs interleaved A B A B.
-3. Cost of resilience: tokens/s of the engine / tokens/s of a plain ``jit`` loop written
-   by hand on the same model, loss, optimizer, data and mesh (no agent, no checkpoints,
-   no events), in steady state; a round's first steps (each host's next standby warming
-   up on the same cores) reported apart; and the model FLOPs utilisation against a large
-   matmul's FLOP/s here.
+2. Checkpoint overhead: step time with async checkpoints every K steps / without.
+3. Cost of resilience: tokens/s of the engine / of a hand-written ``jit`` loop; and MFU.
 4. Restore throughput / raw sequential read throughput of the same files.
-5. The local tier: steady-state step time with local copies every 2 steps / without
-   (interleaved); steps trained again after a lost host with the local tier / with
-   persistent checkpoints only (same job, same kill); steps lost to a preemption
-   notice (SIGTERM), which should be none.
-6. The service: a queued job's priority raised on a shared pool of 4 hosts; the seconds
-   until the low-priority job's hosts are freed (by notice), and that job's ETA right
-   after the change (it is queued, then grown back) against its real end.
-7. The control plane: storage requests per host per minute of a training job's agents
-   (local root and gs:// on an emulator), counted, against the cadence's model; the
-   model's budget at 64 and 256 hosts.
+5. The local tier: its step-time cost; steps trained again after a lost host with it / without;
+   steps lost to a preemption notice (should be none).
+6. The service: a queued job's priority raised on a shared pool: time to free hosts, ETA vs end.
+7. The control plane: storage requests per host per minute, against the cadence's model.
 
-Timings come from the runs' own event records (process clocks), not from log lines.
-Each figure prints its repeats and their spread.  Prints a table and writes JSON.
-These are measurements, not tests: machines are noisy.
+Timings come from the runs' own event records (process clocks), not log lines.  Each figure prints
+its repeats and their spread; then a table, and JSON.  Measurements, not tests: machines are noisy.
 """
 
 from __future__ import annotations
@@ -472,6 +457,9 @@ def matmul_flops_per_s() -> float:
 
 
 def bench_cost(ws: Path, repeats: int) -> dict[str, Any]:
+    """Tokens/s of the engine against a hand-written ``jit`` loop (same model, loss, optimizer, data and mesh;
+    no agent, no checkpoints, no events) in steady state; a round's first steps (each host's next standby
+    warming up on the same cores) reported apart; and MFU against a large matmul's FLOP/s here."""
     from training.elastic.supervisor import free_port
 
     steps, (lo, hi), (flo, fhi) = STEADY_STEPS, STEADY, FIRST_STEPS
@@ -542,6 +530,7 @@ def bench_cost(ws: Path, repeats: int) -> dict[str, Any]:
 
 
 def bench_restore(ws: Path, repeats: int) -> dict[str, Any]:
+    """Restore throughput against a raw sequential read of the same files."""
     cfg = _cfg(
         ws,
         "restore",

@@ -1,10 +1,8 @@
 """The fault grammar: what each kind of injected fault is, its keys, and which side fires it.
 
-Faults come from ``--chaos`` or the config's ``chaos`` list.
-
-Grammar: ``ACTION:key=value,key=value``.  Each fault fires once per run (the
-agent records fired faults as ``chaos`` events, so a resumed job that passes
-the same step again does not fire it twice).
+Faults come from ``--chaos`` or the config's ``chaos`` list, as ``ACTION:key=value,key=value``.
+Each fires once per run: fired faults are recorded as ``chaos`` events, so a resumed job that
+passes the same step again does not fire it twice.
 
 ==================  ==========================================================
 ``preempt``         ``worker=W,step=S``: the host of worker W is lost when the

@@ -1,47 +1,18 @@
 """Step-indexed training scalars as TensorBoard event files under the run root.
 
-The host agent (the one writer, as for events) calls :meth:`ScalarLog.add` for
-each step (in memory, cheap) and :meth:`ScalarLog.flush` every few seconds and at
-the end.  Each flush writes one new, write-once event file, because GCS objects
-cannot be appended to::
+The host agent (the one writer) calls :meth:`ScalarLog.add` each step and :meth:`ScalarLog.flush`
+every few seconds; each flush writes one new file (GCS objects cannot be appended to), named
+``<run>/tensorboard/<subdir>/events.out.tfevents.<s>.<ns>.<host>.<nonce>`` (zero-padded stamps).
+TensorBoard reads them in name order, which is write order: the stamp increases within a process,
+and a new writer stays past the newest name it lists, even on a slower clock.  Each start (a new
+log's first step, a resume by :meth:`ScalarLog.restart`, a step going back) writes a START
+``session_log`` at its step S, and TensorBoard's accumulators drop every value at steps >= S.
+Its fast data server (``--load_fast``) ignores that and drops a tag's later values only when the
+tag is logged again, so a tag that never comes back past S keeps stale points there, on that path
+only.
 
-    <run>/tensorboard/<subdir>/events.out.tfevents.<10-digit s>.<9-digit ns>.<host>.<nonce>
-
-TensorBoard reads every ``*tfevents*`` file of a directory in name order, and
-these names sort in write order: the stamp is strictly increasing in a process,
-and a new writer first lists the directory and stays past the newest name there,
-so a leader on another host with a slower clock still sorts after its predecessor.
-``<run>/tensorboard`` (:func:`logdir`) is what ``tensorboard --logdir`` is given;
-each subdir (``train``, ``validation``) is one TensorBoard run.
-
-Restarts, resizes and rollbacks.  When training resumes at step S, whatever was
-written for steps >= S before is superseded.  :meth:`ScalarLog.restart` records
-this the way TensorFlow's own supervisor did: an ``Event`` with
-``session_log.status = START`` at step S.  TensorBoard's accumulators
-(``event_accumulator.EventAccumulator._CheckForRestartAndMaybePurge``, also in
-``plugin_event_accumulator``; on by default, ``purge_orphaned_data=True``) drop
-every value with step >= S, of every tag, when they read it in a file whose
-``file_version`` is ``brain.Event:2`` (each file here starts with one).  Its fast
-Rust data server (``--load_fast``, the one that reads ``gs://`` without
-TensorFlow) ignores ``session_log`` but preempts per series: a value at step s
-drops that tag's values at steps >= s.  Both agree on every tag that is logged
-again after the restart, as step scalars are; a tag that never comes back past S
-keeps its stale points there on the fast path only.  A new :class:`ScalarLog`
-begins with a START at its first step (or the one given to ``restart``), and a
-step that goes backwards is a restart too, so no series is ever interleaved.
-
-Why ``tensorboard`` (the package) and not tensorboardX or CLU: it is TensorBoard's
-own code, released with it by Google, and runs without TensorFlow: its ``Event``
-protos and TFRecord framing (``RecordWriter``) write, and its
-``EventAccumulator`` reads with exactly the purge rules the UI applies, so the
-tests check what people will see; it supports protobuf 7 (it needs >=6.31,<8).
-tensorboardX writes the same files but has no reader (tests would need
-``tensorboard`` anyway) and is a smaller project; CLU's metric writers write
-through TensorFlow (or wrap another writer) and bring JAX-side packages into the agent.
-
-No JAX here: the agent imports this module.  TensorBoard itself (~0.35 s to
-import its writer, mostly its TensorFlow stub) is imported on the first flush or
-read, never at import time.
+The ``tensorboard`` package writes without TensorFlow and reads with the UI's purge rules, so tests
+check what people see; it is imported on first flush or read.  No JAX: the agent imports this module.
 """
 
 from __future__ import annotations

@@ -1,28 +1,18 @@
 """The plugin's web app: the run API, the Training view and the training queue, behind Airflow's login.
 
-Two ways to name a run, each with its own authorization:
+A run is named in one of two ways, each with its own authorization:
 
-* ``/rtrain/runs/{run_name}/...?root=ROOT``: a run root; the caller needs read access
-  to the DAG runs of all DAGs.  ``root`` (default: the project's ``var/runs``) is
-  resolved (symlinks, ``..``) and must lie inside the storage roots: the project's
-  ``var/runs`` and those listed in ``RTRAIN_STORAGE_ROOTS`` (colon-separated; a
-  ``gs://bucket/prefix`` is allowed only when listed there).
-* ``/rtrain/dags/{dag_id}/runs/{run_id}/...``: the training run of a DAG run (what its
-  ``resolve_config`` task resolved, else its conf's ``run_name``/``storage_root``); the
-  caller needs read access to that DAG's runs.  The Training tab and the extra link use this.
+* ``/rtrain/runs/{run_name}/...?root=ROOT``: a run root (default the project's ``var/runs``), which
+  must resolve inside the storage roots (``rtrain_airflow.runroots``); read access to every DAG's runs.
+* ``/rtrain/dags/{dag_id}/runs/{run_id}/...``: the training run of a DAG run (its ``resolve_config``
+  task's, else its conf's); read access to that DAG's runs.  The Training tab and extra link use it.
 
-The queue of a storage root's shared pool: ``GET /rtrain/queue?root=ROOT`` (JSON) and
-``/rtrain/queue/view`` (the *Training queue* page, in the navigation), with read access to
-every DAG's runs; ``POST /rtrain/queue/{run}/priority?priority=P`` and ``.../cancel``
-change it, with edit access to every DAG's runs (a bad request is 400 with one line).
-
-Routes under both: ``status``, ``events`` (``?type=``, ``?after=``, ``?limit=``), ``report``,
-``checkpoints`` (the ledger), ``chart`` (the page's data) and ``view`` (the page).  An
-unknown run is 404 everywhere; a storage error is 503 with a one-line reason.  Nothing
-here writes to a run (the status is read without the stale-job repair the sensor does); the
-queue's two POSTs write the service's submissions only.
-
-Importing this module imports nothing heavy: FastAPI is imported when the app is built.
+Under both: ``status``, ``events`` (``?type=``, ``?after=``, ``?limit=``), ``report``, ``checkpoints``,
+``chart`` and ``view``.  A storage root's queue: ``GET /rtrain/queue?root=ROOT`` and
+``/rtrain/queue/view`` with read access to every DAG's runs; ``POST /rtrain/queue/{run}/priority?priority=P``
+and ``.../cancel`` with edit access to them (a bad request is 400).  An unknown run is 404, a storage
+error 503, each with one line.  Nothing writes to a run (no stale-job repair); the POSTs write only
+the service's submissions.  FastAPI is imported when the app is built.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the annotations of the routes at run time, and

@@ -1,40 +1,17 @@
 """The local checkpoint tier: each host's own copy of recent steps, on storage of that host.
 
-Every ``local_checkpoint_every`` steps each worker also saves the train state to
-its host's local directory (a tmpfs: ``/dev/shm`` here, an ``emptyDir`` with
-``medium: Memory`` on GKE) in the background; the persistent tier (the run
-root, local or ``gs://``) keeps ``checkpoint_every``.  After a lost host the
-survivors resume from the newest step every one of them holds, usually at most
-``local_checkpoint_every`` steps back (a save that is due while the previous one
-is still being written is skipped), instead of the newest persistent one.
+Every ``local_checkpoint_every`` steps each worker also saves in the background to a host-local
+tmpfs (an in-memory ``emptyDir`` on GKE).  After a lost host the leader resumes from the newest step
+every member of the next round holds (advertised in the agents' heartbeats), when it is newer than
+the newest persistent checkpoint.  Each process writes the shards it holds, each once, with an index
+and the data position; not Orbax, whose bookkeeping costs a small state ten times its bytes and
+whose emergency checkpointer needs two data-parallel replicas and the saved topology.  The tier
+needs every host to hold a whole replica (``dcn_fsdp=1``, the elastic default); else it is off, and
+says why.  A copy counts once it is of this job, finalised (renamed, its mark last) and described
+by its agent's manifest (``<step>.manifest.json``: the round, each file's size and CRC32C); a worker
+checks its copy against the manifest before restoring, and steps over one that fails.
 
-What is saved.  Each process writes the shards *it* holds of the global state,
-each distinct shard once, into one file beside an index (each array's dtype,
-shape and each shard's box) and the data position: no Orbax, whose metadata and
-per-array bookkeeping cost a small state ten times what its bytes do.  With data
-parallelism across hosts (``dcn_fsdp=1``, our elastic default) every host holds
-a whole replica, so one host's copy is a whole checkpoint: it restores onto that
-host's devices as its part of the new global arrays, whatever the number of hosts.
-When state is sharded across hosts no single host holds a whole copy; the tier is
-then off, and says why.
-
-Why not ``orbax.checkpoint.experimental.emergency.CheckpointManager``: it needs at
-least two data-parallel replicas (our range goes down to one host); it saves the
-persistent tier itself, one ``state`` item only, from the primary replica; only
-non-primary replicas keep local copies, so with two hosts losing the secondary
-loses every local copy; and its local restore maps processes one to one onto the
-saved topology.
-
-Which copies count.  A copy is a step of this job (the directory names the job),
-finalised (written under a temporary name with its mark last, then renamed), and
-described by a manifest the host's agent writes beside it (``<step>.manifest.json``:
-the round that saved it, and the size and CRC32C of each file).  The agent
-advertises its copies in its heartbeat; the leader picks the newest step that
-every member of the next round holds and that is newer than the newest persistent
-checkpoint; the workers check their copies against the manifests before restoring
-one, and step over a copy that fails.
-
-Light at import time (the agent imports it): JAX is imported inside functions only.
+JAX is imported inside functions only: the agent imports this module.
 """
 
 from __future__ import annotations

@@ -1,43 +1,17 @@
 """The run lock: one job owns a run at a time, as a lease built from write-once generations.
 
-``lock/<gen>.json`` records each change (acquire, refresh, takeover, handoff,
-release); the newest generation is the lock's state.  Taking or changing the
-lock means creating generation ``g+1``: ``create`` is exclusive (``link(2)`` on a
-local root, ``ifGenerationMatch=0`` on GCS), so of two writers racing for a free
-lock exactly one creates it.  After each write the writer re-lists and checks
-that the newest generation is its own; that also makes it safe to delete old
-generations (we keep the newest ``KEEP_GENERATIONS``) without a late writer reusing a freed name.
+Each change (acquire, refresh, takeover, handoff, release) exclusively creates the next
+``lock/<gen>.json``, so of two racing writers exactly one wins; the newest generation is the state.
+The launcher holds the lock while it writes the run's config, then hands it off to its job, whose
+leader keeps it alive with a :class:`LeaseKeeper` thread and fences each write with its ``check``.
 
-Who holds it: the launcher of a job holds it while it checks and writes the
-run's config, then *hands it off* to the job (``handoff``): any host agent of
-that job may claim it at once, while anyone else still sees it held.  From then
-on the job's leader (the agent holding the lease) keeps it alive with a
-:class:`LeaseKeeper`, a thread independent of the agent's main loop, so the
-lease is refreshed in every state (waiting for capacity, restoring, saving).
-
-Guarantees (multi-process and multi-host safe, with clocks that disagree by up to
-``MAX_CLOCK_SKEW_S``):
-
-* a lease is in force until ``expires_at + margin_s`` by its writer's clock; only
-  then may another owner take it over (the takeover record names the previous
-  holder), and only once it has lapsed by the taker's own clock too: the taker
-  has watched that generation stay put for the lease's whole length since it
-  first read it (monotonic), or the lease ran out longer than ``MAX_CLOCK_SKEW_S``
-  ago.  So a taker whose clock runs ahead of the holder's does not take a lease
-  that is still being renewed;
-* the holder treats its lease as lost ``lease_s`` after it *began* its last
-  successful refresh (monotonic clock), which is before ``expires_at``; so a
-  holder that can no longer refresh stops writing before anyone else may start
-  (fencing; :meth:`LeaseKeeper.check` is called before each write of a leader);
-* the one exception: a taker that knows the holder's process has exited (its
-  kernel closed a connection to it: nothing of it can write again) may take
-  that generation over at once (``acquire(holder_exited=gen)``).  Each record
-  carries its holder's ``contact`` (how to reach it) for that.
-
-Emulator caveat: gcp-storage-emulator ignores ``ifGenerationMatch``, so on it
-``create`` is an exists-check followed by an upload, and two writers racing
-within milliseconds could both believe they won.  The guarantee holds on a
-local root and on real GCS; tests race processes on a local root only.
+Guarantees, with clocks that disagree by up to ``MAX_CLOCK_SKEW_S``: another owner takes a lease
+over only once it has lapsed by its writer's clock and by the taker's own (:meth:`RunLock.lapses_in`);
+the holder counts it lost ``lease_s`` after it began its last good refresh, before anyone may take
+it.  The one exception: a generation whose holder's process is known to have exited (a connection
+to its record's ``contact`` closed) may be taken at once (``acquire(holder_exited=gen)``).
+Not on gcp-storage-emulator, which ignores ``ifGenerationMatch``: there two writers racing within
+milliseconds could both win.
 """
 
 from __future__ import annotations

@@ -1,35 +1,22 @@
-"""The leader of a job: the host agent that holds the run lock's lease.
+"""The leader of a job: the host agent that holds the run lock's lease, and decides what happens next.
 
-Policy, separated from mechanism: the agent runs
-processes and follows rounds; the leader decides *what happens next*, as an
-explicit state machine driven by what the rendezvous shows (heartbeats,
-reports) and what the run root holds (ledger, events):
+A state machine driven by the rendezvous (heartbeats, reports) and the run root (ledger, events):
 
-==========  ===================================================================
-``gather``  the job's first round: wait (``join_timeout_s``) for the hosts it expects
-``form``    a new round is due: let the members of the last one show they are
-            alive (a settle of 3 heartbeats or half the heartbeat timeout,
-            whichever is longer), then choose the members
-``wait``    fewer hosts than ``min_workers``: wait ``capacity_timeout_s``
+==========  ========================================================================
+``gather``  the first round: wait up to ``join_timeout_s`` for the hosts it expects
+``form``    a round is due: let the last members show life (a settle: 3 heartbeats
+            or half the heartbeat timeout, the longer), then choose the members
+``wait``    fewer hosts than ``min_workers``: wait up to ``capacity_timeout_s``
 ``running`` a round trains: watch its reports and its members' heartbeats
 ``done``    the job ended; the stop round is written
-==========  ===================================================================
+==========  ========================================================================
 
-What ends a round, and what follows (a membership change is not a failure):
-
-* every member finished -> the job finished;
-* every member stopped at a checkpoint because the leader asked (hosts came
-  back) -> a new, larger round;
-* the in-training guard -> the pointer goes back to the newest good checkpoint
-  (never to the one the round restored from, when that one produced the bad
-  loss), the bad batches are skipped, a new round (``max_guard_rollbacks``);
-* a checkpoint that fails its integrity check -> marked corrupt, quarantined,
-  and a new round resumes from the next newest one;
-* a worker failed or a member's heartbeat lapsed -> a failure (``max_failures``);
-  the new round is formed on the hosts that showed life since.
-
-The leader is the single writer of ``status.json`` and of the job's lifecycle
-events; every write is fenced by the lease (``LeaseKeeper.check``).
+A round ends when every member finished (the job is done), stopped at a checkpoint the leader
+asked for (a new, larger round), tripped the guard (back to the newest good checkpoint, never the
+one that gave the bad loss; bad batches skipped; ``max_guard_rollbacks``), found a checkpoint
+corrupt (quarantined; resume from the next), or failed or let its heartbeat lapse.  Only the last
+is a failure (``max_failures``; re-formed on the hosts that showed life since), not a membership
+change.  The leader alone writes ``status.json`` and the lifecycle events, each fenced by the lease.
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
 """The local slice: N simulated hosts on this machine, each a host agent and its JAX worker.
 
-This process plays the part Kubernetes plays on GKE, and nothing more: a node
-pool of ``capacity.json`` hosts and a controller that keeps one agent running
-per host (a lost agent of a host that is still there is started again, as a
-failed pod is recreated; a host taken away by chaos or by ``rtrain capacity``
-is not; hosts given back get new agents, which join the rendezvous).  It is not
-on the training path: the agents meet, lead and recover among themselves
-through the run root, exactly as they do in pods, and they keep training if
-this process is killed.
+This process plays Kubernetes' part and no more: a pool of ``capacity.json`` hosts with one agent
+kept running per host (a lost agent of a host still there is restarted; a host taken away by chaos
+or ``rtrain capacity`` is not; hosts given back get new agents).  It is off the training path: the
+agents meet, lead and recover through the run root, and train on if this process is killed.
 
-It also waits for the job's end and shows its progress (``rtrain train``).
-When no host of the job is left (the pool shrank to nothing), no agent can
-lead; this process, the job's launcher, then holds the run for the job: it
-takes the run lock's lease once the last leader's lapsed (or a handoff to the
-job), keeps it, and keeps ``status.json`` at ``waiting_for_capacity``, until
-capacity returns (it hands the lock back to the job and starts agents, whose
-leader waits on from the same moment) or ``capacity_timeout_s`` ends the job as
-failed with the reason.  Under a scheduler's assignment (``rtrain submit``), hosts
-beyond it get a preemption notice instead of being killed, and a job assigned no
+It also waits for the job's end and shows progress (``rtrain train``).  When no host is left, no
+agent can lead, so this launcher holds the run: it takes the lease once the last leader's lapsed
+(or was handed to the job) and keeps ``status.json`` at ``waiting_for_capacity`` until capacity
+returns (it hands the lock back and starts agents, whose leader's wait goes on from the same
+moment) or ``capacity_timeout_s`` fails the job.  Under a scheduler's assignment (``rtrain
+submit``), hosts beyond it get a preemption notice instead of being killed, and a job assigned no
 host is held, queued, with no timeout.
 """
 

@@ -1,28 +1,17 @@
 """The peer watch: every process of a round learns within milliseconds that another one is gone.
 
-A collective that is already waiting for a peer when that peer dies does not
-always fail.  On the local slice, gloo leaves such a collective waiting (only a
-collective started after the death fails at once), and JAX's coordination
-service notices the dead process only when its heartbeats have been missing for
-``heartbeat_timeout_seconds``.  A lost host would then cost the survivors
-seconds, or the leader's heartbeat timeout, before anyone acts.
+Why: a collective already waiting on a peer that dies may never fail (gloo on the local slice waits
+on; JAX's coordination service notices only after ``heartbeat_timeout_seconds``), so a lost host
+would cost the survivors seconds before anyone acts.
 
-So each round's processes hold one TCP connection each to process 0 (a star).
-A connection that closes without a ``bye`` means its process is gone: the
-kernel closes a dead process's sockets at once, and TCP keepalive (a few
-seconds) covers a machine that vanished without a word.  Process 0 tells the
-others which peer went, then every process leaves with that reason (its agent
-reports the round failed at once; the leader then finds out who is alive).
-A process that ends in order (finished, stopped at a checkpoint, a notice, the
-guard) says ``bye`` first: the group's decisions to stop are taken at the same
-step in every process, so the others are stopping too.  Process 0 then outlasts
-the others (:meth:`PeerWatch.outlast`): it hosts JAX's coordination service, and a
-peer still finishing its last save when the service goes aborts.
-
-Process 0 listens on its coordinator's bind address; the address its peers
-dial goes through the coordination service's key-value store (so nothing new
-has to be known before the round starts).  The watch runs in one daemon thread
-per process: it waits in ``select`` without the GIL, and costs the loop nothing.
+Each process of a round holds one TCP connection to process 0 (a star).  One that closes without a
+``bye`` means its process is gone (the kernel closes a dead process's sockets at once; TCP keepalive
+covers a vanished machine): process 0 tells the others which peer went, and every process leaves
+with that reason.  A process that ends in order says ``bye`` first (the group stops at the same step
+everywhere).  Process 0 outlasts the others (:meth:`PeerWatch.outlast`): it hosts the coordination
+service, without which a peer still saving aborts.  Peers find process 0's address in the
+coordination service's key-value store.  One daemon thread per process waits in ``select``, without
+the GIL.
 """
 
 from __future__ import annotations

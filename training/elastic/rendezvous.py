@@ -1,27 +1,18 @@
 """The rendezvous on the run root: how the host agents of a job find each other.
 
-Three kinds of objects under ``<run>/rendezvous/`` (a local path and gs://
-behave the same: no rename, no append, no server of our own):
+Three kinds of objects under ``<run>/rendezvous/``, with no rename, no append and no server of our
+own, so a local path and gs:// behave the same:
 
-``hosts/<host>.json``
-    each agent's heartbeat, replaced whole every ``heartbeat_s`` by the agent's
-    heartbeat thread: job, slice, address, a sequence number, what its worker
-    is doing (round, step, loss).  A host whose heartbeat is older than
-    ``heartbeat_timeout_s`` is lost; one whose sequence number moved on since a
-    failure was seen is alive after it.
-``rounds/<round>.json``
-    write-once, by the leader (the holder of the run lock's lease): for each
-    round the members in rank order, the world size, the mesh, the coordinator
-    address, the resume step, the faults still to fire; or ``stop`` with the
-    job's final state.  The lease generation it was written under fences out a
-    leader that lost its lease.
-``reports/<round>/<host>.json``
-    write-once, by each member's agent: how its worker ended in that round
-    (finished, rescale, guard, corrupt, notice, failed) and why.
-
-Concurrency: each host record has one writer (its agent); rounds have one
-writer at a time (the leaseholder; ``create`` makes a race for the same round
-number have one winner); reports are write-once per (round, host).
+* ``hosts/<host>.json``: each agent's heartbeat (job, slice, address, a sequence number, its
+  worker's round, step and loss), replaced whole every ``heartbeat_s`` by that agent alone.  Older
+  than ``heartbeat_timeout_s``: the host is lost; a sequence number that moved on since a failure
+  was seen: alive after it.
+* ``rounds/<round>.json``: write-once, by the leader: the members in rank order, world size, mesh,
+  coordinator, resume step, faults still to fire; or ``stop`` with the job's final state.  Of a race
+  for one round number ``create`` has one winner, and the lease generation it was written under
+  fences out a leader that lost its lease.
+* ``reports/<round>/<host>.json``: write-once, by each member's agent: how its worker ended
+  (finished, rescale, guard, corrupt, notice, failed) and why.
 """
 
 from __future__ import annotations

@@ -1,27 +1,17 @@
 """One training process of the multi-controller program (one per host), started by its host agent.
 
-The agent starts a worker *before* it is needed (a standby): the process dies
-with its agent (``PR_SET_PDEATHSIG``), imports JAX, Flax, Orbax and grain, reads
-the run's config, opens and verifies the dataset, and then waits for its
-assignment on stdin.  So a recovery pays none of that; it starts at
-``jax.distributed``.  The program below is read top to bottom, in sections:
+The agent starts it ahead of need, as a standby that dies with its agent (``PR_SET_PDEATHSIG``), so
+a recovery starts at ``jax.distributed`` and pays no imports or dataset checks.  Read top to bottom:
+warm-up (imports, config, dataset); the assignment (one JSON line on stdin: round, rank, processes,
+coordinator, resume, faults); set-up (``jax.distributed``, the peer watch, the round's mesh and
+shardings); restore (``training.checkpoint.resume``, its integrity check, Orbax's resharding
+restore); compile (AOT, a persistent-cache hit on a mesh seen before); train (saves and the
+stop-at-checkpoint decision at checkpoint steps).
 
-1. warm-up     imports, config, dataset (before the assignment);
-2. assignment  one JSON line from the agent: round, rank, processes, coordinator,
-               resume, faults;
-3. set-up      ``jax.distributed``, the round's peer watch (``training.elastic.peerwatch``),
-               the mesh for this round, the train state's shardings;
-4. restore     which step (``training.checkpoint.resume``), its integrity check, Orbax's
-               resharding restore;
-5. compile     AOT, a hit in the persistent cache on a mesh seen before;
-6. train       the loop; saves and the stop-at-checkpoint decision at checkpoint steps.
-
-Every outcome goes to the agent over a pipe (JSON lines); the exit code says
-how it ended (``training.elastic.codes.WorkerExit``).  On any error the process
-reports the error line and leaves at once with ``os._exit``: a collective error
-means a peer is gone, and a clean ``jax.distributed`` shutdown would wait for it.
-When the peer watch sees another process of the round go, this one leaves the
-same way, from the watch's thread, even while its loop waits in a collective.
+Outcomes go to the agent as JSON lines over a pipe; the exit code says how it ended
+(``training.elastic.codes.WorkerExit``).  On any error it reports the error line and leaves at once
+with ``os._exit``, as it does (from the watch's thread, even inside a collective) when the peer
+watch sees another process go: a clean ``jax.distributed`` shutdown would wait for the lost peer.
 """
 
 from __future__ import annotations

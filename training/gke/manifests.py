@@ -1,37 +1,18 @@
 """GKE's side of a job, pure: TPU slices, the JobSet that runs one training job on them, and their capacity.
 
-One training job is one JobSet with one replicated job, ``slice``, of
-``replicas`` = the most TPU slices the job may use (``max_workers`` in whole
-slices).  Each replica is an Indexed Job with one pod per TPU host (VM) of the
-slice, and every pod runs one *host agent* (``rtrain agent``,
-``training.elastic.agent``): the agents meet in the rendezvous on the gs:// run
-root, the lease holder leads, and each agent runs its host's JAX worker for the
-rounds it is a member of.  Kubernetes cannot compute a host's identity in a
-manifest, so each pod gets its slice index and host index from the downward API
-(the labels and annotations the JobSet and Job controllers put on it) and a
-short ``sh`` entrypoint turns them into the agent's arguments:
+A job is one JobSet whose replicated job ``slice`` has one replica per TPU slice it may use
+(``max_workers`` in whole slices): an Indexed Job with one pod per TPU host, each running one host
+agent (``rtrain agent``).  A pod learns its slice and host index from the downward API; a short
+``sh`` entrypoint makes them the agent's host id ``s<slice>-h<host>``, its coordinator host (the
+pod's hostname under the headless Service; not ``$HOSTNAME``, the node's name on the host network)
+and its bind address (the pod's IP).
 
-    host id          = s<slice index>-h<host index>
-    coordinator host = <jobset>-slice-<slice index>-<host index>.<subdomain>
-                       (the pod's hostname, which the Job controller sets, resolvable through the headless
-                       Service; built from the downward API, not $HOSTNAME, which is the node's name on the
-                       host network)
-    bind address     = the pod's IP                 (the coordinator listens on the pod network only)
-
-A lost host does not take the job down: its pod fails (or is evicted), the
-survivors go on in a new round, and the Job recreates the pod for that index
-(``backoffLimitPerIndex``; a preemption or eviction, ``DisruptionTarget``, does
-not count against it, by ``podFailurePolicy``); the new pod waits Pending until
-its node is back, then its agent joins and the group grows at the next
-checkpoint.  Slices whose nodes are not there yet simply stay Pending while the
-others train.  The JobSet itself never restarts (``failurePolicy.maxRestarts: 0``):
-when the job as a whole ends in failure (its budget spent), the agents exit with
-``AgentExit.FAILED`` and ``podFailurePolicy`` fails the Job at once; the Airflow
-sensor's retry is the second level of recovery.  The JobSet succeeds when any
-slice's Job does (``successPolicy: Any``): at the end every live agent exits 0.
-
-Everything here is pure (manifests are dicts) except :class:`GKECapacity`, which
-reads nodes through a callable.  Nothing here imports Airflow or JAX.
+A lost host does not end the job: the survivors go on, and the Job recreates the pod
+(``backoffLimitPerIndex``; preemptions and evictions do not count), which waits Pending until its
+node is back, then joins.  The JobSet never restarts (``maxRestarts: 0``): a job that fails has its
+agents exit ``AgentExit.FAILED``, ``podFailurePolicy`` fails the Job at once, and the Airflow
+sensor's retry takes over.  It succeeds when any slice's Job does.  Everything is pure (manifests
+are dicts) except :class:`GKECapacity`, which reads nodes through a callable; no Airflow, no JAX.
 """
 
 from __future__ import annotations

@@ -1,25 +1,16 @@
 """A JobSet without Kubernetes: the pods of a rendered JobSet run as local processes, as GKE runs them.
 
-For tests and trials of the GKE path on one machine.  What the cluster would do
-is done here in small:
+For tests and trials of the GKE path on one machine.  In small, it does what the cluster does: one
+pod per (slice, host index), recreated by the Job's ``podFailurePolicy`` and
+``backoffLimitPerIndex``; a pod starts only while its slice's nodes are up (else it waits
+``Pending``); each container gets its environment (values, downward-API fields, and what GKE's TPU
+webhook injects: ``TPU_WORKER_ID``, ``TPU_WORKER_HOSTNAMES``, ``MEGASCALE_*``), a pod IP of its own
+on loopback, the headless Service's names in its own ``/etc/hosts``, the node's hostname, and
+directories for its volumes; a deleted pod gets SIGTERM, then SIGKILL once its grace is over.
 
-- the JobSet and Job controllers make one pod per (slice, host index), with the
-  labels, annotations and hostname they set, and recreate a pod that ended by
-  the Job's ``podFailurePolicy`` and ``backoffLimitPerIndex``;
-- the scheduler starts a pod only while its slice's nodes are up (a pod of a
-  slice whose nodes are gone waits ``Pending``/``Unschedulable``);
-- the kubelet gives the container its environment (values, downward-API fields,
-  ``HOSTNAME``), what GKE's TPU webhook injects into JobSet pods
-  (``TPU_WORKER_ID``, ``TPU_WORKER_HOSTNAMES``, ``MEGASCALE_*``), a pod IP of
-  its own on loopback, the pod DNS names of the headless Service resolved to
-  those IPs (``/etc/hosts`` in the pod's own mount namespace), its hostname (the
-  node's on the host network, in its own UTS namespace), and directories for its
-  volumes; a deleted pod gets SIGTERM, then SIGKILL once its grace is over.
-
-The container's command runs as written, with this repository's ``rtrain`` in
-place of the image's.  The image's own environment is what the caller passes
-(for JAX on CPU: ``JAX_PLATFORMS``, gloo, and as many CPU devices as the pod asks
-TPU chips).  It needs ``unshare`` (util-linux) and either root or user namespaces.
+The container's command runs as written, with this repository's ``rtrain`` for the image's; the
+image's environment is what the caller passes (for JAX on CPU: ``JAX_PLATFORMS``, gloo, and as many
+CPU devices as the pod asks TPU chips).  Needs ``unshare`` (util-linux) and root or user namespaces.
 """
 
 from __future__ import annotations

@@ -1,27 +1,9 @@
 """Operators of the training pipeline: thin, each one verb of the engine (``RTrainHook``).
 
-Read in the DAG's order:
-
-========================================  ==============================================================
-``RTrainResolveRunConfigOperator``        DAG params -> the validated run config (refuses bad conf first)
-``RTrainPrepareDatasetOperator``          the byte-level dataset, idempotent by fingerprint
-``RTrainProvisionCapacityOperator``       setup: the local slice's hosts, or TPU node pools on GKE
-``RTrainPlanTopologyOperator``            mesh plans and the memory-fit check at the minimum topology
-``RTrainStartTrainingJobOperator``        launch the job, or re-attach to the live one
-(``RTrainTrainingJobSensor``)             watch it; its retries relaunch (rtrain_airflow.sensors.training)
-``RTrainValidateCheckpointsOperator``     judge every checkpoint without a verdict, oldest first
-``RTrainBranchValidationOperator``        promote, or roll back
-``RTrainPromoteCheckpointOperator``       bless the newest validated checkpoint
-``RTrainRollbackAndResumeOperator``       roll back to the newest validated, train on, validate (bounded)
-``RTrainPruneCheckpointsOperator``        the run's retention policy
-``RTrainReportRunOperator``               teardown: the run's story (steps, failures, recoveries, goodput)
-``RTrainReleaseCapacityOperator``         teardown (ALL_DONE): stop what still runs, give capacity back
-========================================  ==============================================================
-
-Operators check their inputs in ``__init__`` (when the DAG is parsed) where the
-values are plain, and in ``execute`` once templates and XComs are resolved.
-Nothing here imports JAX: validation and dataset preparation import it inside
-the engine's calls, i.e. inside ``execute()``.
+They are defined in the DAG's order; the job's watch, whose retries relaunch it, is the sensor of
+``rtrain_airflow.sensors.training``.  Each operator checks its inputs in ``__init__`` (when the DAG
+is parsed) where the values are plain, and in ``execute`` once templates and XComs are resolved.
+Nothing here imports JAX: the engine imports it inside ``execute()``.
 """
 
 from __future__ import annotations

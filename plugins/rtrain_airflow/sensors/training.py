@@ -1,24 +1,15 @@
 """The sensor that watches a training job, and whose retries relaunch it.
 
-Why a sensor whose *retry relaunches* (rather than one operator that launches and
-watches, or a sensor that only watches):
+When a job dies beyond what its agents absorb (failure budget spent, capacity short past its
+timeout, the agent killed, the JobSet failed or gone), this sensor fails, and Airflow's retry
+relaunches the job through the same idempotent launch (``RTrainHook`` -> ``training.api.launch``:
+re-attach if alive, else resume from the newest committed checkpoint; never from scratch, never
+overwriting).  Why here: a watch that retried without relaunching would watch a dead job again,
+and a retry cannot re-run the upstream launch task; the graph still shows plan, launch and watch.
 
-* the graph keeps the three steps a person looks for (plan, launch, watch), and
-  the launch task's log holds the launch;
-* a job that dies beyond what its own agent absorbs (failure budget spent,
-  capacity below the minimum past its timeout, the agent killed, the JobSet
-  failed or vanished) makes this sensor fail; Airflow's retry of the sensor then
-  *relaunches* the job through the same idempotent launch (``RTrainHook`` ->
-  ``training.api.launch``: re-attach if alive, else start an agent that resumes
-  from the newest committed checkpoint; never from scratch, never overwriting);
-* a watching sensor that retried without relaunching would only watch a dead job
-  again, and a launch task downstream of nothing cannot be re-run by a sensor's
-  retry; putting the relaunch where the failure is seen closes that loop.
-
-The first try never relaunches: it watches the job the launch task started (so a
-job that is already dead counts as this try's failure, and the retry, after
-``retry_delay``, relaunches).  Every try defers to :class:`RTrainTrainingJobTrigger`,
-so the wait holds no worker slot.
+The first try never relaunches: it watches the job the launch task started (one already dead fails
+it, and the retry relaunches).  Every try defers to :class:`RTrainTrainingJobTrigger`, so the wait
+holds no worker slot.
 """
 
 from __future__ import annotations

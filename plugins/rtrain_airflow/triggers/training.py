@@ -1,28 +1,16 @@
 """The deferrable wait on a training job: its status document and its typed events.
 
-The job (the elastic agent and its workers, or a JobSet on GKE) recovers from
-lost hosts by itself, in seconds.  This trigger only decides when the job is
-*over* for Airflow:
-
-* ``finished``: success;
-* ``failed``: the agent gave up (failure budget spent, capacity below the minimum
-  past its timeout, guard rollbacks exhausted), or the job is gone (the agent
-  was killed, the JobSet failed or vanished), or nothing was heard for
-  ``stale_after_s``.
-
-Meanwhile it tells the task log what the job does, one sentence per event
-(launches, failures and recoveries, resizes, restores, checkpoints, rollbacks:
-``RELAYED``), and every ``progress_every_s`` a progress line::
+The job recovers from lost hosts by itself; this trigger only decides when it is over for Airflow:
+``finished``, or ``failed`` (the agent gave up, the job is gone, or nothing was heard for
+``stale_after_s``).  A run of a shared pool that holds no host is alive (``queued``).  Meanwhile it
+tells the task log each event of note (``RELAYED``), one sentence each, and every
+``progress_every_s`` a progress line::
 
     step 120/300 (40%), loss 2.3141, 5400 tok/s, ETA 3m12s, 4 workers, mesh data4 x fsdp2
 
-(step, loss and throughput from the newest ``progress`` event; the total from the
-run's status; workers and mesh from the round's launch; the ETA from the pace of
-the last minute of steps, or, for a run of a shared pool, the queue's forecast,
-whose assumptions are logged when they change).  A run of a shared pool that
-holds no host is alive (``queued``): its line says why it waits.  It measures each recovery as Airflow sees it: from
-the failure (the fault, when chaos recorded one) to the next ``resumed`` event.
-The blocking reads (a local file or a GCS object) run in a thread.
+(the ETA from the last minute's pace, or a shared pool's queue forecast; a queued run's line says
+why it waits).  It measures each recovery as Airflow sees it: from the failure (the fault, when
+chaos recorded one) to the next ``resumed`` event.  Blocking reads run in a thread.
 """
 
 from __future__ import annotations
