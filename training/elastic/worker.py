@@ -427,20 +427,24 @@ def restore(
         tier,
         chaos,
     )
-    hint = decision.hint if decision is not None else None
-    if hint is not None:
-        if hint.skip_to_batch is not None and hint.skip_to_batch > start.next_batch:
-            start.skipped.append([start.next_batch, hint.skip_to_batch])
-            start.next_batch = hint.skip_to_batch
-        start.lr_scale *= hint.lr_scale
-        rep.send(
-            ReportType.RESUMED_WITH,
-            step=start.step,
-            next_batch=start.next_batch,
-            lr_scale=start.lr_scale,
-            skipped=start.skipped,
-        )
+    if decision is not None and decision.hint is not None:
+        follow_hint(start, decision.hint, rep)
     return start
+
+
+def follow_hint(start: Start, hint: Any, rep: Reporter) -> None:
+    """A rollback's hint for the resumed round: skip to its batch, scale the learning rate; reported."""
+    if hint.skip_to_batch is not None and hint.skip_to_batch > start.next_batch:
+        start.skipped.append([start.next_batch, hint.skip_to_batch])
+        start.next_batch = hint.skip_to_batch
+    start.lr_scale *= hint.lr_scale
+    rep.send(
+        ReportType.RESUMED_WITH,
+        step=start.step,
+        next_batch=start.next_batch,
+        lr_scale=start.lr_scale,
+        skipped=start.skipped,
+    )
 
 
 def data_changed(cfg: Any, step: int, pos: DataPosition, dataset: str, rep: Reporter) -> DataPosition:
