@@ -26,7 +26,16 @@ from typing import Any, NotRequired, TypedDict
 
 from training.checkpoint import lifecycle
 from training.checkpoint.ledger import Ledger
-from training.checkpoint.lifecycle import LifecycleError, Promotion, Rollback, RunNotFound, RunReport, Verdict
+from training.checkpoint.lifecycle import (
+    LifecycleError,
+    Promotion,
+    Rollback,
+    RunNotFound,
+    RunReport,
+    Verdict,
+    WallSplit,
+    wall_split,
+)
 from training.checkpoint.lock import LockHeld, RunLock
 from training.checkpoint.prune import Pruned
 from training.config import RUN_NAME_PATTERN, Config, ConfigError, absolute, config_from_json, load_config
@@ -118,6 +127,8 @@ __all__ = [
     "PlanEnd",
     "PlanReport",
     "RunReport",
+    "WallSplit",
+    "wall_split",
     "run_exists",
     "checkpoint_states",
     "prepare_dataset",

@@ -305,22 +305,3 @@ def _checkpoint_rows(ledger: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
             }
         )
     return rows
-
-
-def goodput_breakdown(report: dict[str, Any]) -> dict[str, Any] | None:
-    """Where the run's wall time went, from ``training.api.report``: steps that count (goodput x wall),
-    recoveries (failure to training again, summed) and the rest (start-up, compilation, checkpoints,
-    validation, waiting for capacity, steps trained again)."""
-    wall, goodput = number(report.get("wall_s")), number(report.get("goodput"))
-    if not wall or goodput is None or report.get("state") in ALIVE:
-        return None  # a live run's wall time is not known yet (the report's would end at an earlier job's end)
-    productive = min(wall, goodput * wall)
-    recovery = min(wall - productive, sum(number(r.get("recovery_s")) or 0.0 for r in report.get("recoveries") or []))
-    other = max(0.0, wall - productive - recovery)
-    return {
-        "wall_s": wall,
-        "productive_s": productive,
-        "recovery_s": recovery,
-        "other_s": other,
-        "fractions": {"productive": productive / wall, "recovery": recovery / wall, "other": other / wall},
-    }

@@ -31,7 +31,6 @@ from rtrain_airflow.runview import (
     chart_data,
     events_cursor,
     finite,
-    goodput_breakdown,
     one_line,
     run_known,
     storage,
@@ -188,7 +187,7 @@ def _run_routes(locate: Callable[..., Run], query: Callable[[Run], str], cache: 
     @router.get("/report")
     def report(run: Run = Depends(locate)) -> JSONResponse:
         r = storage("the run's report", lambda: api.report(run.uri))
-        return JSONResponse(finite({**r, "breakdown": goodput_breakdown(r)}))
+        return JSONResponse(finite({**r, "breakdown": api.wall_split(r)}))
 
     @router.get("/checkpoints")
     def checkpoints(run: Run = Depends(locate)) -> JSONResponse:

@@ -259,13 +259,15 @@ def test_chart_data_of_a_finished_run(client: Any, run: str) -> None:
 
 
 def test_goodput_breakdown_adds_up() -> None:
-    from rtrain_airflow.runview import goodput_breakdown
+    from training.api import wall_split as goodput_breakdown
 
     b = goodput_breakdown({"wall_s": 100.0, "goodput": 0.6, "recoveries": [{"recovery_s": 10.0}, {"recovery_s": None}]})
     assert b is not None
     assert (b["productive_s"], b["recovery_s"], b["other_s"]) == pytest.approx((60.0, 10.0, 30.0))
     assert math.isclose(sum(b["fractions"].values()), 1.0)
     assert goodput_breakdown({"wall_s": None, "goodput": None, "recoveries": []}) is None
+    live = {"state": "running", "wall_s": 100.0, "goodput": 0.6, "recoveries": []}
+    assert goodput_breakdown(live) is None, "a live run's wall time is not known yet"
 
 
 def test_the_page_escapes_what_it_shows(client: Any, project: Path) -> None:

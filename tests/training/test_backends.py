@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -76,3 +77,14 @@ def test_rtrain_train_detach_provisions_and_launches_through_the_local_backend(
     assert not any(pid_alive(p) for p in pids)
     assert api.events(run_uri, ("capacity",))[-1]["reason"] == "released by the rtrain teardown"
     assert (api.repair_status(run_uri) or {}).get("state") == "failed", "stopped, resumable"
+
+
+def test_stop_asks_the_job_s_leader_to_end_it_on_every_backend_that_runs_agents(tmp_path: Path) -> None:
+    from training.layout import CONTROL
+    from training.storage import open_store
+
+    for name, backend in (("local", backends.backend("local")), ("gke", backends.backend("gke", gke=GKE))):
+        run_uri = str(tmp_path / name)
+        backend.stop({"run_uri": run_uri, "job": "j1"}, f"stopped from {name}")
+        control = json.loads(open_store(run_uri).get(CONTROL))
+        assert control == {"action": "stop_job", "reason": f"stopped from {name}"}

@@ -23,7 +23,7 @@ from training.checkpoint.lock import RunLock
 from training.checkpoint.resume import DataPosition, data_position
 from training.checkpoint.steps import INTEGRITY, committed_steps
 from training.config import Config, config_from_json
-from training.events import EventLog, mesh_text
+from training.events import ALIVE_STATES, EventLog, mesh_text
 from training.layout import CHECKPOINTS, CONFIG, QUARANTINE, STATUS, step_uri
 from training.storage import NotFound, Store, join, open_store
 
@@ -608,6 +608,37 @@ def report(run_uri: str) -> RunReport:
         "wall_s": gp["wall_s"],
         "goodput": gp["goodput"],
         "goodput_breakdown": gp,
+    }
+
+
+class WallSplit(TypedDict):
+    """Where a finished run's wall time went: steps that count, recoveries, and the rest."""
+
+    wall_s: float
+    productive_s: float  # goodput x wall
+    recovery_s: float  # each failure to training again, summed
+    other_s: float  # start-up, compilation, checkpoints, validation, waiting for capacity, steps trained again
+    fractions: dict[str, float]  # the three as fractions of the wall time
+
+
+def wall_split(r: Mapping[str, Any]) -> WallSplit | None:
+    """The report's wall time in three parts; None for a live run (its wall time is not known yet)."""
+
+    def seconds(x: Any) -> float | None:
+        return float(x) if isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) else None
+
+    wall, goodput = seconds(r.get("wall_s")), seconds(r.get("goodput"))
+    if not wall or goodput is None or r.get("state") in ALIVE_STATES:
+        return None
+    productive = min(wall, goodput * wall)
+    recovery = min(wall - productive, sum(seconds(x.get("recovery_s")) or 0.0 for x in r.get("recoveries") or []))
+    other = max(0.0, wall - productive - recovery)
+    return {
+        "wall_s": wall,
+        "productive_s": productive,
+        "recovery_s": recovery,
+        "other_s": other,
+        "fractions": {"productive": productive / wall, "recovery": recovery / wall, "other": other / wall},
     }
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from training.elastic.capacity import LocalCapacity
+from training.elastic.wire import ReportType
 from training.events import EventLog
 from training.faults import HOST_ACTIONS, STORAGE_ACTIONS, WORKER_SIDE, ChaosError, Fault, parse_chaos
 
@@ -42,7 +43,15 @@ class WorkerChaos:
         self.lr_factor = 1.0
 
     def _fire(self, f: Fault, step: int, everyone: bool = False) -> None:
-        self.send("chaos", everyone=everyone, action=f.action, spec=f.spec, step=step, worker=self.rank, at=time.time())
+        self.send(
+            ReportType.CHAOS,
+            everyone=everyone,
+            action=f.action,
+            spec=f.spec,
+            step=step,
+            worker=self.rank,
+            at=time.time(),
+        )
 
     def before_step(self, step: int) -> None:
         """Process and host faults due at ``step`` (this call does not return for them)."""

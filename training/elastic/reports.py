@@ -27,6 +27,7 @@ from training.elastic.capacity import LocalCapacity
 from training.elastic.heartbeat import Heartbeat
 from training.elastic.outcomes import last_error, recovery_cost, worker_outcome
 from training.elastic.rendezvous import Outcome, Rendezvous, Report
+from training.elastic.wire import ReportType, WorkerReport
 from training.elastic.workerproc import WorkerProc
 from training.elastic.writer import Writer
 from training.faults import HOST_ACTIONS, STORAGE_ACTIONS, parse_chaos
@@ -39,22 +40,22 @@ SCALARS_FLUSH_S = 5.0  # step scalars reach the run's TensorBoard files this oft
 # Worker reports that become events (rank 0's; worker_started and chaos come from every rank).
 EVENT_REPORTS = frozenset(
     {
-        "worker_started",
-        "restore",
-        "init",
-        "compiled",
-        "compiled_ahead",
-        "resumed",
-        "resumed_with",
-        "data_refreshed",
-        "progress",
-        "checkpoint",
-        "evaluated",
-        "guard",
-        "chaos",
-        "rescale_requested",
-        "local_checkpoint_skipped",
-        "local_tier_off",
+        ReportType.WORKER_STARTED,
+        ReportType.RESTORE,
+        ReportType.INIT,
+        ReportType.COMPILED,
+        ReportType.COMPILED_AHEAD,
+        ReportType.RESUMED,
+        ReportType.RESUMED_WITH,
+        ReportType.DATA_REFRESHED,
+        ReportType.PROGRESS,
+        ReportType.CHECKPOINT,
+        ReportType.EVALUATED,
+        ReportType.GUARD,
+        ReportType.CHAOS,
+        ReportType.RESCALE_REQUESTED,
+        ReportType.LOCAL_CHECKPOINT_SKIPPED,
+        ReportType.LOCAL_TIER_OFF,
     }
 )
 
@@ -104,8 +105,9 @@ class ReportHandler:
 
     # --- a worker's reports -------------------------------------------------------------------
 
-    def handle(self, w: WorkerProc, msg: dict[str, Any]) -> None:
-        t = str(msg.pop("type", ""))
+    def handle(self, w: WorkerProc, rep: WorkerReport) -> None:
+        """One report of the worker: the heartbeat, the ledger, what the worker's end is judged by, the events."""
+        t, msg = rep.type.value, dict(rep.fields)
         if t == "metrics":
             self._metrics(w, msg)
             return

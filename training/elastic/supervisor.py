@@ -15,10 +15,10 @@ import signal
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from training.config import Config
 from training.elastic.rendezvous import Round
+from training.elastic.wire import WorkerReport
 from training.elastic.workerproc import WorkerProc, spawn_worker
 
 log = logging.getLogger("rtrain.agent")
@@ -142,7 +142,7 @@ class WorkerSupervisor:
 
         return round_env(rnd.members, rank, self.cfg.hosts_per_slice, rnd.coordinator, os.environ.get("MEGASCALE_PORT"))
 
-    def pump(self, handle: Callable[[WorkerProc, dict[str, Any]], None]) -> tuple[WorkerProc, int] | None:
+    def pump(self, handle: Callable[[WorkerProc, WorkerReport], None]) -> tuple[WorkerProc, int] | None:
         """Hand each report the worker wrote to ``handle``; the worker and its exit code once it has ended."""
         if self.standby is not None and self.standby.proc.poll() is not None:
             log.warning(

@@ -31,6 +31,7 @@ from typing import Any, NoReturn
 from training.checkpoint.resume import DataPosition
 from training.elastic import ahead
 from training.elastic.codes import WorkerExit
+from training.elastic.wire import ReportType, report
 from training.storage import scheme
 
 
@@ -58,13 +59,13 @@ class Reporter:
         self.round = -1
         self.lock = threading.Lock()  # the loop and the peer watch's thread both report
 
-    def send(self, type_: str, *, everyone: bool = False, **fields: Any) -> None:
+    def send(self, type_: ReportType, *, everyone: bool = False, **fields: Any) -> None:
         """Report to the agent; most reports come from rank 0 only (``everyone``: from every rank)."""
         if self.rank != 0 and not everyone:
             return
-        msg = {"type": type_, "time": time.time(), "attempt": self.round, "process_id": self.rank, **fields}
+        line = report(type_, self.round, self.rank, **fields).line()
         with self.lock:
-            self.pipe.write(json.dumps(msg, default=str) + "\n")
+            self.pipe.write(line)
             self.pipe.flush()
 
 
@@ -161,7 +162,7 @@ def leave(rep: Reporter, code: WorkerExit, error: str = "", **fields: Any) -> No
             error = f"{error} (peer process {peer} is gone: {why})"
     if error:
         try:
-            rep.send("error", everyone=True, error=error, **fields)
+            rep.send(ReportType.ERROR, everyone=True, error=error, **fields)
         except OSError:
             pass
     sys.stdout.flush()
@@ -229,7 +230,7 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, task: An
         trainer.compile()
     # Whether the persistent cache held the step (JAX counts its hits; nothing else compiles meanwhile).
     cache_hit = loaded or CACHE_HITS[0] > hits
-    rep.send("compiled", step=start.step, seconds=time.time() - t0, cache_hit=cache_hit, loaded=loaded)
+    rep.send(ReportType.COMPILED, step=start.step, seconds=time.time() - t0, cache_hit=cache_hit, loaded=loaded)
     saver = Saver(mngr, rep, pins, trainer.abstract, background=cfg.async_checkpoint)
     loop = RoundLoop(cfg, store, a, rep, trainer, saver, start, t_assigned, task, compiled_from_cache=cache_hit)
     return loop.run(task_data, batches)
@@ -320,7 +321,7 @@ def set_up(cfg: Any, run: str, a: Assignment, rep: Reporter, task: Any, t_assign
     from training.gke.manifests import is_round_env
 
     rep.send(
-        "worker_started",
+        ReportType.WORKER_STARTED,
         everyone=True,
         seconds=time.time() - t_assigned,
         host=os.environ.get("RTRAIN_HOST"),
@@ -373,7 +374,7 @@ def restore(
         list(a.faults), a.rank, rep.send, local_dir, (lambda: settle_local(tier, rep, a)) if on else None
     )
     if tier is not None and not tier.enabled:
-        rep.send("local_tier_off", reason=tier.reason)
+        rep.send(ReportType.LOCAL_TIER_OFF, reason=tier.reason)
     local_step = None
     if on and parse_resume(a.resume):
         # The leader judged "newer than any persistent checkpoint" from the ledger; a save that Orbax
@@ -388,7 +389,9 @@ def restore(
         assert tier is not None
         state, pos = tier.restore(local_step)
         step0: int | None = local_step
-        rep.send("restore", step=local_step, tier="local", mesh=shape, workers=a.processes, seconds=time.time() - t0)
+        rep.send(
+            ReportType.RESTORE, step=local_step, tier="local", mesh=shape, workers=a.processes, seconds=time.time() - t0
+        )
     else:
         try:
             resume = "latest" if a.resume.startswith("local:") else a.resume
@@ -400,11 +403,16 @@ def restore(
         if step0 is not None:
             state, pos = restore_persistent(run, step0, a, rep, trainer, mngr, ledger, states, pins)
             rep.send(
-                "restore", step=step0, tier="persistent", mesh=shape, workers=a.processes, seconds=time.time() - t0
+                ReportType.RESTORE,
+                step=step0,
+                tier="persistent",
+                mesh=shape,
+                workers=a.processes,
+                seconds=time.time() - t0,
             )
         else:
             state, pos = trainer.init(), DataPosition(next_batch=0)
-            rep.send("init", step=0, mesh=shape, workers=a.processes, seconds=time.time() - t0)
+            rep.send(ReportType.INIT, step=0, mesh=shape, workers=a.processes, seconds=time.time() - t0)
     if step0 is not None and pos.get("dataset") not in (None, dataset):
         pos = data_changed(cfg, step0, pos, dataset, rep)
     if on:
@@ -419,16 +427,24 @@ def restore(
         tier,
         chaos,
     )
-    hint = decision.hint if decision is not None else None
-    if hint is not None:
-        if hint.skip_to_batch is not None and hint.skip_to_batch > start.next_batch:
-            start.skipped.append([start.next_batch, hint.skip_to_batch])
-            start.next_batch = hint.skip_to_batch
-        start.lr_scale *= hint.lr_scale
-        rep.send(
-            "resumed_with", step=start.step, next_batch=start.next_batch, lr_scale=start.lr_scale, skipped=start.skipped
-        )
+    if decision is not None and decision.hint is not None:
+        follow_hint(start, decision.hint, rep)
     return start
+
+
+def follow_hint(start: Start, hint: Any, rep: Reporter) -> None:
+    """A rollback's hint for the resumed round: skip to its batch, scale the learning rate; reported."""
+    if hint.skip_to_batch is not None and hint.skip_to_batch > start.next_batch:
+        start.skipped.append([start.next_batch, hint.skip_to_batch])
+        start.next_batch = hint.skip_to_batch
+    start.lr_scale *= hint.lr_scale
+    rep.send(
+        ReportType.RESUMED_WITH,
+        step=start.step,
+        next_batch=start.next_batch,
+        lr_scale=start.lr_scale,
+        skipped=start.skipped,
+    )
 
 
 def data_changed(cfg: Any, step: int, pos: DataPosition, dataset: str, rep: Reporter) -> DataPosition:
@@ -441,7 +457,7 @@ def data_changed(cfg: Any, step: int, pos: DataPosition, dataset: str, rep: Repo
             "(on_dataset_change=restart continues on the new data)",
         )
     # Continual training on refreshed data: the model goes on, the data position starts over.
-    rep.send("data_refreshed", step=step, old=pos.get("dataset"), new=dataset)
+    rep.send(ReportType.DATA_REFRESHED, step=step, old=pos.get("dataset"), new=dataset)
     return DataPosition(next_batch=0, lr_scale=pos.get("lr_scale", 1.0))
 
 
@@ -470,7 +486,7 @@ def restore_persistent(
         state, pos = ckpt.restore(mngr, step, trainer.abstract)
     except Exception as e:  # noqa: BLE001 - unreadable data is a corrupt checkpoint; anything else an error
         if looks_unreadable(e):
-            rep.send("corrupt", step=step, reason=f"restore failed: {str(e).strip().splitlines()[0]}")
+            rep.send(ReportType.CORRUPT, step=step, reason=f"restore failed: {str(e).strip().splitlines()[0]}")
             leave(rep, WorkerExit.CORRUPT)
         raise
     pins.unpin(step)
@@ -484,7 +500,7 @@ def settle_local(tier: Any, rep: Reporter, a: Assignment) -> None:
     """Finish this host's local saves in flight and report each one."""
     tier.wait()
     for done, seconds in tier.finished():
-        rep.send("local_checkpoint", everyone=True, step=done, seconds=seconds, round=a.round)
+        rep.send(ReportType.LOCAL_CHECKPOINT, everyone=True, step=done, seconds=seconds, round=a.round)
 
 
 class RoundLoop:
@@ -564,9 +580,9 @@ class RoundLoop:
             self.saver.poll()
             if self.tier is not None:
                 for done, seconds in self.tier.finished():
-                    self.rep.send("local_checkpoint", everyone=True, step=done, seconds=seconds, round=a.round)
+                    self.rep.send(ReportType.LOCAL_CHECKPOINT, everyone=True, step=done, seconds=seconds, round=a.round)
                 if self.tier.failure:
-                    self.rep.send("local_tier_off", reason=self.tier.failure)
+                    self.rep.send(ReportType.LOCAL_TIER_OFF, reason=self.tier.failure)
                     self.tier.failure = ""
             if save_now:
                 if self.save_and_maybe_stop():
@@ -582,7 +598,7 @@ class RoundLoop:
                 settle_local(self.tier, self.rep, a)
             self.tier.close()
         self.mngr.close()
-        self.rep.send("finished", everyone=True, step=self.step)
+        self.rep.send(ReportType.FINISHED, everyone=True, step=self.step)
         return 0
 
     def keep_compiled(self, workers: int, compiled: Any) -> None:
@@ -600,7 +616,7 @@ class RoundLoop:
 
     def compiled_ahead(self, workers: int, seconds: float) -> None:
         """Report a smaller size's step compiled ahead (from the compiling thread)."""
-        self.rep.send("compiled_ahead", workers=workers, seconds=round(seconds, 3))
+        self.rep.send(ReportType.COMPILED_AHEAD, workers=workers, seconds=round(seconds, 3))
 
     @property
     def tier_on(self) -> bool:
@@ -638,7 +654,11 @@ class RoundLoop:
             return
         self.saver.wait()
         self.rep.send(
-            "guard", everyone=True, restored_from=self.restored, committed_since_restore=self.saver.committed_any, **bad
+            ReportType.GUARD,
+            everyone=True,
+            restored_from=self.restored,
+            committed_since_restore=self.saver.committed_any,
+            **bad,
         )
         leave(self.rep, WorkerExit.GUARD)
 
@@ -652,7 +672,7 @@ class RoundLoop:
             self.evaluate_saved()
         if self.step < self.cfg.steps and stop_requested(self.store, self.a):
             self.saver.wait()
-            self.rep.send("rescale_requested", everyone=True, step=self.step, workers=self.a.processes)
+            self.rep.send(ReportType.RESCALE_REQUESTED, everyone=True, step=self.step, workers=self.a.processes)
             self.mngr.close()
             return True
         self.loop.reset_clock()  # saving time is not step time
@@ -684,7 +704,7 @@ class RoundLoop:
                 sums[k] = sums.get(k, 0.0) + float(v)
         metrics = {k: v / len(self.eval_batches) for k, v in sums.items()}
         shown = {k: (v if math.isfinite(v) else str(v)) for k, v in metrics.items()}  # NaN is not JSON
-        self.rep.send("evaluated", step=self.step, metrics=shown, seconds=round(time.perf_counter() - t0, 3))
+        self.rep.send(ReportType.EVALUATED, step=self.step, metrics=shown, seconds=round(time.perf_counter() - t0, 3))
 
     def stop_here(self, why: str) -> NoReturn:
         """Save and commit the newest step (unless saved already), tell the agent, and leave."""
@@ -696,7 +716,7 @@ class RoundLoop:
             self.tier.wait()
         sync_processes(self.a, f"rtrain-stop-{self.a.round}-{self.step}")  # every process knows: the step is committed
         self.rep.send(
-            "preempted",
+            ReportType.PREEMPTED,
             everyone=True,
             step=self.step,
             noticed=NOTICE.at is not None,
@@ -774,11 +794,11 @@ class Loop:
             self.since += 1
             step_time = (now - self.t_last) / self.since
             values = {k: v for k, v in m.items() if k != "notice"}  # the engine's and the task's own metrics
-            self.rep.send("metrics", step=step, step_time=step_time, loss=loss, values=values)
+            self.rep.send(ReportType.METRICS, step=step, step_time=step_time, loss=loss, values=values)
             common: dict[str, Any] = {k: values[k] for k in ("loss", "grad_norm", "accuracy", "lr") if k in values}
             if step % self.cfg.log_every == 0 or step == self.cfg.steps or self.first:
                 self.rep.send(
-                    "progress",
+                    ReportType.PROGRESS,
                     step=step,
                     tokens_per_s=self.tokens_per_step / max(step_time, 1e-9),
                     step_time=step_time,
@@ -788,7 +808,7 @@ class Loop:
                 self.local_saves = []
                 if self.first:
                     # From every process: each agent starts its next standby now (its round has started).
-                    self.rep.send("resumed", everyone=True, step=step, seconds=now - self.t_assigned)
+                    self.rep.send(ReportType.RESUMED, everyone=True, step=step, seconds=now - self.t_assigned)
                     self.first = False
                 self.t_last, self.since = now, 0
         return Verdict(self.bad, self.notice)
@@ -831,7 +851,7 @@ def pick_local_step(
     for s, problem in zip(candidates, problems, strict=True):
         if problem and (chosen is None or s > chosen):  # stepped over (older candidates were not needed)
             rep.send(
-                "local_checkpoint_skipped",
+                ReportType.LOCAL_CHECKPOINT_SKIPPED,
                 everyone=True,
                 step=s,
                 host=os.environ.get("RTRAIN_HOST"),
@@ -899,7 +919,7 @@ class Saver:
             raise RuntimeError(f"checkpoint {step} did not commit (no finalised step directory){_why_not(self.mngr)}")
         cost, self.cost = self.cost, {}
         cost["write_s"] = round(time.time() - cost.pop("t0"), 4)
-        self.rep.send("checkpoint", step=step, committed=True, **cost)
+        self.rep.send(ReportType.CHECKPOINT, step=step, committed=True, **cost)
         self.pins.unpin(step)
         self.committed_any = True
 
@@ -949,7 +969,7 @@ class Saver:
         self.bg.start(start, state)
         blocking = time.time() - t0
         self.cost["blocking_s"] = round(blocking, 4)
-        self.rep.send("checkpoint", step=step, committed=False, blocking_s=blocking)
+        self.rep.send(ReportType.CHECKPOINT, step=step, committed=False, blocking_s=blocking)
 
 
 def _why_not(mngr: Any) -> str:
@@ -984,7 +1004,7 @@ def check_integrity(run: str, step: int, ledger: Any, a: Assignment, rep: Report
         bad = int(multihost_utils.broadcast_one_to_all(np.int32(bad)))
     if bad:
         if a.rank == 0:
-            rep.send("corrupt", step=step, reason=problem)
+            rep.send(ReportType.CORRUPT, step=step, reason=problem)
         leave(rep, WorkerExit.CORRUPT)
 
 

@@ -8,7 +8,6 @@ pipe of its own) and kills it when the round is over for this host.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import subprocess
@@ -19,6 +18,7 @@ from typing import Any
 
 from training.config import Config
 from training.elastic.rendezvous import Round
+from training.elastic.wire import WorkerReport, decode
 
 log = logging.getLogger("rtrain.agent")
 
@@ -54,7 +54,7 @@ class WorkerProc:
             with contextlib.suppress(OSError):
                 self.proc.stdin.close()
 
-    def read(self, host: str) -> list[dict[str, Any]]:
+    def read(self, host: str) -> list[WorkerReport]:
         """The whole reports that arrived since the last read (without waiting)."""
         if self.eof:
             return []
@@ -75,9 +75,9 @@ class WorkerProc:
         for line in lines:
             if line.strip():
                 try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    log.warning("[%s] unreadable report from the worker: %r", host, line[:200])
+                    out.append(decode(line))
+                except ValueError as e:
+                    log.warning("[%s] unreadable report from the worker (%s): %r", host, e, line[:200])
         return out
 
 
