@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from training.config import Config, load_config
+from training.events import Event
 from training.storage import OPS_ENV
 
 WORKERS = 2
@@ -57,7 +58,7 @@ def _cfg(ws: Path, name: str, **kw: Any) -> Config:
     return load_config("tiny", None, base)
 
 
-def _run(cfg: Config) -> list[dict[str, Any]]:
+def _run(cfg: Config) -> list[Event]:
     from training import api
 
     store_dir = Path(cfg.run_uri)
@@ -69,7 +70,7 @@ def _run(cfg: Config) -> list[dict[str, Any]]:
     return api.events(cfg.run_uri)
 
 
-def _first(evs: list[dict[str, Any]], type_: str, after: float, **match: Any) -> dict[str, Any]:
+def _first(evs: list[Event], type_: str, after: float, **match: Any) -> Event:
     for e in evs:
         if e["type"] == type_ and e["time"] >= after and all(e.get(k) == v for k, v in match.items()):
             return e
@@ -160,6 +161,7 @@ def _lose_host(ws: Path, name: str, which: str, wait_ahead: bool = False, **kw: 
     fail = _first(evs, "failure", t_kill)
     launch = _first(evs, "launch", t_kill)
     rnd = launch["round"]
+    assert rnd is not None, "a launch names its round"
     started = _first(evs, "worker_started", launch["time"], attempt=rnd, process_id=0)
     restore = _first(evs, "restore", launch["time"], attempt=rnd)
     compiled = _first(evs, "compiled", launch["time"], attempt=rnd)
@@ -183,7 +185,7 @@ def _lose_host(ws: Path, name: str, which: str, wait_ahead: bool = False, **kw: 
     }
 
 
-def _steady_step_time(evs: list[dict[str, Any]], rnd: int) -> float:
+def _steady_step_time(evs: list[Event], rnd: int) -> float:
     t = sorted((e["step"], e["time"]) for e in evs if e["type"] == "progress" and e.get("attempt") == rnd)
     if len(t) < 4:
         return float("nan")
@@ -320,7 +322,7 @@ def _cold_start(ws: Path, src: Config, step: int, i: int) -> float:
 # --- 2. checkpoint overhead ------------------------------------------------------------------
 
 
-def _window_step_time(evs: list[dict[str, Any]], lo: int, hi: int) -> float:
+def _window_step_time(evs: list[Event], lo: int, hi: int) -> float:
     t = {e["step"]: e["time"] for e in evs if e["type"] == "progress" and e.get("attempt") == 1}
     return float(t[hi] - t[lo]) / (hi - lo)
 
@@ -619,7 +621,7 @@ def bench_restore(ws: Path, repeats: int) -> dict[str, Any]:
 # --- 5. the local tier ---------------------------------------------------------------------------
 
 
-def _recovered(evs: list[dict[str, Any]]) -> dict[str, Any]:
+def _recovered(evs: list[Event]) -> Event:
     return _first(evs, "recovered", 0.0)
 
 

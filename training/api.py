@@ -22,10 +22,10 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Collection, Mapping
-from typing import Any, NotRequired, TypedDict
+from typing import Any, NotRequired, TypedDict, cast
 
 from training.checkpoint import lifecycle
-from training.checkpoint.ledger import Ledger
+from training.checkpoint.ledger import CheckpointRecord, Ledger
 from training.checkpoint.lifecycle import (
     LifecycleError,
     Promotion,
@@ -36,7 +36,7 @@ from training.checkpoint.lifecycle import (
     WallSplit,
     wall_split,
 )
-from training.checkpoint.lock import LockHeld, RunLock
+from training.checkpoint.lock import LockHeld, LockRecord, RunLock
 from training.checkpoint.prune import Pruned
 from training.config import RUN_NAME_PATTERN, Config, ConfigError, absolute, config_from_json, load_config
 from training.data import DatasetError
@@ -48,6 +48,7 @@ from training.elastic.status import status as run_status
 from training.events import (
     ALIVE_STATES,
     FINAL_STATES,
+    Event,
     EventLog,
     EventReader,
     RunState,
@@ -62,6 +63,7 @@ from training.events import (
 )
 from training.faults import ACTIONS as CHAOS_ACTIONS
 from training.faults import ChaosError, parse_chaos, spec_pattern
+from training.gke.manifests import GKESettings
 from training.layout import AIRFLOW, CAPACITY, CONFIG, CONFIG_HISTORY, CONTROL, RDV_EVENT_RESERVE, RDV_RESERVE
 from training.mesh import MemoryEstimate, MeshPlan, PlanEnd, PlanError, PlanReport, plan_report
 from training.mesh import check_fit as _check_fit
@@ -85,7 +87,9 @@ __all__ = [
     "config_from_dict",
     "describe",
     "duration",
+    "Event",
     "EventReader",
+    "CheckpointRecord",
     "mesh_text",
     "readable",
     "load_config",
@@ -135,6 +139,7 @@ __all__ = [
     "newest_event_key",
     "newest_validated",
     "dag_run_mark",
+    "DagRunMark",
     "set_dag_run_mark",
     "format_report",
     "load_run_config",
@@ -156,9 +161,9 @@ class LaunchError(RuntimeError):
 class LaunchRefused(LaunchError):
     """Another job holds the run (the message names the holder); nothing was written."""
 
-    def __init__(self, message: str, holder: dict[str, Any] | None = None) -> None:
+    def __init__(self, message: str, holder: LockRecord | None = None) -> None:
         super().__init__(message)
-        self.holder = holder or {}
+        self.holder = holder
 
 
 class JobHandle(TypedDict, total=False):
@@ -176,7 +181,7 @@ class JobHandle(TypedDict, total=False):
     namespace: str
     num_slices: int
     state: str
-    gke: dict[str, Any]
+    gke: GKESettings
     priority: str  # submitted to the storage root's shared pool at this level (the service places the job)
     root: str  # the storage root (the service's pool)
     run_name: str
@@ -190,7 +195,7 @@ class RunSpec(TypedDict, total=False):
     run_name: str
     backend: str
     dataset: dict[str, Any]  # source, max_bytes, uri, refresh
-    gke: dict[str, Any]
+    gke: GKESettings
     priority: str | None  # None: the run has its capacity to itself; a level: it joins the root's shared pool
 
 
@@ -440,7 +445,7 @@ def launch(
     try:
         job = begin_job(cfg, provision=provision, by=by, on_line=on_line)
     except LaunchRefused as e:
-        holder = e.holder
+        holder = e.holder or LockRecord()
         if allow_attach and holder.get("job") and not _job_alive(store, str(holder["job"])) and _lease_lapses(store):
             # The holder's job is gone and its lease lapsed (a retry right after the job died).
             return launch(cfg, detach=detach, provision=provision, by=by, on_line=on_line, on_status=on_status)
@@ -562,13 +567,11 @@ def job_state(handle: Mapping[str, Any], start_timeout_s: float = 300.0) -> JobL
     return JobLook(state=state, status=st, reason=str(st.get("reason", "")) if state == "failed" else "")
 
 
-def events(run_uri: str, types: tuple[str, ...] | None = None, after: str | None = None) -> list[dict[str, Any]]:
+def events(run_uri: str, types: tuple[str, ...] | None = None, after: str | None = None) -> list[Event]:
     return EventLog(open_store(run_uri)).read(types=types, after_key=after)
 
 
-def events_since(
-    run_uri: str, cursor: str | None, seen: Collection[str], start: str | None = None
-) -> list[dict[str, Any]]:
+def events_since(run_uri: str, cursor: str | None, seen: Collection[str], start: str | None = None) -> list[Event]:
     """The run's events after ``cursor``, and those that landed late (stamped up to ``LATE_S`` before it), less ``seen``.
 
     For a follower that goes on from the newest event it saw: it keeps the names it saw since
@@ -646,7 +649,7 @@ def format_report(r: Mapping[str, Any]) -> str:
     return lifecycle.format_report(dict(r))
 
 
-def checkpoint_states(run_uri: str) -> dict[int, dict[str, Any]]:
+def checkpoint_states(run_uri: str) -> dict[int, CheckpointRecord]:
     """The ledger's current record of every step it knows."""
     return Ledger(open_store(run_uri)).states()
 
@@ -666,15 +669,26 @@ def _mark_key(dag_run_id: str) -> str:
     return f"{AIRFLOW}{re.sub(r'[^A-Za-z0-9_.-]', '_', dag_run_id)[:200]}.json"
 
 
-def dag_run_mark(run_uri: str, dag_run_id: str) -> dict[str, Any] | None:
+class DagRunMark(TypedDict):
+    """A DAG run's first launch of a run: what it resumed from, and whether the run existed before it."""
+
+    dag_run_id: str
+    time: float
+    resume_from: str
+    existed: bool
+
+
+def dag_run_mark(run_uri: str, dag_run_id: str) -> DagRunMark | None:
     try:
-        return dict(json.loads(open_store(run_uri).get(_mark_key(dag_run_id))))
+        return cast(DagRunMark, json.loads(open_store(run_uri).get(_mark_key(dag_run_id))))
     except NotFound:
         return None
 
 
-def set_dag_run_mark(run_uri: str, dag_run_id: str, **info: Any) -> None:
-    data = json.dumps({"dag_run_id": dag_run_id, "time": time.time(), **info}, sort_keys=True).encode()
+def set_dag_run_mark(run_uri: str, dag_run_id: str, *, resume_from: str, existed: bool) -> None:
+    """Mark ``dag_run_id``'s first launch of the run (once: a second mark of the same DAG run is ignored)."""
+    mark = DagRunMark(dag_run_id=dag_run_id, time=time.time(), resume_from=resume_from, existed=existed)
+    data = json.dumps(mark, sort_keys=True).encode()
     try:
         open_store(run_uri).create(_mark_key(dag_run_id), data)
     except AlreadyExists:

@@ -21,7 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from enum import StrEnum
-from typing import Any, NotRequired, TypedDict, cast
+from typing import Any, Required, TypedDict, cast
 
 from training.layout import EVENTS, STATUS
 from training.records import nonce, stamp
@@ -127,20 +127,127 @@ REQUIRED: dict[EventType, tuple[str, ...]] = {
 EVENT_TYPES: frozenset[str] = frozenset(t.value for t in EventType)
 
 
-class Event(TypedDict):
-    """What every event carries; the rest are the fields of its type (``REQUIRED`` and more)."""
+class Event(TypedDict, total=False):
+    """One event record: what every event carries, then every field some event type carries.
 
-    type: str
-    time: float
-    source: str
-    _key: NotRequired[str]  # the object's name, added when read (a cursor for "events after this one")
+    ``REQUIRED`` says which fields each type must have; the rest appear where they apply.  The set
+    is closed: a field not declared here is a type error where it is read.
+    """
+
+    type: Required[str]
+    time: Required[float]  # when it was stamped (seconds since the epoch, the source's clock)
+    source: Required[str]  # the host and process that wrote it
+    _key: str  # the object's name, added when read (a cursor for "events after this one")
+    # where in the run
+    step: int
+    attempt: int
+    attempt_no: int
+    round: int | None
+    job: str | None
+    host: str
+    hosts: list[str]
+    members: list[str]
+    process_id: int
+    pid: int
+    worker: int
+    workers: int
+    old_workers: int
+    new_workers: int
+    min_workers: int
+    available: int
+    mesh: dict[str, Any]
+    old_mesh: dict[str, Any]
+    new_mesh: dict[str, Any]
+    runtime_env: dict[str, Any]
+    # progress and metrics
+    loss: float
+    accuracy: float
+    grad_norm: float
+    lr: float
+    lr_scale: float
+    step_time: float
+    tokens_per_s: float
+    metrics: dict[str, Any]
+    metric: str
+    value: float
+    next_batch: int
+    evaluated_on: str
+    # checkpoints
+    committed: bool
+    committed_since_restore: bool
+    blocking_s: float
+    local_save_blocking_s: float | None
+    save_s: float
+    write_s: float
+    bytes: int
+    bytes_freed: int
+    copy_bound_s: float
+    copy_GBps: float
+    tier: str | None
+    restored_from: int | None
+    deleted: list[int]
+    kept: list[int]
+    incomplete: list[int]
+    skipped: list[int]
+    quarantined: list[int]
+    policy: str
+    # failures, recoveries, rollbacks
+    reason: str
+    error: str
+    cause: str
+    log: str
+    returncode: int | None
+    failures: int
+    fault_at: float | None
+    detect_s: float | None
+    detected_at: float
+    detected_by: str
+    reached_step: int | None
+    resume_step: int | None
+    resume: str | dict[str, Any]
+    steps_lost: int
+    lost_s: dict[str, float]
+    lost: bool
+    from_step: int
+    to_step: int
+    to: int
+    gen: int
+    verdict: str
+    action: str
+    kind: str
+    spec: str
+    at: float
+    seconds: float
+    stop_s: float
+    # compiles, data, config
+    cache_hit: bool
+    compile_cached: bool
+    loaded: bool
+    old: str
+    new: str
+    by: str
+    changed: list[str]
+    location: str
+    # capacity, leases, the shared pool
+    assigned: bool
+    queued: bool
+    owner: str
+    handoff: bool
+    holder_exited: bool
+    previous_owner: str
+    previous_pid: int
+    previous_job: str | None
+    previous_expires_at: float
+
+
+EVENT_FIELDS: frozenset[str] = Event.__required_keys__ | Event.__optional_keys__
 
 
 class EventError(ValueError):
     pass
 
 
-def make_event(type_: str, source: str, time_s: float, **fields: Any) -> dict[str, Any]:
+def make_event(type_: str, source: str, time_s: float, **fields: Any) -> Event:
     try:
         kind = EventType(type_)
     except ValueError:
@@ -148,7 +255,10 @@ def make_event(type_: str, source: str, time_s: float, **fields: Any) -> dict[st
     missing = [f for f in REQUIRED[kind] if f not in fields]
     if missing:
         raise EventError(f"event {type_!r} lacks {missing}")
-    return {"type": kind.value, "time": time_s, "source": source, **fields}
+    undeclared = sorted(set(fields) - EVENT_FIELDS)
+    if undeclared:
+        raise EventError(f"event {type_!r} has fields {undeclared} that events.Event does not declare")
+    return cast(Event, {"type": kind.value, "time": time_s, "source": source, **fields})
 
 
 class EventLog:
@@ -158,14 +268,14 @@ class EventLog:
         self.store = store
         self.source = source or f"{socket.gethostname()}-{os.getpid()}"
 
-    def emit(self, type_: str, **fields: Any) -> dict[str, Any]:
+    def emit(self, type_: str, **fields: Any) -> Event:
         ns = stamp()
         event = make_event(type_, self.source, ns / 1e9, **fields)
         key = f"{EVENTS}{ns:020d}-{self.source}-{nonce()}.json"
         self.store.create(key, json.dumps(event, sort_keys=True, default=str).encode())
         return event
 
-    def emit_in(self, reserve: str, type_: str, **fields: Any) -> dict[str, Any]:
+    def emit_in(self, reserve: str, type_: str, **fields: Any) -> Event:
         """``emit`` into the space of the object ``reserve`` (a full disk: the job's last event)."""
         ns = stamp()
         event = make_event(type_, self.source, ns / 1e9, **fields)
@@ -176,12 +286,12 @@ class EventLog:
     def keys(self, after_key: str | None = None) -> list[str]:
         return [k for k in self.store.list(EVENTS) if k.endswith(".json") and (after_key is None or k > after_key)]
 
-    def get(self, keys: list[str], types: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+    def get(self, keys: list[str], types: tuple[str, ...] | None = None) -> list[Event]:
         """The events of ``keys`` (each with its ``_key``), of ``types`` if given; keys gone since are left out."""
         events = []
         for key in keys:
             try:
-                ev = json.loads(self.store.get(key))
+                ev = cast(Event, json.loads(self.store.get(key)))
             except NotFound:  # pruned between list and get
                 continue
             ev["_key"] = key
@@ -193,7 +303,7 @@ class EventLog:
         keys = self.keys()
         return max(keys) if keys else None
 
-    def read(self, types: tuple[str, ...] | None = None, after_key: str | None = None) -> list[dict[str, Any]]:
+    def read(self, types: tuple[str, ...] | None = None, after_key: str | None = None) -> list[Event]:
         return self.get(self.keys(after_key), types)
 
 
@@ -220,10 +330,10 @@ class EventReader:
 
     def __init__(self, size: int = 32, ttl_s: float = 300.0) -> None:
         self.size, self.ttl_s = size, ttl_s
-        self._runs: OrderedDict[str, tuple[float, list[dict[str, Any]]]] = OrderedDict()  # uri -> (last look, events)
+        self._runs: OrderedDict[str, tuple[float, list[Event]]] = OrderedDict()  # uri -> (last look, events)
         self._lock = threading.Lock()
 
-    def read(self, run_uri: str) -> list[dict[str, Any]]:
+    def read(self, run_uri: str) -> list[Event]:
         """Every event of the run at ``run_uri`` so far, in order (each with its ``_key``)."""
         with self._lock:
             seen, kept = self._runs.get(run_uri, (time.monotonic(), []))
@@ -252,7 +362,7 @@ class RunStatus(TypedDict, total=False):
     job: str
     leader: str
     reason: str
-    step: int | None
+    step: int
     steps_total: int
     loss: float | None
     tokens_per_s: float
@@ -593,7 +703,7 @@ SENTENCES: dict[str, Any] = {
 }
 
 
-def describe(ev: dict[str, Any]) -> str:
+def describe(ev: Mapping[str, Any]) -> str:
     """One readable sentence for any event (``rtrain events``, Airflow task logs)."""
     t = ev.get("type")
     sentence = SENTENCES.get(str(t))

@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from datetime import UTC, datetime
-from typing import Any
+from typing import TypedDict
 
 _clock_lock = threading.Lock()
 _last_ns = 0
@@ -36,9 +36,16 @@ def nonce() -> str:
     return uuid.uuid4().hex[:8]
 
 
-def whoami() -> dict[str, Any]:
+class Writer(TypedDict):
+    """Who wrote a record."""
+
+    host: str
+    pid: int
+
+
+def whoami() -> Writer:
     """The writer of a record: host name and process id."""
-    return {"host": socket.gethostname(), "pid": os.getpid()}
+    return Writer(host=socket.gethostname(), pid=os.getpid())
 
 
 def iso(t: float) -> str:

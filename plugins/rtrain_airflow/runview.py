@@ -10,7 +10,7 @@ from typing import Any
 
 from rtrain_airflow.runroots import Refused
 from training.api import ALIVE_STATES as ALIVE
-from training.api import mesh_text
+from training.api import Event, mesh_text
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def run_known(uri: str) -> bool:
 # --- the page's data --------------------------------------------------------------------------------
 
 
-def events_cursor(events: list[dict[str, Any]]) -> str | None:
+def events_cursor(events: list[Event]) -> str | None:
     """What the page compares to know the events changed: the newest name, and how many (a late one adds one)."""
     return f"{events[-1]['_key']}#{len(events)}" if events and "_key" in events[-1] else None
 
@@ -102,9 +102,7 @@ NOTABLE = frozenset(
 )  # the event types the Training view's timeline shows
 
 
-def chart_data(
-    events: list[dict[str, Any]], ledger: dict[int, dict[str, Any]], status: dict[str, Any] | None
-) -> dict[str, Any]:
+def chart_data(events: list[Event], ledger: dict[int, dict[str, Any]], status: dict[str, Any] | None) -> dict[str, Any]:
     """What the Training view draws, from the run's events, its ledger and its status.
 
     * ``loss``: aligned columns over ``step``: ``train`` (the newest loss logged at each step),
@@ -144,18 +142,18 @@ class _ChartEvents:
         self.discarded: dict[int, float | None] = {}
         self.verdicts: dict[str, dict[int, float | None]] = {"validated": {}, "rejected": {}}  # a step may have both
         self.markers: list[dict[str, Any]] = []
-        self.pending: list[dict[str, Any]] = []  # failures not yet recovered from (as the sensor's trigger counts them)
+        self.pending: list[Event] = []  # failures not yet recovered from (as the sensor's trigger counts them)
         self.host_points: list[tuple[float, int | None, str | None, int | None]] = []  # time, workers, mesh, step
         self.rounds: list[dict[str, Any]] = []
         self.timeline: list[dict[str, Any]] = []
         self.latest: dict[str, Any] = {}
 
-    def at(self, ev: dict[str, Any]) -> int | None:
+    def at(self, ev: Event) -> int | None:
         """The event's step, or the newest step logged before it."""
         step = ev.get("step")
         return step if isinstance(step, int) and not isinstance(step, bool) else self.last_step
 
-    def add(self, ev: dict[str, Any]) -> None:
+    def add(self, ev: Event) -> None:
         from training.api import describe
 
         kind, t = ev.get("type"), float(ev.get("time") or 0.0)
@@ -175,7 +173,7 @@ class _ChartEvents:
         if kind in NOTABLE:
             self.timeline.append({"time": t, "type": kind, "step": self.at(ev), "text": one_line(describe(ev), 240)})
 
-    def _progress(self, ev: dict[str, Any], t: float) -> None:
+    def _progress(self, ev: Event, t: float) -> None:
         if not isinstance(ev.get("step"), int):
             return
         step = int(ev["step"])
@@ -188,7 +186,7 @@ class _ChartEvents:
             k: finite(ev.get(k)) for k in ("step", "loss", "tokens_per_s", "step_time", "grad_norm", "accuracy")
         }
 
-    def _validation(self, ev: dict[str, Any], t: float) -> None:
+    def _validation(self, ev: Event, t: float) -> None:
         if not isinstance(ev.get("step"), int):
             return
         verdict = str(ev.get("verdict"))
@@ -200,13 +198,13 @@ class _ChartEvents:
             loss = (ev.get("metrics") or {}).get("loss") if isinstance(ev.get("metrics"), dict) else None
             self.verdicts[verdict][int(ev["step"])] = number(loss)
 
-    def _failure(self, ev: dict[str, Any], t: float) -> None:
+    def _failure(self, ev: Event, t: float) -> None:
         self.pending.append(ev)
         self.markers.append(
             {"kind": "failure", "step": self.at(ev), "time": t, "label": f"failure: {ev.get('reason')}"}
         )
 
-    def _resumed(self, ev: dict[str, Any], t: float) -> None:
+    def _resumed(self, ev: Event, t: float) -> None:
         if not self.pending:
             return
         first = self.pending[0]
@@ -223,7 +221,7 @@ class _ChartEvents:
             }
         )
 
-    def _resize(self, ev: dict[str, Any], t: float) -> None:
+    def _resize(self, ev: Event, t: float) -> None:
         self.host_points.append((t, ev.get("new_workers"), mesh_text(ev.get("new_mesh")), None))
         self.markers.append(
             {
@@ -235,7 +233,7 @@ class _ChartEvents:
             }
         )
 
-    def _rollback(self, ev: dict[str, Any], t: float) -> None:
+    def _rollback(self, ev: Event, t: float) -> None:
         if ev.get("kind") == "in-job":
             self.pending.append(ev)
         from_step = ev.get("from_step") if isinstance(ev.get("from_step"), int) else self.at(ev)
@@ -248,7 +246,7 @@ class _ChartEvents:
             }
         )
 
-    def _launch(self, ev: dict[str, Any], t: float) -> None:
+    def _launch(self, ev: Event, t: float) -> None:
         n = ev.get("workers") if isinstance(ev.get("workers"), int) else None
         self.rounds.append(
             {

@@ -16,7 +16,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from training.api import Event
 
 REPO = Path(__file__).resolve().parents[2]
 MARK = "RTRAIN_TEST_AIRFLOW_HOME"
@@ -109,7 +112,7 @@ def xcom(dr: Any, task_id: str, key: str = "return_value") -> Any:
         return XComModel.deserialize_value(row)
 
 
-def events(run_uri: str, *types: str) -> list[dict[str, Any]]:
+def events(run_uri: str, *types: str) -> list[Event]:
     from training.api import events as read
 
     return read(run_uri, types or None)

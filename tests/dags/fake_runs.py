@@ -16,7 +16,10 @@ import json
 import math
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from training.events import Event
 
 STEPS = 40
 STEP_TIME = 0.5
@@ -33,7 +36,7 @@ class _Writer:
         self.store = open_store(uri)
         self.t = t0
 
-    def emit(self, type_: str, dt: float = 0.1, source: str = "h0-agent", **fields: Any) -> dict[str, Any]:
+    def emit(self, type_: str, dt: float = 0.1, source: str = "h0-agent", **fields: Any) -> Event:
         from training.events import make_event
 
         self.t += dt

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from airflow_test_env import alerts, clear_tasks, drive, events, task_states, wait_for, xcom
 
-from training.api import set_capacity, status
+from training.api import Event, set_capacity, status
 
 pytestmark = pytest.mark.slow
 
@@ -21,11 +21,11 @@ LOSE_A_HOST = {"min_workers": 2, "max_workers": 2, "chaos": ["preempt:worker=1,s
 FAST_FAIL = {"async_checkpoint": False, "capacity_timeout_s": 3}
 
 
-def launches_after(run_uri: str, t: float) -> list[dict[str, Any]]:
+def launches_after(run_uri: str, t: float) -> list[Event]:
     return [e for e in events(run_uri, "launch") if e["time"] > t]
 
 
-def first_restore_after(run_uri: str, t: float) -> dict[str, Any]:
+def first_restore_after(run_uri: str, t: float) -> Event:
     return next(e for e in events(run_uri, "restore", "init") if e["time"] > t)
 
 

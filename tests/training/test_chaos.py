@@ -162,7 +162,9 @@ def _check_one_owner_at_a_time(run_uri: str, margin_s: float, frozen_pid: int | 
             assert e.get("previous_pid") != frozen_pid, f"a frozen holder's lease was taken as if it had exited: {e}"
         elif not e.get("handoff"):
             assert e["time"] >= float(e["previous_expires_at"]) + margin_s - 0.05, f"a live lease was taken over: {e}"
-    rounds = [e["round"] for e in api.events(run_uri, ("launch",))]
+    launches = api.events(run_uri, ("launch",))
+    rounds = [e["round"] for e in launches if e["round"] is not None]
+    assert len(rounds) == len(launches), f"a launch without its round: {launches}"
     assert rounds == sorted(set(rounds)), f"rounds out of order or twice: {rounds}"
 
 

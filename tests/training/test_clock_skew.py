@@ -160,7 +160,7 @@ def test_the_leader_reads_a_skewed_host_s_beats_on_its_own_clock() -> None:
     assert clocks.local_time("h3", 1.0, now + 20.0) == pytest.approx(now + 8.1)
 
 
-def _events(run_uri: str, *types: str) -> list[dict[str, Any]]:
+def _events(run_uri: str, *types: str) -> list[api.Event]:
     return api.events(run_uri, types or None)
 
 

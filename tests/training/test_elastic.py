@@ -37,7 +37,7 @@ from training.storage import open_store
 pytestmark = pytest.mark.slow
 
 
-def _events(run_uri: str, *types: str) -> list[dict]:
+def _events(run_uri: str, *types: str) -> list[api.Event]:
     return api.events(run_uri, types or None)
 
 
@@ -89,7 +89,10 @@ def test_a_lost_host_leaves_the_survivors_training_and_its_return_grows_the_grou
     from training.checkpoint.lock import DEFAULT_MARGIN_S
 
     led = _events(cfg.run_uri, "leader")[0]["host"] == lost["host"]
-    assert 0 <= failure["detect_s"] < (cfg.lease_s + DEFAULT_MARGIN_S + cfg.heartbeat_timeout_s if led else 2.5), (
+    detect_s = failure["detect_s"]
+    assert detect_s is not None and 0 <= detect_s < (
+        cfg.lease_s + DEFAULT_MARGIN_S + cfg.heartbeat_timeout_s if led else 2.5
+    ), (
         led,
         failure,
     )
@@ -189,12 +192,16 @@ def test_a_killed_agent_takes_its_worker_along_and_a_frozen_host_is_dropped_afte
     from training.checkpoint.lock import DEFAULT_MARGIN_S
 
     led = _events(cfg.run_uri, "leader")[0]["host"] == kill["host"]  # a killed leader's lease lapses first
-    assert 0 <= failures[0]["detect_s"] < (cfg.lease_s + DEFAULT_MARGIN_S + cfg.heartbeat_timeout_s if led else 2.5)
+    detect_s = failures[0]["detect_s"]
+    assert detect_s is not None and 0 <= detect_s < (
+        cfg.lease_s + DEFAULT_MARGIN_S + cfg.heartbeat_timeout_s if led else 2.5
+    )
     assert failures[0]["detected_by"] in ("peer watch", "host watch"), failures[0]  # its worker died with it
     # The frozen host raised no error: it is found by its heartbeat, within the timeout (and a poll).
     [frozen] = [e for e in _events(cfg.run_uri, "host_lost") if e["host"] == freeze["host"]]
     assert failures[1]["hosts"] == [freeze["host"]]
-    assert failures[1]["detect_s"] < cfg.heartbeat_timeout_s + 2.0
+    detect_s = failures[1]["detect_s"]
+    assert detect_s is not None and detect_s < cfg.heartbeat_timeout_s + 2.0
     # A frozen process keeps its connections open (its kernel still answers): not the peer watch's to see.
     assert failures[1]["detected_by"] == "heartbeat timeout", failures[1]
     assert frozen["time"] > freeze["time"]

@@ -47,7 +47,7 @@ def _image_env() -> dict[str, str]:
     return cpu_image_env(TPU.chips_per_host, {k: os.environ[k] for k in GCS_ENV if k in os.environ})
 
 
-def _events(run_uri: str, *types: str) -> list[dict[str, Any]]:
+def _events(run_uri: str, *types: str) -> list[api.Event]:
     return api.events(run_uri, types or None)
 
 
@@ -58,10 +58,10 @@ class Events:
         self.run_uri = run_uri
         self.reader = EventReader()
 
-    def __call__(self, *types: str) -> list[dict[str, Any]]:
+    def __call__(self, *types: str) -> list[api.Event]:
         return [e for e in self.reader.read(self.run_uri) if not types or e["type"] in types]
 
-    def started(self, round_: int) -> list[dict[str, Any]]:
+    def started(self, round_: int) -> list[api.Event]:
         """The workers of a round that started (one event each, with the TPU values its runtime started with)."""
         return [e for e in self("worker_started") if e.get("attempt") == round_]
 

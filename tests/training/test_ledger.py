@@ -35,11 +35,11 @@ def test_the_current_state_is_the_newest_record(store: Store) -> None:
     ledger.record(10, "validated", metrics={"loss": 0.5})
     ledger.record(20, "rejected", reason="loss is NaN")
     ledger.record(30, "committed")
-    ledger.record(10, "promoted", to="gs://models/x")
+    ledger.record(10, "promoted", location="gs://models/x")
 
     s10 = ledger.state(10)
     assert s10 is not None
-    assert s10["state"] == "promoted" and s10["to"] == "gs://models/x"
+    assert s10["state"] == "promoted" and s10["location"] == "gs://models/x"
     assert s10["metrics"] == {"loss": 0.5}  # a promotion keeps its validation metrics
     assert s10["history"] == ["committed", "validated", "promoted"]
     states = ledger.states()

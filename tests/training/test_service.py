@@ -165,7 +165,7 @@ def _scheduler_pids(root: str) -> list[int]:
     ]
 
 
-def _events(run_uri: str, *types: str) -> list[dict]:
+def _events(run_uri: str, *types: str) -> list[api.Event]:
     return api.events(run_uri, types or None)
 
 

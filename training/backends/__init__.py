@@ -6,13 +6,13 @@ The Airflow hook and the CLI both choose here; each backend answers the verbs of
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from typing import cast
 
 from training.backends.base import ALIVE, Backend, BackendError, Log, Provisioned, Released
 from training.backends.gke import GKEBackend, GKECluster, JobSets, PoolsUp
 from training.backends.local import LocalSliceBackend
 from training.backends.pool import SharedPoolBackend
+from training.gke import GKESettings
 
 __all__ = [
     "ALIVE",
@@ -37,7 +37,7 @@ NAMES = ("local", "gke")
 def backend(
     name: str,
     *,
-    gke: Mapping[str, Any] | None = None,
+    gke: GKESettings | None = None,
     priority: str | None = None,
     cluster: GKECluster | None = None,
     log: Log | None = None,
@@ -51,5 +51,5 @@ def backend(
     if name == "local":
         return SharedPoolBackend(priority, log, by) if priority else LocalSliceBackend(log, by)
     if name == "gke":
-        return GKEBackend(gke or {}, cluster, log, priority)
+        return GKEBackend(gke or cast(GKESettings, {}), cluster, log, priority)  # an empty one is refused, by key
     raise BackendError(f"backend: one of {', '.join(NAMES)}, not {name!r}")

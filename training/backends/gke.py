@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from training import api
 from training.api import Config, JobHandle, JobLook
 from training.backends.base import BackendError, Log, Provisioned, Released
-from training.gke import GKELaunch, TPUSlice
+from training.gke import GKELaunch, GKESettings, TPUSlice
 
 
 @dataclass
@@ -69,13 +69,13 @@ class GKEBackend:
 
     def __init__(
         self,
-        gke: Mapping[str, Any],
+        gke: GKESettings,
         cluster: GKECluster | None = None,
         log: Log | None = None,
         priority: str | None = None,
     ) -> None:
         check_settings(gke, priority)
-        self.gke = dict(gke)
+        self.gke = gke
         self.cluster = cluster
         self.log = log
         self.priority = priority
@@ -170,7 +170,7 @@ class GKEBackend:
         return {"backend": self.name, "jobsets_deleted": deleted, "node_pools_deleted": cluster.delete_node_pools()}
 
 
-def check_settings(gke: Mapping[str, Any], priority: str | None) -> None:
+def check_settings(gke: GKESettings, priority: str | None) -> None:
     """Refuse ``gke`` settings that cannot work, naming the key."""
     missing = [k for k in GKEBackend.REQUIRED if not gke.get(k)]
     if missing:

@@ -25,7 +25,7 @@ import math
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any, Literal, Required, TypedDict, cast
 
 from training.checkpoint.retention import USABLE_STATES, VALIDATED_STATES
 from training.layout import LEDGER_PINS, LEDGER_POINTER, LEDGER_STEPS
@@ -42,6 +42,9 @@ __all__ = [
     "USABLE_STATES",
     "VALIDATED_STATES",
     "Ledger",
+    "CheckpointRecord",
+    "PointerRecord",
+    "ResumeHow",
     "pin",
     "unpin",
     "pinned",
@@ -53,6 +56,44 @@ POINTER_PREFIX = LEDGER_POINTER
 PINS_PREFIX = LEDGER_PINS
 
 PinKind = Literal["save", "restore"]
+
+
+class CheckpointRecord(TypedDict, total=False):
+    """A step's state change as the ledger keeps it; read back, the newest one with its history."""
+
+    step: Required[int]
+    state: Required[str]  # one of STATES
+    time: Required[float]
+    host: str  # the writer
+    pid: int
+    metrics: dict[str, Any]  # a validation's figures (carried forward by a promotion)
+    reason: str  # why it was rejected, quarantined, corrupt, or recorded by someone else
+    attempt: int | None  # the round that saved it
+    files: dict[str, Any]  # its files' sizes and checksums (the integrity record)
+    policy: str  # the retention policy that pruned it
+    location: str  # where a quarantined or promoted step went
+    history: list[str]  # every state it went through, oldest first (added when read)
+
+
+class ResumeHow(TypedDict, total=False):
+    """How the next launch resumes from a rollback's target: its learning-rate scale, and the batch it skips to."""
+
+    lr_scale: Required[float]
+    skip_to_batch: int
+
+
+class PointerRecord(TypedDict, total=False):
+    """A move of the resume pointer."""
+
+    step: Required[int]
+    reason: Required[str]
+    time: Required[float]
+    host: str
+    pid: int
+    resume: ResumeHow  # a rollback's
+
+
+RECORD_FIELDS = CheckpointRecord.__optional_keys__ - {"history", "host", "pid"}
 
 
 def _check_step(step: int) -> None:
@@ -68,21 +109,23 @@ class Ledger:
 
     # -- checkpoint states ------------------------------------------------------------
 
-    def record(self, step: int, state: str, **info: Any) -> dict[str, Any]:
+    def record(self, step: int, state: str, **info: Any) -> CheckpointRecord:
         """Append a state change for ``step`` (a new write-once object; nothing is overwritten).
 
-        ``validated`` takes ``metrics={...}``; ``rejected`` takes ``reason=...``.
-        Extra keyword arguments are stored as they are (they must be JSON).
+        ``validated`` takes ``metrics={...}``; ``rejected`` takes ``reason=...``; the other
+        fields :class:`CheckpointRecord` declares are stored as they are (they must be JSON).
         """
         _check_step(step)
         if state not in STATES:
             raise ValueError(f"unknown checkpoint state {state!r}; one of {STATES}")
+        if set(info) - RECORD_FIELDS:
+            raise ValueError(f"a checkpoint record has no field {sorted(set(info) - RECORD_FIELDS)}")
         if state == "validated" and not isinstance(info.get("metrics"), dict):
             raise ValueError("a 'validated' record needs metrics={...}")
         if state == "rejected" and not info.get("reason"):
             raise ValueError("a 'rejected' record needs reason=...")
         ns = stamp()
-        rec = {**info, "step": step, "state": state, "time": ns / 1e9, **whoami()}
+        rec = cast(CheckpointRecord, {**info, "step": step, "state": state, "time": ns / 1e9, **whoami()})
         key = f"{STEPS_PREFIX}{step:012d}/{ns:020d}-{state}-{nonce()}.json"
         self.store.create(key, json.dumps(rec, sort_keys=True).encode())
         return rec
@@ -98,11 +141,11 @@ class Ledger:
             keys.sort(key=lambda k: k.rsplit("/", 1)[1])
         return by_step
 
-    def _fold(self, keys: list[str]) -> dict[str, Any] | None:
+    def _fold(self, keys: list[str]) -> CheckpointRecord | None:
         """The newest record, carrying the newest metrics seen (a promotion keeps its validation metrics)."""
         if not keys:
             return None
-        newest = json.loads(self.store.get(keys[-1]))
+        newest = cast(CheckpointRecord, json.loads(self.store.get(keys[-1])))
         if "metrics" not in newest:
             for key in reversed(keys[:-1]):
                 rec = json.loads(self.store.get(key))
@@ -110,15 +153,15 @@ class Ledger:
                     newest["metrics"] = rec["metrics"]
                     break
         newest["history"] = [k.rsplit("/", 1)[1].split("-")[1] for k in keys]
-        return dict(newest)
+        return newest
 
-    def state(self, step: int) -> dict[str, Any] | None:
-        """The current record of ``step`` (keys: step, state, time, history, metrics?, reason?...), or None."""
+    def state(self, step: int) -> CheckpointRecord | None:
+        """The current record of ``step``, or None."""
         _check_step(step)
         keys = sorted(self.store.list(f"{STEPS_PREFIX}{step:012d}/"), key=lambda k: k.rsplit("/", 1)[1])
         return self._fold([k for k in keys if k.endswith(".json")])
 
-    def states(self, steps: Iterable[int] | None = None) -> dict[int, dict[str, Any]]:
+    def states(self, steps: Iterable[int] | None = None) -> dict[int, CheckpointRecord]:
         """The current record of every step the ledger knows (or of those in ``steps``), by step.
 
         One listing, then one read per step (two when the metrics are in an older record).
@@ -155,22 +198,24 @@ class Ledger:
 
     # -- resume pointer -------------------------------------------------------------------
 
-    def set_pointer(self, step: int, reason: str, **info: Any) -> dict[str, Any]:
+    def set_pointer(self, step: int, reason: str, *, resume: ResumeHow | None = None) -> PointerRecord:
         """Move the resume pointer (a new record; the old ones stay as history).
 
         ``info`` may carry how to resume (e.g. ``resume={"skip_to_batch": N, "lr_scale": F}``).
         """
         _check_step(step)
         ns = stamp()
-        rec = {**info, "step": step, "reason": reason, "time": ns / 1e9, **whoami()}
+        rec = cast(PointerRecord, {"step": step, "reason": reason, "time": ns / 1e9, **whoami()})
+        if resume is not None:
+            rec["resume"] = resume
         self.store.create(f"{POINTER_PREFIX}{ns:020d}-{nonce()}.json", json.dumps(rec, sort_keys=True).encode())
         return rec
 
-    def pointer_record(self) -> dict[str, Any] | None:
+    def pointer_record(self) -> PointerRecord | None:
         keys = [k for k in self.store.list(POINTER_PREFIX) if k.endswith(".json")]
         if not keys:
             return None
-        return dict(json.loads(self.store.get(max(keys))))
+        return cast(PointerRecord, json.loads(self.store.get(max(keys))))
 
     def pointer(self) -> int | None:
         """The step a (re)started job should resume from, or None when never set."""

@@ -15,15 +15,15 @@ import math
 import statistics
 import time
 from collections.abc import Mapping
-from typing import Any, NotRequired, TypedDict
+from typing import Any, TypedDict
 
 from training.checkpoint import prune as prune_lib
-from training.checkpoint.ledger import Ledger
+from training.checkpoint.ledger import Ledger, ResumeHow
 from training.checkpoint.lock import RunLock
 from training.checkpoint.resume import DataPosition, data_position
 from training.checkpoint.steps import INTEGRITY, committed_steps
 from training.config import Config, config_from_json
-from training.events import ALIVE_STATES, EventLog, mesh_text
+from training.events import ALIVE_STATES, Event, EventLog, mesh_text
 from training.layout import CHECKPOINTS, CONFIG, QUARANTINE, STATUS, step_uri
 from training.storage import NotFound, Store, join, open_store
 
@@ -92,13 +92,6 @@ class Verdict(TypedDict):
     metrics: dict[str, float | str]  # a non-finite value as text (NaN is not JSON)
     reason: str  # why it was rejected ("" when validated)
     evaluated_on: str  # host | slice
-
-
-class ResumeHow(TypedDict):
-    """How the next launch resumes from a rollback's target: its learning-rate scale, and the batch it skips to."""
-
-    lr_scale: float
-    skip_to_batch: NotRequired[int]
 
 
 class Rollback(TypedDict):
@@ -174,7 +167,7 @@ class RunReport(TypedDict):
     goodput_breakdown: dict[str, Any]
 
 
-def validate(run_uri: str, step: int | None = None, evaluated: list[dict[str, Any]] | None = None) -> Verdict:
+def validate(run_uri: str, step: int | None = None, evaluated: list[Event] | None = None) -> Verdict:
     """Judge a committed checkpoint (default: the newest) and record the verdict in the ledger.
 
     ``evaluated``: the run's ``evaluated`` events, when the caller has read them already.
@@ -233,14 +226,13 @@ def validate(run_uri: str, step: int | None = None, evaluated: list[dict[str, An
     return Verdict(step=step, verdict=verdict, metrics=clean, reason=reason, evaluated_on=evaluated_on)
 
 
-def _evaluated_on_slice(
-    cfg: Config, ledger: Ledger, evaluated: list[dict[str, Any]], step: int
-) -> dict[str, float] | None:
+def _evaluated_on_slice(cfg: Config, ledger: Ledger, evaluated: list[Event], step: int) -> dict[str, float] | None:
     """The metrics the job recorded for ``step`` evaluated on its own mesh (``validate_on: slice``), or None.
 
     Only the round that saved the committed step counts: a step trained again after a rollback is another state.
     """
-    attempt = (ledger.state(step) or {}).get("attempt")
+    record = ledger.state(step)
+    attempt = record.get("attempt") if record is not None else None
     found = [e for e in evaluated if e.get("step") == step and (attempt is None or e.get("attempt") == attempt)]
     if not found:
         return None
@@ -273,7 +265,7 @@ def validate_pending(run_uri: str) -> list[Verdict]:
     _, cfg, ledger, events = _run(run_uri)
     states = ledger.states()
     committed = committed_steps(run_uri)
-    todo = [s for s in committed if states.get(s, {}).get("state") in (None, "committed")]
+    todo = [s for s in committed if s not in states or states[s]["state"] == "committed"]
     if cfg.validate_on != "slice":
         return [validate(run_uri, s) for s in todo]
     evaluated = events.read(types=("evaluated",))  # once for every step
@@ -368,7 +360,7 @@ def prune(run_uri: str, dry_run: bool = False) -> prune_lib.Pruned:
     return out
 
 
-def goodput(evs: list[dict[str, Any]], steps_total: int) -> dict[str, Any]:
+def goodput(evs: list[Event], steps_total: int) -> dict[str, Any]:
     """Where the wall time went, in the spirit of Google's ML goodput: productive step time vs badput by cause.
 
     From the events alone (no checkpoint is read).  Wall time runs from each job's
@@ -418,9 +410,9 @@ BADPUT_CAUSES = (
 )
 
 
-def _wall_time(evs: list[dict[str, Any]]) -> float:
+def _wall_time(evs: list[Event]) -> float:
     """Each job's time from its first launch to its end (or its last event), added up."""
-    jobs: dict[str, list[dict[str, Any]]] = {}
+    jobs: dict[str, list[Event]] = {}
     for e in evs:
         jobs.setdefault(str(e.get("job") or _job_of(e, evs)), []).append(e)
     wall = 0.0
@@ -432,7 +424,7 @@ def _wall_time(evs: list[dict[str, Any]]) -> float:
     return wall
 
 
-def _round_badput(evs: list[dict[str, Any]], rounds: list[dict[str, Any]], cat: dict[str, float]) -> int:
+def _round_badput(evs: list[Event], rounds: list[Event], cat: dict[str, float]) -> int:
     """Add each round's start-up to ``cat``; the steps trained again by the round after (not a rollback's)."""
     steps_lost = 0
     for i, launch in enumerate(rounds):
@@ -466,21 +458,18 @@ def _round_badput(evs: list[dict[str, Any]], rounds: list[dict[str, Any]], cat: 
     return steps_lost
 
 
-def _event_badput(
-    evs: list[dict[str, Any]], rounds: list[dict[str, Any]], step_s: float, cat: dict[str, float]
-) -> None:
+def _event_badput(evs: list[Event], rounds: list[Event], step_s: float, cat: dict[str, float]) -> None:
     """Add what single events cost to ``cat``: failures, saves, validation rollbacks, waits for capacity."""
     for e in evs:
         if e["type"] == "failure":
-            if e.get("detect_s"):
-                cat["detect"] += float(e["detect_s"])
+            cat["detect"] += e.get("detect_s") or 0.0
             following = next((r for r in rounds if r["time"] > e["time"]), None)
             if following is not None:
                 cat["form_round"] += following["time"] - e["time"]
         elif e["type"] == "checkpoint" and not e.get("committed") and e.get("blocking_s"):
             cat["checkpoint"] += float(e["blocking_s"])
         elif e["type"] == "progress" and e.get("local_save_blocking_s"):
-            cat["checkpoint"] += float(e["local_save_blocking_s"])  # the local tier's saves
+            cat["checkpoint"] += e.get("local_save_blocking_s") or 0.0  # the local tier's saves
         elif e["type"] == "rollback" and e.get("kind") == "validation":
             cat["rollback_replay"] += max(int(e["from_step"]) - int(e["to_step"]), 0) * step_s
         elif e["type"] == "waiting_for_capacity":
@@ -491,7 +480,7 @@ def _event_badput(
                 cat["waiting_for_capacity"] += back["time"] - e["time"]
 
 
-def _recoveries(evs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+def _recoveries(evs: list[Event]) -> dict[str, dict[str, float]]:
     """What each kind of recovery cost, as the agents measured it (failure, notice, guard)."""
     recoveries: dict[str, dict[str, float]] = {}
     for e in evs:
@@ -503,7 +492,7 @@ def _recoveries(evs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return recoveries
 
 
-def save_costs(evs: list[dict[str, Any]]) -> dict[str, Any] | None:
+def save_costs(evs: list[Event]) -> dict[str, Any] | None:
     """What the persistent saves cost, from their commit events (medians over the run's saves).
 
     ``paused_s``: the loop's pause per save; ``copy_bound_s``: the least time copying the bytes this
@@ -512,7 +501,9 @@ def save_costs(evs: list[dict[str, Any]]) -> dict[str, Any] | None:
     """
     import statistics
 
-    done = [e for e in evs if e["type"] == "checkpoint" and e.get("committed") and e.get("write_s") is not None]
+    done: list[Mapping[str, Any]] = [
+        e for e in evs if e["type"] == "checkpoint" and e.get("committed") and e.get("write_s") is not None
+    ]
     if not done:
         return None
 
@@ -531,7 +522,7 @@ def save_costs(evs: list[dict[str, Any]]) -> dict[str, Any] | None:
     }
 
 
-def _job_of(e: dict[str, Any], evs: list[dict[str, Any]]) -> str:
+def _job_of(e: Event, evs: list[Event]) -> str:
     """The job an event belongs to: the newest "config" event (each job's launch writes one) before it."""
     job = ""
     for c in evs:

@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from training.layout import LOCK
 from training.records import iso, whoami
@@ -40,10 +40,46 @@ MAX_CLOCK_SKEW_S = 60.0
 KEEP_GENERATIONS = 8
 
 
+class HostContact(TypedDict):
+    """How others reach a lock's holder: its agent's host, start time and host-watch address."""
+
+    host: str
+    started: float
+    watch: str  # host:port; a connection to it that closes says the holder exited
+
+
+class PreviousHolder(TypedDict):
+    """Who held the lease before a takeover."""
+
+    owner: str
+    job: str | None
+    host: str
+    pid: int
+    acquired_at: float
+    expires_at: float
+
+
+class LockRecord(TypedDict, total=False):
+    """One generation of the run lock."""
+
+    gen: int
+    action: str  # acquire | refresh | takeover | handoff | release
+    owner: str
+    job: str | None
+    token: str  # the writer's: whose lease this is
+    acquired_at: float
+    time: float
+    expires_at: float
+    host: str
+    pid: int
+    contact: HostContact
+    previous: PreviousHolder
+
+
 class LockHeld(RuntimeError):
     """Another owner holds an unexpired lease on the run."""
 
-    def __init__(self, message: str, holder: dict[str, Any] | None = None) -> None:
+    def __init__(self, message: str, holder: LockRecord | None = None) -> None:
         super().__init__(message)
         self.holder = holder
 
@@ -71,7 +107,7 @@ class RunLock:
         job: str | None = None,
         margin_s: float = DEFAULT_MARGIN_S,
         on_event: Callable[..., Any] | None = None,
-        contact: dict[str, Any] | None = None,
+        contact: HostContact | None = None,
     ) -> None:
         if lease_s <= 0:
             raise ValueError("lease_s must be positive")
@@ -98,7 +134,7 @@ class RunLock:
                 gens.append((int(name[:-5]), key))
         return sorted(gens)
 
-    def newest(self) -> tuple[int, dict[str, Any] | None]:
+    def newest(self) -> tuple[int, LockRecord | None]:
         """(generation, record) of the lock's current state; (0, None) for a lock never taken.
 
         After the first look, the generation last seen and those after it are read by name
@@ -114,14 +150,14 @@ class RunLock:
                 return 0, None
             gen, key = gens[-1]
             try:
-                rec = dict(json.loads(self.store.get(key)))
+                rec = cast(LockRecord, json.loads(self.store.get(key)))
             except NotFound:  # dropped by the holder between list and get: look again
                 continue
             self._seen_gen = gen
             return self._dated(gen, rec)
         raise RuntimeError(f"could not read the lock of {self.store.uri}")
 
-    def _dated(self, gen: int, rec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    def _dated(self, gen: int, rec: LockRecord) -> tuple[int, LockRecord]:
         """Note when this process first read generation ``gen`` (its own clock: see :meth:`lapses_in`)."""
         if gen not in self._first_read:
             self._first_read[gen] = time.monotonic()
@@ -129,29 +165,29 @@ class RunLock:
                 del self._first_read[old]
         return gen, rec
 
-    def _read_from(self, gen: int) -> tuple[int, dict[str, Any]] | None:
+    def _read_from(self, gen: int) -> tuple[int, LockRecord] | None:
         """Generation ``gen`` or the newest after it, read by name; None when ``gen`` is gone.
 
         Only generations ``KEEP_GENERATIONS`` behind the newest are deleted, so while
         ``gen`` is there every newer one is too, up to the first not found.
         """
         try:
-            rec = dict(json.loads(self.store.get(f"{LOCK}{gen:012d}.json")))
+            rec = cast(LockRecord, json.loads(self.store.get(f"{LOCK}{gen:012d}.json")))
         except NotFound:
             return None
         while True:
             try:
-                rec_next = dict(json.loads(self.store.get(f"{LOCK}{gen + 1:012d}.json")))
+                rec_next = cast(LockRecord, json.loads(self.store.get(f"{LOCK}{gen + 1:012d}.json")))
             except NotFound:
                 self._seen_gen = gen
                 return gen, rec
             gen, rec = gen + 1, rec_next
 
-    def active(self, rec: dict[str, Any] | None, now: float) -> bool:
+    def active(self, rec: LockRecord | None, now: float) -> bool:
         """Does ``rec`` keep others out at ``now``, by its writer's clock?"""
         return rec is not None and rec["action"] != "release" and now < float(rec["expires_at"]) + self.margin_s
 
-    def lapses_in(self, rec: dict[str, Any], now: float | None = None) -> float:
+    def lapses_in(self, rec: LockRecord, now: float | None = None) -> float:
         """Seconds until ``rec``'s lease has lapsed for this process: by the writer's clock, and by its own.
 
         By its own: the lease's length since this process first read that generation, unless the
@@ -168,7 +204,7 @@ class RunLock:
         by_reader = first + length + self.margin_s - time.monotonic()
         return max(min(max(by_writer, by_reader), by_writer + MAX_CLOCK_SKEW_S), 0.0)
 
-    def wait_lapse(self, rec: dict[str, Any], poll_s: float = 0.2) -> dict[str, Any] | None:
+    def wait_lapse(self, rec: LockRecord, poll_s: float = 0.2) -> LockRecord | None:
         """Watch ``rec``'s generation until its lease lapses for this process (None), or until the lock
         moves on (the newer record: its holder renewed or released it, or another owner took it)."""
         gen = int(rec.get("gen") or 0)
@@ -179,12 +215,12 @@ class RunLock:
                 return cur
         return None
 
-    def held_by(self, now: float | None = None) -> dict[str, Any] | None:
+    def held_by(self, now: float | None = None) -> LockRecord | None:
         """The holder's record (owner, job, host, pid, acquired_at, expires_at, ...) while in force, else None."""
         _gen, rec = self.newest()
         return rec if self.active(rec, time.time() if now is None else now) else None
 
-    def message(self, rec: dict[str, Any], now: float | None = None) -> str:
+    def message(self, rec: LockRecord, now: float | None = None) -> str:
         left = self.lapses_in(rec, now)
         job = f" of job {rec['job']}" if rec.get("job") else ""
         return (
@@ -196,10 +232,10 @@ class RunLock:
     # -- writing ---------------------------------------------------------------------------
 
     def _write(
-        self, gen: int, action: str, previous: dict[str, Any] | None, acquired_at: float, lease_s: float | None = None
-    ) -> dict[str, Any]:
-        now = time.time()
-        rec = {
+        self, gen: int, action: str, previous: LockRecord | None, acquired_at: float, lease_s: float | None = None
+    ) -> LockRecord:
+        now, writer = time.time(), whoami()
+        rec: LockRecord = {
             "gen": gen,
             "action": action,
             "owner": self.owner,
@@ -208,12 +244,13 @@ class RunLock:
             "acquired_at": acquired_at,
             "time": now,
             "expires_at": now if action == "release" else now + (lease_s or self.lease_s),
-            **whoami(),
+            "host": writer["host"],
+            "pid": writer["pid"],
         }
         if self.contact is not None:
             rec["contact"] = self.contact
         if previous is not None:
-            rec["previous"] = {k: previous.get(k) for k in ("owner", "job", "host", "pid", "acquired_at", "expires_at")}
+            rec["previous"] = cast(PreviousHolder, {k: previous.get(k) for k in PreviousHolder.__required_keys__})
         self.store.create(f"{LOCK}{gen:012d}.json", json.dumps(rec, sort_keys=True).encode())
         return rec
 
@@ -252,7 +289,7 @@ class RunLock:
         if self.on_event is not None:
             self.on_event("lock", owner=self.owner, action=action, job=self.job, **whoami(), **fields)
 
-    def _claimable(self, rec: dict[str, Any] | None, now: float, holder_exited: int | None = None) -> bool:
+    def _claimable(self, rec: LockRecord | None, now: float, holder_exited: int | None = None) -> bool:
         if rec is None or rec["action"] == "release":
             return True
         if rec["action"] == "handoff" and self.job is not None and rec.get("job") == self.job:
@@ -261,7 +298,7 @@ class RunLock:
             return True
         return self.lapses_in(rec, now) <= 0
 
-    def acquire(self, holder_exited: int | None = None) -> dict[str, Any]:
+    def acquire(self, holder_exited: int | None = None) -> LockRecord:
         """Take the lock (a free one, a lapsed lease, or a handoff to our job); else raise LockHeld.
 
         ``holder_exited``: a generation whose holder's process is known to have exited; while it is
@@ -304,22 +341,22 @@ class RunLock:
             raise LockHeld(self.message(rec, now), rec)
         raise LockHeld(f"run {self.store.uri}: lost the race for its lock five times in a row; retry")
 
-    def refresh(self) -> dict[str, Any]:
+    def refresh(self) -> LockRecord:
         """Extend our lease; raise LockLost if the lock has moved on without us."""
         return self._advance("refresh")
 
-    def handoff(self, job: str, lease_s: float) -> dict[str, Any]:
+    def handoff(self, job: str, lease_s: float) -> LockRecord:
         """Keep the lock for ``job`` for ``lease_s``: its agents may claim it at once, others are kept out."""
         self.job = job
         rec = self._advance("handoff", lease_s)
         self.gen = None  # it is the job's now
         return rec
 
-    def _advance(self, action: str, lease_s: float | None = None) -> dict[str, Any]:
+    def _advance(self, action: str, lease_s: float | None = None) -> LockRecord:
         if self.gen is None:
             raise LockLost(f"{self.owner!r} does not hold the lock of {self.store.uri}")
         try:
-            rec: dict[str, Any] | None = self._write(self.gen + 1, action, None, self._acquired_at, lease_s)
+            rec: LockRecord | None = self._write(self.gen + 1, action, None, self._acquired_at, lease_s)
         except AlreadyExists:
             rec = None
         if rec is None or not self._confirm(self.gen + 1):

@@ -171,9 +171,9 @@ class JobStatus:
         )
 
 
-def record_failed(events: EventLog, *, reason: str, step: Any, host: str) -> None:
-    """Write the job's ``failed`` event (on a full disk, into the blocks held back for it)."""
-    fields = {"reason": reason, "step": step, "host": host}
+def record_failed(events: EventLog, *, reason: str, step: int | None, host: str) -> None:
+    """Write the job's ``failed`` event (on a full disk, into the blocks held back for it); ``step`` when one was reached."""
+    fields: dict[str, Any] = {"reason": reason, "host": host, **({} if step is None else {"step": step})}
     try:
         events.emit("failed", **fields)
     except OSError as e:

@@ -17,7 +17,7 @@ from typing import Any
 
 from training.cadence import Cadence
 from training.checkpoint.ledger import Ledger
-from training.checkpoint.lock import LeaseKeeper, LockHeld, LockLost, RunLock
+from training.checkpoint.lock import LeaseKeeper, LockHeld, LockLost, LockRecord, RunLock
 from training.config import Config
 from training.elastic.capacity import LocalCapacity
 from training.elastic.codes import AgentExit
@@ -131,10 +131,10 @@ class Leadership:
         log.warning("[%s] leads job %s (lease generation %s)", self.host, self.job, self.lock.gen)
         return None
 
-    def _holder_exited(self, holder: dict[str, Any]) -> int | None:
+    def _holder_exited(self, holder: LockRecord) -> int | None:
         """The lease's generation when its holder's agent has exited (its host-watch connection was closed)."""
-        contact = holder.get("contact") or {}
-        if not contact.get("watch") or contact.get("started") == self.heart.record.started:
+        contact = holder.get("contact")
+        if contact is None or not contact.get("watch") or contact.get("started") == self.heart.record.started:
             return None
         host, started = str(contact["host"]), float(contact["started"])
         self.host_watch.watch(host, started, str(contact["watch"]))

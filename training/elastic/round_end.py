@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from training.checkpoint.ledger import CheckpointRecord, ResumeHow
 from training.checkpoint.lifecycle import quarantine
 from training.checkpoint.retention import USABLE_STATES
 from training.config import Config
@@ -89,7 +91,7 @@ class GuardRollback:
     reason: str
     target: int
     suspect: list[int]
-    resume: dict[str, Any] = field(default_factory=dict)  # how to resume (lr scale, batches skipped)
+    resume: ResumeHow
 
 
 @dataclass(frozen=True)
@@ -139,7 +141,7 @@ def explain_failure(lost: list[str], ended: list[str], why: str, reports: list[R
 
 
 def decide_guard(
-    g: dict[str, Any], states: dict[int, dict[str, Any]], guards: int, cfg: Config
+    g: dict[str, Any], states: Mapping[int, CheckpointRecord], guards: int, cfg: Config
 ) -> GuardRollback | JobFails:
     """The guard's report -> a rollback to the newest good checkpoint before the bad loss, or the job's end.
 
@@ -162,7 +164,7 @@ def decide_guard(
         else:
             why = "no committed checkpoint before it to roll back to"
         return JobFails(f"in-training guard: {reason} at step {step} (metric {g.get('metric', 'loss')}); {why}")
-    how: dict[str, Any] = {"lr_scale": cfg.rollback_lr_scale}
+    how = ResumeHow(lr_scale=cfg.rollback_lr_scale)
     if cfg.rollback_skip_data and g.get("next_batch") is not None:
         how["skip_to_batch"] = int(g["next_batch"])
     return GuardRollback(step=step, reason=reason, target=good[-1], suspect=suspect, resume=how)

@@ -140,7 +140,8 @@ def repair_status(run_uri: str) -> RunStatus | None:
                     f"within capacity_timeout_s (status last written {age:.0f}s ago). Launch again to resume "
                     "from the newest committed checkpoint."
                 )
-            events.emit("failed", reason=reason, step=st.get("step"), lost=True)
+            step = st.get("step")
+            events.emit("failed", reason=reason, lost=True, **({} if step is None else {"step": step}))
             st = write_status(store, **{**st, "state": RunState.FAILED.value, "reason": reason})
     finally:
         lock.release()

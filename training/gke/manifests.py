@@ -23,7 +23,7 @@ import re
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Required, TypedDict
 
 from training.priorities import PRIORITIES, PriorityError, priority_value
 from training.storage import GCS_MOUNTS_ENV
@@ -335,6 +335,29 @@ def round_env(
 
 
 # --- launch options and the run config --------------------------------------------------
+
+
+class GKESettings(TypedDict, total=False):
+    """A run's ``gke`` settings: the cluster, the slices' shape and where the pods run (the DAG's ``gke`` param)."""
+
+    project_id: str
+    location: Required[str]
+    cluster_name: Required[str]
+    machine_type: Required[str]  # the TPU machine type, e.g. ct5lp-hightpu-4t
+    tpu_topology: Required[str]  # e.g. 2x4
+    image: Required[str]  # the training image the pods run
+    node_pools: Required[list[str]]  # one per slice
+    namespace: str
+    spot: bool
+    node_locations: list[str]
+    service_account: str  # the pods' Kubernetes service account
+    node_service_account: str  # the nodes' Google service account
+    gcp_conn_id: str  # the Airflow connection the cluster calls use
+    kueue_queue: str  # a Kueue LocalQueue: it admits the JobSet by the run's priority
+    provision_timeout_s: float  # how long provisioning waits for enough node pools for min_workers
+    flex_start: bool
+    queued_provisioning: bool
+    gcs_fuse: bool
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ from training.gke import (
     GKEConfigError,
     GKELaunch,
     GKEManifests,
+    GKESettings,
     TPUSlice,
     check_config,
     describe_waiting,
@@ -823,8 +824,8 @@ class ProviderCluster:
     :class:`JobSetHook` on the cluster's Kubernetes API, both with the connection ``gke.gcp_conn_id``.
     """
 
-    def __init__(self, gke: Mapping[str, Any]) -> None:
-        self.gke = dict(gke)
+    def __init__(self, gke: GKESettings) -> None:
+        self.gke = gke
 
     def gke_hook(self) -> GKETPUHook:
         return GKETPUHook(

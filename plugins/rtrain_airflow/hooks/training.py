@@ -29,13 +29,14 @@ import re
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from airflow.sdk import BaseHook
 
 from training import api, backends
-from training.api import RUN_NAME_PATTERN, Config, ConfigError, mesh_text, readable
+from training.api import RUN_NAME_PATTERN, CheckpointRecord, Config, ConfigError, Event, mesh_text, readable
 from training.backends import Backend, BackendError
+from training.gke import GKESettings
 from training.service import commands
 
 # The repository root (plugins/rtrain_airflow/hooks/training.py -> parents[3]).  Relative
@@ -261,13 +262,13 @@ class RTrainHook(BaseHook):
 
     # --- the job -------------------------------------------------------------------------------
 
-    def backend(self, name: str, gke: Mapping[str, Any] | None = None, priority: str | None = None) -> Backend:
+    def backend(self, name: str, gke: GKESettings | None = None, priority: str | None = None) -> Backend:
         """The backend of a run: ``priority`` puts a local run in its root's shared pool (GKE: Kueue's)."""
         cluster = None
         if name == "gke":
             from rtrain_airflow.hooks.gke_tpu import ProviderCluster
 
-            cluster = ProviderCluster(gke or {})
+            cluster = ProviderCluster(gke or cast(GKESettings, {}))
         return backends.backend(name, gke=gke, priority=priority, cluster=cluster, log=self.log)
 
     def backend_for(self, spec: Mapping[str, Any]) -> Backend:
@@ -277,14 +278,12 @@ class RTrainHook(BaseHook):
     def status(self, run_uri: str) -> api.RunStatus | None:
         return api.status(run_uri)
 
-    def events(
-        self, run_uri: str, types: tuple[str, ...] | None = None, after: str | None = None
-    ) -> list[dict[str, Any]]:
+    def events(self, run_uri: str, types: tuple[str, ...] | None = None, after: str | None = None) -> list[Event]:
         return api.events(run_uri, types, after)
 
     def events_since(
         self, run_uri: str, cursor: str | None, seen: Collection[str], start: str | None = None
-    ) -> list[dict[str, Any]]:
+    ) -> list[Event]:
         return api.events_since(run_uri, cursor, seen, start)
 
     def newest_event_key(self, run_uri: str) -> str | None:
@@ -299,14 +298,14 @@ class RTrainHook(BaseHook):
     def newest_validated(self, run_uri: str) -> int | None:
         return api.newest_validated(run_uri)
 
-    def checkpoint_state(self, run_uri: str, step: int) -> dict[str, Any]:
-        return api.checkpoint_states(run_uri).get(step, {})
+    def checkpoint_state(self, run_uri: str, step: int) -> CheckpointRecord | None:
+        return api.checkpoint_states(run_uri).get(step)
 
-    def dag_run_mark(self, run_uri: str, dag_run_id: str) -> dict[str, Any] | None:
+    def dag_run_mark(self, run_uri: str, dag_run_id: str) -> api.DagRunMark | None:
         return api.dag_run_mark(run_uri, dag_run_id)
 
-    def set_dag_run_mark(self, run_uri: str, dag_run_id: str, **info: Any) -> None:
-        api.set_dag_run_mark(run_uri, dag_run_id, **info)
+    def set_dag_run_mark(self, run_uri: str, dag_run_id: str, *, resume_from: str, existed: bool) -> None:
+        api.set_dag_run_mark(run_uri, dag_run_id, resume_from=resume_from, existed=existed)
 
     # --- the checkpoint lifecycle ------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from airflow.sdk import BaseBranchOperator, BaseOperator, TriggerRule
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from airflow.sdk import Context
 
     from training.api import PlanReport, RunReport
+    from training.gke import GKESettings
 
 RESOLVE_TASK_ID = "resolve_config"
 
@@ -134,10 +135,10 @@ class RTrainResolveRunConfigOperator(BaseOperator):
                 overrides.update(self._continue_from(overrides, params))
                 # Refreshed data: the model trains on, the data position restarts on the new dataset.
                 overrides.setdefault("on_dataset_change", "restart")
-            gke = params.get("gke") or {}
+            gke = cast("GKESettings", dict(params.get("gke") or {}))  # the backend checks it, by key
             if params.get("backend") == "gke" and not gke.get("image") and os.environ.get("RTRAIN_TRAIN_IMAGE"):
                 # The training image is named once where Airflow runs (docker/compose.yaml): the conf may leave it out.
-                gke = {**gke, "image": os.environ["RTRAIN_TRAIN_IMAGE"]}
+                gke["image"] = os.environ["RTRAIN_TRAIN_IMAGE"]
             if params.get("backend") == "gke" and gke.get("machine_type") and gke.get("tpu_topology"):
                 # A slice of the TPU shape is lost and gained whole: the job counts hosts in slices of it.
                 from training.gke import GKEConfigError, TPUSlice
@@ -361,13 +362,12 @@ def validation_summary(hook: RTrainHook, run_uri: str, log: Any) -> dict[str, An
     if not committed:
         raise AirflowException(f"run {run_uri} has no committed checkpoint to validate")
     newest = hook.checkpoint_state(run_uri, committed[-1])
-    state = newest.get("state")
-    verdict = "validated" if state in ("validated", "promoted") else "rejected"
+    passed = newest is not None and newest["state"] in ("validated", "promoted")
     return {
         "step": committed[-1],
-        "verdict": verdict,
-        "reason": newest.get("reason", ""),
-        "metrics": newest.get("metrics"),
+        "verdict": "validated" if passed else "rejected",
+        "reason": newest.get("reason", "") if newest is not None else "",
+        "metrics": newest.get("metrics") if newest is not None else None,
         "newest_validated": hook.newest_validated(run_uri),
         "results": results,
     }

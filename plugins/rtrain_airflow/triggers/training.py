@@ -23,7 +23,7 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from training.api import EventReader, describe, duration, floor_key
+from training.api import Event, EventReader, describe, duration, floor_key
 from training.service import commands
 from training.service.commands import QueueRow
 
@@ -70,7 +70,7 @@ class Progress:
         self.logged_step: Any = None
         self.logged_at: float | None = None
 
-    def see(self, ev: dict[str, Any]) -> None:
+    def see(self, ev: Event) -> None:
         t = ev["type"]
         if t == "launch":
             self.workers, self.mesh, self.pace = ev.get("workers"), ev.get("mesh"), []
@@ -81,14 +81,14 @@ class Progress:
             newest = self.pace[-1][0]
             self.pace = [p for p in self.pace if p[0] >= newest - PACE_WINDOW_S]
 
-    def seconds_per_step(self, ev: dict[str, Any]) -> float | None:
+    def seconds_per_step(self, ev: Event) -> float | None:
         if len(self.pace) >= 2 and self.pace[-1][1] > self.pace[0][1]:
             (t0, s0), (t1, s1) = self.pace[0], self.pace[-1]
             return (t1 - t0) / (s1 - s0)
         step_time = ev.get("step_time")
         return float(step_time) if isinstance(step_time, int | float) and step_time > 0 else None
 
-    def line(self, ev: dict[str, Any], status: dict[str, Any], outlook: QueueRow | None = None) -> str:
+    def line(self, ev: Event, status: dict[str, Any], outlook: QueueRow | None = None) -> str:
         """The progress line of a progress event (``describe`` with what the watch knows besides).
 
         The ETA is the service's forecast when the run is in a shared pool (``outlook``: it knows
@@ -113,13 +113,13 @@ class Recoveries:
     """The failures a watch has read, and the recoveries it paired them with (as the sensor counts them)."""
 
     def __init__(self) -> None:
-        self.failures: list[dict[str, Any]] = []  # not yet recovered from
+        self.failures: list[Event] = []  # not yet recovered from
         self.recoveries: list[dict[str, Any]] = []
         self.told = (
             False  # the engine's own "recovered" event told the last recovery (the trigger's line is not needed)
         )
 
-    def see(self, ev: dict[str, Any]) -> dict[str, Any] | None:
+    def see(self, ev: Event) -> dict[str, Any] | None:
         """The recovery this event completes (a ``resumed`` after failures), if it does."""
         if ev["type"] == "failure" or (ev["type"] == "rollback" and ev.get("kind") == "in-job"):
             self.failures.append(ev)
@@ -222,7 +222,7 @@ class RTrainTrainingJobTrigger(BaseTrigger):
             self.log.warning("Reading the queue of %s failed: %s", self.handle.get("root"), e)
             return None
 
-    def _look(self, cursor: str | None, seen: set[str] | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    def _look(self, cursor: str | None, seen: set[str] | None) -> tuple[dict[str, Any], list[Event]]:
         """The job's state, and its events since the last look (``seen``: those read since ``floor_key(cursor)``).
 
         The first look reads after ``cursor``; later ones look back for events that landed late.
