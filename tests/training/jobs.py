@@ -83,18 +83,9 @@ def wait_finished(handle: dict[str, Any], timeout: float = 300) -> dict[str, Any
 
 
 def pid_running(pid: int) -> bool:
-    try:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        if done == pid:
-            return False
-    except ChildProcessError:
-        pass
-    try:
-        import psutil
+    from training.backends.local import pid_alive
 
-        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
-    except Exception:  # noqa: BLE001 - gone
-        return False
+    return pid_alive(pid)
 
 
 def hosts(run_uri: str) -> dict[str, Any]:

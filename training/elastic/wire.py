@@ -36,6 +36,39 @@ class ReportType(StrEnum):
     ERROR = "error"  # the worker's fatal error
 
 
+# The fields each type must carry (besides time, attempt and process_id, which every report has).
+REQUIRED: dict[ReportType, tuple[str, ...]] = {
+    ReportType.WORKER_STARTED: ("host", "pid", "seconds"),
+    ReportType.INIT: ("step", "mesh", "workers", "seconds"),
+    ReportType.RESTORE: ("step", "mesh", "workers", "seconds", "tier"),
+    ReportType.COMPILED: ("step", "seconds", "cache_hit"),
+    ReportType.COMPILED_AHEAD: ("workers", "seconds"),
+    ReportType.RESUMED: ("step", "seconds"),
+    ReportType.RESUMED_WITH: ("step", "next_batch", "lr_scale"),
+    ReportType.DATA_REFRESHED: ("step", "old", "new"),
+    ReportType.METRICS: ("step", "step_time", "loss", "values"),
+    ReportType.PROGRESS: ("step", "step_time", "tokens_per_s"),
+    ReportType.EVALUATED: ("step", "metrics", "seconds"),
+    ReportType.CHECKPOINT: ("step", "committed"),
+    ReportType.LOCAL_CHECKPOINT: ("step", "round", "seconds"),
+    ReportType.LOCAL_CHECKPOINT_SKIPPED: ("step", "host", "reason"),
+    ReportType.LOCAL_TIER_OFF: ("reason",),
+    ReportType.CORRUPT: ("step", "reason"),
+    ReportType.GUARD: ("step", "reason"),
+    ReportType.RESCALE_REQUESTED: ("step", "workers"),
+    ReportType.PREEMPTED: ("step", "committed_at", "reason"),
+    ReportType.CHAOS: ("action", "spec", "step"),
+    ReportType.FINISHED: ("step",),
+    ReportType.ERROR: ("error",),
+}
+
+
+def _check(kind: ReportType, fields: dict[str, Any]) -> None:
+    missing = [f for f in REQUIRED[kind] if f not in fields]
+    if missing:
+        raise ValueError(f"a {kind.value} report lacks {', '.join(missing)}")
+
+
 @dataclass(frozen=True)
 class WorkerReport:
     """One report: its type and its fields (``time``, ``attempt``: the round, ``process_id``: the rank, and the type's own)."""
@@ -48,17 +81,22 @@ class WorkerReport:
 
 
 def report(type_: ReportType, round_: int, rank: int, **fields: Any) -> WorkerReport:
-    """A report of this moment from the worker of ``rank`` in round ``round_``."""
-    return WorkerReport(ReportType(type_), {"time": time.time(), "attempt": round_, "process_id": rank, **fields})
+    """A report of this moment from the worker of ``rank`` in round ``round_`` (ValueError: it lacks its type's fields)."""
+    kind = ReportType(type_)
+    _check(kind, fields)
+    return WorkerReport(kind, {"time": time.time(), "attempt": round_, "process_id": rank, **fields})
 
 
 def decode(line: bytes | str) -> WorkerReport:
-    """A report read back from its line; ValueError for a line that is not one (unreadable, or of no known type)."""
+    """A report read back from its line; ValueError for a line that is not one (unreadable, of no known type, or
+    lacking its type's fields)."""
     msg = json.loads(line)
     if not isinstance(msg, dict):
         raise ValueError(f"a report is a JSON object, not {type(msg).__name__}")
     kind = msg.pop("type", None)
     try:
-        return WorkerReport(ReportType(kind), msg)
+        report_type = ReportType(kind)
     except ValueError:
         raise ValueError(f"no report type {kind!r}") from None
+    _check(report_type, msg)
+    return WorkerReport(report_type, msg)
