@@ -340,9 +340,9 @@ def bench_checkpoint_overhead(ws: Path, repeats: int, ks: tuple[int, ...] = (5, 
             evs = _run(cfg)
             times[every].append(_window_step_time(evs, lo, hi))
             costs = save_costs(evs)
-            if every != 10_000 and costs:
-                pauses.append(float(costs["paused_s"]))
-                bounds.append(float(costs["copy_bound_s"]))
+            if every != 10_000 and costs and costs["paused_s"] is not None and costs["copy_bound_s"] is not None:
+                pauses.append(costs["paused_s"])
+                bounds.append(costs["copy_bound_s"])
     base = statistics.median(times[10_000])
     per_k = {k: {"step_s": times[k], "ratio": statistics.median(times[k]) / base} for k in ks}
     return {

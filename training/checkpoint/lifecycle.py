@@ -161,10 +161,10 @@ class RunReport(TypedDict):
     checkpoints_kept: list[int]
     checkpoints_pruned: list[int]
     resume_pointer: int | None
-    saves: dict[str, Any] | None
+    saves: SaveCosts | None
     wall_s: float
     goodput: float | None
-    goodput_breakdown: dict[str, Any]
+    goodput_breakdown: Goodput
 
 
 def validate(run_uri: str, step: int | None = None, evaluated: list[Event] | None = None) -> Verdict:
@@ -360,7 +360,32 @@ def prune(run_uri: str, dry_run: bool = False) -> prune_lib.Pruned:
     return out
 
 
-def goodput(evs: list[Event], steps_total: int) -> dict[str, Any]:
+class Goodput(TypedDict):
+    """Where a run's wall time went: productive step time, and the badput by cause (``BADPUT_CAUSES``)."""
+
+    wall_s: float
+    productive_s: float
+    step_s: float  # the median step time
+    steps_lost: int  # steps trained again after restores
+    badput_s: dict[str, float]  # by cause, and "other"
+    recoveries: dict[str, dict[str, float]]  # each recovery's seconds by phase, by the failure it followed
+    goodput: float | None
+    engine_goodput: float | None  # leaving out the steps a validation rollback threw away on purpose
+
+
+class SaveCosts(TypedDict):
+    """What the persistent saves of a run cost (medians over its saves; None where no save reported it)."""
+
+    saves: int
+    bytes: float | None
+    paused_s: float | None  # the loop's pause per save
+    copy_bound_s: float | None  # the least time copying those bytes takes at the host's memory bandwidth
+    copy_GBps: float | None
+    save_thread_s: float | None  # Orbax's blocking part, in the save thread
+    commit_s: float | None  # save to commit
+
+
+def goodput(evs: list[Event], steps_total: int) -> Goodput:
     """Where the wall time went, in the spirit of Google's ML goodput: productive step time vs badput by cause.
 
     From the events alone (no checkpoint is read).  Wall time runs from each job's
@@ -492,7 +517,7 @@ def _recoveries(evs: list[Event]) -> dict[str, dict[str, float]]:
     return recoveries
 
 
-def save_costs(evs: list[Event]) -> dict[str, Any] | None:
+def save_costs(evs: list[Event]) -> SaveCosts | None:
     """What the persistent saves cost, from their commit events (medians over the run's saves).
 
     ``paused_s``: the loop's pause per save; ``copy_bound_s``: the least time copying the bytes this
