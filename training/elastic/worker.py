@@ -172,8 +172,6 @@ def leave(rep: Reporter, code: WorkerExit, error: str = "", **fields: Any) -> No
 
 def main() -> int:
     die_with_parent()
-    if os.environ.get("RTRAIN_SWITCH_INTERVAL_S"):  # EXPERIMENT
-        sys.setswitchinterval(float(os.environ["RTRAIN_SWITCH_INTERVAL_S"]))
     Notice.install()  # from now on a SIGTERM is a preemption notice: stop at a step boundary, save, leave
     rep = Reporter()
     run = os.environ["RTRAIN_RUN_URI"]
