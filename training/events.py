@@ -13,7 +13,9 @@ sentence for people (task logs, ``rtrain events``).
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import socket
 import threading
@@ -23,9 +25,11 @@ from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any, Required, TypedDict, cast
 
-from training.layout import EVENTS, STATUS
+from training.layout import EVENTS, RDV_EVENT_RESERVE, STATUS
 from training.records import nonce, stamp
 from training.storage import NotFound, Store, open_store
+
+log = logging.getLogger(__name__)
 
 
 class RunState(StrEnum):
@@ -282,6 +286,30 @@ class EventLog:
         key = f"{EVENTS}{ns:020d}-{self.source}-{nonce()}.json"
         self.store.create_in(reserve, key, json.dumps(event, sort_keys=True, default=str).encode())
         return event
+
+    def failed(self, reason: str, *, step: int | None, host: str | None = None, lost: bool = False) -> None:
+        """Write the job's ``failed`` event, with ``step`` when one was reached; on a full disk, into the blocks held for it.
+
+        ``lost``: no host was left to end the job, so a later reader ended it.  A write that still fails is logged,
+        not raised: the caller goes on to write the failed status.
+        """
+        fields: dict[str, Any] = {"reason": reason}
+        if step is not None:
+            fields["step"] = step
+        if host is not None:
+            fields["host"] = host
+        if lost:
+            fields["lost"] = True
+        try:
+            self.emit("failed", **fields)
+        except OSError as e:
+            # A full disk: other writers race for any space freed, so the event goes into blocks held for it.
+            try:
+                if e.errno != errno.ENOSPC:
+                    raise
+                self.emit_in(RDV_EVENT_RESERVE, "failed", **fields)
+            except (OSError, NotFound) as e2:
+                log.warning("could not write the failed event (%s): %s", host or self.source, e2)
 
     def keys(self, after_key: str | None = None) -> list[str]:
         return [k for k in self.store.list(EVENTS) if k.endswith(".json") and (after_key is None or k > after_key)]

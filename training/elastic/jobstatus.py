@@ -7,7 +7,6 @@ the cadence's step beat, the leader reads it within a host scan).
 
 from __future__ import annotations
 
-import errno
 import logging
 import time
 from enum import StrEnum
@@ -15,10 +14,9 @@ from typing import Any
 
 from training.cadence import STATUS_S, Cadence
 from training.elastic.rendezvous import HostRecord, Round
-from training.events import EventLog, RunState, read_status, write_status
-from training.layout import RDV_EVENT_RESERVE
+from training.events import RunState, read_status, write_status
 from training.mesh import MeshPlan
-from training.storage import NotFound, Store
+from training.storage import Store
 
 log = logging.getLogger("rtrain.leader")
 
@@ -169,18 +167,3 @@ class JobStatus:
                 "phase": phase.value,
             },
         )
-
-
-def record_failed(events: EventLog, *, reason: str, step: int | None, host: str) -> None:
-    """Write the job's ``failed`` event (on a full disk, into the blocks held back for it); ``step`` when one was reached."""
-    fields: dict[str, Any] = {"reason": reason, "host": host, **({} if step is None else {"step": step})}
-    try:
-        events.emit("failed", **fields)
-    except OSError as e:
-        # A full disk: other writers race for any space freed, so the event goes into blocks held for it.
-        try:
-            if e.errno != errno.ENOSPC:
-                raise
-            events.emit_in(RDV_EVENT_RESERVE, "failed", **fields)
-        except (OSError, NotFound) as e2:
-            log.warning("[%s] could not write the failed event: %s", host, e2)

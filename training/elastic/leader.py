@@ -35,7 +35,7 @@ from training.elastic.capacity import LocalCapacity
 from training.elastic.chaos import JobChaos
 from training.elastic.hostview import HostView, Settle
 from training.elastic.hostwatch import HostWatch
-from training.elastic.jobstatus import JobStatus, Phase, inherited_phase, record_failed
+from training.elastic.jobstatus import JobStatus, Phase, inherited_phase
 from training.elastic.membership import choose_members, resume_for
 from training.elastic.rendezvous import Outcome, Rendezvous, Report, Round
 from training.elastic.round_end import JobFails, PendingFailure, Recovery, RoundEnds, RoundFailed, Verdict
@@ -318,7 +318,7 @@ class Leader:
             self._fail(reason)
 
     def _fail(self, reason: str) -> None:
-        record_failed(self.agent.events, reason=reason, step=self.status.fields.get("step"), host=self.agent.host)
+        self.agent.events.failed(reason, step=self.status.fields.get("step"), host=self.agent.host)
         log.warning("[%s] the job failed: %s", self.agent.host, reason)
         self._end(RunState.FAILED, reason)
 

@@ -271,8 +271,7 @@ class LocalSlice:
     def _end_held(self, reason: str) -> None:
         """End the held job as failed with ``reason``: the status, the event and a stop round, then let go."""
         try:
-            step = self._held_status.get("step")
-            self.own_events.emit("failed", reason=reason, **({} if step is None else {"step": step}))
+            self.own_events.failed(reason, step=self._held_status.get("step"))
             self._held_status["reason"] = reason
             self._write_held(force=True, state=RunState.FAILED)
             rdv = Rendezvous(self.store)

@@ -140,8 +140,7 @@ def repair_status(run_uri: str) -> RunStatus | None:
                     f"within capacity_timeout_s (status last written {age:.0f}s ago). Launch again to resume "
                     "from the newest committed checkpoint."
                 )
-            step = st.get("step")
-            events.emit("failed", reason=reason, lost=True, **({} if step is None else {"step": step}))
+            events.failed(reason, step=st.get("step"), lost=True)
             st = write_status(store, **{**st, "state": RunState.FAILED.value, "reason": reason})
     finally:
         lock.release()
