@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -73,8 +74,20 @@ def test_a_background_save_writes_the_state_of_its_step_while_donating_steps_go_
         mngr = ckpt.checkpoint_manager(cfg, run)
         given = []
 
+        import threading
+        from training.background import BACKGROUND_NICE, MAX_NICE
+
+        def niceness():
+            return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+        nice = {"loop": niceness()}
+
         def save(snap, step):
             given.append(snap)
+            nice["save"] = niceness()
+            started = threading.Thread(target=lambda: nice.update(started=niceness()))  # as Orbax's threads
+            started.start()
+            started.join()
             ckpt.save(mngr, step, snap, {"next_batch": step}, cfg)
 
         bg = ckpt.BackgroundSave(abstract, "test-save", gather_small=True)
@@ -123,6 +136,9 @@ def test_a_background_save_writes_the_state_of_its_step_while_donating_steps_go_
             "small_sharded": sum(x.nbytes <= packing.PACK_MAX_BYTES and not x.sharding.is_fully_replicated
                                  for x in jax.tree.leaves(state)),
             "bandwidth": ckpt.copy_bandwidth(8 << 20),
+            "nice": nice,
+            "nice_wanted": min(MAX_NICE, nice["loop"] + BACKGROUND_NICE),
+            "nice_after": niceness(),
         }))
         """,
         tmp_path,
@@ -138,6 +154,10 @@ def test_a_background_save_writes_the_state_of_its_step_while_donating_steps_go_
     assert res["local_bytes"] == res["shard_bytes"] and int(str(res["local_bytes"])) > 0
     assert all(res["snapshot_shardings"]) and int(str(res["small_sharded"])) > 0
     assert float(str(res["bandwidth"])) > 1e8  # bytes/s: any machine copies memory faster than 100 MB/s
+    # The save thread, and the threads it starts, take only the CPU the loop leaves; the loop keeps its own.
+    nice = cast(dict[str, int], res["nice"])
+    wanted, after = int(str(res["nice_wanted"])), int(str(res["nice_after"]))
+    assert nice["save"] == nice["started"] == wanted > nice["loop"] == after, nice
 
 
 def test_checkpoints_are_uncompressed_by_default_and_older_compressed_ones_still_restore(tmp_path, tiny_dataset):

@@ -25,6 +25,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import type_handlers
 from orbax.checkpoint._src.path import atomicity
 
+from training.background import lower_this_thread
 from training.checkpoint import packing
 from training.checkpoint.resume import DataPosition, data_position
 from training.checkpoint.steps import fresh_gcs_listings, record_integrity
@@ -236,7 +237,10 @@ class BackgroundSave:
         from concurrent.futures import ThreadPoolExecutor
 
         self.snapshot = HostSnapshot(abstract, gather_small=gather_small)
-        self.thread = ThreadPoolExecutor(1, thread_name_prefix=name) if background else None
+        # The save thread (and the checkpoint library's threads it starts) takes the CPU the loop leaves.
+        self.thread = (
+            ThreadPoolExecutor(1, thread_name_prefix=name, initializer=lower_this_thread) if background else None
+        )
         if self.thread is not None:
             self.thread.submit(self.snapshot.prepare)  # compiled while the first steps train
         self.starting: Any = None  # a Future: the seconds the thread's part of the newest save took

@@ -21,21 +21,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import pickle
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from training.background import lower_this_thread
 from training.config import Config
 from training.layout import COMPILED
 from training.mesh import build_mesh, feasible_sizes, plan_mesh
 from training.storage import NotFound, Store
 
 log = logging.getLogger(__name__)
-
-NICE = 10  # the compiling thread's niceness: it takes the CPU the training leaves
 
 
 def smaller_sizes(cfg: Config, workers: int) -> list[int]:
@@ -121,8 +119,7 @@ def start(
         return None
 
     def run() -> None:
-        with contextlib.suppress(OSError):  # the training's threads come first (Linux: a thread's own niceness)
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+        lower_this_thread()  # the training's threads come first
         try:
             if own is not None:
                 kept(workers, own)
