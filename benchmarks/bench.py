@@ -865,6 +865,25 @@ FIGURES = (
 )
 
 
+def cpu_counters() -> tuple[int, int] | None:
+    """(steal, all) CPU time of this machine so far, in clock ticks (Linux); None where unknown."""
+    try:
+        ticks = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    return (ticks[7] if len(ticks) > 7 else 0), sum(ticks)
+
+
+def steal_fraction(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of CPU time a virtual machine's host gave to others between two readings (None: unknown).
+
+    A figure measured while it was high is a figure of a busy neighbour as much as of this code.
+    """
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
 def main(args: argparse.Namespace) -> int:
     from training import data
 
@@ -896,7 +915,9 @@ def main(args: argparse.Namespace) -> int:
         if name not in only:
             continue
         print(f"[bench] {name} ...", flush=True)
+        before = cpu_counters()
         results[name] = runs[name]()
+        results[name]["cpu_steal"] = steal_fraction(before, cpu_counters())
         print(f"[bench] {name}: ratio {results[name]['ratio']:.3f} (target {results[name]['target']})", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -916,6 +937,14 @@ def format_table(r: dict[str, Any]) -> str:
         f"repeats: {r['repeats']} (figures: median [min..max])",
         f"{'figure':<30} {'measured':<62} {'ratio':>7}  target",
     ]
+
+    steal = {name: r[name].get("cpu_steal") for name in FIGURES if name in r}
+    if any(v is not None for v in steal.values()):
+        lines.insert(
+            1,
+            "host CPU steal while measured (a VM's host serving others): "
+            + ", ".join(f"{name} {v:.0%}" for name, v in steal.items() if v is not None),
+        )
 
     def row(name: str, measured: str, ratio: float, target: str) -> None:
         lines.append(f"{name:<30} {measured:<62} {ratio:>7.3f}  {target}")
