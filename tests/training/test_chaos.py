@@ -81,7 +81,7 @@ def _corrupt_newest_then_crash(run_uri: str, stop: threading.Event, out: dict[st
         st = api.status(run_uri) or {}
         newest = st.get("latest_committed")
         if newest and newest >= 2 * EVERY and st.get("state") == "running":
-            step_dir = Path(run_uri) / "checkpoints" / str(newest) / "state"
+            step_dir = Path(run_uri) / "checkpoints" / str(newest)  # its largest file is array data
             files = [p for p in step_dir.rglob("*") if p.is_file()] if step_dir.exists() else []
             if files:
                 victim = max(files, key=lambda p: p.stat().st_size)

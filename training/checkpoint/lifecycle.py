@@ -17,6 +17,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, TypedDict
 
+from training.checkpoint import lean
 from training.checkpoint import prune as prune_lib
 from training.checkpoint.ledger import Ledger, ResumeHow
 from training.checkpoint.lock import RunLock
@@ -274,7 +275,9 @@ def validate_pending(run_uri: str) -> list[Verdict]:
 
 
 def _data_position(run_uri: str, step: int) -> DataPosition:
-    """The data position saved with a step: Orbax's JSON item (``data/metadata``)."""
+    """The data position saved with a step: in a lean step's description, else Orbax's JSON item (``data/metadata``)."""
+    if lean.is_lean(step_uri(run_uri, step)):
+        return lean.saved_data_position(step_uri(run_uri, step))
     store = open_store(join(step_uri(run_uri, step), "data"))
     keys = store.list()
     for key in sorted(keys, key=lambda k: k != "metadata"):  # its name first; an older layout's file else

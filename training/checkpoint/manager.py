@@ -26,12 +26,12 @@ from orbax.checkpoint import type_handlers
 from orbax.checkpoint._src.path import atomicity
 
 from training.background import lower_this_thread
-from training.checkpoint import packing
+from training.checkpoint import lean, packing
 from training.checkpoint.resume import DataPosition, data_position
 from training.checkpoint.steps import fresh_gcs_listings, record_integrity
 from training.config import Config
 from training.layout import checkpoints_uri, step_uri
-from training.storage import scheme
+from training.storage import join, scheme
 
 State = dict[str, Any]
 
@@ -78,8 +78,12 @@ class RecordedCommitFile(atomicity.CommitFileTemporaryPath):  # type: ignore[mis
 MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL = 1 << 20
 
 
-def checkpoint_manager(cfg: Config, run: str, *, async_save: bool | None = None) -> ocp.CheckpointManager:
+def checkpoint_manager(
+    cfg: Config, run: str, *, async_save: bool | None = None
+) -> ocp.CheckpointManager | lean.LeanManager:
     """The run's persistent checkpoint manager, shared by every process of the job.
+
+    ``checkpoint_format: lean`` gets :class:`~training.checkpoint.lean.LeanManager`; the rest Orbax's.
 
     Two Orbax options keep a save's blocking part short:
 
@@ -90,6 +94,8 @@ def checkpoint_manager(cfg: Config, run: str, *, async_save: bool | None = None)
     - Replicated shards are split among replicas only above :data:`MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL`
       (a device slice per small array halved the blocking time of a small model's save).
     """
+    if cfg.checkpoint_format == "lean":
+        return lean.LeanManager(run, jax.process_count(), jax.process_index(), cfg.model_dump(mode="json"))
     from etils import epath
 
     mp = ocp.options.MultiprocessingOptions(primary_host=0, active_processes=set(range(jax.process_count())))
@@ -132,8 +138,12 @@ def checkpoint_manager(cfg: Config, run: str, *, async_save: bool | None = None)
     return ocp.CheckpointManager(root, options=options, item_handlers=handlers)
 
 
-def save(mngr: ocp.CheckpointManager, step: int, state: State, data: DataPosition, cfg: Config) -> bool:
+def save(
+    mngr: ocp.CheckpointManager | lean.LeanManager, step: int, state: State, data: DataPosition, cfg: Config
+) -> bool:
     """Save ``state`` as step ``step``: its small replicated arrays packed (:mod:`training.checkpoint.packing`)."""
+    if isinstance(mngr, lean.LeanManager):
+        return mngr.save(step, state, data)
     tree, layout = packing.pack(state)
     return bool(
         mngr.save(
@@ -149,8 +159,21 @@ def save(mngr: ocp.CheckpointManager, step: int, state: State, data: DataPositio
     )
 
 
-def restore(mngr: ocp.CheckpointManager, step: int, abstract: State) -> tuple[State, DataPosition]:
-    """Step ``step`` as ``abstract``'s arrays (its shapes and the current mesh's shardings), and its data position."""
+def packs_small(mngr: ocp.CheckpointManager | lean.LeanManager) -> bool:
+    """Whether a save packs the small arrays (Orbax's format), so its host copy gathers them."""
+    return not isinstance(mngr, lean.LeanManager)
+
+
+def restore(mngr: ocp.CheckpointManager | lean.LeanManager, step: int, abstract: State) -> tuple[State, DataPosition]:
+    """Step ``step`` as ``abstract``'s arrays (its shapes and the current mesh's shardings), and its data position.
+
+    A step of either format is read, whichever format the run saves in now.
+    """
+    step_dir = join(str(mngr.directory), str(step))
+    if lean.is_lean(step_dir):
+        return lean.restore(step_dir, abstract)
+    if not isinstance(mngr, ocp.CheckpointManager):
+        raise ValueError(f"checkpoint {step} is in Orbax's format: set checkpoint_format to auto to resume from it")
     if "layout" not in mngr.item_metadata(step):  # saved before packing: the state's own tree
         out = mngr.restore(
             step,
@@ -317,6 +340,8 @@ def _read_on_first_device(run: str, step: int, top: str | None = None) -> Any:
     """
     from etils import epath
 
+    if lean.is_lean(step_uri(run, step)):
+        return lean.read_host(step_uri(run, step), top)
     step_dir = epath.Path(step_uri(run, step))
     path = step_dir / "state"
     ck = ocp.PyTreeCheckpointer()

@@ -900,7 +900,7 @@ class Saver:
     """
 
     def __init__(self, mngr: Any, rep: Reporter, pins: Pins, abstract: Any, *, background: bool = True) -> None:
-        from training.checkpoint.manager import BackgroundSave
+        from training.checkpoint.manager import BackgroundSave, packs_small
 
         self.mngr = mngr
         self.rep = rep
@@ -908,7 +908,7 @@ class Saver:
         self.pending: int | None = None
         self.last_saved: int | None = None
         self.committed_any = False
-        self.bg = BackgroundSave(abstract, "rtrain-save", background=background, gather_small=True)
+        self.bg = BackgroundSave(abstract, "rtrain-save", background=background, gather_small=packs_small(mngr))
         self.nbytes: int | None = None
         self.cost: dict[str, Any] = {}
 

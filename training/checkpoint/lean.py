@@ -1,0 +1,375 @@
+"""The lean persistent checkpoint format: each process writes its shards once, with an index.
+
+A step saved this way (``checkpoint_format: lean``) is one directory, like an Orbax step, and
+commits by Orbax's rule for its root (a rename locally, ``commit_success.txt`` on gs://), so the
+steps, their integrity records, pruning and the ledger treat both formats alike::
+
+    <step>/lean/<p>.bin    the shards process p wrote, one after another
+    <step>/lean/<p>.json   where each of them is: the leaf's path, its box, offset and bytes
+    <step>/lean.json       written last by process 0: every leaf's dtype and shape, the data
+                           position, the config and how many processes wrote
+
+Every distinct shard (a box of an array) is written by one device among those that hold it,
+chosen by a hash of the leaf and the box, so replicas share the writing.  A save is two barriers
+of the coordination service and a few files per process: none of Orbax's per-array machinery.
+A restore reads any mesh's step onto the current one: each device's part is put together from
+the saved boxes it overlaps.
+
+JAX is imported inside functions only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from training.checkpoint.resume import DataPosition, data_position
+from training.checkpoint.steps import INTEGRITY, committed_steps
+from training.layout import checkpoints_uri
+from training.storage import join, open_store, scheme
+
+META = "lean.json"
+FORMAT = 1
+COMMIT_FILE = "commit_success.txt"  # Orbax's commit marker on roots without an atomic rename
+TMP_SUFFIX = ".orbax-checkpoint-tmp-lean"  # Orbax sees it as temporary: not a step until renamed
+BARRIER_TIMEOUT_S = 300
+
+
+def is_lean(step_dir: str) -> bool:
+    """Whether the committed step at ``step_dir`` was saved in this format."""
+    return open_store(step_dir).exists(META)
+
+
+def saved_data_position(step_dir: str) -> DataPosition:
+    """The data position saved with the step at ``step_dir`` (no JAX needed)."""
+    return data_position(_read_meta(step_dir)["data"])
+
+
+def _keys(path: Any) -> list[str | int]:
+    """A leaf's path as plain keys (a dict key, an attribute name or a position)."""
+    out: list[str | int] = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                v = getattr(k, attr)
+                out.append(v if isinstance(v, int) else str(v))
+                break
+    return out
+
+
+def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape, strict=True))
+
+
+def _writers(name: str, x: Any) -> set[Any]:
+    """The devices that write ``x``'s shards: for each distinct box, one of the devices holding it."""
+    holders: dict[tuple[tuple[int, int], ...], list[Any]] = {}
+    for dev, index in x.sharding.devices_indices_map(x.shape).items():
+        holders.setdefault(_box(index, x.shape), []).append(dev)
+    out = set()
+    for box, devs in holders.items():
+        devs.sort(key=lambda d: d.id)
+        out.add(devs[zlib.crc32(f"{name}{box}".encode()) % len(devs)])
+    return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one process writes of a state of one structure and sharding (the same at every save of a round).
+
+    ``picks``: per leaf, the positions among its addressable shards this process writes;
+    ``leaves`` and ``index``: the JSON of every leaf's dtype and shape, and of where each written
+    shard goes in this process's file (its offsets follow from the shapes).
+    """
+
+    structure: Any
+    picks: tuple[tuple[int, ...], ...]
+    leaves: str
+    index: str
+
+
+def plan(state: Any) -> Plan:
+    import jax
+    import numpy as np
+
+    leaves, entries, picks = [], [], []
+    offset = 0
+    for path, x in jax.tree_util.tree_leaves_with_path(state):
+        name = jax.tree_util.keystr(path)
+        leaves.append({"path": name, "keys": _keys(path), "dtype": str(x.dtype), "shape": list(x.shape)})
+        writers = _writers(name, x)
+        mine = []
+        for i, shard in enumerate(x.addressable_shards):
+            if shard.device not in writers:
+                continue
+            box = _box(shard.index, x.shape)
+            nbytes = int(np.prod([hi - lo for lo, hi in box], dtype=np.int64)) * np.dtype(x.dtype).itemsize
+            entries.append({"path": name, "box": [list(b) for b in box], "offset": offset, "nbytes": nbytes})
+            offset += nbytes
+            mine.append(i)
+        picks.append(tuple(mine))
+    return Plan(jax.tree.structure(state), tuple(picks), json.dumps(leaves), json.dumps(entries))
+
+
+def _crc(data: bytes) -> list[int]:
+    import google_crc32c
+
+    return [len(data), int(google_crc32c.value(data))]
+
+
+def write_shards(state: Any, step_dir: str, process: int, p: Plan) -> dict[str, list[int]]:
+    """Write the shards of ``state`` this process is the writer of; the size and CRC32C of each file written."""
+    import google_crc32c
+    import jax
+    import numpy as np
+
+    crc, size, parts = google_crc32c.Checksum(), 0, []
+    for x, picks in zip(jax.tree.leaves(state), p.picks, strict=True):
+        for i in picks:
+            buf = np.ascontiguousarray(np.asarray(x.addressable_data(i)))
+            crc.update(buf.reshape(-1).view(np.uint8))
+            size += buf.nbytes
+            parts.append(buf)
+    store = open_store(step_dir)
+    if scheme(step_dir).filesystem:  # streamed, without one more copy of the shards
+        target = Path(store.child(f"lean/{process}.bin"))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "wb") as f:
+            for buf in parts:
+                f.write(buf.data)
+            f.flush()
+            os.fsync(f.fileno())
+    else:
+        store.put(f"lean/{process}.bin", b"".join(buf.tobytes() for buf in parts))
+    sums = {f"lean/{process}.bin": [size, int.from_bytes(crc.digest(), "big")]}
+    index = f'{{"files": {json.dumps(sums)}, "entries": {p.index}}}'.encode()  # the entries' JSON made once
+    store.put(f"lean/{process}.json", index)
+    return {**sums, f"lean/{process}.json": _crc(index)}
+
+
+@dataclass
+class LeanManager:
+    """The persistent checkpoints of a run in the lean format: what the worker's saver asks of a manager.
+
+    :meth:`save` writes, commits and returns on every process (a save thread calls it); nothing of
+    it runs later, so a save is never in progress once it has returned.  Each process records the
+    size and CRC32C of what it wrote in its index; process 0 makes the step's integrity record of
+    them, so no file is read back.
+    """
+
+    run: str
+    processes: int
+    process: int
+    config: dict[str, Any]
+    saves: int = 0
+    plan: Plan | None = None
+
+    @property
+    def directory(self) -> str:
+        return checkpoints_uri(self.run)
+
+    def save(self, step: int, state: Any, data: DataPosition) -> bool:
+        import jax
+        from orbax.checkpoint import multihost
+
+        self.saves += 1
+        everyone = set(range(self.processes))
+        final = join(self.directory, str(step))
+        renamed = scheme(final).atomic_rename
+        step_dir = final + TMP_SUFFIX if renamed else final
+        if self.process == 0 and (Path(final).exists() if renamed else open_store(final).exists(COMMIT_FILE)):
+            raise FileExistsError(f"checkpoint {step} exists already at {final}")
+        if self.plan is None or self.plan.structure != jax.tree.structure(state):
+            self.plan = plan(state)
+        mine = write_shards(state, step_dir, self.process, self.plan)
+        multihost.sync_global_processes(
+            f"rtrain-lean-{step}-{self.saves}-written", processes=everyone, timeout=BARRIER_TIMEOUT_S
+        )
+        if self.process == 0:
+            self._commit(step, step_dir, final if renamed else "", mine, data)
+        multihost.sync_global_processes(
+            f"rtrain-lean-{step}-{self.saves}-committed", processes=everyone, timeout=BARRIER_TIMEOUT_S
+        )
+        return True
+
+    def _commit(self, step: int, step_dir: str, rename_to: str, mine: dict[str, list[int]], data: DataPosition) -> None:
+        """Process 0: the step's description, its integrity record, then its commit (a rename or a marker)."""
+        assert self.plan is not None
+        store = open_store(step_dir)
+        files = dict(mine)
+        for p in range(1, self.processes):
+            raw = store.get(f"lean/{p}.json")
+            files[f"lean/{p}.json"] = _crc(raw)
+            files.update(json.loads(raw)["files"])
+        head = json.dumps(
+            {"format": FORMAT, "step": step, "processes": self.processes, "data": data, "config": self.config}
+        )
+        meta = f'{head[:-1]}, "leaves": {self.plan.leaves}}}'.encode()  # the leaves' JSON made once
+        store.put(META, meta)
+        files[META] = _crc(meta)
+        store.put(INTEGRITY, json.dumps(files, sort_keys=True).encode())
+        if rename_to:
+            os.rename(step_dir, rename_to)
+        else:
+            store.put(COMMIT_FILE, b"committed")
+
+    # What the saver asks of Orbax's manager: a lean save is over when save() returns.
+    def check_for_errors(self) -> None:
+        return None
+
+    def is_saving_in_progress(self) -> bool:
+        return False
+
+    def wait_until_finished(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+    def all_steps(self, read: bool = True) -> list[int]:
+        return committed_steps(self.run)
+
+
+class _Blobs:
+    """Each process's shard file of a step, read once (memory-mapped on a file system)."""
+
+    def __init__(self, step_dir: str) -> None:
+        self.store = open_store(step_dir)
+        self.local = scheme(step_dir).filesystem
+        self.cache: dict[int, Any] = {}
+
+    def __call__(self, process: int) -> Any:
+        import numpy as np
+
+        if process not in self.cache:
+            if self.local:
+                path = Path(self.store.child(f"lean/{process}.bin"))
+                size = path.stat().st_size
+                self.cache[process] = np.memmap(path, np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+            else:
+                self.cache[process] = np.frombuffer(self.store.get(f"lean/{process}.bin"), np.uint8)
+        return self.cache[process]
+
+
+@dataclass(frozen=True)
+class Saved:
+    """Where one saved box of a leaf is: the process that wrote it, its box, offset and bytes."""
+
+    process: int
+    box: tuple[tuple[int, int], ...]
+    offset: int
+    nbytes: int
+
+
+def _index(step_dir: str, meta: dict[str, Any]) -> dict[str, list[Saved]]:
+    store = open_store(step_dir)
+    out: dict[str, list[Saved]] = {}
+    for p in range(int(meta["processes"])):
+        for e in json.loads(store.get(f"lean/{p}.json"))["entries"]:
+            box = tuple((int(lo), int(hi)) for lo, hi in e["box"])
+            out.setdefault(e["path"], []).append(Saved(p, box, int(e["offset"]), int(e["nbytes"])))
+    return out
+
+
+def _assemble(name: str, dtype: Any, saved: list[Saved], blobs: _Blobs, want: tuple[tuple[int, int], ...]) -> Any:
+    """The box ``want`` of a leaf, put together from the saved boxes it overlaps."""
+    import numpy as np
+
+    out = np.empty([hi - lo for lo, hi in want], dtype)
+    covered = 0
+    for s in saved:
+        overlap = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(want, s.box, strict=True)]
+        if any(lo >= hi for lo, hi in overlap):
+            continue
+        part = blobs(s.process)[s.offset : s.offset + s.nbytes].view(dtype).reshape([hi - lo for lo, hi in s.box])
+        src = tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(overlap, s.box, strict=True))
+        dst = tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(overlap, want, strict=True))
+        out[dst] = part[src]
+        size = 1
+        for lo, hi in overlap:
+            size *= hi - lo
+        covered += size
+    if covered < out.size:
+        raise ValueError(f"the checkpoint holds only part of {name}")
+    return out
+
+
+def _read_meta(step_dir: str) -> dict[str, Any]:
+    meta = json.loads(open_store(step_dir).get(META))
+    if int(meta.get("format", 0)) != FORMAT:
+        raise ValueError(f"{step_dir}: lean checkpoint format {meta.get('format')}, this version reads {FORMAT}")
+    return dict(meta)
+
+
+def restore(step_dir: str, abstract: Any) -> tuple[Any, DataPosition]:
+    """The step at ``step_dir`` as ``abstract``'s arrays (its shapes and shardings), and its data position."""
+    import jax
+    import numpy as np
+
+    meta = _read_meta(step_dir)
+    saved = _index(step_dir, meta)
+    shapes = {leaf["path"]: leaf for leaf in meta["leaves"]}
+    _same_leaves(set(shapes), {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(abstract)})
+    blobs = _Blobs(step_dir)
+
+    def load(path: Any, a: Any) -> Any:
+        name = jax.tree_util.keystr(path)
+        leaf = shapes[name]
+        if tuple(leaf["shape"]) != tuple(a.shape):
+            raise ValueError(f"the checkpoint's {name} has shape {leaf['shape']}; the state wants {list(a.shape)}")
+        dtype, parts = np.dtype(leaf["dtype"]), saved.get(name, [])
+
+        def part(ix: Any) -> Any:  # a device's part, cast to the state's dtype where it differs
+            return _assemble(name, dtype, parts, blobs, _box(ix, a.shape)).astype(a.dtype, copy=False)
+
+        return jax.make_array_from_callback(a.shape, a.sharding, part)
+
+    state = jax.tree_util.tree_map_with_path(load, abstract)
+    return state, data_position(meta["data"])
+
+
+def _same_leaves(saved: set[str], wanted: set[str]) -> None:
+    extra, missing = sorted(saved - wanted), sorted(wanted - saved)
+    if extra or missing:
+        parts = [f"not in this run's state: {', '.join(extra[:5])}"] if extra else []
+        parts += [f"not in the checkpoint: {', '.join(missing[:5])}"] if missing else []
+        raise ValueError("the checkpoint's state does not match this run's (" + "; ".join(parts) + ")")
+
+
+def read_host(step_dir: str, top: str | None = None) -> dict[str, Any]:
+    """The step's state (or one top-level key of it) on this process's first device, as nested dicts and lists."""
+    import jax
+    import numpy as np
+
+    meta = _read_meta(step_dir)
+    saved = _index(step_dir, meta)
+    blobs = _Blobs(step_dir)
+    device = jax.local_devices()[0]
+    tree: dict[Any, Any] = {}
+    for leaf in meta["leaves"]:
+        keys = leaf["keys"]
+        if top is not None and (not keys or keys[0] != top):
+            continue
+        shape = tuple(leaf["shape"])
+        whole = tuple((0, n) for n in shape)
+        value = _assemble(leaf["path"], np.dtype(leaf["dtype"]), saved.get(leaf["path"], []), blobs, whole)
+        node = tree
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = jax.device_put(value, device)
+    out = _lists(tree)
+    return dict(out[top]) if top is not None else dict(out)
+
+
+def _lists(node: Any) -> Any:
+    """Nested dicts whose keys are the positions 0..n-1 as lists."""
+    if not isinstance(node, dict):
+        return node
+    items = {k: _lists(v) for k, v in node.items()}
+    if items and all(isinstance(k, int) for k in items) and sorted(items) == list(range(len(items))):
+        return [items[i] for i in range(len(items))]
+    return items
