@@ -46,18 +46,43 @@ def _ratio_of_medians(a: list[float], b: list[float]) -> float:
 
 
 @pytest.mark.slow
+def test_checkpoint_overhead_saves_in_the_default_format_beside_orbax_s(tmp_path: Path) -> None:
+    proc, r = _bench(tmp_path, "--quick", "--only", "checkpoint_overhead")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    c = r["checkpoint_overhead"]
+    base = c["step_s_without"]
+    for every in ("5", "20"):
+        assert c["per_k"][every]["ratio"] == pytest.approx(_ratio_of_medians(c["per_k"][every]["step_s"], base))
+    assert c["orbax"]["every"] == 5 and c["orbax"]["ratio"] == pytest.approx(
+        _ratio_of_medians(c["orbax"]["step_s"], base)
+    )
+    # The figures' runs saved in the default (lean) format, the reference run in Orbax's.
+    runs = tmp_path / "var" / "bench" / "runs"
+    assert list((runs / "ckpt-5-0" / "checkpoints").glob("*/lean.json"))
+    assert not list((runs / "ckpt-orbax-0" / "checkpoints").glob("*/lean.json"))
+    assert list((runs / "ckpt-orbax-0" / "checkpoints").glob("*/state"))
+    table = proc.stdout
+    assert f"{c['per_k']['5']['ratio']:.3f}  <= 1.10" in table and f"{c['per_k']['20']['ratio']:.3f}  <= 1.03" in table
+    assert "every 5 in Orbax's format / none" in table and f"{c['orbax']['ratio']:.3f}  (reported)" in table
+
+
+@pytest.mark.slow
 def test_restore_throughput_against_the_raw_read_and_tensorstore_alone(tmp_path: Path) -> None:
     proc, r = _bench(tmp_path, "--quick", "--only", "restore_throughput")
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = r["restore_throughput"]
     assert r["repeats"] == 1 and s["bytes"] > 100e6  # the bench's model is ~200 MB with its optimiser state
     assert s["ratio"] == pytest.approx(_ratio_of_medians(s["restore_MBps"], s["raw_read_MBps"]))
+    # Orbax's format beside it, on the same state: its restore and tensorstore alone, each against its own files.
+    assert s["orbax_ratio"] == pytest.approx(_ratio_of_medians(s["orbax_restore_MBps"], s["orbax_raw_read_MBps"]))
     assert s["tensorstore_alone_ratio"] == pytest.approx(
-        _ratio_of_medians(s["tensorstore_alone_MBps"], s["raw_read_MBps"])
+        _ratio_of_medians(s["tensorstore_alone_MBps"], s["orbax_raw_read_MBps"])
     )
+    assert 0.8 < s["orbax_bytes"] / s["bytes"] < 1.25, s  # the same arrays, whatever the format's overhead
     assert all(x > 0 for x in s["restore_MBps"] + s["raw_read_MBps"] + s["tensorstore_alone_MBps"])
     table = proc.stdout
     assert "restore / raw read" in table and f"{s['ratio']:.3f}  >= 0.5" in table
+    assert "Orbax's format: restore / raw" in table and f"{s['orbax_ratio']:.3f}  (reported)" in table
     assert "tensorstore alone / raw" in table and f"{s['tensorstore_alone_ratio']:.3f}  (reported)" in table
     # The share of CPU time the machine's host gave to others while the figure was measured (Linux reports it).
     assert 0 <= s["cpu_steal"] < 1 and f"restore_throughput {s['cpu_steal']:.0%}" in table
