@@ -47,6 +47,7 @@ class Store(Protocol):
     def create(self, key: str, data: bytes) -> None: ...
     def create_in(self, reserve: str, key: str, data: bytes) -> None: ...
     def get(self, key: str) -> bytes: ...
+    def get_range(self, key: str, start: int, size: int) -> bytes: ...
     def exists(self, key: str) -> bool: ...
     def list(self, prefix: str = "") -> builtins.list[str]: ...
     def delete(self, key: str) -> None: ...
@@ -205,6 +206,16 @@ class LocalStore:
         except FileNotFoundError:
             raise NotFound(str(self._path(key))) from None
 
+    def get_range(self, key: str, start: int, size: int) -> bytes:
+        """``size`` bytes of an object from ``start``."""
+        _count("get_range", key, self.uri)
+        try:
+            with open(self._path(key), "rb") as f:
+                f.seek(start)
+                return f.read(size)
+        except FileNotFoundError:
+            raise NotFound(str(self._path(key))) from None
+
     def exists(self, key: str) -> bool:
         _count("exists", key, self.uri)
         return self._path(key).exists()
@@ -340,6 +351,20 @@ class GCSStore:
 
         try:
             return bytes(self.bucket.blob(self._name(key)).download_as_bytes(retry=DEFAULT_RETRY))
+        except exceptions.NotFound:
+            raise NotFound(self.child(key)) from None
+
+    def get_range(self, key: str, start: int, size: int) -> bytes:
+        """``size`` bytes of an object from ``start`` (one ranged GET)."""
+        _count("get_range", key, self.uri)
+        from google.api_core import exceptions
+        from google.cloud.storage.retry import DEFAULT_RETRY
+
+        if size <= 0:
+            return b""
+        blob = self.bucket.blob(self._name(key))
+        try:
+            return bytes(blob.download_as_bytes(start=start, end=start + size - 1, retry=DEFAULT_RETRY))
         except exceptions.NotFound:
             raise NotFound(self.child(key)) from None
 

@@ -234,27 +234,6 @@ class LeanManager:
         return committed_steps(self.run)
 
 
-class _Blobs:
-    """Each process's shard file of a step, read once (memory-mapped on a file system)."""
-
-    def __init__(self, step_dir: str) -> None:
-        self.store = open_store(step_dir)
-        self.local = scheme(step_dir).filesystem
-        self.cache: dict[int, Any] = {}
-
-    def __call__(self, process: int) -> Any:
-        import numpy as np
-
-        if process not in self.cache:
-            if self.local:
-                path = Path(self.store.child(f"lean/{process}.bin"))
-                size = path.stat().st_size
-                self.cache[process] = np.memmap(path, np.uint8, mode="r") if size else np.zeros(0, np.uint8)
-            else:
-                self.cache[process] = np.frombuffer(self.store.get(f"lean/{process}.bin"), np.uint8)
-        return self.cache[process]
-
-
 @dataclass(frozen=True)
 class Saved:
     """Where one saved box of a leaf is: the process that wrote it, its box, offset and bytes."""
@@ -263,6 +242,61 @@ class Saved:
     box: tuple[tuple[int, int], ...]
     offset: int
     nbytes: int
+
+
+class _Blobs:
+    """The saved boxes a process needs, by where they are: memory-mapped files, or ranges fetched from gs://.
+
+    On an object store only the byte ranges of the boxes this process's devices overlap are
+    fetched (neighbours merged into one request, requests in parallel), not every host's file.
+    """
+
+    MERGE_GAP = 1 << 20  # two needed ranges this close are fetched as one
+
+    def __init__(self, step_dir: str, needed: list[Saved]) -> None:
+        import numpy as np
+
+        self.store = open_store(step_dir)
+        self.local = scheme(step_dir).filesystem
+        self.files: dict[int, Any] = {}
+        self.ranges: dict[int, list[tuple[int, Any]]] = {}  # process -> [(start, bytes)], by start
+        if self.local:
+            for p in sorted({s.process for s in needed}):
+                path = Path(self.store.child(f"lean/{p}.bin"))
+                size = path.stat().st_size
+                self.files[p] = np.memmap(path, np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+            return
+        self._fetch(needed)
+
+    def _fetch(self, needed: list[Saved]) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        import numpy as np
+
+        spans: list[tuple[int, int, int]] = []  # (process, start, end)
+        for s in sorted(needed, key=lambda s: (s.process, s.offset)):
+            if spans and spans[-1][0] == s.process and s.offset - spans[-1][2] <= self.MERGE_GAP:
+                p, lo, hi = spans[-1]
+                spans[-1] = (p, lo, max(hi, s.offset + s.nbytes))
+            else:
+                spans.append((s.process, s.offset, s.offset + s.nbytes))
+
+        def get(span: tuple[int, int, int]) -> Any:
+            p, lo, hi = span
+            return np.frombuffer(self.store.get_range(f"lean/{p}.bin", lo, hi - lo), np.uint8)
+
+        with ThreadPoolExecutor(16) as pool:
+            for (p, lo, _), data in zip(spans, pool.map(get, spans), strict=True):
+                self.ranges.setdefault(p, []).append((lo, data))
+
+    def __call__(self, s: Saved) -> Any:
+        """The bytes of one saved box."""
+        if self.local:
+            return self.files[s.process][s.offset : s.offset + s.nbytes]
+        for lo, data in self.ranges.get(s.process, []):
+            if lo <= s.offset and s.offset + s.nbytes <= lo + len(data):
+                return data[s.offset - lo : s.offset - lo + s.nbytes]
+        raise KeyError(f"box {s.box} of process {s.process} was not fetched")
 
 
 def _index(step_dir: str, meta: dict[str, Any]) -> dict[str, list[Saved]]:
@@ -275,6 +309,12 @@ def _index(step_dir: str, meta: dict[str, Any]) -> dict[str, list[Saved]]:
     return out
 
 
+def _overlap(a: tuple[tuple[int, int], ...], b: tuple[tuple[int, int], ...]) -> list[tuple[int, int]] | None:
+    """The box where ``a`` and ``b`` meet, or None."""
+    both = [(max(lo, c), min(hi, d)) for (lo, hi), (c, d) in zip(a, b, strict=True)]
+    return None if any(lo >= hi for lo, hi in both) else both
+
+
 def _assemble(name: str, dtype: Any, saved: list[Saved], blobs: _Blobs, want: tuple[tuple[int, int], ...]) -> Any:
     """The box ``want`` of a leaf, put together from the saved boxes it overlaps."""
     import numpy as np
@@ -282,10 +322,10 @@ def _assemble(name: str, dtype: Any, saved: list[Saved], blobs: _Blobs, want: tu
     out = np.empty([hi - lo for lo, hi in want], dtype)
     covered = 0
     for s in saved:
-        overlap = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(want, s.box, strict=True)]
-        if any(lo >= hi for lo, hi in overlap):
+        overlap = _overlap(want, s.box)
+        if overlap is None:
             continue
-        part = blobs(s.process)[s.offset : s.offset + s.nbytes].view(dtype).reshape([hi - lo for lo, hi in s.box])
+        part = blobs(s).view(dtype).reshape([hi - lo for lo, hi in s.box])
         src = tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(overlap, s.box, strict=True))
         dst = tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(overlap, want, strict=True))
         out[dst] = part[src]
@@ -314,14 +354,20 @@ def restore(step_dir: str, abstract: Any) -> tuple[Any, DataPosition]:
     saved = _index(step_dir, meta)
     shapes = {leaf["path"]: leaf for leaf in meta["leaves"]}
     _same_leaves(set(shapes), {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(abstract)})
-    blobs = _Blobs(step_dir)
+    needed: list[Saved] = []
+    for path, a in jax.tree_util.tree_leaves_with_path(abstract):
+        name = jax.tree_util.keystr(path)
+        if tuple(shapes[name]["shape"]) != tuple(a.shape):
+            raise ValueError(
+                f"the checkpoint's {name} has shape {shapes[name]['shape']}; the state wants {list(a.shape)}"
+            )
+        boxes = {_box(ix, a.shape) for ix in a.sharding.addressable_devices_indices_map(a.shape).values()}
+        needed += [s for s in saved.get(name, []) if any(_overlap(s.box, b) is not None for b in boxes)]
+    blobs = _Blobs(step_dir, needed)
 
     def load(path: Any, a: Any) -> Any:
         name = jax.tree_util.keystr(path)
-        leaf = shapes[name]
-        if tuple(leaf["shape"]) != tuple(a.shape):
-            raise ValueError(f"the checkpoint's {name} has shape {leaf['shape']}; the state wants {list(a.shape)}")
-        dtype, parts = np.dtype(leaf["dtype"]), saved.get(name, [])
+        dtype, parts = np.dtype(shapes[name]["dtype"]), saved.get(name, [])
 
         def part(ix: Any) -> Any:  # a device's part, cast to the state's dtype where it differs
             return _assemble(name, dtype, parts, blobs, _box(ix, a.shape)).astype(a.dtype, copy=False)
@@ -347,13 +393,12 @@ def read_host(step_dir: str, top: str | None = None) -> dict[str, Any]:
 
     meta = _read_meta(step_dir)
     saved = _index(step_dir, meta)
-    blobs = _Blobs(step_dir)
+    leaves = [leaf for leaf in meta["leaves"] if top is None or leaf["keys"][:1] == [top]]
+    blobs = _Blobs(step_dir, [s for leaf in leaves for s in saved.get(leaf["path"], [])])
     device = jax.local_devices()[0]
     tree: dict[Any, Any] = {}
-    for leaf in meta["leaves"]:
+    for leaf in leaves:
         keys = leaf["keys"]
-        if top is not None and (not keys or keys[0] != top):
-            continue
         shape = tuple(leaf["shape"])
         whole = tuple((0, n) for n in shape)
         value = _assemble(leaf["path"], np.dtype(leaf["dtype"]), saved.get(leaf["path"], []), blobs, whole)
