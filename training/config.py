@@ -190,8 +190,8 @@ class CheckpointKeys(BaseModel):
     )
     checkpoint_compression: bool = Field(
         False,
-        description="Compress checkpoint arrays with zstd (Orbax's default). Trained weights barely compress "
-        "(about 7% here) and zstd costs CPU in every save and restore, so it is off.",
+        description="Compress checkpoint arrays with zstd, in Orbax's formats (Orbax's default). Trained weights "
+        "barely compress (about 7% here) and zstd costs CPU in every save and restore, so it is off.",
     )
 
 
@@ -360,6 +360,11 @@ class Config(
             raise ValueError(f"global_batch ({self.global_batch}) must be divisible by grad_accum ({self.grad_accum})")
         if self.tokenizer == "bytes" and self.task == "lm" and self.vocab_size < 256:
             raise ValueError(f"vocab_size ({self.vocab_size}) is below the byte tokenizer's 256")
+        if self.checkpoint_compression and self.checkpoint_format == "lean":
+            raise ValueError(
+                "checkpoint_compression applies to Orbax's formats (checkpoint_format ocdbt, zarr or auto); "
+                "the lean format is stored uncompressed"
+            )
         if self.resume_from not in ("latest", "none") and not self.resume_from.isdigit():
             raise ValueError(f"resume_from must be 'latest', 'none' or a step number, got {self.resume_from!r}")
         for spec in self.chaos:

@@ -58,11 +58,23 @@ split = cfg.model_copy(update={"dcn_data": 1, "dcn_fsdp": 2})
 sharded = Trainer(split, build_mesh(plan_mesh(split, 2)), load_task(split))
 moved, _ = ckpt.restore(m, 6, sharded.abstract)
 across = gather(moved)
+
+# A write that fails in one process (its file's name taken by a directory): neither waits for the other.
+import time
+if pid == "1" and not root.startswith("gs://"):
+    os.makedirs(os.path.join(cfg.run_uri, "checkpoints", "9" + lean.TMP_SUFFIX, "lean", "1.bin"))
+t = time.time()
+try:
+    ckpt.save(m, 9, snap, {"next_batch": 18}, cfg)
+    failed = ""
+except Exception as e:
+    failed = f"{type(e).__name__}: {e}"
+took = time.time() - t
 if pid == "0":
     np.savez(out, *whole)
-    print(json.dumps({"steps": m.all_steps(), "pos": pos, "fetched": fetched[-1],
-                      "same": all(np.array_equal(a, b) for a, b in zip(whole, again)),
-                      "across": all(np.array_equal(a, b) for a, b in zip(whole, across))}))
+print(json.dumps({"steps": m.all_steps(), "pos": pos, "fetched": fetched[-1], "failed": failed, "took": took,
+                  "same": all(np.array_equal(a, b) for a, b in zip(whole, again)),
+                  "across": all(np.array_equal(a, b) for a, b in zip(whole, across))}))
 """
 
 READ = """
@@ -148,8 +160,15 @@ def test_two_processes_save_a_lean_step_that_restores_onto_other_meshes(
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-3000:]
-    res = json.loads(outs[0][0].strip().splitlines()[-1])
-    assert res["steps"] == [3, 6] and res["pos"] == {"next_batch": 14} and res["same"] and res["across"], res
+    res, other = (json.loads(out.strip().splitlines()[-1]) for out, _ in outs)
+    assert res["pos"] == {"next_batch": 14} and res["same"] and res["across"], res
+    if where == "local":  # process 1's write of step 9 failed: no commit, both processes told, at once
+        assert res["steps"] == other["steps"] == [3, 6], (res, other)
+        assert other["failed"].startswith("IsADirectoryError"), other
+        assert res["failed"] == "RuntimeError: process 1 did not write its part of checkpoint 9", res
+        assert max(res["took"], other["took"]) < 30, (res, other)  # not a barrier's timeout
+    else:
+        assert res["steps"] == [3, 6, 9] and not res["failed"], res
 
     from training.checkpoint.steps import recorded_checksums, verify
     from training.config import load_config

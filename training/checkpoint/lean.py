@@ -30,7 +30,7 @@ from typing import Any
 from training.checkpoint.resume import DataPosition, data_position
 from training.checkpoint.steps import INTEGRITY, committed_steps
 from training.layout import checkpoints_uri
-from training.storage import join, open_store, scheme
+from training.storage import NotFound, join, open_store, scheme
 
 META = "lean.json"
 FORMAT = 1
@@ -135,6 +135,7 @@ def write_shards(state: Any, step_dir: str, process: int, p: Plan) -> dict[str, 
             size += buf.nbytes
             parts.append(buf)
     store = open_store(step_dir)
+    store.delete(f"lean/{process}.json")  # an index left by a save of this step cut off before: it would not match
     if scheme(step_dir).filesystem:  # streamed, without one more copy of the shards
         target = Path(store.child(f"lean/{process}.bin"))
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -185,15 +186,27 @@ class LeanManager:
             raise FileExistsError(f"checkpoint {step} exists already at {final}")
         if self.plan is None or self.plan.structure != jax.tree.structure(state):
             self.plan = plan(state)
-        mine = write_shards(state, step_dir, self.process, self.plan)
+        # A process whose write fails (a full disk) still meets the others at both barriers, so that none
+        # waits for it; without its index process 0 does not commit, and every process learns it.
+        error: Exception | None = None
+        mine: dict[str, list[int]] = {}
+        try:
+            mine = write_shards(state, step_dir, self.process, self.plan)
+        except OSError as e:
+            error = e
         multihost.sync_global_processes(
             f"rtrain-lean-{step}-{self.saves}-written", processes=everyone, timeout=BARRIER_TIMEOUT_S
         )
-        if self.process == 0:
-            self._commit(step, step_dir, final if renamed else "", mine, data)
+        if self.process == 0 and error is None:
+            try:
+                self._commit(step, step_dir, final if renamed else "", mine, data)
+            except (OSError, RuntimeError) as e:
+                error = e
         multihost.sync_global_processes(
             f"rtrain-lean-{step}-{self.saves}-committed", processes=everyone, timeout=BARRIER_TIMEOUT_S
         )
+        if error is not None:
+            raise error
         return True
 
     def _commit(self, step: int, step_dir: str, rename_to: str, mine: dict[str, list[int]], data: DataPosition) -> None:
@@ -202,7 +215,10 @@ class LeanManager:
         store = open_store(step_dir)
         files = dict(mine)
         for p in range(1, self.processes):
-            raw = store.get(f"lean/{p}.json")
+            try:
+                raw = store.get(f"lean/{p}.json")
+            except NotFound:
+                raise RuntimeError(f"process {p} did not write its part of checkpoint {step}") from None
             files[f"lean/{p}.json"] = _crc(raw)
             files.update(json.loads(raw)["files"])
         head = json.dumps(
