@@ -189,6 +189,7 @@ class LocalTier:
         self.skipped = 0  # saves skipped because the previous one was still being written
         self.failure = ""  # why a save failed and turned the tier off (the loop reports it once)
         self.bg: Any = None
+        self.writer = StepWriter()
         if not self.enabled:
             return
         from training.checkpoint.manager import BackgroundSave
@@ -216,7 +217,7 @@ class LocalTier:
         if not self.enabled:  # the previous write failed
             return None
         t0 = time.time()
-        self.bg.start(write_step, state, self.directory, step, data, self.keep)
+        self.bg.start(self.writer, state, self.directory, step, data, self.keep)
         self.pending.append((step, t0))
         return time.time() - t0
 
@@ -281,7 +282,60 @@ def _boxes(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[list[int]]:
     return [[s.start or 0, n if s.stop is None else s.stop] for s, n in zip(index, shape, strict=True)]
 
 
-def write_step(state: Any, directory: Path, step: int, data: DataPosition, keep: int) -> None:
+@dataclass(frozen=True)
+class CopyPlan:
+    """What a process writes of a state of one structure and sharding: each distinct box it holds, once.
+
+    ``picks``: per leaf, the positions among its addressable shards written; ``index``: the copy's
+    index as JSON, offsets included (they follow from the shapes).  The same at every save of a round.
+    """
+
+    structure: Any
+    picks: tuple[tuple[int, ...], ...]
+    index: str
+
+
+def copy_plan(state: Any) -> CopyPlan:
+    import jax
+    import numpy as np
+
+    leaves, picks = [], []
+    offset = 0
+    for path, x in jax.tree_util.tree_leaves_with_path(state):
+        seen: set[str] = set()
+        shards, mine = [], []
+        for i, shard in enumerate(x.addressable_shards):
+            box = _boxes(shard.index, x.shape)
+            key = json.dumps(box)
+            if key in seen:  # a replica of a shard already written
+                continue
+            seen.add(key)
+            nbytes = int(np.prod([hi - lo for lo, hi in box], dtype=np.int64)) * np.dtype(x.dtype).itemsize
+            shards.append({"box": box, "offset": offset, "nbytes": nbytes})
+            offset += nbytes
+            mine.append(i)
+        picks.append(tuple(mine))
+        leaves.append(
+            {"path": jax.tree_util.keystr(path), "dtype": str(x.dtype), "shape": list(x.shape), "shards": shards}
+        )
+    return CopyPlan(jax.tree.structure(state), tuple(picks), json.dumps(leaves))
+
+
+class StepWriter:
+    """Writes local steps (the save thread calls it), with the plan of the first state it wrote."""
+
+    def __init__(self) -> None:
+        self.plan: CopyPlan | None = None
+
+    def __call__(self, state: Any, directory: Path, step: int, data: DataPosition, keep: int) -> None:
+        import jax
+
+        if self.plan is None or self.plan.structure != jax.tree.structure(state):
+            self.plan = copy_plan(state)
+        write_step(state, directory, step, data, keep, self.plan)
+
+
+def write_step(state: Any, directory: Path, step: int, data: DataPosition, keep: int, plan: CopyPlan) -> None:
     """Write this process's shards of ``state`` as local step ``step`` (atomically), then keep the newest ``keep``."""
     import jax
     import numpy as np
@@ -289,26 +343,11 @@ def write_step(state: Any, directory: Path, step: int, data: DataPosition, keep:
     tmp = directory / f".{step}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    leaves = []
-    offset = 0
     with open(tmp / STATE_FILE, "wb") as f:
-        for path, x in jax.tree_util.tree_leaves_with_path(state):
-            seen: set[str] = set()
-            shards = []
-            for shard in x.addressable_shards:
-                box = _boxes(shard.index, x.shape)
-                key = json.dumps(box)
-                if key in seen:  # a replica of a shard already written
-                    continue
-                seen.add(key)
-                buf = np.ascontiguousarray(np.asarray(shard.data))
-                f.write(buf.data)
-                shards.append({"box": box, "offset": offset, "nbytes": buf.nbytes})
-                offset += buf.nbytes
-            leaves.append(
-                {"path": jax.tree_util.keystr(path), "dtype": str(x.dtype), "shape": list(x.shape), "shards": shards}
-            )
-    (tmp / INDEX_FILE).write_text(json.dumps({"step": step, "leaves": leaves}))
+        for x, picks in zip(jax.tree.leaves(state), plan.picks, strict=True):
+            for i in picks:
+                f.write(np.ascontiguousarray(np.asarray(x.addressable_data(i))).data)
+    (tmp / INDEX_FILE).write_text(f'{{"step": {step}, "leaves": {plan.index}}}')
     (tmp / DATA_FILE).write_text(json.dumps(data))
     (tmp / STEP_MARK).write_text(json.dumps({"step": step, "time": time.time()}))
     final = directory / str(step)
