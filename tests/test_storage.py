@@ -30,6 +30,18 @@ def test_put_get_list_delete(store):
         store.get("a/x.json")
 
 
+def test_an_object_is_written_from_parts_and_read_back_by_ranges(store):
+    parts = [bytes([i]) * (100_000 + i) for i in range(5)]  # not chunk-aligned
+    store.put_parts("big/x.bin", (memoryview(p) for p in parts))
+    whole = b"".join(parts)
+    assert store.get("big/x.bin") == whole
+    for start, size in [(0, 10), (99_999, 3), (len(whole) - 7, 7), (250_000, 100_000)]:
+        assert store.get_range("big/x.bin", start, size) == whole[start : start + size]
+    assert store.get_range("big/x.bin", 5, 0) == b""
+    with pytest.raises(NotFound):
+        store.get_range("big/nope.bin", 0, 1)
+
+
 def test_usage_counts_the_bytes_and_newest_write_under_a_prefix_only(store):
     before = time.time() - 5  # a GCS emulator's clock and this one may differ a little
     store.put("checkpoints/5/state/a", b"x" * 100)

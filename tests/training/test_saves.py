@@ -407,3 +407,35 @@ def test_a_packed_checkpoint_restores_onto_another_mesh_and_reads_whole_or_param
     assert res["cast"], "a state of another float dtype gets the saved values cast to it"
     # The tiny model's arrays are all small: a few packs (one per top-level key and dtype) instead of 67 arrays.
     assert int(str(res["saved_arrays"])) <= 6 < int(str(res["leaves"])), res
+
+
+def test_a_run_now_saving_lean_resumes_from_a_step_orbax_saved_and_names_an_incomplete_one(tmp_path, tiny_dataset):
+    """The format a run saves in may change between launches: the newest step restores whichever wrote it."""
+    res = _run(
+        """
+        import shutil
+        from training.layout import step_uri
+
+        run = cfg.run_uri
+        orbax = ckpt.checkpoint_manager(cfg.model_copy(update={"checkpoint_format": "ocdbt"}), run)
+        ckpt.save(orbax, 2, state, {"next_batch": 2}, cfg)
+        orbax.wait_until_finished()
+        m = ckpt.checkpoint_manager(cfg, run)  # the default: lean
+        back, pos = ckpt.restore(m, 2, abstract)
+        ckpt.save(m, 4, ckpt.HostSnapshot(abstract)(state), {"next_batch": 4}, cfg)
+        shutil.copytree(step_uri(run, 4), step_uri(run, 6))
+        os.remove(os.path.join(step_uri(run, 6), "lean.json"))
+        try:
+            ckpt.restore(m, 6, abstract)
+            incomplete = ""
+        except ValueError as e:
+            incomplete = str(e)
+        print(json.dumps({"lean": type(m).__name__, "same": same(host(state), host(back)), "pos": pos,
+                          "steps": m.all_steps(), "incomplete": incomplete}))
+        """,
+        tmp_path,
+        tiny_dataset,
+    )
+    assert res["lean"] == "LeanManager" and res["same"] and res["pos"] == {"next_batch": 2}, res
+    assert res["steps"] == [2, 4, 6], res
+    assert res["incomplete"] == "checkpoint 6 has neither lean.json nor Orbax's metadata: it is incomplete", res

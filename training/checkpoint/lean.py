@@ -136,16 +136,7 @@ def write_shards(state: Any, step_dir: str, process: int, p: Plan) -> dict[str, 
             parts.append(buf)
     store = open_store(step_dir)
     store.delete(f"lean/{process}.json")  # an index left by a save of this step cut off before: it would not match
-    if scheme(step_dir).filesystem:  # streamed, without one more copy of the shards
-        target = Path(store.child(f"lean/{process}.bin"))
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with open(target, "wb") as f:
-            for buf in parts:
-                f.write(buf.data)
-            f.flush()
-            os.fsync(f.fileno())
-    else:
-        store.put(f"lean/{process}.bin", b"".join(buf.tobytes() for buf in parts))
+    store.put_parts(f"lean/{process}.bin", (buf.reshape(-1).view(np.uint8).data for buf in parts))
     sums = {f"lean/{process}.bin": [size, int.from_bytes(crc.digest(), "big")]}
     index = f'{{"files": {json.dumps(sums)}, "entries": {p.index}}}'.encode()  # the entries' JSON made once
     store.put(f"lean/{process}.json", index)

@@ -31,7 +31,7 @@ from training.checkpoint.resume import DataPosition, data_position
 from training.checkpoint.steps import fresh_gcs_listings, record_integrity
 from training.config import Config
 from training.layout import checkpoints_uri, step_uri
-from training.storage import join, scheme
+from training.storage import join, open_store, scheme
 
 State = dict[str, Any]
 
@@ -172,8 +172,11 @@ def restore(mngr: ocp.CheckpointManager | lean.LeanManager, step: int, abstract:
     step_dir = join(str(mngr.directory), str(step))
     if lean.is_lean(step_dir):
         return lean.restore(step_dir, abstract)
-    if not isinstance(mngr, ocp.CheckpointManager):
-        raise ValueError(f"checkpoint {step} is in Orbax's format: set checkpoint_format to auto to resume from it")
+    if isinstance(mngr, lean.LeanManager):  # a step saved in Orbax's format before the run's format changed
+        if not open_store(step_dir).exists("_CHECKPOINT_METADATA"):
+            raise ValueError(f"checkpoint {step} has neither lean.json nor Orbax's metadata: it is incomplete")
+        cfg = Config.model_validate({**mngr.config, "checkpoint_format": "auto"})
+        return restore(checkpoint_manager(cfg, mngr.run, async_save=False), step, abstract)
     if "layout" not in mngr.item_metadata(step):  # saved before packing: the state's own tree
         out = mngr.restore(
             step,
