@@ -5,9 +5,11 @@ commits by Orbax's rule for its root (a rename locally, ``commit_success.txt`` o
 steps, their integrity records, pruning and the ledger treat both formats alike::
 
     <step>/lean/<p>.bin    the shards process p wrote, one after another
-    <step>/lean/<p>.json   where each of them is: the leaf's path, its box, offset and bytes
-    <step>/lean.json       written last by process 0: every leaf's dtype and shape, the data
-                           position, the config and how many processes wrote
+    <step>/lean/<p>.json   where each of them is (the leaf's path, its box, offset and bytes), and
+                           the size and CRC32C of the .bin, summed as it was written
+    <step>/lean.json       by process 0 once every process has written: every leaf's dtype and
+                           shape, the data position, the config and how many processes wrote
+    <step>/integrity.json  by process 0 from the processes' sums, just before it commits the step
 
 Every distinct shard (a box of an array) is written by one device among those that hold it,
 chosen by a hash of the leaf and the box, so replicas share the writing.  A save is two barriers
@@ -93,6 +95,7 @@ class Plan:
 
 
 def plan(state: Any) -> Plan:
+    """This process's plan for saving ``state`` (its structure, shardings and shapes; not its values)."""
     import jax
     import numpy as np
 
@@ -173,8 +176,6 @@ class LeanManager:
         final = join(self.directory, str(step))
         renamed = scheme(final).atomic_rename
         step_dir = final + TMP_SUFFIX if renamed else final
-        if self.process == 0 and (Path(final).exists() if renamed else open_store(final).exists(COMMIT_FILE)):
-            raise FileExistsError(f"checkpoint {step} exists already at {final}")
         if self.plan is None or self.plan.structure != jax.tree.structure(state):
             self.plan = plan(state)
         # A process whose write fails (a full disk) still meets the others at both barriers, so that none
@@ -182,6 +183,8 @@ class LeanManager:
         error: Exception | None = None
         mine: dict[str, list[int]] = {}
         try:
+            if self.process == 0 and (Path(final).exists() if renamed else open_store(final).exists(COMMIT_FILE)):
+                raise FileExistsError(f"checkpoint {step} exists already at {final}")
             mine = write_shards(state, step_dir, self.process, self.plan)
         except OSError as e:
             error = e
