@@ -1,12 +1,14 @@
-"""Orbax checkpoint I/O: the manager, save, restore, and reading a step on one device.
+"""Checkpoint I/O: the manager, save, restore, and reading a step on one device.
 
-Everything the run needs to resume is one Orbax checkpoint per step with
-four items: ``state`` (parameters, optimizer state, step, RNG; small arrays
-packed, :mod:`training.checkpoint.packing`), ``layout`` (where each leaf of the
-state is in ``state``), ``data`` (the global data position) and ``config`` (the
-resolved config).  Restores are given abstract targets carrying the *current*
-mesh's shardings, so Orbax reshards a checkpoint written on any other mesh; only
-the small packed arrays are placed by our code.
+Everything the run needs to resume is one checkpoint per step: the state
+(parameters, optimizer state, step, RNG), the global data position and the
+resolved config.  The default format is :mod:`training.checkpoint.lean`.
+With ``checkpoint_format`` ocdbt, zarr or auto a step is an Orbax checkpoint
+with four items: ``state`` (small arrays packed,
+:mod:`training.checkpoint.packing`), ``layout`` (where each leaf of the state is
+in ``state``), ``data`` and ``config``.  Restores are given abstract targets
+carrying the *current* mesh's shardings, so a checkpoint written on any other
+mesh is resharded, and a step of either format is read whatever the run saves in now.
 
 The vocabulary is small: :func:`checkpoint_manager`, :func:`save`, :func:`restore`;
 which steps exist is :func:`training.checkpoint.steps.committed_steps`.
@@ -141,7 +143,7 @@ def checkpoint_manager(
 def save(
     mngr: ocp.CheckpointManager | lean.LeanManager, step: int, state: State, data: DataPosition, cfg: Config
 ) -> bool:
-    """Save ``state`` as step ``step``: its small replicated arrays packed (:mod:`training.checkpoint.packing`)."""
+    """Save ``state`` as step ``step`` in the manager's format (in Orbax's, its small replicated arrays packed)."""
     if isinstance(mngr, lean.LeanManager):
         return mngr.save(step, state, data)
     tree, layout = packing.pack(state)
