@@ -225,6 +225,7 @@ class Event(TypedDict, total=False):
     stop_s: float
     # compiles, data, config
     cache_hit: bool
+    compile_s: float  # the step's compile, alongside the restore ("seconds": the wait for it after the restore)
     compile_cached: bool
     loaded: bool
     old: str
@@ -516,6 +517,12 @@ def _init(g: Any) -> str:
     return f"initialised a new model on mesh {mesh_text(g('mesh'))}{took}"
 
 
+def _compiled(g: Any) -> str:
+    if g("compile_s") is None:  # compiled after the restore, not alongside it
+        return f"compiled the train step in {duration(g('seconds'))}"
+    return f"compiled the train step in {duration(g('compile_s'))}, {duration(g('seconds'))} of it after the restore"
+
+
 def _resumed(g: Any) -> str:
     step = g("step")
     into = f", {duration(g('seconds'))} into the round" if g("seconds") is not None else ""
@@ -678,7 +685,7 @@ SENTENCES: dict[str, Any] = {
     "worker_started": _worker_started,
     "restore": _restore,
     "init": _init,
-    "compiled": lambda g: f"compiled the train step in {duration(g('seconds'))}",
+    "compiled": _compiled,
     "compiled_ahead": lambda g: (
         f"compiled the train step for {_plural(g('workers'), 'host')} ahead, in {duration(g('seconds'))}"
     ),

@@ -403,7 +403,7 @@ def goodput(evs: list[Event], steps_total: int) -> Goodput:
     wall = _wall_time(evs)
     cat: dict[str, float] = dict.fromkeys(BADPUT_CAUSES, 0.0)
     rounds = [e for e in evs if e["type"] == "launch"]
-    steps_lost = _round_badput(evs, rounds, cat)
+    steps_lost = _round_badput(evs, rounds, step_s, cat)
     _event_badput(evs, rounds, step_s, cat)
     cat["replay"] = steps_lost * step_s
     productive = steps_total * step_s
@@ -452,8 +452,11 @@ def _wall_time(evs: list[Event]) -> float:
     return wall
 
 
-def _round_badput(evs: list[Event], rounds: list[Event], cat: dict[str, float]) -> int:
-    """Add each round's start-up to ``cat``; the steps trained again by the round after (not a rollback's)."""
+def _round_badput(evs: list[Event], rounds: list[Event], step_s: float, cat: dict[str, float]) -> int:
+    """Add each round's start-up to ``cat``; the steps trained again by the round after (not a rollback's).
+
+    A round's first step counts beyond a steady step (``step_s``): the step itself is productive.
+    """
     steps_lost = 0
     for i, launch in enumerate(rounds):
         rnd = launch.get("round", launch.get("attempt"))
@@ -470,7 +473,7 @@ def _round_badput(evs: list[Event], rounds: list[Event], cat: dict[str, float]) 
         if compiled:
             cat["compile"] += float(compiled.get("seconds") or 0)
         if compiled and resumed:
-            cat["first_step"] += resumed["time"] - compiled["time"]
+            cat["first_step"] += max(resumed["time"] - compiled["time"] - step_s, 0.0)
         # Steps this round trained that the next round trained again.
         if i + 1 < len(rounds):
             nxt = rounds[i + 1]

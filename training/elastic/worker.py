@@ -16,6 +16,7 @@ watch sees another process go: a clean ``jax.distributed`` shutdown would wait f
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -102,7 +103,9 @@ class Assignment:
         )
 
 
-CACHE_HITS = [0]  # this process's hits in JAX's persistent compilation cache, from its monitoring events
+# This process's hits in JAX's persistent compilation cache, by the thread that compiled (JAX reports a hit
+# in the thread that looked it up): the step, a new model's init and the steps compiled ahead run side by side.
+CACHE_HITS: collections.Counter[int] = collections.Counter()
 
 
 def count_cache_hits() -> None:
@@ -111,9 +114,14 @@ def count_cache_hits() -> None:
 
     def on_event(event: str, **_: str | int) -> None:
         if event == "/jax/compilation_cache/cache_hits":
-            CACHE_HITS[0] += 1
+            CACHE_HITS[threading.get_ident()] += 1
 
     monitoring.register_event_listener(on_event)
+
+
+def cache_hits() -> int:
+    """The persistent cache hits of the calling thread's compiles."""
+    return CACHE_HITS[threading.get_ident()]
 
 
 def share_cpu_compilation_cache() -> None:
@@ -245,18 +253,54 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, task: An
     t_assigned = time.time()
     trainer, mngr = set_up(cfg, run, a, rep, task, t_assigned)
     pins = Pins(store, a.rank, a.round)
+    step = StepReady(trainer, store, a, load=cfg.compile_ahead)  # compiled while the state is restored
     start = restore(cfg, run, a, rep, trainer, mngr, ledger, task_data.fingerprint, pins)
     batches = FirstAhead(train_batches(cfg, a, task_data, start.next_batch))  # read while the step compiles
-    t0, hits = time.time(), CACHE_HITS[0]
-    loaded = cfg.compile_ahead and load_kept(store, a, trainer)
-    if not loaded:
-        trainer.compile()
-    # Whether the persistent cache held the step (JAX counts its hits; nothing else compiles meanwhile).
-    cache_hit = loaded or CACHE_HITS[0] > hits
-    rep.send(ReportType.COMPILED, step=start.step, seconds=time.time() - t0, cache_hit=cache_hit, loaded=loaded)
+    waited = step.wait()
+    rep.send(
+        ReportType.COMPILED,
+        step=start.step,
+        seconds=waited,
+        compile_s=round(step.seconds, 3),
+        cache_hit=step.cache_hit,
+        loaded=step.loaded,
+    )
     saver = Saver(mngr, rep, pins, trainer.abstract, background=cfg.async_checkpoint)
-    loop = RoundLoop(cfg, store, a, rep, trainer, saver, start, t_assigned, task, compiled_from_cache=cache_hit)
+    loop = RoundLoop(cfg, store, a, rep, trainer, saver, start, t_assigned, task, compiled_from_cache=step.cache_hit)
     return loop.run(task_data, batches)
+
+
+class StepReady:
+    """The round's step made ready by a thread of its own from the round's set-up on: loaded as this job
+    kept it (``load``), else compiled (a hit in the persistent cache, or not), while the main thread
+    restores the state or initialises a new model."""
+
+    def __init__(self, trainer: Any, store: Any, a: Assignment, load: bool) -> None:
+        self.loaded = False
+        self.cache_hit = False
+        self.seconds = 0.0  # the thread's own time, mostly hidden behind the restore
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(trainer, store, a, load), name="step", daemon=True)
+        self.thread.start()
+
+    def _run(self, trainer: Any, store: Any, a: Assignment, load: bool) -> None:
+        t0, hits = time.time(), cache_hits()
+        try:
+            self.loaded = load and load_kept(store, a, trainer)
+            if not self.loaded:
+                trainer.compile()
+            self.cache_hit = self.loaded or cache_hits() > hits
+        except BaseException as e:  # noqa: BLE001 - raised where the step is waited for
+            self.error = e
+        self.seconds = time.time() - t0
+
+    def wait(self) -> float:
+        """Wait for the step; the seconds waited (raises what making it raised)."""
+        t0 = time.time()
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return time.time() - t0
 
 
 def load_kept(store: Any, a: Assignment, trainer: Any) -> bool:
@@ -584,9 +628,7 @@ class RoundLoop:
             self.one_step(batches)
             if self.step == ahead_at and a.rank == 0:
                 own = None if self.compiled_from_cache else self.trainer.compiled
-                ahead.start(
-                    cfg, self.task, a.processes, own, self.compiled_ahead, self.keep_compiled, lambda: CACHE_HITS[0]
-                )
+                ahead.start(cfg, self.task, a.processes, own, self.compiled_ahead, self.keep_compiled, cache_hits)
             save_now = self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps
             # Due by the config and the step alone, the same in every process (a process whose local
             # write failed has its tier off, and skips only the write).
