@@ -94,8 +94,12 @@ class Plan:
     index: str
 
 
-def plan(state: Any) -> Plan:
-    """This process's plan for saving ``state`` (its structure, shardings and shapes; not its values)."""
+def plan(state: Any, *, every_held_box: bool = False) -> Plan:
+    """This process's plan for saving ``state`` (its structure, shardings and shapes; not its values).
+
+    A process writes the boxes it is the writer of (:func:`_writers`: together, the processes write
+    every box once); with ``every_held_box``, each distinct box its devices hold (a host's own copy).
+    """
     import jax
     import numpy as np
 
@@ -104,12 +108,13 @@ def plan(state: Any) -> Plan:
     for path, x in jax.tree_util.tree_leaves_with_path(state):
         name = jax.tree_util.keystr(path)
         leaves.append({"path": name, "keys": _keys(path), "dtype": str(x.dtype), "shape": list(x.shape)})
-        writers = _writers(name, x)
-        mine = []
+        writers = None if every_held_box else _writers(name, x)
+        mine, seen = [], set()
         for i, shard in enumerate(x.addressable_shards):
-            if shard.device not in writers:
-                continue
             box = _box(shard.index, x.shape)
+            if (writers is not None and shard.device not in writers) or box in seen:
+                continue
+            seen.add(box)
             nbytes = int(np.prod([hi - lo for lo, hi in box], dtype=np.int64)) * np.dtype(x.dtype).itemsize
             entries.append({"path": name, "box": [list(b) for b in box], "offset": offset, "nbytes": nbytes})
             offset += nbytes
@@ -124,24 +129,42 @@ def _crc(data: bytes) -> list[int]:
     return [len(data), int(google_crc32c.value(data))]
 
 
-def write_shards(state: Any, step_dir: str, process: int, p: Plan) -> dict[str, list[int]]:
-    """Write the shards of ``state`` this process is the writer of; the size and CRC32C of each file written."""
-    import google_crc32c
+def shard_bytes(state: Any, p: Plan) -> list[Any]:
+    """The bytes of the shards ``p`` picks of ``state`` (flat uint8 arrays), in the order of its index."""
     import jax
     import numpy as np
 
-    crc, size, parts = google_crc32c.Checksum(), 0, []
+    parts = []
     for x, picks in zip(jax.tree.leaves(state), p.picks, strict=True):
         for i in picks:
-            buf = np.ascontiguousarray(np.asarray(x.addressable_data(i)))
-            crc.update(buf.reshape(-1).view(np.uint8))
-            size += buf.nbytes
-            parts.append(buf)
+            parts.append(np.ascontiguousarray(np.asarray(x.addressable_data(i))).reshape(-1).view(np.uint8))
+    return parts
+
+
+def index_json(p: Plan, files: dict[str, list[int]]) -> bytes:
+    """A process's index: the size and CRC32C of its file (``files``; may be empty) and where each shard is."""
+    return f'{{"files": {json.dumps(files)}, "entries": {p.index}}}'.encode()  # the entries' JSON made once
+
+
+def meta_json(p: Plan, step: int, processes: int, data: DataPosition, config: dict[str, Any]) -> bytes:
+    """A step's description (``lean.json``): every leaf's dtype and shape, the data position, the config."""
+    head = json.dumps({"format": FORMAT, "step": step, "processes": processes, "data": data, "config": config})
+    return f'{head[:-1]}, "leaves": {p.leaves}}}'.encode()  # the leaves' JSON made once
+
+
+def write_shards(state: Any, step_dir: str, process: int, p: Plan) -> dict[str, list[int]]:
+    """Write the shards of ``state`` this process is the writer of; the size and CRC32C of each file written."""
+    import google_crc32c
+
+    crc, size, parts = google_crc32c.Checksum(), 0, shard_bytes(state, p)
+    for part in parts:
+        crc.update(part)
+        size += part.nbytes
     store = open_store(step_dir)
     store.delete(f"lean/{process}.json")  # an index left by a save of this step cut off before: it would not match
-    store.put_parts(f"lean/{process}.bin", (buf.reshape(-1).view(np.uint8).data for buf in parts))
+    store.put_parts(f"lean/{process}.bin", (part.data for part in parts))
     sums = {f"lean/{process}.bin": [size, int.from_bytes(crc.digest(), "big")]}
-    index = f'{{"files": {json.dumps(sums)}, "entries": {p.index}}}'.encode()  # the entries' JSON made once
+    index = index_json(p, sums)
     store.put(f"lean/{process}.json", index)
     return {**sums, f"lean/{process}.json": _crc(index)}
 
@@ -215,10 +238,7 @@ class LeanManager:
                 raise RuntimeError(f"process {p} did not write its part of checkpoint {step}") from None
             files[f"lean/{p}.json"] = _crc(raw)
             files.update(json.loads(raw)["files"])
-        head = json.dumps(
-            {"format": FORMAT, "step": step, "processes": self.processes, "data": data, "config": self.config}
-        )
-        meta = f'{head[:-1]}, "leaves": {self.plan.leaves}}}'.encode()  # the leaves' JSON made once
+        meta = meta_json(self.plan, step, self.processes, data, self.config)
         store.put(META, meta)
         files[META] = _crc(meta)
         store.put(INTEGRITY, json.dumps(files, sort_keys=True).encode())

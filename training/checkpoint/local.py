@@ -3,8 +3,9 @@
 Every ``local_checkpoint_every`` steps each worker also saves in the background to a host-local
 tmpfs (an in-memory ``emptyDir`` on GKE).  After a lost host the leader resumes from the newest step
 every member of the next round holds (advertised in the agents' heartbeats), when it is newer than
-the newest persistent checkpoint.  Each process writes the shards it holds, each once, with an index
-and the data position; not Orbax, whose bookkeeping costs a small state ten times its bytes and
+the newest persistent checkpoint.  A copy is a step of the lean format written by one process: the
+shards it holds, each once, with their index and the data position; it restores onto any mesh as a
+persistent step does.  Not Orbax, whose bookkeeping costs a small state ten times its bytes and
 whose emergency checkpointer needs two data-parallel replicas and the saved topology.  The tier
 needs every host to hold a whole replica (``dcn_fsdp=1``, the elastic default); else it is off, and
 says why.  A copy counts once it is of this job, finalised (renamed, its mark last) and described
@@ -27,14 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from training.checkpoint.resume import DataPosition, data_position
+from training.checkpoint import lean
+from training.checkpoint.resume import DataPosition
 
 MANIFEST = "{step}.manifest.json"
 _MANIFEST_RE = re.compile(r"^(\d+)\.manifest\.json$")
 STEP_MARK = "COMMITTED"  # written last into a copy, before its directory gets its name
-STATE_FILE = "state.bin"
-INDEX_FILE = "index.json"
-DATA_FILE = "data.json"
 
 
 LOCAL_DIR_ENV = "RTRAIN_LOCAL_CHECKPOINT_DIR"  # a host's own setting (a pod's volume) wins over the config's
@@ -272,83 +271,39 @@ class LocalTier:
 
 # --- the format of one copy ------------------------------------------------------------------------
 #
-# <step>/state.bin   the distinct shards this process held, one after another
-# <step>/index.json  each leaf (by its path in the state): dtype, shape, each shard's box and bytes
-# <step>/data.json   the data position
-# <step>/COMMITTED   written last, before the directory gets its name
-
-
-def _boxes(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[list[int]]:
-    return [[s.start or 0, n if s.stop is None else s.stop] for s, n in zip(index, shape, strict=True)]
-
-
-@dataclass(frozen=True)
-class CopyPlan:
-    """What a process writes of a state of one structure and sharding: each distinct box it holds, once.
-
-    ``picks``: per leaf, the positions among its addressable shards written; ``index``: the copy's
-    index as JSON, offsets included (they follow from the shapes).  The same at every save of a round.
-    """
-
-    structure: Any
-    picks: tuple[tuple[int, ...], ...]
-    index: str
-
-
-def copy_plan(state: Any) -> CopyPlan:
-    import jax
-    import numpy as np
-
-    leaves, picks = [], []
-    offset = 0
-    for path, x in jax.tree_util.tree_leaves_with_path(state):
-        seen: set[str] = set()
-        shards, mine = [], []
-        for i, shard in enumerate(x.addressable_shards):
-            box = _boxes(shard.index, x.shape)
-            key = json.dumps(box)
-            if key in seen:  # a replica of a shard already written
-                continue
-            seen.add(key)
-            nbytes = int(np.prod([hi - lo for lo, hi in box], dtype=np.int64)) * np.dtype(x.dtype).itemsize
-            shards.append({"box": box, "offset": offset, "nbytes": nbytes})
-            offset += nbytes
-            mine.append(i)
-        picks.append(tuple(mine))
-        leaves.append(
-            {"path": jax.tree_util.keystr(path), "dtype": str(x.dtype), "shape": list(x.shape), "shards": shards}
-        )
-    return CopyPlan(jax.tree.structure(state), tuple(picks), json.dumps(leaves))
+# A copy is a step of the lean format (:mod:`training.checkpoint.lean`) written by one process: each
+# distinct box this process's devices hold, once, in lean/0.bin with its index lean/0.json, and the
+# step's description lean.json (the leaves, the data position); COMMITTED is written last, before the
+# directory gets its name.
 
 
 class StepWriter:
     """Writes local steps (the save thread calls it), with the plan of the first state it wrote."""
 
     def __init__(self) -> None:
-        self.plan: CopyPlan | None = None
+        self.plan: lean.Plan | None = None
 
     def __call__(self, state: Any, directory: Path, step: int, data: DataPosition, keep: int) -> None:
         import jax
 
         if self.plan is None or self.plan.structure != jax.tree.structure(state):
-            self.plan = copy_plan(state)
+            self.plan = lean.plan(state, every_held_box=True)
         write_step(state, directory, step, data, keep, self.plan)
 
 
-def write_step(state: Any, directory: Path, step: int, data: DataPosition, keep: int, plan: CopyPlan) -> None:
-    """Write this process's shards of ``state`` as local step ``step`` (atomically), then keep the newest ``keep``."""
-    import jax
-    import numpy as np
+def write_step(state: Any, directory: Path, step: int, data: DataPosition, keep: int, plan: lean.Plan) -> None:
+    """Write this process's shards of ``state`` as local step ``step`` (atomically), then keep the newest ``keep``.
 
+    ``plan``: the state's :func:`~training.checkpoint.lean.plan` with every box held.
+    """
     tmp = directory / f".{step}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    with open(tmp / STATE_FILE, "wb") as f:
-        for x, picks in zip(jax.tree.leaves(state), plan.picks, strict=True):
-            for i in picks:
-                f.write(np.ascontiguousarray(np.asarray(x.addressable_data(i))).data)
-    (tmp / INDEX_FILE).write_text(f'{{"step": {step}, "leaves": {plan.index}}}')
-    (tmp / DATA_FILE).write_text(json.dumps(data))
+    (tmp / "lean").mkdir(parents=True)
+    with open(tmp / "lean" / "0.bin", "wb") as f:
+        for part in lean.shard_bytes(state, plan):
+            f.write(part)
+    (tmp / "lean" / "0.json").write_bytes(lean.index_json(plan, {}))
+    (tmp / lean.META).write_bytes(lean.meta_json(plan, step, 1, data, {}))
     (tmp / STEP_MARK).write_text(json.dumps({"step": step, "time": time.time()}))
     final = directory / str(step)
     if final.exists():
@@ -361,39 +316,10 @@ def write_step(state: Any, directory: Path, step: int, data: DataPosition, keep:
 def read_step(directory: Path, step: int, abstract: Any) -> tuple[Any, DataPosition]:
     """Local step ``step`` as arrays of ``abstract``'s shapes and shardings, and its data position.
 
-    The copy holds a whole replica of every array (:func:`why_not_local`), so each array is put
-    together on the host and each of this process's devices gets its part of the current mesh.
+    The copy holds a whole replica of every array (:func:`why_not_local`): each of this process's
+    devices gets its part of the current mesh from it, whatever the mesh it was saved on.
     """
-    import jax
-    import numpy as np
-
-    d = directory / str(step)
-    index = {leaf["path"]: leaf for leaf in json.loads((d / INDEX_FILE).read_text())["leaves"]}
-    size = (d / STATE_FILE).stat().st_size
-    raw = np.memmap(d / STATE_FILE, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
-
-    def load(path: Any, a: Any) -> Any:
-        name = jax.tree_util.keystr(path)
-        leaf = index.get(name)
-        if leaf is None:
-            raise ValueError(f"local step {step} has no array {name}")
-        if tuple(leaf["shape"]) != tuple(a.shape) or np.dtype(leaf["dtype"]) != np.dtype(a.dtype):
-            raise ValueError(
-                f"local step {step}: {name} is {leaf['dtype']}{leaf['shape']}, the state wants {a.dtype}{list(a.shape)}"
-            )
-        whole = np.empty(a.shape, a.dtype)
-        held = 0
-        for sh in leaf["shards"]:
-            box = tuple(slice(lo, hi) for lo, hi in sh["box"])
-            part = raw[sh["offset"] : sh["offset"] + sh["nbytes"]].view(a.dtype)
-            whole[box] = part.reshape(whole[box].shape)
-            held += part.size
-        if held < whole.size:
-            raise ValueError(f"local step {step} holds only part of {name}")
-        return jax.make_array_from_callback(a.shape, a.sharding, lambda ix: whole[ix])
-
-    state = jax.tree_util.tree_map_with_path(load, abstract)
-    return state, data_position(json.loads((d / DATA_FILE).read_text()))
+    return lean.restore(str(directory / str(step)), abstract)
 
 
 def _remove_step(directory: Path, step: int) -> None:
