@@ -150,29 +150,6 @@ def share_cpu_compilation_cache() -> None:
     cache_key._hash_accelerator_config = global_devices
 
 
-SHARE_TIMEOUT_MS = 10 * 60 * 1000  # a process waiting for process 0's program gives up (an error, not a hang)
-
-
-def compile_once_on_one_machine(coordinator: str) -> None:
-    """Let process 0 alone compile each program of a round whose processes share one machine's CPU cores.
-
-    A cold start of a simulated slice compiled every program in every process at
-    once, on the same cores: each compile took the processes' number of times
-    as long.  With JAX's binary sharing, process 0 compiles and the others load
-    its executable from the coordination service.  Only where every process
-    looks up the same persistent cache (one machine, the coordinator on the
-    loopback): one that found the program in the cache while another did not
-    would leave that one waiting, up to ``SHARE_TIMEOUT_MS``.  Hosts with their
-    own cores compile side by side at no cost in time, and are left as they are.
-    """
-    import jax
-
-    if coordinator.rsplit(":", 1)[0] not in ("127.0.0.1", "localhost", "::1") or jax.default_backend() != "cpu":
-        return
-    jax.config.update("jax_share_binary_between_hosts", True)
-    jax.config.update("jax_share_binary_between_hosts_timeout_ms", SHARE_TIMEOUT_MS)
-
-
 # This process's end of the round's peer watch (:mod:`training.elastic.peerwatch`), once it has one.
 WATCH: Any = None
 # How long process 0, at the end of its program (finished, or stopped at a checkpoint), waits for the
@@ -385,7 +362,6 @@ def set_up(cfg: Any, run: str, a: Assignment, rep: Reporter, task: Any, t_assign
             cluster_detection_method="deactivate",
         )
         watch_peers(a, rep)
-        compile_once_on_one_machine(a.coordinator)
     from training.gke.manifests import is_round_env
 
     rep.send(
