@@ -26,6 +26,7 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -230,14 +231,16 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, task: An
     t_assigned = time.time()
     trainer, mngr = set_up(cfg, run, a, rep, task, t_assigned)
     pins = Pins(store, a.rank, a.round)
-    step = StepReady(trainer, store, a, load=cfg.compile_ahead)  # compiled while the state is restored
-    start = restore(cfg, run, a, rep, trainer, mngr, ledger, task_data.fingerprint, pins)
-    batches = FirstAhead(train_batches(cfg, a, task_data, start.next_batch))  # read while the step compiles
-    waited = step.wait()
+    with ThreadPoolExecutor(1, thread_name_prefix="rtrain-step") as pool:
+        making = pool.submit(make_step, trainer, store, a, cfg.compile_ahead)  # while the state is restored
+        start = restore(cfg, run, a, rep, trainer, mngr, ledger, task_data.fingerprint, pins)
+        batches = FirstAhead(train_batches(cfg, a, task_data, start.next_batch))  # read while the step compiles
+        t0 = time.time()
+        step = making.result()
     rep.send(
         ReportType.COMPILED,
         step=start.step,
-        seconds=waited,
+        seconds=time.time() - t0,
         compile_s=round(step.seconds, 3),
         cache_hit=step.cache_hit,
         loaded=step.loaded,
@@ -247,37 +250,22 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, task: An
     return loop.run(task_data, batches)
 
 
-class StepReady:
-    """The round's step made ready by a thread of its own from the round's set-up on: loaded as this job
-    kept it (``load``), else compiled (a hit in the persistent cache, or not), while the main thread
-    restores the state or initialises a new model."""
+@dataclass(frozen=True)
+class StepMade:
+    """How the round's step was made: loaded as this job kept it, or compiled (from the cache or not)."""
 
-    def __init__(self, trainer: Any, store: Any, a: Assignment, load: bool) -> None:
-        self.loaded = False
-        self.cache_hit = False
-        self.seconds = 0.0  # the thread's own time, mostly hidden behind the restore
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(trainer, store, a, load), name="step", daemon=True)
-        self.thread.start()
+    loaded: bool
+    cache_hit: bool
+    seconds: float  # its own time, mostly hidden behind the restore it ran beside
 
-    def _run(self, trainer: Any, store: Any, a: Assignment, load: bool) -> None:
-        t0, hits = time.time(), cache_hits()
-        try:
-            self.loaded = load and load_kept(store, a, trainer)
-            if not self.loaded:
-                trainer.compile()
-            self.cache_hit = self.loaded or cache_hits() > hits
-        except BaseException as e:  # noqa: BLE001 - raised where the step is waited for
-            self.error = e
-        self.seconds = time.time() - t0
 
-    def wait(self) -> float:
-        """Wait for the step; the seconds waited (raises what making it raised)."""
-        t0 = time.time()
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return time.time() - t0
+def make_step(trainer: Any, store: Any, a: Assignment, load: bool) -> StepMade:
+    """Load the round's step as this job kept it (``load``), else compile it; run beside the restore."""
+    t0, hits = time.time(), cache_hits()
+    loaded = load and load_kept(store, a, trainer)
+    if not loaded:
+        trainer.compile()
+    return StepMade(loaded, loaded or cache_hits() > hits, time.time() - t0)
 
 
 def load_kept(store: Any, a: Assignment, trainer: Any) -> bool:
