@@ -165,7 +165,7 @@ class Trainer:
             "loss": loss,
             "grad_norm": optax.global_norm(grads),
             "lr": self.schedule(state["step"]) * lr_scale,  # the rate this step's update used
-            "notice": jnp.max(flags),
+            "notice": jnp.sum(flags),  # a sum, not a max: its all-reduce joins the step's others
         }
         return new, metrics
 
@@ -196,7 +196,9 @@ class Trainer:
         if flag not in self._flags:
             n = self.mesh.size
             self._flags[flag] = jax.make_array_from_callback(
-                (n,), self.flag_sharding, lambda idx: np.full(len(range(*cast(Any, idx)[0].indices(n))), flag, np.int32)
+                (n,),
+                self.flag_sharding,
+                lambda idx: np.full(len(range(*cast(Any, idx)[0].indices(n))), flag, np.float32),
             )
         if self._compiled is None:
             with self.tracing():
@@ -232,7 +234,7 @@ class Trainer:
     def lower(self) -> Any:
         """The step lowered for the current mesh, from shapes alone."""
         scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.replicated)
-        flags = jax.ShapeDtypeStruct((self.mesh.size,), jnp.int32, sharding=self.flag_sharding)
+        flags = jax.ShapeDtypeStruct((self.mesh.size,), jnp.float32, sharding=self.flag_sharding)
         with self.tracing():
             return self._step.lower(self.abstract, self.abstract_batch(), scalar, flags)
 
