@@ -33,6 +33,7 @@ from typing import Any, NoReturn
 from training.checkpoint.resume import DataPosition
 from training.elastic import ahead
 from training.elastic.codes import WorkerExit
+from training.elastic.cpu_slice import TransportThreads
 from training.elastic.wire import ReportType, report
 from training.storage import scheme
 
@@ -326,7 +327,10 @@ class FirstAhead:
 
 
 def set_up(cfg: Any, run: str, a: Assignment, rep: Reporter, task: Any, t_assigned: float) -> tuple[Any, Any]:
-    """Join the round (``jax.distributed``, the peer watch) and build its mesh, trainer and checkpoint manager."""
+    """Join the round (``jax.distributed``, the peer watch) and build its mesh, trainer and checkpoint manager.
+
+    On a CPU slice, the collectives' transport threads (started with the backend) get the lowest priority.
+    """
     import jax
 
     from training import trainer as tr
@@ -334,6 +338,7 @@ def set_up(cfg: Any, run: str, a: Assignment, rep: Reporter, task: Any, t_assign
     from training.mesh import build_mesh, check_batch, plan_mesh
 
     os.environ.update(dict(a.env))  # e.g. MEGASCALE_* for TPU multislice: read when the backend starts, below
+    transport = None
     if a.processes > 1:
         # JAX's own preemption notifier would take SIGTERM from our handler (Notice): the notice reaches the
         # whole group through the next step's flags instead, with no extra synchronisation per step.
@@ -350,6 +355,7 @@ def set_up(cfg: Any, run: str, a: Assignment, rep: Reporter, task: Any, t_assign
             cluster_detection_method="deactivate",
         )
         watch_peers(a, rep)
+        transport = TransportThreads()  # before the backend starts (build_mesh): gloo's threads come with it
     from training.gke.manifests import is_round_env
 
     rep.send(
@@ -363,7 +369,10 @@ def set_up(cfg: Any, run: str, a: Assignment, rep: Reporter, task: Any, t_assign
     )
     plan = plan_mesh(cfg, a.processes)
     check_batch(cfg, plan)
-    return tr.Trainer(cfg, build_mesh(plan), task), ckpt.checkpoint_manager(cfg, run)
+    mesh = build_mesh(plan)
+    if transport is not None and mesh.devices.flat[0].platform == "cpu":  # another platform's threads are its own
+        transport.lower()
+    return tr.Trainer(cfg, mesh, task), ckpt.checkpoint_manager(cfg, run)
 
 
 @dataclass
