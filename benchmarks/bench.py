@@ -384,6 +384,9 @@ def plain_loop() -> int:
     n, pid = int(os.environ["BENCH_N"]), int(os.environ["BENCH_PID"])
     jax.config.update("jax_compilation_cache_dir", os.path.abspath(cfg.compilation_cache))
     jax.distributed.initialize(os.environ["BENCH_COORD"], n, pid)
+    from training.elastic.cpu_slice import TransportThreads
+
+    transport = TransportThreads()  # before the backend starts: gloo's threads come with it
     from training.data import pipeline
     from training.mesh import LOGICAL_RULES, build_mesh, plan_mesh
     from training.optim import make_optimizer
@@ -433,6 +436,8 @@ def plain_loop() -> int:
             for k in fields
         }
         params, opt_state, loss = jstep(params, opt_state, batch, key)
+        if i == 2 and os.environ.get("BENCH_LOWER") == "1":  # as the engine does, once its first steps ran
+            transport.lower()
         if i in window:
             jax.block_until_ready((params, loss))
         times.append(time.time())
@@ -464,15 +469,52 @@ def matmul_flops_per_s() -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def _plain_times(cfg: Config, window: tuple[int, ...], lower: bool) -> list[float]:
+    """Run the plain loop on ``WORKERS`` processes; process 0's end time of each step.
+
+    ``lower``: the loop lowers its collectives' transport threads as the engine's workers do.
+    """
+    from training.elastic.supervisor import free_port
+
+    over = {k: v for k, v in cfg.model_dump().items() if k in ("dataset", "compilation_cache", "steps")}
+    port = free_port()
+    procs = []
+    for pid in range(WORKERS):
+        env = {
+            **os.environ,
+            "BENCH_CFG": json.dumps(over),
+            "BENCH_N": str(WORKERS),
+            "BENCH_PID": str(pid),
+            "BENCH_COORD": f"127.0.0.1:{port}",
+            "BENCH_WINDOW": ",".join(map(str, window)),
+            "BENCH_LOWER": "1" if lower else "0",
+            "JAX_PLATFORMS": "cpu",
+            "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={cfg.devices_per_worker}",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "benchmarks.bench", "plain"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
+        )
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    return [float(t) for t in json.loads(outs[0].strip().splitlines()[-1])["times"]]
+
+
 def bench_cost(ws: Path, repeats: int) -> dict[str, Any]:
     """Tokens/s of the engine against a hand-written ``jit`` loop (same model, loss, optimizer, data and mesh;
     no agent, no checkpoints, no events) in steady state; a round's first steps (each host's next standby
-    warming up on the same cores) reported apart; and MFU against a large matmul's FLOP/s here."""
-    from training.elastic.supervisor import free_port
+    warming up on the same cores) reported apart; and MFU against a large matmul's FLOP/s here.
 
+    The plain loop lowers its collectives' transport threads as the engine does (the ratio compares the
+    loops, not the thread priorities); the same loop without that is reported beside it."""
     steps, (lo, hi), (flo, fhi) = STEADY_STEPS, STEADY, FIRST_STEPS
     tok = 16 * 64
-    engine, unsaved, plain, engine_first, plain_first = [], [], [], [], []
+    engine, unsaved, plain, as_is, engine_first, plain_first = [], [], [], [], [], []
     for r in range(repeats):
         cfg = _cfg(ws, f"cost-{r}", steps=steps, checkpoint_every=10)
         evs = _run(cfg)
@@ -481,35 +523,12 @@ def bench_cost(ws: Path, repeats: int) -> dict[str, Any]:
         # The same engine with no save in the window: what the engine's own machinery costs.
         quiet = _cfg(ws, f"cost-unsaved-{r}", steps=steps, checkpoint_every=steps)
         unsaved.append(tok / _window_step_time(_run(quiet), lo, hi))
-        over = {k: v for k, v in cfg.model_dump().items() if k in ("dataset", "compilation_cache", "steps")}
-        port = free_port()
-        procs = []
-        for pid in range(WORKERS):
-            env = {
-                **os.environ,
-                "BENCH_CFG": json.dumps(over),
-                "BENCH_N": str(WORKERS),
-                "BENCH_PID": str(pid),
-                "BENCH_COORD": f"127.0.0.1:{port}",
-                "BENCH_WINDOW": f"{flo},{fhi},{lo},{hi}",
-                "JAX_PLATFORMS": "cpu",
-                "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
-                "XLA_FLAGS": f"--xla_force_host_platform_device_count={cfg.devices_per_worker}",
-            }
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "benchmarks.bench", "plain"],
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.DEVNULL,
-                    text=True,
-                )
-            )
-        outs = [p.communicate(timeout=600)[0] for p in procs]
-        times = json.loads(outs[0].strip().splitlines()[-1])["times"]
         # times[i] is the end of step i+1, as the engine's progress event for step i+1.
+        times = _plain_times(cfg, (flo, fhi, lo, hi), lower=True)
         plain.append(tok / ((times[hi - 1] - times[lo - 1]) / (hi - lo)))
         plain_first.append(tok / ((times[fhi - 1] - times[flo - 1]) / (fhi - flo)))
+        times = _plain_times(cfg, (lo, hi), lower=False)
+        as_is.append(tok / ((times[hi - 1] - times[lo - 1]) / (hi - lo)))
     a, b = statistics.median(engine), statistics.median(plain)
     cfg = _cfg(ws, "cost-0")
     devices = WORKERS * cfg.devices_per_worker
@@ -525,6 +544,9 @@ def bench_cost(ws: Path, repeats: int) -> dict[str, Any]:
         "plain_tokens_per_s": plain,
         "ratio": a / b,
         "without_saves_ratio": statistics.median(unsaved) / b,
+        # The plain loop with gloo's transport threads at their default priority: what lowering them gains.
+        "plain_as_is_tokens_per_s": as_is,
+        "against_plain_as_is_ratio": a / statistics.median(as_is),
         # The round's first steps, while the standbys warm up beside them: a cost paid once a round.
         "engine_first_steps_tokens_per_s": engine_first,
         "plain_first_steps_tokens_per_s": plain_first,
@@ -1051,6 +1073,13 @@ def format_table(r: dict[str, Any]) -> str:
                 "  engine without saves",
                 f"{_spread(k['engine_without_saves_tokens_per_s'])} vs {_spread(k['plain_tokens_per_s'])} tok/s",
                 k["without_saves_ratio"],
+                "(reported)",
+            )
+        if "against_plain_as_is_ratio" in k:
+            row(
+                "  against the plain loop, gloo's threads as is",
+                f"{_spread(k['engine_tokens_per_s'])} vs {_spread(k['plain_as_is_tokens_per_s'])} tok/s",
+                k["against_plain_as_is_ratio"],
                 "(reported)",
             )
         if "first_steps_ratio" in k:

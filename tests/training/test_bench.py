@@ -99,6 +99,10 @@ def test_cost_of_resilience_against_a_plain_loop_with_and_without_saves(tmp_path
     assert k["without_saves_ratio"] == pytest.approx(_ratio_of_medians(k["engine_without_saves_tokens_per_s"], plain))
     assert all(x > 0 for x in k["engine_tokens_per_s"] + k["engine_without_saves_tokens_per_s"] + plain)
     assert f"{k['ratio']:.3f}  >= 0.95" in proc.stdout and f"{k['without_saves_ratio']:.3f}  (reported)" in proc.stdout
+    # The plain loop as a user writes it, gloo's transport threads at their default priority, reported beside.
+    as_is = _ratio_of_medians(k["engine_tokens_per_s"], k["plain_as_is_tokens_per_s"])
+    assert k["against_plain_as_is_ratio"] == pytest.approx(as_is)
+    assert "gloo's threads as is" in proc.stdout and f"{as_is:.3f}  (reported)" in proc.stdout
     # A round's first steps (each host's next standby warming beside them), against the plain loop's same steps.
     first = _ratio_of_medians(k["engine_first_steps_tokens_per_s"], k["plain_first_steps_tokens_per_s"])
     assert k["first_steps_ratio"] == pytest.approx(first) and k["windows"]["first_steps"][1] < k["windows"]["steady"][0]
