@@ -1,8 +1,8 @@
 """On a CPU slice, the collectives' transport threads are lowered and nothing else is.
 
-Two real processes joined by JAX's coordination service run a collective over gloo; each
-then lowers the threads started since its devices existed, and reports every thread's
-priority.
+Two real processes joined by JAX's coordination service mark their threads, start the
+backend and lower the threads started since the mark; then they run collectives over gloo
+and report which thread did the polling and every thread's priority.
 """
 
 from __future__ import annotations

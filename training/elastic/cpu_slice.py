@@ -16,7 +16,8 @@ import sys
 import threading
 from pathlib import Path
 
-LOWEST = 19
+from training.background import MAX_NICE
+
 _TASKS = Path("/proc/self/task")
 
 
@@ -43,7 +44,7 @@ class TransportThreads:
     def __init__(self) -> None:
         self.before = unnamed_threads()  # the coordination client's own: left as they are
 
-    def lower(self, nice: int = LOWEST) -> list[int]:
+    def lower(self, nice: int = MAX_NICE) -> list[int]:
         """Give the unnamed threads started since this object was made the lowest CPU priority; their ids."""
         lowered = []
         for tid in sorted(unnamed_threads() - self.before):
