@@ -290,18 +290,19 @@ def test_a_host_that_loses_the_run_root_for_longer_than_the_lease_neither_ends_n
     from training import api
 
     cfg = job_config(
-        str(tmp_path), tiny_dataset, jax_cache, run_name="outage", min_workers=1, max_workers=2, steps=150,
+        str(tmp_path), tiny_dataset, jax_cache, run_name="outage", min_workers=1, max_workers=2, steps=320,
         trace_data_ids=True,
-        # One host's faults are 60+ steps apart: training goes on through an outage (the agent's, not the
-        # worker's), and a fault that fires while its host's run root is still out cannot be recorded.  The
+        # One host's faults are 150+ steps apart (more than an outage's seconds at this machine's fastest steps):
+        # training goes on through an outage (the agent's, not the worker's), and a fault that fires while its
+        # host's run root is still out cannot be recorded.  The
         # host of worker 1 loses it first and leaves the round; the other, then worker 0 of every round,
         # loses it next, whenever its host comes back.
         chaos=[
             "storage_outage:worker=1,step=10,for_s=5",
             "storage_outage:worker=0,step=25,for_s=5",
-            "storage_latency:worker=0,step=80,for_s=4,latency_s=0.3",
-            "storage_outage:worker=0,step=147,for_s=4",  # both at once, as the job ends: its end is written after
-            "storage_outage:worker=1,step=147,for_s=4",
+            "storage_latency:worker=0,step=180,for_s=4,latency_s=0.3",
+            "storage_outage:worker=0,step=317,for_s=4",  # both at once, as the job ends: its end is written after
+            "storage_outage:worker=1,step=317,for_s=4",
         ],
         **QUICK,
     )  # fmt: skip
@@ -309,13 +310,13 @@ def test_a_host_that_loses_the_run_root_for_longer_than_the_lease_neither_ends_n
     wait_for(lambda: len(hosts(cfg.run_uri)) == 2, 60, "both agents to beat")
     pids = {h: rec.pid for h, rec in hosts(cfg.run_uri).items()}
     st = wait_finished(handle, timeout=400)
-    assert st["state"] == "finished" and st["step"] == 150, st
+    assert st["state"] == "finished" and st["step"] == 320, st
     assert {h: rec.pid for h, rec in hosts(cfg.run_uri).items()} == pids, "an agent gave up during its outage"
     evs = api.events(cfg.run_uri)
     fired = {e["spec"] for e in evs if e["type"] == "chaos"}
-    # Worker 1's last fault fires only where a round of 2 reaches step 147 (its host may not be back by then).
+    # Worker 1's last fault fires only where a round of 2 reaches step 317 (its host may not be back by then).
     last = [e for e in evs if e["type"] == "launch"][-1]
-    must = set(cfg.chaos) - ({"storage_outage:worker=1,step=147,for_s=4"} if last["workers"] == 1 else set())
+    must = set(cfg.chaos) - ({"storage_outage:worker=1,step=317,for_s=4"} if last["workers"] == 1 else set())
     assert must <= fired, (fired, last["workers"])
     leaders = [e for e in evs if e["type"] == "leader"]
     assert len(leaders) >= 2, "the host that led lost the run root for longer than its lease: another led"
