@@ -24,3 +24,16 @@ def lower_this_thread(by: int = BACKGROUND_NICE) -> None:
     with contextlib.suppress(OSError, AttributeError):  # AttributeError: no setpriority here
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, min(MAX_NICE, os.getpriority(os.PRIO_PROCESS, tid) + by))
+
+
+def idle_this_thread() -> None:
+    """Run the calling thread (and the threads it starts from now on) only when nothing else wants a core.
+
+    Below every niceness (Linux's idle class): below the collectives' transport threads
+    too, which a CPU slice runs at the lowest niceness.  Falls back to the lowest
+    niceness where the platform has no idle class or refuses it.
+    """
+    try:
+        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+    except (OSError, AttributeError):  # AttributeError: no SCHED_IDLE here
+        lower_this_thread(by=MAX_NICE)

@@ -227,6 +227,7 @@ class Event(TypedDict, total=False):
     cache_hit: bool
     compile_s: float  # the step's compile, alongside the restore ("seconds": the wait for it after the restore)
     compile_cached: bool
+    cpu_s: float  # rank 0's CPU time from its assignment to its round's first step (resumed)
     loaded: bool
     old: str
     new: str

@@ -86,7 +86,9 @@ class Trainer:
         self.abstract = jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, self.shardings
         )
-        self._init = jax.jit(self._init_state, out_shardings=self.shardings)
+        seed = cfg.seed
+        self._init = jax.jit(lambda: self._init_state(jax.random.key(seed)), out_shardings=self.shardings)
+        self._init_compiled: Any = None
         batch_sh = {k: self.batch_sharding for k in self.spec}
         self._step = jax.jit(
             self._train_step,
@@ -119,8 +121,19 @@ class Trainer:
         return stack
 
     def init(self) -> State:
+        """A new model's state on this mesh (from ``cfg.seed``)."""
         with self.tracing():
-            return cast(State, self._init(jax.random.key(self.cfg.seed)))
+            return cast(State, (self._init_compiled or self._init)())
+
+    def compile_init(self) -> Any:
+        """AOT-compile the new model's initialisation for this mesh; ``init`` then runs it.  Returns it."""
+        with self.tracing():
+            self._init_compiled = self._init.lower().compile()
+        return self._init_compiled
+
+    def load_init(self, compiled: Any) -> None:
+        """Take an initialisation compiled for this mesh elsewhere (by the round's process 0)."""
+        self._init_compiled = compiled
 
     # --- the step ------------------------------------------------------------------
     def _grads(self, params: Any, batch: Batch, rng: jax.Array) -> tuple[jax.Array, Any, dict[str, Any]]:

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from training.background import lower_this_thread
+from training.background import idle_this_thread
 from training.config import Config
 from training.layout import COMPILED
 from training.mesh import build_mesh, feasible_sizes, plan_mesh
@@ -119,7 +119,7 @@ def start(
         return None
 
     def run() -> None:
-        lower_this_thread()  # the training's threads come first
+        idle_this_thread()  # the training's threads come first, and the collectives' transport threads too
         try:
             if own is not None:
                 kept(workers, own)

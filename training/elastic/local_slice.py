@@ -125,7 +125,10 @@ class LocalSlice:
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
-            start_new_session=True,  # a host: its agent, worker and standby are one process group
+            # A host: its agent, worker and standby are one process group.  In the caller's session, not a new one:
+            # Linux shares the CPU fairly between sessions (autogroups) before it looks at priorities, and the
+            # hosts of one machine would each get a fair share, whatever their threads' priorities say.
+            process_group=0,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         out.close()

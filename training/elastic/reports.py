@@ -134,7 +134,7 @@ class ReportHandler:
                 self.heart.update(step=msg.get("step"))
                 self._recovered(w, msg)
             # The next worker warms up now, while this one trains: a recovery then starts at
-            # jax.distributed, not at `import jax` (and the warm-up does not slow this round's start).
+            # jax.distributed, not at `import jax`; it warms up at the lowest priority, after this round's steps.
             self.warm()
         self._event(t, msg)
 

@@ -63,17 +63,19 @@ class WorkerSupervisor:
         port = self.coordinator_port or free_port(self.coordinator_host)
         return f"{self.coordinator_host}:{port}"
 
-    def spawn(self) -> WorkerProc:
-        """A standby worker: it warms up (imports, config, dataset) and waits for its assignment."""
+    def spawn(self, background: bool = False) -> WorkerProc:
+        """A standby worker: it warms up (imports, config, dataset) and waits for its assignment.
+
+        ``background``: a round trains on this host meanwhile, and the warm-up takes only the CPU it leaves.
+        """
         self.spawned += 1
-        return spawn_worker(
-            self.cfg, self.run_uri, self.host, self.job, self.log_dir / f"worker-{os.getpid()}-{self.spawned}.log"
-        )
+        log_path = self.log_dir / f"worker-{os.getpid()}-{self.spawned}.log"
+        return spawn_worker(self.cfg, self.run_uri, self.host, self.job, log_path, background=background)
 
     def warm(self) -> None:
-        """Start a standby unless one is there."""
+        """Start a standby unless one is there, beside this host's training round."""
         if self.standby is None:
-            self.standby = self.spawn()
+            self.standby = self.spawn(background=True)
 
     def drop_standby(self) -> None:
         if self.standby is not None:

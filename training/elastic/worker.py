@@ -2,10 +2,11 @@
 
 The agent starts it ahead of need, as a standby that dies with its agent (``PR_SET_PDEATHSIG``), so
 a recovery starts at ``jax.distributed`` and pays no imports or dataset checks.  Read top to bottom:
-warm-up (imports, config, dataset); the assignment (one JSON line on stdin: round, rank, processes,
-coordinator, resume, faults); set-up (``jax.distributed``, the peer watch, the round's mesh and
-shardings); restore (``training.checkpoint.resume``, its integrity check, Orbax's resharding
-restore); compile (AOT, a persistent-cache hit on a mesh seen before); train (saves and the
+warm-up (imports, config, dataset; beside a training round, in a thread of the idle class); the
+assignment (one JSON line on stdin: round, rank, processes, coordinator, resume, faults); set-up
+(``jax.distributed``, the peer watch, the round's mesh and shardings); restore
+(``training.checkpoint.resume``, its integrity check, Orbax's resharding restore); compile (AOT, a
+persistent-cache hit on a mesh seen before, once per round on one machine); train (saves and the
 stop-at-checkpoint decision at checkpoint steps).
 
 Outcomes go to the agent as JSON lines over a pipe; the exit code says how it ended
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from training.checkpoint.resume import DataPosition
-from training.elastic import ahead
+from training.elastic import ahead, compile_once
 from training.elastic.codes import WorkerExit
 from training.elastic.cpu_slice import TransportThreads
 from training.elastic.wire import ReportType, report
@@ -108,6 +109,8 @@ class Assignment:
 # This process's hits in JAX's persistent compilation cache, by the thread that compiled (JAX reports a hit
 # in the thread that looked it up): the step, a new model's init and the steps compiled ahead run side by side.
 CACHE_HITS: collections.Counter[int] = collections.Counter()
+# This process's CPU time (all its threads) when it was assigned its round.
+CPU_AT_ASSIGNMENT = [0.0]
 
 
 def count_cache_hits() -> None:
@@ -180,25 +183,33 @@ def leave(rep: Reporter, code: WorkerExit, error: str = "", **fields: Any) -> No
     os._exit(int(code))
 
 
-def main() -> int:
-    die_with_parent()
-    Notice.install()  # from now on a SIGTERM is a preemption notice: stop at a step boundary, save, leave
-    rep = Reporter()
-    run = os.environ["RTRAIN_RUN_URI"]
+@dataclass
+class Warm:
+    """What a standby made ready before its assignment: the run's store and config, the task and its data."""
 
-    # --- 1. warm-up ----------------------------------------------------------------------------
+    store: Any = None
+    cfg: Any = None
+    task: Any = None
+    task_data: Any = None
+    error: str = ""  # the task or its data failed: reported once this worker has a round
+
+
+def warm_up(run: str, warm: Warm) -> None:
+    """Imports, the run's config, the compilation cache, the task and its (checked) data, into ``warm``."""
+    # Orbax's optional Cloud Logging logger is not used here: with its library marked absent, orbax leaves
+    # it out (it guards that import), and each worker is spared 0.4 s of importing at its start.
+    sys.modules.setdefault("google.cloud.logging", None)  # type: ignore[arg-type]  # None: "absent"
     import jax
 
     import training.checkpoint.manager  # imported now, while nothing waits for this process
     import training.trainer  # noqa: F401
-    from training.checkpoint.ledger import Ledger
     from training.config import config_from_json
     from training.layout import CONFIG
     from training.storage import open_store
     from training.tasks import load_task
 
-    store = open_store(run)
-    cfg = config_from_json(store.get(CONFIG).decode())
+    warm.store = open_store(run)
+    cfg = warm.cfg = config_from_json(warm.store.get(CONFIG).decode())
     # The persistent compilation cache makes a relaunch on a mesh seen before skip XLA compilation.
     jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -207,20 +218,64 @@ def main() -> int:
     count_cache_hits()
     training.checkpoint.manager.copy_bandwidth()  # for the saves' reports, measured while idle
     try:
-        task = load_task(cfg)
-        task_data = task.data()  # opened, and checked (a prepared dataset: against its manifest's sha256)
+        warm.task = load_task(cfg)
+        warm.task_data = warm.task.data()  # opened, and checked (a prepared dataset: against its manifest's sha256)
     except Exception as e:  # noqa: BLE001 - reported with its reason once this worker has a round
-        a = Assignment.read(sys.stdin)
-        rep.rank, rep.round = a.rank, a.round
         from training.data.errors import DatasetError
 
-        leave(rep, WorkerExit.ERROR, f"dataset: {e}" if isinstance(e, DatasetError) else f"task {cfg.task}: {e}")
+        warm.error = f"dataset: {e}" if isinstance(e, DatasetError) else f"task {cfg.task}: {e}"
+
+
+def warm_up_in_background(run: str, warm: Warm) -> threading.Thread:
+    """:func:`warm_up` in a thread of the idle class: a standby started beside a training round.
+
+    The round's first steps come first; the warm-up takes the CPU they leave.  Only
+    this thread is lowered (and the threads it starts): the main thread, which runs
+    the round once assigned, keeps its priority, which an unprivileged process
+    could not raise again.  Numpy is imported first, here, so its BLAS threads are
+    started at the main thread's priority.
+    """
+    import numpy  # noqa: F401
+
+    from training.background import idle_this_thread
+
+    def run_lowered() -> None:
+        idle_this_thread()
+        try:
+            warm_up(run, warm)
+        except BaseException as e:  # noqa: BLE001 - reported once this worker has a round
+            traceback.print_exc()
+            warm.error = f"warm-up: {type(e).__name__}: {e}"
+
+    thread = threading.Thread(target=run_lowered, name="warm-up", daemon=True)
+    thread.start()
+    return thread
+
+
+def main() -> int:
+    die_with_parent()
+    Notice.install()  # from now on a SIGTERM is a preemption notice: stop at a step boundary, save, leave
+    rep = Reporter()
+    run = os.environ["RTRAIN_RUN_URI"]
+
+    # --- 1. warm-up ----------------------------------------------------------------------------
+    warm, warming = Warm(), None
+    if os.environ.get("RTRAIN_WARM_BACKGROUND") == "1":
+        warming = warm_up_in_background(run, warm)
+    else:
+        warm_up(run, warm)
 
     # --- 2. assignment -------------------------------------------------------------------------
     a = Assignment.read(sys.stdin)
     rep.rank, rep.round = a.rank, a.round
+    if warming is not None:
+        warming.join()
+    if warm.error:
+        leave(rep, WorkerExit.ERROR, warm.error)
+    from training.checkpoint.ledger import Ledger
+
     try:
-        return train(cfg, run, store, a, rep, task, task_data, Ledger(store))
+        return train(warm.cfg, run, warm.store, a, rep, warm.task, warm.task_data, Ledger(warm.store))
     except BaseException as e:  # noqa: BLE001 - every error leaves the same way: reported, at once
         traceback.print_exc()
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -229,11 +284,11 @@ def main() -> int:
 
 def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, task: Any, task_data: Any, ledger: Any) -> int:
     """One round of this process: set up, restore, compile, then train until done, a notice or a stop request."""
-    t_assigned = time.time()
+    t_assigned, CPU_AT_ASSIGNMENT[0] = time.time(), time.process_time()
     trainer, mngr = set_up(cfg, run, a, rep, task, t_assigned)
     pins = Pins(store, a.rank, a.round)
     with ThreadPoolExecutor(1, thread_name_prefix="rtrain-step") as pool:
-        making = pool.submit(make_step, trainer, store, a, cfg.compile_ahead)  # while the state is restored
+        making = pool.submit(make_step, cfg, trainer, store, a)  # while the state is restored
         start = restore(cfg, run, a, rep, trainer, mngr, ledger, task_data.fingerprint, pins)
         batches = FirstAhead(train_batches(cfg, a, task_data, start.next_batch))  # read while the step compiles
         t0 = time.time()
@@ -260,13 +315,52 @@ class StepMade:
     seconds: float  # its own time, mostly hidden behind the restore it ran beside
 
 
-def make_step(trainer: Any, store: Any, a: Assignment, load: bool) -> StepMade:
-    """Load the round's step as this job kept it (``load``), else compile it; run beside the restore."""
+def make_step(cfg: Any, trainer: Any, store: Any, a: Assignment) -> StepMade:
+    """Load the round's step as this job kept it (``compile_ahead``), else compile it (once in the round, on one
+    machine: :mod:`training.elastic.compile_once`); run beside the restore."""
     t0, hits = time.time(), cache_hits()
-    loaded = load and load_kept(store, a, trainer)
-    if not loaded:
+    loaded = cfg.compile_ahead and load_kept(store, a, trainer)
+    if share_compiles(cfg, a):
+        if a.rank == 0:
+            compile_once.forget_earlier_rounds(store, a.job, a.round)
+            passed = None if loaded else passable(trainer.compile(), hits)
+            compile_once.publish(store, a.job, a.round, "step", passed)
+        elif not loaded:
+            got = compile_once.fetch(store, a.job, a.round, "step", wait_s=cfg.hang_timeout_s / 2)
+            if got is None:
+                trainer.compile()
+            else:
+                trainer.load(got)
+                loaded = True
+    elif not loaded:
         trainer.compile()
     return StepMade(loaded, loaded or cache_hits() > hits, time.time() - t0)
+
+
+def share_compiles(cfg: Any, a: Assignment) -> bool:
+    """Whether the round's programs are compiled once, by process 0 (:mod:`training.elastic.compile_once`)."""
+    return compile_once.enabled(cfg.backend, a.processes) and bool(a.job)
+
+
+def passable(compiled: Any, hits_before: int) -> Any | None:
+    """A program compiled here, to pass on; None when it came from the persistent cache: loaded that way, it
+    may not serialize whole (XLA:CPU's lacks its functions' code), and the others hit the cache too."""
+    return compiled if cache_hits() == hits_before else None
+
+
+def init_once(cfg: Any, trainer: Any, store: Any, a: Assignment) -> Any:
+    """A new model's state: its initialisation compiled once in the round (:mod:`training.elastic.compile_once`)."""
+    if share_compiles(cfg, a):
+        if a.rank == 0:
+            hits = cache_hits()
+            compile_once.publish(store, a.job, a.round, "init", passable(trainer.compile_init(), hits))
+        else:
+            got = compile_once.fetch(store, a.job, a.round, "init", wait_s=cfg.hang_timeout_s / 2)
+            if got is None:
+                trainer.compile_init()
+            else:
+                trainer.load_init(got)
+    return trainer.init()
 
 
 def load_kept(store: Any, a: Assignment, trainer: Any) -> bool:
@@ -452,7 +546,7 @@ def restore(
                 seconds=time.time() - t0,
             )
         else:
-            state, pos = trainer.init(), DataPosition(next_batch=0)
+            state, pos = init_once(cfg, trainer, pins.store, a), DataPosition(next_batch=0)
             rep.send(ReportType.INIT, step=0, mesh=shape, workers=a.processes, seconds=time.time() - t0)
     if step0 is not None and pos.get("dataset") not in (None, dataset):
         pos = data_changed(cfg, step0, pos, dataset, rep)
@@ -812,7 +906,8 @@ class Loop:
         self.inflight.append((step, metrics, next_batch))
 
     def reset_clock(self) -> None:
-        self.t_last = time.time()
+        """Start the step-time window afresh (after a save): the steps read before it are not in the next report."""
+        self.t_last, self.since = time.time(), 0
 
     def observe(self, keep: int) -> Verdict:
         """Read the metrics of the steps in flight but the newest ``keep``; stop at the first bad one."""
@@ -847,7 +942,17 @@ class Loop:
                 self.local_saves = []
                 if self.first:
                     # From every process: each agent starts its next standby now (its round has started).
-                    self.rep.send(ReportType.RESUMED, everyone=True, step=step, seconds=now - self.t_assigned)
+                    # This process's CPU time in set-up, restore and compile: a compile it was spared shows.
+                    cpu_s = round(time.process_time() - CPU_AT_ASSIGNMENT[0], 3)
+                    self.rep.send(
+                        ReportType.RESUMED, everyone=True, step=step, seconds=now - self.t_assigned, cpu_s=cpu_s
+                    )
+                    print(
+                        f"round {self.rep.round} process {self.rep.rank}: step {step} done {now - self.t_assigned:.1f}s"
+                        f" after the assignment, with {cpu_s:.1f}s of CPU",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     self.first = False
                 self.t_last, self.since = now, 0
         return Verdict(self.bad, self.notice)

@@ -81,8 +81,13 @@ class WorkerProc:
         return out
 
 
-def spawn_worker(cfg: Config, run_uri: str, host: str, job: str, log_path: Path) -> WorkerProc:
-    """Start a standby worker of ``host`` for ``job``, its output going to ``log_path``."""
+def spawn_worker(
+    cfg: Config, run_uri: str, host: str, job: str, log_path: Path, background: bool = False
+) -> WorkerProc:
+    """Start a standby worker of ``host`` for ``job``, its output going to ``log_path``.
+
+    ``background``: it warms up at the lowest priority, beside a round training on this host.
+    """
     from training.gke.manifests import worker_base_env  # without a round's TPU variables: the round sets them
 
     r, w = os.pipe()
@@ -95,6 +100,7 @@ def spawn_worker(cfg: Config, run_uri: str, host: str, job: str, log_path: Path)
         "RTRAIN_AGENT_PID": str(os.getpid()),
         "TF_CPP_MIN_LOG_LEVEL": "2",
         "PYTHONUNBUFFERED": "1",
+        "RTRAIN_WARM_BACKGROUND": "1" if background else "0",
     }
     if cfg.backend == "local":
         # The local slice: each simulated host is a JAX process with D CPU devices, gloo collectives.

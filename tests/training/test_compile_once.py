@@ -1,0 +1,58 @@
+"""Passing a round's compiled programs from process 0 to the others through the run root (one process here)."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from training.elastic import compile_once
+from training.storage import open_store
+
+
+def test_a_program_process_0_passes_on_is_loaded_and_runs_as_compiled(tmp_path):
+    store = open_store(str(tmp_path))
+    compiled = jax.jit(lambda x: jnp.sin(x) * 2).lower(jnp.zeros(8)).compile()
+    compile_once.publish(store, "j1", 3, "step", compiled)
+    got = compile_once.fetch(store, "j1", 3, "step", wait_s=1)
+    assert got is not None
+    x = jnp.arange(8.0)
+    np.testing.assert_array_equal(np.asarray(got(x)), np.asarray(compiled(x)))
+
+
+def test_nothing_to_pass_on_a_broken_executable_or_none_in_time_means_compiling_here(tmp_path):
+    store = open_store(str(tmp_path))
+    compile_once.publish(store, "j1", 1, "init", None)  # process 0 got it from the cache: nothing to pass on
+    t0 = time.monotonic()
+    assert compile_once.fetch(store, "j1", 1, "init", wait_s=30) is None
+    assert time.monotonic() - t0 < 5, "a 'none' is an answer at once, not a wait"
+    store.put("compiled/j1/round-1/step.bin", b"not a pickled executable")
+    assert compile_once.fetch(store, "j1", 1, "step", wait_s=30) is None
+    t0 = time.monotonic()
+    assert compile_once.fetch(store, "j1", 2, "step", wait_s=0.3) is None  # process 0 never said anything
+    assert 0.3 <= time.monotonic() - t0 < 5
+
+
+def test_a_late_program_is_waited_for(tmp_path):
+    import threading
+
+    store = open_store(str(tmp_path))
+    compiled = jax.jit(lambda x: x + 1).lower(jnp.zeros(4)).compile()
+    later = threading.Timer(0.5, compile_once.publish, (store, "j1", 1, "step", compiled))
+    later.start()
+    got = compile_once.fetch(store, "j1", 1, "step", wait_s=30)
+    later.join()
+    assert got is not None and np.asarray(got(jnp.zeros(4))).tolist() == [1.0] * 4
+
+
+def test_process_0_forgets_what_earlier_rounds_passed_on_and_only_on_one_machine_is_it_on(tmp_path):
+    store = open_store(str(tmp_path))
+    for rnd in (1, 2, 3):
+        compile_once.publish(store, "j1", rnd, "step", None)
+    compile_once.publish(store, "j2", 1, "step", None)
+    compile_once.forget_earlier_rounds(store, "j1", 3)
+    assert sorted(store.list("compiled/")) == ["compiled/j1/round-3/step.bin", "compiled/j2/round-1/step.bin"]
+    assert compile_once.enabled("local", 2) and not compile_once.enabled("local", 1)
+    assert not compile_once.enabled("gke", 4)
