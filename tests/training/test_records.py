@@ -48,3 +48,12 @@ def test_a_dag_run_s_mark_is_written_once(tmp_path: Path) -> None:
     api.set_dag_run_mark(run, "manual__1", resume_from="12", existed=True)  # a retry: the first mark stays
     mark = api.dag_run_mark(run, "manual__1")
     assert mark is not None and (mark["resume_from"], mark["existed"]) == ("latest", False)
+
+
+def test_an_event_that_happened_before_it_was_written_keeps_its_time_and_its_place_in_the_log(tmp_path: Path) -> None:
+    log = EventLog(open_store(str(tmp_path)), source="h1-1")
+    later = log.emit("progress", at=1000.25, step=2, loss=2.0)
+    now = log.emit("progress", step=1, loss=2.5)
+    assert later["time"] == 1000.25 and now["time"] > 1000.25
+    # The log's order is the order of writing, whatever each event says about when it happened.
+    assert [(e["step"], e["time"]) for e in api.events(str(tmp_path))] == [(2, 1000.25), (1, now["time"])]

@@ -148,11 +148,12 @@ class HostAgent:
 
     # --- small helpers ------------------------------------------------------------------------
 
-    def emit(self, type_: str, **fields: Any) -> None:
-        """Write an event now (the leader's decisions: they must be on record before what follows)."""
+    def emit(self, type_: str, *, at: float | None = None, **fields: Any) -> None:
+        """Write an event now (the leader's decisions: they must be on record before what follows); ``at``: when
+        it happened, if before now."""
         fields.setdefault("host", self.host)
         try:
-            self.events.emit(type_, **fields)
+            self.events.emit(type_, at=at, **fields)
         except Exception as e:  # noqa: BLE001 - an event that cannot be written must not take the host down
             log.warning("[%s] could not write a %s event: %s", self.host, type_, e)
 

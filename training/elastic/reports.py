@@ -99,9 +99,9 @@ class ReportHandler:
         self._scalars_at = 0.0
         self._step_beat_at = 0.0
 
-    def emit_later(self, type_: str, **fields: Any) -> None:
+    def emit_later(self, type_: str, *, at: float | None = None, **fields: Any) -> None:
         """Write an event from the writer thread, in order: the main loop does not wait for the store."""
-        self.writer.put(lambda: self.emit(type_, **fields))
+        self.writer.put(lambda: self.emit(type_, at=at, **fields))
 
     # --- a worker's reports -------------------------------------------------------------------
 
@@ -175,11 +175,13 @@ class ReportHandler:
         storage_fault = t == "chaos" and msg.get("action") in STORAGE_ACTIONS
         committed = t == "checkpoint" and bool(msg.get("committed"))  # its event follows the ledger record
         if t in EVENT_REPORTS and not committed and (msg.get("process_id") == 0 or t in ("worker_started", "chaos")):
-            msg.pop("time", None)
+            # The event is timed when the worker reported it (the same host's clock), not when this agent's
+            # loop read the report and its writer wrote it: step times and a round's phases stay exact.
+            at = msg.pop("time", None)
             if host_fault or storage_fault:
-                self.emit(t, **msg)  # on record before the host goes down, or loses its run root
+                self.emit(t, at=at, **msg)  # on record before the host goes down, or loses its run root
             else:
-                self.emit_later(t, **msg)
+                self.emit_later(t, at=at, **msg)
         if host_fault:
             self._host_fault(str(msg["action"]), msg)
         if storage_fault:
