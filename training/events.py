@@ -274,11 +274,11 @@ class EventLog:
         self.store = store
         self.source = source or f"{socket.gethostname()}-{os.getpid()}"
 
-    def emit(self, type_: str, *, at: float | None = None, **fields: Any) -> Event:
-        """Write an event: its ``time`` is ``at`` (when it happened, by this host's clock) or now; its place in the
-        log is when it was written."""
+    def emit(self, type_: str, *, reported_at: float | None = None, **fields: Any) -> Event:
+        """Write an event: its ``time`` is ``reported_at`` (when it was reported, by this host's clock) or now; its
+        place in the log is when it was written."""
         ns = stamp()
-        event = make_event(type_, self.source, ns / 1e9 if at is None else at, **fields)
+        event = make_event(type_, self.source, ns / 1e9 if reported_at is None else reported_at, **fields)
         key = f"{EVENTS}{ns:020d}-{self.source}-{nonce()}.json"
         self.store.create(key, json.dumps(event, sort_keys=True, default=str).encode())
         return event

@@ -52,8 +52,11 @@ def test_a_dag_run_s_mark_is_written_once(tmp_path: Path) -> None:
 
 def test_an_event_that_happened_before_it_was_written_keeps_its_time_and_its_place_in_the_log(tmp_path: Path) -> None:
     log = EventLog(open_store(str(tmp_path)), source="h1-1")
-    later = log.emit("progress", at=1000.25, step=2, loss=2.0)
+    later = log.emit("progress", reported_at=1000.25, step=2, loss=2.0)
     now = log.emit("progress", step=1, loss=2.5)
     assert later["time"] == 1000.25 and now["time"] > 1000.25
     # The log's order is the order of writing, whatever each event says about when it happened.
     assert [(e["step"], e["time"]) for e in api.events(str(tmp_path))] == [(2, 1000.25), (1, now["time"])]
+    # An event's own fields keep their names: a fault's "at" (when it struck) is not the event's time.
+    fault = log.emit("chaos", reported_at=1000.5, action="preempt", step=3, at=1000.4)
+    assert (fault["time"], fault["at"]) == (1000.5, 1000.4)

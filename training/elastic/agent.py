@@ -148,12 +148,12 @@ class HostAgent:
 
     # --- small helpers ------------------------------------------------------------------------
 
-    def emit(self, type_: str, *, at: float | None = None, **fields: Any) -> None:
-        """Write an event now (the leader's decisions: they must be on record before what follows); ``at``: when
-        it happened, if before now."""
+    def emit(self, type_: str, *, reported_at: float | None = None, **fields: Any) -> None:
+        """Write an event now (the leader's decisions: they must be on record before what follows); ``reported_at``: when
+        it was reported, if before now."""
         fields.setdefault("host", self.host)
         try:
-            self.events.emit(type_, at=at, **fields)
+            self.events.emit(type_, reported_at=reported_at, **fields)
         except Exception as e:  # noqa: BLE001 - an event that cannot be written must not take the host down
             log.warning("[%s] could not write a %s event: %s", self.host, type_, e)
 

@@ -99,9 +99,9 @@ class ReportHandler:
         self._scalars_at = 0.0
         self._step_beat_at = 0.0
 
-    def emit_later(self, type_: str, *, at: float | None = None, **fields: Any) -> None:
+    def emit_later(self, type_: str, *, reported_at: float | None = None, **fields: Any) -> None:
         """Write an event from the writer thread, in order: the main loop does not wait for the store."""
-        self.writer.put(lambda: self.emit(type_, at=at, **fields))
+        self.writer.put(lambda: self.emit(type_, reported_at=reported_at, **fields))
 
     # --- a worker's reports -------------------------------------------------------------------
 
@@ -177,11 +177,11 @@ class ReportHandler:
         if t in EVENT_REPORTS and not committed and (msg.get("process_id") == 0 or t in ("worker_started", "chaos")):
             # The event is timed when the worker reported it (the same host's clock), not when this agent's
             # loop read the report and its writer wrote it: step times and a round's phases stay exact.
-            at = msg.pop("time", None)
+            sent = msg.pop("time", None)
             if host_fault or storage_fault:
-                self.emit(t, at=at, **msg)  # on record before the host goes down, or loses its run root
+                self.emit(t, reported_at=sent, **msg)  # on record before the host goes down, or loses its run root
             else:
-                self.emit_later(t, at=at, **msg)
+                self.emit_later(t, reported_at=sent, **msg)
         if host_fault:
             self._host_fault(str(msg["action"]), msg)
         if storage_fault:
