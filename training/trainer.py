@@ -125,10 +125,14 @@ class Trainer:
         with self.tracing():
             return cast(State, (self._init_compiled or self._init)())
 
+    def lower_init(self) -> Any:
+        """The new model's initialisation lowered for this mesh."""
+        with self.tracing():
+            return self._init.lower()
+
     def compile_init(self) -> Any:
         """AOT-compile the new model's initialisation for this mesh; ``init`` then runs it.  Returns it."""
-        with self.tracing():
-            self._init_compiled = self._init.lower().compile()
+        self._init_compiled = self.lower_init().compile()
         return self._init_compiled
 
     def load_init(self, compiled: Any) -> None:

@@ -56,3 +56,33 @@ def test_process_0_forgets_what_earlier_rounds_passed_on_and_only_on_one_machine
     assert sorted(store.list("compiled/")) == ["compiled/j1/round-3/step.bin", "compiled/j2/round-1/step.bin"]
     assert compile_once.enabled("local", 2) and not compile_once.enabled("local", 1)
     assert not compile_once.enabled("gke", 4)
+
+
+def _lowered_in_a_process_of_its_own() -> str:
+    import subprocess
+    import sys
+
+    code = (
+        "import jax, jax.numpy as jnp\n"
+        "from training.elastic import compile_once\n"
+        "lowered = jax.jit(lambda x: jnp.tanh(x) @ x.T).lower(jnp.zeros((8, 8)))\n"
+        "print(compile_once.program_key(lowered))\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_a_program_compiled_into_the_cache_is_noted_under_the_same_key_in_every_process(tmp_path):
+    lowered = jax.jit(lambda x: jnp.tanh(x) @ x.T).lower(jnp.zeros((8, 8)))
+    key = compile_once.program_key(lowered)
+    assert key == _lowered_in_a_process_of_its_own()  # another process lowering the same program finds the note
+    assert key != compile_once.program_key(jax.jit(lambda x: jnp.tanh(x) @ x).lower(jnp.zeros((8, 8))))
+    assert key != compile_once.program_key(jax.jit(lambda x: jnp.tanh(x) @ x.T).lower(jnp.zeros((4, 4))))
+    cache = str(tmp_path / "cache")
+    assert not compile_once.cached(cache, key)
+    compile_once.note_cached(cache, key)
+    assert compile_once.cached(cache, key)
+    # JAX's own cache reads and evicts only its "*-cache" entries: the notes are not among them.
+    assert not any(p.name.endswith("-cache") for p in (tmp_path / "cache").rglob("*"))
+    (tmp_path / "a-file").write_text("")
+    compile_once.note_cached(str(tmp_path / "a-file" / "cache"), key)  # a cache it cannot write to: no error
+    assert not compile_once.cached(str(tmp_path / "a-file" / "cache"), key)

@@ -23,7 +23,7 @@ def _events(run_uri: str, type_: str) -> list[api.Event]:
     return api.events(run_uri, [type_])
 
 
-def test_a_cold_round_compiles_its_step_once_and_the_other_processes_load_it(tmp_path, tiny_dataset):
+def test_a_cold_round_compiles_its_step_once_and_a_warm_one_looks_it_up_in_every_process_at_once(tmp_path, tiny_dataset):
     # A cache of its own: nothing in it, so every process of the first round misses.
     cache = str(tmp_path / "jax-cache")
     cfg = job_config(str(tmp_path), tiny_dataset, cache, run_name="once", steps=6, min_workers=2, compile_ahead=False)
@@ -40,6 +40,18 @@ def test_a_cold_round_compiles_its_step_once_and_the_other_processes_load_it(tmp
     # the round's small programs (a barrier, the batch's assembly).  Each compiling for itself, they spend
     # about the same.
     assert cpu[1] < 0.6 * cpu[0], cpu
+    assert "loaded as process 0 compiled it" in worker_logs(cfg.run_uri)
+
+    # The same job again, the cache warm now: process 0's compile is a lookup, and process 1 makes its own
+    # lookup beside it instead of waiting for process 0 to say it had nothing to pass on.
+    warm = job_config(str(tmp_path), tiny_dataset, cache, run_name="warm", steps=6, min_workers=2, compile_ahead=False)
+    assert run_job(warm) == 0, worker_logs(warm.run_uri)
+    [compiled] = _events(warm.run_uri, "compiled")
+    assert compiled["cache_hit"] is True
+    logs = worker_logs(warm.run_uri)
+    for program in ("init", "step"):
+        assert f"round 1 process 1: {program} compiled at once: the cache holds it" in logs, logs
+    assert "passed none on" not in logs and "loaded as process 0" not in logs
 
 
 def _threads(pid: int) -> list[tuple[int, int]]:

@@ -10,11 +10,13 @@ nothing on them) and JAX writes the executable to the persistent cache, under
 the key the smaller round will look up.  It runs in one background thread
 after the round's first steps; each size it finishes is reported.
 
-Each step compiled here (the round's own too, not one a cache held) is also
-kept whole on the run root (``compiled/<job>/step-<workers>.bin``): a later
-round of the job of that size loads it as it is, without tracing, lowering or a
-cache lookup.  Only the job that wrote them reads them (its code and config are
-the ones they were compiled from).
+Each size's step is noted as in the cache (:func:`compile_once.note_cached`):
+a round of that size does not wait for its process 0 to find it there.  Each
+step compiled here (the round's own too, not one a cache held) is also kept
+whole on the run root (``compiled/<job>/step-<workers>.bin``): a later round of
+the job of that size loads it as it is, without tracing, lowering or a cache
+lookup.  Only the job that wrote them reads them (its code and config are the
+ones they were compiled from).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 
 from training.background import idle_this_thread
 from training.config import Config
+from training.elastic import compile_once
 from training.layout import COMPILED
 from training.mesh import build_mesh, feasible_sizes, plan_mesh
 from training.storage import NotFound, Store
@@ -97,7 +100,9 @@ def compile_smaller(
     for n in smaller_sizes(cfg, workers):
         t0, hits = time.time(), cache_hits()
         devices = [d for d in jax.devices() if d.process_index < n]
-        compiled = Trainer(cfg, build_mesh(plan_mesh(cfg, n), devices), task).compile()
+        lowered = Trainer(cfg, build_mesh(plan_mesh(cfg, n), devices), task).lower()
+        compiled = lowered.compile()
+        compile_once.note_cached(cfg.compilation_cache, compile_once.program_key(lowered))
         if cache_hits() == hits:
             kept(n, compiled)  # before it is reported: a round of that size may start at once
         done(n, time.time() - t0)

@@ -14,23 +14,36 @@ from the persistent cache does not serialize whole on CPU, and the others then
 hit the same cache themselves).  A process that finds "none", cannot load what
 it finds, or has waited ``wait_s`` compiles the program itself.  Where hosts
 are machines of their own (GKE), each compiles on its own cores, as before.
+
+Waiting is worth it only on a cache miss.  On a hit, process 0's compile is a
+lookup the others could make side by side with it, and waiting for its "none"
+puts their lookups after its own.  So whoever compiles a program into the
+persistent cache leaves a note of it there (:func:`note_cached`, keyed on the
+lowered program), and a process that finds the note compiles at once.  A note
+that outlived its cache entry costs speed only: JAX's own key still decides
+what is loaded.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
+import os
 import pickle
 import time
 from typing import Any
 
 from training.layout import COMPILED
-from training.storage import NotFound, Store
+from training.storage import NotFound, Store, open_store
 
 log = logging.getLogger(__name__)
 
 NONE = b"none"  # process 0 has no executable to pass on: compile it yourself
 POLL_S = 0.05
+# In the persistent cache's directory: one empty object per program compiled into it.  JAX's own cache
+# reads only its "*-cache" entries there, so it neither counts nor evicts these.
+NOTES = "rtrain-compiled/"
 
 
 def enabled(backend: str, processes: int) -> bool:
@@ -91,3 +104,28 @@ def forget_earlier_rounds(store: Store, job: str, round_: int) -> None:
         if not key.startswith(here):
             with contextlib.suppress(NotFound):
                 store.delete(key)
+
+
+def program_key(lowered: Any) -> str:
+    """A lowered program's key for :func:`note_cached`: the same program (and JAX and XLA flags) in any process."""
+    import jax
+
+    text = lowered.as_text()
+    salt = f"{jax.__version__}|{os.environ.get('XLA_FLAGS', '')}|"
+    return hashlib.sha256(salt.encode() + text.encode()).hexdigest()
+
+
+def note_cached(cache_dir: str, key: str) -> None:
+    """Note that the persistent cache in ``cache_dir`` holds the program ``key`` (after compiling it there)."""
+    try:
+        open_store(cache_dir).put(NOTES + key, b"")
+    except Exception as e:  # noqa: BLE001 - a note not left costs a later round's processes a wait only
+        log.warning("could not note a compiled program in %s: %s: %s", cache_dir, type(e).__name__, e)
+
+
+def cached(cache_dir: str, key: str) -> bool:
+    """Whether the persistent cache in ``cache_dir`` was noted to hold the program ``key``."""
+    try:
+        return open_store(cache_dir).exists(NOTES + key)
+    except Exception:  # noqa: BLE001 - no note: wait for process 0 as without one
+        return False

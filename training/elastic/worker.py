@@ -323,15 +323,11 @@ def make_step(cfg: Any, trainer: Any, store: Any, a: Assignment) -> StepMade:
     if share_compiles(cfg, a):
         if a.rank == 0:
             compile_once.forget_earlier_rounds(store, a.job, a.round)
-            passed = None if loaded else passable(trainer.compile(), hits)
-            compile_once.publish(store, a.job, a.round, "step", passed)
-        elif not loaded:
-            got = compile_once.fetch(store, a.job, a.round, "step", wait_s=cfg.hang_timeout_s / 2)
-            if got is None:
-                trainer.compile()
-            else:
-                trainer.load(got)
-                loaded = True
+        if a.rank == 0 or not loaded:
+            compiled, passed = compile_shared(cfg, store, a, "step", None if loaded else trainer.lower())
+            if compiled is not None:
+                trainer.load(compiled)
+            loaded = loaded or passed
     elif not loaded:
         trainer.compile()
     return StepMade(loaded, loaded or cache_hits() > hits, time.time() - t0)
@@ -340,6 +336,31 @@ def make_step(cfg: Any, trainer: Any, store: Any, a: Assignment) -> StepMade:
 def share_compiles(cfg: Any, a: Assignment) -> bool:
     """Whether the round's programs are compiled once, by process 0 (:mod:`training.elastic.compile_once`)."""
     return compile_once.enabled(cfg.backend, a.processes) and bool(a.job)
+
+
+def compile_shared(cfg: Any, store: Any, a: Assignment, name: str, lowered: Any | None) -> tuple[Any | None, bool]:
+    """Program ``name`` of the round, compiled once (:mod:`training.elastic.compile_once`): (it, whether it came
+    from process 0).  Process 0 compiles ``lowered`` (None: it has the program already) and passes it on; the
+    others compile at once what the persistent cache holds, and else wait for what process 0 passes on."""
+    if a.rank == 0:
+        if lowered is None:
+            compile_once.publish(store, a.job, a.round, name, None)
+            return None, False
+        hits = cache_hits()
+        compiled = lowered.compile()
+        compile_once.publish(store, a.job, a.round, name, passable(compiled, hits))
+        compile_once.note_cached(cfg.compilation_cache, compile_once.program_key(lowered))
+        return compiled, False
+    assert lowered is not None
+    if compile_once.cached(cfg.compilation_cache, compile_once.program_key(lowered)):
+        print(f"round {a.round} process {a.rank}: {name} compiled at once: the cache holds it", file=sys.stderr)
+        return lowered.compile(), False
+    got = compile_once.fetch(store, a.job, a.round, name, wait_s=cfg.hang_timeout_s / 2)
+    if got is None:
+        print(f"round {a.round} process {a.rank}: {name} compiled here: process 0 passed none on", file=sys.stderr)
+        return lowered.compile(), False
+    print(f"round {a.round} process {a.rank}: {name} loaded as process 0 compiled it", file=sys.stderr)
+    return got, True
 
 
 def passable(compiled: Any, hits_before: int) -> Any | None:
@@ -351,15 +372,8 @@ def passable(compiled: Any, hits_before: int) -> Any | None:
 def init_once(cfg: Any, trainer: Any, store: Any, a: Assignment) -> Any:
     """A new model's state: its initialisation compiled once in the round (:mod:`training.elastic.compile_once`)."""
     if share_compiles(cfg, a):
-        if a.rank == 0:
-            hits = cache_hits()
-            compile_once.publish(store, a.job, a.round, "init", passable(trainer.compile_init(), hits))
-        else:
-            got = compile_once.fetch(store, a.job, a.round, "init", wait_s=cfg.hang_timeout_s / 2)
-            if got is None:
-                trainer.compile_init()
-            else:
-                trainer.load_init(got)
+        compiled, _ = compile_shared(cfg, store, a, "init", trainer.lower_init())
+        trainer.load_init(compiled)
     return trainer.init()
 
 
