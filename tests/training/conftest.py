@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Iterator
+
 import pytest
 
 
@@ -19,3 +22,13 @@ def jax_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
     # One persistent compilation cache for the whole session: later jobs on a
     # mesh seen before skip compilation, as a resumed production job would.
     return str(tmp_path_factory.mktemp("jax-cache"))
+
+
+@pytest.fixture
+def not_a_subreaper_after() -> Iterator[None]:
+    """A fork server makes the process that starts it a child subreaper (as it makes an agent): not the test run
+    past the test, or the processes later tests orphan would stay its zombies instead of being reaped by init."""
+    yield
+    from training.elastic.workerproc import PR_SET_CHILD_SUBREAPER
+
+    ctypes.CDLL("libc.so.6").prctl(PR_SET_CHILD_SUBREAPER, 0)

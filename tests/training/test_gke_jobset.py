@@ -676,6 +676,7 @@ def test_round_env_names_the_pods_the_jobset_makes() -> None:
         assert env["TPU_WORKER_HOSTNAMES"].split(",")[int(env["TPU_WORKER_ID"])] == names[host][1]
 
 
+@pytest.mark.usefixtures("not_a_subreaper_after")
 def test_the_agent_gives_its_worker_only_this_rounds_tpu_values(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -690,8 +691,9 @@ def test_the_agent_gives_its_worker_only_this_rounds_tpu_values(
         monkeypatch.setenv(k, v)
     seen: dict[str, Any] = {}
 
-    class FakePopen:
+    class FakePopen:  # the fork server's process, then (that server never answering) the worker's own
         def __init__(self, argv: list[str], env: dict[str, str], **kwargs: Any) -> None:
+            assert not [k for k in env if gke.is_round_env(k)], env
             seen["env"] = env
 
     monkeypatch.setattr("subprocess.Popen", FakePopen)

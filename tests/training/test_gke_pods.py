@@ -67,9 +67,10 @@ class Events:
 
 
 def _worker_envs(js: EmulatedJobSet, slice_: int) -> list[dict[str, str]]:
-    """The environments the worker processes of a slice's running pods were started with (standbys too)."""
+    """The environments the worker processes of a slice's running pods were started with: each agent's fork
+    server's, which its workers (standbys too) are forked with, and any worker started on its own."""
     envs = [env for pod in js.running(slice_) for env in process_environ(pod)]
-    return [e for e in envs if "RTRAIN_CONTROL_FD" in e]
+    return [e for e in envs if "RTRAIN_AGENT_PID" in e]
 
 
 def _pod_logs(js: EmulatedJobSet) -> str:

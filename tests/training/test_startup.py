@@ -13,6 +13,7 @@ import pytest
 from jobs import job_config, run_job, start_job, wait_finished, wait_for, worker_logs
 
 from training import api
+from training.elastic.worker import WARM_UP_THREAD
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +24,9 @@ def _events(run_uri: str, type_: str) -> list[api.Event]:
     return api.events(run_uri, [type_])
 
 
-def test_a_cold_round_compiles_its_step_once_and_a_warm_one_looks_it_up_in_every_process_at_once(tmp_path, tiny_dataset):
+def test_a_cold_round_compiles_its_step_once_and_a_warm_one_looks_it_up_in_every_process_at_once(
+    tmp_path, tiny_dataset
+):
     # A cache of its own: nothing in it, so every process of the first round misses.
     cache = str(tmp_path / "jax-cache")
     cfg = job_config(str(tmp_path), tiny_dataset, cache, run_name="once", steps=6, min_workers=2, compile_ahead=False)
@@ -54,26 +57,27 @@ def test_a_cold_round_compiles_its_step_once_and_a_warm_one_looks_it_up_in_every
     assert "passed none on" not in logs and "loaded as process 0" not in logs
 
 
-def _threads(pid: int) -> list[tuple[int, int]]:
-    """Each thread of ``pid``: (thread id, scheduling policy)."""
+def _threads(pid: int) -> list[tuple[int, int, str]]:
+    """Each thread of ``pid``: (thread id, scheduling policy, OS name)."""
     out = []
     for tid in os.listdir(f"/proc/{pid}/task"):
         with open(f"/proc/{pid}/task/{tid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        out.append((int(tid), int(fields[38])))  # field 41 of stat: the policy
+        name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+        out.append((int(tid), int(fields[38]), name))  # field 41 of stat: the policy
     return out
 
 
-def _workers(run_uri: str) -> dict[int, str]:
-    """This run's worker processes now: pid -> how the agent asked it to warm up ("1": in the background)."""
-    found = {}
+def _processes(run_uri: str) -> list[int]:
+    """This run's processes now (agents, fork servers, workers: all started with the run in their environment)."""
+    found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
         except OSError:
             continue
-        if env.get("RTRAIN_RUN_URI") == run_uri and "RTRAIN_WARM_BACKGROUND" in env:
-            found[int(pid)] = env["RTRAIN_WARM_BACKGROUND"]
+        if env.get("RTRAIN_RUN_URI") == run_uri:
+            found.append(int(pid))
     return found
 
 
@@ -101,17 +105,79 @@ def test_standbys_started_beside_a_round_warm_up_in_the_idle_class_and_the_hosts
         assert os.getpgid(pid) == pid, "each host is its own process group (killed whole)"
         assert os.getsid(pid) == os.getsid(int(handle["controller_pid"]))
 
-    def idle_standby() -> tuple[int, list[tuple[int, int]]] | None:
-        for pid, background in _workers(cfg.run_uri).items():
+    def idle_standby() -> tuple[int, list[tuple[int, int, str]]] | None:
+        for pid in _processes(cfg.run_uri):
             try:
                 threads = _threads(pid)
             except OSError:
                 continue
-            if background == "1" and any(policy == SCHED_IDLE for _, policy in threads):
+            if any(name == WARM_UP_THREAD and policy == SCHED_IDLE for _, policy, name in threads):
                 return pid, threads
         return None
 
     pid, threads = wait_for(idle_standby, 120, "a standby warming up in the idle class", every=0.05)
-    assert dict(threads)[pid] == 0, "its main thread, which runs the round once assigned, keeps its class"
+    assert {tid: policy for tid, policy, _ in threads}[pid] == 0, (
+        "its main thread, which runs the round, keeps its class"
+    )
     st = wait_finished(handle)
     assert st["state"] == "finished" and st["step"] == 40, worker_logs(cfg.run_uri)
+
+
+def _stat(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()  # from field 3 (state) on
+
+
+def _fork_servers(run_uri: str) -> list[int]:
+    """This run's fork servers now: each agent's child that runs the server and was not forked from another."""
+    servers = []
+    for pid in _processes(run_uri):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+            parent = int(_stat(pid)[1])
+            parent_cmd = Path(f"/proc/{parent}/cmdline").read_text().split("\0")
+        except (OSError, ValueError):
+            continue
+        if "training.elastic.forkserver" in cmd and "training.elastic.agent" in parent_cmd:
+            servers.append(pid)
+    # A forked worker is the agent's child too, with the server's command line: the server is the oldest.
+    by_agent: dict[int, int] = {}
+    for pid in servers:
+        agent = int(_stat(pid)[1])
+        if agent not in by_agent or int(_stat(pid)[19]) < int(_stat(by_agent[agent])[19]):
+            by_agent[agent] = pid
+    return sorted(by_agent.values())
+
+
+def test_a_job_s_workers_are_forked_by_a_server_per_agent_and_a_lost_server_costs_only_the_imports(
+    tmp_path, tiny_dataset, jax_cache
+):
+    cfg = job_config(str(tmp_path), tiny_dataset, jax_cache, run_name="forked", steps=100, min_workers=2)
+    handle = start_job(cfg)
+
+    def warmed_standby() -> int | None:
+        for pid in _processes(cfg.run_uri):
+            try:
+                if any(name == WARM_UP_THREAD for _, _, name in _threads(pid)):
+                    return pid
+            except OSError:
+                continue
+        return None
+
+    standby = wait_for(warmed_standby, 120, "a standby warming up", every=0.02)
+    agents = _agents(cfg.run_uri)
+    assert int(_stat(standby)[1]) in agents, "the agent is its parent: it reaps it and reads its exit code"
+    assert "training.elastic.forkserver" in Path(f"/proc/{standby}/cmdline").read_text()  # forked, not started
+    assert len(_fork_servers(cfg.run_uri)) == 2
+    st = wait_finished(handle)
+    assert st["state"] == "finished" and st["step"] == 100, worker_logs(cfg.run_uri)
+
+    # Fork servers lost at the job's start: its workers start as processes of their own, and the job goes on.
+    lost = job_config(str(tmp_path), tiny_dataset, jax_cache, run_name="lost", steps=40, min_workers=2)
+    handle = start_job(lost)
+    servers = wait_for(lambda: len(_fork_servers(lost.run_uri)) == 2 and _fork_servers(lost.run_uri), 60, "servers")
+    for pid in servers:
+        os.kill(pid, 9)
+    st = wait_finished(handle)
+    assert st["state"] == "finished" and st["step"] == 40, worker_logs(lost.run_uri)
+    assert "fork server" in worker_logs(lost.run_uri)

@@ -2,7 +2,7 @@
 
 The agent keeps one warmed-up standby worker ready (imports, config, dataset), hands it its round
 as a JSON line on its stdin, reads its reports from its pipe, and kills it when the round is over
-for this host.
+for this host.  Its workers are forked by one fork server per agent, started with the first.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 from training.config import Config
 from training.elastic.rendezvous import Round
 from training.elastic.wire import WorkerReport
-from training.elastic.workerproc import WorkerProc, spawn_worker
+from training.elastic.workerproc import ForkServer, WorkerProc, spawn_worker, worker_env
 
 log = logging.getLogger("rtrain.agent")
 
@@ -57,6 +57,8 @@ class WorkerSupervisor:
         self.worker: WorkerProc | None = None
         self.standby: WorkerProc | None = None
         self.spawned = 0
+        self.env = worker_env(cfg, run_uri, host, job)
+        self.server: ForkServer | None = None
 
     def coordinator_address(self) -> str:
         """Where this host's worker would serve jax.distributed as rank 0 (a free port each time, unless fixed)."""
@@ -70,7 +72,12 @@ class WorkerSupervisor:
         """
         self.spawned += 1
         log_path = self.log_dir / f"worker-{os.getpid()}-{self.spawned}.log"
-        return spawn_worker(self.cfg, self.run_uri, self.host, self.job, log_path, background=background)
+        if self.server is None:
+            try:
+                self.server = ForkServer(self.env, self.log_dir / f"forkserver-{os.getpid()}.log")
+            except OSError as e:  # each worker then imports its libraries itself
+                log.warning("[%s] no fork server: %s", self.host, e)
+        return spawn_worker(self.env, log_path, background=background, server=self.server)
 
     def warm(self) -> None:
         """Start a standby unless one is there, beside this host's training round."""
@@ -93,6 +100,8 @@ class WorkerSupervisor:
     def kill_all(self) -> None:
         self.stop_worker()
         self.drop_standby()
+        if self.server is not None:
+            self.server.close()
 
     def notice(self) -> bool:
         """Pass a preemption notice to the worker that trains (SIGTERM); False when none does."""

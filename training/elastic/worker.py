@@ -194,15 +194,27 @@ class Warm:
     error: str = ""  # the task or its data failed: reported once this worker has a round
 
 
-def warm_up(run: str, warm: Warm) -> None:
-    """Imports, the run's config, the compilation cache, the task and its (checked) data, into ``warm``."""
+def import_libraries() -> None:
+    """Import what a round needs (JAX, Orbax, the trainer, the tasks), while nothing waits for this process.
+
+    Imports only: no JAX backend, no threads, so a process that did this can still be forked
+    (:mod:`training.elastic.forkserver`)."""
     # Orbax's optional Cloud Logging logger is not used here: with its library marked absent, orbax leaves
     # it out (it guards that import), and each worker is spared 0.4 s of importing at its start.
     sys.modules.setdefault("google.cloud.logging", None)  # type: ignore[arg-type]  # None: "absent"
+    import jax  # noqa: F401
+
+    import training.checkpoint.manager
+    import training.tasks.lm  # the built-in task (a user's task module is imported with the config)
+    import training.trainer  # noqa: F401
+
+
+def warm_up(run: str, warm: Warm) -> None:
+    """Imports, the run's config, the compilation cache, the task and its (checked) data, into ``warm``."""
+    import_libraries()
     import jax
 
-    import training.checkpoint.manager  # imported now, while nothing waits for this process
-    import training.trainer  # noqa: F401
+    import training.checkpoint.manager
     from training.config import config_from_json
     from training.layout import CONFIG
     from training.storage import open_store
@@ -226,6 +238,19 @@ def warm_up(run: str, warm: Warm) -> None:
         warm.error = f"dataset: {e}" if isinstance(e, DatasetError) else f"task {cfg.task}: {e}"
 
 
+WARM_UP_THREAD = "rtrain-warm-up"  # the OS name of a standby's warm-up thread (as ``top -H`` shows it)
+
+
+def name_this_thread(name: str) -> None:
+    """Give the calling thread an OS name (Linux: up to 15 bytes); a no-op elsewhere."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except OSError:
+        pass
+
+
 def warm_up_in_background(run: str, warm: Warm) -> threading.Thread:
     """:func:`warm_up` in a thread of the idle class: a standby started beside a training round.
 
@@ -241,6 +266,7 @@ def warm_up_in_background(run: str, warm: Warm) -> threading.Thread:
 
     def run_lowered() -> None:
         idle_this_thread()
+        name_this_thread(WARM_UP_THREAD)
         try:
             warm_up(run, warm)
         except BaseException as e:  # noqa: BLE001 - reported once this worker has a round
@@ -1232,10 +1258,15 @@ def stop_requested(store: Any, a: Assignment) -> bool:
     return bool(flag)
 
 
-if __name__ == "__main__":
+def run_main() -> NoReturn:
+    """Run this worker and leave with its exit code (a process started as one, or forked to be one)."""
     code = main()
     sys.stdout.flush()
     if WATCH is not None:
         WATCH.bye()  # finished, or stopped at a checkpoint, as the whole group did
         WATCH.outlast(OUTLAST_S)
     os._exit(code)
+
+
+if __name__ == "__main__":
+    run_main()

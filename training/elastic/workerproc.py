@@ -2,32 +2,53 @@
 
 The agent starts one worker at a time ahead of need (a standby that imports JAX, reads the
 config and opens the dataset), hands it a round, reads its reports (one JSON object a line on a
-pipe of its own) and kills it when the round is over for this host.
+pipe of its own) and kills it when the round is over for this host.  Workers are forked by the
+agent's fork server (:mod:`training.elastic.forkserver`), their libraries already imported; a
+worker is started as a process of its own when the server cannot start or has gone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import json
 import logging
 import os
+import signal
+import socket
 import subprocess
 import sys
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Protocol
 
 from training.config import Config
 from training.elastic.rendezvous import Round
 from training.elastic.wire import WorkerReport, decode
 
 log = logging.getLogger("rtrain.agent")
+ANSWER_S = 120.0  # the longest the fork server may take to answer (its first answer waits for its imports)
+
+
+class Process(Protocol):
+    """What the agent does with a worker's process (a ``subprocess.Popen``, or a :class:`ForkedProcess`)."""
+
+    @property
+    def stdin(self) -> IO[bytes] | None: ...
+    @property
+    def returncode(self) -> int | None: ...
+    def poll(self) -> int | None: ...
+    def wait(self) -> int: ...
+    def kill(self) -> None: ...
+    def send_signal(self, sig: int) -> None: ...
 
 
 @dataclass
 class WorkerProc:
     """A worker process: a standby until assigned, then this round's worker."""
 
-    proc: subprocess.Popen[bytes]
+    proc: Process
     fd: int
     log: Path
     round: int = -1
@@ -81,26 +102,18 @@ class WorkerProc:
         return out
 
 
-def spawn_worker(
-    cfg: Config, run_uri: str, host: str, job: str, log_path: Path, background: bool = False
-) -> WorkerProc:
-    """Start a standby worker of ``host`` for ``job``, its output going to ``log_path``.
-
-    ``background``: it warms up at the lowest priority, beside a round training on this host.
-    """
+def worker_env(cfg: Config, run_uri: str, host: str, job: str) -> dict[str, str]:
+    """The environment of this agent's workers (and of its fork server)."""
     from training.gke.manifests import worker_base_env  # without a round's TPU variables: the round sets them
 
-    r, w = os.pipe()
     env = {
         **worker_base_env(os.environ),
         "RTRAIN_RUN_URI": run_uri,
         "RTRAIN_HOST": host,
         "RTRAIN_JOB": job,
-        "RTRAIN_CONTROL_FD": str(w),
         "RTRAIN_AGENT_PID": str(os.getpid()),
         "TF_CPP_MIN_LOG_LEVEL": "2",
         "PYTHONUNBUFFERED": "1",
-        "RTRAIN_WARM_BACKGROUND": "1" if background else "0",
     }
     if cfg.backend == "local":
         # The local slice: each simulated host is a JAX process with D CPU devices, gloo collectives.
@@ -111,15 +124,157 @@ def spawn_worker(
                 "XLA_FLAGS": f"--xla_force_host_platform_device_count={cfg.devices_per_worker}",
             }
         )
+    return env
+
+
+def spawn_worker(
+    env: dict[str, str], log_path: Path, background: bool = False, server: ForkServer | None = None
+) -> WorkerProc:
+    """Start a standby worker with ``env``, its output going to ``log_path``: forked by ``server`` if it
+    runs, else a process of its own.
+
+    ``background``: it warms up at the lowest priority, beside a round training on this host.
+    """
+    r, w = os.pipe()
+    env = {**env, "RTRAIN_CONTROL_FD": str(w), "RTRAIN_WARM_BACKGROUND": "1" if background else "0"}
+    proc: Process | None = None
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "training.elastic.worker"],
-            env=env,
-            pass_fds=(w,),
-            stdin=subprocess.PIPE,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+        if server is not None and server.alive:
+            proc = server.fork(env, control=w, log_fd=out.fileno())
+        if proc is None:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "training.elastic.worker"],
+                env=env,
+                pass_fds=(w,),
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
     os.close(w)
     os.set_blocking(r, False)
     return WorkerProc(proc, r, log_path)
+
+
+PR_SET_CHILD_SUBREAPER = 36
+FAILED = 1  # the exit code of a worker the fork server could not fork (as a worker's start-up error)
+
+
+class ForkServer:
+    """The agent's end of its fork server (:mod:`training.elastic.forkserver`): it asks for workers and learns
+    their pids, in order, without waiting for them (the server's first answer waits for its imports)."""
+
+    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+        from training.elastic.forkserver import FD_ENV
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        if libc.prctl(PR_SET_CHILD_SUBREAPER, 1) != 0:  # the forked workers become this process's children
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with open(log_path, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "training.elastic.forkserver"],
+                env={**env, FD_ENV: str(theirs.fileno())},
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        theirs.close()
+        self.waiting: deque[ForkedProcess] = deque()
+        self.alive = True
+
+    def fork(self, env: dict[str, str], control: int, log_fd: int) -> ForkedProcess | None:
+        """Ask for a worker with ``env``, its report pipe ``control`` and its log; None if the server is gone."""
+        r, w = os.pipe()
+        try:
+            socket.send_fds(self.sock, [json.dumps(env).encode()], [r, control, log_fd])
+        except OSError as e:
+            log.warning("the fork server is gone (%s): workers start as processes of their own", e)
+            self.alive = False
+            os.close(w)
+            return None
+        finally:
+            os.close(r)
+        proc = ForkedProcess(self, os.fdopen(w, "wb"))
+        self.waiting.append(proc)
+        return proc
+
+    def answers(self, block: bool) -> None:
+        """Take the server's answers so far (``block``: wait for the next) and give each its process."""
+        while self.waiting:
+            try:
+                self.sock.settimeout(ANSWER_S if block else 0.0)
+                raw = self.sock.recv(4096)
+            except BlockingIOError:
+                return
+            except TimeoutError:
+                log.warning(
+                    "the fork server did not answer in %.0f s: workers start as processes of their own", ANSWER_S
+                )
+                self.close()
+                raw = b""
+            except OSError:
+                raw = b""
+            answer = json.loads(raw) if raw else {"error": "the fork server is gone"}
+            if not raw:
+                self.alive = False
+            proc = self.waiting.popleft()
+            if "pid" in answer:
+                proc.pid = int(answer["pid"])
+            else:
+                log.warning("the fork server could not start a worker: %s", answer["error"])
+                proc.pid, proc.returncode = 0, FAILED
+            block = False
+
+    def close(self) -> None:
+        """Stop the server (the workers it forked are this process's children and stay)."""
+        self.alive = False
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        with contextlib.suppress(OSError):
+            self.proc.kill()
+        self.proc.wait()
+
+
+class ForkedProcess:
+    """A worker the fork server forked, as this process's child: a ``subprocess.Popen``'s poll, wait and signals."""
+
+    def __init__(self, server: ForkServer, stdin: IO[bytes]) -> None:
+        self.server = server
+        self.stdin: IO[bytes] | None = stdin
+        self.pid: int | None = None  # None until the server answered
+        self.returncode: int | None = None
+
+    def _known(self, block: bool) -> bool:
+        if self.pid is None:
+            self.server.answers(block)
+        return self.pid is not None and self.pid > 0
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._known(block=False):
+            self._reap(os.WNOHANG)
+        return self.returncode
+
+    def wait(self) -> int:
+        while self.pid is None:
+            self.server.answers(block=True)
+        if self.returncode is None:
+            self._reap(0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def _reap(self, flags: int) -> None:
+        try:
+            pid, status = os.waitpid(self.pid, flags)  # type: ignore[arg-type]
+        except ChildProcessError:  # not this process's child after all: nothing to wait for
+            self.returncode = FAILED
+            return
+        if pid:
+            self.returncode = os.waitstatus_to_exitcode(status)
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None and self._known(block=True):
+            os.kill(self.pid, sig)  # type: ignore[arg-type]
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
