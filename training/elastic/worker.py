@@ -460,6 +460,28 @@ class FirstAhead:
         return next(self.it)
 
 
+def wait_until_listening(address: str, timeout: float) -> bool:
+    """Wait until something accepts connections at ``host:port`` (process 0's coordination service); False if
+    nothing did in ``timeout`` s.
+
+    A process that calls ``jax.distributed.initialize`` before process 0 listens is refused, and its client
+    tries again only after gRPC's reconnect backoff (about a second): the whole round then starts that much
+    later.  Dialling until the port answers, then initialising, joins within milliseconds of process 0.
+    """
+    import socket
+
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
+            return True
+        except OSError:  # refused, or the name does not resolve yet
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+
+
 def set_up(cfg: Any, run: str, a: Assignment, rep: Reporter, task: Any, t_assigned: float) -> tuple[Any, Any]:
     """Join the round (``jax.distributed``, the peer watch) and build its mesh, trainer and checkpoint manager.
 
@@ -477,6 +499,8 @@ def set_up(cfg: Any, run: str, a: Assignment, rep: Reporter, task: Any, t_assign
         # JAX's own preemption notifier would take SIGTERM from our handler (Notice): the notice reaches the
         # whole group through the next step's flags instead, with no extra synchronisation per step.
         jax.config.update("jax_enable_preemption_service", False)
+        if a.rank != 0:
+            wait_until_listening(a.coordinator, timeout=120)
         jax.distributed.initialize(
             a.coordinator,
             a.processes,
