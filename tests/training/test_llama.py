@@ -102,3 +102,20 @@ def test_the_lm_task_serves_examples_with_segments_from_a_prepared_dataset(tiny_
     assert {k: v.shape for k, v in ex.items()} == {k: (cfg.seq_len,) for k in ex}
     assert np.array_equal(ex["inputs"][1:], ex["targets"][:-1])
     assert data.validation is not None and len(data.validation) > 0
+
+
+def test_the_loss_is_optax_s_cross_entropy_and_the_accuracy_counts_targets_with_the_top_logit():
+    import optax
+
+    from training.models.llama import cross_entropy
+
+    logits = jax.random.normal(jax.random.PRNGKey(0), (4, 16, 300)) * 3
+    targets = jax.random.randint(jax.random.PRNGKey(1), (4, 16), 0, 300)
+    targets = targets.at[:, :5].set(jnp.argmax(logits, -1)[:, :5])  # 20 of the 64 tokens predicted right
+    loss, acc = cross_entropy(logits, targets)
+    want = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
+    assert float(acc) == float((jnp.argmax(logits, -1) == targets).mean()) == 20 / 64
+    grads = jax.grad(lambda x: cross_entropy(x, targets)[0])(logits)
+    want_grads = jax.grad(lambda x: optax.softmax_cross_entropy_with_integer_labels(x, targets).mean())(logits)
+    np.testing.assert_allclose(np.asarray(grads), np.asarray(want_grads), atol=1e-7)
