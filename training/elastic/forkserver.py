@@ -36,9 +36,6 @@ def main() -> int:
     die_with_parent()
     sock = socket.socket(fileno=int(os.environ.pop(FD_ENV)))
     import_libraries()
-    from training.checkpoint.manager import copy_bandwidth
-
-    copy_bandwidth()  # measured once, while idle; the workers inherit it
     # The only other thread is the BLAS library's pool, which handles forks itself.
     warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
     while True:

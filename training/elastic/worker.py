@@ -214,7 +214,6 @@ def warm_up(run: str, warm: Warm) -> None:
     import_libraries()
     import jax
 
-    import training.checkpoint.manager
     from training.config import config_from_json
     from training.layout import CONFIG
     from training.storage import open_store
@@ -228,7 +227,9 @@ def warm_up(run: str, warm: Warm) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     share_cpu_compilation_cache()
     count_cache_hits()
-    training.checkpoint.manager.copy_bandwidth()  # for the saves' reports, measured while idle
+    # For the saves' reports: measured in the idle class, off the path to the round's first step (a save
+    # that comes first measures it itself).
+    threading.Thread(target=measure_copy_bandwidth, name="rtrain-bandwidth", daemon=True).start()
     try:
         warm.task = load_task(cfg)
         warm.task_data = warm.task.data()  # opened, and checked (a prepared dataset: against its manifest's sha256)
@@ -249,6 +250,15 @@ def name_this_thread(name: str) -> None:
         ctypes.CDLL("libc.so.6").prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
     except OSError:
         pass
+
+
+def measure_copy_bandwidth() -> None:
+    """This host's memory copy bandwidth (:func:`training.checkpoint.manager.copy_bandwidth`), in the idle class."""
+    from training.background import idle_this_thread
+    from training.checkpoint.manager import copy_bandwidth
+
+    idle_this_thread()
+    copy_bandwidth()
 
 
 def warm_up_in_background(run: str, warm: Warm) -> threading.Thread:
