@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -61,3 +63,30 @@ def test_a_server_that_is_gone_answers_its_pending_requests_with_a_failure_and_w
     assert type(fallback.proc).__name__ == "Popen"
     assert fallback.proc.wait() == 1 and "config.json" in (tmp_path / "w2.log").read_text()
     server.close()
+
+
+def test_a_forked_worker_knows_it_is_the_agent_s_child_at_once_when_its_middle_process_left_first(tmp_path):
+    # A process whose parent already is the one it waits for: the case where the middle process left before
+    # the worker looked (a wait keyed on the parent it saw first waited out its whole timeout there).
+    code = (
+        "import os, sys, time\n"
+        "from training.elastic.forkserver import wait_for_parent\n"
+        "t = time.monotonic()\n"
+        "ok = wait_for_parent(os.getppid(), 30)\n"
+        "print(ok, time.monotonic() - t < 5, wait_for_parent(os.getppid() + 1_000_000, 0.2))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "True", "False"], out
+
+
+def test_no_forked_worker_waits_to_become_this_process_s_child(tmp_path):
+    env = _env(tmp_path / "run")
+    (tmp_path / "run").mkdir()
+    server = ForkServer(env, tmp_path / "forkserver.log")
+    try:
+        workers = [spawn_worker(env, tmp_path / f"w{i}.log", server=server) for i in range(12)]
+        assert [w.proc.wait() for w in workers] == [1] * 12
+    finally:
+        server.close()
+    logs = "".join((tmp_path / f"w{i}.log").read_text() for i in range(12))
+    assert "config.json" in logs and "not the agent's child" not in logs

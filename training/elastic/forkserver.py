@@ -28,6 +28,7 @@ from typing import NoReturn
 
 FD_ENV = "RTRAIN_FORKSERVER_FD"  # the server's end of its socket to the agent
 MAX_MESSAGE = 1 << 20
+REPARENT_S = 5.0  # the longest a forked worker waits to become the agent's child
 
 
 def main() -> int:
@@ -105,10 +106,20 @@ def take_over(sock: socket.socket, env: dict[str, str], fds: list[int]) -> None:
     os.environ.update(env)
     os.environ["RTRAIN_CONTROL_FD"] = str(control)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    middle = os.getppid()
-    deadline = time.monotonic() + 5
-    while os.getppid() == middle and time.monotonic() < deadline:
-        time.sleep(0.001)  # the middle process is leaving; then the agent, a subreaper, is the parent
+    # The middle process is leaving (it may have left already); then the agent, a subreaper, is the parent.
+    # A worker that is not the agent's in the end leaves at its start (``die_with_parent``).
+    if not wait_for_parent(int(env.get("RTRAIN_AGENT_PID") or 0), REPARENT_S):
+        print(f"forked worker: not the agent's child after {REPARENT_S:.0f} s", file=sys.stderr, flush=True)
+
+
+def wait_for_parent(pid: int, timeout: float) -> bool:
+    """Wait until this process's parent is ``pid`` (as it becomes once the middle process has left)."""
+    deadline = time.monotonic() + timeout
+    while os.getppid() != pid:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 if __name__ == "__main__":
