@@ -398,7 +398,8 @@ def plain_loop() -> int:
     if os.environ.get("BENCH_LOWER") == "1":  # as the engine's workers do, once the backend started
         transport.lower()
     tx = make_optimizer(cfg)
-    _, param_sh, opt_sh = state_shardings(task, tx, mesh)
+    layout = state_shardings(task, tx, mesh)
+    param_sh, opt_sh = layout.param_shardings, layout.opt_shardings
     batch_sh = NamedSharding(mesh, P(("data", "fsdp")))
     spec = task.example_spec()
     fields = list(spec)

@@ -229,6 +229,7 @@ class Event(TypedDict, total=False):
     compile_cached: bool
     cpu_s: float  # rank 0's CPU time from its assignment to its round's first step (resumed)
     loaded: bool
+    already: bool  # compiled_ahead: the cache held that size's step for this round program already
     old: str
     new: str
     by: str
@@ -690,7 +691,9 @@ SENTENCES: dict[str, Any] = {
     "init": _init,
     "compiled": _compiled,
     "compiled_ahead": lambda g: (
-        f"compiled the train step for {_plural(g('workers'), 'host')} ahead, in {duration(g('seconds'))}"
+        f"the train step for {_plural(g('workers'), 'host')} is in the compilation cache already"
+        if g("already")
+        else f"compiled the train step for {_plural(g('workers'), 'host')} ahead, in {duration(g('seconds'))}"
     ),
     "resumed": _resumed,
     "resumed_with": _resumed_with,

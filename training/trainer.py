@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import flax.linen as nn
 import jax
@@ -36,8 +36,17 @@ def logical_rules(task: Task) -> tuple[tuple[str, Any], ...]:
     return (tuple(own()) if callable(own) else ()) + LOGICAL_RULES
 
 
-def state_shardings(task: Task, tx: optax.GradientTransformation, mesh: Mesh) -> tuple[Any, Any, Any]:
-    """(abstract params, params' shardings, optimizer state's shardings) from an abstract init.
+class StateLayout(NamedTuple):
+    """A task's parameters and optimizer state on one mesh: their abstract values and their shardings."""
+
+    params: Any  # jax.ShapeDtypeStruct leaves
+    param_shardings: Any
+    opt_state: Any  # jax.ShapeDtypeStruct leaves
+    opt_shardings: Any
+
+
+def state_shardings(task: Task, tx: optax.GradientTransformation, mesh: Mesh) -> StateLayout:
+    """The parameters' and optimizer state's abstract values and shardings, from one abstract init.
 
     Parameters are sharded by their logical axes; an optimizer-state leaf shaped
     like its parameter shares its sharding, and any other (counts, factored
@@ -59,7 +68,7 @@ def state_shardings(task: Task, tx: optax.GradientTransformation, mesh: Mesh) ->
         transform_non_params=lambda _: replicated,
         is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct),
     )
-    return params_abs, param_sh, opt_sh
+    return StateLayout(params_abs, param_sh, opt_abs, opt_sh)
 
 
 class Trainer:
@@ -78,11 +87,21 @@ class Trainer:
         self.flag_sharding = NamedSharding(mesh, P(mesh.axis_names))
         self.spec = task.example_spec()
 
-        _, param_sh, opt_sh = state_shardings(task, self.tx, mesh)
+        layout = state_shardings(task, self.tx, mesh)
         scalar = self.replicated
-        self.shardings: State = {"step": scalar, "params": param_sh, "opt_state": opt_sh, "rng": scalar}
-        with self.tracing():
-            abstract = jax.eval_shape(self._init_state, jax.random.key(0))
+        self.shardings: State = {
+            "step": scalar,
+            "params": layout.param_shardings,
+            "opt_state": layout.opt_shardings,
+            "rng": scalar,
+        }
+        # The abstract state from the one abstract init above (the model is not traced again for it).
+        abstract = {
+            "step": jax.ShapeDtypeStruct((), jnp.int32),
+            "params": layout.params,
+            "opt_state": layout.opt_state,
+            "rng": jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))),
+        }
         self.abstract = jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, self.shardings
         )

@@ -86,3 +86,11 @@ def test_a_program_compiled_into_the_cache_is_noted_under_the_same_key_in_every_
     (tmp_path / "a-file").write_text("")
     compile_once.note_cached(str(tmp_path / "a-file" / "cache"), key)  # a cache it cannot write to: no error
     assert not compile_once.cached(str(tmp_path / "a-file" / "cache"), key)
+
+
+def test_a_derived_program_s_key_depends_on_its_program_and_on_how_it_was_derived() -> None:
+    from training.elastic.compile_once import derived_key
+
+    a, b = "a" * 64, "b" * 64
+    assert derived_key(a, "ahead:2") == derived_key(a, "ahead:2")
+    assert len({derived_key(a, "ahead:2"), derived_key(a, "ahead:1"), derived_key(b, "ahead:2"), a}) == 4

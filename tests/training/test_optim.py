@@ -69,3 +69,20 @@ def test_accumulated_micro_batches_give_the_full_batch_update(tiny_dataset: str)
     assert out[0][0] == pytest.approx(out[1][0], rel=1e-5)
     for a, b in zip(jax.tree.leaves(out[0][1]), jax.tree.leaves(out[1][1]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["adamw", "lion", "adafactor", "sgd"])
+def test_the_abstract_state_a_restore_is_given_is_the_initialised_one(name: str) -> None:
+    """The trainer's abstract state (built from one abstract init) has the tree, shapes, dtypes and shardings
+    of the state its initialisation makes, for each optimizer's state."""
+    from training.mesh import build_mesh, plan_mesh
+    from training.tasks import load_task
+    from training.trainer import Trainer
+
+    cfg = load_config("tiny", None, {"optimizer": name, "devices_per_worker": 1, "min_workers": 1})
+    tr = Trainer(cfg, build_mesh(plan_mesh(cfg, 1)), load_task(cfg))
+    state = tr.init()
+    assert str(jax.tree.structure(tr.abstract)) == str(jax.tree.structure(state)), name
+    for want, got in zip(jax.tree.leaves(tr.abstract), jax.tree.leaves(state), strict=True):
+        assert (want.shape, want.dtype) == (got.shape, got.dtype), name
+        assert want.sharding.is_equivalent_to(got.sharding, got.ndim), name

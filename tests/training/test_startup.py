@@ -57,6 +57,26 @@ def test_a_cold_round_compiles_its_step_once_and_a_warm_one_looks_it_up_in_every
     assert "passed none on" not in logs and "loaded as process 0" not in logs
 
 
+def test_a_size_compiled_ahead_once_is_not_compiled_again_for_the_same_program(tmp_path, tiny_dataset):
+    """The second job of the same program finds the 1-host step in the cache, noted by the first job's compile
+    ahead, and reports it so instead of tracing, lowering and looking it up again."""
+    cache = str(tmp_path / "jax-cache")  # its own: the first job's compile ahead is a real one
+    seen = []
+    for name in ("first", "second"):
+        cfg = job_config(str(tmp_path), tiny_dataset, cache, run_name=name, steps=200, min_workers=1, max_workers=2)
+        handle = start_job(cfg)
+        run_uri = cfg.run_uri
+        [ahead] = wait_for(lambda: _events(run_uri, "compiled_ahead"), 300, "the 1-host step ahead")  # noqa: B023
+        st = wait_finished(handle)
+        assert st["state"] == "finished", worker_logs(cfg.run_uri)
+        seen.append(ahead)
+    first, second = seen
+    assert first["workers"] == second["workers"] == 1
+    assert not first.get("already") and first["seconds"] > 0.5, first  # traced, lowered and compiled
+    assert second["already"] is True and second["seconds"] < 0.5, second
+    assert "is in the compilation cache already" in api.describe(second)
+
+
 def _threads(pid: int) -> list[tuple[int, int, str]]:
     """Each thread of ``pid``: (thread id, scheduling policy, OS name)."""
     out = []

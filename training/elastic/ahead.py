@@ -17,6 +17,13 @@ whole on the run root (``compiled/<job>/step-<workers>.bin``): a later round of
 the job of that size loads it as it is, without tracing, lowering or a cache
 lookup.  Only the job that wrote them reads them (its code and config are the
 ones they were compiled from).
+
+A size is compiled ahead once.  Tracing and lowering the step again costs as
+much CPU as a round's start, on the cores the training runs on.  So a size is
+skipped when this job keeps its step already, or when the cache was noted to
+hold it for the same round program (the round's own step, by its key: the same
+code, config and size; a later job's too).  Such a size is reported as in the
+cache already.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import pickle
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from training.background import idle_this_thread
 from training.config import Config
@@ -49,14 +56,27 @@ def executable_key(job: str, workers: int) -> str:
     return f"{COMPILED}{job}/step-{workers}.bin"
 
 
-def keep(store: Store, job: str, workers: int, compiled: Any) -> None:
-    """Keep a compiled step on the run root for the job's later rounds of ``workers`` hosts."""
+class Kept(NamedTuple):
+    """A step this job kept, loaded: the executable and the key of the program it was compiled from."""
+
+    compiled: Any
+    key: str  # compile_once.program_key of its lowered program
+
+
+def keep(store: Store, job: str, workers: int, compiled: Any, key: str) -> None:
+    """Keep a compiled step (of program ``key``) on the run root for the job's later rounds of ``workers`` hosts."""
     from jax.experimental import serialize_executable
 
-    store.put(executable_key(job, workers), pickle.dumps(serialize_executable.serialize(compiled)))
+    payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+    store.put(executable_key(job, workers), pickle.dumps((payload, in_tree, out_tree, key)))
 
 
-def load(store: Store, job: str, workers: int) -> Any | None:
+def kept(store: Store, job: str, workers: int) -> bool:
+    """Whether this job keeps a step for ``workers`` hosts."""
+    return store.exists(executable_key(job, workers))
+
+
+def load(store: Store, job: str, workers: int) -> Kept | None:
     """The step this job kept for ``workers`` hosts, loaded onto this process's devices (None when none is kept).
 
     The run root is trusted as the checkpoints are: a kept step is this job's own.
@@ -67,8 +87,13 @@ def load(store: Store, job: str, workers: int) -> Any | None:
         raw = store.get(executable_key(job, workers))
     except NotFound:
         return None
-    payload, in_tree, out_tree = pickle.loads(raw)  # noqa: S301 - written by this job's process 0
-    return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+    payload, in_tree, out_tree, key = pickle.loads(raw)  # noqa: S301 - written by this job's process 0
+    return Kept(serialize_executable.deserialize_and_load(payload, in_tree, out_tree), key)
+
+
+def ahead_key(own_key: str, workers: int) -> str:
+    """The note that the step for ``workers`` hosts, made from the round program ``own_key``, is in the cache."""
+    return compile_once.derived_key(own_key, f"ahead:{workers}")
 
 
 def forget_other_jobs(store: Store, job: str) -> None:
@@ -79,16 +104,18 @@ def forget_other_jobs(store: Store, job: str) -> None:
                 store.delete(key)
 
 
-def compile_smaller(
-    cfg: Config,
-    task: Any,
-    workers: int,
-    done: Callable[[int, float], None],
-    kept: Callable[[int, Any], None],
-    cache_hits: Callable[[], int],
-) -> None:
-    """Compile the step for each smaller size into the persistent cache; ``done(size, seconds)`` after each,
-    and ``kept(size, compiled)`` to keep one compiled here (``cache_hits``: the process's count of hits).
+class Ahead(NamedTuple):
+    """What compiling ahead reports to and asks of the round (process 0's loop), from its thread."""
+
+    done: Callable[[int, float, bool], None]  # (size, seconds, whether the cache held it already)
+    keep: Callable[[int, Any, str], None]  # keep a step compiled here: (size, executable, its program's key)
+    have: Callable[[int], bool]  # whether the job keeps a step for this size already
+    cache_hits: Callable[[], int]  # the process's count of persistent-cache hits
+
+
+def compile_smaller(cfg: Config, task: Any, workers: int, own_key: str | None, to: Ahead) -> None:
+    """Compile the step for each smaller size into the persistent cache, unless it is there already for this
+    round program (``own_key``: the round's own step's; None: not known) or the job keeps it.
 
     A step loaded from the persistent cache is not kept: an executable loaded that way may not serialize
     whole (XLA:CPU's does not: it lacks its functions' code when loaded again).
@@ -98,37 +125,36 @@ def compile_smaller(
     from training.trainer import Trainer
 
     for n in smaller_sizes(cfg, workers):
-        t0, hits = time.time(), cache_hits()
+        t0, hits = time.time(), to.cache_hits()
+        note = ahead_key(own_key, n) if own_key else None
+        if to.have(n) or (note is not None and compile_once.cached(cfg.compilation_cache, note)):
+            to.done(n, time.time() - t0, True)
+            continue
         devices = [d for d in jax.devices() if d.process_index < n]
         lowered = Trainer(cfg, build_mesh(plan_mesh(cfg, n), devices), task).lower()
         compiled = lowered.compile()
-        compile_once.note_cached(cfg.compilation_cache, compile_once.program_key(lowered))
-        if cache_hits() == hits:
-            kept(n, compiled)  # before it is reported: a round of that size may start at once
-        done(n, time.time() - t0)
+        key = compile_once.program_key(lowered)
+        compile_once.note_cached(cfg.compilation_cache, key)
+        if note is not None:
+            compile_once.note_cached(cfg.compilation_cache, note)
+        if to.cache_hits() == hits:
+            to.keep(n, compiled, key)  # before it is reported: a round of that size may start at once
+        to.done(n, time.time() - t0, False)
 
 
-def start(
-    cfg: Config,
-    task: Any,
-    workers: int,
-    own: Any,
-    done: Callable[[int, float], None],
-    kept: Callable[[int, Any], None],
-    cache_hits: Callable[[], int],
-) -> threading.Thread | None:
+def start(cfg: Config, task: Any, workers: int, own: Any, own_key: str | None, to: Ahead) -> threading.Thread | None:
     """In a daemon thread (None when it is off): keep the round's own step (``own``, compiled here for
-    ``workers``; None when it came from a cache or was loaded) whole with ``kept``, then compile ahead for
-    each smaller size and keep those compiled here too."""
+    ``workers``; None when it came from a cache or was loaded) whole, then compile ahead for each smaller
+    size and keep those compiled here too (``own_key``: the key of the round's own step's program)."""
     if not cfg.compile_ahead:
         return None
 
     def run() -> None:
         idle_this_thread()  # the training's threads come first, and the collectives' transport threads too
         try:
-            if own is not None:
-                kept(workers, own)
-            compile_smaller(cfg, task, workers, done, kept, cache_hits)
+            if own is not None and own_key is not None:
+                to.keep(workers, own, own_key)
+            compile_smaller(cfg, task, workers, own_key, to)
         except Exception as e:  # noqa: BLE001 - a recovery then compiles as it would have; training goes on
             log.warning("compiling ahead failed: %s: %s", type(e).__name__, e)
 

@@ -115,6 +115,11 @@ def program_key(lowered: Any) -> str:
     return hashlib.sha256(salt.encode() + text.encode()).hexdigest()
 
 
+def derived_key(key: str, what: str) -> str:
+    """The key of a program made from the one keyed ``key`` in a known way (``what``: e.g. its step for 2 hosts)."""
+    return hashlib.sha256(f"{key}|{what}".encode()).hexdigest()
+
+
 def note_cached(cache_dir: str, key: str) -> None:
     """Note that the persistent cache in ``cache_dir`` holds the program ``key`` (after compiling it there)."""
     try:

@@ -338,7 +338,7 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, task: An
         loaded=step.loaded,
     )
     saver = Saver(mngr, rep, pins, trainer.abstract, background=cfg.async_checkpoint)
-    loop = RoundLoop(cfg, store, a, rep, trainer, saver, start, t_assigned, task, compiled_from_cache=step.cache_hit)
+    loop = RoundLoop(cfg, store, a, rep, trainer, saver, start, t_assigned, task, step)
     return loop.run(task_data, batches)
 
 
@@ -349,24 +349,30 @@ class StepMade:
     loaded: bool
     cache_hit: bool
     seconds: float  # its own time, mostly hidden behind the restore it ran beside
+    key: str | None  # its program's key (compile_once.program_key); None where this process did not lower it
 
 
 def make_step(cfg: Any, trainer: Any, store: Any, a: Assignment) -> StepMade:
     """Load the round's step as this job kept it (``compile_ahead``), else compile it (once in the round, on one
     machine: :mod:`training.elastic.compile_once`); run beside the restore."""
     t0, hits = time.time(), cache_hits()
-    loaded = cfg.compile_ahead and load_kept(store, a, trainer)
+    kept = load_kept(store, a, trainer) if cfg.compile_ahead else None
+    loaded, key = kept is not None, kept.key if kept is not None else None
     if share_compiles(cfg, a):
         if a.rank == 0:
             compile_once.forget_earlier_rounds(store, a.job, a.round)
         if a.rank == 0 or not loaded:
-            compiled, passed = compile_shared(cfg, store, a, "step", None if loaded else trainer.lower())
+            lowered = None if loaded else trainer.lower()
+            key = key if lowered is None else compile_once.program_key(lowered)
+            compiled, passed = compile_shared(cfg, store, a, "step", lowered, key)
             if compiled is not None:
                 trainer.load(compiled)
             loaded = loaded or passed
     elif not loaded:
-        trainer.compile()
-    return StepMade(loaded, loaded or cache_hits() > hits, time.time() - t0)
+        lowered = trainer.lower()
+        key = compile_once.program_key(lowered)
+        trainer.load(lowered.compile())
+    return StepMade(loaded, loaded or cache_hits() > hits, time.time() - t0, key)
 
 
 def share_compiles(cfg: Any, a: Assignment) -> bool:
@@ -374,10 +380,13 @@ def share_compiles(cfg: Any, a: Assignment) -> bool:
     return compile_once.enabled(cfg.backend, a.processes) and bool(a.job)
 
 
-def compile_shared(cfg: Any, store: Any, a: Assignment, name: str, lowered: Any | None) -> tuple[Any | None, bool]:
+def compile_shared(
+    cfg: Any, store: Any, a: Assignment, name: str, lowered: Any | None, key: str | None
+) -> tuple[Any | None, bool]:
     """Program ``name`` of the round, compiled once (:mod:`training.elastic.compile_once`): (it, whether it came
     from process 0).  Process 0 compiles ``lowered`` (None: it has the program already) and passes it on; the
-    others compile at once what the persistent cache holds, and else wait for what process 0 passes on."""
+    others compile at once what the persistent cache holds, and else wait for what process 0 passes on.
+    ``key``: the program's key (:func:`compile_once.program_key`; None with no ``lowered``)."""
     if a.rank == 0:
         if lowered is None:
             compile_once.publish(store, a.job, a.round, name, None)
@@ -385,10 +394,11 @@ def compile_shared(cfg: Any, store: Any, a: Assignment, name: str, lowered: Any 
         hits = cache_hits()
         compiled = lowered.compile()
         compile_once.publish(store, a.job, a.round, name, passable(compiled, hits))
-        compile_once.note_cached(cfg.compilation_cache, compile_once.program_key(lowered))
+        assert key is not None
+        compile_once.note_cached(cfg.compilation_cache, key)
         return compiled, False
-    assert lowered is not None
-    if compile_once.cached(cfg.compilation_cache, compile_once.program_key(lowered)):
+    assert lowered is not None and key is not None
+    if compile_once.cached(cfg.compilation_cache, key):
         print(f"round {a.round} process {a.rank}: {name} compiled at once: the cache holds it", file=sys.stderr)
         return lowered.compile(), False
     got = compile_once.fetch(store, a.job, a.round, name, wait_s=cfg.hang_timeout_s / 2)
@@ -408,22 +418,22 @@ def passable(compiled: Any, hits_before: int) -> Any | None:
 def init_once(cfg: Any, trainer: Any, store: Any, a: Assignment) -> Any:
     """A new model's state: its initialisation compiled once in the round (:mod:`training.elastic.compile_once`)."""
     if share_compiles(cfg, a):
-        compiled, _ = compile_shared(cfg, store, a, "init", trainer.lower_init())
+        lowered = trainer.lower_init()
+        compiled, _ = compile_shared(cfg, store, a, "init", lowered, compile_once.program_key(lowered))
         trainer.load_init(compiled)
     return trainer.init()
 
 
-def load_kept(store: Any, a: Assignment, trainer: Any) -> bool:
-    """Load the step this job kept for a round of this size (``ahead``), if any: True when it did."""
+def load_kept(store: Any, a: Assignment, trainer: Any) -> ahead.Kept | None:
+    """Load the step this job kept for a round of this size (``ahead``), if any (None when none was loaded)."""
     try:
-        compiled = ahead.load(store, a.job, a.processes) if a.job else None
+        kept = ahead.load(store, a.job, a.processes) if a.job else None
     except Exception as e:  # noqa: BLE001 - compiled as usual instead (a hit in the persistent cache)
         print(f"could not load the kept step for {a.processes} hosts: {type(e).__name__}: {e}", file=sys.stderr)
-        return False
-    if compiled is None:
-        return False
-    trainer.load(compiled)
-    return True
+        return None
+    if kept is not None:
+        trainer.load(kept.compiled)
+    return kept
 
 
 def train_batches(cfg: Any, a: Assignment, task_data: Any, next_batch: int) -> Iterator[dict[str, Any]]:
@@ -731,7 +741,7 @@ class RoundLoop:
         start: Start,
         t_assigned: float,
         task: Any,
-        compiled_from_cache: bool = True,
+        made: StepMade,
     ) -> None:
         self.cfg, self.store, self.a, self.rep, self.trainer = cfg, store, a, rep, trainer
         self.saver, self.mngr = saver, saver.mngr
@@ -743,7 +753,7 @@ class RoundLoop:
         self.loop: Loop  # made when the data pipeline is (run): the first step's clock starts there
         self.eval_batches: list[Any] | None = None  # validate_on: slice, made at the round's first evaluation
         self.kept_any = False  # process 0 has kept a compiled step (and deleted other jobs')
-        self.compiled_from_cache = compiled_from_cache  # the round's step came from a cache or was loaded: not kept
+        self.made = made  # how the round's step was made (one from a cache, or loaded, is not kept again)
         self.validation: Any = None  # the task's validation source
 
     def data_position(self) -> DataPosition:
@@ -768,8 +778,9 @@ class RoundLoop:
         while self.step < cfg.steps:
             self.one_step(batches)
             if self.step == ahead_at and a.rank == 0:
-                own = None if self.compiled_from_cache else self.trainer.compiled
-                ahead.start(cfg, self.task, a.processes, own, self.compiled_ahead, self.keep_compiled, cache_hits)
+                own = None if self.made.cache_hit else self.trainer.compiled
+                to = ahead.Ahead(self.compiled_ahead, self.keep_compiled, self.keeps, cache_hits)
+                ahead.start(cfg, self.task, a.processes, own, self.made.key, to)
             save_now = self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps
             # Due by the config and the step alone, the same in every process (a process whose local
             # write failed has its tier off, and skips only the write).
@@ -808,8 +819,9 @@ class RoundLoop:
         self.rep.send(ReportType.FINISHED, everyone=True, step=self.step)
         return 0
 
-    def keep_compiled(self, workers: int, compiled: Any) -> None:
-        """Keep a compiled step on the run root for this job's later rounds of ``workers`` hosts (process 0)."""
+    def keep_compiled(self, workers: int, compiled: Any, key: str) -> None:
+        """Keep a compiled step (of program ``key``) on the run root for this job's later rounds of ``workers``
+        hosts (process 0)."""
         job = self.a.job
         if not job:
             return
@@ -817,13 +829,20 @@ class RoundLoop:
             if not self.kept_any:
                 ahead.forget_other_jobs(self.store, job)
                 self.kept_any = True
-            ahead.keep(self.store, job, workers, compiled)
+            ahead.keep(self.store, job, workers, compiled, key)
         except Exception as e:  # noqa: BLE001 - a later round then compiles from the persistent cache
             print(f"could not keep the step compiled for {workers} hosts: {type(e).__name__}: {e}", file=sys.stderr)
 
-    def compiled_ahead(self, workers: int, seconds: float) -> None:
-        """Report a smaller size's step compiled ahead (from the compiling thread)."""
-        self.rep.send(ReportType.COMPILED_AHEAD, workers=workers, seconds=round(seconds, 3))
+    def keeps(self, workers: int) -> bool:
+        """Whether this job keeps a step for ``workers`` hosts (process 0)."""
+        try:
+            return bool(self.a.job) and ahead.kept(self.store, self.a.job, workers)
+        except Exception:  # noqa: BLE001 - then it is compiled ahead again: a cache hit
+            return False
+
+    def compiled_ahead(self, workers: int, seconds: float, already: bool) -> None:
+        """Report a smaller size's step compiled ahead, or found in the cache already (from the compiling thread)."""
+        self.rep.send(ReportType.COMPILED_AHEAD, workers=workers, seconds=round(seconds, 3), already=already)
 
     @property
     def tier_on(self) -> bool:
