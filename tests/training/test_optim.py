@@ -86,3 +86,22 @@ def test_the_abstract_state_a_restore_is_given_is_the_initialised_one(name: str)
     for want, got in zip(jax.tree.leaves(tr.abstract), jax.tree.leaves(state), strict=True):
         assert (want.shape, want.dtype) == (got.shape, got.dtype), name
         assert want.sharding.is_equivalent_to(got.sharding, got.ndim), name
+
+
+def test_a_small_state_s_initialisation_is_compiled_without_optimisation_on_cpu(monkeypatch, tiny_dataset) -> None:
+    """It runs once: on CPU it is compiled for the least compile time, up to a size where the slower run would cost
+    more; the state it makes is the optimised program's to the last bits or close to them."""
+    import training.trainer as trainer_mod
+    from training.mesh import build_mesh, plan_mesh
+    from training.tasks import load_task
+
+    cfg = load_config("tiny", None, {"dataset": tiny_dataset, "devices_per_worker": 1, "min_workers": 1})
+    tr = trainer_mod.Trainer(cfg, build_mesh(plan_mesh(cfg, 1)), load_task(cfg))
+    assert tr.init_compiler_options() == {"xla_backend_optimization_level": 0}
+    state = tr.init()
+    with tr.tracing():
+        optimised = tr._init()  # the jit's own compile, with XLA's default options
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(optimised), strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=1e-6, atol=1e-7)
+    monkeypatch.setattr(trainer_mod, "UNOPTIMISED_INIT_MAX", 10)
+    assert tr.init_compiler_options() is None  # a large state: its run would cost more than the compile saves

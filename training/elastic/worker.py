@@ -381,18 +381,25 @@ def share_compiles(cfg: Any, a: Assignment) -> bool:
 
 
 def compile_shared(
-    cfg: Any, store: Any, a: Assignment, name: str, lowered: Any | None, key: str | None
+    cfg: Any,
+    store: Any,
+    a: Assignment,
+    name: str,
+    lowered: Any | None,
+    key: str | None,
+    options: dict[str, Any] | None = None,
 ) -> tuple[Any | None, bool]:
     """Program ``name`` of the round, compiled once (:mod:`training.elastic.compile_once`): (it, whether it came
     from process 0).  Process 0 compiles ``lowered`` (None: it has the program already) and passes it on; the
     others compile at once what the persistent cache holds, and else wait for what process 0 passes on.
-    ``key``: the program's key (:func:`compile_once.program_key`; None with no ``lowered``)."""
+    ``key``: the program's key (:func:`compile_once.program_key`; None with no ``lowered``), with the XLA
+    ``options`` it is compiled with."""
     if a.rank == 0:
         if lowered is None:
             compile_once.publish(store, a.job, a.round, name, None)
             return None, False
         hits = cache_hits()
-        compiled = lowered.compile()
+        compiled = lowered.compile(compiler_options=options)
         compile_once.publish(store, a.job, a.round, name, passable(compiled, hits))
         assert key is not None
         compile_once.note_cached(cfg.compilation_cache, key)
@@ -400,11 +407,11 @@ def compile_shared(
     assert lowered is not None and key is not None
     if compile_once.cached(cfg.compilation_cache, key):
         print(f"round {a.round} process {a.rank}: {name} compiled at once: the cache holds it", file=sys.stderr)
-        return lowered.compile(), False
+        return lowered.compile(compiler_options=options), False
     got = compile_once.fetch(store, a.job, a.round, name, wait_s=cfg.hang_timeout_s / 2)
     if got is None:
         print(f"round {a.round} process {a.rank}: {name} compiled here: process 0 passed none on", file=sys.stderr)
-        return lowered.compile(), False
+        return lowered.compile(compiler_options=options), False
     print(f"round {a.round} process {a.rank}: {name} loaded as process 0 compiled it", file=sys.stderr)
     return got, True
 
@@ -418,8 +425,9 @@ def passable(compiled: Any, hits_before: int) -> Any | None:
 def init_once(cfg: Any, trainer: Any, store: Any, a: Assignment) -> Any:
     """A new model's state: its initialisation compiled once in the round (:mod:`training.elastic.compile_once`)."""
     if share_compiles(cfg, a):
-        lowered = trainer.lower_init()
-        compiled, _ = compile_shared(cfg, store, a, "init", lowered, compile_once.program_key(lowered))
+        lowered, options = trainer.lower_init(), trainer.init_compiler_options()
+        key = compile_once.derived_key(compile_once.program_key(lowered), f"options:{sorted((options or {}).items())}")
+        compiled, _ = compile_shared(cfg, store, a, "init", lowered, key, options)
         trainer.load_init(compiled)
     return trainer.init()
 
