@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import jax
@@ -94,3 +95,16 @@ def test_a_derived_program_s_key_depends_on_its_program_and_on_how_it_was_derive
     a, b = "a" * 64, "b" * 64
     assert derived_key(a, "ahead:2") == derived_key(a, "ahead:2")
     assert len({derived_key(a, "ahead:2"), derived_key(a, "ahead:1"), derived_key(b, "ahead:2"), a}) == 4
+
+
+def test_the_others_wait_for_the_key_process_0_announces_and_not_once_it_passed_on_without_one(tmp_path) -> None:
+    store = open_store(str(tmp_path / "run"))
+    later = threading.Timer(0.3, compile_once.announce, (store, "j1", 1, "step", "k" * 64))
+    later.start()
+    assert compile_once.announced(store, "j1", 1, "step", wait_s=30) == "k" * 64  # waited for it
+    later.join()
+    compile_once.publish(store, "j1", 1, "init", None)  # process 0 had the program already: no key comes
+    t0 = time.monotonic()
+    assert compile_once.announced(store, "j1", 1, "init", wait_s=30) is None
+    assert time.monotonic() - t0 < 5
+    assert compile_once.announced(store, "j1", 2, "step", wait_s=0.3) is None  # process 0 never said anything

@@ -39,11 +39,13 @@ def test_a_cold_round_compiles_its_step_once_and_a_warm_one_looks_it_up_in_every
     assert sorted(cpu) == [0, 1], said
     [resumed] = _events(cfg.run_uri, "resumed")  # rank 0's, on record
     assert resumed["cpu_s"] == pytest.approx(cpu[0], abs=0.1)
-    # Process 0 compiled the init and the step and passed them on; process 1 loaded both and compiled only
-    # the round's small programs (a barrier, the batch's assembly).  Each compiling for itself, they spend
-    # about the same.
+    # Process 0 compiled the init and the step and passed them on; process 1 waited for the keys process 0
+    # announced, found neither in the cache, and loaded both without lowering them; it compiled only the
+    # round's small programs (a barrier, the batch's assembly).  Each compiling for itself, they spend about
+    # the same.
     assert cpu[1] < 0.6 * cpu[0], cpu
-    assert "loaded as process 0 compiled it" in worker_logs(cfg.run_uri)
+    for program in ("init", "step"):
+        assert f"process 1: {program} loaded as process 0 compiled it, not lowered here" in worker_logs(cfg.run_uri)
 
     # The same job again, the cache warm now: process 0's compile is a lookup, and process 1 makes its own
     # lookup beside it instead of waiting for process 0 to say it had nothing to pass on.

@@ -22,6 +22,13 @@ persistent cache leaves a note of it there (:func:`note_cached`, keyed on the
 lowered program), and a process that finds the note compiles at once.  A note
 that outlived its cache entry costs speed only: JAX's own key still decides
 what is loaded.
+
+The others need the program's key before they know which case they are in, and
+only lowering the program gives it: a second of CPU per process for a small
+model, which on a miss buys nothing, since they load process 0's executable.
+So process 0 announces each program's key as soon as it has lowered it
+(:func:`announce`), before it compiles; the others wait for that key
+(:func:`announced`), and lower the program themselves only on a hit.
 """
 
 from __future__ import annotations
@@ -53,6 +60,35 @@ def enabled(backend: str, processes: int) -> bool:
 
 def _key(job: str, round_: int, name: str) -> str:
     return f"{COMPILED}{job}/round-{round_}/{name}.bin"
+
+
+def _key_of(job: str, round_: int, name: str) -> str:
+    return f"{COMPILED}{job}/round-{round_}/{name}.key"
+
+
+def announce(store: Store, job: str, round_: int, name: str, key: str) -> None:
+    """Process 0: the key of program ``name`` (:func:`program_key`), lowered and about to be compiled."""
+    try:
+        store.put(_key_of(job, round_, name), key.encode())
+    except Exception as e:  # noqa: BLE001 - the others lower the program themselves when they see no key
+        log.warning("could not announce %s: %s: %s", name, type(e).__name__, e)
+
+
+def announced(store: Store, job: str, round_: int, name: str, wait_s: float) -> str | None:
+    """The other processes: the key process 0 announced for ``name``; None once it passed something on without
+    one (it had the program already: nothing to pass on) or after ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return store.get(_key_of(job, round_, name)).decode()
+        except NotFound:
+            if store.exists(_key(job, round_, name)):  # passed on: a key it had is there now
+                with contextlib.suppress(NotFound):
+                    return store.get(_key_of(job, round_, name)).decode()
+                return None
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(POLL_S)
 
 
 def publish(store: Store, job: str, round_: int, name: str, compiled: Any | None) -> None:

@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -362,12 +362,10 @@ def make_step(cfg: Any, trainer: Any, store: Any, a: Assignment) -> StepMade:
         if a.rank == 0:
             compile_once.forget_earlier_rounds(store, a.job, a.round)
         if a.rank == 0 or not loaded:
-            lowered = None if loaded else trainer.lower()
-            key = key if lowered is None else compile_once.program_key(lowered)
-            compiled, passed = compile_shared(cfg, store, a, "step", lowered, key)
-            if compiled is not None:
-                trainer.load(compiled)
-            loaded = loaded or passed
+            shared = compile_shared(cfg, store, a, "step", None if loaded else trainer.lower)
+            if shared.compiled is not None:
+                trainer.load(shared.compiled)
+            loaded, key = loaded or shared.passed, shared.key or key
     elif not loaded:
         lowered = trainer.lower()
         key = compile_once.program_key(lowered)
@@ -380,40 +378,63 @@ def share_compiles(cfg: Any, a: Assignment) -> bool:
     return compile_once.enabled(cfg.backend, a.processes) and bool(a.job)
 
 
+@dataclass(frozen=True)
+class Shared:
+    """A round's program compiled once (:func:`compile_shared`), as this process got it."""
+
+    compiled: Any | None  # None: process 0 had the program already
+    passed: bool  # loaded as process 0 compiled it
+    key: str | None  # the program's key (compile_once.program_key, with its options); None where not known
+
+
 def compile_shared(
     cfg: Any,
     store: Any,
     a: Assignment,
     name: str,
-    lowered: Any | None,
-    key: str | None,
+    lower: Callable[[], Any] | None,
     options: dict[str, Any] | None = None,
-) -> tuple[Any | None, bool]:
-    """Program ``name`` of the round, compiled once (:mod:`training.elastic.compile_once`): (it, whether it came
-    from process 0).  Process 0 compiles ``lowered`` (None: it has the program already) and passes it on; the
-    others compile at once what the persistent cache holds, and else wait for what process 0 passes on.
-    ``key``: the program's key (:func:`compile_once.program_key`; None with no ``lowered``), with the XLA
-    ``options`` it is compiled with."""
+) -> Shared:
+    """Program ``name`` of the round, compiled once (:mod:`training.elastic.compile_once`) with the XLA ``options``.
+
+    Process 0 lowers it (``lower``; None: it has the program already), announces its key, compiles it and
+    passes it on.  The others wait for the key: on a hit in the persistent cache they lower and compile it at
+    once, side by side; else they load what process 0 passes on, without lowering it at all.
+    """
     if a.rank == 0:
-        if lowered is None:
+        if lower is None:
             compile_once.publish(store, a.job, a.round, name, None)
-            return None, False
+            return Shared(None, False, None)
+        lowered = lower()
+        key = program_key(lowered, options)
+        compile_once.announce(store, a.job, a.round, name, key)
         hits = cache_hits()
         compiled = lowered.compile(compiler_options=options)
         compile_once.publish(store, a.job, a.round, name, passable(compiled, hits))
-        assert key is not None
         compile_once.note_cached(cfg.compilation_cache, key)
-        return compiled, False
-    assert lowered is not None and key is not None
-    if compile_once.cached(cfg.compilation_cache, key):
-        print(f"round {a.round} process {a.rank}: {name} compiled at once: the cache holds it", file=sys.stderr)
-        return lowered.compile(compiler_options=options), False
-    got = compile_once.fetch(store, a.job, a.round, name, wait_s=cfg.hang_timeout_s / 2)
+        return Shared(compiled, False, key)
+    assert lower is not None
+    wait_s = cfg.hang_timeout_s / 2
+    announced = compile_once.announced(store, a.job, a.round, name, wait_s)
+    if announced is None or compile_once.cached(cfg.compilation_cache, announced):
+        said = "the cache holds it" if announced else "process 0 announced no key"
+        print(f"round {a.round} process {a.rank}: {name} compiled at once: {said}", file=sys.stderr)
+        lowered = lower()
+        return Shared(lowered.compile(compiler_options=options), False, announced or program_key(lowered, options))
+    got = compile_once.fetch(store, a.job, a.round, name, wait_s=wait_s)
     if got is None:
         print(f"round {a.round} process {a.rank}: {name} compiled here: process 0 passed none on", file=sys.stderr)
-        return lowered.compile(compiler_options=options), False
-    print(f"round {a.round} process {a.rank}: {name} loaded as process 0 compiled it", file=sys.stderr)
-    return got, True
+        return Shared(lower().compile(compiler_options=options), False, announced)
+    print(
+        f"round {a.round} process {a.rank}: {name} loaded as process 0 compiled it, not lowered here", file=sys.stderr
+    )
+    return Shared(got, True, announced)
+
+
+def program_key(lowered: Any, options: dict[str, Any] | None) -> str:
+    """A lowered program's note key (:func:`compile_once.program_key`), for the XLA ``options`` it is compiled with."""
+    key = compile_once.program_key(lowered)
+    return compile_once.derived_key(key, f"options:{sorted(options.items())}") if options else key
 
 
 def passable(compiled: Any, hits_before: int) -> Any | None:
@@ -425,10 +446,8 @@ def passable(compiled: Any, hits_before: int) -> Any | None:
 def init_once(cfg: Any, trainer: Any, store: Any, a: Assignment) -> Any:
     """A new model's state: its initialisation compiled once in the round (:mod:`training.elastic.compile_once`)."""
     if share_compiles(cfg, a):
-        lowered, options = trainer.lower_init(), trainer.init_compiler_options()
-        key = compile_once.derived_key(compile_once.program_key(lowered), f"options:{sorted((options or {}).items())}")
-        compiled, _ = compile_shared(cfg, store, a, "init", lowered, key, options)
-        trainer.load_init(compiled)
+        shared = compile_shared(cfg, store, a, "init", trainer.lower_init, trainer.init_compiler_options())
+        trainer.load_init(shared.compiled)
     return trainer.init()
 
 
