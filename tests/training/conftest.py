@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Iterator
 
 import pytest
@@ -29,6 +28,6 @@ def not_a_subreaper_after() -> Iterator[None]:
     """A fork server makes the process that starts it a child subreaper (as it makes an agent): not the test run
     past the test, or the processes later tests orphan would stay its zombies instead of being reaped by init."""
     yield
-    from training.elastic.workerproc import PR_SET_CHILD_SUBREAPER
+    from training import procctl
 
-    ctypes.CDLL("libc.so.6").prctl(PR_SET_CHILD_SUBREAPER, 0)
+    procctl.prctl(procctl.PR_SET_CHILD_SUBREAPER, 0)

@@ -18,6 +18,7 @@ watch sees another process go: a clean ``jax.distributed`` shutdown would wait f
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import math
 import os
@@ -31,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from training import procctl
 from training.checkpoint.resume import DataPosition
 from training.elastic import ahead, compile_once
 from training.elastic.codes import WorkerExit
@@ -43,10 +45,7 @@ def die_with_parent() -> None:
     """Ask the kernel to SIGKILL this process when its agent dies (Linux), and check it has not already."""
     parent = int(os.environ.get("RTRAIN_AGENT_PID", "0"))
     try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        procctl.prctl(procctl.PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:  # not Linux: the pipe to the agent still breaks when it dies
         pass
     if parent and os.getppid() != parent:
@@ -244,12 +243,8 @@ WARM_UP_THREAD = "rtrain-warm-up"  # the OS name of a standby's warm-up thread (
 
 def name_this_thread(name: str) -> None:
     """Give the calling thread an OS name (Linux: up to 15 bytes); a no-op elsewhere."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):
+        procctl.prctl(procctl.PR_SET_NAME, name.encode()[:15])
 
 
 def measure_copy_bandwidth() -> None:
@@ -507,6 +502,9 @@ class FirstAhead:
         return next(self.it)
 
 
+JOIN_S = 120  # how long a process of a round has to join it (jax.distributed), from its set-up on
+
+
 def wait_until_listening(address: str, timeout: float) -> bool:
     """Wait until something accepts connections at ``host:port`` (process 0's coordination service); False if
     nothing did in ``timeout`` s.
@@ -546,15 +544,16 @@ def set_up(cfg: Any, run: str, a: Assignment, rep: Reporter, task: Any, t_assign
         # JAX's own preemption notifier would take SIGTERM from our handler (Notice): the notice reaches the
         # whole group through the next step's flags instead, with no extra synchronisation per step.
         jax.config.update("jax_enable_preemption_service", False)
+        deadline = time.monotonic() + JOIN_S  # one deadline for dialling process 0 and joining through it
         if a.rank != 0:
-            wait_until_listening(a.coordinator, timeout=120)
+            wait_until_listening(a.coordinator, timeout=JOIN_S)
         jax.distributed.initialize(
             a.coordinator,
             a.processes,
             a.rank,
             coordinator_bind_address=a.bind or None,  # process 0 listens on this host's address only
             heartbeat_timeout_seconds=10,
-            initialization_timeout=120,
+            initialization_timeout=max(1, round(deadline - time.monotonic())),
             # The round says every process's place: JAX must not probe the cluster for it (in a pod it would
             # ask the Kubernetes API, which needs a service account token and pod-reading rights).
             cluster_detection_method="deactivate",

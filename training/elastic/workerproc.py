@@ -10,7 +10,6 @@ worker is started as a process of its own when the server cannot start or has go
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
 
+from training import procctl
 from training.config import Config
 from training.elastic.rendezvous import Round
 from training.elastic.wire import WorkerReport, decode
@@ -155,7 +155,6 @@ def spawn_worker(
     return WorkerProc(proc, r, log_path)
 
 
-PR_SET_CHILD_SUBREAPER = 36
 FAILED = 1  # the exit code of a worker the fork server could not fork (as a worker's start-up error)
 
 
@@ -166,9 +165,7 @@ class ForkServer:
     def __init__(self, env: dict[str, str], log_path: Path) -> None:
         from training.elastic.forkserver import FD_ENV
 
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        if libc.prctl(PR_SET_CHILD_SUBREAPER, 1) != 0:  # the forked workers become this process's children
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+        procctl.prctl(procctl.PR_SET_CHILD_SUBREAPER, 1)  # the forked workers become this process's children
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with open(log_path, "wb") as out:
             self.proc = subprocess.Popen(

@@ -607,10 +607,9 @@ def _die_with_parent() -> Callable[[], object]:
     Looked up in the parent: between fork and exec the child must not import (another thread may
     hold the import lock).
     """
-    import ctypes
+    from training import procctl
 
-    pr_set_pdeathsig = 1
-    return functools.partial(ctypes.CDLL(None, use_errno=True).prctl, pr_set_pdeathsig, signal.SIGKILL)
+    return procctl.bound(procctl.PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _killpg(pgid: int, sig: int) -> None:
