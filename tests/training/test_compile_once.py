@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import serialize_executable
 
 from training.elastic import compile_once
 from training.storage import open_store
@@ -16,7 +21,7 @@ from training.storage import open_store
 def test_a_program_process_0_passes_on_is_loaded_and_runs_as_compiled(tmp_path):
     store = open_store(str(tmp_path))
     compiled = jax.jit(lambda x: jnp.sin(x) * 2).lower(jnp.zeros(8)).compile()
-    compile_once.publish(store, "j1", 3, "step", compiled)
+    compile_once.publish(store, "j1", 3, "step", serialize_executable.serialize(compiled))
     got = compile_once.fetch(store, "j1", 3, "step", wait_s=1)
     assert got is not None
     x = jnp.arange(8.0)
@@ -41,7 +46,8 @@ def test_a_late_program_is_waited_for(tmp_path):
 
     store = open_store(str(tmp_path))
     compiled = jax.jit(lambda x: x + 1).lower(jnp.zeros(4)).compile()
-    later = threading.Timer(0.5, compile_once.publish, (store, "j1", 1, "step", compiled))
+    program = serialize_executable.serialize(compiled)
+    later = threading.Timer(0.5, compile_once.publish, (store, "j1", 1, "step", program))
     later.start()
     got = compile_once.fetch(store, "j1", 1, "step", wait_s=30)
     later.join()
@@ -108,3 +114,51 @@ def test_the_others_wait_for_the_key_process_0_announces_and_not_once_it_passed_
     assert compile_once.announced(store, "j1", 1, "init", wait_s=30) is None
     assert time.monotonic() - t0 < 5
     assert compile_once.announced(store, "j1", 2, "step", wait_s=0.3) is None  # process 0 never said anything
+
+
+WHOLE = """
+import json, pickle, sys, threading
+import jax, jax.numpy as jnp
+from jax import monitoring
+from training.elastic import compile_once
+cache, out = sys.argv[1], sys.argv[2]
+jax.config.update("jax_compilation_cache_dir", cache)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+hits = [0]
+monitoring.register_event_listener(lambda e, **_: hits.__setitem__(0, hits[0] + (e == "/jax/compilation_cache/cache_hits")))
+compile_once.watch_cache_hits()
+if out == "load":
+    from jax.experimental import serialize_executable
+    payload, in_tree, out_tree = pickle.load(open(cache + "/program.pkl", "rb"))
+    got = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+    print(json.dumps({"y": float(got(jnp.arange(64.0).reshape(8, 8)))}))
+else:
+    lowered = jax.jit(lambda x: jnp.tanh(x @ x.T).sum() * 3).lower(jnp.zeros((8, 8)))
+    c = compile_once.compile_whole(lowered, None, cache, lambda: hits[0])
+    if c.program is not None:
+        pickle.dump(c.program, open(cache + "/program.pkl", "wb"))
+    y = float(c.executable(jnp.arange(64.0).reshape(8, 8)))
+    print(json.dumps({"hit": c.cache_hit, "whole": c.program is not None, "y": y}))
+"""
+
+
+def test_a_program_from_the_persistent_cache_is_serialized_whole_and_runs_where_it_is_loaded(tmp_path) -> None:
+    """An executable loaded from the cache lacks its functions' code when serialized on CPU; serialized from the
+    cache's entry, it loads in another process and runs, with the result of the program compiled anew."""
+
+    def run(what: str) -> dict[str, float]:
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        env.pop("XLA_FLAGS", None)
+        out = subprocess.run(
+            [sys.executable, "-c", WHOLE, str(tmp_path), what], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert out.returncode == 0, out.stderr
+        return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+    cold = run("compile")
+    assert cold["hit"] is False and cold["whole"] is True
+    warm = run("compile")  # the same program: a hit, whose key JAX logged, and whose entry is read
+    assert warm["hit"] is True and warm["whole"] is True
+    loaded = run("load")
+    assert loaded["y"] == cold["y"] == warm["y"]

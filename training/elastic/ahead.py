@@ -10,12 +10,10 @@ nothing on them) and JAX writes the executable to the persistent cache, under
 the key the smaller round will look up.  It runs in one background thread
 after the round's first steps; each size it finishes is reported.
 
-Each size's step is noted as in the cache (:func:`compile_once.note_cached`):
-a round of that size does not wait for its process 0 to find it there.  Each
-step compiled here (the round's own too, not one a cache held) is also kept
-whole on the run root (``compiled/<job>/step-<workers>.bin``): a later round of
-the job of that size loads it as it is, without tracing, lowering or a cache
-lookup.  Only the job that wrote them reads them (its code and config are the
+Each compiled here (the round's own too, from the cache or not) is also kept
+whole on the run root (``compiled/<job>/step-<workers>.bin``,
+:func:`compile_once.whole`): a later round of the job of that size loads it as
+it is, without tracing, lowering or a cache lookup.  Only the job that wrote them reads them (its code and config are the
 ones they were compiled from).
 
 A size is compiled ahead once.  Tracing and lowering the step again costs as
@@ -63,11 +61,10 @@ class Kept(NamedTuple):
     key: str  # compile_once.program_key of its lowered program
 
 
-def keep(store: Store, job: str, workers: int, compiled: Any, key: str) -> None:
-    """Keep a compiled step (of program ``key``) on the run root for the job's later rounds of ``workers`` hosts."""
-    from jax.experimental import serialize_executable
-
-    payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+def keep(store: Store, job: str, workers: int, program: compile_once.Serialized, key: str) -> None:
+    """Keep a compiled step, serialized whole (of program ``key``), on the run root for the job's later rounds of
+    ``workers`` hosts."""
+    payload, in_tree, out_tree = program
     store.put(executable_key(job, workers), pickle.dumps((payload, in_tree, out_tree, key)))
 
 
@@ -108,44 +105,39 @@ class Ahead(NamedTuple):
     """What compiling ahead reports to and asks of the round (process 0's loop), from its thread."""
 
     done: Callable[[int, float, bool], None]  # (size, seconds, whether the cache held it already)
-    keep: Callable[[int, Any, str], None]  # keep a step compiled here: (size, executable, its program's key)
+    keep: Callable[[int, compile_once.Serialized, str], None]  # keep a step: (size, it serialized, its program's key)
     have: Callable[[int], bool]  # whether the job keeps a step for this size already
     cache_hits: Callable[[], int]  # the process's count of persistent-cache hits
 
 
 def compile_smaller(cfg: Config, task: Any, workers: int, own_key: str | None, to: Ahead) -> None:
-    """Compile the step for each smaller size into the persistent cache, unless it is there already for this
-    round program (``own_key``: the round's own step's; None: not known) or the job keeps it.
-
-    A step loaded from the persistent cache is not kept: an executable loaded that way may not serialize
-    whole (XLA:CPU's does not: it lacks its functions' code when loaded again).
-    """
+    """Compile the step for each smaller size into the persistent cache, and keep it, unless it is there already
+    for this round program (``own_key``: the round's own step's; None: not known) or the job keeps it."""
     import jax
 
     from training.trainer import Trainer
 
     for n in smaller_sizes(cfg, workers):
-        t0, hits = time.time(), to.cache_hits()
+        t0 = time.time()
         note = ahead_key(own_key, n) if own_key else None
         if to.have(n) or (note is not None and compile_once.cached(cfg.compilation_cache, note)):
             to.done(n, time.time() - t0, True)
             continue
         devices = [d for d in jax.devices() if d.process_index < n]
         lowered = Trainer(cfg, build_mesh(plan_mesh(cfg, n), devices), task).lower()
-        compiled = lowered.compile()
+        compiled = compile_once.compile_whole(lowered, None, cfg.compilation_cache, to.cache_hits)
         key = compile_once.program_key(lowered)
-        compile_once.note_cached(cfg.compilation_cache, key)
         if note is not None:
             compile_once.note_cached(cfg.compilation_cache, note)
-        if to.cache_hits() == hits:
-            to.keep(n, compiled, key)  # before it is reported: a round of that size may start at once
+        if compiled.program is not None:
+            to.keep(n, compiled.program, key)  # before it is reported: a round of that size may start at once
         to.done(n, time.time() - t0, False)
 
 
 def start(cfg: Config, task: Any, workers: int, own: Any, own_key: str | None, to: Ahead) -> threading.Thread | None:
-    """In a daemon thread (None when it is off): keep the round's own step (``own``, compiled here for
-    ``workers``; None when it came from a cache or was loaded) whole, then compile ahead for each smaller
-    size and keep those compiled here too (``own_key``: the key of the round's own step's program)."""
+    """In a daemon thread (None when it is off): keep the round's own step (``own``, serialized whole, compiled
+    for ``workers``; None when it was loaded as kept, or could not be serialized), then compile ahead for each
+    smaller size and keep those too (``own_key``: the key of the round's own step's program)."""
     if not cfg.compile_ahead:
         return None
 

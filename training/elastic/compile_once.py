@@ -9,26 +9,24 @@ to the others through the run root, serialized (``compiled/<job>/round-<n>/``);
 they load it instead of compiling.
 
 Process 0 always says what it has for each program, so nobody waits in vain:
-the executable, or "none" when it has nothing it can pass on (a program it got
-from the persistent cache does not serialize whole on CPU, and the others then
-hit the same cache themselves).  A process that finds "none", cannot load what
-it finds, or has waited ``wait_s`` compiles the program itself.  Where hosts
-are machines of their own (GKE), each compiles on its own cores, as before.
+the executable, or "none" when it has nothing it can pass on.  A process that
+finds "none", cannot load what it finds, or has waited ``wait_s`` compiles the
+program itself.  Where hosts are machines of their own (GKE), each compiles on
+its own cores, as before.
 
-Waiting is worth it only on a cache miss.  On a hit, process 0's compile is a
-lookup the others could make side by side with it, and waiting for its "none"
-puts their lookups after its own.  So whoever compiles a program into the
-persistent cache leaves a note of it there (:func:`note_cached`, keyed on the
-lowered program), and a process that finds the note compiles at once.  A note
-that outlived its cache entry costs speed only: JAX's own key still decides
-what is loaded.
+A program process 0 got from the persistent cache is passed on too, serialized
+whole from the cache's own entry (:func:`whole`): on XLA:CPU such an executable
+serializes without its functions' code.  So on a hit the others do not trace,
+lower or look the program up either: a second of CPU each for the ``small``
+preset, on the cores the round starts on.
 
-The others need the program's key before they know which case they are in, and
-only lowering the program gives it: a second of CPU per process for a small
-model, which on a miss buys nothing, since they load process 0's executable.
+The others need nothing but the program, and only lowering it gives its key.
 So process 0 announces each program's key as soon as it has lowered it
 (:func:`announce`), before it compiles; the others wait for that key
-(:func:`announced`), and lower the program themselves only on a hit.
+(:func:`announced`) and then for the program.  The notes beside the cache's
+entries (:func:`note_cached`) say which steps were compiled ahead for a round
+program (:mod:`training.elastic.ahead`): a note that outlived its entry costs
+speed only.
 """
 
 from __future__ import annotations
@@ -38,8 +36,10 @@ import hashlib
 import logging
 import os
 import pickle
+import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple, cast
 
 from training.layout import COMPILED
 from training.storage import NotFound, Store, open_store
@@ -91,16 +91,110 @@ def announced(store: Store, job: str, round_: int, name: str, wait_s: float) -> 
             time.sleep(POLL_S)
 
 
-def publish(store: Store, job: str, round_: int, name: str, compiled: Any | None) -> None:
-    """Process 0: pass ``compiled`` (None: nothing to pass on) to the round's other processes."""
-    data = NONE
-    if compiled is not None:
-        try:
-            from jax.experimental import serialize_executable
+# --- a program from the persistent cache, serialized whole ------------------------------------------------
+#
+# An executable JAX loaded from its persistent cache serializes without its functions' code on XLA:CPU
+# (loaded again, it fails when run: "Function ... not found").  The cache's own entry is whole: JAX
+# loads exactly those bytes on a hit.  So the key of each hit is taken from JAX's own log line of it (in
+# the thread that compiled), and the executable is serialized with the entry's bytes in its place.
 
-            data = pickle.dumps(serialize_executable.serialize(compiled))
-        except Exception as e:  # noqa: BLE001 - the others compile it themselves
-            log.warning("could not serialize %s to pass it on: %s: %s", name, type(e).__name__, e)
+_HIT = "Persistent compilation cache hit for"
+_HITS: dict[int, list[str]] = {}  # thread -> the cache keys of its hits not yet taken
+
+
+class _CacheHits(logging.Filter):
+    """Keeps the key of each persistent-cache hit JAX logs (at DEBUG), per thread; lets through only what
+    would have been logged anyway."""
+
+    def __init__(self, level: int) -> None:
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith(_HIT) and len(record.args or ()) == 2:
+            _HITS.setdefault(threading.get_ident(), []).append(str(record.args[1]))  # type: ignore[index]
+        return record.levelno >= self.level
+
+
+def watch_cache_hits() -> None:
+    """From now on, keep the key of each of this process's persistent-cache hits (:func:`hits_here`)."""
+    logger = logging.getLogger("jax._src.compiler")
+    if not any(isinstance(f, _CacheHits) for f in logger.filters):
+        logger.addFilter(_CacheHits(logger.getEffectiveLevel()))
+        logger.setLevel(logging.DEBUG)
+
+
+def hits_here() -> list[str]:
+    """The cache keys of the calling thread's hits since it last asked (:func:`watch_cache_hits`)."""
+    return _HITS.pop(threading.get_ident(), [])
+
+
+Serialized = tuple[bytes, Any, Any]  # serialize_executable's (payload, in_tree, out_tree)
+
+
+def whole(compiled: Any, cache_dir: str, hit: str | None) -> Serialized | None:
+    """``compiled`` serialized whole (:func:`serialize_executable.serialize`'s triple); ``hit``: the cache key it
+    was loaded under, when it came from the persistent cache in ``cache_dir``.  None when it cannot be."""
+    try:
+        from jax.experimental import serialize_executable
+
+        if hit is None:
+            return cast(Serialized, serialize_executable.serialize(compiled))
+        return _from_cache_entry(compiled, open_store(cache_dir).get(f"{hit}-cache"))
+    except Exception as e:  # noqa: BLE001 - then it is not passed on or kept: compiled again where needed
+        log.warning("could not serialize a compiled program whole: %s: %s", type(e).__name__, e)
+        return None
+
+
+def _from_cache_entry(compiled: Any, entry: bytes) -> Serialized:
+    """As :func:`serialize_executable.serialize`, with the executable's bytes from its persistent-cache entry."""
+    import io
+
+    import jax
+    from jax._src import compilation_cache
+    from jax._src.lib import xla_client
+    from jax.experimental import serialize_executable
+
+    executable, _ = compilation_cache.extract_executable_and_time(compilation_cache.decompress_executable(entry))
+
+    class Pickler(serialize_executable._JaxPjrtPickler):
+        def persistent_id(self, obj: Any) -> Any:
+            if isinstance(obj, xla_client.LoadedExecutable):
+                return ("exec", executable)
+            return super().persistent_id(obj)
+
+    unloaded = compiled._executable._unloaded_executable
+    args_info_flat, in_tree = jax.tree_util.tree_flatten(compiled.args_info)
+    with io.BytesIO() as f:
+        Pickler(f).dump((unloaded, args_info_flat, compiled._no_kwargs))
+        return f.getvalue(), in_tree, compiled.out_tree
+
+
+class Compiled(NamedTuple):
+    """A program compiled here (:func:`compile_whole`)."""
+
+    executable: Any
+    program: Serialized | None  # it, serialized whole; None when it cannot be
+    cache_hit: bool  # it came from the persistent cache
+
+
+def compile_whole(
+    lowered: Any, options: dict[str, Any] | None, cache_dir: str, hit_count: Callable[[], int]
+) -> Compiled:
+    """Compile ``lowered`` with the XLA ``options``, and serialize it whole (``hit_count``: the calling thread's
+    count of persistent-cache hits, JAX's own; a hit whose key was not seen is not serialized)."""
+    hits_here()  # keys left from before: not this program's
+    before = hit_count()
+    executable = lowered.compile(compiler_options=options)
+    hit = hit_count() > before
+    keys = hits_here()
+    program = whole(executable, cache_dir, keys[-1]) if keys else None if hit else whole(executable, cache_dir, None)
+    return Compiled(executable, program, hit)
+
+
+def publish(store: Store, job: str, round_: int, name: str, program: Serialized | None) -> None:
+    """Process 0: pass ``program`` (:func:`whole`; None: nothing to pass on) to the round's other processes."""
+    data = NONE if program is None else pickle.dumps(program)
     try:
         store.put(_key(job, round_, name), data)
     except Exception as e:  # noqa: BLE001 - "none", smaller, may still go through; else the others wait it out

@@ -226,6 +226,7 @@ def warm_up(run: str, warm: Warm) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     share_cpu_compilation_cache()
     count_cache_hits()
+    compile_once.watch_cache_hits()  # to serialize a program from the cache whole (compile_once.whole)
     # For the saves' reports: measured in the idle class, off the path to the round's first step (a save
     # that comes first measures it itself).
     threading.Thread(target=measure_copy_bandwidth, name="rtrain-bandwidth", daemon=True).start()
@@ -345,6 +346,7 @@ class StepMade:
     cache_hit: bool
     seconds: float  # its own time, mostly hidden behind the restore it ran beside
     key: str | None  # its program's key (compile_once.program_key); None where this process did not lower it
+    program: compile_once.Serialized | None  # it serialized whole, to keep; None when loaded as kept
 
 
 def make_step(cfg: Any, trainer: Any, store: Any, a: Assignment) -> StepMade:
@@ -352,7 +354,7 @@ def make_step(cfg: Any, trainer: Any, store: Any, a: Assignment) -> StepMade:
     machine: :mod:`training.elastic.compile_once`); run beside the restore."""
     t0, hits = time.time(), cache_hits()
     kept = load_kept(store, a, trainer) if cfg.compile_ahead else None
-    loaded, key = kept is not None, kept.key if kept is not None else None
+    loaded, key, program = kept is not None, kept.key if kept is not None else None, None
     if share_compiles(cfg, a):
         if a.rank == 0:
             compile_once.forget_earlier_rounds(store, a.job, a.round)
@@ -360,12 +362,14 @@ def make_step(cfg: Any, trainer: Any, store: Any, a: Assignment) -> StepMade:
             shared = compile_shared(cfg, store, a, "step", None if loaded else trainer.lower)
             if shared.compiled is not None:
                 trainer.load(shared.compiled)
-            loaded, key = loaded or shared.passed, shared.key or key
+            loaded, key, program = loaded or shared.passed, shared.key or key, shared.program
     elif not loaded:
         lowered = trainer.lower()
         key = compile_once.program_key(lowered)
-        trainer.load(lowered.compile())
-    return StepMade(loaded, loaded or cache_hits() > hits, time.time() - t0, key)
+        compiled = compile_once.compile_whole(lowered, None, cfg.compilation_cache, cache_hits)
+        trainer.load(compiled.executable)
+        program = compiled.program
+    return StepMade(loaded, loaded or cache_hits() > hits, time.time() - t0, key, program)
 
 
 def share_compiles(cfg: Any, a: Assignment) -> bool:
@@ -380,6 +384,7 @@ class Shared:
     compiled: Any | None  # None: process 0 had the program already
     passed: bool  # loaded as process 0 compiled it
     key: str | None  # the program's key (compile_once.program_key, with its options); None where not known
+    program: compile_once.Serialized | None = None  # process 0: it serialized whole (None: it could not be)
 
 
 def compile_shared(
@@ -392,9 +397,9 @@ def compile_shared(
 ) -> Shared:
     """Program ``name`` of the round, compiled once (:mod:`training.elastic.compile_once`) with the XLA ``options``.
 
-    Process 0 lowers it (``lower``; None: it has the program already), announces its key, compiles it and
-    passes it on.  The others wait for the key: on a hit in the persistent cache they lower and compile it at
-    once, side by side; else they load what process 0 passes on, without lowering it at all.
+    Process 0 lowers it (``lower``; None: it has the program already), announces its key, compiles it (or
+    loads it from the persistent cache) and passes it on, serialized whole.  The others wait for it and load
+    it, without lowering it at all; they lower and compile it themselves only when process 0 passes nothing on.
     """
     if a.rank == 0:
         if lower is None:
@@ -403,25 +408,19 @@ def compile_shared(
         lowered = lower()
         key = program_key(lowered, options)
         compile_once.announce(store, a.job, a.round, name, key)
-        hits = cache_hits()
-        compiled = lowered.compile(compiler_options=options)
-        compile_once.publish(store, a.job, a.round, name, passable(compiled, hits))
-        compile_once.note_cached(cfg.compilation_cache, key)
-        return Shared(compiled, False, key)
+        compiled = compile_once.compile_whole(lowered, options, cfg.compilation_cache, cache_hits)
+        compile_once.publish(store, a.job, a.round, name, compiled.program)
+        return Shared(compiled.executable, False, key, compiled.program)
     assert lower is not None
     wait_s = cfg.hang_timeout_s / 2
     announced = compile_once.announced(store, a.job, a.round, name, wait_s)
-    if announced is None or compile_once.cached(cfg.compilation_cache, announced):
-        said = "the cache holds it" if announced else "process 0 announced no key"
-        print(f"round {a.round} process {a.rank}: {name} compiled at once: {said}", file=sys.stderr)
-        lowered = lower()
-        return Shared(lowered.compile(compiler_options=options), False, announced or program_key(lowered, options))
-    got = compile_once.fetch(store, a.job, a.round, name, wait_s=wait_s)
+    got = None if announced is None else compile_once.fetch(store, a.job, a.round, name, wait_s=wait_s)
     if got is None:
         print(f"round {a.round} process {a.rank}: {name} compiled here: process 0 passed none on", file=sys.stderr)
-        return Shared(lower().compile(compiler_options=options), False, announced)
+        lowered = lower()
+        return Shared(lowered.compile(compiler_options=options), False, program_key(lowered, options))
     print(
-        f"round {a.round} process {a.rank}: {name} loaded as process 0 compiled it, not lowered here", file=sys.stderr
+        f"round {a.round} process {a.rank}: {name} loaded as process 0 passed it on, not lowered here", file=sys.stderr
     )
     return Shared(got, True, announced)
 
@@ -430,12 +429,6 @@ def program_key(lowered: Any, options: dict[str, Any] | None) -> str:
     """A lowered program's note key (:func:`compile_once.program_key`), for the XLA ``options`` it is compiled with."""
     key = compile_once.program_key(lowered)
     return compile_once.derived_key(key, f"options:{sorted(options.items())}") if options else key
-
-
-def passable(compiled: Any, hits_before: int) -> Any | None:
-    """A program compiled here, to pass on; None when it came from the persistent cache: loaded that way, it
-    may not serialize whole (XLA:CPU's lacks its functions' code), and the others hit the cache too."""
-    return compiled if cache_hits() == hits_before else None
 
 
 def init_once(cfg: Any, trainer: Any, store: Any, a: Assignment) -> Any:
@@ -804,9 +797,8 @@ class RoundLoop:
         while self.step < cfg.steps:
             self.one_step(batches)
             if self.step == ahead_at and a.rank == 0:
-                own = None if self.made.cache_hit else self.trainer.compiled
                 to = ahead.Ahead(self.compiled_ahead, self.keep_compiled, self.keeps, cache_hits)
-                ahead.start(cfg, self.task, a.processes, own, self.made.key, to)
+                ahead.start(cfg, self.task, a.processes, self.made.program, self.made.key, to)
             save_now = self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps
             # Due by the config and the step alone, the same in every process (a process whose local
             # write failed has its tier off, and skips only the write).
@@ -845,7 +837,7 @@ class RoundLoop:
         self.rep.send(ReportType.FINISHED, everyone=True, step=self.step)
         return 0
 
-    def keep_compiled(self, workers: int, compiled: Any, key: str) -> None:
+    def keep_compiled(self, workers: int, program: compile_once.Serialized, key: str) -> None:
         """Keep a compiled step (of program ``key``) on the run root for this job's later rounds of ``workers``
         hosts (process 0)."""
         job = self.a.job
@@ -855,7 +847,7 @@ class RoundLoop:
             if not self.kept_any:
                 ahead.forget_other_jobs(self.store, job)
                 self.kept_any = True
-            ahead.keep(self.store, job, workers, compiled, key)
+            ahead.keep(self.store, job, workers, program, key)
         except Exception as e:  # noqa: BLE001 - a later round then compiles from the persistent cache
             print(f"could not keep the step compiled for {workers} hosts: {type(e).__name__}: {e}", file=sys.stderr)
 
