@@ -10,11 +10,11 @@ nothing on them) and JAX writes the executable to the persistent cache, under
 the key the smaller round will look up.  It runs in one background thread
 after the round's first steps; each size it finishes is reported.
 
-Each compiled here (the round's own too, from the cache or not) is also kept
-whole on the run root (``compiled/<job>/step-<workers>.bin``,
+Each step compiled here (the round's own too, from the cache or not) is also
+kept whole on the run root (``compiled/<job>/step-<workers>.bin``,
 :func:`compile_once.whole`): a later round of the job of that size loads it as
-it is, without tracing, lowering or a cache lookup.  Only the job that wrote them reads them (its code and config are the
-ones they were compiled from).
+it is, without tracing, lowering or a cache lookup.  Only the job that wrote
+them reads them (its code and config are the ones they were compiled from).
 
 A size is compiled ahead once.  Tracing and lowering the step again costs as
 much CPU as a round's start, on the cores the training runs on.  So a size is
@@ -125,27 +125,30 @@ def compile_smaller(cfg: Config, task: Any, workers: int, own_key: str | None, t
             continue
         devices = [d for d in jax.devices() if d.process_index < n]
         lowered = Trainer(cfg, build_mesh(plan_mesh(cfg, n), devices), task).lower()
-        compiled = compile_once.compile_whole(lowered, None, cfg.compilation_cache, to.cache_hits)
-        key = compile_once.program_key(lowered)
+        compiled = compile_once.compile_here(lowered, None, to.cache_hits)
         if note is not None:
             compile_once.note_cached(cfg.compilation_cache, note)
-        if compiled.program is not None:
-            to.keep(n, compiled.program, key)  # before it is reported: a round of that size may start at once
+        program = compiled.whole(cfg.compilation_cache)
+        if program is not None:  # kept before it is reported: a round of that size may start at once
+            to.keep(n, program, compile_once.program_key(lowered))
         to.done(n, time.time() - t0, False)
 
 
-def start(cfg: Config, task: Any, workers: int, own: Any, own_key: str | None, to: Ahead) -> threading.Thread | None:
-    """In a daemon thread (None when it is off): keep the round's own step (``own``, serialized whole, compiled
-    for ``workers``; None when it was loaded as kept, or could not be serialized), then compile ahead for each
-    smaller size and keep those too (``own_key``: the key of the round's own step's program)."""
+def start(
+    cfg: Config, task: Any, workers: int, own: compile_once.Compiled | None, own_key: str | None, to: Ahead
+) -> threading.Thread | None:
+    """In a daemon thread (None when it is off): keep the round's own step (``own``, compiled for ``workers``;
+    None when it was loaded as kept or passed on by process 0) whole, then compile ahead for each smaller size
+    and keep those too (``own_key``: the key of the round's own step's program)."""
     if not cfg.compile_ahead:
         return None
 
     def run() -> None:
         idle_this_thread()  # the training's threads come first, and the collectives' transport threads too
         try:
-            if own is not None and own_key is not None:
-                to.keep(workers, own, own_key)
+            program = own.whole(cfg.compilation_cache) if own is not None and own_key is not None else None
+            if program is not None and own_key is not None:
+                to.keep(workers, program, own_key)
             compile_smaller(cfg, task, workers, own_key, to)
         except Exception as e:  # noqa: BLE001 - a recovery then compiles as it would have; training goes on
             log.warning("compiling ahead failed: %s: %s", type(e).__name__, e)

@@ -171,25 +171,28 @@ def _from_cache_entry(compiled: Any, entry: bytes) -> Serialized:
 
 
 class Compiled(NamedTuple):
-    """A program compiled here (:func:`compile_whole`)."""
+    """A program compiled here (:func:`compile_here`): from scratch, or looked up in the persistent cache."""
 
     executable: Any
-    program: Serialized | None  # it, serialized whole; None when it cannot be
     cache_hit: bool  # it came from the persistent cache
+    hit_key: str | None  # the cache key it was loaded under (None: not a hit, or a hit whose key was not seen)
+
+    def whole(self, cache_dir: str) -> Serialized | None:
+        """It serialized whole (:func:`whole`); None when it cannot be (a hit whose key was not seen)."""
+        if self.cache_hit and self.hit_key is None:
+            return None
+        return whole(self.executable, cache_dir, self.hit_key)
 
 
-def compile_whole(
-    lowered: Any, options: dict[str, Any] | None, cache_dir: str, hit_count: Callable[[], int]
-) -> Compiled:
-    """Compile ``lowered`` with the XLA ``options``, and serialize it whole (``hit_count``: the calling thread's
-    count of persistent-cache hits, JAX's own; a hit whose key was not seen is not serialized)."""
+def compile_here(lowered: Any, options: dict[str, Any] | None, hit_count: Callable[[], int]) -> Compiled:
+    """Compile ``lowered`` with the XLA ``options`` (``hit_count``: the calling thread's count of persistent-cache
+    hits, JAX's own), noting the cache key it was loaded under on a hit (:func:`watch_cache_hits`)."""
     hits_here()  # keys left from before: not this program's
     before = hit_count()
     executable = lowered.compile(compiler_options=options)
-    hit = hit_count() > before
     keys = hits_here()
-    program = whole(executable, cache_dir, keys[-1]) if keys else None if hit else whole(executable, cache_dir, None)
-    return Compiled(executable, program, hit)
+    hit = hit_count() > before or bool(keys)
+    return Compiled(executable, hit, keys[-1] if keys else None)
 
 
 def publish(store: Store, job: str, round_: int, name: str, program: Serialized | None) -> None:

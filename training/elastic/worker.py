@@ -346,7 +346,7 @@ class StepMade:
     cache_hit: bool
     seconds: float  # its own time, mostly hidden behind the restore it ran beside
     key: str | None  # its program's key (compile_once.program_key); None where this process did not lower it
-    program: compile_once.Serialized | None  # it serialized whole, to keep; None when loaded as kept
+    compiled: compile_once.Compiled | None  # as compiled here, to keep; None when loaded (kept, or passed on)
 
 
 def make_step(cfg: Any, trainer: Any, store: Any, a: Assignment) -> StepMade:
@@ -354,7 +354,7 @@ def make_step(cfg: Any, trainer: Any, store: Any, a: Assignment) -> StepMade:
     machine: :mod:`training.elastic.compile_once`); run beside the restore."""
     t0, hits = time.time(), cache_hits()
     kept = load_kept(store, a, trainer) if cfg.compile_ahead else None
-    loaded, key, program = kept is not None, kept.key if kept is not None else None, None
+    loaded, key, compiled = kept is not None, kept.key if kept is not None else None, None
     if share_compiles(cfg, a):
         if a.rank == 0:
             compile_once.forget_earlier_rounds(store, a.job, a.round)
@@ -362,14 +362,13 @@ def make_step(cfg: Any, trainer: Any, store: Any, a: Assignment) -> StepMade:
             shared = compile_shared(cfg, store, a, "step", None if loaded else trainer.lower)
             if shared.compiled is not None:
                 trainer.load(shared.compiled)
-            loaded, key, program = loaded or shared.passed, shared.key or key, shared.program
+            loaded, key, compiled = loaded or shared.passed, shared.key or key, shared.made
     elif not loaded:
         lowered = trainer.lower()
         key = compile_once.program_key(lowered)
-        compiled = compile_once.compile_whole(lowered, None, cfg.compilation_cache, cache_hits)
+        compiled = compile_once.compile_here(lowered, None, cache_hits)
         trainer.load(compiled.executable)
-        program = compiled.program
-    return StepMade(loaded, loaded or cache_hits() > hits, time.time() - t0, key, program)
+    return StepMade(loaded, loaded or cache_hits() > hits, time.time() - t0, key, compiled)
 
 
 def share_compiles(cfg: Any, a: Assignment) -> bool:
@@ -384,7 +383,7 @@ class Shared:
     compiled: Any | None  # None: process 0 had the program already
     passed: bool  # loaded as process 0 compiled it
     key: str | None  # the program's key (compile_once.program_key, with its options); None where not known
-    program: compile_once.Serialized | None = None  # process 0: it serialized whole (None: it could not be)
+    made: compile_once.Compiled | None = None  # process 0: as it compiled it
 
 
 def compile_shared(
@@ -406,11 +405,11 @@ def compile_shared(
             compile_once.publish(store, a.job, a.round, name, None)
             return Shared(None, False, None)
         lowered = lower()
-        key = program_key(lowered, options)
+        key = program_key_with(lowered, options)
         compile_once.announce(store, a.job, a.round, name, key)
-        compiled = compile_once.compile_whole(lowered, options, cfg.compilation_cache, cache_hits)
-        compile_once.publish(store, a.job, a.round, name, compiled.program)
-        return Shared(compiled.executable, False, key, compiled.program)
+        compiled = compile_once.compile_here(lowered, options, cache_hits)
+        compile_once.publish(store, a.job, a.round, name, compiled.whole(cfg.compilation_cache))
+        return Shared(compiled.executable, False, key, compiled)
     assert lower is not None
     wait_s = cfg.hang_timeout_s / 2
     announced = compile_once.announced(store, a.job, a.round, name, wait_s)
@@ -418,14 +417,14 @@ def compile_shared(
     if got is None:
         print(f"round {a.round} process {a.rank}: {name} compiled here: process 0 passed none on", file=sys.stderr)
         lowered = lower()
-        return Shared(lowered.compile(compiler_options=options), False, program_key(lowered, options))
+        return Shared(lowered.compile(compiler_options=options), False, program_key_with(lowered, options))
     print(
         f"round {a.round} process {a.rank}: {name} loaded as process 0 passed it on, not lowered here", file=sys.stderr
     )
     return Shared(got, True, announced)
 
 
-def program_key(lowered: Any, options: dict[str, Any] | None) -> str:
+def program_key_with(lowered: Any, options: dict[str, Any] | None) -> str:
     """A lowered program's note key (:func:`compile_once.program_key`), for the XLA ``options`` it is compiled with."""
     key = compile_once.program_key(lowered)
     return compile_once.derived_key(key, f"options:{sorted(options.items())}") if options else key
@@ -772,7 +771,7 @@ class RoundLoop:
         self.loop: Loop  # made when the data pipeline is (run): the first step's clock starts there
         self.eval_batches: list[Any] | None = None  # validate_on: slice, made at the round's first evaluation
         self.kept_any = False  # process 0 has kept a compiled step (and deleted other jobs')
-        self.made = made  # how the round's step was made (one from a cache, or loaded, is not kept again)
+        self.made = made  # how the round's step was made (kept by process 0, unless it was loaded)
         self.validation: Any = None  # the task's validation source
 
     def data_position(self) -> DataPosition:
@@ -798,7 +797,7 @@ class RoundLoop:
             self.one_step(batches)
             if self.step == ahead_at and a.rank == 0:
                 to = ahead.Ahead(self.compiled_ahead, self.keep_compiled, self.keeps, cache_hits)
-                ahead.start(cfg, self.task, a.processes, self.made.program, self.made.key, to)
+                ahead.start(cfg, self.task, a.processes, self.made.compiled, self.made.key, to)
             save_now = self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps
             # Due by the config and the step alone, the same in every process (a process whose local
             # write failed has its tier off, and skips only the write).
