@@ -39,7 +39,7 @@ import pickle
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 from training.layout import COMPILED
 from training.storage import NotFound, Store, open_store
@@ -170,18 +170,21 @@ def _from_cache_entry(compiled: Any, entry: bytes) -> Serialized:
         return f.getvalue(), in_tree, compiled.out_tree
 
 
-class Compiled(NamedTuple):
+class Compiled:
     """A program compiled here (:func:`compile_here`): from scratch, or looked up in the persistent cache."""
 
-    executable: Any
-    cache_hit: bool  # it came from the persistent cache
-    hit_key: str | None  # the cache key it was loaded under (None: not a hit, or a hit whose key was not seen)
+    def __init__(self, executable: Any, cache_hit: bool, hit_key: str | None) -> None:
+        self.executable = executable
+        self.cache_hit = cache_hit  # it came from the persistent cache
+        self.hit_key = hit_key  # the cache key it was loaded under (None: not a hit, or a hit whose key was not seen)
+        self._whole: tuple[Serialized | None] | None = None
 
     def whole(self, cache_dir: str) -> Serialized | None:
-        """It serialized whole (:func:`whole`); None when it cannot be (a hit whose key was not seen)."""
-        if self.cache_hit and self.hit_key is None:
-            return None
-        return whole(self.executable, cache_dir, self.hit_key)
+        """It serialized whole (:func:`whole`), once; None when it cannot be (a hit whose key was not seen)."""
+        if self._whole is None:
+            unseen = self.cache_hit and self.hit_key is None
+            self._whole = (None if unseen else whole(self.executable, cache_dir, self.hit_key),)
+        return self._whole[0]
 
 
 def compile_here(lowered: Any, options: dict[str, Any] | None, hit_count: Callable[[], int]) -> Compiled:
@@ -239,13 +242,15 @@ def forget_earlier_rounds(store: Store, job: str, round_: int) -> None:
                 store.delete(key)
 
 
-def program_key(lowered: Any) -> str:
-    """A lowered program's key for :func:`note_cached`: the same program (and JAX and XLA flags) in any process."""
+def program_key(lowered: Any, options: dict[str, Any] | None = None) -> str:
+    """A lowered program's key: the same program (and JAX, XLA flags and the XLA ``options`` it is compiled with)
+    in any process."""
     import jax
 
     text = lowered.as_text()
     salt = f"{jax.__version__}|{os.environ.get('XLA_FLAGS', '')}|"
-    return hashlib.sha256(salt.encode() + text.encode()).hexdigest()
+    key = hashlib.sha256(salt.encode() + text.encode()).hexdigest()
+    return derived_key(key, f"options:{sorted(options.items())}") if options else key
 
 
 def derived_key(key: str, what: str) -> str:

@@ -405,7 +405,7 @@ def compile_shared(
             compile_once.publish(store, a.job, a.round, name, None)
             return Shared(None, False, None)
         lowered = lower()
-        key = program_key_with(lowered, options)
+        key = compile_once.program_key(lowered, options)
         compile_once.announce(store, a.job, a.round, name, key)
         compiled = compile_once.compile_here(lowered, options, cache_hits)
         compile_once.publish(store, a.job, a.round, name, compiled.whole(cfg.compilation_cache))
@@ -417,17 +417,11 @@ def compile_shared(
     if got is None:
         print(f"round {a.round} process {a.rank}: {name} compiled here: process 0 passed none on", file=sys.stderr)
         lowered = lower()
-        return Shared(lowered.compile(compiler_options=options), False, program_key_with(lowered, options))
+        return Shared(lowered.compile(compiler_options=options), False, compile_once.program_key(lowered, options))
     print(
         f"round {a.round} process {a.rank}: {name} loaded as process 0 passed it on, not lowered here", file=sys.stderr
     )
     return Shared(got, True, announced)
-
-
-def program_key_with(lowered: Any, options: dict[str, Any] | None) -> str:
-    """A lowered program's note key (:func:`compile_once.program_key`), for the XLA ``options`` it is compiled with."""
-    key = compile_once.program_key(lowered)
-    return compile_once.derived_key(key, f"options:{sorted(options.items())}") if options else key
 
 
 def init_once(cfg: Any, trainer: Any, store: Any, a: Assignment) -> Any:
