@@ -16,6 +16,8 @@ milliseconds could both win.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import threading
@@ -251,8 +253,32 @@ class RunLock:
             rec["contact"] = self.contact
         if previous is not None:
             rec["previous"] = cast(PreviousHolder, {k: previous.get(k) for k in PreviousHolder.__required_keys__})
-        self.store.create(f"{LOCK}{gen:012d}.json", json.dumps(rec, sort_keys=True).encode())
+        data = json.dumps(rec, sort_keys=True).encode()
+        try:
+            self.store.create(f"{LOCK}{gen:012d}.json", data)
+        except OSError as e:
+            if e.errno != errno.ENOSPC or not self._drop_history(gen):
+                raise
+            self.store.create(f"{LOCK}{gen:012d}.json", data)
         return rec
+
+    def _drop_history(self, gen: int) -> bool:
+        """A full disk: drop the generations before the current one (``gen - 1``) to make room for ``gen``.
+
+        They are history: a reader following one by name lists again when it is gone, and the
+        newest stays, so every generation after one still there is there too.  False: none to drop.
+        """
+        dropped = False
+        for old, key in self._generations():
+            if old < gen - 1:
+                with contextlib.suppress(NotFound):
+                    self.store.delete(key)
+                    dropped = True
+        if dropped:
+            log.warning(
+                "the disk of %s is full: dropped the lock's history to write its next generation", self.store.uri
+            )
+        return dropped
 
     def _confirm(self, gen: int) -> bool:
         """Is generation ``gen`` still the newest, and ours?  Also drops generations older than the kept ones.
