@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from training.config import Config, load_config
+from training.cpu_devices import cpu_xla_flags
 from training.events import Event
 from training.storage import OPS_ENV
 
@@ -491,7 +492,7 @@ def _plain_times(cfg: Config, window: tuple[int, ...], lower: bool) -> list[floa
             "BENCH_LOWER": "1" if lower else "0",
             "JAX_PLATFORMS": "cpu",
             "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={cfg.devices_per_worker}",
+            "XLA_FLAGS": cpu_xla_flags(cfg.devices_per_worker),
         }
         procs.append(
             subprocess.Popen(

@@ -61,6 +61,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from training.cpu_devices import cpu_xla_flags
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"  # the address every Ray node of the bench binds
 # Each simulated host is a JAX process with D CPU devices and gloo collectives, as on our local slice.
@@ -372,7 +374,7 @@ def ray_recovery(
     system_config: dict[str, Any] = dict(TUNED_SYSTEM_CONFIG) if tuned else {}
     train_env = dict(TUNED_TRAIN_ENV) if tuned else {}
     worker_env = dict(WORKER_ENV)
-    worker_env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_host}"
+    worker_env["XLA_FLAGS"] = cpu_xla_flags(devices_per_host)
     worker_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
     notes: list[str] = [
         "JaxTrainer: its JAX backend starts jax.distributed only with use_tpu/use_gpu, so on CPU the train loop "

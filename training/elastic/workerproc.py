@@ -24,6 +24,7 @@ from typing import IO, Any, Protocol
 
 from training import procctl
 from training.config import Config
+from training.cpu_devices import cpu_xla_flags
 from training.elastic.rendezvous import Round
 from training.elastic.wire import WorkerReport, decode
 
@@ -121,7 +122,7 @@ def worker_env(cfg: Config, run_uri: str, host: str, job: str) -> dict[str, str]
             {
                 "JAX_PLATFORMS": "cpu",
                 "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
-                "XLA_FLAGS": f"--xla_force_host_platform_device_count={cfg.devices_per_worker}",
+                "XLA_FLAGS": cpu_xla_flags(cfg.devices_per_worker),
             }
         )
     return env

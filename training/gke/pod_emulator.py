@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from training.cpu_devices import cpu_xla_flags
 from training.gke.manifests import (
     COMPLETION_INDEX_ANNOTATION,
     JOB_INDEX_LABEL,
@@ -580,7 +581,7 @@ def cpu_image_env(chips_per_host: int, extra: Mapping[str, str] | None = None) -
         "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
         "JAX_PLATFORMS": "cpu",
         "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={chips_per_host}",
+        "XLA_FLAGS": cpu_xla_flags(chips_per_host),
         "PYTHONUNBUFFERED": "1",
         **(extra or {}),
     }
