@@ -120,6 +120,31 @@ def test_a_lost_host_leaves_the_survivors_training_and_its_return_grows_the_grou
     assert_exact_data(cfg.run_uri, tiny_dataset, cfg)
 
 
+def test_a_lone_leader_s_restarted_agent_takes_its_predecessor_s_lease_at_once(tmp_path, tiny_dataset, jax_cache):
+    cfg = job_config(
+        str(tmp_path),
+        tiny_dataset,
+        jax_cache,
+        run_name="lone-leader",
+        steps=16,
+        min_workers=1,
+        max_workers=1,
+        checkpoint_every=4,
+    )
+    handle = start_job(cfg)
+    wait_for(lambda: ((api.status(cfg.run_uri) or {}).get("step") or 0) >= 6, 240, "step 6")
+    killed_at = time.time()
+    kill_host(cfg.run_uri, "h0")  # its only host's agent and worker: the local slice starts a new agent there
+    st = wait_finished(handle)
+    assert st["state"] == "finished" and st["step"] == 16, worker_logs(cfg.run_uri)
+    # No other agent held a connection to the dead leader. The new one, on the same host, dialled its
+    # predecessor's listener: refused, so that agent has exited, and its lease is taken without a lapse.
+    [taken] = [e for e in _events(cfg.run_uri, "lock") if e["action"] == "takeover" and e["time"] > killed_at]
+    assert taken["holder_exited"] is True and taken["previous_owner"].startswith("agent h0 "), taken
+    assert taken["time"] < float(taken["previous_expires_at"]) + cfg.lease_s, taken
+    assert [e["workers"] for e in _events(cfg.run_uri, "launch")] == [1, 1]
+
+
 def test_losing_the_leader_s_host_another_agent_leads_and_the_run_goes_on(tmp_path, tiny_dataset, jax_cache):
     cfg = job_config(
         str(tmp_path),

@@ -89,6 +89,7 @@ def test_an_agent_that_cannot_be_reached_yet_is_not_gone_and_is_dialled_again(wa
     watch.watch("h1", 1.0, address)
     time.sleep(0.3)
     assert not watch.gone("h1", 1.0)  # refused is no proof of death: a network can refuse a live host
+    assert watch.refused("h1", 1.0)  # but it is said (an earlier agent of the caller's own host is taken as gone)
     proc, _ = _agent(port)
     try:
         t0 = time.monotonic()
@@ -97,6 +98,7 @@ def test_an_agent_that_cannot_be_reached_yet_is_not_gone_and_is_dialled_again(wa
             time.sleep(0.1)
             assert time.monotonic() - t0 < RETRY_S + 5
         time.sleep(0.3)
+        assert not watch.refused("h1", 1.0)  # it listens now
         proc.kill()
         assert _until(lambda: watch.gone("h1", 1.0), 2.0) < 0.5
     finally:

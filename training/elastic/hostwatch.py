@@ -142,6 +142,7 @@ class HostWatch:
         self._open: dict[tuple[str, float], str] = {}  # agent -> the address its connection is open (or opening) to
         self._gone: dict[tuple[str, float], bool] = {}  # agent whose connection ended -> by its kernel (not a timeout)
         self._failed: dict[tuple[str, float], float] = {}  # agent -> when (monotonic) a connect failed
+        self._refused: set[tuple[str, float]] = set()  # agents whose last dial was refused (nothing listens there)
 
     def watch(self, host: str, started: float, address: str) -> None:
         """Hold a connection to this agent (no-op when one is open or it is gone; cheap to call every scan)."""
@@ -170,11 +171,21 @@ class HostWatch:
         with self._lock:
             return self._gone.get((host, started), False)
 
+    def refused(self, host: str, started: float) -> bool:
+        """True when the last dial of this agent was refused: nothing listens at its address now.
+
+        No proof of death by itself (a network can refuse a live host), but for an earlier agent of
+        the caller's own host it is: see the leadership's takeover.
+        """
+        with self._lock:
+            return (host, started) in self._refused
+
     def forget(self, host: str, started: float) -> None:
         """Take back that this agent is gone (it has beaten since): the next :meth:`watch` dials it again."""
         with self._lock:
             self._gone.pop((host, started), None)
             self._failed.pop((host, started), None)
+            self._refused.discard((host, started))
 
     def close(self) -> None:
         self._loop.close()
@@ -193,7 +204,7 @@ class HostWatch:
             return
         if rc not in (0, errno.EINPROGRESS):
             sock.close()
-            self._not_opened(agent, errno.errorcode.get(rc, str(rc)))
+            self._not_opened(agent, rc)
             return
         self._loop.sel.register(sock, selectors.EVENT_WRITE, lambda s, m: self._opened(agent, s))
 
@@ -201,18 +212,24 @@ class HostWatch:
         err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
         if err:
             self._loop.drop(sock)
-            self._not_opened(agent, errno.errorcode.get(err, str(err)))
+            self._not_opened(agent, err)
             return
         keepalive(sock)
         with self._lock:
             self._failed.pop(agent, None)
+            self._refused.discard(agent)
         self._loop.sel.modify(sock, selectors.EVENT_READ, lambda s, m: self._readable(agent, s))
 
-    def _not_opened(self, agent: tuple[str, float], why: str) -> None:
-        log.info("host watch: cannot reach the agent of %s (%s); tried again later", agent[0], why)
+    def _not_opened(self, agent: tuple[str, float], why: int | str) -> None:
+        name = errno.errorcode.get(why, str(why)) if isinstance(why, int) else why
+        log.info("host watch: cannot reach the agent of %s (%s); tried again later", agent[0], name)
         with self._lock:
             self._open.pop(agent, None)
             self._failed[agent] = time.monotonic()
+            if why == errno.ECONNREFUSED:
+                self._refused.add(agent)
+            else:
+                self._refused.discard(agent)
 
     def _readable(self, agent: tuple[str, float], sock: socket.socket) -> None:
         exited = True

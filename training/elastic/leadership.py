@@ -132,13 +132,19 @@ class Leadership:
         return None
 
     def _holder_exited(self, holder: LockRecord) -> int | None:
-        """The lease's generation when its holder's agent has exited (its host-watch connection was closed)."""
+        """The lease's generation when its holder's agent has exited: its host-watch connection was closed, or
+        it is an earlier agent of this very host (this one replaced it) and nothing listens at its address."""
         contact = holder.get("contact")
-        if contact is None or not contact.get("watch") or contact.get("started") == self.heart.record.started:
+        own = self.heart.record.started
+        if contact is None or not contact.get("watch") or contact.get("started") == own:
             return None
         host, started = str(contact["host"]), float(contact["started"])
         self.host_watch.watch(host, started, str(contact["watch"]))
-        return int(holder["gen"]) if self.host_watch.exited(host, started) else None
+        exited = self.host_watch.exited(host, started)
+        # A refused dial is no proof of death in general (a network can refuse a live host), but an earlier agent
+        # of this host was replaced because it stopped: its listener refusing says it has exited.
+        predecessor = host == self.host and started < own and self.host_watch.refused(host, started)
+        return int(holder["gen"]) if exited or predecessor else None
 
     def store_error(self, e: Exception) -> None:
         """The run root refused a write.  One it will keep refusing ends the job: room is made for its last words."""
