@@ -133,6 +133,7 @@ def _lose_host(ws: Path, name: str, which: str, wait_ahead: bool = False, **kw: 
     ``wait_ahead``: and not before process 0 has compiled the 1-host step ahead.
     """
     from training import api
+    from training.elastic.capacity import LocalCapacity
     from training.elastic.rendezvous import Rendezvous
     from training.storage import open_store
 
@@ -154,7 +155,9 @@ def _lose_host(ws: Path, name: str, which: str, wait_ahead: bool = False, **kw: 
     leader = st["leader"]
     records = Rendezvous(open_store(cfg.run_uri)).hosts()
     victim = leader if which == "leader" else next(h for h in records if h != leader)
-    api.set_capacity(cfg.run_uri, WORKERS - 1, reason="bench: the host is gone", source="bench")
+    # The pool loses that host, by name: shrunk by number, the local slice would stop its newest host,
+    # and a lost leader would be two hosts lost at once.
+    LocalCapacity(open_store(cfg.run_uri), default=WORKERS).leave(victim, reason="bench: the host is gone")
     t_kill = time.time()
     os.killpg(os.getpgid(records[victim].pid), signal.SIGKILL)
     _end(handle)
