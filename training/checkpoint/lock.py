@@ -129,12 +129,7 @@ class RunLock:
     # -- reading ---------------------------------------------------------------------------
 
     def _generations(self) -> list[tuple[int, str]]:
-        gens = []
-        for key in self.store.list(LOCK):
-            name = key[len(LOCK) :]
-            if name.endswith(".json") and name[:-5].isdigit():
-                gens.append((int(name[:-5]), key))
-        return sorted(gens)
+        return generations(self.store)
 
     def newest(self) -> tuple[int, LockRecord | None]:
         """(generation, record) of the lock's current state; (0, None) for a lock never taken.
@@ -257,28 +252,10 @@ class RunLock:
         try:
             self.store.create(f"{LOCK}{gen:012d}.json", data)
         except OSError as e:
-            if e.errno != errno.ENOSPC or not self._drop_history(gen):
+            if e.errno != errno.ENOSPC or not drop_history(self.store, gen):
                 raise
             self.store.create(f"{LOCK}{gen:012d}.json", data)
         return rec
-
-    def _drop_history(self, gen: int) -> bool:
-        """A full disk: drop the generations before the current one (``gen - 1``) to make room for ``gen``.
-
-        They are history: a reader following one by name lists again when it is gone, and the
-        newest stays, so every generation after one still there is there too.  False: none to drop.
-        """
-        dropped = False
-        for old, key in self._generations():
-            if old < gen - 1:
-                with contextlib.suppress(NotFound):
-                    self.store.delete(key)
-                    dropped = True
-        if dropped:
-            log.warning(
-                "the disk of %s is full: dropped the lock's history to write its next generation", self.store.uri
-            )
-        return dropped
 
     def _confirm(self, gen: int) -> bool:
         """Is generation ``gen`` still the newest, and ours?  Also drops generations older than the kept ones.
@@ -411,6 +388,33 @@ class RunLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def generations(store: Store) -> list[tuple[int, str]]:
+    """The lock's generations in ``store``: (number, object key), oldest first."""
+    gens = []
+    for key in store.list(LOCK):
+        name = key[len(LOCK) :]
+        if name.endswith(".json") and name[:-5].isdigit():
+            gens.append((int(name[:-5]), key))
+    return sorted(gens)
+
+
+def drop_history(store: Store, gen: int) -> bool:
+    """A full disk: drop the generations before the current one (``gen - 1``) to make room for ``gen``.
+
+    They are history: a reader following one by name lists again when it is gone, and the
+    newest stays, so every generation after one still there is there too.  False: none to drop.
+    """
+    dropped = False
+    for old, key in generations(store):
+        if old < gen - 1:
+            with contextlib.suppress(NotFound):
+                store.delete(key)
+                dropped = True
+    if dropped:
+        log.warning("the disk of %s is full: dropped the lock's history to write its next generation", store.uri)
+    return dropped
 
 
 class LeaseKeeper:
