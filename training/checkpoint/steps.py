@@ -70,6 +70,16 @@ def committed_steps(run: str) -> list[int]:
     return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and ocp_path.step.is_checkpoint_finalized(p))
 
 
+def is_committed(run: str, step: int) -> bool:
+    """Whether checkpoint ``step`` of a run is committed (finalised), as Orbax decides: a look at that step alone."""
+    fresh_gcs_listings()
+    from etils import epath
+    from orbax.checkpoint import path as ocp_path
+
+    path = epath.Path(step_uri(run, step))
+    return bool(path.exists() and ocp_path.step.is_checkpoint_finalized(path))
+
+
 def file_checksums(run: str, step: int) -> dict[str, list[int]]:
     """``{relative file name: [size, crc32c]}`` of every file of a committed step."""
     return open_store(step_uri(run, step)).checksums()

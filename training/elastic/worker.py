@@ -34,6 +34,7 @@ from typing import Any, NoReturn
 
 from training import procctl
 from training.checkpoint.resume import DataPosition
+from training.checkpoint.steps import is_committed
 from training.elastic import ahead, compile_once
 from training.elastic.codes import WorkerExit
 from training.elastic.cpu_slice import TransportThreads
@@ -333,7 +334,7 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, task: An
         cache_hit=step.cache_hit,
         loaded=step.loaded,
     )
-    saver = Saver(mngr, rep, pins, trainer.abstract, background=cfg.async_checkpoint)
+    saver = Saver(run, mngr, rep, pins, trainer.abstract, background=cfg.async_checkpoint)
     loop = RoundLoop(cfg, store, a, rep, trainer, saver, start, t_assigned, task, step)
     return loop.run(task_data, batches)
 
@@ -1147,9 +1148,12 @@ class Saver:
     the lower bound of that copy at the host's memory bandwidth (``copy_bound_s``).
     """
 
-    def __init__(self, mngr: Any, rep: Reporter, pins: Pins, abstract: Any, *, background: bool = True) -> None:
+    def __init__(
+        self, run: str, mngr: Any, rep: Reporter, pins: Pins, abstract: Any, *, background: bool = True
+    ) -> None:
         from training.checkpoint.manager import BackgroundSave, packs_small
 
+        self.run = run
         self.mngr = mngr
         self.rep = rep
         self.pins = pins
@@ -1163,7 +1167,7 @@ class Saver:
     def _commit(self, step: int) -> None:
         # An async save that failed raises here; a step is reported committed only when finalised.
         self.mngr.check_for_errors()
-        if step not in self.mngr.all_steps(read=True):
+        if not is_committed(self.run, step):  # that step alone: a listing of every step costs a look at each
             raise RuntimeError(f"checkpoint {step} did not commit (no finalised step directory){_why_not(self.mngr)}")
         cost, self.cost = self.cost, {}
         cost["write_s"] = round(time.time() - cost.pop("t0"), 4)
