@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import jax
+import jax.numpy as jnp
 import optax
 
 from training.config import Config
@@ -30,7 +34,7 @@ def make_schedule(cfg: Config) -> optax.Schedule:
 def make_optimizer(cfg: Config, schedule: optax.Schedule | None = None) -> optax.GradientTransformation:
     """Gradient clipping (when on), then the config's optimizer at the schedule's rate."""
     lr = schedule or make_schedule(cfg)
-    parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
+    parts: list[optax.GradientTransformation] = [clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
     if cfg.optimizer == "adamw":
         parts.append(optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay))
     elif cfg.optimizer == "lion":
@@ -40,3 +44,23 @@ def make_optimizer(cfg: Config, schedule: optax.Schedule | None = None) -> optax
     else:
         parts.append(optax.sgd(lr, momentum=cfg.b1 or None))
     return optax.chain(*parts)
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """``optax.clip_by_global_norm``, which also takes the gradients' norm when the step has it (``grad_norm=``).
+
+    The step reports that norm: given it, the clip does not read every gradient a second time (XLA
+    does not merge the two passes; on CPU the second one cost 6% of the tiny model's step).
+    Without it, optax's own clip runs; with it, the same arithmetic on the same norm.
+    """
+    own = optax.clip_by_global_norm(max_norm)
+
+    def update(updates: Any, state: Any, params: Any = None, *, grad_norm: Any = None, **_extra: Any) -> Any:
+        if grad_norm is None:
+            return own.update(updates, state, params)
+        keep = jnp.squeeze(grad_norm < max_norm)
+        return jax.tree.map(
+            lambda t: jax.lax.select(keep, t, (t / grad_norm.astype(t.dtype)) * max_norm), updates
+        ), state
+
+    return optax.GradientTransformationExtraArgs(own.init, update)

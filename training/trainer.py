@@ -204,7 +204,8 @@ class Trainer:
     ) -> tuple[State, dict[str, Any]]:
         rng, step_rng = jax.random.split(jax.random.wrap_key_data(state["rng"]))
         loss, grads, aux = self._grads(state["params"], batch, step_rng)
-        updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
+        grad_norm = optax.tree.norm(grads)  # the metric, and the clip's (computed once: see optim.clip_by_global_norm)
+        updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"], grad_norm=grad_norm)
         # lr_scale is 1.0 except when a rollback (or a chaos fault) changes the learning rate.
         updates = jax.tree.map(lambda u: u * lr_scale.astype(u.dtype), updates)
         params = optax.apply_updates(state["params"], updates)
@@ -217,7 +218,7 @@ class Trainer:
         metrics = {
             **aux,
             "loss": loss,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": grad_norm,
             "lr": self.schedule(state["step"]) * lr_scale,  # the rate this step's update used
             "notice": jnp.sum(flags),  # a sum, not a max: its all-reduce joins the step's others
         }

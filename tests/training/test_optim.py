@@ -105,3 +105,30 @@ def test_a_small_state_s_initialisation_is_compiled_without_optimisation_on_cpu(
         np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=1e-6, atol=1e-7)
     monkeypatch.setattr(trainer_mod, "UNOPTIMISED_INIT_MAX", 10)
     assert tr.init_compiler_options() is None  # a large state: its run would cost more than the compile saves
+
+
+@pytest.mark.parametrize("scale", [0.01, 100.0])  # under the clip's norm, and over it
+def test_the_clip_given_the_step_s_norm_updates_exactly_as_optax_s_own(scale: float) -> None:
+    import optax
+
+    cfg = load_config("tiny", None, {"grad_clip": 1.0})
+    tx = make_optimizer(cfg)
+    keys = jax.random.split(jax.random.key(3), 3)
+    params = {"w": jax.random.normal(keys[0], (16, 8)), "b": jax.random.normal(keys[1], (8,))}
+    grads = jax.tree.map(lambda p: scale * jax.random.normal(keys[2], p.shape), params)
+    state = tx.init(params)
+    reference, ref_state = jax.jit(optax.chain(optax.clip_by_global_norm(1.0), *tx_rest(cfg)).update)(
+        grads, state, params
+    )
+    given, given_state = jax.jit(lambda g, s, p: tx.update(g, s, p, grad_norm=optax.tree.norm(g)))(grads, state, params)
+    alone, _ = jax.jit(tx.update)(grads, state, params)  # not given: optax's clip computes it
+    for a, b, c in zip(jax.tree.leaves(reference), jax.tree.leaves(given), jax.tree.leaves(alone), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+    assert jax.tree.structure(ref_state) == jax.tree.structure(given_state)  # checkpoints keep their layout
+
+
+def tx_rest(cfg):  # the optimizer after the clip, as make_optimizer builds it
+    import optax
+
+    return [optax.adamw(make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)]
