@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -36,3 +37,25 @@ def gcs_emulator() -> Iterator[str]:
 def gcs_root(gcs_emulator: str) -> str:
     """A fresh gs:// prefix in the emulator's bucket."""
     return f"gs://{BUCKET}/t-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[tuple[Path, Callable[[], None]]]:
+    """A 1 MiB tmpfs (root only: skipped otherwise) and a function that fills it up."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("needs a tmpfs mount (root) to make a disk that fills up")
+
+    def fill() -> None:
+        with open(mnt / "filler", "wb", buffering=0) as f:
+            try:
+                while True:
+                    f.write(bytes(4096))
+            except OSError:
+                pass
+
+    try:
+        yield mnt, fill
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

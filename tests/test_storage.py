@@ -112,29 +112,16 @@ def test_create_in_writes_into_a_reserve_and_gives_it_up(store):
     assert store.get("events/last.json") == b'{"type": "failed"}'
 
 
-def test_a_full_disk_still_takes_an_object_written_into_its_reserve(tmp_path):
-    import subprocess
-
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("needs a tmpfs mount (root) to make a disk that fills up")
-    try:
-        s = open_store(str(mnt))
-        s.put("reserve", bytes(65536))
-        s.create("events/first.json", b"{}")  # the run's events directory exists by then
-        with open(mnt / "filler", "wb", buffering=0) as f:
-            try:
-                while True:
-                    f.write(bytes(4096))
-            except OSError:
-                pass
-        with pytest.raises(OSError):
-            s.create("events/x.json", b"{}" * 100)
-        s.create_in("reserve", "events/x.json", b"{}" * 100)
-        assert s.get("events/x.json") == b"{}" * 100
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+def test_a_full_disk_still_takes_an_object_written_into_its_reserve(tiny_disk):
+    mnt, fill = tiny_disk
+    s = open_store(str(mnt))
+    s.put("reserve", bytes(65536))
+    s.create("events/first.json", b"{}")  # the run's events directory exists by then
+    fill()
+    with pytest.raises(OSError):
+        s.create("events/x.json", b"{}" * 100)
+    s.create_in("reserve", "events/x.json", b"{}" * 100)
+    assert s.get("events/x.json") == b"{}" * 100
 
 
 def test_what_fails_for_now_is_told_from_what_will_keep_failing() -> None:

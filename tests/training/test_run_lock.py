@@ -2,37 +2,14 @@
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
 from training.checkpoint.lock import RunLock
 from training.storage import open_store
 
 
-@pytest.fixture
-def full_disk(tmp_path):
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("needs a tmpfs mount (root) to make a disk that fills up")
-
-    def fill() -> None:
-        with open(mnt / "filler", "wb", buffering=0) as f:
-            try:
-                while True:
-                    f.write(bytes(4096))
-            except OSError:
-                pass
-
-    try:
-        yield mnt, fill
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-
-
-def test_a_holder_on_a_full_disk_renews_and_releases_the_lock_by_dropping_its_history(full_disk) -> None:
-    mnt, fill = full_disk
+def test_a_holder_on_a_full_disk_renews_and_releases_the_lock_by_dropping_its_history(tiny_disk) -> None:
+    mnt, fill = tiny_disk
     lock = RunLock(open_store(str(mnt)), owner="agent h0", lease_s=30)
     lock.acquire()
     for _ in range(4):
@@ -52,8 +29,8 @@ def test_a_holder_on_a_full_disk_renews_and_releases_the_lock_by_dropping_its_hi
     assert other.acquire()["action"] == "acquire"  # the next owner takes it at once, from the history left
 
 
-def test_a_full_disk_with_no_history_to_drop_still_refuses_the_write(full_disk) -> None:
-    mnt, fill = full_disk
+def test_a_full_disk_with_no_history_to_drop_still_refuses_the_write(tiny_disk) -> None:
+    mnt, fill = tiny_disk
     lock = RunLock(open_store(str(mnt)), owner="agent h0", lease_s=30)
     lock.acquire()
     fill()
