@@ -126,17 +126,18 @@ def test_a_lone_leader_s_restarted_agent_takes_its_predecessor_s_lease_at_once(t
         tiny_dataset,
         jax_cache,
         run_name="lone-leader",
-        steps=16,
+        steps=400,  # one host steps in about 20 ms: room for the kill well before the end
         min_workers=1,
         max_workers=1,
-        checkpoint_every=4,
+        checkpoint_every=20,
     )
     handle = start_job(cfg)
-    wait_for(lambda: ((api.status(cfg.run_uri) or {}).get("step") or 0) >= 6, 240, "step 6")
+    st = wait_for(lambda: (s := api.status(cfg.run_uri)) and (s.get("step") or 0) >= 20 and s, 240, "step 20")
+    assert st["state"] == "running" and st["step"] < 200, st
     killed_at = time.time()
     kill_host(cfg.run_uri, "h0")  # its only host's agent and worker: the local slice starts a new agent there
     st = wait_finished(handle)
-    assert st["state"] == "finished" and st["step"] == 16, worker_logs(cfg.run_uri)
+    assert st["state"] == "finished" and st["step"] == 400, worker_logs(cfg.run_uri)
     # No other agent held a connection to the dead leader. The new one, on the same host, dialled its
     # predecessor's listener: refused, so that agent has exited, and its lease is taken without a lapse.
     [taken] = [e for e in _events(cfg.run_uri, "lock") if e["action"] == "takeover" and e["time"] > killed_at]
