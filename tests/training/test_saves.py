@@ -91,7 +91,14 @@ def test_a_background_save_writes_the_state_of_its_step_while_donating_steps_go_
             ckpt.save(mngr, step, snap, {"next_batch": step}, cfg)
 
         bg = ckpt.BackgroundSave(abstract, "test-save", gather_small=True)
-        bg.start(save, state, 1)
+        bg.thread.submit(lambda: None).result()  # the thread's queue is in order: anything queued ahead ran
+        compiled_at_start = bg.snapshot.fn is not None  # not on a round's busy start: after its first steps
+        bg.start(save, state, 1)  # a save before prepare_ahead compiles the copy itself
+        ahead = ckpt.BackgroundSave(abstract, "test-ahead")
+        ahead.prepare_ahead()
+        ahead.prepare_ahead()
+        ahead.thread.submit(lambda: None).result()  # the thread's queue is in order: the compile is done
+        ahead.close()
         for _ in range(3):  # each step donates the state it is given
             state, _ = trainer.step(state, trainer.global_batch(next(batches)), 1.0)
         jax.block_until_ready(state)
@@ -139,6 +146,7 @@ def test_a_background_save_writes_the_state_of_its_step_while_donating_steps_go_
             "nice": nice,
             "nice_wanted": min(MAX_NICE, nice["loop"] + BACKGROUND_NICE),
             "nice_after": niceness(),
+            "compiled": [compiled_at_start, ahead.snapshot.fn is not None],
         }))
         """,
         tmp_path,
@@ -151,6 +159,7 @@ def test_a_background_save_writes_the_state_of_its_step_while_donating_steps_go_
     assert res["collected"] == [True, True, [True, None]], "collected once, with the thread's time"
     assert res["errors"] == ["disk gone", "disk gone"], "a failed save raises on collect, in a thread or not"
     assert res["inline_saves_the_state_itself"], "without a thread there is no copy to make"
+    assert res["compiled"] == [False, True], "the copy is compiled when asked ahead, or at the first save"
     assert res["local_bytes"] == res["shard_bytes"] and int(str(res["local_bytes"])) > 0
     assert all(res["snapshot_shardings"]) and int(str(res["small_sharded"])) > 0
     assert float(str(res["bandwidth"])) > 1e8  # bytes/s: any machine copies memory faster than 100 MB/s

@@ -220,6 +220,11 @@ class LocalTier:
         self.pending.append((step, t0))
         return time.time() - t0
 
+    def prepare_ahead(self) -> None:
+        """Compile the save's host copy in the save thread now (after the round's first steps)."""
+        if self.bg is not None:
+            self.bg.prepare_ahead()
+
     def busy(self) -> bool:
         """A save in flight."""
         return self.bg is not None and self.bg.busy()

@@ -269,9 +269,19 @@ class BackgroundSave:
         self.thread = (
             ThreadPoolExecutor(1, thread_name_prefix=name, initializer=lower_this_thread) if background else None
         )
-        if self.thread is not None:
-            self.thread.submit(self.snapshot.prepare)  # compiled while the first steps train
+        self.prepared = False  # the copy's compile was handed to the thread (prepare_ahead)
         self.starting: Any = None  # a Future: the seconds the thread's part of the newest save took
+
+    def prepare_ahead(self) -> None:
+        """Compile the copy in the save thread, once: call it after a round's first steps.
+
+        A round's start is CPU-bound on a busy host (every process sets up at once); the steady
+        steps leave CPU idle, which the save thread's lowered priority takes.  A save that comes
+        first compiles the copy itself.
+        """
+        if self.thread is not None and not self.prepared:
+            self.prepared = True
+            self.thread.submit(self.snapshot.prepare)
 
     def start(self, fn: Any, state: State, *args: Any) -> None:
         from concurrent.futures import Future

@@ -790,9 +790,13 @@ class RoundLoop:
         ahead_at = self.step + 2  # once the round's first steps ran: they come first
         while self.step < cfg.steps:
             self.one_step(batches)
-            if self.step == ahead_at and a.rank == 0:
-                to = ahead.Ahead(self.compiled_ahead, self.keep_compiled, self.keeps, cache_hits)
-                ahead.start(cfg, self.task, a.processes, self.made.compiled, self.made.key, to)
+            if self.step == ahead_at:
+                self.saver.prepare_ahead()
+                if self.tier is not None:
+                    self.tier.prepare_ahead()
+                if a.rank == 0:
+                    to = ahead.Ahead(self.compiled_ahead, self.keep_compiled, self.keeps, cache_hits)
+                    ahead.start(cfg, self.task, a.processes, self.made.compiled, self.made.key, to)
             save_now = self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps
             # Due by the config and the step alone, the same in every process (a process whose local
             # write failed has its tier off, and skips only the write).
@@ -1181,6 +1185,10 @@ class Saver:
         if took is not None:
             self.cost["save_s"] = round(took, 4)
         return started
+
+    def prepare_ahead(self) -> None:
+        """Compile the save's host copy in the save thread now (after the round's first steps)."""
+        self.bg.prepare_ahead()
 
     def poll(self) -> None:
         if self.pending is None or not self._started(block=False):
