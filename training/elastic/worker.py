@@ -1139,7 +1139,7 @@ class Saver:
     """The checkpoint pipeline: saves in a background thread, a commit reported once Orbax finalised it.
 
     A save costs the loop only the dispatch of a host copy of the state
-    (:class:`training.checkpoint.manager.HostSnapshot`, compiled in the save thread at the start).
+    (:class:`training.checkpoint.manager.HostSnapshot`, compiled in the save thread after the round's first steps).
     Everything else happens in the save thread: the pin, Orbax's blocking part (its barriers,
     per-array bookkeeping and the transfer to host memory), then Orbax's own background write.
     Running Orbax off the loop's thread is safe because every barrier it takes is a barrier of the
