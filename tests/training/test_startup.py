@@ -74,6 +74,9 @@ def test_a_size_compiled_ahead_once_is_not_compiled_again_for_the_same_program(t
         st = wait_finished(handle)
         assert st["state"] == "finished", worker_logs(cfg.run_uri)
         seen.append(ahead)
+        # Compiling ahead starts once the round's first step was read, never on the round's busy start.
+        order = [e["type"] for e in api.events(run_uri, ["resumed", "compiled_ahead"]) if e.get("attempt") == 1]
+        assert order.index("resumed") < order.index("compiled_ahead"), order
     first, second = seen
     assert first["workers"] == second["workers"] == 1
     assert not first.get("already") and first["seconds"] > 0.5, first  # traced, lowered and compiled

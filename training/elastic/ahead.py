@@ -8,7 +8,7 @@ that split the batch), and a round of ``k`` processes always has processes
 compiles the step on the devices of its first ``k`` processes (compiling runs
 nothing on them) and JAX writes the executable to the persistent cache, under
 the key the smaller round will look up.  It runs in one background thread
-after the round's first steps; each size it finishes is reported.
+once the round's first step was read; each size it finishes is reported.
 
 Each step compiled here (the round's own too, from the cache or not) is also
 kept whole on the run root (``compiled/<job>/step-<workers>.bin``,

@@ -787,16 +787,9 @@ class RoundLoop:
         cfg, a = self.cfg, self.a
         self.validation = task_data.validation
         self.loop = Loop(cfg, self.rep, self.t_assigned, self.step, self.tokens_per_example)
-        ahead_at = self.step + 2  # once the round's first steps ran: they come first
+        background_at = self.step + 2  # once the round's first step was read (below): it comes first
         while self.step < cfg.steps:
             self.one_step(batches)
-            if self.step == ahead_at:
-                self.saver.prepare_ahead()
-                if self.tier is not None:
-                    self.tier.prepare_ahead()
-                if a.rank == 0:
-                    to = ahead.Ahead(self.compiled_ahead, self.keep_compiled, self.keeps, cache_hits)
-                    ahead.start(cfg, self.task, a.processes, self.made.compiled, self.made.key, to)
             save_now = self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps
             # Due by the config and the step alone, the same in every process (a process whose local
             # write failed has its tier off, and skips only the write).
@@ -807,6 +800,8 @@ class RoundLoop:
             # (and saw a notice in it) a step before the others would stop while they train on.
             verdict = self.loop.observe(keep=0 if save_now or local_due else 1)
             self.check(verdict.bad)
+            if self.step == background_at:
+                self.start_background()
             if verdict.notice and self.step < cfg.steps:
                 self.loop.observe(keep=0)  # the newest step too, through the guard, before it is saved
                 self.check(self.loop.bad)
@@ -834,6 +829,20 @@ class RoundLoop:
         self.mngr.close()
         self.rep.send(ReportType.FINISHED, everyone=True, step=self.step)
         return 0
+
+    def start_background(self) -> None:
+        """The round's background work, once its first step was read: the saves' host copies compiled, and (process 0)
+        the step kept and compiled ahead for smaller sizes.
+
+        Not before: the round's start is CPU-bound, and a background thread holding the interpreter lock at a low
+        priority would keep the loop from reading that step (process 0's lateness delays every process's steps).
+        """
+        self.saver.prepare_ahead()
+        if self.tier is not None:
+            self.tier.prepare_ahead()
+        if self.a.rank == 0:
+            to = ahead.Ahead(self.compiled_ahead, self.keep_compiled, self.keeps, cache_hits)
+            ahead.start(self.cfg, self.task, self.a.processes, self.made.compiled, self.made.key, to)
 
     def keep_compiled(self, workers: int, program: compile_once.Serialized, key: str) -> None:
         """Keep a compiled step (of program ``key``) on the run root for this job's later rounds of ``workers``
