@@ -164,3 +164,36 @@ def test_a_stranger_dialling_process_0_is_ignored() -> None:
     time.sleep(0.3)
     assert lost == [] and watch.lost is None
     watch.bye()
+
+
+def test_an_error_a_vanished_peer_left_waits_for_the_watch_to_name_it() -> None:
+    """A collective's broken connection can reach the worker before the watch does; the worker then waits for
+    the watch (``wait_lost``) before it reports, so the report names the peer, not a failure of its own."""
+    from training.elastic.peerwatch import looks_like_a_lost_peer
+
+    lost: list[tuple[int, str]] = []
+    watch = PeerWatch(0, 2, lambda peer, why: lost.append((peer, why)))
+    address = watch.listen("127.0.0.1", "127.0.0.1")
+    t0 = time.monotonic()
+    assert watch.wait_lost(0.2) is False and time.monotonic() - t0 >= 0.2  # nothing gone: it waited its time
+    peer = _start(1, 2, address)
+    try:
+        assert _line(peer) == "READY"
+        time.sleep(0.2)  # process 0 has read the hello
+        os.kill(peer.pid, signal.SIGKILL)
+        assert watch.wait_lost(5) is True
+        assert watch.lost is not None and watch.lost[0] == 1 and lost == [watch.lost]
+    finally:
+        peer.kill()
+        peer.wait()
+    # What gloo said in the survivors of a killed host (their collective's connection broken) ...
+    for said in (
+        "JaxRuntimeError: UNKNOWN: Gloo all-reduce failed: [external/xla++third_party_ext+gloo/gloo/transport/tcp/"
+        "pair.cc:538] Read error [127.0.0.1]:11912: Connection reset by peer",
+        "JaxRuntimeError: UNKNOWN: Gloo all-reduce failed: [external/xla++third_party_ext+gloo/gloo/transport/tcp/"
+        "pair.cc:547] Connection closed by peer [127.0.0.1]:23426",
+    ):
+        assert looks_like_a_lost_peer(said)
+    # ... and errors of a worker's own, which are reported at once.
+    for said in ("ValueError: loss is NaN", "OSError: [Errno 28] No space left on device", "RESOURCE_EXHAUSTED: OOM"):
+        assert not looks_like_a_lost_peer(said)

@@ -30,6 +30,13 @@ log = logging.getLogger(__name__)
 KEY = "rtrain/peer_watch"  # the coordination service's key for process 0's address (one service per round)
 HELLO, BYE, LOST = b"H", b"B", b"L"  # one byte, then the rank as 4 bytes (big-endian)
 KEEPALIVE = {"TCP_KEEPIDLE": 2, "TCP_KEEPINTVL": 1, "TCP_KEEPCNT": 3}  # a silent peer: gone after ~5 s
+# What a collective's transport says when the process at the other end went (gloo over TCP, and sockets at large).
+LOST_PEER_ERRORS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def looks_like_a_lost_peer(error: str) -> bool:
+    """Whether an error is what a vanished peer leaves behind in a collective (its connection broken)."""
+    return any(s in error for s in LOST_PEER_ERRORS)
 
 
 def keepalive(sock: socket.socket) -> None:
@@ -195,6 +202,13 @@ class PeerWatch:
             self.lost = (rank, why)
         log.warning("peer watch (process %d): %s", self.rank, why)
         self.on_lost(rank, why)
+
+    def wait_lost(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the watch to find a peer gone; whether it has."""
+        deadline = time.monotonic() + timeout
+        while self.lost is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return self.lost is not None
 
     # --- leaving --------------------------------------------------------------------------------
 

@@ -38,6 +38,7 @@ from training.checkpoint.steps import is_committed
 from training.elastic import ahead, compile_once
 from training.elastic.codes import WorkerExit
 from training.elastic.cpu_slice import TransportThreads
+from training.elastic.peerwatch import looks_like_a_lost_peer
 from training.elastic.wire import ReportType, report
 from training.storage import scheme
 
@@ -160,6 +161,8 @@ WATCH: Any = None
 # How long process 0, at the end of its program (finished, or stopped at a checkpoint), waits for the
 # others to go first: they may still be finishing the last save, and its coordination service goes with it.
 OUTLAST_S = 60.0
+# How long an error that looks like a vanished peer's waits for the peer watch to name it.
+PEER_CONFIRM_S = 0.5
 
 
 def leave(rep: Reporter, code: WorkerExit, error: str = "", **fields: Any) -> NoReturn:
@@ -168,7 +171,11 @@ def leave(rep: Reporter, code: WorkerExit, error: str = "", **fields: Any) -> No
     if WATCH is not None:
         if code != WorkerExit.ERROR:
             WATCH.bye()
-        elif WATCH.lost is not None and "peer_lost" not in fields:
+        elif WATCH.lost is None and looks_like_a_lost_peer(error):
+            # The collective's broken connection can reach this thread before the watch's own: give the watch
+            # a moment to name the peer (its thread then reports it and exits), not to report a failure of ours.
+            WATCH.wait_lost(PEER_CONFIRM_S)
+        if code == WorkerExit.ERROR and WATCH.lost is not None and "peer_lost" not in fields:
             # This error is what a vanished peer left behind (a collective that failed): say so.
             peer, why = WATCH.lost
             fields["peer_lost"] = peer
