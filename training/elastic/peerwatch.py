@@ -85,6 +85,7 @@ class PeerWatch:
         self.processes = processes
         self.on_lost = on_lost
         self.lost: tuple[int, str] | None = None
+        self._found = threading.Event()  # set with ``lost``
         self.address = ""
         self._sel = selectors.DefaultSelector()
         self._peers: dict[int, socket.socket] = {}  # process 0: rank -> connection
@@ -200,15 +201,13 @@ class PeerWatch:
             if self.lost is not None or self._closing:
                 return
             self.lost = (rank, why)
+            self._found.set()
         log.warning("peer watch (process %d): %s", self.rank, why)
         self.on_lost(rank, why)
 
     def wait_lost(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the watch to find a peer gone; whether it has."""
-        deadline = time.monotonic() + timeout
-        while self.lost is None and time.monotonic() < deadline:
-            time.sleep(0.005)
-        return self.lost is not None
+        return self._found.wait(timeout)
 
     # --- leaving --------------------------------------------------------------------------------
 

@@ -171,11 +171,11 @@ def leave(rep: Reporter, code: WorkerExit, error: str = "", **fields: Any) -> No
     if WATCH is not None:
         if code != WorkerExit.ERROR:
             WATCH.bye()
-        elif WATCH.lost is None and looks_like_a_lost_peer(error):
+        elif "peer_lost" not in fields and (
             # The collective's broken connection can reach this thread before the watch's own: give the watch
-            # a moment to name the peer (its thread then reports it and exits), not to report a failure of ours.
-            WATCH.wait_lost(PEER_CONFIRM_S)
-        if code == WorkerExit.ERROR and WATCH.lost is not None and "peer_lost" not in fields:
+            # a moment to name the peer, not to report a failure of ours.
+            WATCH.lost is not None or (looks_like_a_lost_peer(error) and WATCH.wait_lost(PEER_CONFIRM_S))
+        ):
             # This error is what a vanished peer left behind (a collective that failed): say so.
             peer, why = WATCH.lost
             fields["peer_lost"] = peer
