@@ -179,7 +179,9 @@ def test_an_error_a_vanished_peer_left_waits_for_the_watch_to_name_it() -> None:
     peer = _start(1, 2, address)
     try:
         assert _line(peer) == "READY"
-        time.sleep(0.2)  # process 0 has read the hello
+        deadline = time.monotonic() + 10
+        while 1 not in watch.heard_from() and time.monotonic() < deadline:  # process 0 has read the hello
+            time.sleep(0.01)
         os.kill(peer.pid, signal.SIGKILL)
         assert watch.wait_lost(5) is True
         assert watch.lost is not None and watch.lost[0] == 1 and lost == [watch.lost]

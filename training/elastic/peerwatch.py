@@ -205,6 +205,10 @@ class PeerWatch:
         log.warning("peer watch (process %d): %s", self.rank, why)
         self.on_lost(rank, why)
 
+    def heard_from(self) -> frozenset[int]:
+        """The ranks connected to this process's watch now (process 0: those whose hello it read)."""
+        return frozenset(self._peers if self.rank == 0 else ({0} if self._hub is not None else ()))
+
     def wait_lost(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the watch to find a peer gone; whether it has."""
         return self._found.wait(timeout)
