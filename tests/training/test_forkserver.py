@@ -33,7 +33,7 @@ def _reaped(pid: int) -> tuple[int, float]:
 def test_a_forked_worker_is_this_process_s_child_and_skips_the_imports_a_started_one_pays(tmp_path):
     env = _env(tmp_path / "run")
     (tmp_path / "run").mkdir()
-    server = ForkServer(env, tmp_path / "forkserver.log")
+    server = ForkServer.start(env, tmp_path / "forkserver.log")
     try:
         forked = spawn_worker(env, tmp_path / "forked.log", server=server)
         assert forked.proc.poll() is None  # asked for while the server imports: no answer yet, and no error
@@ -55,7 +55,7 @@ def test_a_forked_worker_is_this_process_s_child_and_skips_the_imports_a_started
 def test_a_server_that_is_gone_answers_its_pending_requests_with_a_failure_and_workers_start_on_their_own(tmp_path):
     env = _env(tmp_path / "run")
     (tmp_path / "run").mkdir()
-    server = ForkServer(env, tmp_path / "forkserver.log")
+    server = ForkServer.start(env, tmp_path / "forkserver.log")
     pending = spawn_worker(env, tmp_path / "w1.log", server=server)
     server.proc.kill()  # while it imports: the request it took is never answered
     assert pending.proc.wait() == 1 and not server.alive
@@ -82,7 +82,7 @@ def test_a_forked_worker_knows_it_is_the_agent_s_child_at_once_when_its_middle_p
 def test_no_forked_worker_waits_to_become_this_process_s_child(tmp_path):
     env = _env(tmp_path / "run")
     (tmp_path / "run").mkdir()
-    server = ForkServer(env, tmp_path / "forkserver.log")
+    server = ForkServer.start(env, tmp_path / "forkserver.log")
     try:
         workers = [spawn_worker(env, tmp_path / f"w{i}.log", server=server) for i in range(12)]
         assert [w.proc.wait() for w in workers] == [1] * 12

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
-from jobs import job_config, run_job, start_job, wait_finished, wait_for, worker_logs
+from jobs import hosts, job_config, kill_host, run_job, start_job, wait_finished, wait_for, worker_logs
 
 from training import api
 from training.elastic.worker import WARM_UP_THREAD
@@ -96,28 +96,28 @@ def _threads(pid: int) -> list[tuple[int, int, str]]:
 
 
 def _processes(run_uri: str) -> list[int]:
-    """This run's processes now (agents, fork servers, workers: all started with the run in their environment)."""
+    """This run's processes now (agents, fork servers, workers): every process of a host's process group."""
+    groups = set(_agents(run_uri))
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
-        except OSError:
+            if int(_stat(int(pid))[2]) in groups:
+                found.append(int(pid))
+        except (OSError, ValueError):
             continue
-        if env.get("RTRAIN_RUN_URI") == run_uri:
-            found.append(int(pid))
     return found
 
 
 def _agents(run_uri: str) -> list[int]:
+    """The agents running now, by the pid their heartbeat gives (an agent leads its host's process group)."""
     pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for r in hosts(run_uri).values():
         try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
-        except OSError:
+            if r.state != "gone" and os.getpgid(r.pid) == r.pid:
+                pids.append(r.pid)
+        except ProcessLookupError:
             continue
-        if "training.elastic.agent" in cmd and run_uri in cmd:
-            pids.append(int(pid))
-    return pids
+    return sorted(pids)
 
 
 def test_standbys_started_beside_a_round_warm_up_in_the_idle_class_and_the_hosts_share_a_session(
@@ -156,23 +156,17 @@ def _stat(pid: int) -> list[str]:
 
 
 def _fork_servers(run_uri: str) -> list[int]:
-    """This run's fork servers now: each agent's child that runs the server and was not forked from another."""
-    servers = []
-    for pid in _processes(run_uri):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
-            parent = int(_stat(pid)[1])
-            parent_cmd = Path(f"/proc/{parent}/cmdline").read_text().split("\0")
-        except (OSError, ValueError):
-            continue
-        if "training.elastic.forkserver" in cmd and "training.elastic.agent" in parent_cmd:
-            servers.append(pid)
-    # A forked worker is the agent's child too, with the server's command line: the server is the oldest.
+    """This run's fork servers now: each agent's oldest child (its forked workers are its children too)."""
     by_agent: dict[int, int] = {}
-    for pid in servers:
-        agent = int(_stat(pid)[1])
-        if agent not in by_agent or int(_stat(pid)[19]) < int(_stat(by_agent[agent])[19]):
-            by_agent[agent] = pid
+    for agent in _agents(run_uri):
+        for pid in _processes(run_uri):
+            try:
+                if int(_stat(pid)[1]) != agent:
+                    continue
+                if agent not in by_agent or int(_stat(pid)[19]) < int(_stat(by_agent[agent])[19]):
+                    by_agent[agent] = pid
+            except (OSError, ValueError):
+                continue
     return sorted(by_agent.values())
 
 
@@ -194,10 +188,29 @@ def test_a_job_s_workers_are_forked_by_a_server_per_agent_and_a_lost_server_cost
     standby = wait_for(warmed_standby, 120, "a standby warming up", every=0.02)
     agents = _agents(cfg.run_uri)
     assert int(_stat(standby)[1]) in agents, "the agent is its parent: it reaps it and reads its exit code"
-    assert "training.elastic.forkserver" in Path(f"/proc/{standby}/cmdline").read_text()  # forked, not started
-    assert len(_fork_servers(cfg.run_uri)) == 2
+    assert "training.elastic.worker" not in Path(f"/proc/{standby}/cmdline").read_text()  # forked, not started
+    servers = _fork_servers(cfg.run_uri)
+    assert len(servers) == 2
+    # One template forked both agents, and each agent forked its server from itself: nothing imported twice.
+    [template] = {int(_stat(pid)[1]) for pid in agents}
+    assert "training.elastic.template" in Path(f"/proc/{template}/cmdline").read_text()
+    for pid in servers:
+        cpu = (int(_stat(pid)[11]) + int(_stat(pid)[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        assert cpu < 0.3, f"fork server {pid} spent {cpu:.2f} s of CPU: it imported its libraries itself"
     st = wait_finished(handle)
     assert st["state"] == "finished" and st["step"] == 100, worker_logs(cfg.run_uri)
+
+    # The template lost: a host's agent lost after it starts as a process of its own, and the job goes on.
+    alone = job_config(str(tmp_path), tiny_dataset, jax_cache, run_name="alone", steps=60, min_workers=2)
+    handle = start_job(alone)
+    agents = wait_for(lambda: len(_agents(alone.run_uri)) == 2 and _agents(alone.run_uri), 60, "the two agents")
+    os.kill(int(_stat(agents[0])[1]), 9)
+    wait_for(lambda: (api.status(alone.run_uri) or {}).get("step", 0) >= 5, 120, "training")
+    lost_pid = kill_host(alone.run_uri, "h1")
+    again = wait_for(lambda: hosts(alone.run_uri)["h1"].pid != lost_pid and hosts(alone.run_uri)["h1"].pid, 60, "h1")
+    assert "training.elastic.agent" in Path(f"/proc/{again}/cmdline").read_text()  # started, not forked
+    st = wait_finished(handle)
+    assert st["state"] == "finished" and st["step"] == 60, worker_logs(alone.run_uri)
 
     # Fork servers lost at the job's start: its workers start as processes of their own, and the job goes on.
     lost = job_config(str(tmp_path), tiny_dataset, jax_cache, run_name="lost", steps=40, min_workers=2)

@@ -50,6 +50,7 @@ from training.elastic.leadership import Leadership
 from training.elastic.rendezvous import Outcome, Rendezvous, Round
 from training.elastic.reports import ReportHandler
 from training.elastic.supervisor import WorkerSupervisor
+from training.elastic.workerproc import ForkServer
 from training.elastic.writer import Writer
 from training.events import EventLog
 from training.layout import CONFIG, logs_base
@@ -76,6 +77,7 @@ class HostAgent:
         bind_host: str | None = None,
         local_capacity: bool = False,
         log_dir: str | None = None,
+        fork_server: ForkServer | None = None,
     ) -> None:
         self.run_uri = run
         self.job = job
@@ -87,13 +89,10 @@ class HostAgent:
         ledger = Ledger(self.store)
         bind_host = bind_host if bind_host is not None else coordinator_host
         started = time.time()
-        # The leader's connection to this listener ends when this process does: it knows this agent gone at once.
-        # And this agent's connections: to the leader while it follows, to every host while it leads.
+        # Its connections (to the leader, or from it to every host) end with this process: a loss is known at once.
         self.watch_listener = Listener(bind_host, coordinator_host, coordinator_port + 2 if coordinator_port else 0)
         # The local slice's pool (a preempted host leaves it); on GKE the node pools are the capacity.
-        self.capacity: LocalCapacity | None = (
-            LocalCapacity(self.store, default=self.cfg.max_workers) if local_capacity else None
-        )
+        self.capacity = LocalCapacity(self.store, default=self.cfg.max_workers) if local_capacity else None
         base = log_dir or logs_base(run, self.cfg.run_name)
         self.workers = WorkerSupervisor(
             self.cfg,
@@ -104,6 +103,7 @@ class HostAgent:
             coordinator_host=coordinator_host,
             coordinator_port=coordinator_port,
             bind_host=bind_host,
+            server=fork_server,
         )
         address = self.workers.coordinator_address()
         record = first_record(host, job, self.cfg.hosts_per_slice, address, started, self.watch_listener.address)
@@ -325,7 +325,8 @@ class HostAgent:
         self.lead.look_soon()  # something happened: is there still a leader?
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, fork_server: ForkServer | None = None) -> int:
+    """``rtrain agent``; ``fork_server``: the workers' fork server, forked already (the local slice's template)."""
     p = argparse.ArgumentParser(prog="rtrain agent", description="One host's agent of a training job.")
     p.add_argument("run", help="the run's URI (<root>/<run_name>)")
     p.add_argument("--job", required=True, help="the job id the launcher handed the run lock to")
@@ -344,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         coordinator_port=args.coordinator_port,
         bind_host=args.bind_host,
         local_capacity=args.local_capacity,
+        fork_server=fork_server,
     )
     return agent.run()
 

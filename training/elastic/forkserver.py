@@ -37,6 +37,11 @@ def main() -> int:
     die_with_parent()
     sock = socket.socket(fileno=int(os.environ.pop(FD_ENV)))
     import_libraries()
+    return serve(sock)
+
+
+def serve(sock: socket.socket) -> int:
+    """Fork a worker for each request on ``sock`` until the agent closes it (its libraries imported already)."""
     # The only other thread is the BLAS library's pool, which handles forks itself.
     warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
     while True:

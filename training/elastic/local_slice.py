@@ -27,13 +27,15 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Protocol
 
 from training.checkpoint.lock import LeaseKeeper, LockHeld, LockLost, RunLock
 from training.config import Config, config_from_json
 from training.elastic.capacity import LocalCapacity
 from training.elastic.rendezvous import Rendezvous, Round
 from training.elastic.status import repair_status
+from training.elastic.template import Template
+from training.elastic.workerproc import cpu_slice_env
 from training.events import FINAL_STATES, EventLog, RunState, RunStatus, describe, read_status, write_status
 from training.layout import CONFIG, CONTROL, logs_base
 from training.storage import open_store
@@ -63,6 +65,34 @@ SHOWN = frozenset(
 )
 
 
+class AgentProcess(Protocol):
+    """A host agent's process, as the local slice sees it: forked by the template, or started on its own."""
+
+    @property
+    def pid(self) -> int: ...
+    def running(self) -> bool: ...
+    def wait(self) -> None: ...
+    def send_signal(self, sig: int) -> None: ...
+
+
+class StartedAgent:
+    """An agent started as a process of its own (where the template cannot fork one)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait(self) -> None:
+        self.proc.wait()
+
+    def send_signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(sig)
+
+
 def log_dir_for(cfg: Config, job: str) -> Path:
     return Path(logs_base(cfg.run_uri, cfg.run_name)) / job
 
@@ -88,7 +118,8 @@ class LocalSlice:
         self.on_status = on_status
         self.logs = log_dir_for(cfg, job)
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.agents: dict[str, subprocess.Popen[bytes]] = {}
+        self.agents: dict[str, AgentProcess] = {}
+        self._template: Template | None = None  # forks the agents, started with the first
         self._noticed: set[str] = set()  # hosts told to go by a scheduler's assignment, still on their way out
         self._cursor: str | None = None
         self._stopping = False
@@ -109,19 +140,23 @@ class LocalSlice:
         return f"h{i}" if h == 1 else f"s{i // h}-h{i % h}"
 
     def _spawn(self, host: str) -> None:
-        out = open(self.logs / f"agent-{host}.log", "ab")
-        self.agents[host] = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "training.elastic.agent",
-                self.cfg.run_uri,
-                "--job",
-                self.job,
-                "--host",
-                host,
-                "--local-capacity",
-            ],
+        argv = [self.cfg.run_uri, "--job", self.job, "--host", host, "--local-capacity"]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if self._template is None:
+            try:
+                self._template = Template(
+                    self.cfg.run_uri, self.job, {**env, **cpu_slice_env(self.cfg)}, self.logs / "template.log"
+                )
+            except OSError as e:
+                log.warning("no template process (%s): agents start as processes of their own", e)
+        with open(self.logs / f"agent-{host}.log", "ab") as out:
+            forked = self._template.fork(argv, env, out.fileno()) if self._template is not None else None
+            self.agents[host] = forked or StartedAgent(self._start_agent(argv, env, out))
+
+    @staticmethod
+    def _start_agent(argv: list[str], env: dict[str, str], out: IO[bytes]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "training.elastic.agent", *argv],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -129,14 +164,13 @@ class LocalSlice:
             # Linux shares the CPU fairly between sessions (autogroups) before it looks at priorities, and the
             # hosts of one machine would each get a fair share, whatever their threads' priorities say.
             process_group=0,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env=env,
         )
-        out.close()
 
     def _reconcile(self) -> None:
         """One agent per host of the pool: start the missing ones, stop those beyond the pool's size."""
         for host, proc in list(self.agents.items()):
-            if proc.poll() is not None:
+            if not proc.running():
                 del self.agents[host]
                 self._noticed.discard(host)
         if self._final is not None or self._stopping or self._hold is not None:
@@ -161,7 +195,7 @@ class LocalSlice:
 
     def _kill(self, host: str) -> None:
         proc = self.agents.pop(host, None)
-        if proc is not None and proc.poll() is None:
+        if proc is not None and proc.running():
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -169,9 +203,8 @@ class LocalSlice:
     def _notice(self, host: str) -> None:
         """Tell ``host`` to go (SIGTERM to its agent, as Kubernetes deletes a pod): it commits and leaves."""
         proc = self.agents.get(host)
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
+        if proc is not None and proc.running():
+            proc.send_signal(signal.SIGTERM)
             self._noticed.add(host)
 
     def kill_all(self) -> None:
@@ -350,6 +383,8 @@ class LocalSlice:
         finally:
             self._let_go()
             self.kill_all()
+            if self._template is not None:
+                self._template.close()
         st = self._look() or {}
         if st.get("state") not in FINAL_STATES:
             st = repair_status(self.cfg.run_uri) or {}  # records the final state of a job nobody leads any more

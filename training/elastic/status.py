@@ -88,7 +88,9 @@ def _agent_runs(pid: int, run_uris: set[str], job: str) -> bool:
             state = f.read().rsplit(b")", 1)[1].split()[0]
     except (OSError, ValueError, IndexError):
         return False
-    mine = b"training.elastic.agent" in argv and job.encode() in argv and any(u.encode() in argv for u in run_uris)
+    # An agent started on its own, or forked by the local slice's template (whose command line it keeps).
+    agent = b"training.elastic.agent" in argv or b"training.elastic.template" in argv
+    mine = agent and job.encode() in argv and any(u.encode() in argv for u in run_uris)
     return mine and state not in (b"T", b"t", b"Z", b"X")
 
 

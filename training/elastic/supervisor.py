@@ -44,6 +44,7 @@ class WorkerSupervisor:
         coordinator_host: str,
         coordinator_port: int,
         bind_host: str,
+        server: ForkServer | None = None,
     ) -> None:
         self.cfg = cfg
         self.run_uri = run_uri
@@ -58,7 +59,7 @@ class WorkerSupervisor:
         self.standby: WorkerProc | None = None
         self.spawned = 0
         self.env = worker_env(cfg, run_uri, host, job)
-        self.server: ForkServer | None = None
+        self.server = server  # None: started with the first worker
 
     def coordinator_address(self) -> str:
         """Where this host's worker would serve jax.distributed as rank 0 (a free port each time, unless fixed)."""
@@ -74,7 +75,7 @@ class WorkerSupervisor:
         log_path = self.log_dir / f"worker-{os.getpid()}-{self.spawned}.log"
         if self.server is None:
             try:
-                self.server = ForkServer(self.env, self.log_dir / f"forkserver-{os.getpid()}.log")
+                self.server = ForkServer.start(self.env, self.log_dir / f"forkserver-{os.getpid()}.log")
             except OSError as e:  # each worker then imports its libraries itself
                 log.warning("[%s] no fork server: %s", self.host, e)
         return spawn_worker(self.env, log_path, background=background, server=self.server)

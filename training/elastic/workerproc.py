@@ -117,15 +117,17 @@ def worker_env(cfg: Config, run_uri: str, host: str, job: str) -> dict[str, str]
         "PYTHONUNBUFFERED": "1",
     }
     if cfg.backend == "local":
-        # The local slice: each simulated host is a JAX process with D CPU devices, gloo collectives.
-        env.update(
-            {
-                "JAX_PLATFORMS": "cpu",
-                "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
-                "XLA_FLAGS": cpu_xla_flags(cfg.devices_per_worker),
-            }
-        )
+        env.update(cpu_slice_env(cfg))
     return env
+
+
+def cpu_slice_env(cfg: Config) -> dict[str, str]:
+    """JAX's settings on the local slice: each simulated host is a JAX process with D CPU devices, gloo collectives."""
+    return {
+        "JAX_PLATFORMS": "cpu",
+        "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
+        "XLA_FLAGS": cpu_xla_flags(cfg.devices_per_worker),
+    }
 
 
 def spawn_worker(
@@ -163,13 +165,21 @@ class ForkServer:
     """The agent's end of its fork server (:mod:`training.elastic.forkserver`): it asks for workers and learns
     their pids, in order, without waiting for them (the server's first answer waits for its imports)."""
 
-    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+    def __init__(self, sock: socket.socket, proc: Process) -> None:
+        procctl.prctl(procctl.PR_SET_CHILD_SUBREAPER, 1)  # the forked workers become this process's children
+        self.sock = sock
+        self.proc = proc
+        self.waiting: deque[ForkedProcess] = deque()
+        self.alive = True
+
+    @classmethod
+    def start(cls, env: dict[str, str], log_path: Path) -> ForkServer:
+        """A server started as a process of its own with ``env``, its output going to ``log_path``."""
         from training.elastic.forkserver import FD_ENV
 
-        procctl.prctl(procctl.PR_SET_CHILD_SUBREAPER, 1)  # the forked workers become this process's children
-        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with open(log_path, "wb") as out:
-            self.proc = subprocess.Popen(
+            proc = subprocess.Popen(
                 [sys.executable, "-m", "training.elastic.forkserver"],
                 env={**env, FD_ENV: str(theirs.fileno())},
                 pass_fds=(theirs.fileno(),),
@@ -178,8 +188,29 @@ class ForkServer:
                 stderr=subprocess.STDOUT,
             )
         theirs.close()
-        self.waiting: deque[ForkedProcess] = deque()
-        self.alive = True
+        return cls(sock, proc)
+
+    @classmethod
+    def fork_here(cls) -> ForkServer:
+        """A server forked from this process, which must have imported the workers' libraries and run no
+        thread yet (an agent forked by the local slice's template, at its start); its output is this process's."""
+        from training.elastic import forkserver
+        from training.elastic.worker import die_with_parent
+
+        sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                sock.close()
+                die_with_parent()
+                code = forkserver.serve(theirs)
+            finally:
+                os._exit(code)
+        theirs.close()
+        return cls(sock, ChildProcess(pid))
 
     def fork(self, env: dict[str, str], control: int, log_fd: int) -> ForkedProcess | None:
         """Ask for a worker with ``env``, its report pipe ``control`` and its log; None if the server is gone."""
@@ -232,6 +263,35 @@ class ForkServer:
         with contextlib.suppress(OSError):
             self.proc.kill()
         self.proc.wait()
+
+
+class ChildProcess:
+    """A process this one forked without ``subprocess`` (a fork server forked here): kill and wait, by pid."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.stdin: IO[bytes] | None = None
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.send_signal(signal.SIGKILL)
 
 
 class ForkedProcess:
