@@ -2,8 +2,10 @@
 
 This process plays Kubernetes' part and no more: a pool of ``capacity.json`` hosts with one agent
 kept running per host (a lost agent of a host still there is restarted; a host taken away by chaos
-or ``rtrain capacity`` is not; hosts given back get new agents).  It is off the training path: the
-agents meet, lead and recover through the run root, and train on if this process is killed.
+or ``rtrain capacity`` is not; hosts given back get new agents).  The agents are forked by the
+job's template (:mod:`training.elastic.template`), which imported their libraries once.  It is off
+the training path: the agents meet, lead and recover through the run root, and train on if this
+process is killed.
 
 It also waits for the job's end and shows progress (``rtrain train``).  When no host is left, no
 agent can lead, so this launcher holds the run: it takes the lease once the last leader's lapsed

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -54,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     import_libraries()
     import training.elastic.agent  # noqa: F401
 
+    gc.freeze()  # what the imports made: never scanned by the forks' collections, and its pages stay shared
     # The only other thread is the BLAS library's pool, which handles forks itself.
     warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
     sock.settimeout(REAP_S)
