@@ -54,7 +54,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import_libraries()
     import training.elastic.agent  # noqa: F401
+    from training.checkpoint.manager import copy_bandwidth
 
+    # A property of this machine: measured here once, every fork has the result (a worker measuring it as it
+    # warms up beside a round's first steps slowed them, though in the idle class: it is memory it contends for).
+    copy_bandwidth()
     gc.freeze()  # what the imports made: never scanned by the forks' collections, and its pages stay shared
     # The only other thread is the BLAS library's pool, which handles forks itself.
     warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
