@@ -530,7 +530,8 @@ class OpTally:
     """
 
     def __init__(self, sink: Path) -> None:
-        self.path = sink / f"{os.getpid()}.json"
+        self.pid = os.getpid()
+        self.path = sink / f"{self.pid}.json"
         self.role = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else "python"
         self.counts: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -562,9 +563,9 @@ _TALLY: OpTally | None = None
 
 
 def _tally() -> OpTally | None:
-    """This process's tally when ``RTRAIN_STORE_OPS`` names a directory (read once)."""
+    """This process's tally when ``RTRAIN_STORE_OPS`` names a directory (read once per process: a fork counts anew)."""
     global _TALLY
-    if _TALLY is None:
+    if _TALLY is None or _TALLY.pid != os.getpid():
         sink = os.environ.get(OPS_ENV)
         if not sink:
             return None

@@ -90,9 +90,10 @@ def become_worker(sock: socket.socket, env: dict[str, str], fds: list[int]) -> N
     """In the forked process: take the request's stdin, log and environment, wait to be the agent's, run."""
     try:
         take_over(sock, env, fds)
-        from training.elastic.worker import run_main
+        from training.elastic import worker
 
-        run_main()
+        sys.argv = [worker.__file__]  # the program it runs, as if started with ``python -m``
+        worker.run_main()
     except BaseException:  # noqa: BLE001 - never back into the server's loop; 1, as Python's own exit on an error
         traceback.print_exc()
         sys.stderr.flush()

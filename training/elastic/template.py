@@ -127,10 +127,11 @@ def fork_agent(sock: socket.socket, argv: list[str], env: dict[str, str], fds: l
 
 def run_agent(argv: list[str]) -> int:
     """In the forked agent: fork its workers' server first (no thread runs yet), then run the agent."""
-    from training.elastic.agent import main as agent_main
+    from training.elastic import agent
     from training.elastic.workerproc import ForkServer
 
-    return agent_main(argv, fork_server=ForkServer.fork_here())
+    sys.argv = [agent.__file__, *argv]  # the program it runs, as if started with ``python -m``
+    return agent.main(argv, fork_server=ForkServer.fork_here())
 
 
 class Template:
