@@ -22,7 +22,7 @@ from jobs import assert_exact_data, job_config, wait_for
 
 from training import api
 from training.service import commands, scheduler
-from training.service.eta import RunOutlook, forecast, step_seconds_by_hosts
+from training.service.eta import RunOutlook, forecast, start_seconds, step_seconds_by_hosts
 from training.service.policy import Demand, PriorityError, allocate
 from training.service.queue import Placement, Queue, QueueError, Submission
 
@@ -59,6 +59,25 @@ def test_the_forecast_replays_the_policy_with_measured_paces_and_resize_costs():
     assert any("predicted from 4 measured" in n for n in etas["low"].assumptions)
     lone = forecast(2, [RunOutlook(_d("big", "low", 4, 4, 0.0), 10, 0, {4: 1.0})])
     assert lone["big"].seconds is None and "never fits" in lone["big"].assumptions[-1]
+
+
+def test_a_run_given_hosts_again_after_a_queue_costs_what_its_job_starts_cost_not_its_resizes():
+    evs = [
+        {"type": "launch", "reason": "start", "round": 1, "time": 100.0},
+        {"type": "resumed", "attempt": 1, "time": 103.0},
+        {"type": "launch", "reason": "recovery", "round": 2, "time": 110.0},
+        {"type": "resumed", "attempt": 2, "time": 111.0},
+        {"type": "launch", "reason": "start", "round": 1, "time": 120.0},  # a new job of the run
+        {"type": "resumed", "attempt": 1, "time": 124.0},
+    ]
+    assert start_seconds(evs) == [3.0, 4.0]
+    queued = RunOutlook(_d("low", "low", 4, 4, 0.0), 10, 0, {4: 1.0}, [1.0], start_seconds(evs))
+    eta = forecast(4, [queued])["low"]
+    assert eta.seconds == pytest.approx(3.5 + 10.0)  # its starts' median, then 10 steps at 1 s
+    assert "resumes on 4 host(s) at +0s, costing 3.5s" in eta.assumptions
+    # A run that never started borrows the pool's starts.
+    new = RunOutlook(_d("new", "low", 4, 4, 1.0), 10, 0, {}, [], [])
+    assert forecast(8, [queued, new])["new"].seconds == pytest.approx(3.5 + 10.0)
 
 
 def test_paces_come_from_rounds_after_their_first_step():

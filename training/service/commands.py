@@ -12,7 +12,7 @@ from training.config import Config
 from training.events import ALIVE_STATES, EventReader
 from training.priorities import PRIORITIES, PriorityError, priority_value
 from training.service import scheduler
-from training.service.eta import Eta, RunOutlook, forecast, resize_seconds, step_seconds_by_hosts
+from training.service.eta import Eta, RunOutlook, forecast, resize_seconds, start_seconds, step_seconds_by_hosts
 from training.service.policy import allocate
 from training.service.queue import Placement, Queue, QueueError, Submission
 
@@ -164,6 +164,7 @@ def view(root: str, events: EventReader | None = None) -> QueueView:
                 hosts=places[s.run_name].hosts,
                 step_s=step_seconds_by_hosts(evs),
                 resize_s=resize_seconds(evs),
+                start_s=start_seconds(evs),
             )
         )
     etas = forecast(pool, outlooks)

@@ -7,7 +7,8 @@ global batch (step time inversely proportional to the hosts); a run that has not
 run at all borrows the pace per host of the other runs. The future allocation
 comes from replaying the scheduler's own policy until every run is done, and
 each change of a run's hosts costs what its own recoveries cost (or the pool's
-median).
+median); a run queued and given hosts again starts a job, and costs what its own
+job starts cost, launch to first step (or the pool's median).
 """
 
 from __future__ import annotations
@@ -45,6 +46,19 @@ def resize_seconds(events: Iterable[Mapping[str, Any]]) -> list[float]:
     return [float(e["seconds"]) for e in events if e.get("type") == "recovered" and e.get("seconds") is not None]
 
 
+def start_seconds(events: Iterable[Mapping[str, Any]]) -> list[float]:
+    """Seconds from each of a run's job starts to its first step (a ``launch`` with reason ``start`` to the
+    ``resumed`` of that round): what a run queued and given hosts again pays, a job of its own starting."""
+    out = []
+    started: dict[int, float] = {}  # round -> the time of its start's launch, until its first step
+    for e in events:
+        if e.get("type") == "launch" and e.get("reason") == "start" and e.get("round") is not None:
+            started[int(e["round"])] = float(e["time"])
+        elif e.get("type") == "resumed" and e.get("attempt") is not None and int(e["attempt"]) in started:
+            out.append(float(e["time"]) - started.pop(int(e["attempt"])))
+    return out
+
+
 @dataclass
 class RunOutlook:
     """One run as the forecast sees it."""
@@ -54,6 +68,7 @@ class RunOutlook:
     hosts: int  # what it holds now
     step_s: dict[int, float] = field(default_factory=dict)  # measured: host count -> seconds per step
     resize_s: list[float] = field(default_factory=list)
+    start_s: list[float] = field(default_factory=list)  # its job starts, launch to first step
 
 
 @dataclass(frozen=True)
@@ -83,6 +98,8 @@ def forecast(pool: int, runs: Sequence[RunOutlook], horizon_s: float = 30 * 24 *
     per_host = statistics.median(paces) if paces else None
     all_resizes = [s for o in runs for s in o.resize_s]
     pool_resize = statistics.median(all_resizes) if all_resizes else DEFAULT_RESIZE_S
+    all_starts = [s for o in runs for s in o.start_s]
+    pool_start = statistics.median(all_starts) if all_starts else pool_resize
     left = {o.demand.run: float(o.steps_left) for o in runs}
     hosts = {o.demand.run: o.hosts for o in runs}
     stall = {o.demand.run: 0.0 for o in runs}  # seconds still to pass before a resized run steps again
@@ -97,8 +114,11 @@ def forecast(pool: int, runs: Sequence[RunOutlook], horizon_s: float = 30 * 24 *
         for d in active:
             o, n = by_run[d.run], alloc[d.run]
             if n != hosts[d.run]:
-                if n > 0:
+                if n > 0 and hosts[d.run]:  # resized in its job: what its recoveries cost
                     stall[d.run] = statistics.median(o.resize_s) if o.resize_s else pool_resize
+                elif n > 0:  # a job of its own starts: what its starts cost
+                    stall[d.run] = statistics.median(o.start_s) if o.start_s else pool_start
+                if n > 0:
                     what = "resized" if hosts[d.run] else ("resumes" if o.step_s else "starts")
                     notes[d.run].append(f"{what} on {n} host(s) at +{t:.0f}s, costing {stall[d.run]:.1f}s")
                 else:
