@@ -16,15 +16,18 @@ descriptors (its stdin, its report pipe, its log) over a Unix socket.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 import traceback
 import warnings
-from typing import NoReturn
+from pathlib import Path
+from typing import Any, NoReturn
 
 FD_ENV = "RTRAIN_FORKSERVER_FD"  # the server's end of its socket to the agent
 MAX_MESSAGE = 1 << 20
@@ -102,20 +105,54 @@ def become_worker(sock: socket.socket, env: dict[str, str], fds: list[int]) -> N
 
 def take_over(sock: socket.socket, env: dict[str, str], fds: list[int]) -> None:
     """The worker's stdin, output and environment from the request; return once the agent is its parent."""
-    sock.close()
     stdin, control, log = fds
+    adopt(sock, env, stdin, log)
+    os.environ["RTRAIN_CONTROL_FD"] = str(control)
+    # The middle process is leaving (it may have left already); then the agent, a subreaper, is the parent.
+    # A worker that is not the agent's in the end leaves at its start (``die_with_parent``).
+    if not wait_for_parent(int(env.get("RTRAIN_AGENT_PID") or 0), REPARENT_S):
+        print(f"forked worker: not the agent's child after {REPARENT_S:.0f} s", file=sys.stderr, flush=True)
+
+
+def adopt(sock: socket.socket, env: dict[str, str], stdin: int, log: int) -> None:
+    """In a forked child: leave the server's socket; take ``stdin``, the output ``log`` and ``env`` as its own."""
+    sock.close()
     os.dup2(stdin, 0)
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(stdin)
     os.close(log)
     os.environ.update(env)
-    os.environ["RTRAIN_CONTROL_FD"] = str(control)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    # The middle process is leaving (it may have left already); then the agent, a subreaper, is the parent.
-    # A worker that is not the agent's in the end leaves at its start (``die_with_parent``).
-    if not wait_for_parent(int(env.get("RTRAIN_AGENT_PID") or 0), REPARENT_S):
-        print(f"forked worker: not the agent's child after {REPARENT_S:.0f} s", file=sys.stderr, flush=True)
+
+
+def start_server(
+    argv: list[str], env: dict[str, str], fd_env: str, log_path: Path, **popen: Any
+) -> tuple[socket.socket, subprocess.Popen[bytes]]:
+    """Start a server process (``argv``, after the interpreter) with its end of a new socket pair, whose number
+    it finds in ``fd_env``; our end and the process."""
+    sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, *argv],
+            env={**env, fd_env: str(theirs.fileno())},
+            pass_fds=(theirs.fileno(),),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            **popen,
+        )
+    theirs.close()
+    return sock, proc
+
+
+def stop_server(sock: socket.socket, proc: Any) -> None:
+    """Close our end of a server's socket, kill it and reap it (what it forked goes on)."""
+    with contextlib.suppress(OSError):
+        sock.close()
+    with contextlib.suppress(OSError):
+        proc.kill()
+    proc.wait()
 
 
 def wait_for_parent(pid: int, timeout: float) -> bool:

@@ -27,13 +27,13 @@ import os
 import select
 import signal
 import socket
-import subprocess
 import sys
 import traceback
 import warnings
 from pathlib import Path
 
 from training import procctl
+from training.elastic.forkserver import adopt, start_server, stop_server
 
 FD_ENV = "RTRAIN_TEMPLATE_FD"  # the template's end of its socket to the local slice
 MAX_MESSAGE = 1 << 20
@@ -102,14 +102,7 @@ def fork_agent(sock: socket.socket, argv: list[str], env: dict[str, str], fds: l
         code = 1
         try:
             os.setpgid(0, 0)
-            sock.close()
-            os.dup2(stdin, 0)
-            os.dup2(log, 1)
-            os.dup2(log, 2)
-            os.close(stdin)
-            os.close(log)
-            os.environ.update(env)
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            adopt(sock, env, stdin, log)
             code = run_agent(argv)
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 1
@@ -138,18 +131,9 @@ class Template:
     """The local slice's end of its template: start it, ask it for agents, close it."""
 
     def __init__(self, run_uri: str, job: str, env: dict[str, str], log_path: Path) -> None:
-        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        with open(log_path, "ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", MODULE, run_uri, "--job", job],
-                env={**env, FD_ENV: str(theirs.fileno())},
-                pass_fds=(theirs.fileno(),),
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                process_group=0,  # a terminal's Ctrl-C is for the slice, which stops the job
-            )
-        theirs.close()
+        # process_group: a terminal's Ctrl-C is for the slice, which stops the job.
+        argv = ["-m", MODULE, run_uri, "--job", job]
+        self.sock, self.proc = start_server(argv, env, FD_ENV, log_path, process_group=0)
         self.alive = True
 
     def fork(self, argv: list[str], env: dict[str, str], log_fd: int) -> ForkedAgent | None:
@@ -179,11 +163,7 @@ class Template:
     def close(self) -> None:
         """Stop the template (the agents it forked go on)."""
         self.alive = False
-        with contextlib.suppress(OSError):
-            self.sock.close()
-        with contextlib.suppress(OSError):
-            self.proc.kill()
-        self.proc.wait()
+        stop_server(self.sock, self.proc)
 
 
 class ForkedAgent:

@@ -175,20 +175,9 @@ class ForkServer:
     @classmethod
     def start(cls, env: dict[str, str], log_path: Path) -> ForkServer:
         """A server started as a process of its own with ``env``, its output going to ``log_path``."""
-        from training.elastic.forkserver import FD_ENV
+        from training.elastic.forkserver import FD_ENV, start_server
 
-        sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        with open(log_path, "wb") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "training.elastic.forkserver"],
-                env={**env, FD_ENV: str(theirs.fileno())},
-                pass_fds=(theirs.fileno(),),
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        theirs.close()
-        return cls(sock, proc)
+        return cls(*start_server(["-m", "training.elastic.forkserver"], env, FD_ENV, log_path))
 
     @classmethod
     def fork_here(cls) -> ForkServer:
@@ -257,12 +246,10 @@ class ForkServer:
 
     def close(self) -> None:
         """Stop the server (the workers it forked are this process's children and stay)."""
+        from training.elastic.forkserver import stop_server
+
         self.alive = False
-        with contextlib.suppress(OSError):
-            self.sock.close()
-        with contextlib.suppress(OSError):
-            self.proc.kill()
-        self.proc.wait()
+        stop_server(self.sock, self.proc)
 
 
 class ChildProcess:
