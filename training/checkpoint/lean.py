@@ -39,6 +39,9 @@ FORMAT = 1
 COMMIT_FILE = "commit_success.txt"  # Orbax's commit marker on roots without an atomic rename
 TMP_SUFFIX = ".orbax-checkpoint-tmp-lean"  # Orbax sees it as temporary: not a step until renamed
 BARRIER_TIMEOUT_S = 300
+ALIGN = 64  # bytes: a host buffer this aligned becomes a CPU device's own without a copy
+READERS = min(4, os.cpu_count() or 1)  # threads a read onto one device uses
+POPULATE_BYTES = 1 << 20  # a restored buffer this large is mapped populated (mapping is page-aligned)
 
 
 def is_lean(step_dir: str) -> bool:
@@ -275,7 +278,7 @@ class Saved:
 
 
 class _Blobs:
-    """The saved boxes a process needs, by where they are: memory-mapped files, or ranges fetched from gs://.
+    """The saved boxes a process needs, by where they are: open files, or ranges fetched from gs://.
 
     On an object store only the byte ranges of the boxes this process's devices overlap are
     fetched (neighbours merged into one request, requests in parallel), not every host's file.
@@ -288,15 +291,23 @@ class _Blobs:
 
         self.store = open_store(step_dir)
         self.local = scheme(step_dir).filesystem
-        self.files: dict[int, Any] = {}
+        self.files: dict[int, Any] = {}  # process -> its .bin, memory-mapped
+        self.fds: dict[int, int] = {}  # process -> its .bin, open for positional reads
         self.ranges: dict[int, list[tuple[int, Any]]] = {}  # process -> [(start, bytes)], by start
         if self.local:
             for p in sorted({s.process for s in needed}):
                 path = Path(self.store.child(f"lean/{p}.bin"))
                 size = path.stat().st_size
                 self.files[p] = np.memmap(path, np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+                self.fds[p] = os.open(path, os.O_RDONLY)
             return
         self._fetch(needed)
+
+    def close(self) -> None:
+        """Closes the files (the memory maps go with their last view)."""
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
 
     def _fetch(self, needed: list[Saved]) -> None:
         from concurrent.futures import ThreadPoolExecutor
@@ -328,6 +339,18 @@ class _Blobs:
                 return data[s.offset - lo : s.offset - lo + s.nbytes]
         raise KeyError(f"box {s.box} of process {s.process} was not fetched")
 
+    def read_into(self, s: Saved, start: int, into: memoryview) -> None:
+        """Fills ``into`` with the box's bytes from ``start`` on: read straight from the file where it is local."""
+        if not self.local:
+            into[:] = self(s)[start : start + len(into)]
+            return
+        done = 0
+        while done < len(into):
+            n = os.preadv(self.fds[s.process], [into[done:]], s.offset + start + done)
+            if n <= 0:
+                raise ValueError(f"lean/{s.process}.bin ends before the box {s.box} it indexes")
+            done += n
+
 
 def _index(step_dir: str, meta: dict[str, Any]) -> dict[str, list[Saved]]:
     store = open_store(step_dir)
@@ -345,11 +368,55 @@ def _overlap(a: tuple[tuple[int, int], ...], b: tuple[tuple[int, int], ...]) -> 
     return None if any(lo >= hi for lo, hi in both) else both
 
 
-def _assemble(name: str, dtype: Any, saved: list[Saved], blobs: _Blobs, want: tuple[tuple[int, int], ...]) -> Any:
-    """The box ``want`` of a leaf, put together from the saved boxes it overlaps."""
+def empty(shape: list[int], dtype: Any, *, shared: bool) -> Any:
+    """An uninitialised host array; ``shared``: one a CPU device takes as its own without a copy.
+
+    A shared array is aligned to 64 bytes, and a large one is mapped with its pages populated in
+    one call (faulting them in one by one costs about as much as reading the bytes).  Any other is
+    offset from that alignment, so a device always copies it into a buffer of its own.
+    """
+    import mmap
+
     import numpy as np
 
-    out = np.empty([hi - lo for lo, hi in want], dtype)
+    dtype = np.dtype(dtype)
+    nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+    if shared and nbytes >= POPULATE_BYTES:
+        pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+        return np.frombuffer(pages, np.uint8, nbytes).view(dtype).reshape(shape)
+    raw = np.empty(nbytes + 2 * ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN + (0 if shared else ALIGN // 4)
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def _rows(want: tuple[tuple[int, int], ...], box: tuple[tuple[int, int], ...]) -> tuple[int, int] | None:
+    """Where ``want`` lies in the saved ``box`` (first and last element, row-major), if it is one run; else None."""
+    if not box:
+        return (0, 1)  # a scalar: its one element
+    if want[1:] != box[1:] or not (box[0][0] <= want[0][0] and want[0][1] <= box[0][1]):
+        return None
+    row = 1
+    for lo, hi in box[1:]:
+        row *= hi - lo
+    return (want[0][0] - box[0][0]) * row, (want[0][1] - box[0][0]) * row
+
+
+def _assemble(
+    name: str, dtype: Any, saved: list[Saved], want: tuple[tuple[int, int], ...], *, blobs: _Blobs, shared: bool
+) -> Any:
+    """The box ``want`` of a leaf, put together from the saved boxes it overlaps.
+
+    ``shared``: the result goes to a device that may take it as its own (nothing donates it to a
+    step), so it is read into an array from ``empty``, straight from the file where one saved box
+    holds all of it as one run of bytes.  Otherwise the device copies it into a buffer of its own,
+    which a step that donates the state can reuse.
+    """
+    out = empty([hi - lo for lo, hi in want], dtype, shared=shared)
+    for s in saved if shared else []:
+        span = _rows(want, s.box)
+        if span is not None:
+            blobs.read_into(s, span[0] * out.itemsize, memoryview(out.reshape(-1).view("uint8")))
+            return out
     covered = 0
     for s in saved:
         overlap = _overlap(want, s.box)
@@ -373,6 +440,24 @@ def _read_meta(step_dir: str) -> dict[str, Any]:
     if int(meta.get("format", 0)) != FORMAT:
         raise ValueError(f"{step_dir}: lean checkpoint format {meta.get('format')}, this version reads {FORMAT}")
     return dict(meta)
+
+
+def _read_parts(
+    blobs: _Blobs, jobs: set[tuple[str, Any, tuple[tuple[int, int], ...]]], saved: dict[str, list[Saved]]
+) -> dict[tuple[str, tuple[tuple[int, int], ...]], Any]:
+    """Each wanted box (leaf, dtype, box) as a host array a device takes as its own, read by a few threads.
+
+    Reading and populating pages release the interpreter, so the threads overlap.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    def read(job: tuple[str, Any, tuple[tuple[int, int], ...]]) -> Any:
+        name, dtype, box = job
+        return _assemble(name, dtype, saved.get(name, []), box, blobs=blobs, shared=True)
+
+    todo = sorted(jobs, key=lambda job: job[0])
+    with ThreadPoolExecutor(READERS) as pool:
+        return {(name, box): array for (name, _, box), array in zip(todo, pool.map(read, todo), strict=True)}
 
 
 def restore(step_dir: str, abstract: Any) -> tuple[Any, DataPosition]:
@@ -399,13 +484,20 @@ def restore(step_dir: str, abstract: Any) -> tuple[Any, DataPosition]:
         name = jax.tree_util.keystr(path)
         dtype, parts = np.dtype(shapes[name]["dtype"]), saved.get(name, [])
 
-        def part(ix: Any) -> Any:  # a device's part, cast to the state's dtype where it differs
-            return _assemble(name, dtype, parts, blobs, _box(ix, a.shape)).astype(a.dtype, copy=False)
+        # A device's part, cast to the state's dtype where it differs.  The device copies it into a
+        # buffer of its own, which a step that donates the state reuses; the host array goes at once,
+        # and the next part takes its memory (already faulted in), not fresh pages.
+        def part(ix: Any) -> Any:
+            return _assemble(name, dtype, parts, _box(ix, a.shape), blobs=blobs, shared=False).astype(
+                a.dtype, copy=False
+            )
 
         return jax.make_array_from_callback(a.shape, a.sharding, part)
 
-    state = jax.tree_util.tree_map_with_path(load, abstract)
-    return state, data_position(meta["data"])
+    try:
+        return jax.tree_util.tree_map_with_path(load, abstract), data_position(meta["data"])
+    finally:
+        blobs.close()
 
 
 def _same_leaves(saved: set[str], wanted: set[str]) -> None:
@@ -425,17 +517,22 @@ def read_host(step_dir: str, top: str | None = None) -> dict[str, Any]:
     saved = _index(step_dir, meta)
     leaves = [leaf for leaf in meta["leaves"] if top is None or leaf["keys"][:1] == [top]]
     blobs = _Blobs(step_dir, [s for leaf in leaves for s in saved.get(leaf["path"], [])])
+    whole = {leaf["path"]: tuple((0, n) for n in leaf["shape"]) for leaf in leaves}
+    try:  # the device takes each array as its own: nothing here is donated to a step
+        read = _read_parts(
+            blobs,
+            {(leaf["path"], np.dtype(leaf["dtype"]), whole[leaf["path"]]) for leaf in leaves},
+            saved,
+        )
+    finally:
+        blobs.close()
     device = jax.local_devices()[0]
     tree: dict[Any, Any] = {}
     for leaf in leaves:
-        keys = leaf["keys"]
-        shape = tuple(leaf["shape"])
-        whole = tuple((0, n) for n in shape)
-        value = _assemble(leaf["path"], np.dtype(leaf["dtype"]), saved.get(leaf["path"], []), blobs, whole)
         node = tree
-        for k in keys[:-1]:
+        for k in leaf["keys"][:-1]:
             node = node.setdefault(k, {})
-        node[keys[-1]] = jax.device_put(value, device)
+        node[leaf["keys"][-1]] = jax.device_put(read[leaf["path"], whole[leaf["path"]]], device)
     out = _lists(tree)
     return dict(out[top]) if top is not None else dict(out)
 
