@@ -68,6 +68,12 @@ def test_local_copies_are_per_run_job_and_host_and_other_jobs_are_forgotten(tmp_
     a.mkdir(parents=True)
     local.forget_other_jobs(str(tmp_path), "/runs/a", "j1")
     assert a.is_dir() and not old.exists()
+    # A job that is over leaves nothing of it or of its run; another run's copies stay.
+    (a.parent / "h1").mkdir()
+    b.mkdir(parents=True)
+    local.forget_job(str(tmp_path), "/runs/a", "j1")
+    assert not a.parent.parent.exists() and b.is_dir()
+    local.forget_job(str(tmp_path), "/runs/a", "j1")  # nothing left to forget: no error
     # A host's own setting (a pod's volume) wins over the config's.
     monkeypatch.setenv(local.LOCAL_DIR_ENV, str(tmp_path / "pod"))
     assert local.host_dir(str(tmp_path), "/runs/a", "j1", "h0").is_relative_to(tmp_path / "pod")
@@ -169,9 +175,10 @@ def test_a_notice_commits_the_step_a_lost_host_resumes_from_local_copies_and_a_d
     attempts = _attempts(cfg.run_uri)
     assert all(attempts[s] == 1 for s in range(notice["step"])), "a notice loses no step"
 
-    # Each host keeps at most local_keep copies, and describes them in its rendezvous record.
+    # Each host kept at most local_keep copies, described in its rendezvous record; once the job
+    # finished, its copies are gone from every host (a tmpfs would hold them in memory for good).
     survivor = restores[2]["host"]
-    kept = local.finalised_steps(local.host_dir(cfg.local_checkpoint_dir, cfg.run_uri, st["job"], survivor))
-    assert 1 <= len(kept) <= cfg.local_keep
-    assert {s for s, _ in hosts(cfg.run_uri)[survivor].local} <= set(kept)
+    advertised = {s for s, _ in hosts(cfg.run_uri)[survivor].local}
+    assert 1 <= len(advertised) <= cfg.local_keep, advertised
+    assert not (local.base_dir(cfg.local_checkpoint_dir) / local.run_key(cfg.run_uri)).exists()
     json.dumps(events)  # every event is plain JSON

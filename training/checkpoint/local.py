@@ -17,6 +17,7 @@ JAX is imported inside functions only: the agent imports this module.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -164,6 +165,18 @@ def forget_other_jobs(configured: str, run_uri: str, job: str) -> None:
     for p in root.iterdir():
         if p.name != job:
             shutil.rmtree(p, ignore_errors=True)
+
+
+def forget_job(configured: str, run_uri: str, job: str) -> None:
+    """Remove a job's local copies on this host, every host's of it that this machine holds (the job is over).
+
+    No later job reads them (each forgets the copies of the jobs before it), and a tmpfs holds them
+    in memory until the machine restarts.
+    """
+    root = base_dir(configured) / run_key(run_uri)
+    shutil.rmtree(root / job, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        root.rmdir()  # the run's directory, once no job of it is left
 
 
 def parse_resume(resume: str) -> list[int]:

@@ -57,6 +57,9 @@ from training.layout import CONFIG, logs_base
 from training.storage import Store, is_transient, open_store, scheme
 
 log = logging.getLogger("rtrain.agent")
+# The job is over for every host: the local copies it kept are of no use to any later job.  (A host
+# that left, INTERRUPTED, keeps its copies: it may come back to the same job.)
+JOB_OVER = frozenset({AgentExit.FINISHED, AgentExit.FAILED, AgentExit.SUPERSEDED})
 
 
 class HostAgent:
@@ -197,6 +200,8 @@ class HostAgent:
                 time.sleep(self.cadence.poll_s)
         finally:
             self._shutdown()
+        if self.exit_code in JOB_OVER and self.cfg.local_checkpoint_every:
+            local_tier.forget_job(self.cfg.local_checkpoint_dir, self.run_uri, self.job)
         return int(self.exit_code if self.exit_code is not None else AgentExit.INTERRUPTED)
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
