@@ -107,6 +107,10 @@ def test_cost_of_resilience_against_a_plain_loop_with_and_without_saves(tmp_path
     as_is = _ratio_of_medians(k["engine_tokens_per_s"], k["plain_as_is_tokens_per_s"])
     assert k["against_plain_as_is_ratio"] == pytest.approx(as_is)
     assert "gloo's threads as is" in proc.stdout and f"{as_is:.3f}  (reported)" in proc.stdout
+    # The plain loop waiting for each step as the engine does (training.ready): the engine's own cost.
+    polled = _ratio_of_medians(k["engine_tokens_per_s"], k["plain_polled_tokens_per_s"])
+    assert k["against_plain_polled_ratio"] == pytest.approx(polled)
+    assert "waiting as the engine does" in proc.stdout and f"{polled:.3f}  (reported)" in proc.stdout
     # A round's first steps (each host's next standby warming beside them), against the plain loop's same steps.
     first = _ratio_of_medians(k["engine_first_steps_tokens_per_s"], k["plain_first_steps_tokens_per_s"])
     assert k["first_steps_ratio"] == pytest.approx(first) and k["windows"]["first_steps"][1] < k["windows"]["steady"][0]

@@ -33,6 +33,7 @@ from training.checkpoint.resume import DataPosition, data_position
 from training.checkpoint.steps import fresh_gcs_listings, record_integrity
 from training.config import Config
 from training.layout import checkpoints_uri, step_uri
+from training.ready import wait_ready
 from training.storage import join, open_store, scheme
 
 State = dict[str, Any]
@@ -313,11 +314,13 @@ class BackgroundSave:
             self.thread.shutdown()
 
 
-def _timed(fn: Any, *args: Any) -> float:
+def _timed(fn: Any, state: State, *args: Any) -> float:
+    """Seconds ``fn(state, *args)`` took, with the wait for ``state``'s copy (:func:`training.ready.wait_ready`)."""
     import time
 
     t = time.time()
-    fn(*args)
+    wait_ready([x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)])
+    fn(state, *args)
     return time.time() - t
 
 

@@ -40,6 +40,7 @@ from training.elastic.codes import WorkerExit
 from training.elastic.cpu_slice import TransportThreads
 from training.elastic.peerwatch import looks_like_a_lost_peer
 from training.elastic.wire import ReportType, report
+from training.ready import wait_ready
 from training.storage import scheme
 
 
@@ -1040,6 +1041,7 @@ class Loop:
 
         while len(self.inflight) > keep and self.bad is None:
             step, metrics, next_batch = self.inflight.pop(0)
+            wait_ready(list(metrics.values()))  # not in JAX's wait, which delays the next steps
             m = {k: float(v) for k, v in jax.device_get(metrics).items()}  # the host sync, one step late
             now = time.time()
             loss = m["loss"]
