@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from training.ready import wait_ready
 
@@ -16,11 +17,11 @@ def test_a_wait_returns_once_the_arrays_are_ready_and_the_waiting_thread_sleeps_
     work(x).block_until_ready()  # compiled
     small = x + 1
     small.block_until_ready()
-    out = work(x)  # dispatched: it runs in the backend's threads
+    arrays: list[Any] = [small, work(x)]  # the second dispatched: it runs in the backend's threads
     wall, cpu = time.perf_counter(), time.thread_time()
-    wait_ready([small, out])
+    wait_ready(arrays)
     wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
-    assert out.is_ready() and small.is_ready()
+    assert all(a.is_ready() for a in arrays)
     assert wall > 0.02, f"the step took {wall:.3f} s: too short to tell how the thread waited"
     assert cpu < 0.5 * wall, f"the waiting thread used {cpu:.3f} s of CPU in a {wall:.3f} s wait"
     wait_ready([])  # nothing to wait for
