@@ -58,6 +58,50 @@ def test_verify_names_what_is_wrong_with_a_local_copy(tmp_path):
     assert local.verify(tmp_path, 10) == "no local copy of step 10 on this host"
 
 
+def test_a_copy_is_described_by_its_writers_sums_and_damage_after_the_write_is_caught(tmp_path):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from training.checkpoint import lean
+
+    state = {"w": jnp.arange(4096, dtype=jnp.float32).reshape(64, 64), "b": jnp.ones((3,), jnp.bfloat16)}
+    plan = lean.plan(state, every_held_box=True)
+    local.write_step(state, tmp_path, 6, {"next_batch": 6, "global_batch": 16}, keep=2, plan=plan)
+    shards = tmp_path / "6" / local.SHARDS
+    index = json.loads((tmp_path / "6" / local.INDEX).read_bytes())
+    assert index["files"][local.SHARDS] == local._checksums(tmp_path / "6")[local.SHARDS]
+    # Damaged between the write and its description: the manifest holds what the writer wrote.
+    data = bytearray(shards.read_bytes())
+    data[100] ^= 0xFF
+    shards.write_bytes(bytes(data))
+    described = local.describe_new(tmp_path, round_=1)
+    assert described[6].files[local.SHARDS] == index["files"][local.SHARDS]
+    assert "fails its CRC32C check" in local.verify(tmp_path, 6)
+    data[100] ^= 0xFF  # mended: it verifies and restores as written
+    shards.write_bytes(bytes(data))
+    assert local.verify(tmp_path, 6) == ""
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    got, pos = local.read_step(tmp_path, 6, abstract)
+    assert pos == {"next_batch": 6, "global_batch": 16}
+    for k in state:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(state[k]))
+
+
+def test_write_parts_writes_every_buffer_in_order_past_the_kernels_limit(tmp_path, monkeypatch):
+    import numpy as np
+
+    from training import storage
+
+    monkeypatch.setattr(storage, "IOV_MAX", 7)  # many calls, each ending at a buffer
+    parts = [np.full(i % 5, i % 251, np.uint8) for i in range(100)]  # empty ones among them
+    parts.append(np.arange(1 << 20, dtype=np.uint32))  # one the kernel may write short
+    storage.write_parts(tmp_path / "f", parts, sync=True)
+    assert (tmp_path / "f").read_bytes() == b"".join(p.tobytes() for p in parts)
+    storage.write_parts(tmp_path / "f", [b"ab"], sync=False)  # an existing file is replaced whole
+    assert (tmp_path / "f").read_bytes() == b"ab"
+
+
 def test_local_copies_are_per_run_job_and_host_and_other_jobs_are_forgotten(tmp_path, monkeypatch):
     monkeypatch.delenv(local.LOCAL_DIR_ENV, raising=False)
     a = local.host_dir(str(tmp_path), "/runs/a", "j1", "h0")

@@ -132,6 +132,17 @@ def _crc(data: bytes) -> list[int]:
     return [len(data), int(google_crc32c.value(data))]
 
 
+def sums(parts: list[Any]) -> list[int]:
+    """The size and CRC32C of the file ``parts`` (buffers) make, one after another."""
+    import google_crc32c
+
+    crc, size = google_crc32c.Checksum(), 0
+    for part in parts:
+        crc.update(part)
+        size += part.nbytes
+    return [size, int.from_bytes(crc.digest(), "big")]
+
+
 def shard_bytes(state: Any, p: Plan) -> list[Any]:
     """The bytes of the shards ``p`` picks of ``state`` (flat uint8 arrays), in the order of its index."""
     import jax
@@ -157,19 +168,14 @@ def meta_json(p: Plan, step: int, processes: int, data: DataPosition, config: di
 
 def write_shards(state: Any, step_dir: str, process: int, p: Plan) -> dict[str, list[int]]:
     """Write the shards of ``state`` this process is the writer of; the size and CRC32C of each file written."""
-    import google_crc32c
-
-    crc, size, parts = google_crc32c.Checksum(), 0, shard_bytes(state, p)
-    for part in parts:
-        crc.update(part)
-        size += part.nbytes
+    parts = shard_bytes(state, p)
+    written = {f"lean/{process}.bin": sums(parts)}
     store = open_store(step_dir)
     store.delete(f"lean/{process}.json")  # an index left by a save of this step cut off before: it would not match
     store.put_parts(f"lean/{process}.bin", (part.data for part in parts))
-    sums = {f"lean/{process}.bin": [size, int.from_bytes(crc.digest(), "big")]}
-    index = index_json(p, sums)
+    index = index_json(p, written)
     store.put(f"lean/{process}.json", index)
-    return {**sums, f"lean/{process}.json": _crc(index)}
+    return {**written, f"lean/{process}.json": _crc(index)}
 
 
 @dataclass

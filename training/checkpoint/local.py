@@ -31,10 +31,13 @@ from typing import Any
 
 from training.checkpoint import lean
 from training.checkpoint.resume import DataPosition
+from training.storage import open_store, write_parts
 
 MANIFEST = "{step}.manifest.json"
 _MANIFEST_RE = re.compile(r"^(\d+)\.manifest\.json$")
 STEP_MARK = "COMMITTED"  # written last into a copy, before its directory gets its name
+SHARDS = "lean/0.bin"  # the copy's bytes: every box this process holds, once
+INDEX = "lean/0.json"  # where each box is in SHARDS, and SHARDS' size and CRC32C as written
 
 
 LOCAL_DIR_ENV = "RTRAIN_LOCAL_CHECKPOINT_DIR"  # a host's own setting (a pod's volume) wins over the config's
@@ -78,8 +81,6 @@ class LocalStep:
 
 
 def _checksums(directory: Path) -> dict[str, list[int]]:
-    from training.storage import open_store
-
     return open_store(str(directory)).checksums()
 
 
@@ -90,9 +91,33 @@ def finalised_steps(directory: Path) -> list[int]:
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and (p / STEP_MARK).exists())
 
 
+def _described(step_dir: Path) -> dict[str, list[int]]:
+    """Each file of a copy with its size and CRC32C: the shard file's as its writer summed them, the rest summed here.
+
+    The shard file is the copy's bytes; its writer sums them in memory (its index keeps them), so
+    describing a copy reads only its small files.  A copy whose bytes differ from its writer's sums
+    fails :func:`verify`.
+    """
+    import google_crc32c
+
+    try:
+        written = dict(json.loads((step_dir / INDEX).read_bytes()).get("files", {}))
+    except (OSError, ValueError, AttributeError):
+        written = {}
+    out: dict[str, list[int]] = {}
+    for path in sorted(p for p in step_dir.rglob("*") if p.is_file()):
+        name = path.relative_to(step_dir).as_posix()
+        if name in written:
+            out[name] = [int(x) for x in written[name]]
+        else:
+            data = path.read_bytes()
+            out[name] = [len(data), int(google_crc32c.value(data))]
+    return out
+
+
 def write_manifest(directory: Path, step: int, round_: int) -> LocalStep:
     """Describe a finalised step (its files' sizes and CRC32C): from now on it may be restored."""
-    files = _checksums(directory / str(step))
+    files = _described(directory / str(step))
     doc = {"step": step, "round": round_, "files": files, "time": time.time()}
     tmp = directory / f".{step}.manifest.tmp"
     tmp.write_text(json.dumps(doc))
@@ -317,10 +342,9 @@ def write_step(state: Any, directory: Path, step: int, data: DataPosition, keep:
     tmp = directory / f".{step}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "lean").mkdir(parents=True)
-    with open(tmp / "lean" / "0.bin", "wb") as f:
-        for part in lean.shard_bytes(state, plan):
-            f.write(part)
-    (tmp / "lean" / "0.json").write_bytes(lean.index_json(plan, {}))
+    parts = lean.shard_bytes(state, plan)
+    write_parts(tmp / SHARDS, parts, sync=False)  # a tmpfs: nothing to sync
+    (tmp / INDEX).write_bytes(lean.index_json(plan, {SHARDS: lean.sums(parts)}))  # summed while in memory
     (tmp / lean.META).write_bytes(lean.meta_json(plan, step, 1, data, {}))
     (tmp / STEP_MARK).write_text(json.dumps({"step": step, "time": time.time()}))
     final = directory / str(step)

@@ -126,7 +126,8 @@ class ReportHandler:
             self._preempted(w, msg)
         elif t == "local_checkpoint":
             round_ = int(msg.get("round", w.round))
-            self.writer.put(lambda: self.describe_local(round_))
+            # Advertised with the next beat: a round that ends describes and beats at once (below).
+            self.writer.put(lambda: self.describe_local(round_, now=False))
         elif t in ("worker_started", "restore", "compiled"):
             w.seen[t] = dict(msg)
         if t == "resumed":
@@ -274,15 +275,15 @@ class ReportHandler:
 
     # --- the local tier, TensorBoard scalars, recoveries --------------------------------------
 
-    def describe_local(self, round_: int) -> None:
-        """Describe this host's finalised local copies (manifests with checksums) and advertise them."""
+    def describe_local(self, round_: int, *, now: bool = True) -> None:
+        """Describe this host's finalised local copies (manifests with checksums) and advertise them (``now``: beat)."""
         try:
-            self.advertise_local(local_tier.describe_new(self.local_dir, round_))
+            self.advertise_local(local_tier.describe_new(self.local_dir, round_), now=now)
         except OSError as e:
             log.warning("[%s] cannot describe the local checkpoints in %s: %s", self.host, self.local_dir, e)
 
-    def advertise_local(self, steps: dict[int, local_tier.LocalStep]) -> None:
-        self.heart.update(local=sorted([s.step, s.round] for s in steps.values()))
+    def advertise_local(self, steps: dict[int, local_tier.LocalStep], *, now: bool = True) -> None:
+        self.heart.update(now=now, local=sorted([s.step, s.round] for s in steps.values()))
 
     def flush_scalars(self) -> None:
         if self.scalars is not None and time.monotonic() - self._scalars_at >= SCALARS_FLUSH_S:
