@@ -88,6 +88,36 @@ def test_a_copy_is_described_by_its_writers_sums_and_damage_after_the_write_is_c
         np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(state[k]))
 
 
+def test_a_local_copy_is_staged_and_written_only_once_the_guard_has_passed_its_step(tmp_path):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    sharding = NamedSharding(mesh, PartitionSpec())
+    state = {"w": jax.device_put(jnp.arange(256, dtype=jnp.float32), sharding)}
+    abstract = {"w": jax.ShapeDtypeStruct((256,), jnp.float32, sharding=sharding)}
+    tier = local.LocalTier(tmp_path, 2, mesh, abstract)
+    assert tier.enabled, tier.reason
+    assert tier.save(4, state, {"next_batch": 4}) is not None
+    assert not tier.can_save() and tier.skipped == 1  # one copy staged at a time
+    tier.release(3)
+    tier.wait()
+    assert local.finalised_steps(tmp_path) == [], "the guard has not passed step 4 yet"
+    tier.release(4)
+    tier.wait()
+    assert local.finalised_steps(tmp_path) == [4]
+    assert [s for s, _ in tier.finished()] == [4]
+    got, pos = tier.restore(4)
+    np.testing.assert_array_equal(np.asarray(got["w"]), np.arange(256, dtype=np.float32))
+    assert pos == {"next_batch": 4}
+    # A step the guard never passed (the round left at it) is not saved, not even when the tier closes.
+    assert tier.can_save() and tier.save(6, state, {"next_batch": 6}) is not None
+    tier.close()
+    assert local.finalised_steps(tmp_path) == [4]
+
+
 def test_write_parts_writes_every_buffer_in_order_past_the_kernels_limit(tmp_path, monkeypatch):
     import numpy as np
 

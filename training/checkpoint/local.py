@@ -211,6 +211,16 @@ def parse_resume(resume: str) -> list[int]:
     return [int(s) for s in resume.removeprefix("local:").split(",") if s.strip().isdigit()]
 
 
+@dataclass
+class _Staged:
+    """A local save waiting for the guard: the step, its host copy (in flight or made), its data position."""
+
+    step: int
+    copy: Any
+    data: DataPosition
+    t0: float
+
+
 class LocalTier:
     """One worker's local checkpoints (JAX side): save in the background, restore onto the global mesh."""
 
@@ -222,7 +232,9 @@ class LocalTier:
         self.reason = why_not_local(mesh, abstract)
         self.off_for_mesh = bool(self.reason)  # the same in every process of the round
         self.enabled = not self.reason
-        self.pending: list[tuple[int, float]] = []
+        self.pending: list[tuple[int, float]] = []  # handed to the save thread: (step, when staged)
+        self.staged: _Staged | None = None  # a host copy waiting for the guard to pass its step
+        self.passed = -1  # the newest step the guard has passed
         self.skipped = 0  # saves skipped because the previous one was still being written
         self.failure = ""  # why a save failed and turned the tier off (the loop reports it once)
         self.bg: Any = None
@@ -242,21 +254,36 @@ class LocalTier:
                 _remove_step(self.directory, s)
 
     def save(self, step: int, state: Any, data: DataPosition) -> float | None:
-        """Start a background save of ``step``; the seconds the loop was blocked, or None: skipped.
+        """Stage a save of ``step``: the seconds the loop was blocked, or None: not saved.
 
-        The loop only dispatches a host copy of the state (:class:`~training.checkpoint.manager.HostSnapshot`);
-        this tier's save thread writes it.  Call it when :meth:`can_save`; a save still in flight is
-        never waited for (None).
+        The loop only dispatches a host copy of the state (:class:`~training.checkpoint.manager.HostSnapshot`),
+        right after the step and before the next one takes the state.  The copy waits in memory
+        until the guard has passed the step (:meth:`release`, when the loop reads it a step later);
+        then this tier's save thread writes it.  So the loop never waits for the step it saves.
+        Call it when :meth:`can_save`.
         """
-        if self.busy():
-            return None
-        self._started()
-        if not self.enabled:  # the previous write failed
+        if self.staged is not None or not self.enabled:
             return None
         t0 = time.time()
-        self.bg.start(self.writer, state, self.directory, step, data, self.keep)
-        self.pending.append((step, t0))
+        self.staged = _Staged(step, self.bg.snapshot(state), data, t0)
         return time.time() - t0
+
+    def release(self, passed: int | None) -> None:
+        """The guard has passed every step up to ``passed``: hand the staged copy of one of them to the save thread.
+
+        A write still in flight is not waited for: the copy stays staged until the next call.
+        """
+        if passed is not None:
+            self.passed = max(self.passed, passed)
+        staged = self.staged
+        if staged is None or staged.step > self.passed or self.busy():
+            return
+        self.staged = None
+        self._started()  # the previous write's outcome
+        if not self.enabled:  # it failed
+            return
+        self.bg.write(self.writer, staged.copy, self.directory, staged.step, staged.data, self.keep)
+        self.pending.append((staged.step, staged.t0))
 
     def prepare_ahead(self) -> None:
         """Compile the save's host copy in the save thread now (after the round's first steps)."""
@@ -268,12 +295,12 @@ class LocalTier:
         return self.bg is not None and self.bg.busy()
 
     def can_save(self) -> bool:
-        """Whether a save due now may start (the loop then brings the step through the guard first).
+        """Whether a save due now may start.
 
-        A save still writing the previous copy is not waited for: this interval is skipped, and the
-        next one saves the newer step.
+        A copy still staged (its write waits for the one before it) is not waited for: this interval
+        is skipped, and the next one saves the newer step.
         """
-        if self.busy():
+        if self.staged is not None:
             self.skipped += 1
             return False
         return True
@@ -304,11 +331,16 @@ class LocalTier:
         return read_step(self.directory, step, self.abstract)
 
     def wait(self) -> None:
+        """Finish the writes handed over, and the staged copy's once the guard has passed its step."""
         self._started()
+        if self.staged is not None and self.staged.step <= self.passed:
+            self.release(None)
+            self._started()
 
     def close(self) -> None:
         if self.bg is not None:
             self.wait()
+            self.staged = None  # a step the guard never passed: not saved
             self.bg.close()
 
 

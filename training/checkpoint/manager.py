@@ -288,13 +288,18 @@ class BackgroundSave:
         from concurrent.futures import Future
 
         if self.thread is not None:
-            self.starting = self.thread.submit(_timed, fn, self.snapshot(state), *args)
+            self.write(fn, self.snapshot(state), *args)
             return
         self.starting = Future()
         try:
             self.starting.set_result(_timed(fn, state, *args))
         except BaseException as e:  # noqa: BLE001 - raised by collect(), as the thread's would be
             self.starting.set_exception(e)
+
+    def write(self, fn: Any, copy: State, *args: Any) -> None:
+        """Run ``fn(copy, *args)`` in the thread: ``copy`` made by :attr:`snapshot` earlier (the previous one collected)."""
+        assert self.thread is not None, "a save without a thread takes the state itself (start)"
+        self.starting = self.thread.submit(_timed, fn, copy, *args)
 
     def busy(self) -> bool:
         """The newest save is still being handed to Orbax."""

@@ -802,16 +802,16 @@ class RoundLoop:
             # Due by the config and the step alone, the same in every process (a process whose local
             # write failed has its tier off, and skips only the write).
             local_due = not save_now and self.tier_planned and self.step % cfg.local_checkpoint_every == 0
-            # Read every step but the newest; before a save of either tier (or at the end), the newest too:
-            # the guard passes every step before it is saved, and a save's copy never waits for a step.
-            # Decided by the step alone, the same in every process: a process that read the newest step
-            # (and saw a notice in it) a step before the others would stop while they train on.
-            verdict = self.loop.observe(keep=0 if save_now or local_due else 1)
+            # Read every step but the newest; before a persistent save (or at the end), the newest too: the
+            # guard passes every step before it is saved.  A local copy is staged instead, and written once
+            # its step is read.  Decided by the step alone, the same in every process: a process that read
+            # the newest step (and saw a notice in it) a step before the others would stop while they train on.
+            verdict = self.observe(keep=0 if save_now else 1)
             self.check(verdict.bad)
             if self.step == background_at:
                 self.start_background()
             if verdict.notice and self.step < cfg.steps:
-                self.loop.observe(keep=0)  # the newest step too, through the guard, before it is saved
+                self.observe(keep=0)  # the newest step too, through the guard, before it is saved
                 self.check(self.loop.bad)
                 self.stop_here("preemption notice")
             self.saver.poll()
@@ -828,7 +828,7 @@ class RoundLoop:
                 blocking = self.tier.save(self.step, self.state, self.data_position())
                 if blocking is not None:
                     self.loop.local_saves.append(blocking)
-        self.loop.observe(keep=0)
+        self.observe(keep=0)
         self.saver.wait()
         if self.tier is not None:
             if self.tier.enabled:
@@ -837,6 +837,13 @@ class RoundLoop:
         self.mngr.close()
         self.rep.send(ReportType.FINISHED, everyone=True, step=self.step)
         return 0
+
+    def observe(self, keep: int) -> Verdict:
+        """Read the steps in flight but the newest ``keep``; a staged local copy of a step the guard passed goes to be written."""
+        verdict = self.loop.observe(keep)
+        if self.tier is not None:
+            self.tier.release(self.loop.passed)
+        return verdict
 
     def start_background(self) -> None:
         """The round's background work, once its first step was read: the saves' host copies compiled, and (process 0)
@@ -1025,6 +1032,7 @@ class Loop:
         self.since = 0  # steps read since the last progress report
         self.tokens_per_step = cfg.global_batch * tokens_per_example
         self.bad: dict[str, Any] | None = None
+        self.passed: int | None = None  # the newest step read that the guard passed
         self.notice = False
         self.local_saves: list[float] = []
 
@@ -1049,6 +1057,7 @@ class Loop:
             if why:
                 self.bad = {"step": step, "metric": "loss", "value": loss, "reason": why, "next_batch": next_batch}
                 break
+            self.passed = step
             self.recent.append(loss)
             del self.recent[: -self.cfg.spike_window]
             self.notice = self.notice or m["notice"] > 0
