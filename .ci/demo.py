@@ -119,7 +119,8 @@ def main() -> int:
         stderr=subprocess.DEVNULL,
     )
 
-    chaos = [] if args.no_chaos else ["preempt:worker=1,step=40", "capacity:to=4,step=80"]
+    # The host is lost one step after a local copy (step 40): its survivors go on from that copy.
+    chaos = [] if args.no_chaos else ["preempt:worker=1,step=41", "capacity:to=4,step=80"]
     overrides: dict[str, Any] = {"log_every": 5}
     if chaos and not args.no_regression:
         chaos.append("lr_spike:step=105,factor=60")

@@ -112,10 +112,28 @@ def test_a_local_copy_is_staged_and_written_only_once_the_guard_has_passed_its_s
     got, pos = tier.restore(4)
     np.testing.assert_array_equal(np.asarray(got["w"]), np.arange(256, dtype=np.float32))
     assert pos == {"next_batch": 4}
+    # A process that leaves lets the write in flight finish (a slow one here), within its grace.
+    import time
+
+    write = tier.writer
+
+    def slow(*args, **kwargs):
+        time.sleep(0.5)
+        write(*args, **kwargs)
+
+    tier.writer = slow
+    assert tier.save(5, state, {"next_batch": 5}) is not None
+    tier.release(5)
+    t0 = time.monotonic()
+    tier.finish_writing(0.05)  # a grace shorter than the write: it does not wait longer
+    assert time.monotonic() - t0 < 0.4 and local.finalised_steps(tmp_path) == [4]
+    tier.finish_writing(10)
+    assert local.finalised_steps(tmp_path) == [4, 5]
+    tier.writer = write
     # A step the guard never passed (the round left at it) is not saved, not even when the tier closes.
     assert tier.can_save() and tier.save(6, state, {"next_batch": 6}) is not None
     tier.close()
-    assert local.finalised_steps(tmp_path) == [4]
+    assert local.finalised_steps(tmp_path) == [4, 5]
 
 
 def test_write_parts_writes_every_buffer_in_order_past_the_kernels_limit(tmp_path, monkeypatch):

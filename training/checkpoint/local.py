@@ -330,6 +330,17 @@ class LocalTier:
         """This host's copy of ``step`` as the global state on the current mesh, and its data position."""
         return read_step(self.directory, step, self.abstract)
 
+    def finish_writing(self, timeout: float) -> None:
+        """Let the write in flight finish, waiting at most ``timeout`` seconds (from any thread: the process is leaving).
+
+        A copy finalised before the process leaves is one its host can restore from.
+        """
+        import concurrent.futures
+
+        starting = self.bg.starting if self.bg is not None else None
+        if starting is not None:
+            concurrent.futures.wait([starting], timeout=timeout)
+
     def wait(self) -> None:
         """Finish the writes handed over, and the staged copy's once the guard has passed its step."""
         self._started()

@@ -164,6 +164,10 @@ WATCH: Any = None
 OUTLAST_S = 60.0
 # How long an error that looks like a vanished peer's waits for the peer watch to name it.
 PEER_CONFIRM_S = 0.5
+# This process's local checkpoint tier (:class:`training.checkpoint.local.LocalTier`), once it has one, and how
+# long a process that leaves lets its local copy in flight finish: a round that breaks keeps that copy.
+TIER: Any = None
+LOCAL_WRITE_GRACE_S = 2.0
 
 
 def leave(rep: Reporter, code: WorkerExit, error: str = "", **fields: Any) -> NoReturn:
@@ -181,6 +185,8 @@ def leave(rep: Reporter, code: WorkerExit, error: str = "", **fields: Any) -> No
             peer, why = WATCH.lost
             fields["peer_lost"] = peer
             error = f"{error} (peer process {peer} is gone: {why})"
+    if TIER is not None:
+        TIER.finish_writing(LOCAL_WRITE_GRACE_S)  # before the report: the agent describes what is on disk
     if error:
         try:
             rep.send(ReportType.ERROR, everyone=True, error=error, **fields)
@@ -608,7 +614,9 @@ def restore(
     t0 = time.time()
     shape = trainer.mesh.shape
     local_dir = host_dir(cfg.local_checkpoint_dir, run, a.job, os.environ["RTRAIN_HOST"])
+    global TIER
     tier = LocalTier(local_dir, cfg.local_keep, trainer.mesh, trainer.abstract) if cfg.local_checkpoint_every else None
+    TIER = tier
     on = tier is not None and tier.enabled
     chaos = WorkerChaos(
         list(a.faults), a.rank, rep.send, local_dir, (lambda: settle_local(tier, rep, a)) if on else None
