@@ -126,20 +126,14 @@ def plan(state: Any, *, every_held_box: bool = False) -> Plan:
     return Plan(jax.tree.structure(state), tuple(picks), json.dumps(leaves), json.dumps(entries))
 
 
-def _crc(data: bytes) -> list[int]:
-    import google_crc32c
-
-    return [len(data), int(google_crc32c.value(data))]
-
-
 def sums(parts: list[Any]) -> list[int]:
-    """The size and CRC32C of the file ``parts`` (buffers) make, one after another."""
+    """The size and CRC32C of the file ``parts`` (bytes or arrays) make, one after another."""
     import google_crc32c
 
     crc, size = google_crc32c.Checksum(), 0
     for part in parts:
         crc.update(part)
-        size += part.nbytes
+        size += memoryview(part).nbytes
     return [size, int.from_bytes(crc.digest(), "big")]
 
 
@@ -175,7 +169,7 @@ def write_shards(state: Any, step_dir: str, process: int, p: Plan) -> dict[str, 
     store.put_parts(f"lean/{process}.bin", (part.data for part in parts))
     index = index_json(p, written)
     store.put(f"lean/{process}.json", index)
-    return {**written, f"lean/{process}.json": _crc(index)}
+    return {**written, f"lean/{process}.json": sums([index])}
 
 
 @dataclass
@@ -245,11 +239,11 @@ class LeanManager:
                 raw = store.get(f"lean/{p}.json")
             except NotFound:
                 raise RuntimeError(f"process {p} did not write its part of checkpoint {step}") from None
-            files[f"lean/{p}.json"] = _crc(raw)
+            files[f"lean/{p}.json"] = sums([raw])
             files.update(json.loads(raw)["files"])
         meta = meta_json(self.plan, step, self.processes, data, self.config)
         store.put(META, meta)
-        files[META] = _crc(meta)
+        files[META] = sums([meta])
         store.put(INTEGRITY, json.dumps(files, sort_keys=True).encode())
         if rename_to:
             os.rename(step_dir, rename_to)
