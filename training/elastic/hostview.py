@@ -21,10 +21,14 @@ log = logging.getLogger("rtrain.leader")
 
 @dataclass(frozen=True)
 class Settle:
-    """A failure's moment and the hosts' heartbeat numbers then: a host that beats since is alive."""
+    """A failure's moment and each host's agent then (its start, its heartbeat number): a host that beats since is alive.
+
+    A beat since means a later number of the same agent, or any beat of a new agent on that host
+    (a pod made again, a restarted agent: its numbers start over).
+    """
 
     at: float
-    seq: dict[str, int]
+    agents: dict[str, tuple[float, int]]
 
 
 class HostView:
@@ -115,27 +119,28 @@ class HostView:
             rec = self.hosts.get(h)
             self.lost[h] = (rec.started, rec.seq) if rec is not None else (float("inf"), 0)
 
-    def shown_life(self, host: str, seq_at_fail: dict[str, int], fail_at: float | None) -> bool:
+    def shown_life(self, host: str, since: Settle) -> bool:
         """A beat newer than the leader's view at the failure, and written after it (by the leader's clock): a
         beat the leader read late (written just before the host died) is no sign of life."""
         rec = self.hosts.get(host)
         if rec is None or rec.state in ("leaving", "gone"):
             return False
-        written = self.clocks.local_time(host, rec.started, rec.time)
-        return rec.seq > seq_at_fail.get(host, -1) and (fail_at is None or written > fail_at)
+        started, seq = since.agents.get(host, (rec.started, -1))
+        newer = rec.started != started or rec.seq > seq
+        return newer and self.clocks.local_time(host, rec.started, rec.time) > since.at
 
     def settle(self, now: float, lapsed: list[str]) -> Settle:
-        """The moment of a failure: a heartbeat that lapsed is no sign of life, whatever its sequence number."""
-        return Settle(now, {h: r.seq for h, r in self.hosts.items()} | {h: 1 << 62 for h in lapsed})
+        """The moment of a failure: a heartbeat that lapsed is no sign of life, whatever its sequence number
+        (only a new agent on that host is)."""
+        agents = {h: (r.started, 1 << 62 if h in lapsed else r.seq) for h, r in self.hosts.items()}
+        return Settle(now, agents)
 
     def unsettled(self, members: list[str], since: Settle, settle_s: float) -> list[str]:
         """Members that have not shown life since the failure but may still (within ``settle_s``, agent not gone)."""
         return [
-            h
-            for h in members
-            if not self.shown_life(h, since.seq, since.at) and self.age(h) < settle_s and not self.known_gone(h)
+            h for h in members if not self.shown_life(h, since) and self.age(h) < settle_s and not self.known_gone(h)
         ]
 
     def lost_since(self, members: list[str], since: Settle | None) -> list[str]:
         """Members that showed no life since the failure."""
-        return [h for h in members if since is not None and not self.shown_life(h, since.seq, since.at)]
+        return [h for h in members if since is not None and not self.shown_life(h, since)]
