@@ -69,3 +69,11 @@ def test_a_beat_written_before_the_failure_is_no_life_even_from_a_new_agent(view
     since = view.settle(at, lapsed=[])
     _beat(view, "h1", started=200.0, seq=1)  # written before ``at``: read late, it says nothing of now
     assert view.lost_since(["h1"], since) == ["h1"]
+
+
+def test_a_new_agent_s_beat_is_new_even_with_the_number_its_predecessor_last_wrote(view: HostView) -> None:
+    _beat(view, "h1", started=100.0, seq=5)
+    time.sleep(0.3)
+    assert view.age("h1") >= 0.3
+    _beat(view, "h1", started=200.0, seq=5)  # a new agent that has beaten as often as the old one had
+    assert view.age("h1") < 0.3

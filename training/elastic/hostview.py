@@ -44,7 +44,8 @@ class HostView:
         self.lost: dict[str, tuple[float, int]] = {}  # host -> (agent start, heartbeat seq) when declared lost
         self.clocks = HostClocks()  # each host's clock against this one, from its beats
         self.read_at = 0.0  # when the records were last read (a read that failed is tried again)
-        self._seen: dict[str, tuple[int, float]] = {}  # host -> (seq, local time it last changed)
+        # host -> (its agent's start, seq, local time the beat last changed)
+        self._seen: dict[str, tuple[float, int, float]] = {}
         self._gone_seq: dict[tuple[str, float], int] = {}  # agent -> its heartbeat seq when first seen gone
 
     def read(self, now: float) -> None:
@@ -57,9 +58,9 @@ class HostView:
             seen = self._seen.get(h)
             if seen is None:
                 # First sight: date its last beat by the writer's clock (the only time there is).
-                self._seen[h] = (rec.seq, mono - max(now - rec.time, 0.0))
-            elif rec.seq != seen[0]:
-                self._seen[h] = (rec.seq, mono)
+                self._seen[h] = (rec.started, rec.seq, mono - max(now - rec.time, 0.0))
+            elif (rec.started, rec.seq) != seen[:2]:  # a new beat, or a new agent's (its numbers start over)
+                self._seen[h] = (rec.started, rec.seq, mono)
                 self.clocks.observe(h, rec.started, rec.time, read_at)  # a beat written since the last read
             if h != self.me and rec.state not in ("leaving", "gone"):
                 self.watch.watch(h, rec.started, rec.watch)
@@ -87,7 +88,7 @@ class HostView:
         if host == self.me:
             return 0.0
         seen = self._seen.get(host)
-        return float("inf") if seen is None else time.monotonic() - seen[1]
+        return float("inf") if seen is None else time.monotonic() - seen[2]
 
     def alive(self) -> set[str]:
         """Hosts not yet lost: a heartbeat within ``heartbeat_timeout_s``."""
