@@ -27,7 +27,9 @@ passes the same step again does not fire it twice.
 ``kill_during_save````worker=W,step=S``: worker W is SIGKILLed while the async
                     save of step S is being written.
 ``capacity``        ``to=N`` and ``step=S`` or ``after_s=T``: capacity becomes
-                    N hosts at step S, or T seconds after the job started.
+                    N hosts at step S, or T seconds after the job started
+                    (as the leader sees the step: several due at once fire
+                    2 s apart, in the order given).
 ``nan``             ``step=S``: the update of step S is NaN, so the loss goes
                     non-finite from step S+1; ``repeat=1`` fires it on every
                     pass over step S (to exhaust the guard's attempts).

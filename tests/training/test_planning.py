@@ -114,6 +114,31 @@ def test_bad_chaos_specs_are_refused(spec):
         parse_chaos(spec)
 
 
+def test_capacity_faults_due_at_one_look_fire_one_at_a_time_so_the_pool_acts_on_each(tmp_path):
+    """The step the leader sees jumped past two capacity faults: the second waits, the pool sees the first."""
+    from training.elastic.capacity import LocalCapacity
+    from training.elastic.chaos import CAPACITY_SPACING_S, JobChaos
+    from training.events import EventLog
+    from training.storage import open_store
+
+    store = open_store(str(tmp_path))
+    events = EventLog(store, source="test")
+    pool = LocalCapacity(store, default=2)
+    chaos = JobChaos(["capacity:to=1,step=5", "capacity:to=2,step=9"], events, events.emit, pool)
+    chaos.capacity_due(9, elapsed=10.0)
+    assert pool.available() == 1
+    chaos.capacity_due(9, elapsed=10.0 + CAPACITY_SPACING_S / 2)
+    assert pool.available() == 1, "the second waits: the pool acts on the first"
+    chaos.capacity_due(9, elapsed=10.0 + CAPACITY_SPACING_S)
+    assert pool.available() == 2
+    assert [e["spec"] for e in events.read(types=("chaos",))] == ["capacity:to=1,step=5", "capacity:to=2,step=9"]
+    # Each fires once, by this leader or the next (they are on record).
+    again = JobChaos(chaos.specs, events, events.emit, pool)
+    pool.set(2)
+    again.capacity_due(30, elapsed=60.0)
+    assert pool.available() == 2 and len(events.read(types=("chaos",))) == 2
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

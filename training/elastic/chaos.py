@@ -17,6 +17,8 @@ from training.elastic.wire import ReportType
 from training.events import EventLog
 from training.faults import HOST_ACTIONS, STORAGE_ACTIONS, WORKER_SIDE, ChaosError, Fault, parse_chaos
 
+CAPACITY_SPACING_S = 2.0  # capacity faults due at once fire this far apart (the local pool looks every 0.2 s)
+
 
 class WorkerChaos:
     """The faults one worker fires, each at the step its spec names.
@@ -137,6 +139,7 @@ class JobChaos:
         self.emit = emit  # write an event now
         self.capacity = capacity
         self.fired = self._on_record()
+        self._last_capacity: float | None = None  # seconds into the job the last one fired
 
     def _on_record(self) -> set[str]:
         return {str(e.get("spec")) for e in self.events.read(types=("chaos",))}
@@ -152,8 +155,14 @@ class JobChaos:
         ]
 
     def capacity_due(self, step: int | None, elapsed: float) -> None:
-        """Fire the ``capacity`` faults due at rank 0's ``step``, ``elapsed`` seconds into the job."""
+        """Fire the ``capacity`` faults due at rank 0's ``step``, ``elapsed`` seconds into the job.
+
+        One at a time: several due at one look (the step seen jumped past them) fire
+        :data:`CAPACITY_SPACING_S` apart, so the pool acts on each.
+        """
         if self.capacity is None:
+            return
+        if self._last_capacity is not None and elapsed - self._last_capacity < CAPACITY_SPACING_S:
             return
         for spec in self.specs:
             f = parse_chaos(spec)
@@ -165,9 +174,11 @@ class JobChaos:
             )
             if due:
                 self.fired.add(spec)
+                self._last_capacity = elapsed
                 to = int(f.get("to") or 0)
                 # On record first: the pool may take this very host at once, and the next leader must not
                 # fire the same fault again.
                 self.emit("chaos", action="capacity", spec=spec, to=to, step=step)
                 self.capacity.set(to, reason=f"chaos {spec}")
                 self.emit("capacity", available=to, reason="chaos")
+                return
