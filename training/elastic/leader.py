@@ -6,7 +6,8 @@ A state machine driven by the rendezvous (heartbeats, reports) and the run root 
 ``gather``  the first round: wait up to ``join_timeout_s`` for the hosts it expects
 ``form``    a round is due: let the last members show life (a settle: 3 heartbeats
             or half the heartbeat timeout, the longer), then choose the members
-``wait``    fewer hosts than ``min_workers``: wait up to ``capacity_timeout_s``
+``wait``    fewer hosts than ``min_workers``: wait up to ``capacity_timeout_s``; once
+            enough beat, up to ``join_timeout_s`` more for all the capacity says came back
 ``running`` a round trains: watch its reports and its members' heartbeats
 ``done``    the job ended; the stop round is written
 ==========  ========================================================================
@@ -109,6 +110,7 @@ class Leader:
         self.settle: Settle | None = None  # since the round failed: who shows life
         self.failure: PendingFailure | None = None  # what went wrong, blamed once the settle is over
         self._form_reason = "recovery"
+        self._enough_at: float | None = None  # waiting for capacity: since a round could form with fewer hosts
         # Local copies saved before this round number are of another lineage (a guard rollback since).
         self.local_floor = self.round.local_floor if self.round else 0
         self.recovery: Recovery | None = None  # what the next round recovers from (its `recovered` event)
@@ -164,10 +166,17 @@ class Leader:
 
     # --- phases ---------------------------------------------------------------------------------
 
-    def _gather(self, now: float) -> None:
+    def _expected(self, known_only: bool = False) -> int:
+        """The largest round the capacity says is coming (unknown capacity: ``max_workers``, or 0 with
+        ``known_only``)."""
+        if self.agent.capacity is None and known_only:
+            return 0
         cap = self.agent.capacity.available() if self.agent.capacity is not None else self.cfg.max_workers
         expected = min(cap or self.cfg.max_workers, self.cfg.max_workers)
-        want = max([n for n in feasible_sizes(self.cfg) if n <= expected] or [0])
+        return max([n for n in feasible_sizes(self.cfg) if n <= expected] or [0])
+
+    def _gather(self, now: float) -> None:
+        want = self._expected()
         members = choose_members(self.cfg, self.view.hosts, self.view.fresh())
         if members and (len(members) >= want or now - self.t_phase >= self.cfg.join_timeout_s):
             self._open(members, "start")
@@ -203,10 +212,17 @@ class Leader:
         n = len(self.view.fresh())
         self.agent.emit("waiting_for_capacity", available=n, min_workers=self.cfg.min_workers)
         self.status.waiting(n, now)
+        self._enough_at = None
         self._set_phase(Phase.WAIT)
 
     def _wait(self, now: float) -> None:
         members = choose_members(self.cfg, self.view.hosts, self.view.fresh(), prefer=self.prev_members)
+        if members is not None and len(members) < self._expected(known_only=True):
+            # The capacity came back larger than the hosts beating yet: one round with them all (as the
+            # first round waits), rather than a smaller one and a resize at once.
+            self._enough_at = self._enough_at or now
+            if now - self._enough_at < self.cfg.join_timeout_s:
+                return
         if members is not None:
             self.agent.emit("capacity", available=len(self.view.fresh()))
             self._open(members, "capacity returned")
