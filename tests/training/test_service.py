@@ -22,7 +22,15 @@ from jobs import assert_exact_data, job_config, wait_for
 
 from training import api
 from training.service import commands, scheduler
-from training.service.eta import RunOutlook, forecast, start_seconds, step_seconds_by_hosts
+from training.service.eta import (
+    JobStart,
+    RunOutlook,
+    forecast,
+    resume_seconds,
+    start_seconds,
+    starting_since,
+    step_seconds_by_hosts,
+)
 from training.service.policy import Demand, PriorityError, allocate
 from training.service.queue import Placement, Queue, QueueError, Submission
 
@@ -61,36 +69,76 @@ def test_the_forecast_replays_the_policy_with_measured_paces_and_resize_costs():
     assert lone["big"].seconds is None and "never fits" in lone["big"].assumptions[-1]
 
 
-def test_a_run_given_hosts_again_after_a_queue_costs_what_its_job_starts_cost_not_its_resizes():
+def test_a_run_given_hosts_again_costs_what_its_job_starts_or_its_returns_of_capacity_cost_not_its_resizes():
     evs = [
-        {"type": "launch", "reason": "start", "round": 1, "time": 100.0},
+        {"type": "config", "time": 98.0},  # a job launched: its processes start and take the run
+        {"type": "launch", "reason": "start", "round": 1, "time": 100.0},  # its first round
         {"type": "resumed", "attempt": 1, "time": 103.0},
+        {"type": "resumed", "attempt": 1, "time": 103.1},  # every process says so: the first counts
         {"type": "launch", "reason": "recovery", "round": 2, "time": 110.0},
         {"type": "resumed", "attempt": 2, "time": 111.0},
-        {"type": "launch", "reason": "start", "round": 1, "time": 120.0},  # a new job of the run
-        {"type": "resumed", "attempt": 1, "time": 124.0},
+        {"type": "config", "time": 119.0},  # a new job of the run
+        {"type": "launch", "reason": "start", "round": 1, "time": 120.0},
+        {"type": "resumed", "attempt": 1, "time": 126.0},
     ]
-    assert start_seconds(evs) == [3.0, 4.0]
+    assert start_seconds(evs) == [JobStart(2.0, 3.0), JobStart(1.0, 6.0)]
+    assert resume_seconds(evs) == []
     queued = RunOutlook(_d("low", "low", 4, 4, 0.0), 10, 0, {4: 1.0}, [1.0], start_seconds(evs))
     eta = forecast(4, [queued])["low"]
-    assert eta.seconds == pytest.approx(3.5 + 10.0)  # its starts' median, then 10 steps at 1 s
-    assert "resumes on 4 host(s) at +0s, costing 3.5s" in eta.assumptions
-    # A run that never started borrows the pool's starts.
+    # Queued in its job, no return measured yet: its agents come back into the launched job, whose round
+    # starts as its starts' rounds did (median 4.5 s); then 10 steps at 1 s.
+    assert eta.seconds == pytest.approx(4.5 + 10.0)
+    assert "resumes on 4 host(s) at +0s, costing 4.5s" in eta.assumptions
+    # A run that never started starts a job: the pool's starts, launch to first step (median 6 s).
     new = RunOutlook(_d("new", "low", 4, 4, 1.0), 10, 0, {}, [], [])
-    assert forecast(8, [queued, new])["new"].seconds == pytest.approx(3.5 + 10.0)
+    assert forecast(8, [queued, new])["new"].seconds == pytest.approx(6.0 + 10.0)
 
-
-def test_paces_come_from_rounds_after_their_first_step():
-    evs = [
-        {"type": "launch", "round": 1, "workers": 4},
-        {"type": "progress", "attempt": 1, "step_time": 9.0},  # compile: skipped
-        {"type": "progress", "attempt": 1, "step_time": 1.0},
-        {"type": "progress", "attempt": 1, "step_time": 1.2},
-        {"type": "launch", "round": 2, "workers": 2},
-        {"type": "progress", "attempt": 2, "step_time": 7.0},
-        {"type": "progress", "attempt": 2, "step_time": 2.0},
+    # Queued in its job (its hosts went to another run), then given hosts again: the job's agents come back.
+    evs += [
+        {"type": "capacity", "time": 130.0, "reason": "queued: a run of higher priority needs the hosts"},
+        {"type": "waiting_for_capacity", "time": 131.0},
+        {"type": "capacity", "time": 150.0, "reason": "the scheduler assigns 4 host(s)"},
+        {"type": "capacity", "time": 150.2, "reason": "capacity returned"},
+        {"type": "launch", "reason": "capacity returned", "round": 2, "time": 150.5},
+        {"type": "resumed", "attempt": 2, "time": 152.0},
     ]
-    assert step_seconds_by_hosts(evs) == {4: pytest.approx(1.1), 2: pytest.approx(2.0)}
+    assert resume_seconds(evs) == [2.0]
+    queued.resume_s = resume_seconds(evs)
+    assert forecast(4, [queued])["low"].seconds == pytest.approx(2.0 + 10.0)
+
+
+def test_a_run_launched_that_has_not_stepped_yet_owes_the_rest_of_its_start():
+    evs = [{"type": "config", "time": 10.0}, {"type": "launch", "reason": "start", "round": 1, "time": 12.0}]
+    assert starting_since(evs) == 10.0
+    assert starting_since([*evs, {"type": "resumed", "attempt": 1, "time": 14.0}]) is None
+    starts = [JobStart(2.0, 3.0)]
+    starting = RunOutlook(_d("big", "urgent", 4, 4, 0.0), 10, 4, {}, [], starts, starting_for=2.0)
+    other = RunOutlook(_d("low", "low", 4, 4, 0.0), 10, 0, {4: 1.0}, [], starts)
+    etas = forecast(4, [starting, other])
+    assert etas["big"].seconds == pytest.approx(3.0 + 10.0)  # 3 s of its 5 s start left, then 10 steps at 1 s
+    assert "starting: its first step in 3.0s" in etas["big"].assumptions
+    assert etas["low"].seconds == pytest.approx(13.0 + 3.0 + 10.0)  # its agents back: a start's round, 3 s
+
+
+def test_paces_are_wall_seconds_per_step_past_each_round_s_warm_up():
+    evs = [
+        {"type": "launch", "round": 1, "workers": 4, "time": 0.0},
+        {"type": "progress", "attempt": 1, "step": 1, "time": 9.0},  # compile and restore: only starts the count
+        {"type": "progress", "attempt": 1, "step": 5, "time": 15.0},  # warming up: 1.5 s a step
+        {"type": "progress", "attempt": 1, "step": 11, "time": 21.0},
+        {"type": "progress", "attempt": 1, "step": 16, "time": 26.0},  # steady: 1 s a step
+        {"type": "progress", "attempt": 1, "step": 21, "time": 32.0},  # a save in these 5 steps: it counts
+        {"type": "launch", "round": 2, "workers": 2, "time": 40.0},  # a round too short to leave its warm-up
+        {"type": "progress", "attempt": 2, "step": 22, "time": 47.0},
+        {"type": "progress", "attempt": 2, "step": 24, "time": 51.0},
+        {"type": "config", "time": 60.0},  # a new job: its round 1 is not the old one's
+        {"type": "launch", "round": 1, "workers": 4, "time": 61.0},
+        {"type": "progress", "attempt": 1, "step": 25, "time": 70.0},
+        {"type": "progress", "attempt": 1, "step": 36, "time": 81.0},
+        {"type": "progress", "attempt": 1, "step": 37, "time": 82.2},
+    ]
+    # 4 hosts: steps 11 to 21 of the first job and 36 to 37 of the second (11 steps, 12.2 s); 2 hosts: all it has.
+    assert step_seconds_by_hosts(evs) == {4: pytest.approx(12.2 / 11), 2: pytest.approx(2.0)}
 
 
 def test_an_event_reader_kept_across_looks_reads_each_event_once(tmp_path):

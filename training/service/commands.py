@@ -12,7 +12,16 @@ from training.config import Config
 from training.events import ALIVE_STATES, EventReader
 from training.priorities import PRIORITIES, PriorityError, priority_value
 from training.service import scheduler
-from training.service.eta import Eta, RunOutlook, forecast, resize_seconds, start_seconds, step_seconds_by_hosts
+from training.service.eta import (
+    Eta,
+    RunOutlook,
+    forecast,
+    resize_seconds,
+    resume_seconds,
+    start_seconds,
+    starting_since,
+    step_seconds_by_hosts,
+)
 from training.service.policy import allocate
 from training.service.queue import Placement, Queue, QueueError, Submission
 
@@ -157,6 +166,7 @@ def view(root: str, events: EventReader | None = None) -> QueueView:
         evs = events.read(s.run_uri)
         st = statuses[s.run_name]
         step = int(st.get("step") or 0) if st.get("job") == places[s.run_name].job else 0
+        begun = starting_since(evs)
         outlooks.append(
             RunOutlook(
                 demand=s.demand(),
@@ -165,6 +175,8 @@ def view(root: str, events: EventReader | None = None) -> QueueView:
                 step_s=step_seconds_by_hosts(evs),
                 resize_s=resize_seconds(evs),
                 start_s=start_seconds(evs),
+                resume_s=resume_seconds(evs),
+                starting_for=time.time() - begun if begun is not None else None,
             )
         )
     etas = forecast(pool, outlooks)
