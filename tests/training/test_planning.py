@@ -114,6 +114,16 @@ def test_bad_chaos_specs_are_refused(spec):
         parse_chaos(spec)
 
 
+def test_the_largest_round_a_capacity_allows_splits_the_batch_and_takes_whole_slices():
+    from training.elastic.membership import largest_round
+
+    cfg = load_config("tiny", None, {"min_workers": 1, "max_workers": 4})
+    assert [largest_round(cfg, n) for n in (1, 2, 3, 4, 9)] == [1, 2, 2, 4, 4]
+    assert largest_round(cfg, None) == largest_round(cfg, 0) == 4  # not known: what the job may grow to
+    slices = load_config("tiny", None, {"min_workers": 2, "max_workers": 4, "hosts_per_slice": 2})
+    assert [largest_round(slices, n) for n in (1, 3, 4)] == [0, 2, 4]
+
+
 def test_capacity_faults_due_at_one_look_fire_one_at_a_time_so_the_pool_acts_on_each(tmp_path):
     """The step the leader sees jumped past two capacity faults: the second waits, the pool sees the first."""
     from training.elastic.capacity import LocalCapacity

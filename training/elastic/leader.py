@@ -37,14 +37,13 @@ from training.elastic.chaos import JobChaos
 from training.elastic.hostview import HostView, Settle
 from training.elastic.hostwatch import HostWatch
 from training.elastic.jobstatus import JobStatus, Phase, inherited_phase
-from training.elastic.membership import choose_members, resume_for
+from training.elastic.membership import choose_members, largest_round, resume_for
 from training.elastic.rendezvous import Outcome, Rendezvous, Report, Round
 from training.elastic.round_end import JobFails, PendingFailure, Recovery, RoundEnds, RoundFailed, Verdict
 from training.elastic.rounds import Carried, LeaderRecords, RoundWriter
 from training.elastic.roundwatch import RoundWatch
 from training.events import EventLog, RunState
 from training.layout import CONTROL, RDV_RESERVE
-from training.mesh import feasible_sizes
 from training.storage import NotFound, Store
 
 log = logging.getLogger("rtrain.leader")
@@ -166,17 +165,9 @@ class Leader:
 
     # --- phases ---------------------------------------------------------------------------------
 
-    def _expected(self, known_only: bool = False) -> int:
-        """The largest round the capacity says is coming (unknown capacity: ``max_workers``, or 0 with
-        ``known_only``)."""
-        if self.agent.capacity is None and known_only:
-            return 0
-        cap = self.agent.capacity.available() if self.agent.capacity is not None else self.cfg.max_workers
-        expected = min(cap or self.cfg.max_workers, self.cfg.max_workers)
-        return max([n for n in feasible_sizes(self.cfg) if n <= expected] or [0])
-
     def _gather(self, now: float) -> None:
-        want = self._expected()
+        cap = self.agent.capacity
+        want = largest_round(self.cfg, cap.available() if cap is not None else None)
         members = choose_members(self.cfg, self.view.hosts, self.view.fresh())
         if members and (len(members) >= want or now - self.t_phase >= self.cfg.join_timeout_s):
             self._open(members, "start")
@@ -217,7 +208,8 @@ class Leader:
 
     def _wait(self, now: float) -> None:
         members = choose_members(self.cfg, self.view.hosts, self.view.fresh(), prefer=self.prev_members)
-        if members is not None and len(members) < self._expected(known_only=True):
+        cap = self.agent.capacity.available() if self.agent.capacity is not None else 0  # 0: not known
+        if members is not None and cap and len(members) < largest_round(self.cfg, cap):
             # The capacity came back larger than the hosts beating yet: one round with them all (as the
             # first round waits), rather than a smaller one and a resize at once.
             self._enough_at = self._enough_at or now

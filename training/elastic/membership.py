@@ -51,6 +51,12 @@ def choose_members(
     return [h for s in chosen for h in slices[s]]
 
 
+def largest_round(cfg: Config, available: int | None) -> int:
+    """The largest round ``available`` hosts allow (none said, or 0: ``max_workers``)."""
+    expected = min(available or cfg.max_workers, cfg.max_workers)
+    return max([n for n in feasible_sizes(cfg) if n <= expected] or [0])
+
+
 def possible_size(cfg: Config, hosts: Mapping[str, HostRecord], alive: Collection[str]) -> int:
     """How many hosts a round could have with ``alive`` (0: below the minimum)."""
     members = choose_members(cfg, hosts, alive)
