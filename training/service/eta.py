@@ -1,7 +1,7 @@
 """When each run of the pool will finish: measured pace per host count, the scheduler's future, resize costs.
 
 A run's pace is measured per host count from its own events (wall seconds per
-step between the progress reports of each round after its first, saves
+step between the progress reports of each round past its warm-up, saves
 included); a host count it has not run on is predicted from the nearest measured
 one, with a constant global batch (step time inversely proportional to the
 hosts); a run that has not run at all borrows the pace per host of the other
@@ -11,7 +11,7 @@ recoveries cost (or the pool's median). A run that starts a job costs what its
 job starts cost, from the launch to the first step (or the pool's median); one
 launched that has not stepped yet owes the rest of that. A run queued in its job
 and given hosts again costs what its returns of capacity cost (or the pool's,
-or a start).
+or a start's round: its job was launched already).
 """
 
 from __future__ import annotations
