@@ -151,7 +151,7 @@ def main() -> int:
     )
     if chaos:
         say(
-            "   host 1 is lost at step 40 (4 -> 2 hosts), capacity is back at step 80 (-> 4 hosts)"
+            "   host 1 is lost at step 41 (4 -> 2 hosts), capacity is back at step 80 (-> 4 hosts)"
             + (
                 "; a learning-rate spike from step 105 makes checkpoints 125 and 150 worse, for validation to catch"
                 if not args.no_regression
