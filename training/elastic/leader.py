@@ -208,8 +208,8 @@ class Leader:
 
     def _wait(self, now: float) -> None:
         members = choose_members(self.cfg, self.view.hosts, self.view.fresh(), prefer=self.prev_members)
-        cap = self.agent.capacity.available() if self.agent.capacity is not None else 0  # 0: not known
-        if members is not None and cap and len(members) < largest_round(self.cfg, cap):
+        cap = self.agent.capacity.available() if members is not None and self.agent.capacity is not None else 0
+        if members is not None and cap and len(members) < largest_round(self.cfg, cap):  # cap 0: not known
             # The capacity came back larger than the hosts beating yet: one round with them all (as the
             # first round waits), rather than a smaller one and a resize at once.
             self._enough_at = self._enough_at or now
