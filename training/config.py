@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from training.cadence import gcs_timing
 from training.faults import ChaosError, parse_chaos
@@ -120,11 +120,24 @@ class ModelKeys(BaseModel):
         description="Run the blocks as one scanned layer (one compiled block whatever the depth: deep models "
         "compile in seconds); off, each block is compiled on its own (faster for a few layers).",
     )
-    attention: Literal["dot_product", "reference"] = Field(
-        "dot_product",
-        description="Attention kernel: `dot_product` (jax.nn.dot_product_attention, fused where the platform has "
-        "one) or `reference` (plain einsums, for checking).",
+    attention: Literal["auto", "splash", "xla", "reference"] = Field(
+        "auto",
+        description="Attention kernel: `splash` (Pallas's TPU splash kernel; interpreted, slowly, elsewhere), `xla` "
+        "(jax.nn.dot_product_attention: cuDNN on a GPU, einsums on TPU and CPU), `reference` (plain einsums, for "
+        "checking); `auto`: splash on a TPU when sequence and head width are multiples of 128, else xla.",
     )
+    remat: Literal["none", "full", "dots", "qkv_proj", "attn", "attn_mlp"] = Field(
+        "none",
+        description="What each block keeps for the backward pass (the rest is recomputed): `none` (no "
+        "rematerialisation), `full` (only the block's input), `dots` (every projection's output), `qkv_proj` (the "
+        "attention's q, k, v projections), `attn` (those and the attention's output), `attn_mlp` (and the MLP's "
+        "gated hidden). true means full, false none.",
+    )
+
+    @field_validator("remat", mode="before")
+    @classmethod
+    def _remat_bool(cls, v: Any) -> Any:
+        return ("full" if v else "none") if isinstance(v, bool) else v
 
 
 class OptimKeys(BaseModel):
@@ -289,7 +302,6 @@ class MeshKeys(BaseModel):
     dcn_data: int = Field(-1, description="Data parallelism across hosts (-1: fill).")
     dcn_fsdp: int = Field(1, description="FSDP parallelism across hosts (-1: fill).")
     device_memory_gib: float = Field(2.0, gt=0, description="Memory per device for the fit check.")
-    activation_checkpointing: bool = Field(False, description="Rematerialise each block in the backward pass.")
 
 
 class OperationsKeys(BaseModel):
@@ -319,6 +331,19 @@ class Config(
     """A run's whole configuration: every key of every section, validated together."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_keys(cls, data: Any) -> Any:
+        """The old ``activation_checkpointing: true|false`` is ``remat: full|none`` (unless remat is set too)."""
+        if isinstance(data, dict) and "activation_checkpointing" in data:
+            data = dict(data)
+            old = data.pop("activation_checkpointing")
+            if isinstance(old, bool):
+                data.setdefault("remat", "full" if old else "none")
+            else:
+                data["activation_checkpointing"] = old  # refused below, naming the key
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> Config:
@@ -380,6 +405,11 @@ class Config(
     def prepared_tokens(self) -> bool:
         """Whether the task trains on the prepared token dataset at ``dataset`` (the built-in ``lm`` and ``maxtext``)."""
         return self.task in TOKEN_TASKS
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        """Whether the blocks are rematerialised at all (any ``remat`` policy but none)."""
+        return self.remat != "none"
 
     @property
     def kv_heads(self) -> int:

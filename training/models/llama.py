@@ -5,9 +5,10 @@ Parameters carry *logical* axis names (``vocab``, ``embed``, ``heads``, ``mlp``,
 whatever mesh the job runs on (under the trainer's mesh and rules context: a
 constraint is a no-op without one).  With ``scan_layers`` the blocks are one
 ``nn.scan`` over layers (one compiled block, whatever the depth); each block is
-rematerialised when ``remat`` is on.  Packed documents are kept
-apart by segment ids: a token attends only to earlier tokens of its own
-document, and its rotary position counts from its document's start.
+rematerialised under the ``remat`` policy (:data:`REMAT_POLICIES`).  Packed
+documents are kept apart by segment ids: a token attends only to earlier tokens
+of its own document, and its rotary position counts from its document's start.
+The attention kernel is :func:`training.models.attention.attention`'s ``impl``.
 """
 
 from __future__ import annotations
@@ -19,8 +20,31 @@ from typing import Any, cast
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from training.models.attention import attention, attention_mask, reference_attention
+
+__all__ = ["Llama", "LlamaConfig", "attention_mask", "cross_entropy", "reference_attention"]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_save = jax.checkpoint_policies.save_only_these_names
+# What each block keeps for the backward pass; the rest is recomputed ("none": no rematerialisation).
+REMAT_POLICIES: dict[str, Any] = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,  # only the block's input
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # every projection's output
+    "qkv_proj": _save("q_proj", "k_proj", "v_proj"),  # the attention's input projections
+    "attn": _save("q_proj", "k_proj", "v_proj", "context"),  # those and the attention's output
+    "attn_mlp": _save("q_proj", "k_proj", "v_proj", "context", "mlp_hidden"),  # and the MLP's gated hidden
+}
+
+
+def remat_policy(remat: str | bool) -> str:
+    """A remat setting as a policy name (the old booleans: true is ``full``, false ``none``)."""
+    name = ("full" if remat else "none") if isinstance(remat, bool) else remat
+    if name not in REMAT_POLICIES:
+        raise ValueError(f"remat: unknown policy {remat!r}; known: {', '.join(REMAT_POLICIES)}")
+    return name
 
 
 @dataclass(frozen=True)
@@ -40,9 +64,9 @@ class LlamaConfig:
     tie_embeddings: bool = False
     dtype: str = "float32"
     param_dtype: str = "float32"
-    remat: bool = False
+    remat: str = "none"  # a REMAT_POLICIES name (True/False: full/none)
     scan_layers: bool = False
-    attention: str = "dot_product"  # or "reference"
+    attention: str = "auto"  # auto, splash, xla or reference (training.models.attention)
 
     @property
     def head_dim(self) -> int:
@@ -120,42 +144,21 @@ class RMSNorm(nn.Module):
         return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def attention_mask(segment_ids: jax.Array) -> jax.Array:
-    """[batch, 1, q, k]: causal, and only inside the token's own segment."""
-    s = segment_ids.shape[1]
-    causal = jnp.tril(jnp.ones((s, s), dtype=bool))
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return (same & causal[None])[:, None]
-
-
-def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Attention as plain einsums (fp32 scores), for checking the fused path."""
-    nh, nkv = q.shape[2], k.shape[2]
-    k, v = jnp.repeat(k, nh // nkv, axis=2), jnp.repeat(v, nh // nkv, axis=2)
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
-
-
 class Attention(nn.Module):
     cfg: LlamaConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
         cfg = self.cfg
         b, s, _ = x.shape
         hd, nh, nkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-        q = _dense(nh * hd, ("embed", "heads"), cfg, "q")(x).reshape(b, s, nh, hd)
-        k = _dense(nkv * hd, ("embed", "heads"), cfg, "k")(x).reshape(b, s, nkv, hd)
-        v = _dense(nkv * hd, ("embed", "heads"), cfg, "v")(x).reshape(b, s, nkv, hd)
+        q = checkpoint_name(_dense(nh * hd, ("embed", "heads"), cfg, "q")(x), "q_proj").reshape(b, s, nh, hd)
+        k = checkpoint_name(_dense(nkv * hd, ("embed", "heads"), cfg, "k")(x), "k_proj").reshape(b, s, nkv, hd)
+        v = checkpoint_name(_dense(nkv * hd, ("embed", "heads"), cfg, "v")(x), "v_proj").reshape(b, s, nkv, hd)
         q, k, v = (constrain(t, "act_batch", "act_len", "act_heads", None) for t in (q, k, v))
         freqs = rope_frequencies(cfg)
         q, k = apply_rope(q, positions, freqs), apply_rope(k, positions, freqs)
-        if cfg.attention == "reference":
-            out = reference_attention(q, k, v, mask)
-        else:  # grouped-query natively; a fused kernel where the platform has one
-            out = jax.nn.dot_product_attention(q, k, v, mask=mask)
+        out = checkpoint_name(attention(q, k, v, segment_ids, impl=cfg.attention), "context")
         out = constrain(out, "act_batch", "act_len", "act_heads", None).reshape(b, s, nh * hd)
         return constrain(_dense(cfg.d_model, ("heads", "embed"), cfg, "o")(out), "act_batch", "act_len", "act_embed")
 
@@ -167,7 +170,7 @@ class MLP(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         gate = _dense(self.cfg.d_ff, ("embed", "mlp"), self.cfg, "gate")(x)
         up = _dense(self.cfg.d_ff, ("embed", "mlp"), self.cfg, "up")(x)
-        hidden = constrain(nn.silu(gate) * up, "act_batch", "act_len", "act_mlp")
+        hidden = constrain(checkpoint_name(nn.silu(gate) * up, "mlp_hidden"), "act_batch", "act_len", "act_mlp")
         return constrain(
             _dense(self.cfg.d_model, ("mlp", "embed"), self.cfg, "down")(hidden), "act_batch", "act_len", "act_embed"
         )
@@ -179,9 +182,9 @@ class Block(nn.Module):
     cfg: LlamaConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> tuple[jax.Array, None]:
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, None]:
         x = constrain(x, "act_batch", "act_len", "act_embed")
-        x = x + Attention(self.cfg, name="attn")(RMSNorm(self.cfg, name="attn_norm")(x), positions, mask)
+        x = x + Attention(self.cfg, name="attn")(RMSNorm(self.cfg, name="attn_norm")(x), positions, segment_ids)
         x = x + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg, name="mlp_norm")(x))
         return constrain(x, "act_batch", "act_len", "act_embed"), None
 
@@ -212,9 +215,9 @@ class Llama(nn.Module):
         )
         x = constrain(jnp.take(embed, tokens, axis=0).astype(DTYPES[cfg.dtype]), "act_batch", "act_len", "act_embed")
         block: Any = Block
-        if cfg.remat:
-            block = nn.remat(block, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
-        mask = attention_mask(segment_ids)
+        policy = remat_policy(cfg.remat)
+        if policy != "none":
+            block = nn.remat(block, prevent_cse=False, policy=REMAT_POLICIES[policy])
         if cfg.scan_layers:  # one compiled block, whatever the depth
             layers = nn.scan(
                 block,
@@ -224,10 +227,10 @@ class Llama(nn.Module):
                 length=cfg.n_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            x, _ = layers(cfg, name="layers")(x, positions, mask)
+            x, _ = layers(cfg, name="layers")(x, positions, segment_ids)
         else:
             for i in range(cfg.n_layers):
-                x, _ = block(cfg, name=f"layers_{i}")(x, positions, mask)
+                x, _ = block(cfg, name=f"layers_{i}")(x, positions, segment_ids)
         x = RMSNorm(cfg, name="final_norm")(x)
         if cfg.tie_embeddings:
             logits = jnp.einsum("bsd,vd->bsv", x, embed.astype(x.dtype))

@@ -29,7 +29,7 @@ def llama_config(cfg: Config) -> LlamaConfig:
         tie_embeddings=cfg.tie_embeddings,
         dtype=cfg.dtype,
         param_dtype=cfg.param_dtype,
-        remat=cfg.activation_checkpointing,
+        remat=cfg.remat,
         scan_layers=cfg.scan_layers,
         attention=cfg.attention,
     )
