@@ -48,6 +48,8 @@ PROCESS = textwrap.dedent(
     jax.distributed.initialize(f"127.0.0.1:{port}", 2, rank, initialization_timeout=60,
                                cluster_detection_method="deactivate")
     print("joined", jax.process_index(), jax.process_count(), flush=True)
+    if rank == 0:
+        sys.stdin.read()  # its coordination service stays up until process 1 has left (the test closes stdin)
     os._exit(0)
     """
 )
@@ -57,9 +59,17 @@ def test_dialling_process_0_before_initialising_leaves_its_coordination_service_
     port = str(free_port())
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     procs = [
-        subprocess.Popen([sys.executable, "-c", PROCESS, str(rank), port], env=env, stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", PROCESS, str(rank), port],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         for rank in (1, 0)
     ]
+    # They leave in order: process 1 first, then process 0, whose coordination service would otherwise go
+    # while process 1 is still connected to it (which aborts process 1).
     out = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], out
     assert out == ["joined 1 2\n", "joined 0 2\n"]
