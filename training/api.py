@@ -109,6 +109,7 @@ __all__ = [
     "events_since",
     "floor_key",
     "job_state",
+    "host_processes",
     "launch",
     "plan",
     "promote",
@@ -127,6 +128,7 @@ __all__ = [
     "Rollback",
     "Verdict",
     "JobLook",
+    "HostProcesses",
     "PreparedDataset",
     "PlanEnd",
     "PlanReport",
@@ -540,6 +542,30 @@ def repair_status(run_uri: str) -> RunStatus | None:
     job whose every host and launcher died at once would say "running" forever.
     """
     return run_repair_status(run_uri)
+
+
+class HostProcesses(TypedDict):
+    """One host's processes, as its agent's heartbeat gives them: find them with ``ps -p`` on ``node``."""
+
+    node: str  # the machine (pod) they run on
+    state: str  # the agent's: idle, training, leaving, gone
+    round: int  # the round of its current (or last) worker
+    agent: int
+    worker: int | None  # the round's worker, while one runs
+    standby: int | None  # the standby warming up or waiting, while there is one
+
+
+def host_processes(run_uri: str, job: str | None) -> dict[str, HostProcesses]:
+    """Each host of ``job`` and its processes' pids (agent, worker, standby), from the rendezvous; a read."""
+    if not job:
+        return {}
+    recs = Rendezvous(open_store(run_uri)).hosts(job)
+    return {
+        h: HostProcesses(
+            node=r.node, state=r.state, round=r.round, agent=r.pid, worker=r.worker_pid, standby=r.standby_pid
+        )
+        for h, r in sorted(recs.items())
+    }
 
 
 class JobLook(TypedDict):

@@ -268,6 +268,7 @@ def _show_worker_failure(run_uri: str) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from training.api import host_processes
     from training.api import repair_status as status
     from training.scalars import logdir
 
@@ -275,8 +276,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     st = status(uri)
     if st is None:
         raise NotFoundError(f"no status for run {args.run!r} at {uri} (never launched)")
+    processes = host_processes(uri, st.get("job"))
     if args.json:
-        _dump(st)
+        _dump({**st, "processes": processes})
         return Exit.OK
     age = time.time() - float(st.get("updated_at", time.time()))
     loss = st.get("loss")
@@ -301,6 +303,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         ("updated", f"{age:.0f}s ago"),
         ("curves", f"tensorboard --logdir {logdir(uri)}"),
     ]
+    for i, (host, p) in enumerate(processes.items()):
+        roles = {"agent": p["agent"], "worker": p["worker"], "standby": p["standby"]}
+        pids = ", ".join(f"{role} {pid}" for role, pid in roles.items() if pid is not None)
+        rows.append(("processes" if i == 0 else "", f"{host} on {p['node']}: {pids} ({p['state']})"))
     queued = _queue_row(uri)
     if queued is not None:
         notes = "; ".join(queued.eta_notes)

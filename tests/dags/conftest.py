@@ -75,5 +75,6 @@ def stop_agents() -> Iterator[list[str]]:
 
     for proc in psutil.process_iter(["pid", "cmdline"]):
         cmdline = " ".join(proc.info.get("cmdline") or [])
-        if "training.elastic" in cmdline and any(uri in cmdline for uri in uris):
+        job_process = "training.elastic" in cmdline or cmdline.startswith("rtrain ")  # as started, or as titled
+        if job_process and any(uri in cmdline for uri in uris):
             stop_process_tree(proc.info["pid"])

@@ -193,7 +193,7 @@ def test_a_job_s_workers_are_forked_by_a_server_per_agent_and_a_lost_server_cost
     assert len(servers) == 2
     # One template forked both agents, and each agent forked its server from itself: nothing imported twice.
     [template] = {int(_stat(pid)[1]) for pid in agents}
-    assert "training.elastic.template" in Path(f"/proc/{template}/cmdline").read_text()
+    assert Path(f"/proc/{template}/cmdline").read_text().startswith(f"rtrain template {cfg.run_uri} ")
     for pid in servers:
         cpu = (int(_stat(pid)[11]) + int(_stat(pid)[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
         assert cpu < 0.3, f"fork server {pid} spent {cpu:.2f} s of CPU: it imported its libraries itself"
@@ -208,7 +208,9 @@ def test_a_job_s_workers_are_forked_by_a_server_per_agent_and_a_lost_server_cost
     wait_for(lambda: (api.status(alone.run_uri) or {}).get("step", 0) >= 5, 120, "training")
     lost_pid = kill_host(alone.run_uri, "h1")
     again = wait_for(lambda: hosts(alone.run_uri)["h1"].pid != lost_pid and hosts(alone.run_uri)["h1"].pid, 60, "h1")
-    assert "training.elastic.agent" in Path(f"/proc/{again}/cmdline").read_text()  # started, not forked
+    assert Path(f"/proc/{again}/cmdline").read_text().startswith(f"rtrain agent h1 {alone.run_uri} ")
+    parent = Path(f"/proc/{_stat(again)[1]}/cmdline").read_text()
+    assert "training.elastic.template" not in parent and "rtrain template" not in parent  # started, not forked
     st = wait_finished(handle)
     assert st["state"] == "finished" and st["step"] == 60, worker_logs(alone.run_uri)
 

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from training import procctl
 from training.cadence import cadence
 from training.checkpoint import local as local_tier
 from training.checkpoint.ledger import Ledger
@@ -195,6 +196,7 @@ class HostAgent:
                     break
                 self._follow_safely()
                 self._pump()
+                self._note_pids()
                 self._lead()
                 self.reports.flush_scalars()
                 time.sleep(self.cadence.poll_s)
@@ -264,9 +266,17 @@ class HostAgent:
         self._hand_over_s = self.lead.last_host_leaves()
         return True
 
+    def _note_pids(self) -> None:
+        """Put this host's worker and standby pids in its record when they change (an operator's ``ps`` finds them)."""
+        w, s = self.workers.worker, self.workers.standby
+        pids = (w.live_pid() if w is not None else None, s.live_pid() if s is not None else None)
+        if pids != (self.heart.record.worker_pid, self.heart.record.standby_pid):
+            self.heart.update(worker_pid=pids[0], standby_pid=pids[1])
+
     def _shutdown(self) -> None:
         self.writer.closing.set()  # writes still queued are tried once more, not again and again
         self.workers.kill_all()
+        self.heart.update(now=False, worker_pid=None, standby_pid=None)
         self.writer.close()  # what the worker reported is on record before the agent goes
         self.lead.release(self._hand_over_s)
         with contextlib.suppress(Exception):
@@ -330,8 +340,8 @@ class HostAgent:
         self.lead.look_soon()  # something happened: is there still a leader?
 
 
-def main(argv: list[str] | None = None, fork_server: ForkServer | None = None) -> int:
-    """``rtrain agent``; ``fork_server``: the workers' fork server, forked already (the local slice's template)."""
+def parser() -> argparse.ArgumentParser:
+    """``rtrain agent``'s arguments."""
     p = argparse.ArgumentParser(prog="rtrain agent", description="One host's agent of a training job.")
     p.add_argument("run", help="the run's URI (<root>/<run_name>)")
     p.add_argument("--job", required=True, help="the job id the launcher handed the run lock to")
@@ -340,7 +350,18 @@ def main(argv: list[str] | None = None, fork_server: ForkServer | None = None) -
     p.add_argument("--coordinator-port", type=int, default=0, help="jax.distributed port (0: a free one)")
     p.add_argument("--bind-host", default=None, help="the address the coordinator binds (default: --coordinator-host)")
     p.add_argument("--local-capacity", action="store_true", help="the local slice: preempt lowers capacity.json")
-    args = p.parse_args(argv)
+    return p
+
+
+def title(args: argparse.Namespace) -> str:
+    """The agent's process title: ``rtrain agent h2 <run> --job <job>``."""
+    return procctl.job_title("agent", args.run, args.job, args.host)
+
+
+def main(argv: list[str] | None = None, fork_server: ForkServer | None = None) -> int:
+    """``rtrain agent``; ``fork_server``: the workers' fork server, forked already (the local slice's template)."""
+    args = parser().parse_args(argv)
+    procctl.set_title(title(args), name="rtrain-agent")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     agent = HostAgent(
         args.run,

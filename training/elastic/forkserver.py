@@ -34,10 +34,17 @@ MAX_MESSAGE = 1 << 20
 REPARENT_S = 5.0  # the longest a forked worker waits to become the agent's child
 
 
+NAME = "rtrain-fork"  # a fork server's OS name (its title: ``rtrain forkserver h2 <run> --job <job>``)
+
+
 def main() -> int:
+    from training import procctl
     from training.elastic.worker import die_with_parent, import_libraries
 
     die_with_parent()
+    env = os.environ
+    title = procctl.job_title("forkserver", env["RTRAIN_RUN_URI"], env["RTRAIN_JOB"], env["RTRAIN_HOST"])
+    procctl.set_title(title, name=NAME)
     sock = socket.socket(fileno=int(os.environ.pop(FD_ENV)))
     import_libraries()
     return serve(sock)

@@ -4,9 +4,9 @@ Three kinds of objects under ``<run>/rendezvous/``, with no rename, no append an
 own, so a local path and gs:// behave the same:
 
 * ``hosts/<host>.json``: each agent's heartbeat (job, slice, address, a sequence number, its
-  worker's round, step and loss), replaced whole every ``heartbeat_s`` by that agent alone.  Older
-  than ``heartbeat_timeout_s``: the host is lost; a sequence number that moved on since a failure
-  was seen: alive after it.
+  worker's round, step and loss, the pids of its agent, worker and standby), replaced whole every
+  ``heartbeat_s`` by that agent alone.  Older than ``heartbeat_timeout_s``: the host is lost; a
+  sequence number that moved on since a failure was seen: alive after it.
 * ``rounds/<round>.json``: write-once, by the leader: the members in rank order, world size, mesh,
   coordinator, resume step, faults still to fire; or ``stop`` with the job's final state.  Of a race
   for one round number ``create`` has one winner, and the lease generation it was written under
@@ -67,6 +67,8 @@ class HostRecord:
     started: float = 0.0  # when the agent started
     local: list[list[int]] = field(default_factory=list)  # [step, round] of the local copies it holds
     watch: str = ""  # host:port of its host-watch listener (the leader holds a connection to it)
+    worker_pid: int | None = None  # its worker's process (the round's), while one runs; on ``node``
+    standby_pid: int | None = None  # its standby worker's process, while one warms up or waits
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> HostRecord:

@@ -83,13 +83,15 @@ def _agent_runs(pid: int, run_uris: set[str], job: str) -> bool:
     """Is ``pid`` this job's host agent, running (not stopped, not a zombie) on this machine?"""
     try:
         with open(f"/proc/{int(pid)}/cmdline", "rb") as f:
-            argv = f.read().split(b"\0")
+            argv = f.read().replace(b"\0", b" ").split()  # its arguments, or the words of its title
         with open(f"/proc/{int(pid)}/stat", "rb") as f:
             state = f.read().rsplit(b")", 1)[1].split()[0]
     except (OSError, ValueError, IndexError):
         return False
-    # An agent started on its own, or forked by the local slice's template (whose command line it keeps).
-    agent = b"training.elastic.agent" in argv or b"training.elastic.template" in argv
+    # An agent by its title (``rtrain agent h2 <run> --job <job>``), or by its command line before it set that:
+    # started on its own, or forked by the local slice's template (whose title it has until then).
+    titled = argv[:2] in ([b"rtrain", b"agent"], [b"rtrain", b"template"])
+    agent = titled or b"training.elastic.agent" in argv or b"training.elastic.template" in argv
     mine = agent and job.encode() in argv and any(u.encode() in argv for u in run_uris)
     return mine and state not in (b"T", b"t", b"Z", b"X")
 

@@ -13,7 +13,8 @@ workers a lost host leaves behind.  The local slice watches each agent through a
 (:class:`ForkedAgent`).  Agents outlive the template, as they outlive the local slice: the
 template leaves when the slice closes its socket (or dies), and its agents go on.
 
-Its command line names the run and the job, as an agent's does: an agent forked from it keeps it.
+Its title (what ``ps`` shows) names the run and the job: ``rtrain template <run> --job <job>``; an agent forked
+from it names itself at once (``rtrain agent h2 <run> --job <job>``), and so does the fork server it forks.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description="The local slice's template (no command).")
     p.add_argument("run", help="the run's URI: on the command line, as an agent's, to say whose it is")
     p.add_argument("--job", required=True)
-    p.parse_args(argv)
+    args = p.parse_args(argv)
+    procctl.set_title(procctl.job_title("template", args.run, args.job), name="rtrain-template")
     sock = socket.socket(fileno=int(os.environ.pop(FD_ENV)))
     procctl.prctl(procctl.PR_SET_CHILD_SUBREAPER, 1)  # a lost host's orphans become this process's to reap
     from training.elastic.worker import import_libraries
@@ -124,7 +126,10 @@ def run_agent(argv: list[str]) -> int:
     from training.elastic.workerproc import ForkServer
 
     sys.argv = [agent.__file__, *argv]  # the program it runs, as if started with ``python -m``
-    return agent.main(argv, fork_server=ForkServer.fork_here())
+    args = agent.parser().parse_args(argv)
+    procctl.set_title(agent.title(args), name="rtrain-agent")  # its fork server's until that names itself
+    server = ForkServer.fork_here(procctl.job_title("forkserver", args.run, args.job, args.host))
+    return agent.main(argv, fork_server=server)
 
 
 class Template:

@@ -304,6 +304,8 @@ def main() -> int:
     Notice.install()  # from now on a SIGTERM is a preemption notice: stop at a step boundary, save, leave
     rep = Reporter()
     run = os.environ["RTRAIN_RUN_URI"]
+    host, job = os.environ.get("RTRAIN_HOST", "?"), os.environ.get("RTRAIN_JOB", "?")
+    procctl.set_title(procctl.job_title("standby", run, job, host), name="rtrain-worker")
 
     # --- 1. warm-up ----------------------------------------------------------------------------
     warm, warming = Warm(), None
@@ -315,6 +317,7 @@ def main() -> int:
     # --- 2. assignment -------------------------------------------------------------------------
     a = Assignment.read(sys.stdin)
     rep.rank, rep.round = a.rank, a.round
+    procctl.set_title(procctl.job_title("worker", run, a.job or job, host, f"r{a.round}"))
     if warming is not None:
         warming.join()
     if warm.error:

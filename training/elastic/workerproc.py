@@ -39,6 +39,8 @@ class Process(Protocol):
     def stdin(self) -> IO[bytes] | None: ...
     @property
     def returncode(self) -> int | None: ...
+    @property
+    def pid(self) -> int | None: ...
     def poll(self) -> int | None: ...
     def wait(self) -> int: ...
     def kill(self) -> None: ...
@@ -62,6 +64,12 @@ class WorkerProc:
     @property
     def assigned(self) -> bool:
         return self.round >= 0
+
+    def live_pid(self) -> int | None:
+        """Its pid while it runs (None once it has ended, or while its fork server has not answered yet)."""
+        if self.proc.poll() is not None:
+            return None
+        return self.proc.pid or None
 
     def kill(self) -> None:
         """Kill the process (if it still runs), reap it and close its pipes."""
@@ -180,9 +188,10 @@ class ForkServer:
         return cls(*start_server(["-m", "training.elastic.forkserver"], env, FD_ENV, log_path))
 
     @classmethod
-    def fork_here(cls) -> ForkServer:
+    def fork_here(cls, title: str) -> ForkServer:
         """A server forked from this process, which must have imported the workers' libraries and run no
-        thread yet (an agent forked by the local slice's template, at its start); its output is this process's."""
+        thread yet (an agent forked by the local slice's template, at its start); its output is this process's;
+        ``title``: its process title."""
         from training.elastic import forkserver
         from training.elastic.worker import die_with_parent
 
@@ -195,6 +204,7 @@ class ForkServer:
             try:
                 sock.close()
                 die_with_parent()
+                procctl.set_title(title, name=forkserver.NAME)
                 code = forkserver.serve(theirs)
             finally:
                 os._exit(code)
