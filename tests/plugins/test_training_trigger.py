@@ -8,6 +8,7 @@ import re
 import socket
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from airflow.sdk._shared.module_loading import import_string
 from airflow.sdk.serde import deserialize, serialize
 from rtrain_airflow.triggers.training import CLASSPATH, PROGRESS_EVERY_S, RTrainTrainingJobTrigger
 
-from training.events import EventLog, write_status
+from training.events import EventLog, describe, write_status
 from training.storage import open_store
 
 
@@ -236,10 +237,41 @@ def watch(trigger: RTrainTrainingJobTrigger, timeout: float = 60) -> tuple[dict[
     """Run the trigger to its event; (its event, the ``[rtrain]`` lines it logged with their times)."""
     import structlog
 
-    with structlog.testing.capture_logs(processors=[structlog.processors.TimeStamper(fmt=None)]) as logs:
+    # As Airflow's task logs do: a line that brings its own time keeps it, the others are stamped when logged.
+    with structlog.testing.capture_logs(processors=[structlog.processors.MaybeTimeStamper(fmt=None)]) as logs:
         event = run_trigger(trigger, timeout)
-    lines = [(float(r["timestamp"]), str(r["event"])) for r in logs if str(r["event"]).startswith("[rtrain] ")]
+    lines = [(_seconds(r["timestamp"]), str(r["event"])) for r in logs if str(r["event"]).startswith("[rtrain] ")]
     return event, lines
+
+
+def _seconds(stamp: float | str) -> float:
+    """A log line's time: a Unix time, or an ISO 8601 one."""
+    if isinstance(stamp, float | int):
+        return float(stamp)
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def test_each_line_telling_an_event_carries_the_time_the_event_was_written(tmp_path: Path) -> None:
+    """A look reads ten minutes of a run's events at once: each sentence is dated by its event, not by the look;
+    the trigger's own lines (the progress line) by when it wrote them."""
+    import fake_runs
+
+    uri = fake_runs.write_run(tmp_path, "dated", t0=time.time() - 600)
+    written: dict[str, list[float]] = {}
+    for ev in EventLog(open_store(uri)).read():
+        written.setdefault(describe(ev), []).append(float(ev["time"]))
+    looked = time.time()
+    _, lines = watch(RTrainTrainingJobTrigger(uri, handle(uri, "j2"), poll_interval=0.05))
+    told = [(t, line.removeprefix("[rtrain] ")) for t, line in lines]
+    dated = [(t, text) for t, text in told if text in written]
+    assert len(dated) >= 10, told
+    for t, text in dated:
+        assert any(abs(t - w) < 1e-3 for w in written[text]), (text, t, written[text])
+    assert all(t < looked - 60 for t, _ in dated), "dated by the events, ten minutes before the look"
+    recovered = [t for t, text in told if text.startswith("recovered from ")]
+    assert len(recovered) == 1 and recovered[0] < looked - 60, "dated by the resumed event it tells"
+    progress = [t for t, text in told if text.startswith("step ")]
+    assert progress and all(t >= looked for t in progress), "the trigger's own line: when it was written"
 
 
 def test_a_finished_run_is_told_in_sentences_with_one_progress_line(tmp_path: Path) -> None:

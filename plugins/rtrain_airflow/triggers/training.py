@@ -19,6 +19,7 @@ import asyncio
 import re
 import time
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
@@ -158,6 +159,18 @@ def queued_line(row: QueueRow) -> str:
     )
 
 
+def written_at(ev: Event) -> dict[str, str]:
+    """A log line's ``timestamp`` for an event it tells: when the engine wrote it, not when a look read it.
+
+    A look reads the events of several seconds at once; stamped by the logger, each line would carry the
+    time of the look.  Airflow keeps a timestamp a line brings (its task logs stamp only lines without one).
+    """
+    t = ev.get("time")
+    if not isinstance(t, int | float):
+        return {}
+    return {"timestamp": datetime.fromtimestamp(float(t), tz=UTC).isoformat().replace("+00:00", "Z")}
+
+
 class RTrainTrainingJobTrigger(BaseTrigger):
     """Poll a training job until it finishes or is gone for good.
 
@@ -211,6 +224,20 @@ class RTrainTrainingJobTrigger(BaseTrigger):
         )
 
     # --- one look (blocking; runs in a thread) --------------------------------------------------
+
+    def _tell(self, ev: Event, recovered: dict[str, Any] | None, told: bool) -> None:
+        """Log the event's sentence, or the recovery it completes (unless the engine ``told`` it), dated by the event."""
+        if recovered is not None and not told:
+            self.log.info(
+                "[rtrain] recovered from %s: training again at step %s, %.1fs after the fault",
+                recovered["cause"],
+                recovered["resumed_step"],
+                recovered["recovery_s"],
+                **written_at(ev),
+            )
+        # A save that starts is not told: its commit follows.
+        if ev["type"] in RELAYED and recovered is None and (ev["type"] != "checkpoint" or ev.get("committed")):
+            self.log.info("[rtrain] %s", describe(ev), **written_at(ev))
 
     def _outlook(self) -> QueueRow | None:
         """This run's row of its shared pool's queue, with the ETA (None: not in a pool, or unreadable now)."""
@@ -313,17 +340,7 @@ class RTrainTrainingJobTrigger(BaseTrigger):
             seen = {k for k in seen if k > floor}
             for i, ev in enumerate(new):
                 progress.see(ev)
-                recovered = story.see(ev)
-                if recovered is not None and not story.told:
-                    self.log.info(
-                        "[rtrain] recovered from %s: training again at step %s, %.1fs after the fault",
-                        recovered["cause"],
-                        recovered["resumed_step"],
-                        recovered["recovery_s"],
-                    )
-                if ev["type"] in RELAYED and recovered is None:
-                    if ev["type"] != "checkpoint" or ev.get("committed"):  # a save that starts: its commit follows
-                        self.log.info("[rtrain] %s", describe(ev))
+                self._tell(ev, story.see(ev), story.told)
                 if i == newest and due and ev.get("step") != progress.logged_step:
                     self.log.info("[rtrain] %s", progress.line(ev, st, outlook))
                     progress.logged_step, progress.logged_at = ev.get("step"), now
