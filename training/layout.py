@@ -26,6 +26,7 @@ RENDEZVOUS = "rendezvous/"  # the host agents' meeting point
 RDV_HOSTS = RENDEZVOUS + "hosts/"  # <host>.json: each agent's heartbeat (replaced whole)
 RDV_ROUNDS = RENDEZVOUS + "rounds/"  # <round>.json: the leader's plan for each round (write-once)
 RDV_REPORTS = RENDEZVOUS + "reports/"  # <round>/<host>.json: how each host's worker ended (write-once)
+RDV_ROUNDS_BEFORE = RENDEZVOUS + "rounds-before"  # the newest round number of the run's earlier jobs: counts go on
 RDV_RESERVE = RENDEZVOUS + "reserve"  # local roots: space held back for a job's last words on a full disk
 RDV_EVENT_RESERVE = RENDEZVOUS + "reserve-event"  # local roots: the blocks a full disk's final event is written in
 CAPACITY = "capacity.json"  # the local slice's host count (the stand-in for a node pool's size)

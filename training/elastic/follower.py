@@ -16,7 +16,7 @@ class RoundFollower:
         self.rdv = rdv
         self.job = job
         self.cadence = cadence
-        self.seen_round = 0
+        self.seen_round = rdv.rounds_before()  # the earlier jobs' rounds: this job's come after them
         self.max_gen = 0
         self._look_at = 0.0
         self._list_at = time.monotonic()

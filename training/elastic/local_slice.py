@@ -315,7 +315,7 @@ class LocalSlice:
             rdv = Rendezvous(self.store)
             rdv.open_round(
                 Round(
-                    round=max([0, *rdv.round_numbers()]) + 1,
+                    round=rdv.next_round_number(),
                     job=self.job,
                     gen=int(self._hold.gen or 0) if self._hold is not None else 0,
                     leader="local-slice",

@@ -13,6 +13,9 @@ own, so a local path and gs:// behave the same:
   fences out a leader that lost its lease.
 * ``reports/<round>/<host>.json``: write-once, by each member's agent: how its worker ended
   (finished, rescale, guard, corrupt, notice, failed) and why.
+
+Round numbers count through the run: a new job's first round follows the last job's newest
+(``rounds-before``, written when the launcher clears the rendezvous for it).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from training.layout import RDV_HOSTS, RDV_REPORTS, RDV_RESERVE, RDV_ROUNDS, RENDEZVOUS
+from training.layout import RDV_HOSTS, RDV_REPORTS, RDV_RESERVE, RDV_ROUNDS, RDV_ROUNDS_BEFORE, RENDEZVOUS
 from training.storage import AlreadyExists, NotFound, Store
 
 PARALLEL_READS = 10  # host records read at once by a scan of many (a storage client keeps 10 connections)
@@ -203,6 +206,17 @@ class Rendezvous:
         """The rounds numbered after ``number``, listed (a reader so far behind that older ones are gone)."""
         return [r for n in self.round_numbers() if n > number and (r := self.round(n)) is not None]
 
+    def rounds_before(self) -> int:
+        """The newest round number of the run's earlier jobs (0 for the first job): this job's count on from it."""
+        try:
+            return int(self.store.get(RDV_ROUNDS_BEFORE))
+        except (NotFound, ValueError):
+            return 0
+
+    def next_round_number(self) -> int:
+        """The number a job's first round takes: after every round of this job and of the jobs before it."""
+        return max([self.rounds_before(), *self.round_numbers()]) + 1
+
     def newest_round(self, job: str | None = None) -> Round | None:
         for n in reversed(self.round_numbers()):
             r = self.round(n)
@@ -260,8 +274,12 @@ class Rendezvous:
     # -- housekeeping --------------------------------------------------------------------
 
     def clear(self) -> None:
-        """Forget every host, round and report (a new job starts, under the run lock)."""
+        """Forget every host, round and report (a new job starts, under the run lock); keep the newest round's
+        number, so the new job's rounds (its launches) count on through the run instead of starting at 1 again."""
+        last = self.next_round_number() - 1
         self.store.delete(RENDEZVOUS.rstrip("/"))
+        if last:
+            self.store.put(RDV_ROUNDS_BEFORE, str(last).encode())
 
     def forget_rounds_before(self, number: int) -> None:
         """Drop rounds and reports older than ``number`` (the events keep the history)."""

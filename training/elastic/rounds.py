@@ -65,7 +65,7 @@ class RoundWriter:
         self.number = 0  # the number the newest round opened was given (the rendezvous may have written it later)
 
     def _number(self, prev: Round | None) -> int:
-        return (prev.round + 1) if prev else max([0, *self.rdv.round_numbers()]) + 1
+        return (prev.round + 1) if prev else self.rdv.next_round_number()
 
     def open(
         self, prev: Round | None, members: list[str], coordinator: str, reason: str, resume: str, carried: Carried
