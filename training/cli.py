@@ -715,7 +715,7 @@ def _host_commands(sub: Subcommands[argparse.ArgumentParser]) -> None:
 
     sp = sub.add_parser("bench", help="recovery, checkpoint overhead, cost of resilience, restore throughput")
     sp.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
-    sp.add_argument("--repeats", type=int, default=3, help="repeats of each measurement")
+    sp.add_argument("--repeats", type=int, default=None, help="repeats of each measurement (default 3; 1 with --quick)")
     sp.add_argument("--out", default="var/bench/bench.json", help="where the JSON goes")
     sp.add_argument("--only", action="append", default=[], help="run only these figures (repeatable)")
     sp.set_defaults(fn=cmd_bench)

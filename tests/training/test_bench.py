@@ -17,7 +17,95 @@ from typing import Any
 
 import pytest
 
+from benchmarks import bench
+from benchmarks.table import Row, Spread, find, format_row, ratios, spread
+
 RTRAIN = str(Path(sys.executable).parent / "rtrain")
+
+
+def _median_ratio(a: list[float], b: list[float]) -> float:
+    """The figure's ratio: the median of each repeat's own ratio."""
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
+def _line(table: str, figure: str) -> str:
+    """The table's line of ``figure`` (its name starts the line)."""
+    return next(line for line in table.splitlines() if line.strip().startswith(figure.strip()))
+
+
+def _ratio(rows: list[Row], key: str) -> Spread:
+    """Row ``key``'s ratio (a row with one)."""
+    ratio = find(rows, key)["ratio"]
+    assert ratio is not None, key
+    return ratio
+
+
+def _spread_text(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} [{min(values):.3f}..{max(values):.3f}]"
+
+
+def test_each_row_s_ratio_is_the_median_minimum_and_maximum_of_its_repeats() -> None:
+    engine, polled = [1000.0, 900.0, 1100.0], [1000.0, 1000.0, 1050.0]
+    plain, as_is = [800.0, 850.0, 900.0], [700.0, 650.0, 900.0]
+    result = {
+        "devices": 4,
+        "model_flops_per_token": 1e6,
+        "matmul_flops_per_s": 2e10,
+        "engine_tokens_per_s": engine,
+        "engine_without_saves_tokens_per_s": [1010.0, 920.0, 1090.0],
+        "plain_polled_tokens_per_s": polled,
+        "plain_tokens_per_s": plain,
+        "plain_as_is_tokens_per_s": as_is,
+        "engine_first_steps_tokens_per_s": [500.0, 600.0, 700.0],
+        "plain_first_steps_tokens_per_s": [550.0, 560.0, 570.0],
+    }
+    r = bench.summarise("cost_of_resilience", result, steal=0.02)
+    each = [e / p for e, p in zip(engine, polled, strict=True)]
+    # The headline: the engine against the plain loop given the same wait, each repeat's ratio summarised.
+    assert r["rows"][0]["key"] == "cost" and r["target"] == ">= 0.95"
+    assert r["ratio"] == {"median": statistics.median(each), "min": min(each), "max": max(each), "values": each}
+    # The weaker baselines come beneath it, marked as such.
+    weaker = [x for x in r["rows"] if x["target"] == "(weaker baseline)"]
+    assert [x["key"] for x in weaker] == ["jax_wait", "as_is"] and r["rows"].index(weaker[0]) > 0
+    assert _ratio(r["rows"], "jax_wait")["max"] == max(e / p for e, p in zip(engine, plain, strict=True))
+    assert _ratio(r["rows"], "mfu")["min"] == pytest.approx(min(engine) * 1e6 / 2e10)
+    table = bench.format_table({"repeats": 3, "cost_of_resilience": json.loads(json.dumps(r))})
+    assert "repeats: 3" in table and "cost_of_resilience 2%" in table
+    assert f"{_spread_text(each)}  >= 0.95" in _line(table, "cost of resilience")
+    # The measured column: each side's median [min..max] over the repeats.
+    assert "1000 [900..1100] vs 1000 [1000..1050] tok/s" in _line(table, "cost of resilience")
+
+
+def test_a_figure_measured_once_a_repeat_reports_each_repeat_and_unpaired_repeats_are_refused() -> None:
+    runs = [
+        {
+            "eta_error": e,
+            "eta_predicted_s": p,
+            "eta_actual_s": a,
+            "priority_to_hosts_freed_s": f,
+            "hosts_moved_bound_s": 2.0,
+            "priority_to_first_step_s": 6.0,
+        }
+        for e, p, a, f in ((0.05, 21.0, 20.0, 1.0), (0.2, 24.0, 20.0, 1.5), (0.1, 22.0, 20.0, 0.5))
+    ]
+    r = bench.summarise("service", {"runs": runs, "target": "<= 0.15", "moved_target": "<= 1.0"}, steal=None)
+    assert r["ratio"]["values"] == [0.05, 0.2, 0.1] and r["ratio"]["median"] == 0.1 and r["ratio"]["max"] == 0.2
+    assert _ratio(r["rows"], "moved")["values"] == [0.5, 0.75, 0.25]
+    line = _line(bench.format_table({"repeats": 3, "service": r}), "service: ETA error")
+    assert "predicted 22.0 [21.0..24.0] s" in line and "0.100 [0.050..0.200]  <= 0.15" in line
+    assert "CPU steal" not in bench.format_table({"repeats": 3, "service": r})  # unknown: not printed
+    with pytest.raises(ValueError, match="unpaired repeats: 2 against 3"):
+        ratios([1.0, 2.0], [1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match="at least one value"):
+        spread([])
+    with pytest.raises(KeyError, match="no row 'nope'; rows: eta, moved"):
+        find(r["rows"], "nope")
+
+
+def test_a_figure_without_rows_of_its_own_reports_its_ratios() -> None:
+    r = bench.summarise("accelerator", {"ratios": [0.9, 1.2, 1.0], "target": ">= 0.9", "measured": "x vs y"}, 0.0)
+    assert r["ratio"]["median"] == 1.0 and r["ratio"]["min"] == 0.9 and r["ratio"]["max"] == 1.2
+    assert format_row(r["rows"][0]).endswith("1.000 [0.900..1.200]  >= 0.9")
 
 
 def _bench(tmp_path: Path, *args: str, timeout: int = 900) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
@@ -41,99 +129,97 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path: Path, args: li
     assert not results and not (tmp_path / "var").exists(), "nothing prepared, nothing run"
 
 
-def _ratio_of_medians(a: list[float], b: list[float]) -> float:
-    return statistics.median(a) / statistics.median(b)
+def _row(figure: dict[str, Any], key: str) -> dict[str, Any]:
+    return dict(find(figure["rows"], key))
+
+
+def _check(figure: dict[str, Any], key: str, a: list[float], b: list[float], table: str, target: str) -> float:
+    """Row ``key``'s ratio is each repeat's a/b summarised, and the table prints it against ``target``."""
+    r = _row(figure, key)
+    each = [x / y for x, y in zip(a, b, strict=True)]
+    assert r["ratio"]["values"] == pytest.approx(each) and r["ratio"]["median"] == pytest.approx(_median_ratio(a, b))
+    assert r["target"] == target and f"{_spread_text(each)}  {target}" in _line(table, r["figure"])
+    return float(r["ratio"]["median"])
 
 
 @pytest.mark.slow
 def test_checkpoint_overhead_saves_in_the_default_format_beside_orbax_s(tmp_path: Path) -> None:
     proc, r = _bench(tmp_path, "--quick", "--only", "checkpoint_overhead")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    c = r["checkpoint_overhead"]
+    c, table = r["checkpoint_overhead"], proc.stdout
     base = c["step_s_without"]
-    for every in ("5", "20"):
-        assert c["per_k"][every]["ratio"] == pytest.approx(_ratio_of_medians(c["per_k"][every]["step_s"], base))
-    assert c["orbax"]["every"] == 5 and c["orbax"]["ratio"] == pytest.approx(
-        _ratio_of_medians(c["orbax"]["step_s"], base)
-    )
+    assert _check(c, "every_20", c["per_k"]["20"]["step_s"], base, table, "<= 1.03") == c["ratio"]["median"]
+    _check(c, "every_5", c["per_k"]["5"]["step_s"], base, table, "<= 1.10")
+    assert c["orbax"]["every"] == 5
+    _check(c, "orbax", c["orbax"]["step_s"], base, table, "(reported)")
     # The figures' runs saved in the default (lean) format, the reference run in Orbax's.
     runs = tmp_path / "var" / "bench" / "runs"
     assert list((runs / "ckpt-5-0" / "checkpoints").glob("*/lean.json"))
     assert not list((runs / "ckpt-orbax-0" / "checkpoints").glob("*/lean.json"))
     assert list((runs / "ckpt-orbax-0" / "checkpoints").glob("*/state"))
-    table = proc.stdout
-    assert f"{c['per_k']['5']['ratio']:.3f}  <= 1.10" in table and f"{c['per_k']['20']['ratio']:.3f}  <= 1.03" in table
-    assert "every 5 in Orbax's format / none" in table and f"{c['orbax']['ratio']:.3f}  (reported)" in table
 
 
 @pytest.mark.slow
 def test_restore_throughput_against_the_raw_read_and_tensorstore_alone(tmp_path: Path) -> None:
-    proc, r = _bench(tmp_path, "--quick", "--only", "restore_throughput")
+    proc, r = _bench(tmp_path, "--only", "restore_throughput", "--repeats", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    s = r["restore_throughput"]
-    assert r["repeats"] == 1 and s["bytes"] > 100e6  # the bench's model is ~200 MB with its optimiser state
-    assert s["ratio"] == pytest.approx(_ratio_of_medians(s["restore_MBps"], s["raw_read_MBps"]))
-    assert s["worker_ratio"] == pytest.approx(_ratio_of_medians(s["worker_restore_MBps"], s["raw_read_MBps"]))
+    s, table = r["restore_throughput"], proc.stdout
+    assert r["repeats"] == 2 and s["bytes"] > 100e6  # the bench's model is ~200 MB with its optimiser state
+    raw, oraw = s["raw_read_MBps"], s["orbax_raw_read_MBps"]
+    assert len(raw) == 2 and _check(s, "restore", s["restore_MBps"], raw, table, ">= 0.5") == s["ratio"]["median"]
+    _check(s, "worker", s["worker_restore_MBps"], raw, table, "(reported)")
     # Orbax's format beside it, on the same state: its restore and tensorstore alone, each against its own files.
-    assert s["orbax_ratio"] == pytest.approx(_ratio_of_medians(s["orbax_restore_MBps"], s["orbax_raw_read_MBps"]))
-    assert s["tensorstore_alone_ratio"] == pytest.approx(
-        _ratio_of_medians(s["tensorstore_alone_MBps"], s["orbax_raw_read_MBps"])
-    )
+    _check(s, "orbax", s["orbax_restore_MBps"], oraw, table, "(reported)")
+    _check(s, "tensorstore", s["tensorstore_alone_MBps"], oraw, table, "(reported)")
     assert 0.8 < s["orbax_bytes"] / s["bytes"] < 1.25, s  # the same arrays, whatever the format's overhead
-    assert all(
-        x > 0 for x in s["restore_MBps"] + s["raw_read_MBps"] + s["worker_restore_MBps"] + s["tensorstore_alone_MBps"]
-    )
-    table = proc.stdout
-    assert "restore / raw read" in table and f"{s['ratio']:.3f}  >= 0.5" in table
-    assert "a worker's restore / raw" in table and f"{s['worker_ratio']:.3f}  (reported)" in table
-    assert "Orbax's format: restore / raw" in table and f"{s['orbax_ratio']:.3f}  (reported)" in table
-    assert "tensorstore alone / raw" in table and f"{s['tensorstore_alone_ratio']:.3f}  (reported)" in table
+    assert all(x > 0 for x in s["restore_MBps"] + raw + s["worker_restore_MBps"] + s["tensorstore_alone_MBps"])
     # The share of CPU time the machine's host gave to others while the figure was measured (Linux reports it).
     assert 0 <= s["cpu_steal"] < 1 and f"restore_throughput {s['cpu_steal']:.0%}" in table
 
 
 @pytest.mark.slow
 @pytest.mark.extended
-def test_cost_of_resilience_against_a_plain_loop_with_and_without_saves(tmp_path: Path) -> None:
+def test_cost_of_resilience_against_a_plain_loop_waiting_as_the_engine_does(tmp_path: Path) -> None:
     proc, r = _bench(tmp_path, "--quick", "--only", "cost_of_resilience")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    k = r["cost_of_resilience"]
-    plain = k["plain_tokens_per_s"]
-    assert k["ratio"] == pytest.approx(_ratio_of_medians(k["engine_tokens_per_s"], plain))
-    assert k["without_saves_ratio"] == pytest.approx(_ratio_of_medians(k["engine_without_saves_tokens_per_s"], plain))
-    assert all(x > 0 for x in k["engine_tokens_per_s"] + k["engine_without_saves_tokens_per_s"] + plain)
-    assert f"{k['ratio']:.3f}  >= 0.95" in proc.stdout and f"{k['without_saves_ratio']:.3f}  (reported)" in proc.stdout
-    # The plain loop as a user writes it, gloo's transport threads at their default priority, reported beside.
-    as_is = _ratio_of_medians(k["engine_tokens_per_s"], k["plain_as_is_tokens_per_s"])
-    assert k["against_plain_as_is_ratio"] == pytest.approx(as_is)
-    assert "gloo's threads as is" in proc.stdout and f"{as_is:.3f}  (reported)" in proc.stdout
-    # The plain loop waiting for each step as the engine does (training.ready): the engine's own cost.
-    polled = _ratio_of_medians(k["engine_tokens_per_s"], k["plain_polled_tokens_per_s"])
-    assert k["against_plain_polled_ratio"] == pytest.approx(polled)
-    assert "waiting as the engine does" in proc.stdout and f"{polled:.3f}  (reported)" in proc.stdout
+    k, table = r["cost_of_resilience"], proc.stdout
+    engine, polled = k["engine_tokens_per_s"], k["plain_polled_tokens_per_s"]
+    # The figure: the engine against the plain loop waiting for each step as the engine does (training.ready).
+    assert _check(k, "cost", engine, polled, table, ">= 0.95") == k["ratio"]["median"]
+    _check(k, "without_saves", k["engine_without_saves_tokens_per_s"], polled, table, "(reported)")
+    # Beneath it, weaker baselines: the plain loop in JAX's blocking wait, and with gloo's threads as is.
+    _check(k, "jax_wait", engine, k["plain_tokens_per_s"], table, "(weaker baseline)")
+    _check(k, "as_is", engine, k["plain_as_is_tokens_per_s"], table, "(weaker baseline)")
+    keys = [x["key"] for x in k["rows"]]
+    assert keys.index("cost") < keys.index("jax_wait") < keys.index("as_is")
+    assert all(x > 0 for x in engine + k["engine_without_saves_tokens_per_s"] + polled + k["plain_tokens_per_s"])
     # A round's first steps (each host's next standby warming beside them), against the plain loop's same steps.
-    first = _ratio_of_medians(k["engine_first_steps_tokens_per_s"], k["plain_first_steps_tokens_per_s"])
-    assert k["first_steps_ratio"] == pytest.approx(first) and k["windows"]["first_steps"][1] < k["windows"]["steady"][0]
-    assert "a round's first steps" in proc.stdout and f"{k['first_steps_ratio']:.3f}  (reported)" in proc.stdout
+    _check(
+        k, "first_steps", k["engine_first_steps_tokens_per_s"], k["plain_first_steps_tokens_per_s"], table, "(reported)"
+    )
+    assert k["windows"]["first_steps"][1] < k["windows"]["steady"][0]
     # Model FLOPs utilisation: the engine's tokens/s x FLOPs per token against a large matmul's FLOP/s here.
-    engine = statistics.median(k["engine_tokens_per_s"])
-    assert k["mfu"] == pytest.approx(engine * k["model_flops_per_token"] / k["matmul_flops_per_s"])
-    assert 0 < k["mfu"] < 1 and k["engine_tokens_per_s_per_device"] == pytest.approx(engine / 4)
-    assert "model FLOPs utilisation" in proc.stdout and "Llama tok/s per device" in proc.stdout
+    mfu = _row(k, "mfu")["ratio"]["median"]
+    assert mfu == pytest.approx(statistics.median(engine) * k["model_flops_per_token"] / k["matmul_flops_per_s"])
+    assert 0 < mfu < 1 and "model FLOPs utilisation" in table and "Llama tok/s per device" in table
 
 
 @pytest.mark.slow
 @pytest.mark.extended
-def test_the_service_figure_measures_the_eta_and_the_hosts_moving(tmp_path: Path) -> None:
-    proc, r = _bench(tmp_path, "--quick", "--only", "service", timeout=1500)
+def test_the_service_figure_measures_the_eta_and_the_hosts_moving_in_each_repeat(tmp_path: Path) -> None:
+    proc, r = _bench(tmp_path, "--quick", "--only", "service", "--repeats", "2", timeout=2400)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    sv = r["service"]
-    predicted, actual = sv["eta_predicted_s"], sv["eta_actual_s"]
-    assert predicted > 0 and actual > 0 and sv["ratio"] == pytest.approx(abs(predicted - actual) / actual)
-    assert any("host" in a for a in sv["eta_assumptions"]), sv["eta_assumptions"]
-    assert 0 < sv["priority_to_hosts_freed_s"] < sv["priority_to_first_step_s"]
-    assert sv["moved_ratio"] == pytest.approx(sv["priority_to_hosts_freed_s"] / sv["hosts_moved_bound_s"])
-    assert f"{sv['ratio']:.3f}  <= 0.15" in proc.stdout and f"{sv['moved_ratio']:.3f}  <= 1.0" in proc.stdout
+    sv, table = r["service"], proc.stdout
+    assert len(sv["runs"]) == 2
+    for run in sv["runs"]:
+        predicted, actual = run["eta_predicted_s"], run["eta_actual_s"]
+        assert predicted > 0 and actual > 0 and run["eta_error"] == pytest.approx(abs(predicted - actual) / actual)
+        assert any("host" in a for a in run["eta_assumptions"]), run["eta_assumptions"]
+        assert 0 < run["priority_to_hosts_freed_s"] < run["priority_to_first_step_s"]
+    errors = [x["eta_error"] for x in sv["runs"]]
+    assert sv["ratio"]["values"] == errors and f"{_spread_text(errors)}  <= 0.15" in _line(table, "service: ETA")
+    freed = [x["priority_to_hosts_freed_s"] for x in sv["runs"]]
+    _check(sv, "moved", freed, [x["hosts_moved_bound_s"] for x in sv["runs"]], table, "<= 1.0")
 
 
 @pytest.mark.slow
@@ -142,14 +228,16 @@ def test_the_control_plane_figure_counts_the_agents_requests_against_the_model(t
     proc, r = _bench(tmp_path, "--quick", "--only", "control_plane")
     assert proc.returncode == 0, proc.stderr[-3000:]
     cp = r["control_plane"]
+    (run,) = cp["runs"]
     for kind in ("local", "gcs"):
-        m, model = cp[kind]["measured"], cp[kind]["model"]
-        assert m["class_a"] > 0 and m["class_b"] > 0 and cp[kind]["window_s"] >= 10
-        assert cp[kind]["ratio"] == pytest.approx((m["class_a"] + m["class_b"]) / (model["class_a"] + model["class_b"]))
+        m, model = run[kind]["measured"], run[kind]["model"]
+        assert m["class_a"] > 0 and m["class_b"] > 0 and run[kind]["window_s"] >= 10
+        ratio = (m["class_a"] + m["class_b"]) / (model["class_a"] + model["class_b"])
+        assert run[kind]["ratio"] == pytest.approx(ratio)
+        assert _row(cp, f"control_plane_{kind}")["ratio"]["values"] == [run[kind]["ratio"]]
         assert f"control plane, {kind} root" in proc.stdout
-    assert cp["ratio"] == max(cp["local"]["ratio"], cp["gcs"]["ratio"])
     # gs:// looks are billed: fewer of them than on a local root, where the agents look as often as ever.
-    assert cp["gcs"]["measured"]["class_a"] < cp["local"]["measured"]["class_a"]
+    assert run["gcs"]["measured"]["class_a"] < run["local"]["measured"]["class_a"]
     assert set(cp["budget"]) == {"64", "256"} and "budget, 256 hosts on gs://" in proc.stdout
 
 
@@ -158,12 +246,11 @@ def test_the_control_plane_figure_counts_the_agents_requests_against_the_model(t
 def test_recovery_figures_and_the_compile_of_a_recovery_onto_an_unseen_mesh(tmp_path: Path) -> None:
     proc, r = _bench(tmp_path, "--quick", "--only", "recovery", timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rec = r["recovery"]
+    rec, table = r["recovery"], proc.stdout
     f_s = [x["total_s"] for x in rec["follower"]]
-    assert rec["ratio"] == pytest.approx(statistics.median(f_s) / statistics.median(rec["cold_starts_s"]))
-    un = rec["unseen_mesh"]
+    assert _check(rec, "recovery", f_s, rec["cold_starts_s"], table, "<= 0.5") == rec["ratio"]["median"]
+    (un,) = rec["unseen_mesh"]["runs"]
     # The same lost follower onto a mesh neither job's cache held: compiled ahead, the recovery's step is a
     # cache hit; not compiled ahead, it is compiled there (a miss).
     assert un["ahead"]["compile_cached"] is True and un["not_ahead"]["compile_cached"] is False
-    assert un["ratio"] == pytest.approx(un["compile_s"] / un["compile_s_not_ahead"])
-    assert "recovery onto an unseen mesh" in proc.stdout and f"{un['ratio']:.3f}  compile < 0.2 s" in proc.stdout
+    _check(rec, "unseen_mesh", [un["ahead"]["compile_s"]], [un["not_ahead"]["compile_s"]], table, "compile < 0.2 s")

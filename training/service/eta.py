@@ -11,7 +11,8 @@ recoveries cost (or the pool's median). A run that starts a job costs what its
 job starts cost, from the launch to the first step (or the pool's median); one
 launched that has not stepped yet owes the rest of that. A run queued in its job
 and given hosts again costs what its returns of capacity cost (or the pool's,
-or a start's round: its job was launched already).
+or a start's round less its wait for the compile: its job was launched already,
+and on a host count it has run on it loads the step it kept).
 """
 
 from __future__ import annotations
@@ -73,14 +74,24 @@ def resize_seconds(events: Iterable[Mapping[str, Any]]) -> list[float]:
 @dataclass(frozen=True)
 class JobStart:
     """One of a run's job starts: its processes starting and taking the run (from the job's ``config``,
-    written as it is launched, to its first ``launch``), then that round's start (to its first step)."""
+    written as it is launched, to its first ``launch``), then that round's start (to its first step).
+
+    ``compile_s``: the part of the round spent waiting for its step's compile once set up (the first
+    ``compiled`` event's ``seconds``); a round of a size the job has run on loads the step it kept.
+    """
 
     spawn_s: float
     round_s: float
+    compile_s: float = 0.0
 
     @property
     def seconds(self) -> float:
         return self.spawn_s + self.round_s
+
+    @property
+    def kept_round_s(self) -> float:
+        """The round's start with its step loaded as kept, not compiled."""
+        return max(self.round_s - self.compile_s, 0.0)
 
 
 def start_seconds(events: Iterable[Mapping[str, Any]]) -> list[JobStart]:
@@ -88,15 +99,18 @@ def start_seconds(events: Iterable[Mapping[str, Any]]) -> list[JobStart]:
     out = []
     begun: float | None = None  # the newest job's launch, until its first round
     launched: float | None = None  # that round's launch, until its first step
+    compile_s: float | None = None  # that round's wait for its compile
     for e in events:
         kind = e.get("type")
         if kind == "config":
-            begun, launched = float(e["time"]), None
+            begun, launched, compile_s = float(e["time"]), None, None
         elif kind == "launch" and begun is not None and launched is None:
             launched = float(e["time"])
+        elif kind == "compiled" and launched is not None and compile_s is None and e.get("seconds") is not None:
+            compile_s = float(e["seconds"])
         elif kind == "resumed" and begun is not None and launched is not None:
-            out.append(JobStart(launched - begun, float(e["time"]) - launched))
-            begun = launched = None
+            out.append(JobStart(launched - begun, float(e["time"]) - launched, compile_s or 0.0))
+            begun = launched = compile_s = None
     return out
 
 
@@ -180,13 +194,16 @@ class PoolCosts:
         seen = o.start_s or self.starts
         return statistics.median(x.seconds for x in seen) if seen else self.resize(o)
 
-    def resume(self, o: RunOutlook) -> float:
-        """Queued in its job and given hosts again: what its returns of capacity cost; before any, what a
-        start's round costs (its agents come back into the job, which has been launched already)."""
+    def resume(self, o: RunOutlook, hosts: int) -> float:
+        """Queued in its job and given ``hosts`` again: what its returns of capacity cost; before any, what a
+        start's round costs (its agents come back into the job, which has been launched already), less the
+        wait for its compile where it has run on that many hosts (it loads the step it kept)."""
         if o.resume_s or self.resumes:
             return statistics.median(o.resume_s or self.resumes)
         seen = o.start_s or self.starts
-        return statistics.median(x.round_s for x in seen) if seen else self.resize(o)
+        if not seen:
+            return self.resize(o)
+        return statistics.median(x.kept_round_s if hosts in o.step_s else x.round_s for x in seen)
 
 
 def _pace(o: RunOutlook, hosts: int, per_host: float | None) -> tuple[float | None, str]:
@@ -227,7 +244,7 @@ def forecast(pool: int, runs: Sequence[RunOutlook], horizon_s: float = 30 * 24 *
                 if n > 0 and hosts[d.run]:  # resized in its job: what its recoveries cost
                     stall[d.run] = costs.resize(o)
                 elif n > 0:  # queued in its job (it has run), or a job of its own starts
-                    stall[d.run] = costs.resume(o) if o.step_s else costs.start(o)
+                    stall[d.run] = costs.resume(o, n) if o.step_s else costs.start(o)
                 if n > 0:
                     what = "resized" if hosts[d.run] else ("resumes" if o.step_s else "starts")
                     notes[d.run].append(f"{what} on {n} host(s) at +{t:.0f}s, costing {stall[d.run]:.1f}s")
