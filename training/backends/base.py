@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol, TypedDict
 
 from training.api import ALIVE_STATES, Config, JobHandle, JobLook
@@ -21,6 +22,15 @@ class Log(Protocol):
     def info(self, msg: Any, /, *args: Any) -> Any: ...
 
     def warning(self, msg: Any, /, *args: Any) -> Any: ...
+
+
+@dataclass
+class PoolsUp:
+    """A run's node pools once enough are up: those up, those still being created, those that failed (why)."""
+
+    ready: list[str]
+    creating: list[str]
+    failed: dict[str, str]
 
 
 class Provisioned(TypedDict, total=False):

@@ -1,30 +1,21 @@
 """The GKE backend: TPU node pools and one JobSet per job, one host agent per pod.
 
 The calls to the cluster (node pools through the GKE API, JobSets through
-Kubernetes) are a :class:`GKECluster` the caller supplies: Airflow's Google
-provider supplies them from its connection.
+Kubernetes) are a :class:`GKECluster`: :class:`~training.backends.gke_cluster.CloudCluster`,
+with Application Default Credentials (``rtrain train``) or the credentials of
+Airflow's Google connection (the Airflow hook hands them over).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from training import api
 from training.api import Config, JobHandle, JobLook
-from training.backends.base import BackendError, Log, Provisioned, Released
+from training.backends.base import BackendError, Log, PoolsUp, Provisioned, Released
 from training.gke import GKELaunch, GKESettings, TPUSlice
-
-
-@dataclass
-class PoolsUp:
-    """A run's node pools once enough are up: those up, those still being created, those that failed (why)."""
-
-    ready: list[str]
-    creating: list[str]
-    failed: dict[str, str]
 
 
 class JobSets(Protocol):
@@ -83,7 +74,7 @@ class GKEBackend:
     def _cluster(self) -> GKECluster:
         if self.cluster is None:
             raise BackendError(
-                "backend 'gke': no cluster client was given; the Airflow hook makes one from its Google connection"
+                "backend 'gke': no cluster client was given (training.backends.backend makes one with ADC)"
             )
         return self.cluster
 
@@ -129,7 +120,7 @@ class GKEBackend:
         is still to make (flex-start pools are created empty; a stockout may clear).
         """
         look = api.job_state(handle, float("inf"))  # the start timeout is applied below, knowing why pods wait
-        if look["state"] in ("finished", "failed"):
+        if look["state"] in api.FINAL_STATES:
             return look
         jobsets = self._cluster().jobsets()
         state = jobsets.state(handle["jobset"], handle["namespace"])

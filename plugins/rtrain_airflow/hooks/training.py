@@ -10,7 +10,8 @@ checkpoint lifecycle, run marks) and the service's verbs
 * the shared pool: the same, for a run with a priority: submitted to its storage
   root's shared pool, whose scheduler launches it and moves its hosts;
 * GKE: TPU node pools and one JobSet per job, one host agent per pod; its cluster
-  calls go through the hooks in ``rtrain_airflow.hooks.gke_tpu`` (imported only when used).
+  calls are the engine's, with the credentials of Airflow's Google connection
+  (``rtrain_airflow.hooks.gke_tpu``, imported only when used).
 
 The backends are the engine's (``training.backends``); all answer the same verbs
 (``provision``, ``launch``, ``poll``, ``stop``, ``release``), so the DAG, the
@@ -268,7 +269,7 @@ class RTrainHook(BaseHook):
         if name == "gke":
             from rtrain_airflow.hooks.gke_tpu import ProviderCluster
 
-            cluster = ProviderCluster(gke or cast(GKESettings, {}))
+            cluster = ProviderCluster(gke or cast(GKESettings, {}), self.log)
         return backends.backend(name, gke=gke, priority=priority, cluster=cluster, log=self.log)
 
     def backend_for(self, spec: Mapping[str, Any]) -> Backend:

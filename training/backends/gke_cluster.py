@@ -1,0 +1,182 @@
+"""The GKE backend's cluster calls with Google credentials: node pools through the GKE API, JobSets through Kubernetes.
+
+:class:`CloudCluster` is the one :class:`~training.backends.gke.GKECluster`: ``rtrain train`` makes it
+with Application Default Credentials, and the Airflow hook hands it the credentials of Airflow's
+Google connection.  Before anything is created, :meth:`CloudCluster.check` finds the credentials, the
+project and the cluster, and says in one line which is missing.
+"""
+
+from __future__ import annotations
+
+import base64
+import tempfile
+from typing import Any
+
+import google.auth
+from google.api_core.exceptions import GoogleAPICallError, NotFound, PermissionDenied, RetryError
+from google.auth import exceptions as auth_errors
+from google.auth.credentials import Credentials
+from google.auth.transport.requests import Request
+from google.cloud import container_v1
+from kubernetes import client as k8s
+
+from training.backends.base import BackendError, Log, PoolsUp
+from training.backends.gke_jobsets import KubeJobSets
+from training.backends.gke_pools import Backoff, NodePools, TPUNodePoolSpec
+from training.gke import GKESettings
+
+SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
+ADC_HELP = "gcloud auth application-default login, or GOOGLE_APPLICATION_CREDENTIALS=<a key file>"
+
+
+def first_line(e: BaseException) -> str:
+    """An error's message on one line (the API's can run over several)."""
+    text = " ".join(str(e).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+class CloudCluster:
+    """One run's GKE cluster, for its ``gke`` settings, with the given credentials or else ADC.
+
+    ``credentials`` / ``project``: what Airflow's Google connection holds (None: Application Default
+    Credentials, whose project is used when ``gke.project_id`` is left out).  ``cluster_manager`` and
+    ``api_client``: the clients to use instead of the ones made from the credentials (a test's
+    in-process servers).
+    """
+
+    def __init__(
+        self,
+        gke: GKESettings,
+        credentials: Credentials | None = None,
+        project: str | None = None,
+        log: Log | None = None,
+        *,
+        cluster_manager: container_v1.ClusterManagerClient | None = None,
+        api_client: k8s.ApiClient | None = None,
+        poll_s: float = 15.0,
+        backoff: Backoff = Backoff(),
+    ) -> None:
+        self.gke = gke
+        self.log = log
+        self._credentials = credentials
+        self._project = project
+        self._cluster_manager = cluster_manager
+        self._api_client = api_client
+        self._pools: NodePools | None = None
+        self.poll_s = poll_s
+        self.backoff = backoff
+
+    # --- what is needed, found once -------------------------------------------------------------
+
+    def find_credentials(self) -> tuple[Credentials, str | None]:
+        """Application Default Credentials and their project (none: one line saying how to get them)."""
+        try:
+            creds, project = google.auth.default(scopes=list(SCOPES))
+        except auth_errors.DefaultCredentialsError as e:
+            raise BackendError(f"gke: no Google credentials ({ADC_HELP}): {first_line(e)}") from None
+        return creds, project
+
+    def credentials(self) -> Credentials:
+        """The credentials given, else those :meth:`find_credentials` finds (once)."""
+        if self._credentials is None:
+            self._credentials, project = self.find_credentials()
+            self._project = self._project or project
+        return self._credentials
+
+    @property
+    def project(self) -> str:
+        """``gke.project_id``, else the credentials' project (none: one line naming the key)."""
+        if self.gke.get("project_id"):
+            return str(self.gke["project_id"])
+        self.credentials()
+        if not self._project:
+            raise BackendError(
+                "gke.project_id: no Google Cloud project: set it, or give the credentials one "
+                "(gcloud config set project PROJECT, or GOOGLE_CLOUD_PROJECT)"
+            )
+        return self._project
+
+    def node_pools(self) -> NodePools:
+        """The cluster's node pools through a ``ClusterManagerClient`` made with the credentials."""
+        if self._pools is None:
+            client = self._cluster_manager or container_v1.ClusterManagerClient(credentials=self.credentials())
+            self._pools = NodePools(
+                client,
+                self.project,
+                self.gke["location"],
+                self.gke["cluster_name"],
+                self.log,
+                poll_s=self.poll_s,
+                backoff=self.backoff,
+            )
+        return self._pools
+
+    def check(self) -> container_v1.Cluster:
+        """The cluster, found with the credentials and the project; else one line naming what is missing."""
+        pools = self.node_pools()
+        where = f"project {pools.project}, location {pools.location}"
+        try:
+            return pools.get_cluster()
+        except NotFound:
+            raise BackendError(f"gke.cluster_name: no cluster {pools.cluster!r} in {where}") from None
+        except PermissionDenied as e:
+            raise BackendError(
+                f"gke: the credentials may not read cluster {pools.cluster!r} in {where}: {first_line(e)}"
+            ) from None
+        except (GoogleAPICallError, RetryError, auth_errors.GoogleAuthError) as e:
+            raise BackendError(
+                f"gke: the GKE API did not answer for cluster {pools.cluster!r} in {where}: {first_line(e)}"
+            ) from None
+
+    # --- the GKECluster calls -------------------------------------------------------------------
+
+    def pool_specs(self) -> list[TPUNodePoolSpec]:
+        """One pool per slice of the settings' TPU shape."""
+        return [
+            TPUNodePoolSpec(
+                name=pool,
+                machine_type=self.gke["machine_type"],
+                tpu_topology=self.gke["tpu_topology"],
+                spot=bool(self.gke.get("spot", False)),
+                node_locations=tuple(self.gke.get("node_locations", ())),
+                service_account=self.gke.get("node_service_account"),
+                flex_start=bool(self.gke.get("flex_start", False)),
+                queued_provisioning=bool(self.gke.get("queued_provisioning", False)),
+            )
+            for pool in self.gke["node_pools"]
+        ]
+
+    def create_node_pools(self, need: int, timeout_s: float) -> PoolsUp:
+        return self.node_pools().create_all(self.pool_specs(), need, timeout_s)
+
+    def delete_node_pools(self) -> list[str]:
+        return self.node_pools().delete_all(list(self.gke["node_pools"]))
+
+    def jobsets(self) -> KubeJobSets:
+        return KubeJobSets(self.api_client())
+
+    def api_client(self) -> k8s.ApiClient:
+        """A Kubernetes client for the cluster's control plane, authenticated with the credentials' token."""
+        if self._api_client is None:
+            self._api_client = k8s.ApiClient(kube_configuration(self.check(), self.credentials()))
+        return self._api_client
+
+
+def kube_configuration(cluster: container_v1.Cluster, creds: Credentials) -> k8s.Configuration:
+    """The Kubernetes client's configuration for a GKE cluster: its endpoint, its CA, a refreshed token."""
+    conf = k8s.Configuration()
+    endpoint = cluster.endpoint or cluster.control_plane_endpoints_config.dns_endpoint_config.endpoint
+    conf.host = f"https://{endpoint}"
+    if cluster.master_auth.cluster_ca_certificate:
+        with tempfile.NamedTemporaryFile("wb", suffix=".crt", delete=False) as f:
+            f.write(base64.b64decode(cluster.master_auth.cluster_ca_certificate))
+        conf.ssl_ca_cert = f.name
+
+    def token(c: Any) -> None:
+        if not creds.valid:
+            creds.refresh(Request())
+        c.api_key["authorization"] = creds.token
+
+    conf.api_key_prefix["authorization"] = "Bearer"
+    conf.refresh_api_key_hook = token
+    return conf
