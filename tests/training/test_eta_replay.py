@@ -57,7 +57,7 @@ def recording(request: pytest.FixtureRequest) -> dict[str, Any]:
 
 
 def test_there_are_recordings_to_replay() -> None:
-    assert RECORDINGS, "no recording to replay"
+    assert len(RECORDINGS) >= 2
 
 
 def test_the_eta_of_a_job_queued_then_given_its_hosts_back_is_within_the_figure_s_target(
@@ -78,6 +78,6 @@ def test_a_job_given_its_hosts_back_is_charged_a_round_that_loads_its_kept_step(
     (note,) = [n for n in eta.assumptions if n.startswith("resumes on 4 host(s)")]
     charged = float(note.rsplit("costing ", 1)[1].rstrip("s"))
     assert charged == pytest.approx(start.round_s - start.compile_s, abs=0.05)
-    # Within 40% of what it really cost; a start's whole round (its compile included) is not.
+    # Within 40% of what it really cost, and nearer to it than a start's whole round (its compile included).
     assert 0.6 <= charged / resumed <= 1.4, (charged, resumed, start)
-    assert start.compile_s > 0 and not 0.6 <= start.round_s / resumed <= 1.4, (start, resumed)
+    assert start.compile_s > 0 and abs(charged - resumed) < abs(start.round_s - resumed), (start, resumed)
