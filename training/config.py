@@ -32,7 +32,7 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 RUN_NAME_PATTERN = r"^(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 RUN_NAME_RE = re.compile(RUN_NAME_PATTERN)
 # Config keys that name local paths: made absolute once, when the config is resolved.
-PATH_KEYS = ("root", "dataset", "compilation_cache", "local_checkpoint_dir")
+PATH_KEYS = ("root", "dataset", "compilation_cache", "local_checkpoint_dir", "init_from")
 BUILTIN_TOKENIZERS = ("bytes", "bpe")
 TOKEN_TASKS = ("lm", "maxtext")  # the built-in tasks that train on a prepared token dataset (`dataset`)
 DEFAULT_DATASET = "var/data/stdlib-seq{seq_len}"  # byte-level; another tokenizer adds its name
@@ -66,6 +66,13 @@ class RunKeys(BaseModel):
         "latest",
         description="Where a new launch starts: `latest` (the run's newest committed checkpoint, else scratch), "
         "`none` (refuse to reuse an existing run), or a step number of this run.",
+    )
+    init_from: str = Field(
+        "",
+        description="A Hugging Face Llama checkpoint a new run of the built-in `lm` task starts from: a directory "
+        "(local or gs://) of `config.json` and `*.safetensors`. Its config.json sets the model's shapes (keys your "
+        "config or overrides also set must agree) and its `tokenizer.json` becomes the tokenizer; a run that "
+        "resumes from its own checkpoint ignores it. Empty: a random init.",
     )
 
     on_dataset_change: Literal["refuse", "restart"] = Field(
@@ -114,6 +121,12 @@ class ModelKeys(BaseModel):
         0.0, ge=0, description="Llama 3.1 RoPE frequency scaling factor for long context (0: off; Llama 3.1: 8)."
     )
     norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
+    rope_original_context: int = Field(
+        8192,
+        ge=1,
+        description="Llama 3.1 RoPE scaling: the context length the model was first trained at (Hugging Face's "
+        "original_max_position_embeddings).",
+    )
     tie_embeddings: bool = Field(False, description="Share the input embedding with the output head.")
     scan_layers: bool = Field(
         False,
@@ -390,6 +403,8 @@ class Config(
                 "checkpoint_compression applies to Orbax's formats (checkpoint_format ocdbt, zarr or auto); "
                 "the lean format is stored uncompressed"
             )
+        if self.init_from and self.task != "lm":
+            raise ValueError(f"init_from loads a Hugging Face Llama into the built-in lm task, not task {self.task!r}")
         if self.resume_from not in ("latest", "none") and not self.resume_from.isdigit():
             raise ValueError(f"resume_from must be 'latest', 'none' or a step number, got {self.resume_from!r}")
         for spec in self.chaos:
@@ -444,7 +459,9 @@ def default_dataset(tokenizer: str, vocab_size: int, seq_len: int) -> str:
     if tokenizer == "bpe":
         name = f"bpe{vocab_size}"
     else:
-        name = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(tokenizer).stem)[:40] or "tok"
+        path = Path(tokenizer)  # a checkpoint's tokenizer.json is named by its directory
+        stem = path.parent.name if path.name == "tokenizer.json" and path.parent.name else path.stem
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", stem)[:40] or "tok"
     return f"var/data/stdlib-{name}-seq{seq_len}"
 
 
@@ -524,7 +541,30 @@ def load_config(
     for u in user_files:
         layers.update(u)
     layers.update(ov)
+    if layers.get("init_from"):
+        user = {k for u in user_files for k in u} | set(ov)
+        layers.update(checkpoint_keys(absolute(str(layers["init_from"]), base_dir), layers, user))
     return validate_dict(layers).with_absolute_paths(base_dir)
+
+
+def checkpoint_keys(uri: str, layers: dict[str, Any], user: set[str]) -> dict[str, Any]:
+    """The keys a Hugging Face checkpoint sets (its model's shapes, its tokenizer), checked against ``user``'s."""
+    from training.hf import HFError, checkpoint_keys
+
+    try:
+        found = checkpoint_keys(uri)
+    except HFError as e:
+        raise ConfigError(f"init_from: {e}") from None
+    keys = dict(found.model)
+    for key, value in keys.items():
+        mine = layers.get(key)
+        if key == "n_kv_heads" and mine == 0:
+            mine = layers.get("n_heads")
+        if key in user and mine != value:
+            raise ConfigError(f"init_from: {uri} has {key}={value!r}, the config sets {key}={mine!r}")
+    if found.tokenizer and "tokenizer" not in user:
+        keys["tokenizer"] = found.tokenizer
+    return keys
 
 
 def validate_dict(data: dict[str, Any]) -> Config:

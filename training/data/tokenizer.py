@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from training.data.errors import DatasetError
-from training.storage import NotFound, Store
+from training.storage import NotFound, Store, open_store
 
 BYTE_VOCAB = 256
 BYTE_EOS = 0  # The byte that ends every document of a byte-level dataset.
@@ -253,6 +253,13 @@ def resolve(spec: str, vocab_size: int | None = None) -> Tokenizer | BPETrainer:
         if vocab_size is None:
             raise DatasetError("the bpe tokenizer needs a vocab_size (e.g. --vocab-size 8192)")
         return BPETrainer(vocab_size)
+    if spec.startswith("gs://"):  # a checkpoint's tokenizer.json on GCS (init_from)
+        parent, _, name = spec.rpartition("/")
+        try:
+            raw = open_store(parent).get(name)
+        except NotFound:
+            raise DatasetError(f"tokenizer file {spec} does not exist") from None
+        return SentencePieceTokenizer(raw, spec) if spec.endswith(".model") else HFTokenizer(raw, "huggingface", spec)
     path = os.path.expanduser(spec)
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, HF_FILE)):
         path = os.path.join(path, HF_FILE)

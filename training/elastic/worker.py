@@ -447,7 +447,12 @@ def init_once(cfg: Any, trainer: Any, store: Any, a: Assignment) -> Any:
     if share_compiles(cfg, a):
         shared = compile_shared(cfg, store, a, "init", trainer.lower_init, trainer.init_compiler_options())
         trainer.load_init(shared.compiled)
-    return trainer.init()
+    state = trainer.init()
+    load = getattr(trainer.task, "initial_params", None)
+    if cfg.init_from and load is not None:  # the optimizer's new state does not depend on the values
+        state = {**state, "params": load(trainer.abstract["params"])}
+        print(f"round {a.round} process {a.rank}: parameters from {cfg.init_from}", file=sys.stderr)
+    return state
 
 
 def load_kept(store: Any, a: Assignment, trainer: Any) -> ahead.Kept | None:

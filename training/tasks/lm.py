@@ -25,6 +25,7 @@ def llama_config(cfg: Config) -> LlamaConfig:
         d_ff=cfg.d_ff,
         rope_theta=cfg.rope_theta,
         rope_scaling=cfg.rope_scaling,
+        rope_original_context=cfg.rope_original_context,
         norm_eps=cfg.norm_eps,
         tie_embeddings=cfg.tie_embeddings,
         dtype=cfg.dtype,
@@ -119,6 +120,12 @@ class LanguageModel(TokenTask):
     def init(self, rng: jax.Array) -> Any:
         tokens = jnp.zeros((1, self.cfg.seq_len), jnp.int32)
         return self.model.init(rng, tokens)["params"]
+
+    def initial_params(self, abstract: Any) -> Any:
+        """The parameters of ``init_from`` (a Hugging Face Llama), placed as ``abstract`` (shapes, shardings) says."""
+        from training.hf import load_params
+
+        return load_params(self.cfg.init_from, abstract, self.model_cfg)
 
     def logits(self, params: Any, batch: Batch) -> jax.Array:
         return cast(
