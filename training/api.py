@@ -22,7 +22,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Collection, Mapping
-from typing import Any, NotRequired, TypedDict, cast
+from typing import TYPE_CHECKING, Any, Literal, NotRequired, TypedDict, cast
 
 from training.checkpoint import lifecycle
 from training.checkpoint.ledger import CheckpointRecord, Ledger
@@ -70,6 +70,9 @@ from training.mesh import check_fit as _check_fit
 from training.records import stamp
 from training.storage import AlreadyExists, NotFound, Store, open_store, scheme
 from training.tasks import TaskError
+
+if TYPE_CHECKING:
+    from training.export import Exported
 
 __all__ = [
     "TaskError",
@@ -660,6 +663,13 @@ def rollback(run_uri: str, to: int | None = None, reason: str = "manual rollback
 
 def promote(run_uri: str, step: int | None = None) -> Promotion:
     return lifecycle.promote(run_uri, step)
+
+
+def export(run_uri: str, output: str, fmt: Literal["hf", "orbax"] = "hf", step: int | None = None) -> Exported:
+    """Write a step (default: the newest validated) as a Hugging Face directory or a plain Orbax checkpoint."""
+    from training.export import export as export_step
+
+    return export_step(load_run_config(run_uri), absolute(output), fmt, step)
 
 
 def prune(run_uri: str, dry_run: bool = False) -> Pruned:

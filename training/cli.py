@@ -13,6 +13,7 @@
     rtrain prune    RUN [--dry-run]
     rtrain report   RUN [--json]
     rtrain sample   RUN [--prompt TEXT] [--tokens N] [--step S] [--json]
+    rtrain export   RUN [--step N] --format hf|orbax --output DIR
     rtrain config   [--show [--preset P] [key=value ...]]
     rtrain submit   [--preset P] [--config FILE] [--priority P] [--pool-hosts N] [key=value ...]
     rtrain queue    [--root ROOT] [--json]
@@ -450,6 +451,20 @@ def cmd_sample(args: argparse.Namespace) -> int:
     return Exit.OK
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    import logging
+
+    from training.api import export
+
+    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's note on reading part of a checkpoint
+    out = export(_existing_run(args), args.output, args.format, args.step)
+    if args.json:
+        _dump(out)
+    else:
+        print(f"step {out['step']} of {out['run']} -> {out['output']} ({out['format']}: {', '.join(out['files'])})")
+    return Exit.OK
+
+
 def format_validations(results: Sequence[Mapping[str, Any]]) -> str:
     """One aligned table of verdicts: the loss first, then each metric the task reported, rounded."""
     if not results:
@@ -679,6 +694,18 @@ def _lifecycle_commands(sub: Subcommands[argparse.ArgumentParser]) -> None:
     sp.add_argument("--tokens", type=int, default=64, help="new tokens at most (default 64)")
     sp.add_argument("--step", type=int, default=None, help="default: the newest committed")
     sp.set_defaults(fn=cmd_sample)
+
+    sp = sub.add_parser("export", help="write a step as a Hugging Face directory or a plain Orbax checkpoint")
+    _run_args(sp)
+    sp.add_argument(
+        "--format",
+        choices=("hf", "orbax"),
+        required=True,
+        help="hf: config.json, safetensors, tokenizer.json; orbax: the parameter tree alone (StandardCheckpointer)",
+    )
+    sp.add_argument("--output", required=True, metavar="DIR", help="a new (or empty) directory, local or gs://")
+    sp.add_argument("--step", type=int, default=None, help="default: the newest validated")
+    sp.set_defaults(fn=cmd_export)
 
     sp = sub.add_parser("rollback", help="move the resume pointer back to a validated checkpoint")
     _run_args(sp)

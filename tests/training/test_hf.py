@@ -224,3 +224,47 @@ def test_transformers_regenerates_the_fixtures_where_torch_is_installed(tmp_path
             None,
         )
         assert mf.check(out, FIXTURES / name) < TOLERANCE
+
+
+@pytest.mark.slow
+def test_a_run_starts_from_init_from_and_exports_what_it_trained(tmp_path: Path, jax_cache: str) -> None:
+    """A real job (2 hosts) from a checkpoint, at a learning rate too small to move the logits; both exports."""
+    import orbax.checkpoint as ocp
+    from jobs import job_config, run_job
+
+    from training import data
+    from training.api import export, validate
+
+    name = "llama3-gqa-scaled"
+    model = FIXTURES / name
+    dataset = str(tmp_path / "data")
+    data.prepare(None, dataset, 32, tokenizer=str(model / "tokenizer.json"), max_bytes=300_000)
+    cfg = job_config(
+        str(tmp_path / "runs"),
+        dataset,
+        jax_cache,
+        init_from=str(model),
+        run_name="ft",
+        seq_len=32,
+        steps=2,
+        checkpoint_every=2,
+        learning_rate=1e-7,
+        min_workers=2,
+        max_workers=2,
+    )
+    assert run_job(cfg) == 0
+    assert validate(cfg.run_uri)["verdict"] == "validated"
+    out = export(cfg.run_uri, str(tmp_path / "hf"), "hf")
+    assert out["step"] == 2 and "tokenizer.json" in out["files"]
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (model / "tokenizer.json").read_bytes()
+    task = task_for(tmp_path / "hf", "seq_len=32")
+    params = hf.to_params(hf.Checkpoint(str(tmp_path / "hf")), abstract_params(task), task.model_cfg)
+    ref = reference(name)
+    diff = np.abs(our_logits(task, params, ref["tokens"]) - ref["logits"]).max()
+    assert diff < TOLERANCE, f"the exported step's logits differ from transformers' by {diff:.3g}"
+    # The plain Orbax export: the named tree, restored by Orbax alone.
+    export(cfg.run_uri, str(tmp_path / "orbax"), "orbax", step=2)
+    with ocp.StandardCheckpointer() as ck:
+        tree = ck.restore(tmp_path / "orbax")
+    np.testing.assert_array_equal(tree["layers_1"]["attn"]["k"]["kernel"], params["layers_1"]["attn"]["k"]["kernel"])
+    np.testing.assert_array_equal(tree["embed"], params["embed"])
