@@ -29,11 +29,13 @@ from training.checkpoint.ledger import CheckpointRecord, Ledger
 from training.checkpoint.lifecycle import (
     LifecycleError,
     Promotion,
+    RecoveryRow,
     Rollback,
     RunNotFound,
     RunReport,
     Verdict,
     WallSplit,
+    find_recoveries,
     wall_split,
 )
 from training.checkpoint.lock import LockHeld, LockRecord, RunLock
@@ -147,6 +149,8 @@ __all__ = [
     "DagRunMark",
     "set_dag_run_mark",
     "format_report",
+    "find_recoveries",
+    "RecoveryRow",
     "load_run_config",
     "local_job_pids",
     "release_capacity",

@@ -124,7 +124,7 @@ def chart_data(events: list[Event], ledger: dict[int, dict[str, Any]], status: d
         "cursor": events_cursor(events),
         "loss": seen.loss_columns(),
         "hosts": seen.host_columns(),
-        "markers": seen.markers,
+        "markers": sorted([*seen.markers, *seen.recovery_markers()], key=lambda m: float(m["time"] or 0.0)),
         "rounds": seen.rounds,
         "checkpoints": _checkpoint_rows(ledger),
         "timeline": seen.timeline[-200:],
@@ -142,7 +142,7 @@ class _ChartEvents:
         self.discarded: dict[int, float | None] = {}
         self.verdicts: dict[str, dict[int, float | None]] = {"validated": {}, "rejected": {}}  # a step may have both
         self.markers: list[dict[str, Any]] = []
-        self.pending: list[Event] = []  # failures not yet recovered from (as the sensor's trigger counts them)
+        self.recovery_events: list[Event] = []  # what the recoveries are measured from (find_recoveries)
         self.host_points: list[tuple[float, int | None, str | None, int | None]] = []  # time, workers, mesh, step
         self.rounds: list[dict[str, Any]] = []
         self.timeline: list[dict[str, Any]] = []
@@ -161,11 +161,12 @@ class _ChartEvents:
             "progress": self._progress,
             "validation": self._validation,
             "failure": self._failure,
-            "resumed": self._resumed,
             "resize": self._resize,
             "rollback": self._rollback,
             "launch": self._launch,
         }.get(str(kind))
+        if kind in ("failure", "rollback", "restore", "init", "resumed"):
+            self.recovery_events.append(ev)
         if handler is not None:
             handler(ev, t)
         elif kind in ("finished", "failed"):
@@ -199,27 +200,26 @@ class _ChartEvents:
             self.verdicts[verdict][int(ev["step"])] = number(loss)
 
     def _failure(self, ev: Event, t: float) -> None:
-        self.pending.append(ev)
         self.markers.append(
             {"kind": "failure", "step": self.at(ev), "time": t, "label": f"failure: {ev.get('reason')}"}
         )
 
-    def _resumed(self, ev: Event, t: float) -> None:
-        if not self.pending:
-            return
-        first = self.pending[0]
-        self.pending.clear()  # one recovery may absorb several failures
-        took = t - float(first.get("fault_at") or first.get("time") or t)
-        self.markers.append(
+    def recovery_markers(self) -> list[dict[str, Any]]:
+        """A marker for each recovery, measured as ``rtrain report`` measures it (one function for both)."""
+        from training.api import find_recoveries
+
+        return [
             {
                 "kind": "recovery",
-                "step": self.at(ev),
-                "time": t,
-                "recovery_s": round(took, 3),
-                "label": f"training again at step {ev.get('step')} after {took:.1f}s "
-                f"({one_line(str(first.get('reason')), 80)})",
+                "step": r["resumed_step"],
+                "time": r["resumed_at"],
+                "recovery_s": r["recovery_s"],
+                "label": f"training again at step {r['resumed_step']} after {r['recovery_s']:.1f}s "
+                f"({one_line(str(r['cause']), 80)})",
             }
-        )
+            for r in find_recoveries(self.recovery_events)
+            if r["resumed_at"] is not None and r["recovery_s"] is not None
+        ]
 
     def _resize(self, ev: Event, t: float) -> None:
         self.host_points.append((t, ev.get("new_workers"), mesh_text(ev.get("new_mesh")), None))
@@ -234,8 +234,6 @@ class _ChartEvents:
         )
 
     def _rollback(self, ev: Event, t: float) -> None:
-        if ev.get("kind") == "in-job":
-            self.pending.append(ev)
         from_step = ev.get("from_step") if isinstance(ev.get("from_step"), int) else self.at(ev)
         self.markers.append(
             {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from training import api
 from training.cadence import cadence
@@ -20,6 +21,9 @@ def test_a_new_job_s_rounds_and_launches_count_on_from_the_jobs_before_it(tmp_pa
     rdv = Rendezvous(store)
     events = EventLog(store, source="test")
 
+    def emit(type_: str, **fields: Any) -> None:
+        events.emit(type_, **fields)
+
     def writer(job: str) -> RoundWriter:
         rec = LeaderRecords(
             cfg=cfg,
@@ -29,7 +33,7 @@ def test_a_new_job_s_rounds_and_launches_count_on_from_the_jobs_before_it(tmp_pa
             events=events,
             job=job,
             host="h0",
-            emit=lambda type_, **f: events.emit(type_, **f),
+            emit=emit,
             fence=lambda: None,
         )
         return RoundWriter(rec, gen=lambda: 1, faults=lambda: [], prev=None)

@@ -14,7 +14,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, TypedDict
 
 from training.checkpoint import lean
@@ -120,13 +120,57 @@ class LaunchRow(TypedDict):
 
 
 class RecoveryRow(TypedDict):
-    """One failure (or in-job rollback) and the recovery after it."""
+    """One recovery: a failure (or in-job rollback), those that came before training again, and the time it took."""
 
-    cause: str | None
+    cause: str | None  # the first failure's
     detect_s: float | None
-    recovery_s: float | None
+    recovery_s: float | None  # from the first failure's fault to training again; None: not (yet) training again
     restored_step: int | None
     mesh_after: dict[str, int] | None
+    failed_at: float  # the first failure's fault (else when it was seen)
+    resumed_at: float | None
+    resumed_step: int | None
+    failures: int  # the failures this one recovery absorbed (a fault during a recovery is the same recovery)
+
+
+def find_recoveries(evs: Iterable[Event]) -> list[RecoveryRow]:
+    """The run's recoveries, by the events' times: each from the first failure (or in-job rollback) not yet
+    recovered from to the next ``resumed``; the failures in between are part of the same recovery.
+
+    The one measure of a recovery: ``rtrain report``, the demo's summary, the Training view and the Airflow
+    task all take theirs from here.
+    """
+    rows: list[RecoveryRow] = []
+    failed: list[Event] = []
+    restore: Event | None = None
+    for e in sorted(evs, key=lambda e: float(e.get("time") or 0.0)):
+        kind = e["type"]
+        if kind == "failure" or (kind == "rollback" and e.get("kind") == "in-job"):
+            failed.append(e)
+        elif failed and kind in ("restore", "init") and restore is None:
+            restore = e
+        elif failed and kind == "resumed":
+            rows.append(_recovery(failed, restore, e))
+            failed, restore = [], None
+    if failed:
+        rows.append(_recovery(failed, restore, None))
+    return rows
+
+
+def _recovery(failed: list[Event], restore: Event | None, resumed: Event | None) -> RecoveryRow:
+    first = failed[0]
+    start = float(first.get("fault_at") or first["time"])
+    return {
+        "cause": first.get("reason"),
+        "detect_s": first.get("detect_s"),
+        "recovery_s": round(float(resumed["time"]) - start, 3) if resumed is not None else None,
+        "restored_step": restore.get("step") if restore is not None else None,
+        "mesh_after": restore.get("mesh") if restore is not None else None,
+        "failed_at": start,
+        "resumed_at": float(resumed["time"]) if resumed is not None else None,
+        "resumed_step": resumed.get("step") if resumed is not None else None,
+        "failures": len(failed),
+    }
 
 
 ResizeRow = TypedDict("ResizeRow", {"from": int, "to": int, "old_mesh": dict[str, int], "new_mesh": dict[str, int]})
@@ -573,22 +617,7 @@ def report(run_uri: str) -> RunReport:
     evs = events.read()
     status = json.loads(store.get(STATUS)) if store.exists(STATUS) else {}
     launches = [e for e in evs if e["type"] == "launch"]
-    recoveries: list[RecoveryRow] = []
-    for e in evs:
-        if e["type"] not in ("failure",) and not (e["type"] == "rollback" and e.get("kind") == "in-job"):
-            continue
-        start = e.get("fault_at") or e["time"]
-        resumed = next((r for r in evs if r["type"] == "resumed" and r["time"] > e["time"]), None)
-        restore = next((r for r in evs if r["type"] in ("restore", "init") and r["time"] > e["time"]), None)
-        recoveries.append(
-            {
-                "cause": e.get("reason"),
-                "detect_s": e.get("detect_s"),
-                "recovery_s": (resumed["time"] - start) if resumed else None,
-                "restored_step": restore.get("step") if restore else None,
-                "mesh_after": restore.get("mesh") if restore else None,
-            }
-        )
+    recoveries = find_recoveries(evs)
     pruned = sorted({s for e in evs if e["type"] == "prune" for s in e.get("deleted", [])})
     states = ledger.states()
     kept = sorted(s for s, r in states.items() if r["state"] not in ("pruned", "quarantined", "corrupt"))
@@ -677,8 +706,9 @@ def format_report(r: Mapping[str, Any]) -> str:
     for i, rec in enumerate(r["recoveries"], 1):
         det = f"{rec['detect_s']:.2f}s" if rec["detect_s"] is not None else "-"
         rs = f"{rec['recovery_s']:.1f}s" if rec["recovery_s"] is not None else "-"
+        more = f" ({rec['failures']} failures, one recovery)" if (rec.get("failures") or 1) > 1 else ""
         lines.append(
-            f"  recovery {i}   {rec['cause']}: detected in {det}, training again after {rs}, "
+            f"  recovery {i}   {rec['cause']}{more}: detected in {det}, training again after {rs}, "
             f"from step {rec['restored_step']} on {mesh(rec['mesh_after'])}"
         )
     for z in r["resizes"]:

@@ -24,7 +24,7 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from training.api import Event, EventReader, describe, duration, floor_key
+from training.api import Event, EventReader, describe, duration, find_recoveries, floor_key
 from training.service import commands
 from training.service.commands import QueueRow
 
@@ -114,7 +114,7 @@ class Recoveries:
     """The failures a watch has read, and the recoveries it paired them with (as the sensor counts them)."""
 
     def __init__(self) -> None:
-        self.failures: list[Event] = []  # not yet recovered from
+        self.measured: list[Event] = []  # what the recoveries are measured from (find_recoveries)
         self.recoveries: list[dict[str, Any]] = []
         self.told = (
             False  # the engine's own "recovered" event told the last recovery (the trigger's line is not needed)
@@ -122,23 +122,19 @@ class Recoveries:
 
     def see(self, ev: Event) -> dict[str, Any] | None:
         """The recovery this event completes (a ``resumed`` after failures), if it does."""
+        if ev["type"] in ("failure", "rollback", "restore", "init", "resumed"):
+            self.measured.append(ev)
         if ev["type"] == "failure" or (ev["type"] == "rollback" and ev.get("kind") == "in-job"):
-            self.failures.append(ev)
             self.told = False
         elif ev["type"] == "recovered":
             self.told = True
-        elif ev["type"] == "resumed" and self.failures:
-            f = self.failures[0]
-            self.failures.clear()  # one recovery may absorb several failures (a fault during a recovery)
-            start = float(f.get("fault_at") or f["time"])
-            recovered = {
-                "cause": f.get("reason"),
-                "failed_at": start,
-                "resumed_at": ev["time"],
-                "recovery_s": round(ev["time"] - start, 3),
-                "resumed_step": ev.get("step"),
-                "seen_after_s": round(time.time() - ev["time"], 3),
-            }
+        elif ev["type"] == "resumed":
+            # Measured as `rtrain report` and the Training view measure it: one function for all three (one
+            # recovery may absorb several failures: a fault during a recovery).
+            done = [r for r in find_recoveries(self.measured) if r["resumed_at"] is not None]
+            if len(done) <= len(self.recoveries):
+                return None
+            recovered = {**done[-1], "seen_after_s": round(time.time() - ev["time"], 3)}
             self.recoveries.append(recovered)
             return recovered
         return None
