@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_json(text)
         result: dict[str, Any] = asdict(analyse(cfg, plan_mesh(cfg, args.workers)))
     except (PlanError, TaskError) as e:
-        result = {"error": str(e), "kind": type(e).__name__}
+        result = {"error": str(e), "kind": "TaskError" if isinstance(e, TaskError) else type(e).__name__}
     except Exception as e:  # noqa: BLE001 - a user's model may fail to trace in any way: one line back
         first = (str(e).strip().splitlines() or [""])[0]
         result = {"error": f"{type(e).__name__}: {first}", "kind": type(e).__name__}

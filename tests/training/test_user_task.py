@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,7 @@ def refused(cfg: Config) -> str:
 )
 def test_bad_task_args_are_named_in_one_line(task_args: dict[str, Any], says: str) -> None:
     message = refused(config(EXAMPLE, task_args))
-    assert says in message and "building it failed: ValueError" in message, message
+    assert says in message and "its factory make_task() raised ValueError" in message, message
 
 
 def test_an_unknown_task_name_is_refused() -> None:
@@ -96,7 +97,7 @@ def test_a_factory_that_raises_or_is_missing_or_returns_no_task_is_named(tmp_pat
         """,
     )
     message = refused(config("raising_task.py:make_task", base=tmp_path))
-    assert message.endswith("building it failed: RuntimeError: no GPU in this cupboard"), message
+    assert message.endswith("its factory make_task() raised RuntimeError: no GPU in this cupboard"), message
     assert "has no callable 'make_other'" in refused(config("raising_task.py:make_other", base=tmp_path))
     assert "which lacks init, loss" in refused(config("raising_task.py:make_nothing", base=tmp_path))
 
@@ -118,6 +119,51 @@ def test_rtrain_train_refuses_a_bad_task_before_anything_starts(tmp_path: Path) 
         [line] = r.stderr.strip().splitlines()
         assert line.startswith("rtrain: error: task ") and says in line, line
         assert not root.exists() or not any(root.iterdir()), "nothing was written"
+
+
+# --- what a task's own code raising says -------------------------------------------------------------------
+
+JAX_TASK = "tests/training/jax_task.py:make_task"  # a task that uses JAX everywhere; ``fail`` breaks one stage
+
+
+@pytest.mark.parametrize(
+    ("stage", "method"),
+    [("factory", "its factory make_task()"), ("data", "its data()"), ("init", "its init()"), ("loss", "its loss()")],
+)
+def test_an_error_in_the_task_s_code_is_one_line_naming_the_task_the_method_and_the_error(
+    monkeypatch: pytest.MonkeyPatch, stage: str, method: str
+) -> None:
+    """As a worker meets it: building the task and its data, its parameters' shapes, its step's tracing."""
+    from training.elastic.codes import WorkerExit
+    from training.elastic.taskbuild import build
+    from training.elastic.worker import error_line
+    from training.mesh import build_mesh, plan_mesh
+    from training.trainer import Trainer
+
+    cfg = config(JAX_TASK, {"fail": stage}, devices_per_worker=1)
+    monkeypatch.setenv("RTRAIN_HOST", "h0")  # it breaks in a job's worker only
+    with pytest.raises(TaskError) as e:
+        trainer = Trainer(cfg, build_mesh(plan_mesh(cfg, 1)), build(cfg).task)  # init: under jax.eval_shape
+        trainer.lower()  # loss: traced under jax.jit and jax.value_and_grad
+    code, line = error_line(e.value)
+    assert code == WorkerExit.TASK
+    assert line == f"task {cfg.task!r}: {method} raised RuntimeError: {stage} is broken on purpose", line
+    # The user's own exception, with its traceback, is the cause: what the worker's log shows.
+    cause = e.value.__cause__
+    assert isinstance(cause, RuntimeError) and "second line" in str(cause)
+    assert any(f.f_code.co_filename.endswith("jax_task.py") for f, _ in traceback.walk_tb(cause.__traceback__))
+
+
+def test_an_engine_error_and_a_dataset_s_stay_the_engine_s_own() -> None:
+    from training.data.errors import DatasetError
+    from training.elastic.codes import WorkerExit
+    from training.elastic.worker import error_line
+
+    assert error_line(DatasetError("shard 3: sha256 does not match")) == (
+        WorkerExit.ERROR,
+        "dataset: shard 3: sha256 does not match",
+    )
+    assert error_line(OSError("gone\nmore")) == (WorkerExit.ERROR, "OSError: gone")
 
 
 # --- the example -------------------------------------------------------------------------------------
@@ -213,6 +259,88 @@ def test_the_example_trains_through_a_lost_host_on_the_exact_examples_and_valida
     assert {"loss", "mae"} <= set(verdict["metrics"]), verdict
     untrained = evaluate(cfg, nn.unbox(task.init(jax.random.key(cfg.seed))))
     assert float(verdict["metrics"]["loss"]) < 0.5 * untrained["loss"], (verdict, untrained)
+
+
+@pytest.mark.slow
+def test_a_task_that_uses_jax_everywhere_trains_through_a_lost_host_on_the_exact_examples(
+    tmp_path: Path, jax_cache: str
+) -> None:
+    """Its import, factory, constructor and data() use JAX: each worker builds it once its round has joined."""
+    from jobs import job_config, run_job, step_ids, worker_logs
+
+    from training import api
+    from training.data.pipeline import batch_ids
+
+    cfg = job_config(
+        str(tmp_path),
+        "",
+        jax_cache,
+        run_name="jax-task",
+        task=str(REPO / JAX_TASK),
+        task_args={"examples": 512},
+        steps=16,
+        checkpoint_every=4,
+        learning_rate=5e-2,
+        min_workers=1,
+        max_workers=2,
+        chaos=["preempt:worker=1,step=9"],
+        trace_data_ids=True,
+    )
+    assert run_job(cfg) == 0, worker_logs(cfg.run_uri)
+    st = api.status(cfg.run_uri)
+    assert st is not None and st["state"] == "finished" and st["step"] == cfg.steps, st
+    assert [(e["old_workers"], e["new_workers"]) for e in api.events(cfg.run_uri, ("resize",))] == [(2, 1)]
+    # Each worker built the task as a process of its round: both of the first, then the survivor alone.
+    logs = worker_logs(cfg.run_uri)
+    for seen in ("built in process 0 of 2", "built in process 1 of 2", "built in process 0 of 1"):
+        assert f"jax_task: {seen}" in logs, logs
+    source = load_task(cfg).data().train
+    ids = step_ids(cfg.run_uri)
+    assert sorted(ids) == list(range(cfg.steps))
+    for step, got in ids.items():
+        want = batch_ids(source, seed=cfg.seed, global_batch=cfg.global_batch, batch_index=step)
+        assert got == [int(i) for i in want], f"step {step}: wrong examples after the resize"
+    losses = {e["step"]: e["loss"] for e in api.events(cfg.run_uri, ("progress",))}
+    assert losses[cfg.steps] < 0.5 * losses[min(losses)], losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("stage", "method"),
+    [("factory", "its factory make_task()"), ("data", "its data()"), ("init", "its init()"), ("loss", "its loss()")],
+)
+def test_the_task_s_code_raising_in_a_job_ends_it_at_once_in_one_line(
+    tmp_path: Path, jax_cache: str, stage: str, method: str
+) -> None:
+    """The job's reason and its failed event: the task, the method and the error; the traceback in the log."""
+    from jobs import job_config, run_job, worker_logs
+
+    from training import api
+
+    cfg = job_config(
+        str(tmp_path),
+        "",
+        jax_cache,
+        run_name=f"broken-{stage}",
+        task=str(REPO / JAX_TASK),
+        task_args={"fail": stage},
+        steps=4,
+        min_workers=1,
+        max_workers=1,
+        max_failures=3,  # a budget left: the job ends anyway, as another round would fail the same way
+    )
+    assert run_job(cfg) != 0
+    st = api.status(cfg.run_uri)
+    assert st is not None and st["state"] == "failed", st
+    line = f"task {cfg.task!r}: {method} raised RuntimeError: {stage} is broken on purpose"
+    reason = str(st["reason"])
+    assert reason.startswith(f"{line} (worker 0 on host ") and "\n" not in reason, reason
+    [failed] = api.events(cfg.run_uri, ("failed",))
+    assert failed["reason"] == reason
+    assert not api.events(cfg.run_uri, ("failure",)), "not retried"
+    log = Path(reason.rsplit("traceback in ", 1)[1].rstrip(")")).read_text()
+    assert "Traceback (most recent call last)" in log and "jax_task.py" in log and "second line" in log, log[-3000:]
+    assert "RuntimeError" in worker_logs(cfg.run_uri)
 
 
 def readme_block(heading: str) -> str:

@@ -13,6 +13,7 @@ class WorkerExit(IntEnum):
     GUARD = 17  # the in-training guard refused a loss before saving
     CORRUPT = 18  # the checkpoint to restore failed its integrity check
     NOTICE = 19  # a preemption notice: the group stopped at a step boundary, and that step is committed
+    TASK = 20  # the task's own code raised (its factory, init, loss, data...): the job ends, as it would again
 
 
 class AgentExit(IntEnum):

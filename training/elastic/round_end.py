@@ -19,6 +19,7 @@ from training.checkpoint.ledger import CheckpointRecord, ResumeHow
 from training.checkpoint.lifecycle import quarantine
 from training.checkpoint.retention import USABLE_STATES
 from training.config import Config
+from training.elastic.codes import WorkerExit
 from training.elastic.hostview import HostView
 from training.elastic.rendezvous import Outcome, Report, Round
 from training.elastic.rounds import LeaderRecords
@@ -330,6 +331,11 @@ class RoundEnds:
         if any("No space left on device" in f"{r.reason} {r.error}" for r in reports):
             # Another round would fill the same disk again: end the job with the reason now.
             return JobFails(f"no space left on {self.store.uri} (No space left on device): {rec.reason}")
+        own = next((r for r in reports if r.returncode == WorkerExit.TASK), None)
+        if own is not None:
+            # The task's own code raised (its one line names the task, the method and the error): another round
+            # would run the same code again.  Its traceback is in the worker's log.
+            return JobFails(f"{own.error} (worker {own.rank} on host {own.host}; traceback in {own.log})")
         recovery = Recovery(
             cause=rec.reason,
             kind="failure",

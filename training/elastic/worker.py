@@ -203,9 +203,8 @@ class Warm:
 
     store: Any = None
     cfg: Any = None
-    task: Any = None
-    task_data: Any = None
-    error: str = ""  # the task or its data failed: reported once this worker has a round
+    built: Any = None  # the task and its data (taskbuild.Built); None: built once the round has joined
+    failure: BaseException | None = None  # the warm-up failed: raised once this worker has a round
 
 
 def import_libraries() -> None:
@@ -224,14 +223,17 @@ def import_libraries() -> None:
 
 
 def warm_up(run: str, warm: Warm) -> None:
-    """Imports, the run's config, the compilation cache, the task and its (checked) data, into ``warm``."""
+    """Imports, the run's config, the compilation cache, the task and its (checked) data, into ``warm``.
+
+    The task is built here only if that leaves JAX's backend untouched (:mod:`training.elastic.taskbuild`).
+    """
     import_libraries()
     import jax
 
     from training.config import config_from_json
+    from training.elastic.taskbuild import build_in_standby
     from training.layout import CONFIG
     from training.storage import open_store
-    from training.tasks import load_task
 
     warm.store = open_store(run)
     cfg = warm.cfg = config_from_json(warm.store.get(CONFIG).decode())
@@ -246,12 +248,9 @@ def warm_up(run: str, warm: Warm) -> None:
     # that comes first measures it itself).
     threading.Thread(target=measure_copy_bandwidth, name="rtrain-bandwidth", daemon=True).start()
     try:
-        warm.task = load_task(cfg)
-        warm.task_data = warm.task.data()  # opened, and checked (a prepared dataset: against its manifest's sha256)
-    except Exception as e:  # noqa: BLE001 - reported with its reason once this worker has a round
-        from training.data.errors import DatasetError
-
-        warm.error = f"dataset: {e}" if isinstance(e, DatasetError) else f"task {cfg.task}: {e}"
+        warm.built = build_in_standby(cfg)
+    except Exception as e:  # noqa: BLE001 - raised once this worker has a round, and reported then
+        warm.failure = e
 
 
 WARM_UP_THREAD = "rtrain-warm-up"  # the OS name of a standby's warm-up thread (as ``top -H`` shows it)
@@ -290,9 +289,8 @@ def warm_up_in_background(run: str, warm: Warm) -> threading.Thread:
         name_this_thread(WARM_UP_THREAD)
         try:
             warm_up(run, warm)
-        except BaseException as e:  # noqa: BLE001 - reported once this worker has a round
-            traceback.print_exc()
-            warm.error = f"warm-up: {type(e).__name__}: {e}"
+        except BaseException as e:  # noqa: BLE001 - raised once this worker has a round, and reported then
+            warm.failure = e
 
     thread = threading.Thread(target=run_lowered, name="warm-up", daemon=True)
     thread.start()
@@ -320,22 +318,44 @@ def main() -> int:
     procctl.set_title(procctl.job_title("worker", run, a.job or job, host, f"r{a.round}"))
     if warming is not None:
         warming.join()
-    if warm.error:
-        leave(rep, WorkerExit.ERROR, warm.error)
-    from training.checkpoint.ledger import Ledger
-
     try:
-        return train(warm.cfg, run, warm.store, a, rep, warm.task, warm.task_data, Ledger(warm.store))
+        if warm.failure is not None:
+            raise warm.failure
+        from training.checkpoint.ledger import Ledger
+
+        return train(warm.cfg, run, warm.store, a, rep, warm.built, Ledger(warm.store))
     except BaseException as e:  # noqa: BLE001 - every error leaves the same way: reported, at once
-        traceback.print_exc()
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        leave(rep, WorkerExit.ERROR, f"{type(e).__name__}: {first}")
+        traceback.print_exc()  # the whole traceback, a task's own code's included, in this worker's log
+        code, line = error_line(e)
+        leave(rep, code, line)
 
 
-def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, task: Any, task_data: Any, ledger: Any) -> int:
-    """One round of this process: set up, restore, compile, then train until done, a notice or a stop request."""
+def error_line(e: BaseException) -> tuple[WorkerExit, str]:
+    """How a worker leaves on ``e``, and the one line it reports.
+
+    An exception from the task's own code, at any stage (its import, its factory, ``init``, ``loss``,
+    ``data()``...), ends the job at once (``TASK``): another round would run the same code again.
+    """
+    from training.data.errors import DatasetError
+    from training.tasks import TaskError
+
+    text = str(e).strip()
+    if isinstance(e, TaskError):
+        return WorkerExit.TASK, text
+    first = text.splitlines()[0] if text else ""
+    if isinstance(e, DatasetError):
+        return WorkerExit.ERROR, f"dataset: {first}"
+    return WorkerExit.ERROR, f"{type(e).__name__}: {first}"
+
+
+def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, built: Any, ledger: Any) -> int:
+    """One round of this process: set up, restore, compile, then train until done, a notice or a stop request.
+
+    ``built``: the task and its data, as the standby built them (None: built in the set-up, once joined).
+    """
     t_assigned, CPU_AT_ASSIGNMENT[0] = time.time(), time.process_time()
-    trainer, mngr = set_up(cfg, run, a, rep, task, t_assigned)
+    trainer, mngr, built = set_up(cfg, run, a, rep, built, t_assigned)
+    task, task_data = built.task, built.data
     pins = Pins(store, a.rank, a.round)
     with ThreadPoolExecutor(1, thread_name_prefix="rtrain-step") as pool:
         making = pool.submit(make_step, cfg, trainer, store, a)  # while the state is restored
@@ -536,8 +556,9 @@ def wait_until_listening(address: str, timeout: float) -> bool:
             time.sleep(0.005)
 
 
-def set_up(cfg: Any, run: str, a: Assignment, rep: Reporter, task: Any, t_assigned: float) -> tuple[Any, Any]:
-    """Join the round (``jax.distributed``, the peer watch) and build its mesh, trainer and checkpoint manager.
+def set_up(cfg: Any, run: str, a: Assignment, rep: Reporter, built: Any, t_assigned: float) -> tuple[Any, Any, Any]:
+    """Join the round (``jax.distributed``, the peer watch) and build its mesh, trainer and checkpoint manager;
+    the task too, if the standby left it (``built`` None: it reaches for JAX's backend); those and the task.
 
     On a CPU slice, the collectives' transport threads (started with the backend) get the lowest priority.
     """
@@ -545,6 +566,7 @@ def set_up(cfg: Any, run: str, a: Assignment, rep: Reporter, task: Any, t_assign
 
     from training import trainer as tr
     from training.checkpoint import manager as ckpt
+    from training.elastic import taskbuild
     from training.mesh import build_mesh, check_batch, plan_mesh
 
     os.environ.update(dict(a.env))  # e.g. MEGASCALE_* for TPU multislice: read when the backend starts, below
@@ -585,7 +607,9 @@ def set_up(cfg: Any, run: str, a: Assignment, rep: Reporter, task: Any, t_assign
     mesh = build_mesh(plan)
     if transport is not None and mesh.devices.flat[0].platform == "cpu":  # another platform's threads are its own
         transport.lower()
-    return tr.Trainer(cfg, mesh, task), ckpt.checkpoint_manager(cfg, run)
+    if built is None:  # the task uses JAX as it is built: now that the round has joined, it may
+        built = taskbuild.build(cfg)
+    return tr.Trainer(cfg, mesh, built.task), ckpt.checkpoint_manager(cfg, run), built
 
 
 @dataclass

@@ -60,6 +60,17 @@ class TaskError(ValueError):
     """A task that cannot be found, imported or built, with a message that names it."""
 
 
+class TaskCodeError(TaskError):
+    """An exception from a task's own code, in one line: the task, the method that raised and the error.
+
+    The original exception is its ``__cause__`` (its traceback goes to the worker's log).
+    """
+
+    def __init__(self, task: str, method: str, error: BaseException) -> None:
+        super().__init__(f"task {task!r}: {method} raised {type(error).__name__}: {_first_line(error)}")
+        self.task, self.method = task, method
+
+
 @dataclass(frozen=True)
 class ExampleSpec:
     """One field of an example: its shape (without the batch axis) and dtype name."""
@@ -127,13 +138,48 @@ def load_task(cfg: Config) -> Task:
     except TaskError:
         raise
     except Exception as e:  # noqa: BLE001 - a user's factory may raise anything: name it in one line
-        raise TaskError(f"task {name!r}: building it failed: {type(e).__name__}: {_first_line(e)}") from e
+        raise TaskCodeError(name, f"its factory {getattr(factory, '__name__', '')}()", e) from e
     missing = [
         m for m in ("init", "loss", "evaluate", "example_spec", "data", "tokens_per_example") if not hasattr(task, m)
     ]
     if missing:
         raise TaskError(f"task {name!r}: its factory returned {type(task).__name__}, which lacks {', '.join(missing)}")
     return task
+
+
+METHODS = ("init", "loss", "evaluate", "example_spec", "data", "tokens_per_example", "logical_rules")
+
+
+class NamedTask:
+    """A user's task as the engine calls it: an exception from one of its methods is a :class:`TaskCodeError`
+    that names the task and the method (under ``jax.jit`` and ``jax.eval_shape`` too: they trace the call)."""
+
+    def __init__(self, task: Task, name: str) -> None:
+        self._task, self._name = task, name
+
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self._task, attr)
+        if attr not in METHODS or not callable(value):
+            return value
+        name = self._name
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return value(*args, **kwargs)
+            except TaskCodeError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a user's method may raise anything: name it in one line
+                raise TaskCodeError(name, f"its {attr}()", e) from e
+
+        return call
+
+
+def named(task: Task, cfg: Config) -> Task:
+    """``task`` whose methods' exceptions name it and the method; a built-in task as it is (its errors are the
+    engine's own, e.g. a dataset's)."""
+    if cfg.task in BUILTIN:
+        return task
+    return NamedTask(task, cfg.task)  # the same methods, by delegation (its __getattr__)
 
 
 def _factory(name: str) -> Callable[[Config, dict[str, Any]], Task]:
