@@ -608,7 +608,14 @@ def set_up(cfg: Any, run: str, a: Assignment, rep: Reporter, built: Any, t_assig
     if transport is not None and mesh.devices.flat[0].platform == "cpu":  # another platform's threads are its own
         transport.lower()
     if built is None:  # the task uses JAX as it is built: now that the round has joined, it may
+        t0 = time.perf_counter()
         built = taskbuild.build(cfg)
+        print(
+            f"round {a.round} process {a.rank}: the task uses JAX as it is built: built after the join, "
+            f"in {time.perf_counter() - t0:.2f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     return tr.Trainer(cfg, mesh, built.task), ckpt.checkpoint_manager(cfg, run), built
 
 
