@@ -212,12 +212,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     from training.api import launch, status
     from training.backends import BackendError, backend
 
+    if args.gke:
+        return _train_gke(args)
     cfg = _config(args)
     if cfg.backend != "local":
-        raise BackendError(
-            f"backend: rtrain train runs the local slice; a {cfg.backend!r} run is launched by the Airflow DAG, "
-            "whose cluster calls use Airflow's Google connection (docs/gke.md)"
-        )
+        raise BackendError(f"backend: a {cfg.backend!r} run needs its settings: rtrain train --gke FILE (docs/gke.md)")
     if args.detach:
         local = backend("local", by="rtrain")
         local.provision(cfg, {})
@@ -246,6 +245,46 @@ def cmd_train(args: argparse.Namespace) -> int:
         return Exit.OK
     print(f"rtrain: the job failed: {st.get('reason') or 'see the events'}", file=sys.stderr)
     _show_worker_failure(cfg.run_uri)
+    return Exit.FAILED
+
+
+def _train_gke(args: argparse.Namespace) -> int:
+    """``rtrain train --gke FILE``: node pools, the JobSet, the job followed, then both deleted (docs/gke.md)."""
+    from training.backends.gke_run import GKERun, delete_pools_command, hosts_per_slice, load_settings
+
+    gke = load_settings(args.gke)
+    extra = ["backend=gke"]
+    hosts = hosts_per_slice(gke)
+    if hosts and not any(o.startswith("hosts_per_slice=") for o in args.overrides):
+        extra.append(f"hosts_per_slice={hosts}")
+    cfg = _config(args, extra)
+    run = GKERun(cfg, gke)
+    run.check()  # the config against the TPU shape, the credentials, the project, the cluster: before any billing
+    progress = Progress(cfg.steps)
+    progress.line(f"run {cfg.run_name} at {cfg.run_uri} on GKE cluster {gke['cluster_name']} ({gke['location']})")
+    handles = []
+    try:
+        handles.append(run.start(progress.line))
+        if args.detach:
+            progress.line(
+                f"follow it with `rtrain status {cfg.run_uri}`; stop it with `rtrain stop {cfg.run_uri}`; "
+                f"once it has ended, delete its node pools: {delete_pools_command(gke)}"
+            )
+            return Exit.OK
+        look = run.follow(handles[-1], progress.line, progress.status)
+    except KeyboardInterrupt:
+        progress.line("interrupted: the job stops at its next step boundary and commits it")
+        run.stop("rtrain train was interrupted")
+        look = {"state": "stopped", "reason": "interrupted", "status": {}}
+    finally:
+        if handles and not args.detach:
+            progress.line(run.release(handles))
+        progress.close()
+    st = look.get("status") or {}
+    if look["state"] == "finished":
+        print(f"finished: step {st.get('step')}/{cfg.steps}, loss {st.get('loss')}")
+        return Exit.OK
+    print(f"rtrain: the job {look['state']}: {look.get('reason') or 'see the events'}", file=sys.stderr)
     return Exit.FAILED
 
 
@@ -629,6 +668,7 @@ def _job_commands(sub: Subcommands[argparse.ArgumentParser]) -> None:
     _config_args(sp)
     sp.add_argument("--chaos", action="append", default=[], help="fault to inject, e.g. preempt:worker=1,step=12")
     sp.add_argument("--detach", action="store_true", help="start the job in the background and return")
+    sp.add_argument("--gke", default=None, metavar="FILE", help="run on GKE: a YAML file of gke settings (docs/gke.md)")
     sp.set_defaults(fn=cmd_train)
 
     sp = sub.add_parser("status", help="the run's state, step, loss, hosts and mesh")

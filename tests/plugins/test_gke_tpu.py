@@ -32,6 +32,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from cluster_manager import FakeClusterManager, serve
+from google.api_core.exceptions import FailedPrecondition
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import container_v1
 from kubernetes import client as k8s_client
@@ -866,3 +867,58 @@ def test_the_gke_backend_is_made_with_the_airflow_connection_by_the_hook_and_wit
     assert isinstance(made, GKEBackend) and type(made.cluster) is ProviderCluster
     plain = backend("gke", gke=gke)  # rtrain train: Application Default Credentials
     assert isinstance(plain, GKEBackend) and type(plain.cluster) is CloudCluster
+
+
+@pytest.mark.gcs
+def test_rtrain_train_s_gke_run_checks_provisions_launches_follows_and_releases(
+    k8s: tuple[FakeKubernetes, str],
+    pools: tuple[FakeClusterManager, container_v1.ClusterManagerClient],
+    gs_config: dict[str, Any],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """What ``rtrain train --gke FILE`` does, against the gRPC ClusterManager and the Kubernetes API server here."""
+    from training.backends.gke_run import GKERun
+    from training.events import write_status
+    from training.storage import open_store
+
+    api, url = k8s
+    fake, client = pools
+    gke = gke_conf(node_pools=["slice-0", "slice-1", "slice-2", "slice-3"], namespace="training")
+    cfg = load_config(overrides={**gs_config, "run_name": "cli-1", "hosts_per_slice": 4, "min_workers": 16})
+    cluster = CloudCluster(
+        gke,
+        AnonymousCredentials(),
+        cluster_manager=client,
+        api_client=jobset_hook(url).api_client,
+        poll_s=0.001,
+        backoff=Backoff(0.01, 0.01),
+    )
+    run = GKERun(cfg, gke, cluster)
+    run.check()
+    fake.refuse_next["slice-2"] = [FailedPrecondition("Cluster is running incompatible operation operation-7")]
+    said: list[str] = []
+    handle = run.start(said.append)
+    assert said[0] == "node pools up: slice-0, slice-1, slice-3, slice-2"  # slice-2 once its busy cluster was free
+    assert ("JobSet", "training", handle["jobset"]) in api.objects
+    api.pods = [pod(f"{handle['jobset']}-slice-0-0", handle["jobset"], UNSCHEDULABLE)]
+    store = open_store(cfg.run_uri)
+
+    def later() -> None:
+        time.sleep(0.5)
+        api.pods = []
+        write_status(store, state="finished", job=handle["job"], step=10)
+
+    threading.Thread(target=later).start()
+    statuses: list[Any] = []
+    look = run.follow(handle, said.append, statuses.append, poll_s=0.05)
+    assert look["state"] == "finished" and statuses[-1]["step"] == 10
+    assert said[2].startswith("pods waiting: 1 pod Unschedulable") and said[3] == "no pod waits any more"
+    # rtrain status, events and stop work on the gke run from here: they read and write its gs:// run root.
+    from training.cli import main
+
+    capsys.readouterr()
+    assert main(["status", cfg.run_uri]) == 0 and "finished" in capsys.readouterr().out
+    assert main(["events", cfg.run_uri]) == 0 and "config written by rtrain (try 1)" in capsys.readouterr().out
+    assert main(["stop", cfg.run_uri, "--reason", "done here"]) == 0
+    assert run.release([handle]) == f"deleted JobSets {handle['jobset']}; node pools slice-0, slice-1, slice-2, slice-3"
+    assert fake.pools == {} and not any(k[0] == "JobSet" for k in api.objects)

@@ -39,17 +39,22 @@ def test_backends_are_chosen_by_name() -> None:
 
 def test_the_gke_backend_without_cluster_calls_says_where_they_come_from(tmp_path: Path) -> None:
     cfg = api.load_config("tiny", None, {"root": str(tmp_path), "run_name": "g"})
-    gke = backends.backend("gke", gke=GKE)
-    with pytest.raises(BackendError, match="no cluster client was given; the Airflow hook makes one"):
-        gke.provision(cfg, {})
+    from training.backends.gke_cluster import CloudCluster
+
+    made = backends.backend("gke", gke=GKE)  # by default: the engine's cluster calls, with ADC
+    assert isinstance(made, GKEBackend) and type(made.cluster) is CloudCluster
+    with pytest.raises(BackendError, match="no cluster client was given"):
+        GKEBackend(GKE).provision(cfg, {})
     assert not Path(cfg.run_uri).exists(), "nothing of the run is written"
 
 
-def test_rtrain_train_refuses_a_gke_run_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_rtrain_train_refuses_a_gke_run_without_its_settings_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     rc = main(["train", f"root={tmp_path}", "run_name=g", "backend=gke"])
     err = capsys.readouterr().err.strip()
     assert rc == Exit.CONFIG
-    assert err.count("\n") == 0 and "a 'gke' run is launched by the Airflow DAG" in err
+    assert err.count("\n") == 0 and "a 'gke' run needs its settings: rtrain train --gke FILE" in err
     assert not (tmp_path / "g").exists()
 
 

@@ -57,5 +57,5 @@ def backend(
             from training.backends.gke_cluster import CloudCluster
 
             cluster = CloudCluster(settings, log=log)  # Application Default Credentials
-        return GKEBackend(settings, cluster, log, priority)
+        return GKEBackend(settings, cluster, log, priority, by)
     raise BackendError(f"backend: one of {', '.join(NAMES)}, not {name!r}")

@@ -64,12 +64,14 @@ class GKEBackend:
         cluster: GKECluster | None = None,
         log: Log | None = None,
         priority: str | None = None,
+        by: str = "Airflow",
     ) -> None:
         check_settings(gke, priority)
         self.gke = gke
         self.cluster = cluster
         self.log = log
         self.priority = priority
+        self.by = by  # who launches, in the run's records
 
     def _cluster(self) -> GKECluster:
         if self.cluster is None:
@@ -108,7 +110,7 @@ class GKEBackend:
     def launch(self, cfg: Config, spec: Mapping[str, Any], attempt: int) -> JobHandle:
         """Take the run for a job and create its JobSet."""
         tpu = TPUSlice(self.gke["machine_type"], self.gke["tpu_topology"])
-        handle = self._cluster().jobsets().start_job(cfg, tpu, self.placement(), by=f"Airflow (try {attempt})")
+        handle = self._cluster().jobsets().start_job(cfg, tpu, self.placement(), by=f"{self.by} (try {attempt})")
         handle["gke"] = self.gke
         return handle
 

@@ -1,0 +1,137 @@
+"""A ``backend: gke`` run from a workstation: ``rtrain train --gke FILE`` with Application Default Credentials.
+
+The same steps as the Airflow DAG's, in one process: check the settings and find the cluster
+(before anything is billed), create the node pools, launch the JobSet, follow the job, and at the
+end (or on Ctrl-C, after the job has committed its step) delete the JobSet and the node pools.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, cast
+
+import yaml
+
+from training import api
+from training.api import Config, JobHandle, JobLook, RunStatus
+from training.backends.base import BackendError
+from training.backends.gke import GKEBackend
+from training.backends.gke_cluster import CloudCluster
+from training.gke import GKEConfigError, GKESettings, TPUSlice, check_config
+
+log = logging.getLogger("rtrain.gke")
+
+
+def load_settings(path: str) -> GKESettings:
+    """The ``gke`` settings of a YAML or JSON file (the DAG's ``gke`` object); the image may come from the environment."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise BackendError(f"--gke: cannot read {path}: {' '.join(str(e).split())}") from None
+    if isinstance(raw, dict) and isinstance(raw.get("gke"), dict):
+        raw = raw["gke"]  # a whole DAG conf: its gke object
+    if not isinstance(raw, dict):
+        raise BackendError(f"--gke: {path} must hold a mapping of gke keys (docs/gke.md), not {type(raw).__name__}")
+    if not raw.get("image") and os.environ.get("RTRAIN_TRAIN_IMAGE"):
+        raw["image"] = os.environ["RTRAIN_TRAIN_IMAGE"]
+    return cast(GKESettings, raw)
+
+
+def hosts_per_slice(gke: Mapping[str, Any]) -> int | None:
+    """The hosts of one slice of the settings' TPU shape (None when the shape is not given)."""
+    if not gke.get("machine_type") or not gke.get("tpu_topology"):
+        return None
+    try:
+        return TPUSlice(str(gke["machine_type"]), str(gke["tpu_topology"])).hosts
+    except GKEConfigError as e:
+        raise BackendError(f"gke: {e}") from None
+
+
+class GKERun:
+    """One ``backend: gke`` run driven from here: its backend over a :class:`CloudCluster`."""
+
+    def __init__(self, cfg: Config, gke: GKESettings, cluster: CloudCluster | None = None) -> None:
+        self.cfg = cfg
+        self.gke = gke
+        self.cluster = cluster or CloudCluster(gke, log=log)
+        self.backend = GKEBackend(gke, self.cluster, log, by="rtrain")  # refuses missing keys, naming them
+        self.spec = {"backend": "gke", "gke": dict(gke), "run_uri": cfg.run_uri}
+
+    def check(self) -> None:
+        """Everything that can be known before a node pool is made: the config against the shape, then the cluster."""
+        try:
+            check_config(self.cfg, TPUSlice(self.gke["machine_type"], self.gke["tpu_topology"]))
+        except GKEConfigError as e:
+            raise BackendError(str(e)) from None
+        self.cluster.check()
+
+    def start(self, say: Callable[[str], None]) -> JobHandle:
+        """Create the node pools (done when enough for ``min_workers`` are up) and launch the job's JobSet."""
+        up = self.backend.provision(self.cfg, self.spec)
+        failed = "; ".join(f"{k}: {v}" for k, v in up.get("node_pools_failed", {}).items())
+        say(
+            f"node pools up: {', '.join(up.get('node_pools_up', [])) or 'none'}"
+            + (
+                f"; still being created: {', '.join(up['node_pools_creating'])}"
+                if up.get("node_pools_creating")
+                else ""
+            )
+            + (f"; failed: {failed}" if failed else "")
+        )
+        handle = self.backend.launch(self.cfg, self.spec, attempt=1)
+        say(f"job {handle['job']}: JobSet {handle['namespace']}/{handle['jobset']}")
+        return handle
+
+    def follow(
+        self,
+        handle: JobHandle,
+        say: Callable[[str], None],
+        on_status: Callable[[RunStatus], None],
+        poll_s: float = 10.0,
+        start_timeout_s: float = 900.0,
+    ) -> JobLook:
+        """Look at the job every ``poll_s`` until it ends; why pods wait is said once per change."""
+        told = ""
+        while True:
+            look = self.backend.poll(handle, {"start_timeout_s": start_timeout_s})
+            if look.get("status"):
+                on_status(look["status"])
+            waiting = look.get("waiting", "")
+            if waiting != told:
+                say(f"pods waiting: {waiting}" if waiting else "no pod waits any more")
+                told = waiting
+            if look["state"] in api.FINAL_STATES:
+                return look
+            time.sleep(poll_s)
+
+    def stop(self, reason: str, wait_s: float = 120.0) -> None:
+        """Ask the job to stop at a step boundary and wait (up to ``wait_s``) until it has."""
+        api.stop_job(self.cfg.run_uri, reason)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            st = api.status(self.cfg.run_uri) or {}
+            if st.get("state") in api.FINAL_STATES:
+                return
+            time.sleep(2.0)
+
+    def release(self, handles: list[JobHandle]) -> str:
+        """Delete the JobSets and the node pools; what was deleted, in one line."""
+        out = self.backend.release(self.cfg, self.spec, [dict(h) for h in handles])
+        return (
+            f"deleted JobSets {', '.join(out.get('jobsets_deleted', [])) or 'none'}; "
+            f"node pools {', '.join(out.get('node_pools_deleted', [])) or 'none'}"
+        )
+
+
+def delete_pools_command(gke: Mapping[str, Any]) -> str:
+    """The gcloud command that deletes the run's node pools (for a detached run, once it has ended)."""
+    project = f" --project={gke['project_id']}" if gke.get("project_id") else ""
+    return "; ".join(
+        f"gcloud container node-pools delete {pool} --cluster={gke['cluster_name']} --location={gke['location']}"
+        f"{project} --quiet"
+        for pool in gke.get("node_pools", [])
+    )
