@@ -823,6 +823,7 @@ class RoundLoop:
         self.kept_any = False  # process 0 has kept a compiled step (and deleted other jobs')
         self.made = made  # how the round's step was made (kept by process 0, unless it was loaded)
         self.validation: Any = None  # the task's validation source
+        self.stop_vote: StopVote | None = None  # the next save's stop request, agreed a step before it
 
     def data_position(self) -> DataPosition:
         """The ``data`` item of a checkpoint of the newest step."""
@@ -845,6 +846,8 @@ class RoundLoop:
         background_at = self.step + 2  # once the round's first step was read (below): it comes first
         while self.step < cfg.steps:
             self.one_step(batches)
+            if (self.step + 1) % cfg.checkpoint_every == 0 and self.step + 1 < cfg.steps:
+                self.stop_vote = StopVote.cast(self.store, self.a, self.step + 1)  # read at that save, not waited for
             save_now = self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps
             # Due by the config and the step alone, the same in every process (a process whose local
             # write failed has its tier off, and skips only the write).
@@ -983,7 +986,9 @@ class RoundLoop:
         self.chaos.after_save_started(self.step)
         if self.cfg.validate_on == "slice":
             self.evaluate_saved()
-        if self.step < self.cfg.steps and stop_requested(self.store, self.a):
+        vote, self.stop_vote = self.stop_vote, None
+        stop = vote.agreed() if vote is not None and vote.step == self.step else None
+        if self.step < self.cfg.steps and (stop if stop is not None else stop_requested(self.store, self.a)):
             self.saver.wait()
             self.rep.send(ReportType.RESCALE_REQUESTED, everyone=True, step=self.step, workers=self.a.processes)
             self.mngr.close()
@@ -1390,22 +1395,61 @@ def stop_requested(store: Any, a: Assignment) -> bool:
     Only process 0 reads the request; its answer is broadcast so that every
     process stops at the same step.
     """
-    import numpy as np
-    from jax.experimental import multihost_utils
+    return StopVote.cast(store, a, 0).agreed()
 
+
+def _read_stop_request(store: Any, a: Assignment) -> int:
     from training.layout import CONTROL
     from training.storage import NotFound
 
-    flag = 0
-    if a.rank == 0:
-        try:
-            req = json.loads(store.get(CONTROL))
-            flag = int(req.get("action") == "stop_at_checkpoint" and req.get("round") == a.round)
-        except (NotFound, ValueError):
-            flag = 0
-    if a.processes > 1:
-        flag = int(multihost_utils.broadcast_one_to_all(np.int32(flag)))
-    return bool(flag)
+    try:
+        req = json.loads(store.get(CONTROL))
+        return int(req.get("action") == "stop_at_checkpoint" and req.get("round") == a.round)
+    except (NotFound, ValueError):
+        return 0
+
+
+def _sum_over_processes(x: Any) -> Any:
+    import jax.numpy as jnp
+
+    return jnp.sum(x, dtype=x.dtype, axis=0)
+
+
+class StopVote:
+    """Process 0's reading of a stop request, broadcast to every process for the save at ``step``.
+
+    Cast a step before that save and read at it: the broadcast runs on the devices between the two
+    steps, so the save waits for no collective of its own (a blocking broadcast there held every
+    process's loop for it at each save).
+    """
+
+    def __init__(self, step: int, flag: Any) -> None:
+        self.step, self.flag = step, flag
+
+    @classmethod
+    def cast(cls, store: Any, a: Assignment, step: int) -> StopVote:
+        import jax
+        import numpy as np
+        from jax.experimental import multihost_utils
+        from jax.sharding import Mesh
+        from jax.sharding import PartitionSpec as P
+
+        flag = _read_stop_request(store, a) if a.rank == 0 else 0
+        if a.processes == 1:
+            return cls(step, flag)
+        devices = np.array(jax.devices()).reshape(jax.process_count(), jax.local_device_count())
+        mesh = Mesh(devices, ("processes", "local_devices"))
+        mine = multihost_utils.host_local_array_to_global_array(np.full((1,), flag, np.int32), mesh, P("processes"))
+        with jax.set_mesh(mesh):
+            return cls(step, jax.jit(_sum_over_processes, out_shardings=P())(mine))
+
+    def agreed(self) -> bool:
+        """Whether every process stops at the save (waits for the broadcast if it is still running)."""
+        import jax
+
+        if isinstance(self.flag, int):
+            return bool(self.flag)
+        return bool(int(jax.device_get(self.flag.addressable_data(0))))
 
 
 def run_main() -> NoReturn:
