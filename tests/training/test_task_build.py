@@ -1,7 +1,7 @@
 """A worker's task: built in the standby when that leaves JAX's backend alone, else once the round has joined.
 
-Each check runs in a fresh process, as a standby is one: ``jax.distributed.initialize`` succeeds only
-in a process whose backend nothing has started yet.
+The check runs in a fresh process, as a standby is one: ``jax.distributed.initialize`` succeeds only in a
+process whose backend nothing has started yet.
 """
 
 from __future__ import annotations
@@ -27,45 +27,37 @@ STANDBY = textwrap.dedent(
     from training.config import load_config
     from training.elastic import taskbuild
 
-    task, coordinator = sys.argv[1:3]
-    cfg = load_config("tiny", None, {"task": task})
-    built = taskbuild.build_in_standby(cfg)  # as a standby does, before its assignment
-    in_standby, started = built is not None, xla_bridge.backends_are_initialized()
-    # The round joins (one process here), and the task is built now if the standby left it.
+    coordinator, dataset, tasks = sys.argv[1], sys.argv[2], sys.argv[3:]
+    cfgs = {t: load_config("tiny", None, {"task": t, "dataset": dataset}) for t in tasks}
+    built = {t: taskbuild.build_in_standby(cfg) for t, cfg in cfgs.items()}  # as a standby does, unassigned
+    out = {t: {"in_standby": b is not None} for t, b in built.items()}
+    started = xla_bridge.backends_are_initialized()
+    # The round joins (one process here), and a task the standby left is built now.
     jax.distributed.initialize(coordinator, 1, 0, cluster_detection_method="deactivate")
-    if built is None:
-        built = taskbuild.build(cfg)
-    print(json.dumps({
-        "in_standby": in_standby,
-        "started_in_standby": started,
-        "fingerprint": built.data.fingerprint,
-        "first": built.data.train[0]["x"].tolist(),
-    }))
+    for t, b in built.items():
+        b = b or taskbuild.build(cfgs[t])
+        out[t].update(fingerprint=b.data.fingerprint, fields=sorted(b.data.train[0]))
+    print(json.dumps({"started_in_standby": started, "tasks": out}))
     """
 )
 
 
-def standby(task: str) -> dict[str, object]:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+def test_a_task_is_built_in_the_standby_unless_it_uses_jax_then_once_the_round_has_joined(tiny_dataset: str) -> None:
     r = subprocess.run(
-        [sys.executable, "-c", STANDBY, task, f"127.0.0.1:{free_port()}"],
+        [sys.executable, "-c", STANDBY, f"127.0.0.1:{free_port()}", tiny_dataset, EXAMPLE, "lm", JAX_TASK],
         capture_output=True,
         text=True,
-        env=env,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
         timeout=120,
     )
-    assert r.returncode == 0, r.stderr[-3000:]
-    return dict(json.loads(r.stdout.strip().splitlines()[-1]))
-
-
-def test_a_task_that_uses_jax_as_it_is_built_waits_for_the_join_and_then_builds_as_written() -> None:
-    got = standby(JAX_TASK)
+    assert r.returncode == 0, r.stderr[-3000:]  # initialize refuses a process whose backend has started
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["started_in_standby"] is False, got
+    tasks = got["tasks"]
+    # The example and the built-in language model leave JAX alone as they are built: ready in the standby
+    # (a recovery does not wait for them, nor for a dataset's checks).
+    assert tasks[EXAMPLE]["in_standby"] and tasks[EXAMPLE]["fingerprint"].startswith("regression-"), tasks
+    assert tasks["lm"]["in_standby"] and tasks["lm"]["fingerprint"], tasks
     # Its import, factory, constructor and data() all use JAX: nothing of it in the standby, all of it after.
-    assert got["started_in_standby"] is False and got["in_standby"] is False, got
-    assert str(got["fingerprint"]).startswith("linear-") and len(got["first"]) == 8, got  # type: ignore[arg-type]
-
-
-def test_a_task_that_leaves_jax_alone_as_it_is_built_is_ready_in_the_standby() -> None:
-    got = standby(EXAMPLE)
-    assert got["in_standby"] is True and got["started_in_standby"] is False, got
-    assert str(got["fingerprint"]).startswith("regression-"), got
+    assert not tasks[JAX_TASK]["in_standby"], tasks
+    assert tasks[JAX_TASK]["fingerprint"].startswith("linear-") and tasks[JAX_TASK]["fields"] == ["x", "y"], tasks
