@@ -154,6 +154,42 @@ def test_resolve_refuses_bad_conf_with_the_reason(dag: Any, tmp_path: Path) -> N
         assert reason in str(e.value), (params, str(e.value))
 
 
+V5E_SPOT = {
+    "location": "us-east5",
+    "cluster_name": "c",
+    "machine_type": "ct5lp-hightpu-4t",  # 4 chips a host
+    "tpu_topology": "4x4",  # 4 hosts a slice
+    "image": "img:1",
+    "node_pools": ["p0", "p1"],
+    "spot": True,
+}
+
+
+def test_resolve_fits_a_gke_run_to_its_tpu_and_spot_grace_and_refuses_before_any_pool(dag: Any) -> None:
+    """Chips per host and hosts per slice come from the TPU type; the notice's commit from the pods' Spot grace;
+    what the JobSet's render would refuse fails the task here, with the key, before any node pool is made."""
+    op = RTrainResolveRunConfigOperator(task_id="resolve_config")
+    base = {"run_name": "r", "storage_root": "gs://b/runs", "preset": "tiny", "steps": None, "chaos": []}
+    base |= {"min_workers": 4, "max_workers": 8, "backend": "gke", "overrides": {"global_batch": 32}}
+    cfg = op.execute({"params": {**base, "gke": V5E_SPOT}})["config"]
+    assert (cfg["devices_per_worker"], cfg["hosts_per_slice"], cfg["preemption_grace_s"]) == (4, 4, 10)
+    longer = {**V5E_SPOT, "spot_shutdown_grace_s": 120}  # GKE 1.35.0-gke.1171000+: 105 s for the pods
+    assert op.execute({"params": {**base, "gke": longer}})["config"]["preemption_grace_s"] == 25  # the preset's fits
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"overrides": {"global_batch": 32, "preemption_grace_s": 20}}, "preemption_grace_s: 20s"),
+        ({"overrides": {"global_batch": 32, "devices_per_worker": 2}}, "devices_per_worker: ct5lp-hightpu-4t has 4"),
+        ({"gke": {**V5E_SPOT, "node_pools": ["p0"]}}, "gke.node_pools: 1 pool(s) for up to 2 slices"),
+        ({"gke": {**V5E_SPOT, "spot_shutdown_grace_s": 60}}, "spot_shutdown_grace_s: GKE accepts 30 or 120"),
+        ({"gke": {**V5E_SPOT, "image": "bad image"}}, "image:"),
+        ({"gke": {**V5E_SPOT, "kueue_queue": "Team Q"}}, "kueue_queue:"),
+        ({"overrides": {"global_batch": 24}}, "min_workers/max_workers: the mesh or global_batch=24"),
+    ]
+    for params, reason in cases:
+        with pytest.raises(AirflowFailException, match="invalid conf") as e:
+            op.execute({"params": {"gke": V5E_SPOT, **base, **params}})
+        assert reason in str(e.value), (params, str(e.value))
+
+
 def test_resolve_returns_the_spec_with_absolute_paths(dag: Any) -> None:
     op = RTrainResolveRunConfigOperator(task_id="resolve_config")
     spec = op.execute(

@@ -14,6 +14,7 @@ starts: its host id, and the addresses its worker serves and binds.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import re
 import subprocess
@@ -56,7 +57,9 @@ K8S_VERSION = kubernetes_validate.latest_version()
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 # The JobSet CRD of the release the docs install (jobset.x-k8s.io v1alpha2), vendored unmodified.
-JOBSET_CRD = Path(__file__).parent / "data" / "jobset.x-k8s.io_jobsets-v0.8.1.yaml"
+JOBSET_CRD = Path(__file__).parent / "data" / "jobset.x-k8s.io_jobsets-v0.12.0.yaml"
+# Kueue's WorkloadPriorityClass CRD (v1beta1 and v1beta2 served, v1beta2 stored), vendored unmodified.
+KUEUE_WPC_CRD = Path(__file__).parent / "data" / "kueue.x-k8s.io_workloadpriorityclasses-v0.19.2.yaml"
 
 
 def gke_config(**overrides: Any) -> Any:
@@ -228,10 +231,11 @@ def test_render_refuses_slices_outside_min_max(k: int) -> None:
         ({"image": ""}, "image"),
         ({"namespace": "Training"}, "namespace"),
         ({"coordinator_port": 8471}, "coordinator_port"),
-        ({"coordinator_port": 8470}, "coordinator_port"),  # its peer watch would take 8471
-        ({"coordinator_port": 65535}, "coordinator_port"),  # no port left for the peer watch
-        ({"coordinator_port": 8469}, "coordinator_port"),  # its host watch would take 8471
-        ({"coordinator_port": 65534}, "coordinator_port"),  # no port left for the host watch
+        ({"coordinator_port": 8460}, "coordinator_port"),  # its watches would take 8474 and 8475 (libtpu's)
+        ({"coordinator_port": 8416}, "coordinator_port"),  # its peer watch would take 8430, its host watch 8431
+        ({"coordinator_port": 8066}, "coordinator_port"),  # its peer watch would take 8080 (megascale)
+        ({"coordinator_port": 65535}, "coordinator_port"),  # no port left for the watches
+        ({"coordinator_port": 65521}, "coordinator_port"),  # no port left for the host watch
         ({"megascale_port": 70000}, "megascale_port"),
         ({"env": {"RTRAIN_PROCESS_ID": "3"}}, "env"),
         ({"node_pools": ("Pool_1",)}, "node_pools"),
@@ -286,11 +290,24 @@ def _strict(schema: Any) -> Any:
 
 
 @functools.cache
+def crd_schema(path: Path, api_version: str) -> dict[str, Any]:
+    """The strict OpenAPI schema a CRD serves ``api_version`` (group/version) with; the version must be served."""
+    crd = yaml.safe_load(path.read_text())
+    group, version_name = api_version.split("/")
+    assert crd["spec"]["group"] == group
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == version_name and v["served"]]
+    return dict(_strict(version["schema"]["openAPIV3Schema"]))
+
+
 def jobset_schema() -> dict[str, Any]:
     crd = yaml.safe_load(JOBSET_CRD.read_text())
-    assert crd["spec"]["group"] == gke.JOBSET_GROUP and crd["spec"]["names"]["plural"] == gke.JOBSET_PLURAL
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == gke.JOBSET_VERSION]
-    return dict(_strict(version["schema"]["openAPIV3Schema"]))
+    assert crd["spec"]["names"]["plural"] == gke.JOBSET_PLURAL
+    return crd_schema(JOBSET_CRD, gke.JOBSET_API_VERSION)
+
+
+def validate_crd_object(path: Path, obj: dict[str, Any]) -> None:
+    """An object against the served version of a vendored CRD (strict: unknown fields refused)."""
+    jsonschema.validate(obj, crd_schema(path, obj["apiVersion"]))
 
 
 def cel_rules(schema: dict[str, Any], obj: Any, path: str = "$") -> Iterator[tuple[str, str, str, Any]]:
@@ -449,13 +466,17 @@ def test_a_lost_host_is_recreated_while_the_jobset_itself_never_restarts() -> No
     # A failed pod is recreated for its index (its agent rejoins); a preemption does not count;
     # an agent that says the job failed for good fails the Job at once.
     assert job["backoffLimitPerIndex"] >= 1 and "backoffLimit" not in job
+    # A replacement only once its predecessor has failed (the one value podFailurePolicy allows).
+    assert job["podReplacementPolicy"] == "Failed"
     rules = job["podFailurePolicy"]["rules"]
     assert rules[0] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
     assert rules[1]["action"] == "FailJob"
     assert rules[1]["onExitCodes"] == {"containerName": "agent", "operator": "In", "values": [3, 5]}
     from training.elastic.codes import AgentExit
 
-    assert {int(AgentExit.FAILED), int(AgentExit.SUPERSEDED)} == set(rules[1]["onExitCodes"]["values"])
+    assert {int(AgentExit.FAILED), int(AgentExit.SUPERSEDED), int(AgentExit.STOPPED)} == set(
+        rules[1]["onExitCodes"]["values"]
+    )
     pod = job["template"]["spec"]
     assert pod["restartPolicy"] == "Never"
     assert pod["nodeSelector"] == {
@@ -893,7 +914,8 @@ def test_kueue_queues_the_whole_jobset_at_the_runs_priority_class() -> None:
         ("rtrain-urgent", 400),
     ]
     for c in classes:
-        assert c["apiVersion"] == "kueue.x-k8s.io/v1beta1" and c["kind"] == "WorkloadPriorityClass"
+        assert c["apiVersion"] == "kueue.x-k8s.io/v1beta2" and c["kind"] == "WorkloadPriorityClass"
+        validate_crd_object(KUEUE_WPC_CRD, c)
         assert set(c) == {"apiVersion", "kind", "metadata", "value", "description"}
         assert DNS_1035.match(c["metadata"]["name"])
 
@@ -939,6 +961,71 @@ def test_gcs_fuse_mounts_the_dataset_bucket_read_only_where_the_workers_read_it(
         GKELaunch(image="i", gcs_fuse=True, host_network=True, identity="node")
     with pytest.raises(GKEConfigError, match="^gcs_fuse_cache:"):
         GKELaunch(image="i", gcs_fuse=True, gcs_fuse_cache="lots")
+
+
+def test_the_reaper_takes_the_failed_leaders_a_newer_pod_replaces_and_nothing_else() -> None:
+    from training.gke.reaper import replaced_leaders
+
+    m = render(gke_config(), TPUSlice("ct6e-standard-4t", "4x4"), LAUNCH, "j1", 2)
+
+    def pod(slice_: int, index: int, suffix: str, phase: str, deleting: bool = False) -> dict[str, Any]:
+        from training.gke.pod_emulator import expand_pod
+
+        obj = expand_pod(m.jobset, slice_, index, suffix)
+        if deleting:
+            obj["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+        return {**obj, "status": {"phase": phase}}
+
+    pods = [
+        pod(0, 0, "aaaaa", "Failed"),  # replaced by bbbbb: deleted
+        pod(0, 0, "bbbbb", "Pending"),
+        pod(0, 1, "ccccc", "Failed"),  # a follower: the webhook does not count it
+        pod(1, 0, "ddddd", "Failed"),  # nothing replaces it yet: kept, with its log
+        pod(1, 0, "eeeee", "Failed", deleting=True),
+    ]
+    assert replaced_leaders(pods) == [f"{m.name}-slice-0-0-aaaaa"]
+    single = render(
+        gke_config(min_workers=1, max_workers=1, hosts_per_slice=1), TPUSlice("ct6e-standard-4t", "2x2"), LAUNCH, "j1"
+    )
+    m = single  # no exclusive placement: no webhook, nothing to delete
+    assert replaced_leaders([pod(0, 0, "aaaaa", "Failed"), pod(0, 0, "bbbbb", "Running")]) == []
+
+
+def test_gke_config_errors_are_no_value_errors_a_launch_would_retry() -> None:
+    assert not issubclass(GKEConfigError, ValueError)
+
+
+def test_the_pod_declares_the_watch_ports_the_agents_listen_on_outside_libtpus() -> None:
+    from training.elastic.hostwatch import host_watch_port
+    from training.elastic.peerwatch import peer_watch_port
+
+    m = render(gke_config(), TPUSlice("ct6e-standard-4t", "4x4"), LAUNCH, "j1")
+    (container,) = expand_pods(m.jobset)[0]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["peer-watch"] == peer_watch_port(ports["coordinator"]) == 8490
+    assert ports["host-watch"] == host_watch_port(ports["coordinator"]) == 8491
+    assert not {ports["peer-watch"], ports["host-watch"]} & gke.LIBTPU_PORTS
+    assert peer_watch_port(0) == host_watch_port(0) == 0  # no fixed coordinator port: any free port
+
+
+@pytest.mark.parametrize(
+    ("version", "grace", "pods"),
+    [("1.35.0-gke.1171000", 120, 105), ("1.35.1-gke.1000", 120, 105), ("1.35.0-gke.1170999", 30, 15), (None, 30, 15)],
+)
+def test_the_longest_spot_grace_follows_the_clusters_version(version: str | None, grace: int, pods: int) -> None:
+    assert gke.spot_shutdown_grace_s(version) == grace and gke.spot_pod_grace_s(grace) == pods
+    with pytest.raises(GKEConfigError, match="^spot_shutdown_grace_s:"):
+        gke.spot_pod_grace_s(60)
+    with pytest.raises(GKEConfigError, match="^cluster version:"):
+        gke.spot_shutdown_grace_s("latest")
+
+
+def test_the_vendored_crds_are_the_files_their_readme_names() -> None:
+    readme = (JOBSET_CRD.parent / "README.md").read_text()
+    for crd in (JOBSET_CRD, KUEUE_WPC_CRD):
+        section = readme.split(f"`{crd.name}`", 1)[1]
+        (sha,) = re.findall(r"sha256: ([0-9a-f]{64})", section)[:1]
+        assert hashlib.sha256(crd.read_bytes()).hexdigest() == sha, crd.name
 
 
 def test_the_vendored_jobset_crd_is_the_release_the_docs_install() -> None:

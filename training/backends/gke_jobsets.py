@@ -35,6 +35,7 @@ from training.gke import (
     node_is_usable,
     pods_waiting,
     render,
+    replaced_leaders,
 )
 
 
@@ -137,8 +138,14 @@ class KubeJobSets:
         return [self.api_client.sanitize_for_serialization(p) for p in pods.items]
 
     def waiting(self, name: str, namespace: str) -> str:
-        """Why the JobSet's pods that do not run wait (scheduling, the image, ...), in one line; "" when none does."""
-        return describe_waiting(pods_waiting(self.pods(name, namespace)))
+        """Why the JobSet's pods that do not run wait (scheduling, the image, ...), in one line; "" when none does.
+
+        Deletes on the way each failed leader pod a newer pod replaces, which JobSet's webhook would count.
+        """
+        pods = self.pods(name, namespace)
+        for stale in replaced_leaders(pods):  # JobSet's webhook counts a failed leader: see training/gke/reaper.py
+            self.core.delete_namespaced_pod(stale, namespace)
+        return describe_waiting(pods_waiting(pods))
 
     def delete(self, name: str, namespace: str) -> bool:
         """Delete the JobSet (its Jobs and pods with it) and its Service; False if neither existed."""

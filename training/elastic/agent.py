@@ -46,7 +46,7 @@ from training.elastic.capacity import LocalCapacity
 from training.elastic.codes import AgentExit
 from training.elastic.follower import RoundFollower
 from training.elastic.heartbeat import Heartbeat, first_record
-from training.elastic.hostwatch import Listener
+from training.elastic.hostwatch import Listener, host_watch_port
 from training.elastic.leadership import Leadership
 from training.elastic.rendezvous import Outcome, Rendezvous, Round
 from training.elastic.reports import ReportHandler
@@ -94,7 +94,7 @@ class HostAgent:
         bind_host = bind_host if bind_host is not None else coordinator_host
         started = time.time()
         # Its connections (to the leader, or from it to every host) end with this process: a loss is known at once.
-        self.watch_listener = Listener(bind_host, coordinator_host, coordinator_port + 2 if coordinator_port else 0)
+        self.watch_listener = Listener(bind_host, coordinator_host, host_watch_port(coordinator_port))
         # The local slice's pool (a preempted host leaves it); on GKE the node pools are the capacity.
         self.capacity = LocalCapacity(self.store, default=self.cfg.max_workers) if local_capacity else None
         base = log_dir or logs_base(run, self.cfg.run_name)

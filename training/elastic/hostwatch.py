@@ -30,11 +30,16 @@ import threading
 import time
 from collections.abc import Callable
 
-from training.elastic.peerwatch import accept, keepalive, listening_socket
+from training.elastic.peerwatch import WATCH_PORT_OFFSET, accept, keepalive, listening_socket
 
 log = logging.getLogger(__name__)
 
 RETRY_S = 2.0  # a connection that could not be opened is tried again after this long
+
+
+def host_watch_port(coordinator_port: int) -> int:
+    """An agent's host watch port next to its fixed coordinator port, after the peer watch's (0: any free)."""
+    return coordinator_port + WATCH_PORT_OFFSET + 1 if coordinator_port else 0
 
 
 def _split(address: str) -> tuple[str, int]:

@@ -32,6 +32,15 @@ HELLO, BYE, LOST = b"H", b"B", b"L"  # one byte, then the rank as 4 bytes (big-e
 KEEPALIVE = {"TCP_KEEPIDLE": 2, "TCP_KEEPINTVL": 1, "TCP_KEEPCNT": 3}  # a silent peer: gone after ~5 s
 # What a collective's transport says when the process at the other end went (gloo over TCP, and sockets at large).
 LOST_PEER_ERRORS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+# The watches listen this far above a fixed coordinator port: 8476 + 14 = 8490 (peer watch), 8491 (host watch).
+# Out of 8470-8482, where a TPU VM's runtime listens (libtpu's 8471 and the per-process ports above it, JAX's
+# own Cloud TPU coordinator at 8482); training.gke.manifests declares the same ports in the pod.
+WATCH_PORT_OFFSET = 14
+
+
+def peer_watch_port(coordinator_port: int) -> int:
+    """Process 0's peer watch port for a round whose coordinator listens on ``coordinator_port`` (0: any free)."""
+    return coordinator_port + WATCH_PORT_OFFSET if coordinator_port else 0
 
 
 def looks_like_a_lost_peer(error: str) -> bool:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from training.config import Config
+from training.elastic.peerwatch import peer_watch_port
 from training.elastic.rendezvous import Round
 from training.elastic.wire import WorkerReport
 from training.elastic.workerproc import ForkServer, WorkerProc, spawn_worker, worker_env
@@ -129,7 +130,7 @@ class WorkerSupervisor:
             "faults": rnd.faults,
             "env": self.round_env(rnd, rank),
             # Process 0's peer watch listens next to the coordinator (a fixed port on GKE, declared in the pod).
-            "watch_port": self.coordinator_port + 1 if rank == 0 and self.coordinator_port else 0,
+            "watch_port": peer_watch_port(self.coordinator_port) if rank == 0 else 0,
             "job": self.job,
         }
         try:

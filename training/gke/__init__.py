@@ -19,13 +19,19 @@ from training.gke.manifests import (
     GKESettings,
     TPUSlice,
     check_config,
+    check_launch,
     describe_waiting,
     jobset_state,
     node_is_usable,
     pods_waiting,
     render,
+    settings_launch,
+    settings_preemption_grace_s,
+    spot_pod_grace_s,
+    spot_shutdown_grace_s,
     workload_priority_classes,
 )
+from training.gke.reaper import replaced_leaders
 
 __all__ = [
     "ACCELERATOR_LABEL",
@@ -42,10 +48,16 @@ __all__ = [
     "GKESettings",
     "TPUSlice",
     "check_config",
+    "check_launch",
     "describe_waiting",
     "jobset_state",
     "node_is_usable",
     "pods_waiting",
     "render",
+    "replaced_leaders",
+    "settings_launch",
+    "settings_preemption_grace_s",
+    "spot_pod_grace_s",
+    "spot_shutdown_grace_s",
     "workload_priority_classes",
 ]

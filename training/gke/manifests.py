@@ -61,7 +61,9 @@ GCS_FUSE_ROOT = "/var/rtrain/gcs"  # the bucket at <root>/<bucket> (RTRAIN_GCS_M
 # Kueue: the LocalQueue a JobSet is submitted to, and its WorkloadPriorityClass (one per priority level).
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
-KUEUE_API_VERSION = "kueue.x-k8s.io/v1beta1"
+# v1beta2: the storage version since Kueue 0.16; Kueue 0.20 stops serving v1beta1.  Checked against the vendored
+# CRD (tests/training/data/kueue.x-k8s.io_workloadpriorityclasses-v0.19.2.yaml).
+KUEUE_API_VERSION = "kueue.x-k8s.io/v1beta2"
 RUN_LABEL = "rtrain.dev/run"
 JOB_LABEL = "rtrain.dev/job"
 RUN_URI_ANNOTATION = "rtrain.dev/run-uri"
@@ -69,6 +71,12 @@ RUN_URI_ANNOTATION = "rtrain.dev/run-uri"
 DEFAULT_COORDINATOR_PORT = 8476  # the port JAX's own GKE/TPU cluster detection uses
 DEFAULT_MEGASCALE_PORT = 8080  # libtpu's DCN transport between slices
 TPU_RUNTIME_PORT = 8471
+# Ports the TPU runtime may take on a TPU VM: libtpu's runtime port (8471, TPU_PROCESS_PORT; per-process ports
+# above it when a host runs a process per chip), JAX's own Cloud TPU coordinator (8482, jax/_src/clusters/
+# cloud_tpu_cluster.py) and libtpu's runtime metrics (8431, --runtime_metric_service_port).  The agents' own
+# watches stay out of them (training.elastic.peerwatch.peer_watch_port, hostwatch.host_watch_port).
+LIBTPU_PORTS = frozenset(range(8470, 8483)) | {8431}
+WATCH_PORT_OFFSET = 14  # the watches' ports above the coordinator's (training.elastic.peerwatch.WATCH_PORT_OFFSET)
 
 # The agent command; the entrypoint script ``exec``s it with this host's identity and addresses.
 # The pod's DNS name is its hostname under the headless Service: the Job controller names an Indexed Job's
@@ -109,6 +117,12 @@ UNUSABLE_TAINTS = frozenset(
 # node pool can raise the node's shutdown grace to 120 s (kubelet shutdownGracePeriodSeconds, Spot only,
 # newer GKE; TPUNodePoolSpec.spot_shutdown_grace_s), leaving the pods 120 - 15 = 105 s.
 SPOT_POD_GRACE_S = 15
+# GKE's Spot VMs (docs: concepts/spot-vms, "Termination and graceful shutdown of Spot VMs"): on a preemption
+# notice the node shuts down in 30 s, the last 15 s kept for critical system pods; a Standard node pool may
+# take 120 s (kubelet shutdownGracePeriodSeconds) once the control plane runs 1.35.0-gke.1171000 or later.
+SPOT_SHUTDOWN_GRACE_S = (30, 120)
+CRITICAL_PODS_GRACE_S = 15
+EXTENDED_SPOT_GRACE_VERSION = (1, 35, 0, 1171000)
 ON_DEMAND_POD_GRACE_S = 30  # Kubernetes' default terminationGracePeriodSeconds
 GRACE_MARGIN_S = 5  # between the job's stop-and-commit (preemption_grace_s) and the pod's SIGKILL
 # How the pods reach gs://: as their Kubernetes service account's Google identity (Workload Identity),
@@ -119,7 +133,7 @@ _DNS_LABEL_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _LABEL_VALUE_RE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 
 
-class GKEConfigError(ValueError):
+class GKEConfigError(Exception):
     """A TPU shape or run config that cannot run on GKE, with a message that names the key."""
 
 
@@ -358,6 +372,7 @@ class GKESettings(TypedDict, total=False):
     flex_start: bool
     queued_provisioning: bool
     gcs_fuse: bool
+    spot_shutdown_grace_s: int  # Spot pools: the nodes' shutdown grace, 30 (GKE's default) or 120 (1.35.0-gke.1171000+)
 
 
 @dataclass(frozen=True)
@@ -401,14 +416,17 @@ class GKELaunch:
             raise GKEConfigError(f"service_account: {self.service_account!r} is not a Kubernetes service account name")
         for key in ("coordinator_port", "megascale_port"):
             port = getattr(self, key)
-            if not 1 <= port <= 65535 - 2 * (key == "coordinator_port"):
+            if not 1 <= port <= 65535:
                 raise GKEConfigError(f"{key}: {port} is not a TCP port")
         taken = {self.megascale_port, TPU_RUNTIME_PORT}
-        if taken & {self.coordinator_port, self.coordinator_port + 1, self.coordinator_port + 2}:
+        peer, host = self.watch_ports
+        if taken & {self.coordinator_port, peer, host} or {peer, host} & LIBTPU_PORTS:
             raise GKEConfigError(
-                f"coordinator_port: {self.coordinator_port} (and the peer watch's {self.coordinator_port + 1}, "
-                f"the host watch's {self.coordinator_port + 2}) collides with a TPU runtime port"
+                f"coordinator_port: {self.coordinator_port} (and the peer watch's {peer}, the host watch's {host}) "
+                f"collides with a TPU runtime port (megascale {self.megascale_port}, libtpu's 8431 and 8470-8482)"
             )
+        if not 1 <= host <= 65535:
+            raise GKEConfigError(f"coordinator_port: {self.coordinator_port} leaves no port for the watches")
         if self.termination_grace_period_s is not None and self.termination_grace_period_s < 1:
             raise GKEConfigError(f"termination_grace_period_s: at least 1, got {self.termination_grace_period_s}")
         if not 1 <= self.spot_grace_s <= 120:
@@ -448,6 +466,11 @@ class GKELaunch:
                 raise GKEConfigError(f"priority: {e}") from None
 
     @property
+    def watch_ports(self) -> tuple[int, int]:
+        """The peer watch's and the host watch's ports (training.elastic.peerwatch / hostwatch pick the same)."""
+        return self.coordinator_port + WATCH_PORT_OFFSET, self.coordinator_port + WATCH_PORT_OFFSET + 1
+
+    @property
     def pod_grace_s(self) -> int:
         """The pods' terminationGracePeriodSeconds."""
         if self.termination_grace_period_s is not None:
@@ -458,6 +481,80 @@ class GKELaunch:
     def preemption_window_s(self) -> int:
         """The seconds a pod really has after a preemption notice: on Spot, no more than the node gives."""
         return min(self.pod_grace_s, self.spot_grace_s) if self.spot else self.pod_grace_s
+
+
+def gke_version(version: str) -> tuple[int, int, int, int]:
+    """A GKE version (``1.35.0-gke.1171000``) as numbers; a plain Kubernetes one (``1.35.0``) as ``-gke.0``."""
+    m = re.fullmatch(r"v?(\d+)\.(\d+)\.(\d+)(?:-gke\.(\d+))?", version.strip())
+    if not m:
+        raise GKEConfigError(f"cluster version: {version!r} is not a GKE version such as 1.35.0-gke.1171000")
+    return int(m[1]), int(m[2]), int(m[3]), int(m[4] or 0)
+
+
+def spot_shutdown_grace_s(cluster_version: str | None) -> int:
+    """The longest Spot shutdown grace a node pool of this cluster may ask for: 120 s from 1.35.0-gke.1171000, else 30 s."""
+    if cluster_version and gke_version(cluster_version) >= EXTENDED_SPOT_GRACE_VERSION:
+        return SPOT_SHUTDOWN_GRACE_S[1]
+    return SPOT_SHUTDOWN_GRACE_S[0]
+
+
+def spot_pod_grace_s(shutdown_grace_s: int) -> int:
+    """What a Spot preemption leaves the training pods of a node with this shutdown grace (15 s are the system's)."""
+    if shutdown_grace_s not in SPOT_SHUTDOWN_GRACE_S:
+        raise GKEConfigError(
+            f"spot_shutdown_grace_s: GKE accepts {' or '.join(map(str, SPOT_SHUTDOWN_GRACE_S))}, got {shutdown_grace_s}"
+        )
+    return shutdown_grace_s - CRITICAL_PODS_GRACE_S
+
+
+def settings_spot_grace_s(gke: GKESettings) -> int:
+    """What a Spot preemption leaves the pods on the settings' pools (``spot_shutdown_grace_s`` less 15 s)."""
+    return spot_pod_grace_s(int(gke.get("spot_shutdown_grace_s") or SPOT_SHUTDOWN_GRACE_S[0]))
+
+
+def settings_preemption_grace_s(gke: GKESettings) -> float:
+    """The longest stop-and-commit after a notice that the settings' pods have room for (their grace less 5 s)."""
+    grace = settings_spot_grace_s(gke) if gke.get("spot") else ON_DEMAND_POD_GRACE_S
+    return float(grace - GRACE_MARGIN_S)
+
+
+def settings_launch(gke: GKESettings, priority: str | None = None) -> GKELaunch:
+    """Where and how a run's pods go, from its ``gke`` settings (the GKE backend's placement)."""
+    for key in ("image", "node_pools"):
+        if not gke.get(key):
+            raise GKEConfigError(f"gke.{key}: required")
+    if gke.get("spot_shutdown_grace_s") is not None and not gke.get("spot"):
+        raise GKEConfigError("gke.spot_shutdown_grace_s: only Spot nodes take a shutdown grace (gke.spot: true)")
+    return GKELaunch(
+        image=gke["image"],
+        namespace=gke.get("namespace", "default"),
+        service_account=gke.get("service_account", "rtrain-worker"),
+        node_pools=tuple(gke["node_pools"]),
+        spot=bool(gke.get("spot", False)),
+        spot_grace_s=settings_spot_grace_s(gke),
+        kueue_queue=gke.get("kueue_queue"),
+        priority=priority,
+        gcs_fuse=bool(gke.get("gcs_fuse", False)),
+    )
+
+
+def check_launch(cfg: Config, gke: GKESettings, priority: str | None = None) -> GKELaunch:
+    """Everything a launch would refuse, before anything is created: the config against the TPU shape (chips
+    per host, hosts per slice, slices in ``min_workers..max_workers`` the batch splits over), the grace against
+    Spot, the ports, the image, the Kueue queue and priority, and a node pool for every slice.  Raises
+    :class:`GKEConfigError` naming the key; returns the launch."""
+    for key in ("machine_type", "tpu_topology"):
+        if not gke.get(key):
+            raise GKEConfigError(f"gke.{key}: required")
+    tpu = TPUSlice(gke["machine_type"], gke["tpu_topology"])
+    launch = settings_launch(gke, priority)
+    k_max = _check_slices(cfg, tpu, launch, None)
+    if tpu.multi_host and len(launch.node_pools) < k_max:
+        raise GKEConfigError(
+            f"gke.node_pools: {len(launch.node_pools)} pool(s) for up to {k_max} slices of {tpu.hosts} hosts "
+            f"(max_workers={cfg.max_workers}): name one pool per slice"
+        )
+    return launch
 
 
 def check_config(cfg: Config, tpu: TPUSlice) -> None:
@@ -663,8 +760,8 @@ def _container(cfg: Config, tpu: TPUSlice, launch: GKELaunch, job: str, name: st
         "env": env,
         "ports": [
             {"name": "coordinator", "containerPort": launch.coordinator_port, "protocol": "TCP"},
-            {"name": "peer-watch", "containerPort": launch.coordinator_port + 1, "protocol": "TCP"},
-            {"name": "host-watch", "containerPort": launch.coordinator_port + 2, "protocol": "TCP"},
+            {"name": "peer-watch", "containerPort": launch.watch_ports[0], "protocol": "TCP"},
+            {"name": "host-watch", "containerPort": launch.watch_ports[1], "protocol": "TCP"},
             {"name": "tpu-runtime", "containerPort": TPU_RUNTIME_PORT, "protocol": "TCP"},
             {"name": "megascale", "containerPort": launch.megascale_port, "protocol": "TCP"},
         ],
@@ -766,6 +863,10 @@ def _job_template(
             # A host's pod is recreated when it fails (its agent rejoins); preemptions and evictions
             # do not count, and a job that has failed for good fails the Job at once.
             "backoffLimitPerIndex": max(cfg.max_failures, 1),
+            # A replacement only once the old pod has failed (the only value podFailurePolicy allows): a
+            # terminating leader and its successor never exist together; the failed one is removed by
+            # training.gke.reaper before JobSet's webhook counts it (docs/gke.md, "Failed pods").
+            "podReplacementPolicy": "Failed",
             "podFailurePolicy": {
                 "rules": [
                     {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
@@ -1026,5 +1127,5 @@ class GKECapacity:
     def set(self, workers: int, reason: str = "") -> None:
         raise NotImplementedError(
             "GKE capacity is the TPU hosts the node pools have; change it by resizing or deleting node pools "
-            "(GKEResizeTPUNodePoolOperator), not through the capacity source"
+            "(training.backends.gke_pools.NodePools.resize), not through the capacity source"
         )

@@ -11,6 +11,12 @@ directories for its volumes; a deleted pod gets SIGTERM, then SIGKILL once its g
 The container's command runs as written, with this repository's ``rtrain`` for the image's; the
 image's environment is what the caller passes (for JAX on CPU: ``JAX_PLATFORMS``, gloo, and as many
 CPU devices as the pod asks TPU chips).  Needs ``unshare`` (util-linux) and root or user namespaces.
+
+What decides whether a slice comes back is modelled from the sources, each cited where it is coded:
+JobSet's pod webhooks under exclusive placement (v0.12.0), failed pods kept until pod garbage
+collection, a Spot reclaim's node shutdown and node deletion (GKE), and the Job controller's
+backoffs (Kubernetes).  ``reaper=True`` runs :func:`training.gke.reaper.replaced_leaders` on the pods
+each tick, as the backend's watch does on a cluster.
 """
 
 from __future__ import annotations
@@ -33,13 +39,29 @@ from typing import Any
 from training.cpu_devices import cpu_xla_flags
 from training.gke.manifests import (
     COMPLETION_INDEX_ANNOTATION,
+    CRITICAL_PODS_GRACE_S,
+    EXCLUSIVE_TOPOLOGY_ANNOTATION,
     JOB_INDEX_LABEL,
     JOBSET_NAME_LABEL,
+    NODEPOOL_LABEL,
+    SPOT_SHUTDOWN_GRACE_S,
     TPU_RESOURCE,
     GKEManifests,
 )
+from training.gke.reaper import replaced_leaders
 
 REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
+# The Job controller's backoffs (kubernetes pkg/controller/job/job_controller.go, backoff_utils.go): a pod
+# that failed and counts is made again after 10 s, doubling with each failure of its index, at most 6 min
+# (DefaultJobPodFailureBackOff, MaxJobPodFailureBackOff); a failure the podFailurePolicy ignores adds none.
+# A pod create the API refused (a webhook) is retried by the Job's rate-limited requeue, 1 s doubling to
+# 60 s (DefaultJobApiBackOff, MaxJobApiBackOff).
+POD_FAILURE_BACKOFF_S = (10.0, 360.0)
+API_BACKOFF_S = (1.0, 60.0)
+# Pod garbage collection (pkg/controller/podgc/gc_controller.go): the pods of a node that no longer exists
+# are deleted once the node has been gone 40 s (quarantineTime; checked every 20 s, gcCheckPeriod); failed
+# pods on live nodes only past --terminated-pod-gc-threshold (12500 pods by default): never, here.
+ORPHAN_GC_S = 40.0
 # The process that becomes a pod's container: its own /etc/hosts and hostname, then the container's command.
 POD_INIT = 'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"'
 
@@ -62,15 +84,21 @@ class Pod:
     proc: subprocess.Popen[bytes] | None = None
     exit_code: int | None = None
     disruption: str = ""  # why the node ended the pod (a DisruptionTarget: its shutdown), if it did
-    deleting_since: float | None = None
+    deleting_since: float | None = None  # deleted through the API (a deletionTimestamp), or its node shut down
     kill_at: float | None = None
     log: Path | None = None
+    removed: bool = False  # gone from the API (deleted once terminal, or garbage-collected)
 
     @property
     def phase(self) -> str:
         if self.exit_code is not None:  # deleted or not, by its container's exit (the kubelet's rule since 1.27)
             return "Succeeded" if self.exit_code == 0 else "Failed"
         return "Running" if self.proc is not None else "Pending"
+
+    @property
+    def api_deleted(self) -> bool:
+        """Deleted through the API (a deletionTimestamp); a node's shutdown ends a pod without one."""
+        return self.deleting_since is not None and not self.disruption
 
 
 @dataclass
@@ -81,6 +109,22 @@ class _Index:
     failures: int = 0
     done: bool = False  # succeeded
     failed: bool = False  # out of retries (backoffLimitPerIndex) or FailIndex: not made again
+    create_at: float | None = 0.0  # when the Job controller makes its next pod (None: it has one)
+    refused: int = 0  # creates refused in a row (the API backoff's exponent)
+    accounted: str = ""  # the last pod whose end the Job controller has acted on
+
+
+@dataclass
+class Node:
+    """A TPU VM of a slice's node pool: a Spot reclaim shuts it down, then deletes it."""
+
+    name: str
+    pool: str
+    slice: int
+    index: int
+    ready: bool = True
+    delete_at: float | None = None  # when GKE deletes it (after a reclaim)
+    deleted_at: float | None = None
 
 
 def pod_ip(n: int, net: int = 1) -> str:
@@ -91,7 +135,11 @@ def pod_ip(n: int, net: int = 1) -> str:
 
 
 def expand_pod(jobset: Mapping[str, Any], slice_: int, index: int, suffix: str) -> dict[str, Any]:
-    """The pod the JobSet (its Job ``slice_``) and the Job controller (index ``index``) make of the template."""
+    """The pod the JobSet (its Job ``slice_``) and the Job controller (index ``index``) make of the template.
+
+    The JobSet's exclusive-topology annotation reaches the pod as JobSet v0.12.0 puts it there
+    (``pkg/controllers/jobset_controller.go``: ``labelAndAnnotateObject``), with the JobSet's name.
+    """
     name = jobset["metadata"]["name"]
     (rjob,) = jobset["spec"]["replicatedJobs"]
     job_spec = rjob["template"]["spec"]
@@ -105,6 +153,7 @@ def expand_pod(jobset: Mapping[str, Any], slice_: int, index: int, suffix: str) 
         JOB_INDEX_LABEL: str(slice_),
         COMPLETION_INDEX_ANNOTATION: str(index),
     }
+    exclusive = (jobset["metadata"].get("annotations") or {}).get(EXCLUSIVE_TOPOLOGY_ANNOTATION)
     hostname = f"{name}-{rjob['name']}-{slice_}-{index}"
     return {
         "apiVersion": "v1",
@@ -113,10 +162,35 @@ def expand_pod(jobset: Mapping[str, Any], slice_: int, index: int, suffix: str) 
             "name": f"{hostname}-{suffix}",
             "namespace": jobset["metadata"]["namespace"],
             "labels": {**tmpl["metadata"].get("labels", {}), **index_meta},
-            "annotations": {**tmpl["metadata"].get("annotations", {}), **index_meta},
+            "annotations": {
+                **tmpl["metadata"].get("annotations", {}),
+                **index_meta,
+                **({EXCLUSIVE_TOPOLOGY_ANNOTATION: exclusive} if exclusive else {}),
+            },
         },
         "spec": {**tmpl["spec"], "hostname": hostname, "subdomain": subdomain},
     }
+
+
+def admit(pod: Pod, pods: list[Pod], nodes: Mapping[str, Node]) -> str:
+    """JobSet's pod webhooks on a create: "" when admitted (a follower then selects its leader's pool), else why not.
+
+    JobSet v0.12.0, ``pkg/webhooks/pod_webhook.go``: under exclusive placement a leader (completion index
+    0) is admitted as it is; a follower only when the pods named like its slice's leader, less those with a
+    deletion timestamp, are exactly one, and that one is scheduled.  Failed pods count.
+    """
+    annotations = pod.obj["metadata"]["annotations"]
+    topology = annotations.get(EXCLUSIVE_TOPOLOGY_ANNOTATION)
+    if not topology or annotations[COMPLETION_INDEX_ANNOTATION] == "0":
+        return ""
+    prefix = pod.name.rsplit("-", 2)[0] + "-0-"  # <jobset>-slice-<j>-0-: placement.GenPodName, less the suffix
+    leaders = [p for p in pods if p.name.startswith(prefix) and not p.removed and not p.api_deleted]
+    if len(leaders) != 1:
+        return f"expected 1 leader pod ({prefix[:-1]}), but got {len(leaders)}. this is an expected, transient error"
+    if not leaders[0].node:
+        return "leader pod not yet scheduled, not creating follower pod. this is an expected, transient error"
+    pod.obj["spec"]["nodeSelector"] = {**pod.obj["spec"].get("nodeSelector", {}), topology: nodes[leaders[0].node].pool}
+    return ""
 
 
 def expand_pods(jobset: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -183,248 +257,81 @@ def _rule_action(rules: list[Mapping[str, Any]], exit_code: int, disrupted: bool
     return "Count"
 
 
-class EmulatedJobSet:
-    """A rendered JobSet whose pods run here; its slices' nodes come and go at the caller's word."""
+class _Kubelet:
+    """The node side of the emulated cluster: nodes, placing and starting pods, ending them."""
 
-    def __init__(
-        self,
-        manifests: GKEManifests,
-        workdir: str | Path,
-        image_env: Mapping[str, str],
-        tick_s: float = 0.2,
-    ) -> None:
-        self.m = manifests
-        self.jobset = manifests.jobset
-        (self.rjob,) = self.jobset["spec"]["replicatedJobs"]
-        self.job_spec = self.rjob["template"]["spec"]
-        self.slices = int(self.rjob["replicas"])
-        self.hosts = int(self.job_spec["completions"])
-        self.workdir = Path(workdir).resolve()
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.image_env = dict(image_env)
-        self.tick_s = tick_s
-        self.up = set(range(self.slices))  # slices whose nodes are there
-        self.indexes = {(j, i): _Index() for j in range(self.slices) for i in range(self.hosts)}
-        self.failed_jobs: dict[int, str] = {}
-        self.state = ""  # "", "Completed" or "Failed": the JobSet's terminal condition
-        self.deleted = False  # the JobSet was deleted: its pods go and none is made again
-        self.error: BaseException | None = None  # what stopped the controllers' thread, raised to the caller
-        self._made = 0  # pods made (their names' suffix)
-        self._placed = 0  # pods given an IP
-        self._lock = threading.RLock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="jobset-emulator", daemon=True)
-        self.hosts_file = self.workdir / "hosts"
-        self._unshare = unshare_argv()
+    jobset: dict[str, Any]
+    job_spec: dict[str, Any]
+    slices: int
+    hosts: int
+    workdir: Path
+    image_env: dict[str, str]
+    hosts_file: Path
+    nodes: dict[str, Node]
+    indexes: dict[tuple[int, int], _Index]
+    renew_node_names: bool
+    state: str
+    deleted: bool
+    _made: int
+    _placed: int
+    _unshare: list[str]
 
-    # --- the caller's view ---------------------------------------------------------------------
+    def _pods(self) -> list[Pod]:
+        return [p for idx in self.indexes.values() for p in idx.pods]
 
-    def __enter__(self) -> EmulatedJobSet:
-        self.start()
-        return self
+    def _pool(self, slice_: int) -> str:
+        """The node pool of a slice: the JobSet's own (its pods' node affinity), else one named for it."""
+        terms = (self.job_spec["template"]["spec"].get("affinity") or {}).get("nodeAffinity", {})
+        required = terms.get("requiredDuringSchedulingIgnoredDuringExecution", {}).get("nodeSelectorTerms", [])
+        pools = [v for t in required for e in t["matchExpressions"] if e["key"] == NODEPOOL_LABEL for v in e["values"]]
+        return pools[slice_] if slice_ < len(pools) else f"{self.jobset['metadata']['name']}-pool-{slice_}"
 
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        self.delete(grace_s=1 if exc_type is not None else None)  # a failing caller does not wait out the grace
+    def _make_nodes(self, slice_: int) -> None:
+        """The slice's VMs, ready: under their old names (a pool recreates its VMs so), or new ones."""
+        for i in range(self.hosts):
+            gen = sum(1 for n in self.nodes.values() if n.slice == slice_ and n.index == i)
+            name = f"node-s{slice_}-h{i}" + (f"-{gen}" if self.renew_node_names and gen else "")
+            if name in self.nodes and self.nodes[name].ready:
+                continue
+            self.nodes[name] = Node(name, self._pool(slice_), slice_, i)
 
-    def start(self) -> None:
-        """Create the JobSet: its pods, started on the slices that are up."""
-        with self._lock:
-            for (j, i), idx in self.indexes.items():
-                idx.pods.append(self._new_pod(j, i))
-            self._write_hosts()
-        self._thread.start()
-
-    def objects(self) -> list[dict[str, Any]]:
-        """The pods as API objects (with status), as ``kubectl get pods -o json`` lists them."""
-        self._check()
-        with self._lock:
-            pending = (
-                f"0/{len(self.up) * self.hosts} nodes are available: {self.hosts} Insufficient {TPU_RESOURCE} "
-                f"({_container(self.job_spec)['resources']['limits'].get(TPU_RESOURCE, '0')} per pod)"
-            )
-            container = _container(self.job_spec)["name"]
-            return [pod_object(p, container, pending) for idx in self.indexes.values() for p in idx.pods]
-
-    def object(self) -> dict[str, Any]:
-        """The JobSet as an API object, with its terminal condition once it has one."""
-        self._check()
-        conditions = []
-        if self.state:
-            conditions.append({"type": self.state, "status": "True", "reason": self.state})
-        return {**self.jobset, "status": {"conditions": conditions, "terminalState": self.state or None}}
-
-    def running(self, slice_: int | None = None) -> list[Pod]:
-        """The pods whose container runs (of one slice, or of all)."""
-        self._check()
-        with self._lock:
-            return [
-                idx.pods[-1]
-                for (j, _), idx in sorted(self.indexes.items())
-                if idx.pods and idx.pods[-1].phase == "Running" and slice_ in (None, j)
-            ]
-
-    def preempt_slice(self, slice_: int, grace_s: float | None = None) -> None:
-        """A Spot reclaim of a slice: its nodes go, each of its pods gets SIGTERM and then SIGKILL after its grace."""
-        with self._lock:
-            self.up.discard(slice_)
-            for i in range(self.hosts):
-                self._delete_pod(self.indexes[(slice_, i)].pods[-1], "the node was preempted (Spot)", grace_s)
-
-    def return_slice(self, slice_: int) -> None:
-        """The slice's nodes are back: its waiting pods are scheduled at the next tick."""
-        with self._lock:
-            self.up.add(slice_)
-
-    def kill_pod(self, slice_: int, index: int) -> None:
-        """A host error: the pod's processes die at once (no grace, no disruption): it counts as a failure."""
-        with self._lock:
-            pod = self.indexes[(slice_, index)].pods[-1]
-            if pod.proc is not None and pod.exit_code is None:
-                _killpg(pod.proc.pid, signal.SIGKILL)
-
-    def delete(self, grace_s: float | None = None) -> None:
-        """Delete the JobSet: every pod is deleted (SIGTERM, SIGKILL after the grace) and waited for."""
-        with self._lock:
-            self.deleted = True
-            for idx in self.indexes.values():
-                for pod in idx.pods:
-                    self._delete_pod(pod, "", grace_s)
-            last_kill = max([p.kill_at or 0.0 for idx in self.indexes.values() for p in idx.pods] + [time.time()])
-        while time.time() < last_kill + 5 and self._live():
-            with self._lock:
-                self._reap(time.time())
-            time.sleep(0.1)
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=10)
-        with self._lock:
-            for pod in self._live():
-                assert pod.proc is not None
-                _killpg(pod.proc.pid, signal.SIGKILL)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self._ended(pod, pod.proc.wait(timeout=10))
-
-    def _live(self) -> list[Pod]:
-        """The pods whose container has not ended."""
-        return [p for x in self.indexes.values() for p in x.pods if p.proc is not None and p.exit_code is None]
-
-    # --- the controllers -----------------------------------------------------------------------
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._tick()
-            except BaseException as e:  # noqa: BLE001 - raised to the caller at its next look
-                self.error = e
-                return
-            self._stop.wait(self.tick_s)
-
-    def _check(self) -> None:
-        if self.error is not None:
-            raise PodEmulatorError(f"the emulated cluster stopped: {self.error!r}") from self.error
-
-    def _tick(self) -> None:
-        with self._lock:
-            self._reap(time.time())
-            for (j, i), idx in self.indexes.items():
-                self._job_controller(j, i, idx)
-            self._schedule()
-
-    def _reap(self, now: float) -> None:
-        """The kubelet's part: note the containers that ended, kill those whose grace is over."""
-        for pod in self._live():
-            assert pod.proc is not None
-            code = pod.proc.poll()
-            if code is not None:
-                self._ended(pod, code)
-            elif pod.kill_at is not None and now >= pod.kill_at:
-                _killpg(pod.proc.pid, signal.SIGKILL)
-
-    def _ended(self, pod: Pod, code: int) -> None:
-        """The container's first process ended: the rest of the container goes with it."""
-        pod.exit_code = 128 - code if code < 0 else code  # a signal as the runtime reports it (137 = SIGKILL)
-        assert pod.proc is not None
-        _killpg(pod.proc.pid, signal.SIGKILL)
-
-    def _job_controller(self, j: int, i: int, idx: _Index) -> None:
-        """The Job controller for one index: by its pod's end, done, made again, failed, or the Job failed."""
-        pod = idx.pods[-1]
-        if self.state or self.deleted or idx.done or idx.failed:
-            return
-        if pod.proc is None:
-            if pod.deleting_since is not None:  # deleted before it ran: made again
-                idx.pods.append(self._new_pod(j, i))
-            return
-        if pod.exit_code is None:
-            return
-        if pod.phase == "Succeeded":
-            idx.done = True
-        else:
-            rules = (self.job_spec.get("podFailurePolicy") or {}).get("rules") or []
-            action = _rule_action(rules, pod.exit_code, bool(pod.disruption), _container(self.job_spec)["name"])
-            if action == "FailJob":
-                self._fail_job(j, f"pod {pod.name} exited {pod.exit_code} (podFailurePolicy FailJob)")
-                return
-            if action != "Ignore":
-                idx.failures += 1
-            if action == "FailIndex" or idx.failures > int(self.job_spec.get("backoffLimitPerIndex", 0)):
-                idx.failed = True  # not made again; the Job goes on with its other indexes
-            else:
-                idx.pods.append(self._new_pod(j, i))
-                return
-        self._job_ended(j)
-
-    def _job_ended(self, j: int) -> None:
-        """A slice's Job ends once each of its indexes has: Complete when all succeeded, else Failed."""
-        mine = [(i, x) for (s, i), x in sorted(self.indexes.items()) if s == j]
-        if not all(x.done or x.failed for _, x in mine):
-            return
-        failed = [i for i, x in mine if x.failed]
-        if failed:
-            self._fail_job(
-                j, f"indexes {failed} failed (backoffLimitPerIndex {self.job_spec.get('backoffLimitPerIndex')})"
-            )
-        else:
-            self.state = "Completed"  # successPolicy Any over the slice Jobs
-            self._end_all()
-
-    def _fail_job(self, j: int, why: str) -> None:
-        self.failed_jobs[j] = why
-        self.state = "Failed"  # failurePolicy.maxRestarts 0: a failed Job fails the JobSet
-        self._end_all()
-
-    def _end_all(self) -> None:
-        for idx in self.indexes.values():
-            for pod in idx.pods:
-                self._delete_pod(pod, "", None)
+    def _node_for(self, pod: Pod) -> Node | None:
+        """The ready, free node of the pod's slice and host that its node selector allows, if there is one."""
+        wanted = pod.obj["spec"].get("nodeSelector", {}).get(NODEPOOL_LABEL)
+        busy = {p.node for p in self._pods() if p.node and p.exit_code is None and not p.removed}
+        for node in self.nodes.values():
+            if (node.slice, node.index) == (pod.slice, pod.index) and node.ready and node.name not in busy:
+                if wanted in (None, node.pool):
+                    return node
+        return None
 
     def _schedule(self) -> None:
         changed = False
-        for (j, _), idx in sorted(self.indexes.items()):
-            pod = idx.pods[-1]
-            if pod.proc is None and pod.deleting_since is None and j in self.up and not (self.state or self.deleted):
-                self._place(pod)
+        for _, idx in sorted(self.indexes.items()):
+            pod = idx.pods[-1] if idx.pods else None
+            if pod is None or pod.node or pod.deleting_since is not None or self.state or self.deleted:
+                continue
+            node = self._node_for(pod)
+            if node is not None:
+                self._place(pod, node)
                 changed = True
         if changed:
             self._write_hosts()
         for _, idx in sorted(self.indexes.items()):
-            pod = idx.pods[-1]
-            if pod.ip and pod.proc is None and pod.deleting_since is None:
+            pod = idx.pods[-1] if idx.pods else None
+            if pod is not None and pod.ip and pod.proc is None and pod.deleting_since is None:
                 self._start(pod)
-
-    # --- the kubelet ---------------------------------------------------------------------------
 
     def _new_pod(self, j: int, i: int) -> Pod:
         self._made += 1
         obj = expand_pod(self.jobset, j, i, f"{self._made:05d}")
         return Pod(name=obj["metadata"]["name"], slice=j, index=i, obj=obj)
 
-    def _place(self, pod: Pod) -> None:
+    def _place(self, pod: Pod, node: Node) -> None:
         self._placed += 1
-        pod.node = f"node-s{pod.slice}-h{pod.index}"
-        host_network = bool(pod.obj["spec"].get("hostNetwork"))
+        pod.node = node.name
         pod.ip = pod_ip(self._placed)
-        if host_network:  # the node's address; a node keeps it
+        if pod.obj["spec"].get("hostNetwork"):  # the node's address; a node keeps it
             pod.ip = pod_ip(pod.slice * self.hosts + pod.index, net=2)
         pod.obj["spec"]["nodeName"] = pod.node
 
@@ -467,7 +374,7 @@ class EmulatedJobSet:
 
     def _write_hosts(self) -> None:
         """The pods' /etc/hosts, rewritten in place (the pods bind-mount its inode)."""
-        placed = [p for idx in self.indexes.values() for p in idx.pods if p.ip and p.exit_code is None]
+        placed = [p for p in self._pods() if p.ip and p.exit_code is None]
         rewrite_in_place(self.hosts_file, hosts_text(self.jobset, sorted(placed, key=lambda p: (p.slice, p.index))))
 
     def _delete_pod(self, pod: Pod, disruption: str, grace_s: float | None) -> None:
@@ -480,6 +387,297 @@ class EmulatedJobSet:
         if pod.proc is not None and pod.exit_code is None:
             with contextlib.suppress(ProcessLookupError):
                 pod.proc.send_signal(signal.SIGTERM)  # to the container's first process, as the runtime does
+
+
+class EmulatedJobSet(_Kubelet):
+    """A rendered JobSet whose pods run here; its slices' nodes come and go at the caller's word.
+
+    ``spot_shutdown_grace_s`` is the Spot nodes' shutdown grace (GKE's 30 s by default: 15 s for the
+    pods); a reclaimed node is deleted ``node_delete_s`` after its notice, and its pods are garbage-
+    collected ``orphan_gc_s`` after that, unless a node of the same name (a VM the pool recreates under
+    its old name) is back first.  ``reaper``: delete the failed leader pods a newer pod replaces.
+    ``failure_backoff_s``: the Job's backoff before a failed pod is made again (first, most).
+    """
+
+    def __init__(
+        self,
+        manifests: GKEManifests,
+        workdir: str | Path,
+        image_env: Mapping[str, str],
+        tick_s: float = 0.2,
+        *,
+        reaper: bool = True,
+        spot_shutdown_grace_s: int = SPOT_SHUTDOWN_GRACE_S[0],
+        node_delete_s: float | None = None,
+        orphan_gc_s: float = ORPHAN_GC_S,
+        renew_node_names: bool = False,
+        failure_backoff_s: tuple[float, float] = POD_FAILURE_BACKOFF_S,
+    ) -> None:
+        self.m = manifests
+        self.jobset = manifests.jobset
+        (self.rjob,) = self.jobset["spec"]["replicatedJobs"]
+        self.job_spec = self.rjob["template"]["spec"]
+        self.slices = int(self.rjob["replicas"])
+        self.hosts = int(self.job_spec["completions"])
+        self.workdir = Path(workdir).resolve()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.image_env = dict(image_env)
+        self.tick_s = tick_s
+        self.reaper = reaper
+        self.spot_pod_grace_s = spot_shutdown_grace_s - CRITICAL_PODS_GRACE_S
+        self.node_delete_s = float(spot_shutdown_grace_s if node_delete_s is None else node_delete_s)
+        self.orphan_gc_s = orphan_gc_s
+        self.renew_node_names = renew_node_names
+        self.failure_backoff_s = failure_backoff_s
+        self.nodes: dict[str, Node] = {}
+        for j in range(self.slices):
+            self._make_nodes(j)
+        self.indexes = {(j, i): _Index() for j in range(self.slices) for i in range(self.hosts)}
+        self.refusals: list[str] = []  # pod creates JobSet's webhook refused: "<pod>: <why>"
+        self.failed_jobs: dict[int, str] = {}
+        self.state = ""  # "", "Completed" or "Failed": the JobSet's terminal condition
+        self.deleted = False  # the JobSet was deleted: its pods go and none is made again
+        self.error: BaseException | None = None  # what stopped the controllers' thread, raised to the caller
+        self._made = 0  # pods made (their names' suffix)
+        self._placed = 0  # pods given an IP
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="jobset-emulator", daemon=True)
+        self.hosts_file = self.workdir / "hosts"
+        self._unshare = unshare_argv()
+
+    # --- the caller's view ---------------------------------------------------------------------
+
+    def __enter__(self) -> EmulatedJobSet:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.delete(grace_s=1 if exc_type is not None else None)  # a failing caller does not wait out the grace
+
+    def start(self) -> None:
+        """Create the JobSet: the Job controller makes its pods at its first tick."""
+        with self._lock:
+            self._write_hosts()
+        self._thread.start()
+
+    @property
+    def up(self) -> set[int]:
+        """The slices whose nodes are all ready."""
+        return {j for j in range(self.slices) if all(n.ready for n in self.nodes.values() if n.slice == j)}
+
+    def objects(self) -> list[dict[str, Any]]:
+        """The pods as API objects (with status), as ``kubectl get pods -o json`` lists them."""
+        self._check()
+        with self._lock:
+            pending = (
+                f"0/{len(self.up) * self.hosts} nodes are available: {self.hosts} Insufficient {TPU_RESOURCE} "
+                f"({_container(self.job_spec)['resources']['limits'].get(TPU_RESOURCE, '0')} per pod)"
+            )
+            container = _container(self.job_spec)["name"]
+            return [pod_object(p, container, pending) for p in self._pods() if not p.removed]
+
+    def object(self) -> dict[str, Any]:
+        """The JobSet as an API object, with its terminal condition once it has one."""
+        self._check()
+        conditions = []
+        if self.state:
+            conditions.append({"type": self.state, "status": "True", "reason": self.state})
+        return {**self.jobset, "status": {"conditions": conditions, "terminalState": self.state or None}}
+
+    def running(self, slice_: int | None = None) -> list[Pod]:
+        """The pods whose container runs (of one slice, or of all)."""
+        self._check()
+        with self._lock:
+            return [
+                idx.pods[-1]
+                for (j, _), idx in sorted(self.indexes.items())
+                if idx.pods and idx.pods[-1].phase == "Running" and slice_ in (None, j)
+            ]
+
+    def preempt_slice(self, slice_: int, grace_s: float | None = None) -> None:
+        """A Spot reclaim of a slice: its nodes shut down (each pod gets SIGTERM, then SIGKILL after what the
+        shutdown leaves it: ``grace_s``, by default the Spot grace less the system's 15 s, at most its own
+        grace), and are deleted ``node_delete_s`` later.  Pods not yet on a node are not touched."""
+        with self._lock:
+            now = time.time()
+            for node in self.nodes.values():
+                if node.slice == slice_ and node.ready:
+                    node.ready, node.delete_at = False, now + self.node_delete_s
+            grace = self.spot_pod_grace_s if grace_s is None else grace_s
+            for pod in self._pods():
+                if pod.slice == slice_ and pod.node and pod.exit_code is None and pod.deleting_since is None:
+                    own = float(pod.obj["spec"].get("terminationGracePeriodSeconds", 30))
+                    self._delete_pod(pod, "the node was preempted (Spot)", min(own, grace))
+
+    def return_slice(self, slice_: int) -> None:
+        """The slice's VMs are back (the pool makes them again): new, ready nodes; waiting pods are placed."""
+        with self._lock:
+            self._make_nodes(slice_)
+
+    def kill_pod(self, slice_: int, index: int) -> None:
+        """A host error: the pod's processes die at once (no grace, no disruption): it counts as a failure."""
+        with self._lock:
+            pod = self.indexes[(slice_, index)].pods[-1]
+            if pod.proc is not None and pod.exit_code is None:
+                _killpg(pod.proc.pid, signal.SIGKILL)
+
+    def delete(self, grace_s: float | None = None) -> None:
+        """Delete the JobSet: every pod is deleted (SIGTERM, SIGKILL after the grace) and waited for."""
+        with self._lock:
+            self.deleted = True
+            for pod in self._pods():
+                self._delete_pod(pod, "", grace_s)
+            last_kill = max([p.kill_at or 0.0 for p in self._pods()] + [time.time()])
+        while time.time() < last_kill + 5 and self._live():
+            with self._lock:
+                self._reap(time.time())
+            time.sleep(0.1)
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        with self._lock:
+            for pod in self._live():
+                assert pod.proc is not None
+                _killpg(pod.proc.pid, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self._ended(pod, pod.proc.wait(timeout=10))
+
+    def _live(self) -> list[Pod]:
+        """The pods whose container has not ended."""
+        return [p for p in self._pods() if p.proc is not None and p.exit_code is None]
+
+    # --- the controllers -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._tick()
+            except BaseException as e:  # noqa: BLE001 - raised to the caller at its next look
+                self.error = e
+                return
+            self._stop.wait(self.tick_s)
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise PodEmulatorError(f"the emulated cluster stopped: {self.error!r}") from self.error
+
+    def _tick(self) -> None:
+        with self._lock:
+            now = time.time()
+            self._reap(now)
+            self._collect(now)
+            for (j, i), idx in sorted(self.indexes.items()):
+                self._job_controller(j, i, idx, now)
+            if self.reaper:  # the backend's watch, between two looks at the pods
+                stale = set(replaced_leaders([pod_object(p, "", "") for p in self._pods() if not p.removed]))
+                for pod in self._pods():
+                    pod.removed = pod.removed or pod.name in stale  # terminal: gone once the Job has counted it
+            self._schedule()
+
+    def _reap(self, now: float) -> None:
+        """The kubelet's part: note the containers that ended, kill those whose grace is over."""
+        for pod in self._live():
+            assert pod.proc is not None
+            code = pod.proc.poll()
+            if code is not None:
+                self._ended(pod, code)
+            elif pod.kill_at is not None and now >= pod.kill_at:
+                _killpg(pod.proc.pid, signal.SIGKILL)
+
+    def _collect(self, now: float) -> None:
+        """Node deletion after a reclaim, and pod garbage collection of the pods of deleted nodes."""
+        for node in self.nodes.values():
+            if node.delete_at is not None and node.deleted_at is None and now >= node.delete_at:
+                node.deleted_at = now
+        for pod in self._pods():
+            gone = self.nodes[pod.node].deleted_at if pod.node in self.nodes else None
+            if pod.removed or gone is None or now < gone + self.orphan_gc_s:
+                continue
+            if pod.proc is not None and pod.exit_code is None:
+                _killpg(pod.proc.pid, signal.SIGKILL)
+                self._ended(pod, pod.proc.wait(timeout=10))
+            pod.removed = True
+
+    def _ended(self, pod: Pod, code: int) -> None:
+        """The container's first process ended: the rest of the container goes with it."""
+        pod.exit_code = 128 - code if code < 0 else code  # a signal as the runtime reports it (137 = SIGKILL)
+        assert pod.proc is not None
+        _killpg(pod.proc.pid, signal.SIGKILL)
+
+    def _job_controller(self, j: int, i: int, idx: _Index, now: float) -> None:
+        """The Job controller for one index: a pod's end accounted (done, made again, failed), the next one made."""
+        if self.state or self.deleted or idx.done or idx.failed:
+            return
+        pod = idx.pods[-1] if idx.pods else None
+        if pod is not None and pod.name != idx.accounted:
+            if pod.exit_code is None and not (pod.proc is None and pod.deleting_since is not None):
+                return  # pending, running or terminating: podReplacementPolicy Failed waits for its end
+            idx.accounted = pod.name
+            if not self._account(j, idx, pod, now):
+                return
+        if idx.create_at is not None and now >= idx.create_at:
+            self._create(j, i, idx, now)
+
+    def _account(self, j: int, idx: _Index, pod: Pod, now: float) -> bool:
+        """Act on a pod's end; True when the index gets another pod (``idx.create_at`` set)."""
+        if pod.exit_code is None:  # deleted before it ran: made again
+            idx.create_at = now
+            return True
+        if pod.phase == "Succeeded":
+            idx.done = True
+            self._job_ended(j)
+            return False
+        rules = (self.job_spec.get("podFailurePolicy") or {}).get("rules") or []
+        action = _rule_action(rules, pod.exit_code, bool(pod.disruption), _container(self.job_spec)["name"])
+        if action == "FailJob":
+            self._fail_job(j, f"pod {pod.name} exited {pod.exit_code} (podFailurePolicy FailJob)")
+            return False
+        if action != "Ignore":
+            idx.failures += 1
+        if action == "FailIndex" or idx.failures > int(self.job_spec.get("backoffLimitPerIndex", 0)):
+            idx.failed = True  # not made again; the Job goes on with its other indexes
+            self._job_ended(j)
+            return False
+        base, cap = self.failure_backoff_s
+        idx.create_at = now + (0.0 if action == "Ignore" else min(cap, base * 2 ** (idx.failures - 1)))
+        return True
+
+    def _create(self, j: int, i: int, idx: _Index, now: float) -> None:
+        """The Job controller's create, through JobSet's webhooks; a refused one is retried with the API backoff."""
+        pod = self._new_pod(j, i)
+        why = admit(pod, self._pods(), self.nodes)
+        if why:
+            self.refusals.append(f"{pod.name}: {why}")
+            base, cap = API_BACKOFF_S
+            idx.create_at = now + min(cap, base * 2**idx.refused)
+            idx.refused += 1
+            return
+        idx.pods.append(pod)
+        idx.create_at, idx.refused = None, 0
+
+    def _job_ended(self, j: int) -> None:
+        """A slice's Job ends once each of its indexes has: Complete when all succeeded, else Failed."""
+        mine = [(i, x) for (s, i), x in sorted(self.indexes.items()) if s == j]
+        if not all(x.done or x.failed for _, x in mine):
+            return
+        failed = [i for i, x in mine if x.failed]
+        if failed:
+            self._fail_job(
+                j, f"indexes {failed} failed (backoffLimitPerIndex {self.job_spec.get('backoffLimitPerIndex')})"
+            )
+        else:
+            self.state = "Completed"  # successPolicy Any over the slice Jobs
+            self._end_all()
+
+    def _fail_job(self, j: int, why: str) -> None:
+        self.failed_jobs[j] = why
+        self.state = "Failed"  # failurePolicy.maxRestarts 0: a failed Job fails the JobSet
+        self._end_all()
+
+    def _end_all(self) -> None:
+        for pod in self._pods():
+            self._delete_pod(pod, "", None)
 
 
 def kubelet_env(pod: Pod, container: Mapping[str, Any], volumes: Mapping[str, Path]) -> dict[str, str]:

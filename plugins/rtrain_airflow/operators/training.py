@@ -24,7 +24,7 @@ from training.service import commands
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
-    from training.api import PlanReport, RunReport
+    from training.api import Config, PlanReport, RunReport
     from training.gke import GKESettings
 
 RESOLVE_TASK_ID = "resolve_config"
@@ -144,9 +144,11 @@ class RTrainResolveRunConfigOperator(BaseOperator):
                 from training.gke import GKEConfigError, TPUSlice
 
                 try:
-                    overrides.setdefault("hosts_per_slice", TPUSlice(gke["machine_type"], gke["tpu_topology"]).hosts)
+                    tpu = TPUSlice(gke["machine_type"], gke["tpu_topology"])
                 except GKEConfigError as e:
                     raise RTrainConfigError(f"gke: {e}") from None
+                overrides.setdefault("hosts_per_slice", tpu.hosts)
+                overrides.setdefault("devices_per_worker", tpu.chips_per_host)  # one process per host, all its chips
             cfg = self.hook.build_config(overrides)
             priority = params.get("priority") or None
             if priority is not None:
@@ -156,10 +158,17 @@ class RTrainResolveRunConfigOperator(BaseOperator):
                     raise RTrainConfigError(f"priority: {e}") from None
             if cfg.backend == "gke":
                 self.hook.backend("gke", gke, priority)  # checks the gke settings
+                cfg = _check_gke_launch(cfg, gke, priority, "preemption_grace_s" in overrides)
             if cfg.task != "lm":  # it must import and build here (a token dataset is prepared next)
                 self.hook.check_task(cfg, data=not cfg.prepared_tokens)
         except BackendError as e:  # RTrainConfigError too
             raise AirflowFailException(f"invalid conf: {e}") from None
+        except Exception as e:
+            from training.gke import GKEConfigError
+
+            if isinstance(e, GKEConfigError):  # what the JobSet's render would refuse, after the pools are billing
+                raise AirflowFailException(f"invalid conf: gke: {e}") from None
+            raise
         spec = {
             "config": cfg.model_dump(mode="json"),
             "run_uri": cfg.run_uri,
@@ -202,6 +211,18 @@ class RTrainResolveRunConfigOperator(BaseOperator):
             "Continual training of %s: newest validated checkpoint %s, %d more steps", probe.run_name, base, per_run
         )
         return {"steps": (base or 0) + per_run, "resume_from": str(base) if base is not None else "latest"}
+
+
+def _check_gke_launch(cfg: Config, gke: GKESettings, priority: str | None, grace_given: bool) -> Config:
+    """The config a GKE launch would take: its stop-and-commit fitted to the pods' grace unless the conf set it,
+    then everything the JobSet's render checks (raises ``GKEConfigError`` naming the key)."""
+    from training.gke import check_launch, settings_preemption_grace_s
+
+    if not grace_given:  # the pods' grace decides: 10 s on Spot (GKE's 15 s less a margin), 100 s with a 120 s grace
+        fit = min(cfg.preemption_grace_s, settings_preemption_grace_s(gke))
+        cfg = cfg.model_copy(update={"preemption_grace_s": fit})
+    check_launch(cfg, gke, priority)
+    return cfg
 
 
 class RTrainPrepareDatasetOperator(_RTrainBaseOperator):
@@ -316,8 +337,11 @@ class RTrainStartTrainingJobOperator(_RTrainBaseOperator):
             handle = self.backend(spec).launch(launch_cfg, spec, attempt=context["ti"].try_number)
         except Exception as e:
             from training.api import LaunchError, PlanError, TaskError
+            from training.gke import GKEConfigError
 
-            if isinstance(e, LaunchError | PlanError | TaskError | commands.QueueError | commands.PriorityError):
+            if isinstance(
+                e, LaunchError | PlanError | TaskError | GKEConfigError | commands.QueueError | commands.PriorityError
+            ):
                 raise AirflowFailException(str(e)) from None
             raise
         verb = "Re-attached to" if handle.get("attached") else "Launched"
