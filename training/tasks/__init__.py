@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -163,6 +164,7 @@ class NamedTask:
             return value
         name = self._name
 
+        @functools.wraps(value)  # its name and signature, as JAX names and binds the programs it traces
         def call(*args: Any, **kwargs: Any) -> Any:
             try:
                 return value(*args, **kwargs)
