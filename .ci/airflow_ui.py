@@ -12,6 +12,7 @@ conf.  Ctrl-C stops it all.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -80,16 +81,23 @@ def main() -> int:
     except KeyboardInterrupt:
         return 0
     finally:
-        for proc in procs:
-            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-                try:
-                    os.killpg(proc.pid, sig)
-                    proc.wait(timeout=wait)
-                    break
-                except ProcessLookupError:
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+        stop(procs)
+
+
+def stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Stop every component's whole process group: a SIGTERM to all at once, then a SIGKILL to what is left of each
+    group (the scheduler's LocalExecutor workers may outlive the scheduler itself)."""
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def serve(procs: list[subprocess.Popen[bytes]], base: str, env: dict[str, str]) -> int:

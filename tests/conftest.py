@@ -1,15 +1,19 @@
-"""Shared fixtures: a real GCS emulator over HTTP, and a small prepared dataset."""
+"""Shared fixtures: a real GCS emulator over HTTP, a disk that fills up, and the check that no process a test started
+outlives the session."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from processes import started_from
 
 REPO = Path(__file__).resolve().parents[1]
 # Airflow puts the plugins folder on sys.path; so do the tests.
@@ -59,3 +63,32 @@ def tiny_disk(tmp_path: Path) -> Iterator[tuple[Path, Callable[[], None]]]:
         yield mnt, fill
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+LEFT_GRACE_S = 20.0  # how long processes started from the session's temporary directories get to exit at its end
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_outlives_the_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """After the last test: no process started from the session's temporary directories (a job's agents, an Airflow
+    component or its LocalExecutor workers in a copy of the project) is left.  Any left after a grace period is
+    killed, and the session fails naming each."""
+    import psutil
+
+    base = tmp_path_factory.getbasetemp().resolve()
+    yield
+    deadline = time.monotonic() + LEFT_GRACE_S
+    while (left := started_from(base)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if not left:
+        return
+    named = []
+    for p in left:
+        with contextlib.suppress(psutil.Error):
+            named.append(f"pid {p.pid}: {' '.join(p.cmdline()).strip()[:200]} (in {p.cwd()})")
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    pytest.fail(
+        f"{len(left)} process(es) started from {base} outlived the test session (killed now):\n  " + "\n  ".join(named),
+        pytrace=False,
+    )

@@ -8,6 +8,7 @@ are checked.  The copy shares this checkout's `.venv` (a symlink) and nothing el
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from processes import started_from
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -67,12 +69,11 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     yield dst
     import psutil
 
-    for p in psutil.process_iter(["cmdline"]):  # whatever the README started (a job, Airflow) goes too
-        try:
-            if str(dst) in " ".join(p.info["cmdline"] or []):
-                p.kill()
-        except psutil.Error:
-            pass
+    # Whatever the README started goes too: a job, Airflow, and its LocalExecutor workers, whose command line is
+    # their title (not the copy's path) but whose working directory is the copy.
+    for p in started_from(dst):
+        with contextlib.suppress(psutil.Error):
+            p.kill()
 
 
 def run(project: Path, cmd: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import requests
 from airflow_test_env import wait_for
+from processes import stop_process_group
 
 DAG_ID = "resilient_training"
 
@@ -69,12 +70,7 @@ def api(airflow_db: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         ).json()["access_token"]
         yield {"base": base, "headers": {"Authorization": f"Bearer {token}"}}
     finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait(timeout=10)
+        stop_process_group(proc)  # the API server and its workers
         log.close()
 
 

@@ -24,6 +24,7 @@ import fake_runs
 import pytest
 import requests
 from airflow_test_env import REPO, wait_for
+from processes import stop_process_group
 from test_rest_trigger import free_port
 
 DAG_ID = "resilient_training"
@@ -119,12 +120,7 @@ def ui(airflow_db: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
             "log": log.name,
         }
     finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait(timeout=10)
+        stop_process_group(proc)  # the API server and its workers
         log.close()
 
 
