@@ -328,10 +328,11 @@ class OperationsKeys(BaseModel):
     )
     chaos: list[str] = Field(default_factory=list, description="Fault injections, e.g. `preempt:worker=1,step=12`.")
     compilation_cache: str = Field("var/jax-cache", description="JAX persistent compilation cache directory.")
-    compile_ahead: bool = Field(
-        True,
+    compile_ahead: bool | None = Field(
+        None,
         description="Process 0 compiles the step for each smaller size the job may shrink to, in the background "
-        "after a round's first steps, into the persistent cache: a recovery onto one loads it instead of compiling.",
+        "after a round's first steps, into the persistent cache: a recovery onto one loads it instead of compiling. "
+        "Unset: on, except on TPU, where loading a step compiled in a larger runtime has not yet run on a real slice.",
     )
     trace_data_ids: bool = Field(False, description="Record the example ids of every step (tests, audits).")
 

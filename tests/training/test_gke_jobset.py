@@ -991,6 +991,15 @@ def test_the_reaper_takes_the_failed_leaders_a_newer_pod_replaces_and_nothing_el
     assert replaced_leaders([pod(0, 0, "aaaaa", "Failed"), pod(0, 0, "bbbbb", "Running")]) == []
 
 
+def test_compiling_ahead_across_slice_counts_is_off_on_tpu_unless_asked() -> None:
+    from training.elastic import ahead
+
+    assert gke_config().compile_ahead is None
+    assert ahead.enabled(gke_config(), "cpu") and not ahead.enabled(gke_config(), "tpu")
+    assert ahead.enabled(gke_config(compile_ahead=True), "tpu")
+    assert not ahead.enabled(gke_config(compile_ahead=False), "cpu")
+
+
 def test_gke_config_errors_are_no_value_errors_a_launch_would_retry() -> None:
     assert not issubclass(GKEConfigError, ValueError)
 

@@ -134,13 +134,32 @@ def compile_smaller(cfg: Config, task: Any, workers: int, own_key: str | None, t
         to.done(n, time.time() - t0, False)
 
 
+# Off on TPU unless the config turns it on: loading an executable compiled in a runtime of more slices into
+# one of fewer (the Multislice runtime's devices, libtpu's topology) has only ever run on CPU devices.
+OFF_BY_DEFAULT_ON = frozenset({"tpu"})
+
+
+def enabled(cfg: Config, platform: str | None = None) -> bool:
+    """Whether this job compiles ahead and loads kept steps: ``compile_ahead`` when set, else not on TPU.
+
+    ``platform``: JAX's backend (``cpu``, ``tpu``, ...); by default this process's.
+    """
+    if cfg.compile_ahead is not None:
+        return cfg.compile_ahead
+    if platform is None:
+        import jax
+
+        platform = jax.default_backend()
+    return platform not in OFF_BY_DEFAULT_ON
+
+
 def start(
     cfg: Config, task: Any, workers: int, own: compile_once.Compiled | None, own_key: str | None, to: Ahead
 ) -> threading.Thread | None:
     """In a daemon thread (None when it is off): keep the round's own step (``own``, compiled for ``workers``;
     None when it was loaded as kept or passed on by process 0) whole, then compile ahead for each smaller size
     and keep those too (``own_key``: the key of the round's own step's program)."""
-    if not cfg.compile_ahead:
+    if not enabled(cfg):
         return None
 
     def run() -> None:

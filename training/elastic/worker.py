@@ -391,7 +391,7 @@ def make_step(cfg: Any, trainer: Any, store: Any, a: Assignment) -> StepMade:
     """Load the round's step as this job kept it (``compile_ahead``), else compile it (once in the round, on one
     machine: :mod:`training.elastic.compile_once`); run beside the restore."""
     t0, hits = time.time(), cache_hits()
-    kept = load_kept(store, a, trainer) if cfg.compile_ahead else None
+    kept = load_kept(store, a, trainer) if ahead.enabled(cfg) else None
     loaded, key, compiled = kept is not None, kept.key if kept is not None else None, None
     if share_compiles(cfg, a):
         if a.rank == 0:
