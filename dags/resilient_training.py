@@ -6,6 +6,7 @@ Two DAGs, one shape (setup, body, teardown):
       -> training: plan_topology -> launch_job -> watch_job      (retries relaunch the job)
       -> validate -> promote_or_rollback -> promote | rollback_and_resume (bounded)
       -> prune -> report (teardown, ALL_DONE) -> release_capacity (teardown, ALL_DONE)
+      promote | rollback_and_resume -> export (optional: a Hugging Face or plain Orbax copy) -> report
 
 * ``resilient_training``: triggered by hand (UI form, REST, CLI) with the params below.
 * ``resilient_training_continual``: on a schedule, trains ``steps_per_run`` more
@@ -27,6 +28,7 @@ from rtrain_airflow.hooks.training import CHAOS_EXAMPLES, CHAOS_RULES, PRIORITY_
 from rtrain_airflow.operators.training import (
     RESOLVE_TASK_ID,
     RTrainBranchValidationOperator,
+    RTrainExportCheckpointOperator,
     RTrainPlanTopologyOperator,
     RTrainPrepareDatasetOperator,
     RTrainPromoteCheckpointOperator,
@@ -111,7 +113,7 @@ def training_params(continual: bool) -> dict[str, Param]:
     params = _run_params(continual) | _task_and_data_params()
     params["steps_per_run" if continual else "steps"] = _steps_param(continual)
     params |= _config_params("Training", "Checkpoints", "Validation")
-    return params | _backend_params() | _chaos_and_overrides_params()
+    return params | _export_params() | _backend_params() | _chaos_and_overrides_params()
 
 
 def _steps_param(continual: bool) -> Param:
@@ -220,6 +222,19 @@ def _task_and_data_params() -> dict[str, Param]:
                 "Empty: none (the built-in `lm` takes none)."
             ),
         ),
+        "init_from": Param(
+            None,
+            type=["null", "string"],
+            minLength=1,
+            title="Start from (Hugging Face Llama)",
+            section="Task",
+            **text(
+                "A Hugging Face Llama checkpoint the built-in `lm` task starts from: a directory (local, relative to "
+                "the project, or `gs://`) of `config.json` and `*.safetensors`. Its config sets the model's shapes "
+                "and its `tokenizer.json` the dataset's tokenizer. A run that resumes from its own checkpoint "
+                "ignores it. Empty: a random init."
+            ),
+        ),
         "dataset_source": Param(
             "stdlib",
             type="string",
@@ -250,6 +265,33 @@ def _task_and_data_params() -> dict[str, Param]:
             title="Source bytes at most",
             section="Data",
             description="Read at most this many bytes of the source (10,000 or more). Empty: all of it.",
+        ),
+    }
+
+
+def _export_params() -> dict[str, Param]:
+    """The export after promotion: a format and a directory (both empty: no export)."""
+    return {
+        "export_format": Param(
+            None,
+            type=["null", "string"],
+            enum=[None, "hf", "orbax"],
+            title="Export format",
+            section="Checkpoints",
+            **text(
+                "After promotion, write the newest validated checkpoint to `export_dir`: `hf` (a Hugging Face "
+                "directory: config.json, safetensors, tokenizer.json) or `orbax` (the parameter tree alone, as "
+                "plain Orbax). Empty: no export."
+            ),
+        ),
+        "export_dir": Param(
+            None,
+            type=["null", "string"],
+            minLength=1,
+            title="Export directory",
+            section="Checkpoints",
+            description="A new or empty directory for the export (local, relative to the project, or gs://). "
+            "Empty: no export.",
         ),
     }
 
@@ -380,6 +422,12 @@ def pipeline(continual: bool) -> None:
         on_execute_callback=rollback_alert(),
     )
     prune = RTrainPruneCheckpointsOperator(task_id="prune", spec_from=RESOLVE_TASK_ID)
+    export = RTrainExportCheckpointOperator(
+        task_id="export",
+        spec_from=RESOLVE_TASK_ID,
+        export_format="{{ params.export_format or '' }}",
+        export_dir="{{ params.export_dir or '' }}",
+    )
 
     # The teardown: always, whatever failed (ALL_DONE), and not deciding the run's state.
     report = RTrainReportRunOperator(task_id="report", spec_from=RESOLVE_TASK_ID).as_teardown(setups=provision)
@@ -401,6 +449,7 @@ def pipeline(continual: bool) -> None:
         >> report
         >> release
     )
+    [promote, rollback] >> export >> report  # optional: skipped unless export_format and export_dir are set
 
 
 DEFAULT_ARGS = {"owner": "rtrain", "retries": 1, "retry_delay": RETRY_DELAY, **alert_callbacks()}

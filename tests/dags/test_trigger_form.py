@@ -260,7 +260,8 @@ def test_the_graph_draws_the_pipeline_not_the_spec(dagbag: Any) -> None:
         "promote": {"promote_or_rollback"},
         "rollback_and_resume": {"promote_or_rollback"},
         "prune": {"promote", "rollback_and_resume"},
-        "report": {"prune", "provision_capacity"},  # provision_capacity: its setup
+        "export": {"promote", "rollback_and_resume"},  # skipped unless export_format and export_dir are set
+        "report": {"prune", "export", "provision_capacity"},  # provision_capacity: its setup
         "release_capacity": {"report", "provision_capacity"},
     }
     for dag in dagbag.dags.values():

@@ -268,3 +268,16 @@ def test_a_run_starts_from_init_from_and_exports_what_it_trained(tmp_path: Path,
         tree = ck.restore(tmp_path / "orbax")
     np.testing.assert_array_equal(tree["layers_1"]["attn"]["k"]["kernel"], params["layers_1"]["attn"]["k"]["kernel"])
     np.testing.assert_array_equal(tree["embed"], params["embed"])
+    # The DAG's export task: the same step through the operator; skipped when its params are empty.
+    from airflow.sdk.exceptions import AirflowSkipException
+    from rtrain_airflow.operators.training import RTrainExportCheckpointOperator
+
+    spec = {"config": json.loads(cfg.to_json()), "run_uri": cfg.run_uri, "backend": "local"}
+    op = RTrainExportCheckpointOperator(
+        task_id="export", spec=spec, export_format="hf", export_dir=str(tmp_path / "op")
+    )
+    assert op.execute({})["files"] == out["files"]  # type: ignore[arg-type]
+    for name in out["files"]:
+        assert (tmp_path / "op" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), name
+    with pytest.raises(AirflowSkipException):
+        RTrainExportCheckpointOperator(task_id="export", spec=spec, export_format="hf", export_dir="").execute({})  # type: ignore[arg-type]

@@ -47,7 +47,10 @@ PROJECT_ROOT = Path(os.environ.get("RTRAIN_PROJECT_ROOT") or Path(__file__).reso
 
 # DAG params that are not Config keys (the rest map 1:1, or by PARAM_TO_CONFIG).
 PARAM_TO_CONFIG = {"storage_root": "root"}
-NON_CONFIG_PARAMS = frozenset({"dataset_source", "dataset_max_bytes", "overrides", "gke", "steps_per_run", "priority"})
+NON_CONFIG_PARAMS = frozenset(
+    {"dataset_source", "dataset_max_bytes", "overrides", "gke", "steps_per_run", "priority"}
+    | {"export_format", "export_dir"}
+)
 
 # The param schemas of the DAGs: one run-name rule and one chaos grammar, the engine's.
 CHAOS_PATTERN = api.spec_pattern()
@@ -321,6 +324,12 @@ class RTrainHook(BaseHook):
 
     def prune(self, run_uri: str, dry_run: bool = False) -> api.Pruned:
         return api.prune(run_uri, dry_run=dry_run)
+
+    def export(self, run_uri: str, output: str, fmt: str) -> dict[str, Any]:
+        """Write the newest validated step as ``fmt`` (hf or orbax) to ``output`` (relative: to the project)."""
+        if fmt not in ("hf", "orbax"):
+            raise RTrainConfigError(f"export_format: hf or orbax, not {fmt!r}")
+        return dict(api.export(run_uri, absolute(output), cast(Any, fmt)))
 
     def report(self, run_uri: str) -> api.RunReport:
         return api.report(run_uri)

@@ -14,7 +14,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, cast
 
 from airflow.sdk import BaseBranchOperator, BaseOperator, TriggerRule
-from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 
 from rtrain_airflow.hooks.training import RTrainConfigError, RTrainHook, format_validations, plan_text, readable
 from rtrain_airflow.triggers.training import PROGRESS_EVERY_S, RTrainTrainingJobTrigger
@@ -537,6 +537,35 @@ class RTrainRollbackAndResumeOperator(_RTrainBaseOperator):
         spec = self.required_spec(context)
         self.log.info("Resumed job finished at step %s", event.get("step"))
         return self._round(context, spec)
+
+
+class RTrainExportCheckpointOperator(_RTrainBaseOperator):
+    """Export the newest validated checkpoint as a Hugging Face directory (``hf``) or a plain Orbax one (``orbax``).
+
+    Skipped when ``export_format`` or ``export_dir`` is empty (templated: the DAG passes its params).
+    """
+
+    template_fields: Sequence[str] = ("spec", "export_format", "export_dir")
+
+    def __init__(self, *, export_format: str = "", export_dir: str = "", **kwargs: Any) -> None:
+        kwargs.setdefault("trigger_rule", TriggerRule.NONE_FAILED_MIN_ONE_SUCCESS)
+        super().__init__(**kwargs)
+        if not _is_deferred_value(export_format) and export_format not in ("", "hf", "orbax", "None"):
+            raise ValueError(f"{type(self).__name__}: export_format is hf, orbax or empty, not {export_format!r}")
+        self.export_format = export_format
+        self.export_dir = export_dir
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        fmt, out = (str(v or "").strip() for v in (self.export_format, self.export_dir))
+        if fmt in ("", "None") or out in ("", "None"):
+            raise AirflowSkipException("no export asked (export_format and export_dir are empty)")
+        spec = self.required_spec(context)
+        try:
+            result = self.hook.export(spec["run_uri"], out, fmt)
+        except (RTrainConfigError, ValueError) as e:
+            raise AirflowFailException(f"export: {e}") from None
+        self.log.info("Exported step %s as %s to %s", result["step"], fmt, result["output"])
+        return result
 
 
 class RTrainPruneCheckpointsOperator(_RTrainBaseOperator):
