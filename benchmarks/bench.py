@@ -941,7 +941,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"[bench] {name} ...", flush=True)
         before = cpu_counters()
         results[name] = summarise(name, runs[name](), steal_fraction(before, cpu_counters()))
-        head = results[name]["rows"][0]
+        head = results[name]["table_rows"][0]
         print(f"[bench] {name}: ratio {ratio_text(head['ratio']).strip()} (target {head['target']})", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -955,13 +955,13 @@ def summarise(name: str, result: dict[str, Any], steal: float | None) -> dict[st
     """A figure's result with its rows (each ratio's median, minimum and maximum over the repeats), its
     headline ratio and target (its first row's), and the CPU steal while it was measured."""
     rows = rows_of(name, result)
-    return {**result, "ratio": rows[0]["ratio"], "target": rows[0]["target"], "rows": rows, "cpu_steal": steal}
+    return {**result, "ratio": rows[0]["ratio"], "target": rows[0]["target"], "table_rows": rows, "cpu_steal": steal}
 
 
 def format_table(r: dict[str, Any]) -> str:
     """The table of every figure in ``r`` (as :func:`main` writes it), in the order of :data:`FIGURES`."""
     names = [name for name in FIGURES if name in r]
-    rows = [row for name in names for row in r[name]["rows"]]
+    rows = [row for name in names for row in r[name]["table_rows"]]
     return format_rows(r["repeats"], rows, {name: r[name].get("cpu_steal") for name in names})
 
 

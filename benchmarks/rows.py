@@ -266,10 +266,13 @@ def control_plane_rows(cp: Result) -> list[Row]:
 
 
 def generic_rows(name: str, r: Result) -> list[Row]:
-    """A figure with no rows of its own: its ``ratios`` (one per repeat) against its ``target``."""
-    return [row(name, name, str(r.get("measured", "")), r["ratios"], str(r.get("target", "")))]
+    """A figure with no rows of its own in :data:`ROWS`: its ``ratios`` (one per repeat; else its one
+    ``ratio``) against its ``target``."""
+    values = r.get("ratios") or [float(r["ratio"])]
+    return [row(name, name, str(r.get("measured", "")), values, str(r.get("target", "")))]
 
 
+# Each figure's rows, by the figure's name in ``bench.FIGURES`` (a figure registers its builder here).
 ROWS: dict[str, Callable[[Result], list[Row]]] = {
     "recovery": recovery_rows,
     "checkpoint_overhead": checkpoint_rows,

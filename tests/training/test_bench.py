@@ -62,13 +62,13 @@ def test_each_row_s_ratio_is_the_median_minimum_and_maximum_of_its_repeats() -> 
     r = bench.summarise("cost_of_resilience", result, steal=0.02)
     each = [e / p for e, p in zip(engine, polled, strict=True)]
     # The headline: the engine against the plain loop given the same wait, each repeat's ratio summarised.
-    assert r["rows"][0]["key"] == "cost" and r["target"] == ">= 0.95"
+    assert r["table_rows"][0]["key"] == "cost" and r["target"] == ">= 0.95"
     assert r["ratio"] == {"median": statistics.median(each), "min": min(each), "max": max(each), "values": each}
     # The weaker baselines come beneath it, marked as such.
-    weaker = [x for x in r["rows"] if x["target"] == "(weaker baseline)"]
-    assert [x["key"] for x in weaker] == ["jax_wait", "as_is"] and r["rows"].index(weaker[0]) > 0
-    assert _ratio(r["rows"], "jax_wait")["max"] == max(e / p for e, p in zip(engine, plain, strict=True))
-    assert _ratio(r["rows"], "mfu")["min"] == pytest.approx(min(engine) * 1e6 / 2e10)
+    weaker = [x for x in r["table_rows"] if x["target"] == "(weaker baseline)"]
+    assert [x["key"] for x in weaker] == ["jax_wait", "as_is"] and r["table_rows"].index(weaker[0]) > 0
+    assert _ratio(r["table_rows"], "jax_wait")["max"] == max(e / p for e, p in zip(engine, plain, strict=True))
+    assert _ratio(r["table_rows"], "mfu")["min"] == pytest.approx(min(engine) * 1e6 / 2e10)
     table = bench.format_table({"repeats": 3, "cost_of_resilience": json.loads(json.dumps(r))})
     assert "repeats: 3" in table and "cost_of_resilience 2%" in table
     assert f"{_spread_text(each)}  >= 0.95" in _line(table, "cost of resilience")
@@ -90,7 +90,7 @@ def test_a_figure_measured_once_a_repeat_reports_each_repeat_and_unpaired_repeat
     ]
     r = bench.summarise("service", {"runs": runs, "target": "<= 0.15", "moved_target": "<= 1.0"}, steal=None)
     assert r["ratio"]["values"] == [0.05, 0.2, 0.1] and r["ratio"]["median"] == 0.1 and r["ratio"]["max"] == 0.2
-    assert _ratio(r["rows"], "moved")["values"] == [0.5, 0.75, 0.25]
+    assert _ratio(r["table_rows"], "moved")["values"] == [0.5, 0.75, 0.25]
     line = _line(bench.format_table({"repeats": 3, "service": r}), "service: ETA error")
     assert "predicted 22.0 [21.0..24.0] s" in line and "0.100 [0.050..0.200]  <= 0.15" in line
     assert "CPU steal" not in bench.format_table({"repeats": 3, "service": r})  # unknown: not printed
@@ -99,13 +99,16 @@ def test_a_figure_measured_once_a_repeat_reports_each_repeat_and_unpaired_repeat
     with pytest.raises(ValueError, match="at least one value"):
         spread([])
     with pytest.raises(KeyError, match="no row 'nope'; rows: eta, moved"):
-        find(r["rows"], "nope")
+        find(r["table_rows"], "nope")
 
 
 def test_a_figure_without_rows_of_its_own_reports_its_ratios() -> None:
     r = bench.summarise("accelerator", {"ratios": [0.9, 1.2, 1.0], "target": ">= 0.9", "measured": "x vs y"}, 0.0)
     assert r["ratio"]["median"] == 1.0 and r["ratio"]["min"] == 0.9 and r["ratio"]["max"] == 1.2
-    assert format_row(r["rows"][0]).endswith("1.000 [0.900..1.200]  >= 0.9")
+    assert format_row(r["table_rows"][0]).endswith("1.000 [0.900..1.200]  >= 0.9")
+    # A figure's own keys stay as it wrote them beside its table rows; one ratio is a repeat of one.
+    one = bench.summarise("accelerator", {"ratio": 0.4, "target": ">= 0.5", "rows": [{"shape": "a"}]}, None)
+    assert one["rows"] == [{"shape": "a"}] and one["ratio"]["values"] == [0.4] and one["target"] == ">= 0.5"
 
 
 def _bench(tmp_path: Path, *args: str, timeout: int = 900) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
@@ -130,7 +133,7 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path: Path, args: li
 
 
 def _row(figure: dict[str, Any], key: str) -> dict[str, Any]:
-    return dict(find(figure["rows"], key))
+    return dict(find(figure["table_rows"], key))
 
 
 def _check(figure: dict[str, Any], key: str, a: list[float], b: list[float], table: str, target: str) -> float:
@@ -190,7 +193,7 @@ def test_cost_of_resilience_against_a_plain_loop_waiting_as_the_engine_does(tmp_
     # Beneath it, weaker baselines: the plain loop in JAX's blocking wait, and with gloo's threads as is.
     _check(k, "jax_wait", engine, k["plain_tokens_per_s"], table, "(weaker baseline)")
     _check(k, "as_is", engine, k["plain_as_is_tokens_per_s"], table, "(weaker baseline)")
-    keys = [x["key"] for x in k["rows"]]
+    keys = [x["key"] for x in k["table_rows"]]
     assert keys.index("cost") < keys.index("jax_wait") < keys.index("as_is")
     assert all(x > 0 for x in engine + k["engine_without_saves_tokens_per_s"] + polled + k["plain_tokens_per_s"])
     # A round's first steps (each host's next standby warming beside them), against the plain loop's same steps.
