@@ -991,6 +991,35 @@ def test_the_reaper_takes_the_failed_leaders_a_newer_pod_replaces_and_nothing_el
     assert replaced_leaders([pod(0, 0, "aaaaa", "Failed"), pod(0, 0, "bbbbb", "Running")]) == []
 
 
+def test_the_spot_grace_reaches_the_pools_and_the_pods_and_a_cluster_too_old_for_it_is_refused() -> None:
+    from training.backends.gke import GKEBackend
+    from training.backends.gke_cluster import CloudCluster
+
+    settings: Any = {
+        "location": "us-east5",
+        "cluster_name": "c",
+        "machine_type": "ct6e-standard-4t",
+        "tpu_topology": "4x4",
+        "image": "img:1",
+        "node_pools": ["p0", "p1"],
+        "spot": True,
+    }
+    tpu = TPUSlice("ct6e-standard-4t", "4x4")
+    for asked, pods, commit in ((None, 15, 10.0), (120, 105, 100.0)):
+        gke_settings = {**settings, "spot_shutdown_grace_s": asked} if asked else settings
+        assert [s.spot_shutdown_grace_s for s in CloudCluster(gke_settings).pool_specs()] == [asked, asked]
+        launch = GKEBackend(gke_settings).placement()
+        assert launch.spot_grace_s == launch.pod_grace_s == pods
+        assert gke.settings_preemption_grace_s(gke_settings) == commit
+        m = render(gke_config(preemption_grace_s=commit), tpu, launch, "j1", 2)
+        assert pod_grace(m) == pods
+    longer = {**settings, "spot_shutdown_grace_s": 120}
+    gke.check_spot_grace(longer, "1.35.0-gke.1171000")
+    with pytest.raises(GKEConfigError, match=r"^gke.spot_shutdown_grace_s: 120s needs GKE 1.35.0-gke.1171000"):
+        gke.check_spot_grace(longer, "1.34.5-gke.1000")
+    gke.check_spot_grace(settings, "1.30.0-gke.1")  # the default grace: any version
+
+
 def test_compiling_ahead_across_slice_counts_is_off_on_tpu_unless_asked() -> None:
     from training.elastic import ahead
 

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from training import api
 from training.api import Config, JobHandle, JobLook
 from training.backends.base import BackendError, Log, PoolsUp, Provisioned, Released
-from training.gke import GKELaunch, GKESettings, TPUSlice
+from training.gke import GKELaunch, GKESettings, TPUSlice, settings_launch
 
 
 class JobSets(Protocol):
@@ -95,17 +95,8 @@ class GKEBackend:
         }
 
     def placement(self) -> GKELaunch:
-        """Where and how the JobSet's pods run (image, namespace, node pools, Spot, Kueue queue and priority)."""
-        return GKELaunch(
-            image=self.gke["image"],
-            namespace=self.gke.get("namespace", "default"),
-            service_account=self.gke.get("service_account", "rtrain-worker"),
-            node_pools=tuple(self.gke["node_pools"]),
-            spot=bool(self.gke.get("spot", False)),
-            kueue_queue=self.gke.get("kueue_queue"),
-            priority=self.priority,
-            gcs_fuse=bool(self.gke.get("gcs_fuse", False)),
-        )
+        """Where and how the JobSet's pods run (image, namespace, node pools, Spot and its grace, Kueue)."""
+        return settings_launch(self.gke, self.priority)
 
     def launch(self, cfg: Config, spec: Mapping[str, Any], attempt: int) -> JobHandle:
         """Take the run for a job and create its JobSet."""

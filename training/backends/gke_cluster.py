@@ -23,7 +23,7 @@ from kubernetes import client as k8s
 from training.backends.base import BackendError, Log, PoolsUp
 from training.backends.gke_jobsets import KubeJobSets
 from training.backends.gke_pools import Backoff, NodePools, TPUNodePoolSpec
-from training.gke import GKESettings
+from training.gke import GKEConfigError, GKESettings, check_spot_grace
 
 SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
 ADC_HELP = "gcloud auth application-default login, or GOOGLE_APPLICATION_CREDENTIALS=<a key file>"
@@ -142,11 +142,16 @@ class CloudCluster:
                 service_account=self.gke.get("node_service_account"),
                 flex_start=bool(self.gke.get("flex_start", False)),
                 queued_provisioning=bool(self.gke.get("queued_provisioning", False)),
+                spot_shutdown_grace_s=self.gke.get("spot_shutdown_grace_s") if self.gke.get("spot") else None,
             )
             for pool in self.gke["node_pools"]
         ]
 
     def create_node_pools(self, need: int, timeout_s: float) -> PoolsUp:
+        try:  # a Spot grace the cluster's pools cannot have: refused before any pool is made (no retry helps)
+            check_spot_grace(self.gke, self.check().current_master_version)
+        except GKEConfigError as e:
+            raise BackendError(str(e)) from None
         return self.node_pools().create_all(self.pool_specs(), need, timeout_s)
 
     def delete_node_pools(self) -> list[str]:

@@ -507,6 +507,16 @@ def spot_pod_grace_s(shutdown_grace_s: int) -> int:
     return shutdown_grace_s - CRITICAL_PODS_GRACE_S
 
 
+def check_spot_grace(gke: GKESettings, cluster_version: str) -> None:
+    """Refuse a Spot shutdown grace the cluster cannot give its node pools, before any is created."""
+    asked = gke.get("spot_shutdown_grace_s")
+    if gke.get("spot") and asked and asked > spot_shutdown_grace_s(cluster_version):
+        raise GKEConfigError(
+            f"gke.spot_shutdown_grace_s: {asked}s needs GKE 1.35.0-gke.1171000 or later; cluster {cluster_version} "
+            f"gives Spot nodes {SPOT_SHUTDOWN_GRACE_S[0]}s (leave it out, or upgrade the control plane)"
+        )
+
+
 def settings_spot_grace_s(gke: GKESettings) -> int:
     """What a Spot preemption leaves the pods on the settings' pools (``spot_shutdown_grace_s`` less 15 s)."""
     return spot_pod_grace_s(int(gke.get("spot_shutdown_grace_s") or SPOT_SHUTDOWN_GRACE_S[0]))
