@@ -530,7 +530,7 @@ def _lease_lapses(store: Store) -> bool:
 
 
 def stop_job(run_uri: str, reason: str = "asked to stop") -> None:
-    """Ask the run's job to stop (its leader ends it as failed with ``reason``; resumable)."""
+    """Ask the run's job to stop: its leader ends it as ``stopped`` with ``reason``; a later launch resumes it."""
     open_store(run_uri).put(CONTROL, json.dumps({"action": "stop_job", "reason": reason}).encode())
 
 
@@ -576,7 +576,7 @@ def host_processes(run_uri: str, job: str | None) -> dict[str, HostProcesses]:
 
 
 class JobLook(TypedDict):
-    """One look at a job: its state (pending, alive, finished, failed), why it failed, and the run's status."""
+    """One look at a job: its state (pending, alive, finished, failed, stopped), why it ended, and the run's status."""
 
     state: str
     reason: str
@@ -586,7 +586,7 @@ class JobLook(TypedDict):
 
 
 def job_state(handle: Mapping[str, Any], start_timeout_s: float = 300.0) -> JobLook:
-    """One look at a job: ``{"state", "reason", "status"}``; state is alive, finished or failed.
+    """One look at a job: ``{"state", "reason", "status"}``; state is alive, finished, failed, stopped or cancelled.
 
     Whose job: the status carries the job id; until the job's agents write one,
     the job is ``pending`` (failed after ``start_timeout_s``).
@@ -597,7 +597,8 @@ def job_state(handle: Mapping[str, Any], start_timeout_s: float = 300.0) -> JobL
             return JobLook(state="failed", status=st, reason=f"job {handle.get('job')} did not start")
         return JobLook(state="pending", status=st, reason="")
     state = str(st.get("state") or "pending")
-    return JobLook(state=state, status=st, reason=str(st.get("reason", "")) if state == "failed" else "")
+    ended = state not in ALIVE_STATES and state != "finished"  # failed, stopped, cancelled: say why
+    return JobLook(state=state, status=st, reason=str(st.get("reason", "")) if ended else "")
 
 
 def events(run_uri: str, types: tuple[str, ...] | None = None, after: str | None = None) -> list[Event]:

@@ -51,6 +51,7 @@ class Exit(IntEnum):
     NOT_FOUND = 4
     REFUSED = 5
     ERROR = 6
+    STOPPED = 7  # the job was stopped by a person (rtrain stop, a cancel, a teardown): resumable
 
 
 class NotFoundError(LookupError):
@@ -243,6 +244,13 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"finished: step {st.get('step')}/{cfg.steps}, loss {st.get('loss')}, {st.get('failures', 0)} failure(s) absorbed"
         )
         return Exit.OK
+    if st.get("state") == "stopped":
+        print(
+            f"rtrain: the job was stopped: {st.get('reason') or 'asked to stop'}; newest committed checkpoint "
+            f"{st.get('latest_committed', '-')} (`rtrain train` with the same run_name resumes from it)",
+            file=sys.stderr,
+        )
+        return Exit.STOPPED
     print(f"rtrain: the job failed: {st.get('reason') or 'see the events'}", file=sys.stderr)
     _show_worker_failure(cfg.run_uri)
     return Exit.FAILED
@@ -359,13 +367,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def _queue_row(uri: str) -> Any:
     """The run's row of its root's queue (priority, assignment, ETA), when it was submitted there."""
-    from training.service.commands import view
+    from training.service.commands import ENDED, view
     from training.service.queue import Queue
 
     root, _, name = uri.rstrip("/").rpartition("/")
     if not root or not Queue(root).submissions():
         return None
-    return next((r for r in view(root).rows if r.run == name and r.state not in ("finished", "failed")), None)
+    return next((r for r in view(root).rows if r.run == name and r.state not in ENDED), None)
 
 
 def cmd_events(args: argparse.Namespace) -> int:
@@ -399,7 +407,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
     uri = _existing_run(args)
     stop_job(uri, args.reason)
-    print(f"asked the job of {args.run} to stop; it ends at its next look (resumable with `rtrain train`)")
+    print(f"asked the job of {args.run} to stop; it ends `stopped` at its next look (resumable with `rtrain train`)")
     return Exit.OK
 
 
@@ -456,7 +464,10 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     from training.service.commands import cancel
 
     sub = cancel(_root(args), args.run, args.reason)
-    print(f"run {sub.run_name}: cancelled ({sub.cancelled}); a running job stops, resumable by a new submit")
+    print(
+        f"run {sub.run_name}: cancelled ({sub.cancelled}); a queued run ends `cancelled`, a running job `stopped` "
+        "(resumable by a new submit)"
+    )
     return Exit.OK
 
 

@@ -42,10 +42,17 @@ class RunState(StrEnum):
     WAITING_FOR_CAPACITY = "waiting_for_capacity"
     FINISHED = "finished"
     FAILED = "failed"
+    STOPPED = "stopped"  # a person stopped the job after it started (rtrain stop, a cancel, a teardown): resumable
+    CANCELLED = "cancelled"  # a person cancelled the run before any job of it started (a queued submission)
 
     @property
     def alive(self) -> bool:
-        return self not in (RunState.FINISHED, RunState.FAILED)
+        return self not in (RunState.FINISHED, RunState.FAILED, RunState.STOPPED, RunState.CANCELLED)
+
+    @property
+    def by_request(self) -> bool:
+        """Did a person end the run (stopped or cancelled), rather than the job finishing or failing?"""
+        return self in (RunState.STOPPED, RunState.CANCELLED)
 
 
 ALIVE_STATES: frozenset[str] = frozenset(s.value for s in RunState if s.alive)
@@ -74,6 +81,8 @@ class EventType(StrEnum):
     CHAOS = "chaos"
     FINISHED = "finished"
     FAILED = "failed"
+    STOPPED = "stopped"  # a person stopped the job (it is resumable from its newest committed checkpoint)
+    CANCELLED = "cancelled"  # a person cancelled the run before any job of it started
     RESCALE_REQUESTED = "rescale_requested"
     VALIDATION = "validation"
     EVALUATED = "evaluated"  # the job evaluated a step it saved on its own mesh (validate_on: slice)
@@ -114,6 +123,8 @@ REQUIRED: dict[EventType, tuple[str, ...]] = {
     EventType.CHAOS: ("action",),
     EventType.FINISHED: ("step",),
     EventType.FAILED: ("reason",),
+    EventType.STOPPED: ("reason",),
+    EventType.CANCELLED: ("reason",),
     EventType.RESCALE_REQUESTED: ("step", "workers"),
     EventType.VALIDATION: ("step", "verdict"),
     EventType.ROLLBACK: ("from_step", "to_step", "reason"),
@@ -298,6 +309,13 @@ class EventLog:
         ``lost``: no host was left to end the job, so a later reader ended it.  A write that still fails is logged,
         not raised: the caller goes on to write the failed status.
         """
+        self.ended(RunState.FAILED, reason, step=step, host=host, lost=lost)
+
+    def ended(
+        self, state: RunState, reason: str, *, step: int | None, host: str | None = None, lost: bool = False
+    ) -> None:
+        """Write the event of the job's end by ``state`` (``failed``, ``stopped``, ``cancelled``), as ``failed`` does."""
+        type_ = state.value
         fields: dict[str, Any] = {"reason": reason}
         if step is not None:
             fields["step"] = step
@@ -306,15 +324,15 @@ class EventLog:
         if lost:
             fields["lost"] = True
         try:
-            self.emit("failed", **fields)
+            self.emit(type_, **fields)
         except OSError as e:
             # A full disk: other writers race for any space freed, so the event goes into blocks held for it.
             try:
                 if e.errno != errno.ENOSPC:
                     raise
-                self.emit_in(RDV_EVENT_RESERVE, "failed", **fields)
+                self.emit_in(RDV_EVENT_RESERVE, type_, **fields)
             except (OSError, NotFound) as e2:
-                log.warning("could not write the failed event (%s): %s", host or self.source, e2)
+                log.warning("could not write the %s event (%s): %s", type_, host or self.source, e2)
 
     def keys(self, after_key: str | None = None) -> list[str]:
         return [k for k in self.store.list(EVENTS) if k.endswith(".json") and (after_key is None or k > after_key)]
@@ -716,6 +734,12 @@ SENTENCES: dict[str, Any] = {
     "chaos": _chaos,
     "finished": _finished,
     "failed": lambda g: f"the job failed: {g('reason')}" + (f" (at step {g('step')})" if g("step") is not None else ""),
+    "stopped": lambda g: (
+        f"the job was stopped: {g('reason')}"
+        + (f" (at step {g('step')})" if g("step") is not None else "")
+        + "; resumable from the newest committed checkpoint"
+    ),
+    "cancelled": lambda g: f"the run was cancelled before it started: {g('reason')}",
     "rescale_requested": lambda g: (
         f"stopped at checkpoint {g('step')} to resize"
         + (f" (on {_plural(g('workers'), 'host')})" if g("workers") else "")

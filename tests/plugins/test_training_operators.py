@@ -109,6 +109,26 @@ def test_sensor_links_to_the_runs_status(dag: Any, tmp_path: Path) -> None:
     assert RTrainRunStatusLink().get_link(sensor, ti_key=None) == ""
 
 
+def test_a_stopped_job_skips_the_watch_instead_of_failing_it(dag: Any, tmp_path: Path) -> None:
+    """A person's stop (``stopped``) is no failure: the sensor's task is skipped, whether it polls or deferred."""
+    from airflow.sdk.exceptions import AirflowException, AirflowSkipException
+
+    from training.events import write_status
+    from training.storage import open_store
+
+    spec = spec_for(tmp_path)
+    write_status(open_store(spec["run_uri"]), state="stopped", reason="stopped with rtrain stop", job="j1", step=7)
+    handle = {"backend": "local", "run_uri": spec["run_uri"], "job": "j1", "launched_at": time.time()}
+    sensor = RTrainTrainingJobSensor(task_id="w", spec=spec, handle=handle, deferrable=False)
+    with pytest.raises(AirflowSkipException, match="was stopped: stopped with rtrain stop"):
+        sensor.poke({})
+    event = {"status": "stopped", "state": "stopped", "run_uri": spec["run_uri"], "message": "stopped in the view"}
+    with pytest.raises(AirflowSkipException, match="was stopped: stopped in the view"):
+        sensor.execute_complete({}, event)
+    with pytest.raises(AirflowException, match="is gone"):
+        sensor.execute_complete({}, {**event, "status": "failed"})
+
+
 def test_branch_and_rollback_refuse_bad_inputs(dag: Any, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="two different task ids"):
         RTrainBranchValidationOperator(task_id="b", validation={}, promote_task_id="x", rollback_task_id="x")

@@ -174,6 +174,19 @@ def test_failed_job_fails_with_the_agents_reason(run: tuple[str, Any, EventLog])
     assert event["status"] == "failed" and "failure budget spent" in event["message"]
 
 
+@pytest.mark.parametrize("state", ["stopped", "cancelled"])
+def test_a_job_a_person_stopped_ends_the_wait_stopped_not_failed(run: tuple[str, Any, EventLog], state: str) -> None:
+    uri, store, events = run
+    write_status(store, state=state, reason="stopped with rtrain stop", step=12, latest_committed=10, job="j1")
+    events.emit(state, reason="stopped with rtrain stop", step=12)
+    trigger = RTrainTrainingJobTrigger(uri, handle(uri), poll_interval=0.05)
+    event, lines = watch(trigger)
+    assert (event["status"], event["state"], event["message"]) == ("stopped", state, "stopped with rtrain stop")
+    assert (event["step"], event["latest_committed"]) == (12, 10)
+    told = "the job was stopped" if state == "stopped" else "the run was cancelled before it started"
+    assert any(line.startswith(f"[rtrain] {told}: stopped with rtrain stop") for _, line in lines), lines
+
+
 def test_a_job_whose_hosts_are_all_gone_fails_the_wait_and_its_status_says_so(run: tuple[str, Any, EventLog]) -> None:
     from training import api
 
@@ -427,7 +440,7 @@ def test_a_queued_run_of_the_shared_pool_is_alive_says_why_and_ends_with_its_pla
     finally:
         ender.join()
         lease.release()
-    assert event["status"] == "failed" and event["message"] == "cancelled in the queue: not needed", event
+    assert (event["status"], event["state"], event["message"]) == ("stopped", "cancelled", "not needed"), event
     queued = [line for _, line in lines if line.startswith("[rtrain] queued at priority low")]
     assert queued, lines
     assert "(queued: a run of higher priority than low needs the hosts): needs 2..4 host(s), step 0/100" in queued[0]

@@ -81,7 +81,8 @@ def test_rtrain_train_detach_provisions_and_launches_through_the_local_backend(
     assert released["released"] is True
     assert not any(pid_alive(p) for p in pids)
     assert api.events(run_uri, ("capacity",))[-1]["reason"] == "released by the rtrain teardown"
-    assert (api.repair_status(run_uri) or {}).get("state") == "failed", "stopped, resumable"
+    st = api.repair_status(run_uri) or {}
+    assert (st.get("state"), st.get("reason")) == ("stopped", f"stopped by the rtrain teardown (job {job})"), st
 
 
 def test_stop_asks_the_job_s_leader_to_end_it_on_every_backend_that_runs_agents(tmp_path: Path) -> None:

@@ -254,7 +254,7 @@ def _exit(tmp_path: Path, slice_: int, index: int, code: int) -> None:
     (tmp_path / f".{slice_}-{index}").rename(tmp_path / f"{slice_}-{index}")
 
 
-@pytest.mark.parametrize("final", [3, 5])  # AgentExit.FAILED, SUPERSEDED
+@pytest.mark.parametrize("final", [3, 5, 7])  # AgentExit.FAILED, SUPERSEDED, STOPPED
 def test_the_emulated_jobset_follows_the_jobs_failure_policy(tmp_path: Path, final: int) -> None:
     """A preempted pod is made again without counting; another failure counts; a final code fails the Job at once."""
     m, env = _policy_jobset(tmp_path)

@@ -82,6 +82,8 @@ class SharedPoolBackend:
         status = api.repair_status(str(handle["run_uri"])) or {}
         if row.state == "finished":
             return {"state": "finished", "reason": "", "status": status, "queue": queue}
+        if row.state in ("stopped", "cancelled"):  # a person's stop or cancel: not a failure
+            return {"state": row.state, "reason": row.reason or row.state, "status": status, "queue": queue}
         if row.state in commands.ENDED:
             why = f"{row.state} in the queue: {row.reason or 'no reason recorded'}"
             return {"state": "failed", "reason": why, "status": status, "queue": queue}

@@ -189,6 +189,14 @@ class ValidationRow(TypedDict):
     reason: str
 
 
+class StopRow(TypedDict):
+    """A person's stop of a job (``stopped``), or a cancel of the run before any job of it ran (``cancelled``)."""
+
+    kind: str
+    step: int | None
+    reason: str
+
+
 class RunReport(TypedDict):
     """The run's story (``rtrain report``): steps, failures, recoveries, meshes, verdicts, checkpoints, goodput."""
 
@@ -203,6 +211,7 @@ class RunReport(TypedDict):
     resizes: list[ResizeRow]
     validations: list[ValidationRow]
     rollbacks: list[RollbackRow]
+    stops: list[StopRow]
     checkpoints_kept: list[int]
     checkpoints_pruned: list[int]
     resume_pointer: int | None
@@ -490,7 +499,7 @@ def _wall_time(evs: list[Event]) -> float:
     wall = 0.0
     for job_evs in jobs.values():
         launches = [e["time"] for e in job_evs if e["type"] == "launch"]
-        ends = [e["time"] for e in job_evs if e["type"] in ("finished", "failed")]
+        ends = [e["time"] for e in job_evs if e["type"] in ("finished", "failed", "stopped")]
         if launches:
             wall += (max(ends) if ends else max(e["time"] for e in job_evs)) - min(launches)
     return wall
@@ -549,7 +558,8 @@ def _event_badput(evs: list[Event], rounds: list[Event], step_s: float, cat: dic
             cat["rollback_replay"] += max(int(e["from_step"]) - int(e["to_step"]), 0) * step_s
         elif e["type"] == "waiting_for_capacity":
             back = next(
-                (r for r in evs if r["type"] in ("capacity", "launch", "failed") and r["time"] > e["time"]), None
+                (r for r in evs if r["type"] in ("capacity", "launch", "failed", "stopped") and r["time"] > e["time"]),
+                None,
             )
             if back is not None:
                 cat["waiting_for_capacity"] += back["time"] - e["time"]
@@ -652,6 +662,11 @@ def report(run_uri: str) -> RunReport:
             for e in evs
             if e["type"] == "rollback"
         ],
+        "stops": [
+            {"kind": e["type"], "step": e.get("step"), "reason": e["reason"]}
+            for e in evs
+            if e["type"] in ("stopped", "cancelled")
+        ],
         "checkpoints_kept": kept,
         "checkpoints_pruned": pruned,
         "resume_pointer": ledger.pointer(),
@@ -718,6 +733,9 @@ def format_report(r: Mapping[str, Any]) -> str:
         lines.append(f"  validation   step {v['step']}: {v['verdict']} (loss {loss}) {v['reason']}".rstrip())
     for b in r["rollbacks"]:
         lines.append(f"  rollback     {b['kind']}: step {b['from']} -> {b['to']} ({b['reason']})")
+    for x in r.get("stops") or []:
+        at = f" at step {x['step']}" if x["step"] is not None else ""
+        lines.append(f"  {x['kind']:<12} {x['reason']}{at}")
     lines.append(
         f"checkpoints    kept {r['checkpoints_kept']}  pruned {r['checkpoints_pruned']}  "
         f"resume pointer {r['resume_pointer']}"

@@ -60,7 +60,7 @@ from training.storage import Store, is_transient, open_store, scheme
 log = logging.getLogger("rtrain.agent")
 # The job is over for every host: the local copies it kept are of no use to any later job.  (A host
 # that left, INTERRUPTED, keeps its copies: it may come back to the same job.)
-JOB_OVER = frozenset({AgentExit.FINISHED, AgentExit.FAILED, AgentExit.SUPERSEDED})
+JOB_OVER = frozenset({AgentExit.FINISHED, AgentExit.FAILED, AgentExit.STOPPED, AgentExit.SUPERSEDED})
 
 
 class HostAgent:
@@ -179,7 +179,7 @@ class HostAgent:
             if self.host in newest.members and newest.action == "train":
                 self.reports.report(newest.round, newest.rank(self.host), Outcome.FAILED, reason="host agent restarted")
             if newest.action == "stop":
-                return int(AgentExit.FINISHED if newest.final == "finished" else AgentExit.FAILED)
+                return int(AgentExit.of_final(newest.final))
         if self.cfg.local_checkpoint_every:
             local_tier.forget_other_jobs(self.cfg.local_checkpoint_dir, self.run_uri, self.job)
             self.reports.advertise_local(local_tier.read_manifests(self.reports.local_dir))
@@ -304,7 +304,7 @@ class HostAgent:
     def _apply(self, rnd: Round) -> None:
         self.workers.stop_worker()  # a worker of an older round: that round is over
         if rnd.action == "stop":
-            self.exit_code = AgentExit.FINISHED if rnd.final == "finished" else AgentExit.FAILED
+            self.exit_code = AgentExit.of_final(rnd.final)
             return
         rank = rnd.rank(self.host)
         if rank < 0:

@@ -23,3 +23,9 @@ class AgentExit(IntEnum):
     FAILED = 3  # the job failed for good (the reason is in status.json and the events); 1 is a crash
     SUPERSEDED = 5  # another job owns the run now
     INTERRUPTED = 6  # stopped by a signal (SIGTERM / SIGINT): this host left
+    STOPPED = 7  # a person stopped the job (rtrain stop, a cancel, a teardown): over, resumable by a new launch
+
+    @classmethod
+    def of_final(cls, final: str) -> AgentExit:
+        """The exit of every agent of a job whose stop round says ``final`` (a RunState's value)."""
+        return {"finished": cls.FINISHED, "stopped": cls.STOPPED, "cancelled": cls.STOPPED}.get(final, cls.FAILED)

@@ -325,10 +325,11 @@ class Leader:
         if self.phase != Phase.DONE:
             self._fail(reason)
 
-    def _fail(self, reason: str) -> None:
-        self.agent.events.failed(reason, step=self.status.fields.get("step"), host=self.agent.host)
-        log.warning("[%s] the job failed: %s", self.agent.host, reason)
-        self._end(RunState.FAILED, reason)
+    def _fail(self, reason: str, state: RunState = RunState.FAILED) -> None:
+        """End the job as failed, or as stopped at a person's request (``rtrain stop``, a cancel, a teardown)."""
+        self.agent.events.ended(state, reason, step=self.status.fields.get("step"), host=self.agent.host)
+        log.warning("[%s] the job ended %s: %s", self.agent.host, state.value, reason)
+        self._end(state, reason)
 
     def _end(self, state: RunState, reason: str) -> None:
         try:
@@ -362,7 +363,7 @@ class Leader:
         except (NotFound, ValueError):
             return
         if req.get("action") == "stop_job" and self.phase != Phase.DONE:
-            self._fail(f"stopped: {req.get('reason') or 'asked to stop'}")
+            self._fail(str(req.get("reason") or "asked to stop"), RunState.STOPPED)
 
     def _write_status(self, force: bool = False, state: RunState | None = None) -> None:
         if self.status.due(force):

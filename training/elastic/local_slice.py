@@ -34,13 +34,14 @@ from typing import IO, Any, Protocol
 from training.checkpoint.lock import LeaseKeeper, LockHeld, LockLost, RunLock
 from training.config import Config, config_from_json
 from training.elastic.capacity import LocalCapacity
+from training.elastic.codes import AgentExit
 from training.elastic.rendezvous import Rendezvous, Round
 from training.elastic.status import repair_status
 from training.elastic.template import Template
 from training.elastic.workerproc import cpu_slice_env
 from training.events import FINAL_STATES, EventLog, RunState, RunStatus, describe, read_status, write_status
 from training.layout import CONFIG, CONTROL, logs_base
-from training.storage import open_store
+from training.storage import NotFound, Store, open_store
 
 log = logging.getLogger("rtrain.local_slice")
 
@@ -62,9 +63,21 @@ SHOWN = frozenset(
         "waiting_for_capacity",
         "finished",
         "failed",
+        "stopped",
         "guard",
     }
 )
+
+
+def stop_asked(store: Store) -> str | None:
+    """The reason of the stop a person asked of the run's job (``rtrain stop``, a cancel), None if none."""
+    try:
+        req = json.loads(store.get(CONTROL))
+    except (NotFound, ValueError):
+        return None
+    return (
+        str(req.get("reason") or "asked to stop") if isinstance(req, dict) and req.get("action") == "stop_job" else None
+    )
 
 
 class AgentProcess(Protocol):
@@ -268,8 +281,9 @@ class LocalSlice:
         if not self._keeper.valid():
             self._let_go()  # the lease was lost: someone else holds the run now
             return
-        if self._stopping:
-            self._end_held(f"stopped: {self._stop_reason} (while waiting for capacity)")
+        asked = stop_asked(self.store) or (self._stop_reason if self._stopping else None)
+        if asked is not None:
+            self._end_held(f"{asked} (while waiting for capacity)", RunState.STOPPED)
         elif self.capacity.available() > 0:
             self.own_events.emit("capacity", available=self.capacity.available(), reason="capacity returned")
             self._keeper.stop()
@@ -306,10 +320,10 @@ class LocalSlice:
             },
         )
 
-    def _end_held(self, reason: str) -> None:
-        """End the held job as failed with ``reason``: the status, the event and a stop round, then let go."""
+    def _end_held(self, reason: str, state: RunState = RunState.FAILED) -> None:
+        """End the held job as ``state`` with ``reason``: the status, the event and a stop round, then let go."""
         try:
-            self.own_events.failed(reason, step=self._held_status.get("step"))
+            self.own_events.ended(state, reason, step=self._held_status.get("step"))
             self._held_status["reason"] = reason
             self._write_held(force=True, state=RunState.FAILED)
             rdv = Rendezvous(self.store)
@@ -320,7 +334,7 @@ class LocalSlice:
                     gen=int(self._hold.gen or 0) if self._hold is not None else 0,
                     leader="local-slice",
                     action="stop",
-                    final=RunState.FAILED.value,
+                    final=state.value,
                     reason=reason,
                     failures=int(self._held_status.get("failures") or 0),
                 )
@@ -342,11 +356,12 @@ class LocalSlice:
     # --- the job's end --------------------------------------------------------------------------
 
     def stop(self, reason: str) -> None:
-        """Ask the job's leader to stop the job (Ctrl-C); the agents exit when it has."""
+        """Ask the job's leader to stop the job (Ctrl-C, SIGTERM; a stop asked already keeps its reason)."""
         self._stopping = True
         self._stop_reason = reason
         with contextlib.suppress(Exception):
-            self.store.put(CONTROL, json.dumps({"action": "stop_job", "reason": reason}).encode())
+            if stop_asked(self.store) is None:
+                self.store.put(CONTROL, json.dumps({"action": "stop_job", "reason": reason}).encode())
 
     def _look(self) -> RunStatus | None:
         st = read_status(self.store)
@@ -390,7 +405,7 @@ class LocalSlice:
         st = self._look() or {}
         if st.get("state") not in FINAL_STATES:
             st = repair_status(self.cfg.run_uri) or {}  # records the final state of a job nobody leads any more
-        return 0 if st.get("state") == "finished" else 1
+        return {"finished": 0, "stopped": int(AgentExit.STOPPED)}.get(str(st.get("state")), 1)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from training.elastic.rendezvous import Rendezvous, Round
 from training.events import EventLog, RunState
 from training.layout import CONTROL
 from training.mesh import MeshPlan, plan_mesh
-from training.storage import AlreadyExists, Store
+from training.storage import AlreadyExists, NotFound, Store
 
 log = logging.getLogger("rtrain.leader")
 
@@ -91,7 +92,7 @@ class RoundWriter:
             recovery=carried.recovery,
         )
         self.fence()
-        self.store.delete(CONTROL)
+        self._forget_requests()
         try:
             rnd = self.rdv.open_round(rnd)
         except AlreadyExists:
@@ -120,6 +121,15 @@ class RoundWriter:
         self.prev_plan = plan
         self.number = number
         return rnd, plan
+
+    def _forget_requests(self) -> None:
+        """Drop a request made of the rounds before (stop at a checkpoint); a person's stop of the job stays."""
+        try:
+            req = json.loads(self.store.get(CONTROL))
+        except (NotFound, ValueError):
+            return
+        if not (isinstance(req, dict) and req.get("action") == "stop_job"):
+            self.store.delete(CONTROL)
 
     def forget_old(self) -> None:
         """Drop the rounds (and their reports) older than the last KEEP_ROUNDS before the one just opened."""

@@ -43,7 +43,7 @@ __all__ = [
     "watch",
 ]
 
-ENDED = ("finished", "failed", "cancelled")  # the states of a run the queue is done with
+ENDED = ("finished", "failed", "stopped", "cancelled")  # the states of a run the queue is done with
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,8 @@ class QueueRow:
 
     run: str
     priority: str
-    state: str  # queued | starting | running | recovering | waiting_for_capacity | finished | failed | cancelled
+    state: str  # queued | starting | running | recovering | waiting_for_capacity | cancelling | finished | failed
+    # | stopped (cancelled once its job ran; resumable) | cancelled (before any job of it ran)
     hosts: int  # training on now
     assigned: int  # what the scheduler gives it (or would, for a run not launched yet)
     min_hosts: int
@@ -140,7 +141,8 @@ def set_priority(root: str, run: str, priority: str) -> Submission:
 
 
 def cancel(root: str, run: str, reason: str = "cancelled") -> Submission:
-    """Cancel a run: a queued one never starts, a running one stops (resumable by a new submit)."""
+    """Cancel a run: a queued one never starts (``cancelled``), a running one stops (``stopped``; resumable by a new
+    submit)."""
     q, sub, _p = _open(root, run)
     sub.cancelled = reason or "cancelled"
     q.put_submission(sub)

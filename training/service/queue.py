@@ -66,7 +66,7 @@ class Placement:
     run_name: str
     job: str = ""
     hosts: int = 0
-    ended: str = ""  # finished | failed | cancelled, once over
+    ended: str = ""  # finished | failed | stopped (cancelled once its job ran) | cancelled (before it ran), once over
     reason: str = ""
     history: list[list[float]] = field(default_factory=list)  # [time, hosts] at each change
     launches: int = 0

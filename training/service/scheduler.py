@@ -32,7 +32,7 @@ from training import api
 from training.checkpoint.lock import LeaseKeeper, LockHeld, LockLost, RunLock
 from training.config import config_from_json
 from training.elastic.capacity import LocalCapacity
-from training.events import ALIVE_STATES, FINAL_STATES, EventLog
+from training.events import ALIVE_STATES, FINAL_STATES, EventLog, RunState, read_status, write_status
 from training.service.policy import allocate
 from training.service.queue import Placement, Queue, Submission
 from training.storage import open_store, scheme
@@ -91,12 +91,12 @@ class Scheduler:
         st = api.repair_status(sub.run_uri) or {}
         mine = bool(p.job) and st.get("job") == p.job
         if mine and st.get("state") in FINAL_STATES:
-            ended = "cancelled" if sub.cancelled else str(st["state"])
-            self._end(p, ended, str(st.get("reason") or sub.cancelled))
+            self._end(p, str(st["state"]), str(st.get("reason") or sub.cancelled))  # a cancelled job: stopped
             return "ended"
         if sub.cancelled:
             if not p.job:
                 self._end(p, "cancelled", sub.cancelled)
+                record_cancelled(sub.run_uri, sub.cancelled)
                 return "ended"
             self._stop(sub, p)
             return "stopping"
@@ -115,11 +115,10 @@ class Scheduler:
         """Stop a cancelled run's job: its launcher's stop (which also ends a held job), else the job's control."""
         if not p.reason.startswith("stopping"):  # asked once; the job's end is then settled like any other
             self._fence()
+            api.stop_job(sub.run_uri, f"cancelled: {sub.cancelled}")  # the job ends stopped, with this reason
             pid = p.controller_pid
             if pid and _is_local_slice_of(pid, sub.run_uri):
                 os.kill(pid, signal.SIGTERM)
-            else:
-                api.stop_job(sub.run_uri, f"cancelled: {sub.cancelled}")
             p.reason = f"stopping: {sub.cancelled}"
             self.queue.put_placement(p)
 
@@ -193,6 +192,30 @@ class Scheduler:
                 time.sleep(TICK_S)
         finally:
             self.release()
+
+
+def record_cancelled(run_uri: str, reason: str) -> None:
+    """Record a run cancelled before any job of it ran: its status ``cancelled`` and a ``cancelled`` event.
+
+    Written under the run lock, only where no job is alive (a status that says alive belongs to a job launched by
+    hand, which its own leader ends); an earlier job's step and newest commit stay in the status.
+    """
+    store = open_store(run_uri)
+    lock = RunLock(store, owner=f"scheduler pid {os.getpid()} (cancel)", lease_s=LEASE_S)
+    try:
+        lock.acquire()
+    except (LockHeld, OSError) as e:
+        log.warning("run %s: cancelled, but its status is not written (%s)", run_uri, e)
+        return
+    try:
+        st = read_status(store) or {}
+        if st.get("state") in ALIVE_STATES:
+            return
+        keep = {k: st[k] for k in ("step", "latest_committed", "steps_total") if k in st}
+        EventLog(store, source="scheduler").emit("cancelled", reason=reason)
+        write_status(store, **keep, state=RunState.CANCELLED.value, run_uri=run_uri, job="", reason=reason)
+    finally:
+        lock.release()
 
 
 def _reap() -> None:

@@ -532,6 +532,8 @@ class RTrainRollbackAndResumeOperator(_RTrainBaseOperator):
         raise AssertionError("defer() returns only by raising")  # pragma: no cover
 
     def resume_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
+        if event.get("status") == "stopped":  # a person stopped the resumed job: not a failure (see the sensor)
+            raise AirflowSkipException(f"the resumed job was {event.get('state')}: {event.get('message')} (resumable)")
         if event.get("status") != "success":
             raise AirflowException(f"the resumed job failed: {event.get('message')}")
         spec = self.required_spec(context)

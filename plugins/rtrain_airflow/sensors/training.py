@@ -7,6 +7,10 @@ re-attach if alive, else resume from the newest committed checkpoint; never from
 overwriting).  Why here: a watch that retried without relaunching would watch a dead job again,
 and a retry cannot re-run the upstream launch task; the graph still shows plan, launch and watch.
 
+A job a person stopped (``rtrain stop``, a cancel, the Training view's Stop, the teardown) ends the
+task *skipped*, not failed: nothing is retried, the validation and promotion after it are skipped,
+the teardown runs, and a new DAG run resumes the run from its newest committed checkpoint.
+
 The first try never relaunches: it watches the job the launch task started (one already dead fails
 it, and the retry relaunches).  Every try defers to :class:`RTrainTrainingJobTrigger`, so the wait
 holds no worker slot.
@@ -18,15 +22,15 @@ import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from functools import cache, cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 from urllib.parse import quote, urlsplit
 
 from airflow.sdk import BaseOperatorLink, BaseSensorOperator, PokeReturnValue
-from airflow.sdk.exceptions import AirflowException
+from airflow.sdk.exceptions import AirflowException, AirflowSkipException
 
 from rtrain_airflow.hooks.training import RTrainHook, absolute
 from rtrain_airflow.operators.training import RESOLVE_TASK_ID, _is_deferred_value, check_spec
-from rtrain_airflow.triggers.training import PROGRESS_EVERY_S, RTrainTrainingJobTrigger
+from rtrain_airflow.triggers.training import PROGRESS_EVERY_S, STOPPED, RTrainTrainingJobTrigger
 from training.api import describe
 from training.backends import ALIVE
 
@@ -224,6 +228,8 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
         st = look.get("status") or {}
         if look["state"] == "failed":
             raise AirflowException(f"training job {spec['run_name']} failed: {look.get('reason')}")
+        if look["state"] in STOPPED:
+            self._stopped(spec["run_uri"], str(look["state"]), look.get("reason"), st.get("latest_committed"))
         if look["state"] == "finished":
             return PokeReturnValue(
                 True,
@@ -246,7 +252,24 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
             self.log.info("[rtrain] %s: %s", str(look["state"]).replace("_", " "), line)
         return PokeReturnValue(False)
 
+    def _stopped(self, run_uri: Any, state: str, reason: Any, committed: Any) -> NoReturn:
+        """A person stopped the job (or cancelled the run): this task is skipped, and so is what needs a trained run."""
+        self.log.warning(
+            "[rtrain] the run at %s was %s by request: %s. Not a failure: this task and the validation, promotion "
+            "and pruning after it are skipped; the teardown still runs. Newest committed checkpoint: %s; trigger "
+            "the DAG again (or clear this task group) to resume from it.",
+            run_uri,
+            state,
+            reason,
+            committed,
+        )
+        raise AirflowSkipException(f"training run {run_uri} was {state}: {reason} (resumable)")
+
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
+        if event.get("status") == "stopped":
+            self._stopped(
+                event.get("run_uri"), str(event.get("state")), event.get("message"), event.get("latest_committed")
+            )
         if event.get("status") != "success":
             raise AirflowException(
                 f"training job at {event.get('run_uri')} is gone: {event.get('message')} "

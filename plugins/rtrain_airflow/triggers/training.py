@@ -1,9 +1,10 @@
 """The deferrable wait on a training job: its status document and its typed events.
 
 The job recovers from lost hosts by itself; this trigger only decides when it is over for Airflow:
-``finished``, or ``failed`` (the agent gave up, the job is gone, or nothing was heard for
-``stale_after_s``).  A run of a shared pool that holds no host is alive (``queued``).  Meanwhile it
-tells the task log each event of note (``RELAYED``), one sentence each, and every
+``finished``, ``failed`` (the agent gave up, the job is gone, or nothing was heard for
+``stale_after_s``), or ``stopped`` (a person stopped the job, or cancelled the run before it ran).
+A run of a shared pool that holds no host is alive (``queued``).  Meanwhile it tells the task log
+each event of note (``RELAYED``), one sentence each, and every
 ``progress_every_s`` a progress line::
 
     step 120/300 (40%), loss 2.3141, 5400 tok/s, ETA 3m12s, 4 workers, mesh data4 x fsdp2
@@ -53,10 +54,13 @@ RELAYED = (
     "local_tier_off",
     "finished",
     "failed",
+    "stopped",
+    "cancelled",
     "leader",
     "host_joined",
     "host_lost",
 )
+STOPPED = ("stopped", "cancelled")  # the ends a person asked for (rtrain stop or cancel, the Training view, a teardown)
 PROGRESS_EVERY_S = 10.0
 PACE_WINDOW_S = 60.0  # the ETA follows the pace of the steps of the last minute
 
@@ -167,12 +171,26 @@ def written_at(ev: Event) -> dict[str, str]:
     return {"timestamp": datetime.fromtimestamp(float(t), tz=UTC).isoformat().replace("+00:00", "Z")}
 
 
+def final_event(found: dict[str, Any], base: dict[str, Any]) -> TriggerEvent | None:
+    """The trigger's event for a job that is over (finished, failed, or stopped by a person); None while it lives."""
+    if found["state"] == "finished":
+        return TriggerEvent({"status": "success", **base})
+    if found["state"] == "failed":
+        return TriggerEvent({"status": "failed", "message": found.get("reason") or "the job failed", **base})
+    if found["state"] in STOPPED:  # a person's stop or cancel: not a failure, and nothing to retry
+        return TriggerEvent(
+            {"status": "stopped", "message": found.get("reason") or f"the run was {found['state']}", **base}
+        )
+    return None
+
+
 class RTrainTrainingJobTrigger(BaseTrigger):
     """Poll a training job until it finishes or is gone for good.
 
     Yields one event: ``{"status": "success", "run_uri", "state", "step", "latest_committed",
-    "failures", "recoveries", "events_after"}`` or ``{"status": "failed", "run_uri", "message",
-    "state", "step", "latest_committed", "recoveries", "events_after"}``.
+    "failures", "recoveries", "events_after"}`` or ``{"status": "failed" | "stopped", "run_uri", "message",
+    "state", "step", "latest_committed", "recoveries", "events_after"}`` (``stopped``: state ``stopped`` or
+    ``cancelled``, a person's request).
 
     :param run_uri: the run's root (``<root>/<run_name>``).
     :param handle: what the launch returned (backend, agent pid / JobSet name, launched_at, ...).
@@ -349,10 +367,8 @@ class RTrainTrainingJobTrigger(BaseTrigger):
                 "recoveries": story.recoveries,
                 "events_after": cursor,
             }
-            if found["state"] == "finished":
-                yield TriggerEvent({"status": "success", **base})
-                return
-            if found["state"] == "failed":
-                yield TriggerEvent({"status": "failed", "message": found.get("reason") or "the job failed", **base})
+            end = final_event(found, base)
+            if end is not None:
+                yield end
                 return
             await asyncio.sleep(self.poll_interval)
