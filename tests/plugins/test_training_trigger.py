@@ -264,6 +264,25 @@ def _seconds(stamp: float | str) -> float:
     return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
+def test_airflow_s_task_log_keeps_the_time_a_line_brings() -> None:
+    """Airflow's own processors (a task log's JSON lines) keep a line's timestamp, as the trigger's lines bring it."""
+    import io
+    import json
+
+    import structlog
+    from airflow.sdk.log import logging_processors
+    from rtrain_airflow.triggers.training import written_at
+
+    out = io.BytesIO()
+    log = structlog.wrap_logger(structlog.BytesLogger(out), processors=list(logging_processors(json_output=True)))
+    log.info("[rtrain] %s", "checkpoint 10 committed", **written_at({"type": "checkpoint", "time": 1.7e9 + 0.25}))
+    log.info("[rtrain] %s", "a line of the trigger's own")
+    told, own = (json.loads(line) for line in out.getvalue().splitlines())
+    assert told["event"] == "[rtrain] checkpoint 10 committed"
+    assert _seconds(told["timestamp"]) == pytest.approx(1.7e9 + 0.25, abs=1e-3)
+    assert abs(_seconds(own["timestamp"]) - time.time()) < 60
+
+
 def test_each_line_telling_an_event_carries_the_time_the_event_was_written(tmp_path: Path) -> None:
     """A look reads ten minutes of a run's events at once: each sentence is dated by its event, not by the look;
     the trigger's own lines (the progress line) by when it wrote them."""
