@@ -158,6 +158,29 @@ def test_the_service_section_runs_as_written(project: Path) -> None:
     assert states == {"svc-low": "cancelled", "svc-high": "cancelled"}, run(project, ".venv/bin/rtrain queue").stdout
 
 
+def test_the_fine_tuning_section_runs_as_written(project: Path) -> None:
+    """A Hugging Face Llama in (init_from), fine-tuned, validated and exported both ways."""
+    cmds = commands(bash_block("### Fine-tune a Hugging Face Llama"))
+    assert [c.split()[1] for c in cmds] == ["prepare", "train", "validate", "export", "export"], cmds
+    out = []
+    for cmd in cmds:
+        r = run(project, cmd)
+        assert r.returncode == 0, f"{cmd}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}"
+        out.append(r.stdout)
+    assert "var/data/stdlib-llama3-tied-seq32" in out[0] and "(huggingface tokenizer)" in out[0], out[0]
+    assert "finished: step 20/20" in out[1], out[1][-2000:]
+    saved = json.loads((project / "var" / "runs" / "ft1" / "config.json").read_text())
+    assert saved["tie_embeddings"] is True and saved["vocab_size"] == 320 and saved["n_kv_heads"] == 1
+    hf = project / "var" / "export" / "ft1"
+    assert "step 20 of " in out[3] and sorted(p.name for p in hf.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
+    assert json.loads((hf / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert (project / "var" / "export" / "ft1-orbax" / "_CHECKPOINT_METADATA").exists()
+
+
 def test_make_airflow_and_the_rest_example_run_as_written(project: Path) -> None:
     import psutil
     import requests
