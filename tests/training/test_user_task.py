@@ -306,11 +306,16 @@ def test_a_task_that_uses_jax_everywhere_trains_through_a_lost_host_on_the_exact
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("stage", "method"),
-    [("factory", "its factory make_task()"), ("data", "its data()"), ("init", "its init()"), ("loss", "its loss()")],
+    ("stage", "method", "hosts"),
+    [
+        ("factory", "its factory make_task()", 1),
+        ("data", "its data()", 1),
+        ("init", "its init()", 1),
+        ("loss", "its loss()", 2),  # traced by process 0 alone, process 1 waiting for its program
+    ],
 )
 def test_the_task_s_code_raising_in_a_job_ends_it_at_once_in_one_line(
-    tmp_path: Path, jax_cache: str, stage: str, method: str
+    tmp_path: Path, jax_cache: str, stage: str, method: str, hosts: int
 ) -> None:
     """The job's reason and its failed event: the task, the method and the error; the traceback in the log."""
     from jobs import job_config, run_job, worker_logs
@@ -325,8 +330,8 @@ def test_the_task_s_code_raising_in_a_job_ends_it_at_once_in_one_line(
         task=str(REPO / JAX_TASK),
         task_args={"fail": stage},
         steps=4,
-        min_workers=1,
-        max_workers=1,
+        min_workers=hosts,
+        max_workers=hosts,
         max_failures=3,  # a budget left: the job ends anyway, as another round would fail the same way
     )
     assert run_job(cfg) != 0
@@ -334,7 +339,7 @@ def test_the_task_s_code_raising_in_a_job_ends_it_at_once_in_one_line(
     assert st is not None and st["state"] == "failed", st
     line = f"task {cfg.task!r}: {method} raised RuntimeError: {stage} is broken on purpose"
     reason = str(st["reason"])
-    assert reason.startswith(f"{line} (worker 0 on host ") and "\n" not in reason, reason
+    assert reason.startswith(f"{line} (worker ") and " on host " in reason and "\n" not in reason, reason
     [failed] = api.events(cfg.run_uri, ("failed",))
     assert failed["reason"] == reason
     assert not api.events(cfg.run_uri, ("failure",)), "not retried"

@@ -174,14 +174,16 @@ def leave(rep: Reporter, code: WorkerExit, error: str = "", **fields: Any) -> No
     """Report and exit at once.  An orderly end says bye to the peer watch first; an error does not,
     so the round's other processes leave at once too instead of waiting in a collective for this one."""
     if WATCH is not None:
-        if code != WorkerExit.ERROR:
+        if code not in (WorkerExit.ERROR, WorkerExit.TASK):
             WATCH.bye()
         elif "peer_lost" not in fields and (
             # The collective's broken connection can reach this thread before the watch's own: give the watch
             # a moment to name the peer, not to report a failure of ours.
             WATCH.lost is not None or (looks_like_a_lost_peer(error) and WATCH.wait_lost(PEER_CONFIRM_S))
         ):
-            # This error is what a vanished peer left behind (a collective that failed): say so.
+            # This error is what a vanished peer left behind (a collective that failed, the task's code's own
+            # computation too): say so, and the job recovers from it.
+            code = WorkerExit.ERROR
             peer, why = WATCH.lost
             fields["peer_lost"] = peer
             error = f"{error} (peer process {peer} is gone: {why})"
