@@ -89,6 +89,8 @@ NOTABLE = frozenset(
         "validation",
         "finished",
         "failed",
+        "stopped",
+        "cancelled",
         "host_lost",
         "checkpoint_corrupt",
         "chaos",
@@ -169,7 +171,7 @@ class _ChartEvents:
             self.recovery_events.append(ev)
         if handler is not None:
             handler(ev, t)
-        elif kind in ("finished", "failed"):
+        elif kind in ("finished", "failed", "stopped"):
             self.host_points.append((t, 0, "-", None))
         if kind in NOTABLE:
             self.timeline.append({"time": t, "type": kind, "step": self.at(ev), "text": one_line(describe(ev), 240)})

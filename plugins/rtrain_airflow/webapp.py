@@ -8,11 +8,13 @@ A run is named in one of two ways, each with its own authorization:
   task's, else its conf's); read access to that DAG's runs.  The Training tab and extra link use it.
 
 Under both: ``status``, ``events`` (``?type=``, ``?after=``, ``?limit=``), ``report``, ``checkpoints``,
-``chart`` and ``view``.  A storage root's queue: ``GET /rtrain/queue?root=ROOT`` and
+``chart`` and ``view``; and ``POST .../stop?reason=`` (the view's Stop button), with edit access to the same
+DAG runs: the run's job ends ``stopped`` (a run of a shared pool is cancelled: ``stopped`` once its job ran,
+``cancelled`` before), resumable; a run with no live job is 409.  A storage root's queue: ``GET /rtrain/queue?root=ROOT`` and
 ``/rtrain/queue/view`` with read access to every DAG's runs; ``POST /rtrain/queue/{run}/priority?priority=P``
 and ``.../cancel`` with edit access to them (a bad request is 400).  An unknown run is 404, a storage
 error 503, each with one line.  Nothing writes to a run (no stale-job repair); the POSTs write only
-the service's submissions.  FastAPI is imported when the app is built.
+the service's submissions and a run's stop request (``control.json``, as ``rtrain stop``).  FastAPI is imported when the app is built.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the annotations of the routes at run time, and
@@ -157,8 +159,40 @@ def _locators(pending: type) -> tuple[Callable[..., Run], Callable[..., Run]]:
     return by_name, by_dag_run
 
 
-def _run_routes(locate: Callable[..., Run], query: Callable[[Run], str], cache: Any, templates: Any) -> Any:
-    """A run's JSON API (status, events, report, checkpoints, chart) and its Training view."""
+def stop_run(run: Run, reason: str) -> dict[str, str]:
+    """Stop the run's job, as ``rtrain stop`` does (a run of a shared pool: cancel it, as ``rtrain cancel``).
+
+    ``{"run", "asked", "state"}``; a run with no live job is a 409.
+    """
+    from fastapi import HTTPException
+
+    from training import api
+    from training.service import commands
+
+    root = run.uri[: -len(run.name) - 1]
+
+    def queued() -> Any:
+        try:
+            return commands.look(root, run.name)
+        except commands.QueueError:
+            return None
+
+    row = storage("the queue", queued)
+    if row is not None and row.state not in commands.ENDED and row.state != "cancelling":
+        storage("the queue", lambda: commands.cancel(root, run.name, reason))
+        return {"run": run.name, "asked": "cancel", "state": row.state}
+    st = storage("the run's status", lambda: api.status(run.uri)) or {}
+    state = str(st.get("state") or (row.state if row is not None else "never started"))
+    if state not in api.ALIVE_STATES:
+        raise HTTPException(409, f"run {run.name} has no job to stop ({state})")
+    storage("the run's stop", lambda: api.stop_job(run.uri, reason))
+    return {"run": run.name, "asked": "stop", "state": state}
+
+
+def _run_routes(
+    locate: Callable[..., Run], query: Callable[[Run], str], cache: Any, templates: Any, edit: Any = None
+) -> Any:
+    """A run's JSON API (status, events, report, checkpoints, chart), its Training view, and its Stop (``edit``)."""
     from fastapi import APIRouter, Depends, HTTPException, Query, Request
     from fastapi.responses import HTMLResponse, JSONResponse
 
@@ -208,6 +242,10 @@ def _run_routes(locate: Callable[..., Run], query: Callable[[Run], str], cache: 
     @router.get("/view", response_class=HTMLResponse)
     def view(request: Request, run: Run = Depends(locate)) -> HTMLResponse:
         return _page(templates, request, "view.html", run=run, query=query(run))
+
+    @router.post("/stop", dependencies=[edit] if edit is not None else [])
+    def stop(run: Run = Depends(locate), reason: str = "stopped in the Training view") -> JSONResponse:
+        return JSONResponse(stop_run(run, reason))
 
     return router
 
@@ -334,13 +372,15 @@ def create_app() -> Any:
         return JSONResponse(app.openapi())
 
     app.include_router(
-        _run_routes(by_name, lambda run: root_query(run.uri), cache, templates),
+        _run_routes(by_name, lambda run: root_query(run.uri), cache, templates, Depends(_allowed_on_every_dag("PUT"))),
         prefix="/runs/{run_name}",
         dependencies=[Depends(_allowed_on_every_dag("GET"))],
     )
     # requires_access_dag reads {dag_id} from the path: access to that DAG's runs.
     app.include_router(
-        _run_routes(by_dag_run, lambda run: "", cache, templates),
+        _run_routes(
+            by_dag_run, lambda run: "", cache, templates, Depends(requires_access_dag("PUT", DagAccessEntity.RUN))
+        ),
         prefix="/dags/{dag_id}/runs/{run_id}",
         dependencies=[Depends(requires_access_dag("GET", DagAccessEntity.RUN))],
     )

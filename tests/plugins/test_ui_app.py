@@ -478,3 +478,52 @@ def test_the_queue_is_served_read_only_to_viewers_and_changed_by_editors(client:
         assert runs["waiting"]["priority"] == "urgent" and runs["done"]["priority"] == "high"
         r = editor.post("/queue/waiting/cancel", params={"reason": "not needed"})
         assert r.status_code == 200 and r.json()["cancelled"] == "not needed"
+
+
+# --- the Stop button ------------------------------------------------------------------------------------
+
+
+def test_the_views_stop_ends_a_live_run_stopped_for_editors_only(client: Any, project: Path) -> None:
+    """Stop asks the run's job to end as ``rtrain stop`` does; the view then shows it stopped, not failed."""
+    from airflow.api_fastapi.app import create_auth_manager
+    from airflow.api_fastapi.auth.managers.simple.user import SimpleAuthManagerUser
+    from fastapi.testclient import TestClient
+    from rtrain_airflow import webapp
+
+    from training.events import EventLog, RunState, write_status
+    from training.layout import CONTROL
+    from training.service.queue import Queue
+    from training.storage import open_store
+
+    root = project / "var" / "runs"
+    live = fake_runs.write_run(root, "live", state="running")
+    fake_runs.write_run(root, "done")
+    fake_runs.write_submission(root, "waiting", "low")
+    page = client.get("/runs/live/view").text
+    assert '<button id="stop" type="button" hidden' in page
+    assert client.post("/runs/live/stop").status_code == 403, "a viewer may not stop a run"
+    manager = create_auth_manager()
+    manager.init()
+    admin = str(manager.generate_jwt(SimpleAuthManagerUser(username="ui-admin", role="admin")))
+    with TestClient(webapp.create_app(), headers={"Authorization": f"Bearer {admin}"}) as editor:
+        r = editor.post("/runs/live/stop")
+        assert r.status_code == 200 and r.json() == {"run": "live", "asked": "stop", "state": "running"}, r.text
+        assert json.loads(open_store(live).get(CONTROL)) == {
+            "action": "stop_job",
+            "reason": "stopped in the Training view",
+        }
+        r = editor.post("/runs/done/stop")
+        assert r.status_code == 409 and r.json()["detail"] == "run done has no job to stop (finished)"
+        r = editor.post("/runs/waiting/stop", params={"reason": "not today"})
+        assert r.status_code == 200 and r.json()["asked"] == "cancel", r.text
+        assert Queue(str(root)).submission("waiting").cancelled == "not today"
+    # The job's leader ends it: the view shows the state, the sentence, and the hosts gone.
+    store = open_store(live)
+    EventLog(store, source="h0-agent").ended(RunState.STOPPED, "stopped in the Training view", step=40)
+    write_status(store, state="stopped", reason="stopped in the Training view", job="j2", step=40, run_uri=live)
+    chart = client.get("/runs/live/chart").json()
+    assert (chart["status"]["state"], chart["status"]["reason"]) == ("stopped", "stopped in the Training view")
+    assert "stale_s" not in chart["status"], "a stopped run is over: no staleness to warn of"
+    said = [t for t in chart["timeline"] if t["type"] == "stopped"]
+    assert said and said[0]["text"].startswith("the job was stopped: stopped in the Training view (at step 40)")
+    assert chart["hosts"]["workers"][-1] == 0

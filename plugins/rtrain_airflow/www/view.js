@@ -342,6 +342,37 @@
     }
   }
 
+  // The Stop button: shown while the run has a job to stop (or waits in its pool's queue); it asks as
+  // `rtrain stop` does (a pool's run: as `rtrain cancel`), and the run ends "stopped", resumable.
+  function renderStop(st, q) {
+    const live = !!(st && ALIVE.has(st.state)) || !!(q && (q.state === "queued" || ALIVE.has(q.state)));
+    const button = $("#stop");
+    button.hidden = !live;
+    body.dataset.stoppable = String(live);
+  }
+
+  async function stopRun() {
+    if (!window.confirm("Stop this run? Its job ends stopped (not failed); a new run of it resumes from its newest committed checkpoint.")) return;
+    const button = $("#stop");
+    const said = $("#stop-said");
+    button.disabled = true;
+    try {
+      const r = await fetch(url("stop"), { method: "POST", credentials: "same-origin", headers: { Accept: "application/json" } });
+      let payload = null;
+      try { payload = await r.json(); } catch (e) { payload = null; }
+      if (!r.ok) throw new Error((payload && payload.detail) || r.statusText || ("HTTP " + r.status));
+      said.textContent = payload.asked === "cancel"
+        ? "Cancelled in the queue: its job stops at the scheduler's next look."
+        : "Asked the job to stop: it ends stopped at its leader's next look.";
+    } catch (err) {
+      said.textContent = "The run could not be stopped: " + err.message;
+      button.disabled = false;
+    }
+    said.hidden = false;
+  }
+
+  $("#stop").addEventListener("click", stopRun);
+
   async function tick() {
     let delay = 10000;
     try {
@@ -357,6 +388,7 @@
       state.cursor = data.cursor;
       const st = state.status;
       const alive = !!(st && ALIVE.has(st.state));
+      renderStop(st, data.queue);
       const key = st ? st.state + ":" + (st.job || "") : "none";
       if (state.reportKey !== key ? Date.now() - state.reportAt > 3000 : alive && Date.now() - state.reportAt > 15000) {
         await loadReport(key);
