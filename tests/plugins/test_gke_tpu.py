@@ -497,12 +497,40 @@ def test_the_gke_conf_in_docs_gke_md_triggers_the_shipped_dag() -> None:
 
 def test_docs_gke_md_uses_one_zone_and_cites_only_the_repository() -> None:
     text = (REPO / "docs" / "gke.md").read_text()
-    zones = set(re.findall(r"\bus-east5-[a-z]\b", text))
-    assert zones == {"us-east5-a"}, zones
-    assert "ZONE=us-east5-a" in text
+    zones = set(re.findall(r"\bus-[a-z]+\d-[a-z]\b", text))
+    assert zones == {"us-central1-a"}, zones  # it offers v5e (the test run) and v5p (the DAG's run)
+    assert "ZONE=us-central1-a" in text
     assert not re.search(r"\.\./|DESIGN\.md|shared/", text)
-    for path in set(re.findall(r"`((?:docker|docs|dags|plugins|training|tests)/[\w./-]+\.\w+)`", text)):
+    for path in set(re.findall(r"`((?:docker|docs|dags|plugins|training|tests)/[\w./-]+\.\w+)", text)):
         assert (REPO / path).exists(), path
+
+
+def test_the_test_run_of_docs_gke_md_passes_every_check_before_billing(tmp_path: Path) -> None:
+    """The gke.yml and the ``rtrain train --gke`` line of §7.2 resolve, fit the shape, and name the right pools."""
+    import shlex
+
+    from training.backends.gke_run import GKERun, hosts_per_slice, load_settings
+    from training.cli import build_parser
+    from training.gke import check_config
+    from training.gke.manifests import feasible_slices
+
+    text = (REPO / "docs" / "gke.md").read_text()
+    (settings,) = [b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "machine_type: ct5lp" in b]
+    (gke_yml := tmp_path / "gke.yml").write_text(settings)
+    (line,) = [b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if "rtrain train --preset tiny --gke" in b]
+    train = next(c for c in line.replace("\\\n", " ").splitlines() if c.startswith("rtrain train"))
+    argv = shlex.split(train.replace("$BUCKET", "rtrain-prod-runs").replace("gke.yml", str(gke_yml)))[1:]
+    args = build_parser().parse_args(argv)
+    gke = load_settings(args.gke)
+    cfg = load_config(
+        args.preset, args.config, [*args.overrides, "backend=gke", f"hosts_per_slice={hosts_per_slice(gke)}"]
+    )
+    tpu = TPUSlice(gke["machine_type"], gke["tpu_topology"])
+    check_config(cfg, tpu)
+    assert (tpu.hosts, feasible_slices(cfg, tpu)) == (2, [1, 2])
+    assert len(gke["node_pools"]) == cfg.max_workers // tpu.hosts == 2
+    run = GKERun(cfg, gke, CloudCluster(gke, AnonymousCredentials()))
+    assert [p.node_count for p in run.cluster.pool_specs()] == [2, 2] and all(p.spot for p in run.cluster.pool_specs())
 
 
 # --- module hygiene ------------------------------------------------------------------------------------
