@@ -111,6 +111,7 @@ __all__ = [
     "begin_job",
     "committed_steps",
     "events",
+    "export",
     "events_since",
     "floor_key",
     "job_state",

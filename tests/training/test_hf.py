@@ -281,3 +281,37 @@ def test_a_run_starts_from_init_from_and_exports_what_it_trained(tmp_path: Path,
         assert (tmp_path / "op" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), name
     with pytest.raises(AirflowSkipException):
         RTrainExportCheckpointOperator(task_id="export", spec=spec, export_format="hf", export_dir="").execute({})  # type: ignore[arg-type]
+
+
+def test_a_checkpoint_on_gcs_loads_as_a_local_one(gcs_root: str) -> None:
+    """init_from=gs://...: config.json, the safetensors' ranges and tokenizer.json read over HTTP (the emulator)."""
+    from training.data.tokenizer import resolve
+    from training.storage import open_store
+
+    name = "llama3-gqa-scaled"
+    store = open_store(f"{gcs_root}/{name}")
+    for f in ("config.json", "model.safetensors", "tokenizer.json"):
+        store.put(f, (FIXTURES / name / f).read_bytes())
+    cfg = load_config(None, None, [f"init_from={gcs_root}/{name}"])
+    assert cfg.tokenizer == f"{gcs_root}/{name}/tokenizer.json" and cfg.n_kv_heads == 2
+    assert resolve(cfg.tokenizer).fingerprint == resolve(str(FIXTURES / name / "tokenizer.json")).fingerprint
+    task = LanguageModel(cfg)
+    params = hf.to_params(hf.Checkpoint(cfg.init_from), abstract_params(task), task.model_cfg)
+    ref = reference(name)
+    assert np.abs(our_logits(task, params, ref["tokens"]) - ref["logits"]).max() < TOLERANCE
+
+
+def test_an_export_is_refused_in_one_line_without_a_validated_step_or_into_a_full_directory(tmp_path: Path) -> None:
+    from training.export import ExportError, export
+
+    cfg = load_config(None, None, [f"root={tmp_path / 'runs'}", "run_name=none"])
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    with pytest.raises(ExportError, match=r"--output .*full exists and is not an empty directory$"):
+        export(cfg, str(tmp_path / "full"), "hf")
+    with pytest.raises(
+        ExportError, match=r"has no validated checkpoint \(rtrain validate it, or name one with --step\)$"
+    ):
+        export(cfg, str(tmp_path / "out"), "orbax")
+    with pytest.raises(ExportError, match=r"step 3 is not a committed checkpoint of .*none \(committed: \[\]\)$"):
+        export(cfg, str(tmp_path / "out"), "hf", step=3)
