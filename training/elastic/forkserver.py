@@ -42,9 +42,8 @@ def main() -> int:
     from training.elastic.worker import die_with_parent, import_libraries
 
     die_with_parent()
-    env = os.environ
-    title = procctl.job_title("forkserver", env["RTRAIN_RUN_URI"], env["RTRAIN_JOB"], env["RTRAIN_HOST"])
-    procctl.set_title(title, name=NAME)
+    where = (os.environ.get(k, "?") for k in ("RTRAIN_RUN_URI", "RTRAIN_JOB", "RTRAIN_HOST"))
+    procctl.set_title(procctl.job_title("forkserver", *where), name=NAME)
     sock = socket.socket(fileno=int(os.environ.pop(FD_ENV)))
     import_libraries()
     return serve(sock)
