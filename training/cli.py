@@ -135,10 +135,33 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return Exit.OK
 
 
+def _gke_config(args: argparse.Namespace, gke: Any) -> Any:
+    """A ``backend: gke`` run's config: hosts per slice and chips per host from the TPU type and the notice's commit
+    fitted to the pods' grace, unless given; then all the JobSet's render would refuse, in one line, before billing."""
+    from training.backends import BackendError
+    from training.gke import GKEConfigError, check_launch, fit_grace, settings_keys
+
+    given = {o.split("=", 1)[0] for o in args.overrides}
+    try:
+        extra = ["backend=gke"] + [f"{k}={v}" for k, v in settings_keys(gke).items() if k not in given]
+        cfg = _config(args, extra)
+        cfg = cfg if "preemption_grace_s" in given else fit_grace(cfg, gke)
+        check_launch(cfg, gke)
+    except GKEConfigError as e:
+        raise BackendError(f"gke: {e}") from None
+    return cfg
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from training.api import plan
 
-    report = plan(_config(args), compiled=args.compiled)
+    if args.gke:
+        from training.backends.gke_run import load_settings
+
+        cfg = _gke_config(args, load_settings(args.gke))
+    else:
+        cfg = _config(args)
+    report = plan(cfg, compiled=args.compiled)
     if args.json:
         _dump(report)
         return Exit.OK
@@ -258,14 +281,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _train_gke(args: argparse.Namespace) -> int:
     """``rtrain train --gke FILE``: node pools, the JobSet, the job followed, then both deleted (docs/gke.md)."""
-    from training.backends.gke_run import GKERun, delete_pools_command, hosts_per_slice, load_settings
+    from training.backends.gke_run import GKERun, delete_pools_command, load_settings
 
     gke = load_settings(args.gke)
-    extra = ["backend=gke"]
-    hosts = hosts_per_slice(gke)
-    if hosts and not any(o.startswith("hosts_per_slice=") for o in args.overrides):
-        extra.append(f"hosts_per_slice={hosts}")
-    cfg = _config(args, extra)
+    cfg = _gke_config(args, gke)
     run = GKERun(cfg, gke)
     run.check()  # the config against the TPU shape, the credentials, the project, the cluster: before any billing
     progress = Progress(cfg.steps)
@@ -673,6 +692,7 @@ def _job_commands(sub: Subcommands[argparse.ArgumentParser]) -> None:
         action="store_true",
         help="also check the compiled train step's per-device memory (compiled for fake CPU devices; can take a minute)",
     )
+    sp.add_argument("--gke", default=None, metavar="FILE", help="plan a GKE run: a YAML file of gke settings")
     sp.set_defaults(fn=cmd_plan)
 
     sp = sub.add_parser("train", help="run (or resume) a training job on the local slice")

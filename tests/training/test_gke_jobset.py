@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 import re
 import subprocess
@@ -42,6 +43,7 @@ from training.gke.manifests import (
     GKECapacity,
     GKEConfigError,
     GKELaunch,
+    GKESettings,
     TPUSlice,
     complete_slices,
     jobset_name,
@@ -471,7 +473,7 @@ def test_a_lost_host_is_recreated_while_the_jobset_itself_never_restarts() -> No
     rules = job["podFailurePolicy"]["rules"]
     assert rules[0] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
     assert rules[1]["action"] == "FailJob"
-    assert rules[1]["onExitCodes"] == {"containerName": "agent", "operator": "In", "values": [3, 5, 7]}
+    assert rules[1]["onExitCodes"] == {"containerName": "agent", "operator": "In", "values": [3, 5]}
     from training.elastic.codes import AgentExit
 
     assert {int(AgentExit.FAILED), int(AgentExit.SUPERSEDED), int(AgentExit.STOPPED)} == set(
@@ -523,10 +525,13 @@ def test_every_pod_runs_one_host_agent_with_its_identity_and_addresses(
         assert args["coordinator_host"] == f"{pod['spec']['hostname']}.{pod['spec']['subdomain']}"
         assert pod["spec"]["subdomain"] == m.service["metadata"]["name"]
         assert int(args["coordinator_port"]) in {p["containerPort"] for p in container["ports"]}
-        # Rank 0's peer watch listens next to the coordinator (the agent passes coordinator port + 1).
-        assert int(args["coordinator_port"]) + 1 in {p["containerPort"] for p in container["ports"]}
-        # Its agent's host watch listener (the leader's connection to it) is on coordinator port + 2.
-        assert int(args["coordinator_port"]) + 2 in {p["containerPort"] for p in container["ports"]}
+        # Rank 0's peer watch and its agent's host watch listener (the leader's connection to it) listen on the
+        # ports the agent derives from the coordinator's, declared in the pod.
+        from training.elastic.hostwatch import host_watch_port
+        from training.elastic.peerwatch import peer_watch_port
+
+        assert peer_watch_port(int(args["coordinator_port"])) in {p["containerPort"] for p in container["ports"]}
+        assert host_watch_port(int(args["coordinator_port"])) in {p["containerPort"] for p in container["ports"]}
         assert args["bind_host"] == pod["status"]["podIP"]
         assert not any(key.startswith("MEGASCALE_") and key != "MEGASCALE_PORT" for key in env)
     assert len(seen) == k * tpu.hosts
@@ -610,7 +615,7 @@ def test_spot_pods_get_the_15s_a_spot_preemption_gives_and_the_job_must_commit_w
     # Spot: 15 s by default, so the default preemption_grace_s (25 s) cannot be honoured: refused, naming both.
     spot = GKELaunch(image="img:1", spot=True)
     assert spot.pod_grace_s == spot.preemption_window_s == gke.SPOT_POD_GRACE_S == 15
-    with pytest.raises(GKEConfigError, match=r"^preemption_grace_s: 25s .*spot_grace_s.*termination_grace_period_s"):
+    with pytest.raises(GKEConfigError, match=r"^preemption_grace_s: 25s .*gke.spot_shutdown_grace_s: 120.*at most 10s"):
         render(gke_config(), tpu, spot, "j1")
     m = render(gke_config(preemption_grace_s=10), tpu, spot, "j1")
     assert pod_grace(m) == 15
@@ -995,7 +1000,7 @@ def test_the_spot_grace_reaches_the_pools_and_the_pods_and_a_cluster_too_old_for
     from training.backends.gke import GKEBackend
     from training.backends.gke_cluster import CloudCluster
 
-    settings: Any = {
+    settings: GKESettings = {
         "location": "us-east5",
         "cluster_name": "c",
         "machine_type": "ct6e-standard-4t",
@@ -1006,18 +1011,48 @@ def test_the_spot_grace_reaches_the_pools_and_the_pods_and_a_cluster_too_old_for
     }
     tpu = TPUSlice("ct6e-standard-4t", "4x4")
     for asked, pods, commit in ((None, 15, 10.0), (120, 105, 100.0)):
-        gke_settings = {**settings, "spot_shutdown_grace_s": asked} if asked else settings
+        gke_settings: GKESettings = {**settings, "spot_shutdown_grace_s": asked} if asked else settings
         assert [s.spot_shutdown_grace_s for s in CloudCluster(gke_settings).pool_specs()] == [asked, asked]
         launch = GKEBackend(gke_settings).placement()
         assert launch.spot_grace_s == launch.pod_grace_s == pods
         assert gke.settings_preemption_grace_s(gke_settings) == commit
         m = render(gke_config(preemption_grace_s=commit), tpu, launch, "j1", 2)
         assert pod_grace(m) == pods
-    longer = {**settings, "spot_shutdown_grace_s": 120}
+    longer: GKESettings = {**settings, "spot_shutdown_grace_s": 120}
     gke.check_spot_grace(longer, "1.35.0-gke.1171000")
     with pytest.raises(GKEConfigError, match=r"^gke.spot_shutdown_grace_s: 120s needs GKE 1.35.0-gke.1171000"):
         gke.check_spot_grace(longer, "1.34.5-gke.1000")
     gke.check_spot_grace(settings, "1.30.0-gke.1")  # the default grace: any version
+
+
+def test_rtrain_plan_and_train_on_gke_refuse_what_the_render_would_before_any_pool(tmp_path: Path) -> None:
+    settings = tmp_path / "gke.yaml"
+    settings.write_text(
+        yaml.safe_dump(
+            {
+                "location": "us-east5",
+                "cluster_name": "c",
+                "machine_type": "ct5lp-hightpu-4t",  # v5e: 4 chips a host, not the config's default 2
+                "tpu_topology": "4x4",
+                "image": "img:1",
+                "node_pools": ["p0", "p1"],
+                "spot": True,
+            }
+        )
+    )
+    keys = ["min_workers=4", "max_workers=8", "global_batch=32", "root=gs://b/r", "run_name=p"]
+
+    def rtrain(verb: str, *argv: str) -> subprocess.CompletedProcess[str]:
+        cmd = [str(Path(sys.executable).parent / "rtrain"), verb, "--gke", str(settings), *argv, *keys]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+
+    ok = rtrain("plan", "--json")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["min_plan"]["devices"] == 16  # 4 hosts of 4 chips
+    for verb in ("plan", "train"):
+        bad = rtrain(verb, "preemption_grace_s=20")
+        assert bad.returncode != 0 and bad.stderr.strip().splitlines() == [bad.stderr.strip()]
+        assert "gke: preemption_grace_s: 20s" in bad.stderr and "at most 10s" in bad.stderr, bad.stderr
 
 
 def test_compiling_ahead_across_slice_counts_is_off_on_tpu_unless_asked() -> None:

@@ -91,9 +91,9 @@ ENTRYPOINT_SCRIPT = (
     '.${RTRAIN_SUBDOMAIN}" '
     '--coordinator-port "$RTRAIN_COORDINATOR_PORT" --bind-host "$RTRAIN_POD_IP"\n'
 )
-# Agent exit codes that end the job for good (training.elastic.codes.AgentExit.FAILED, SUPERSEDED and STOPPED):
+# Agent exit codes that end the job for good (training.elastic.codes.AgentExit.FAILED and SUPERSEDED):
 # the Job fails at once instead of recreating the pod.
-FINAL_EXIT_CODES = (3, 5, 7)
+FINAL_EXIT_CODES = (3, 5)
 
 # A JobSet's pod names are <jobset>-slice-<j>-<i>-<5 random>, at most 63
 # characters (the JobSet webhook refuses longer ones).  30 leaves room for a
@@ -548,6 +548,21 @@ def settings_launch(gke: GKESettings, priority: str | None = None) -> GKELaunch:
     )
 
 
+def settings_keys(gke: GKESettings) -> dict[str, int]:
+    """The config keys a run takes from its TPU type: hosts per slice, and chips per host (one process a host)."""
+    for key in ("machine_type", "tpu_topology"):
+        if not gke.get(key):
+            raise GKEConfigError(f"gke.{key}: required")
+    tpu = TPUSlice(gke["machine_type"], gke["tpu_topology"])
+    return {"hosts_per_slice": tpu.hosts, "devices_per_worker": tpu.chips_per_host}
+
+
+def fit_grace(cfg: Config, gke: GKESettings) -> Config:
+    """The config with its stop-and-commit after a notice (``preemption_grace_s``) no longer than the pods have."""
+    fit = min(cfg.preemption_grace_s, settings_preemption_grace_s(gke))
+    return cfg if fit == cfg.preemption_grace_s else cfg.model_copy(update={"preemption_grace_s": fit})
+
+
 def check_launch(cfg: Config, gke: GKESettings, priority: str | None = None) -> GKELaunch:
     """Everything a launch would refuse, before anything is created: the config against the TPU shape (chips
     per host, hosts per slice, slices in ``min_workers..max_workers`` the batch splits over), the grace against
@@ -603,8 +618,8 @@ def check_grace(cfg: Config, launch: GKELaunch) -> None:
     if cfg.preemption_grace_s + GRACE_MARGIN_S > window:
         if launch.spot and window == launch.spot_grace_s:
             where = (
-                f"a Spot preemption gives the pods {window}s (spot_grace_s; GKE's default is {SPOT_POD_GRACE_S}s, "
-                "up to 105s on a pool made with spot_shutdown_grace_s=120)"
+                f"a Spot preemption gives the pods {window}s (GKE's default is {SPOT_POD_GRACE_S}s; 105s with "
+                "gke.spot_shutdown_grace_s: 120, on GKE 1.35.0-gke.1171000 or later)"
             )
         else:
             where = f"the pods get termination_grace_period_s={window}s"

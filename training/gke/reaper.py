@@ -16,13 +16,13 @@ and ``podReplacementPolicy: Failed`` makes the replacement only once the old pod
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from training.gke.manifests import COMPLETION_INDEX_ANNOTATION, EXCLUSIVE_TOPOLOGY_ANNOTATION, JOB_INDEX_LABEL
 
 
-def replaced_leaders(pods: list[Mapping[str, Any]]) -> list[str]:
+def replaced_leaders(pods: Sequence[Mapping[str, Any]]) -> list[str]:
     """The names of the failed leader pods (index 0) that a newer pod of their slice's Job replaces.
 
     ``pods`` are one JobSet's pods as the API lists them (``kubectl get pods -o json``'s items).  A
