@@ -69,11 +69,11 @@ def wait_for(check: Callable[[], Any], timeout: float, what: str, every: float =
 
 
 def wait_finished(handle: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
-    from training.api import job_state
+    from training.api import FINAL_STATES, job_state
 
     def over() -> Mapping[str, Any] | None:
         look = job_state(handle)
-        return look if look["state"] in ("finished", "failed") else None
+        return look if look["state"] in FINAL_STATES else None
 
     look = wait_for(over, timeout, f"job {handle['job']} to end", every=0.5)
     pid = handle.get("controller_pid")

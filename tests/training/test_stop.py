@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from jobs import wait_for
+from jobs import job_config, start_job, wait_finished, wait_for
 
 from training import api
 from training.backends import SharedPoolBackend
@@ -250,3 +250,28 @@ def test_rtrain_stop_ends_a_running_job_stopped_and_rtrain_train_resumes_it(
     restores = [e for e in api.events(uri, ("restore",)) if e["time"] > stopped["time"]]
     assert restores and restores[0]["step"] == committed, restores
     assert (api.status(uri) or {}).get("state") == "finished"
+
+
+@pytest.mark.slow
+def test_a_job_held_with_no_host_left_ends_stopped_when_asked(
+    tmp_path: Path, tiny_dataset: str, jax_cache: str
+) -> None:
+    """No host of the job is left: the local slice holds the run; ``rtrain stop`` ends it stopped there too."""
+    import glob
+
+    cfg = job_config(
+        str(tmp_path), tiny_dataset, jax_cache, run_name="held", min_workers=1, max_workers=2, steps=200,
+        capacity_timeout_s=120, chaos=["capacity:to=0,step=2"], heartbeat_s=0.5, heartbeat_timeout_s=3.0,
+        lease_s=1.0, join_timeout_s=10,
+    )  # fmt: skip
+    handle = start_job(cfg)
+    uri = cfg.run_uri
+    wait_for(lambda: (api.status(uri) or {}).get("state") == "waiting_for_capacity", 120, "the run held, waiting")
+    assert main(["stop", "held", "--root", str(tmp_path), "--reason", "no capacity today"]) == Exit.OK
+    t0 = time.monotonic()
+    st = wait_finished(handle, timeout=60)
+    assert time.monotonic() - t0 < 15, "not the capacity timeout: the stop"
+    assert (st["state"], st["reason"]) == ("stopped", "no capacity today (while waiting for capacity)"), st
+    assert [e["reason"] for e in api.events(uri, ("stopped",))] == [st["reason"]]
+    stops = [json.loads(open(p).read()) for p in glob.glob(f"{uri}/rendezvous/rounds/*.json")]
+    assert any(r["action"] == "stop" and r["final"] == "stopped" for r in stops), stops
