@@ -40,8 +40,9 @@ class FakeClusterManager:
     POOL_RE = re.compile(r"^(projects/[^/]+/locations/[^/]+/clusters/[^/]+)/nodePools/([a-z][-a-z0-9]*)$")
     OP_RE = re.compile(r"^projects/([^/]+)/locations/([^/]+)/operations/(operation-\d+)$")
 
-    def __init__(self, clusters: tuple[str, ...] = (), polls: int = 2) -> None:
+    def __init__(self, clusters: tuple[str, ...] = (), polls: int = 2, version: str = "1.33.5-gke.1308000") -> None:
         self.clusters = set(clusters)
+        self.version = version  # the control plane's GKE version
         self.polls = polls
         self.pools: dict[str, container_v1.NodePool] = {}
         self.ops: dict[str, dict[str, Any]] = {}
@@ -71,7 +72,8 @@ class FakeClusterManager:
         self.calls.append(("get_cluster", request.name))
         if request.name not in self.clusters:
             raise NotFound(f'Not found: "{request.name}".')
-        return container_v1.Cluster(name=request.name.rsplit("/", 1)[-1], endpoint="127.0.0.1", status=2)
+        name = request.name.rsplit("/", 1)[-1]
+        return container_v1.Cluster(name=name, endpoint="127.0.0.1", status=2, current_master_version=self.version)
 
     def create_node_pool(self, request: container_v1.CreateNodePoolRequest) -> container_v1.Operation:
         assert self.CLUSTER_RE.match(request.parent), request.parent

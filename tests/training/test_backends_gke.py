@@ -198,6 +198,14 @@ def test_the_cloud_cluster_provisions_the_settings_pools_and_deletes_them(
     up = cluster.create_node_pools(need=2, timeout_s=10)
     assert sorted(up.ready) == ["slice-0", "slice-1"]
     assert cluster.delete_node_pools() == ["slice-0", "slice-1"] and fake.pools == {}
+    # A Spot grace the settings ask for (the cluster's version allowing it) reaches the pools' kubelet.
+    fake.version = "1.35.0-gke.1171000"
+    longer = CloudCluster(
+        settings(spot_shutdown_grace_s=120), AnonymousCredentials(), cluster_manager=client, poll_s=0.01, backoff=FAST
+    )
+    longer.create_node_pools(need=2, timeout_s=10)
+    made = fake.pool(f"{CLUSTER_PATH}/nodePools/slice-1")
+    assert made.config.kubelet_config.shutdown_grace_period_seconds == 120
 
 
 def test_an_existing_pool_of_the_same_shape_is_success_and_of_another_an_error(
