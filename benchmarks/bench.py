@@ -881,6 +881,7 @@ FIGURES = (
     "local_tier",
     "service",
     "control_plane",
+    "accelerator",
 )
 
 
@@ -913,7 +914,15 @@ def figure_runs(ws: Path, repeats: int, quick: bool) -> dict[str, Callable[[], d
         "local_tier": lambda: bench_local_tier(ws, repeats),
         "service": lambda: bench_service(ws, repeats),
         "control_plane": lambda: bench_control_plane(ws, repeats, 10.0 if quick else OPS_WINDOW_S),
+        "accelerator": lambda: _accelerator(repeats, quick),
     }
+
+
+def _accelerator(repeats: int, quick: bool) -> dict[str, Any]:
+    """The accelerator row (``benchmarks/accelerator.py``): the built-in Llama on this JAX backend."""
+    from benchmarks.accelerator import bench_accelerator
+
+    return bench_accelerator(repeats, quick)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks import accelerator
 from benchmarks.table import Row, note, over, ratios, row
 
 Result = dict[str, Any]
@@ -281,6 +282,7 @@ ROWS: dict[str, Callable[[Result], list[Row]]] = {
     "local_tier": local_tier_rows,
     "service": service_rows,
     "control_plane": control_plane_rows,
+    "accelerator": accelerator.rows,
 }
 
 

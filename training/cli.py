@@ -174,11 +174,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if report.get("memory_source") == "formula":
         print(f"memory per device at the minimum: {mem['total']:.2f} GiB by the formula ({params})")
     if got:
+        backend = "this machine's accelerator" if "cpu_estimate" in got else "CPU backend"
         print(
-            f"memory per device at the minimum: {got['total']:.2f} GiB from the compiled step (CPU backend, XLA's "
+            f"memory per device at the minimum: {got['total']:.2f} GiB from the compiled step ({backend}, XLA's "
             f"buffer assignment: arguments {got['arguments']:.2f}, temporaries {got['temporaries']:.2f}, "
             f"outputs {got['outputs']:.2f}, aliased {got['alias']:.2f} GiB; {params})"
         )
+        if "cpu_estimate" in got:
+            err = got["cpu_estimate"] / got["total"] - 1 if got["total"] else 0.0
+            print(f"the CPU backend's estimate of the same step: {got['cpu_estimate']:.2f} GiB ({err:+.0%})")
     return Exit.OK
 
 

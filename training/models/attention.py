@@ -18,12 +18,14 @@ earlier tokens of its own segment (document) only.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
 from typing import Any, Literal, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Impl = Literal["auto", "splash", "xla", "reference"]
 IMPLS: tuple[str, ...] = ("auto", "splash", "xla", "reference")
@@ -108,7 +110,14 @@ def _kernel(seq_len: int, heads: int, interpret: bool) -> Any:
         block_kv_dq=bs,
     )
     mask = sm.MultiHeadMask([sm.CausalMask((seq_len, seq_len)) for _ in range(heads)])
-    return sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    # Built in a thread of its own, outside the caller's trace (JAX's trace state is per thread), and its
+    # block tables turned into host arrays: device arrays a jitted step closes over become its hidden
+    # arguments, which an ahead-of-time compiled step is then called without.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        kernel = pool.submit(
+            sk.make_splash_mha, mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
+        ).result()
+    return jax.tree.map(np.asarray, kernel)
 
 
 def _splash(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
