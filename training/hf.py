@@ -281,10 +281,14 @@ def hf_config(model: Any, dtype: str) -> dict[str, Any]:
 
 
 def weight_names(model: Any) -> Iterator[tuple[tuple[str, ...], str, bool]]:
-    """Each weight of a Llama of config ``model``: its path in an unscanned tree, its name, transposed or not."""
+    """Each weight of a Llama of config ``model``: its path in an unscanned tree, its name, transposed or not.
+
+    A block's weights come kind by kind (every layer's q, then every layer's k, ...): a scanned tree's
+    stacked leaf is complete, and can be placed and let go, before the next kind is read.
+    """
     yield ("embed",), "model.embed_tokens.weight", False
-    for i in range(model.n_layers):
-        for path, name, transposed in LAYER_WEIGHTS:
+    for path, name, transposed in LAYER_WEIGHTS:
+        for i in range(model.n_layers):
             yield (f"layers_{i}", *path), f"model.layers.{i}.{name}", transposed
     yield ("final_norm", "scale"), "model.norm.weight", False
     if not model.tie_embeddings:
@@ -316,6 +320,13 @@ def to_params(ckpt: Checkpoint, abstract: Mapping[str, Any], model: Any) -> dict
     ``abstract`` may be scanned (``layers`` stacked over a leading axis) or not; every shape is checked.
     """
     out: dict[str, Any] = {}
+    for path, arr in leaves(ckpt, abstract, model):
+        _set(out, path, arr)
+    return out
+
+
+def leaves(ckpt: Checkpoint, abstract: Mapping[str, Any], model: Any) -> Iterator[tuple[tuple[str, ...], np.ndarray]]:
+    """Each parameter of ``abstract``'s tree (its path, its values) from the checkpoint, one at a time."""
     stacks: dict[tuple[str, ...], list[np.ndarray]] = {}
     for path, name, transposed in weight_names(model):
         arr = ckpt.get(name)
@@ -330,13 +341,13 @@ def to_params(ckpt: Checkpoint, abstract: Mapping[str, Any], model: Any) -> dict
                 f"{list(shape[::-1] if transposed else shape)}"
             )
         arr = arr.astype(want.dtype)
-        if scanned:
-            stacks.setdefault(scanned[0], []).append(arr)
-        else:
-            _set(out, path, arr)
-    for path, layers in stacks.items():
-        _set(out, path, np.stack(layers))
-    return out
+        if not scanned:
+            yield path, arr
+            continue
+        stack = stacks.setdefault(scanned[0], [])
+        stack.append(arr)
+        if len(stack) == model.n_layers:
+            yield scanned[0], np.stack(stacks.pop(scanned[0]))
 
 
 def from_params(params: Mapping[str, Any], model: Any, dtype: np.dtype[Any]) -> dict[str, np.ndarray]:
@@ -408,11 +419,15 @@ def checkpoint_keys(uri: str) -> CheckpointKeys:
 def load_params(uri: str, abstract: Any, model: Any) -> Any:
     """The checkpoint's weights as the model's parameters, each placed with its ``abstract`` leaf's sharding.
 
-    Every process reads the whole checkpoint and keeps its own shards (``jax.make_array_from_callback``).
+    Every process reads the whole checkpoint, one parameter at a time (a scanned one: all its layers), and
+    keeps its own shards of it (``jax.make_array_from_callback``) before it reads the next.
     """
     import jax
 
-    host = to_params(Checkpoint(uri), abstract, model)
-    return jax.tree.map(
-        lambda arr, want: jax.make_array_from_callback(want.shape, want.sharding, lambda idx: arr[idx]), host, abstract
-    )
+    def place(arr: np.ndarray, want: Any) -> jax.Array:
+        return jax.make_array_from_callback(want.shape, want.sharding, lambda idx: arr[idx])
+
+    out: dict[str, Any] = {}
+    for path, arr in leaves(Checkpoint(uri), abstract, model):
+        _set(out, path, place(arr, _get(abstract, path)))
+    return out

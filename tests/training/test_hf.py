@@ -315,3 +315,22 @@ def test_an_export_is_refused_in_one_line_without_a_validated_step_or_into_a_ful
         export(cfg, str(tmp_path / "out"), "orbax")
     with pytest.raises(ExportError, match=r"step 3 is not a committed checkpoint of .*none \(committed: \[\]\)$"):
         export(cfg, str(tmp_path / "out"), "hf", step=3)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_load_params_places_each_weight_with_its_sharding(scan: bool) -> None:
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    name = "llama3-gqa-scaled"
+    task = task_for(FIXTURES / name, f"scan_layers={scan}")
+    mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+    abstract = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P())), abstract_params(task)
+    )
+    placed = hf.load_params(str(FIXTURES / name), abstract, task.model_cfg)
+    host = hf.to_params(hf.Checkpoint(str(FIXTURES / name)), abstract, task.model_cfg)
+    assert jax.tree.structure(placed) == jax.tree.structure(host)
+    for got, want in zip(jax.tree.leaves(placed), jax.tree.leaves(host), strict=True):
+        assert isinstance(got, jax.Array) and got.sharding == NamedSharding(mesh, P())
+        np.testing.assert_array_equal(np.asarray(got), want)
