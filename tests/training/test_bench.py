@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from benchmarks import bench
-from benchmarks.table import Row, Spread, find, format_row, ratios, spread
+from benchmarks.rows import ROWS, generic_rows
+from benchmarks.table import Row, Spread, find, format_row, note, ratios, spread
 
 RTRAIN = str(Path(sys.executable).parent / "rtrain")
 
@@ -103,11 +104,12 @@ def test_a_figure_measured_once_a_repeat_reports_each_repeat_and_unpaired_repeat
 
 
 def test_a_figure_without_rows_of_its_own_reports_its_ratios() -> None:
-    r = bench.summarise("accelerator", {"ratios": [0.9, 1.2, 1.0], "target": ">= 0.9", "measured": "x vs y"}, 0.0)
+    assert "a_new_figure" not in ROWS
+    r = bench.summarise("a_new_figure", {"ratios": [0.9, 1.2, 1.0], "target": ">= 0.9", "measured": "x vs y"}, 0.0)
     assert r["ratio"]["median"] == 1.0 and r["ratio"]["min"] == 0.9 and r["ratio"]["max"] == 1.2
     assert format_row(r["table_rows"][0]).endswith("1.000 [0.900..1.200]  >= 0.9")
     # A figure's own keys stay as it wrote them beside its table rows; one ratio is a repeat of one.
-    one = bench.summarise("accelerator", {"ratio": 0.4, "target": ">= 0.5", "rows": [{"shape": "a"}]}, None)
+    one = bench.summarise("a_new_figure", {"ratio": 0.4, "target": ">= 0.5", "rows": [{"shape": "a"}]}, None)
     assert one["rows"] == [{"shape": "a"}] and one["ratio"]["values"] == [0.4] and one["target"] == ">= 0.5"
 
 
@@ -257,3 +259,21 @@ def test_recovery_figures_and_the_compile_of_a_recovery_onto_an_unseen_mesh(tmp_
     # cache hit; not compiled ahead, it is compiled there (a miss).
     assert un["ahead"]["compile_cached"] is True and un["not_ahead"]["compile_cached"] is False
     _check(rec, "unseen_mesh", [un["ahead"]["compile_s"]], [un["not_ahead"]["compile_s"]], table, "compile < 0.2 s")
+
+
+def test_the_cost_figure_s_windows_end_on_steps_the_engine_reports_at_its_default_log_every() -> None:
+    from training.config import Config
+
+    assert bench.LOG_EVERY == Config.model_fields["log_every"].default
+    assert all(step % bench.LOG_EVERY == 0 for step in (*bench.STEADY, *bench.FIRST_STEPS))
+
+
+def test_a_figure_s_headline_is_its_first_row_with_a_ratio(monkeypatch: pytest.MonkeyPatch) -> None:
+    skipped = note("skipped", "a shape", "not run: no device")
+    monkeypatch.setitem(ROWS, "service", lambda res: [skipped, *generic_rows("b", res)])
+    s = bench.summarise("service", {"ratios": [2.0, 4.0], "target": "<= 3"}, None)
+    assert s["ratio"] is not None and s["ratio"]["median"] == 3.0 and s["target"] == "<= 3"
+    monkeypatch.setitem(ROWS, "service", lambda res: [skipped])
+    s = bench.summarise("service", {}, None)
+    assert s["ratio"] is None and s["target"] == ""
+    assert "not run: no device" in bench.format_table({"repeats": 1, "service": s})
