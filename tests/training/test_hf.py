@@ -227,7 +227,7 @@ def test_transformers_regenerates_the_fixtures_where_torch_is_installed(tmp_path
 
 
 @pytest.mark.slow
-def test_a_run_starts_from_init_from_and_exports_what_it_trained(tmp_path: Path, jax_cache: str) -> None:
+def test_a_run_starts_from_init_from_and_exports_what_it_trained(tmp_path: Path, jax_cache: str, gcs_root: str) -> None:
     """A real job (2 hosts) from a checkpoint, at a learning rate too small to move the logits; both exports."""
     import orbax.checkpoint as ocp
     from jobs import job_config, run_job
@@ -262,6 +262,11 @@ def test_a_run_starts_from_init_from_and_exports_what_it_trained(tmp_path: Path,
     ref = reference(name)
     diff = np.abs(our_logits(task, params, ref["tokens"]) - ref["logits"]).max()
     assert diff < TOLERANCE, f"the exported step's logits differ from transformers' by {diff:.3g}"
+    # The same export to gs:// (the emulator) reads back to the same tensors.
+    assert export(cfg.run_uri, f"{gcs_root}/hf", "hf")["files"] == out["files"]
+    on_gcs, local = hf.Checkpoint(f"{gcs_root}/hf"), hf.Checkpoint(str(tmp_path / "hf"))
+    for t in local.tensors:
+        np.testing.assert_array_equal(on_gcs.get(t), local.get(t), err_msg=t)
     # The plain Orbax export: the named tree, restored by Orbax alone.
     export(cfg.run_uri, str(tmp_path / "orbax"), "orbax", step=2)
     with ocp.StandardCheckpointer() as ck:
