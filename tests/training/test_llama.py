@@ -7,10 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from training.config import load_config
+from training.config import ConfigError, load_config
 from training.data.tokens import segments
-from training.models.llama import Llama, LlamaConfig, rope_frequencies
+from training.models.llama import REMAT_POLICIES, Llama, LlamaConfig, remat_policy, rope_frequencies
 from training.tasks import TaskError, load_task
+from training.tasks.lm import llama_config
 
 CFG = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
 
@@ -119,3 +120,38 @@ def test_the_loss_is_optax_s_cross_entropy_and_the_accuracy_counts_targets_with_
     grads = jax.grad(lambda x: cross_entropy(x, targets)[0])(logits)
     want_grads = jax.grad(lambda x: optax.softmax_cross_entropy_with_integer_labels(x, targets).mean())(logits)
     np.testing.assert_allclose(np.asarray(grads), np.asarray(want_grads), atol=1e-7)
+
+
+@pytest.mark.slow
+def test_every_remat_policy_gives_the_gradients_of_no_remat() -> None:
+    tokens = np.random.default_rng(3).integers(0, 64, (2, 16)).astype(np.int32)
+    parts = segments(tokens[0], eos=5)
+    seg, pos = np.stack([parts["segment_ids"]] * 2), np.stack([parts["positions"]] * 2)
+    base = LlamaConfig(**{**CFG.__dict__, "scan_layers": True})
+    params = Llama(base).init(jax.random.key(0), jnp.asarray(tokens))["params"]
+
+    def grads(cfg: LlamaConfig) -> list[np.ndarray]:
+        def loss(p: object) -> jax.Array:
+            return Llama(cfg).apply({"params": p}, tokens, seg, pos).std()
+
+        return [np.asarray(g) for g in jax.tree.leaves(jax.jit(jax.grad(loss))(params))]
+
+    want = grads(base)
+    for policy in REMAT_POLICIES:
+        got = grads(LlamaConfig(**{**base.__dict__, "remat": policy}))
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6, err_msg=policy)
+
+
+def test_remat_takes_a_policy_and_the_old_booleans() -> None:
+    assert load_config("tiny", None, {"remat": "dots"}).remat == "dots"
+    assert load_config("tiny", None, {"remat": True}).remat == "full"
+    assert load_config("tiny", None, {"remat": False}).remat == "none"
+    legacy = load_config("tiny", None, {"activation_checkpointing": True})
+    assert (legacy.remat, legacy.activation_checkpointing) == ("full", True)
+    assert llama_config(load_config("tiny", None, {"remat": "attn", "attention": "splash"})).remat == "attn"
+    assert load_config("llama3-8b").remat == "full"
+    with pytest.raises(ConfigError, match="remat"):
+        load_config("tiny", None, {"remat": "some"})
+    with pytest.raises(ValueError, match="unknown policy"):
+        remat_policy("some")
