@@ -85,7 +85,8 @@ def test_no_project_is_one_line_naming_the_key(tmp_path: Path) -> None:
 
 def test_a_config_the_shape_cannot_run_is_refused_before_credentials_are_looked_for(tmp_path: Path) -> None:
     line = one_line(rtrain_train(tmp_path, GKE, {}, "devices_per_worker=2"))
-    assert line == "rtrain: error: devices_per_worker: ct5lp-hightpu-4t has 4 chips per host, but devices_per_worker=2"
+    assert line.startswith("rtrain: error: ")
+    assert line.endswith("devices_per_worker: ct5lp-hightpu-4t has 4 chips per host, but devices_per_worker=2")
     missing = {k: v for k, v in GKE.items() if k != "image"}
     line = one_line(rtrain_train(tmp_path, missing, {}, "devices_per_worker=4"))
-    assert line == "rtrain: error: gke: backend 'gke' needs gke.image"
+    assert line.startswith("rtrain: error: gke") and "gke.image" in line  # the key, named
