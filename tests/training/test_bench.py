@@ -277,3 +277,34 @@ def test_a_figure_s_headline_is_its_first_row_with_a_ratio(monkeypatch: pytest.M
     s = bench.summarise("service", {}, None)
     assert s["ratio"] is None and s["target"] == ""
     assert "not run: no device" in bench.format_table({"repeats": 1, "service": s})
+
+
+def test_the_accelerator_row_s_peak_table_and_its_mfu_for_each_repeat() -> None:
+    from benchmarks.accelerator import Measured, peak_tflops, rows
+
+    assert peak_tflops("TPU v5 lite") == 197.0 and peak_tflops("TPU v5") == 459.0 and peak_tflops("TPU v4") == 275.0
+    assert peak_tflops("TPU v6 lite") == 918.0 and peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert peak_tflops("a kind nobody listed") is None
+    m = Measured("1b", "tpu", "TPU v5 lite", flops_per_token=8e9, step_s=[0.5, 0.4, 0.6], peak_tflops=197.0)
+    m.tokens_per_s, m.device_peak_gib, m.compiled_gib = 8192 / 0.5, 14.75, 14.72
+    m.mfu = m.tokens_per_s * 8e9 / 197e12
+    got = rows({"rows": [m.__dict__]})
+    want = [8192 / s * 8e9 / 197e12 for s in (0.5, 0.4, 0.6)]
+    assert got[0]["ratio"] is not None and got[0]["ratio"]["values"] == pytest.approx(want)
+    assert "14.75 GiB (device) vs 14.72 GiB (compiled)" in got[1]["measured"]
+    failed = rows({"rows": [Measured("big", "tpu", "TPU v5 lite", error="RESOURCE_EXHAUSTED: out of HBM").__dict__]})
+    assert failed[0]["ratio"] is None and "not run: RESOURCE_EXHAUSTED" in failed[0]["measured"]
+
+
+@pytest.mark.slow
+def test_the_accelerator_row_on_cpu_runs_a_small_shape_and_says_it_is_cpu(tmp_path: Path) -> None:
+    proc, results = _bench(tmp_path, "--only", "accelerator", "--repeats", "2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    acc = results["accelerator"]
+    assert acc["platform"] == "cpu" and [r["shape"] for r in acc["rows"]] == ["cpu-small"]
+    r = acc["rows"][0]
+    assert not r["error"] and len(r["step_s"]) == 2 and r["mfu"] is None and r["tokens_per_s"] > 0
+    assert r["save_pause_s"] is not None and r["restore_s"] is not None and r["state_gib"] > 0
+    med = statistics.median(r["step_s"])
+    assert _row(acc, "accelerator:cpu-small")["ratio"]["values"] == pytest.approx([s / med for s in r["step_s"]])
+    assert "(CPU: no MFU)" in _line(proc.stdout, "accelerator cpu-small")

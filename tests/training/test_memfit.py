@@ -136,3 +136,37 @@ def test_llama3_8b_is_analysed_from_shapes_alone():
     # Arguments are the parameters and AdamW's two moments (the gradients are temporaries), plus a batch.
     share = 3 * got.params * BYTES[cfg.param_dtype] / plan.param_shards
     assert got.argument_bytes == pytest.approx(share, rel=0.10)
+
+
+def test_on_an_accelerator_xla_s_own_peak_is_the_estimate_and_the_cpu_s_error_is_reported() -> None:
+    common = dict(
+        argument_bytes=6 * 2**30,
+        output_bytes=6 * 2**30,
+        temp_bytes=5 * 2**30,
+        code_bytes=2**20,
+        alias_bytes=6 * 2**30,
+        peak_bytes=10 * 2**30,
+        state_bytes=6 * 2**30,
+        params=10**9,
+        devices=1,
+        mesh_shape={"data": 1, "fsdp": 1, "tensor": 1},
+        compile_s=1.0,
+    )
+    cpu = CompiledMemory(**common)  # type: ignore[arg-type]
+    assert cpu.total_bytes == 11 * 2**30 + 2**20  # the live sum, the larger
+    assert cpu.cpu_error is None
+    tpu = CompiledMemory(**common, backend="tpu", cpu_total_bytes=cpu.total_bytes)  # type: ignore[arg-type]
+    assert tpu.total_bytes == 10 * 2**30 + 2**20
+    assert tpu.cpu_error == pytest.approx(0.1, abs=1e-3)
+    assert tpu.gib()["cpu_estimate"] == pytest.approx(11.0, abs=1e-2)
+
+
+def test_the_device_compile_is_refused_where_jax_finds_only_the_cpu(monkeypatch):
+    from training.memfit import _child, accelerator_present
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert not accelerator_present()
+    with pytest.raises(PlanError, match="no accelerator: JAX found only the CPU"):
+        _child(load_config("tiny", None, TINY_FSDP), 1, 120.0, device=True)
+    monkeypatch.setenv("JAX_PLATFORMS", "tpu,cpu")
+    assert accelerator_present()
