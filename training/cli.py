@@ -293,8 +293,8 @@ def _train_gke(args: argparse.Namespace) -> int:
     run.check()  # the config against the TPU shape, the credentials, the project, the cluster: before any billing
     progress = Progress(cfg.steps)
     progress.line(f"run {cfg.run_name} at {cfg.run_uri} on GKE cluster {gke['cluster_name']} ({gke['location']})")
-    handles = []
-    try:
+    handles: list[Any] = []
+    try:  # from here on node pools may exist: they are given back however this ends (not a detached job's)
         handles.append(run.start(progress.line))
         if args.detach:
             progress.line(
@@ -308,7 +308,7 @@ def _train_gke(args: argparse.Namespace) -> int:
         run.stop("rtrain train was interrupted")
         look = {"state": "stopped", "reason": "interrupted", "status": {}}
     finally:
-        if handles and not args.detach:
+        if not (args.detach and handles):
             progress.line(run.release(handles))
         progress.close()
     st = look.get("status") or {}

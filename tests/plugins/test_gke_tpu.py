@@ -950,3 +950,24 @@ def test_rtrain_train_s_gke_run_checks_provisions_launches_follows_and_releases(
     assert main(["stop", cfg.run_uri, "--reason", "done here"]) == 0
     assert run.release([handle]) == f"deleted JobSets {handle['jobset']}; node pools slice-0, slice-1, slice-2, slice-3"
     assert fake.pools == {} and not any(k[0] == "JobSet" for k in api.objects)
+
+
+def test_rtrain_train_s_gke_run_fails_in_one_line_when_too_few_pools_come_up_and_gives_them_back(
+    pools: tuple[FakeClusterManager, container_v1.ClusterManagerClient], tmp_path: Path
+) -> None:
+    from training.api import LaunchError
+    from training.backends.gke_run import GKERun
+
+    fake, client = pools
+    gke = gke_conf(node_pools=["slice-0", "slice-1"], node_locations=["us-central1-a"])
+    cfg = load_config("tiny", None, {"root": "gs://b/runs", "min_workers": 8, "max_workers": 8, "hosts_per_slice": 4})
+    run = GKERun(cfg, gke, cloud(gke, client))
+    fake.fail_pools["slice-1"] = "ZONE_RESOURCE_POOL_EXHAUSTED: no capacity"
+    with pytest.raises(LaunchError) as e:
+        run.start(lambda line: None)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("gke: 1 of the 2 node pools the job needs at least are up (slice-0)")
+    assert "slice-1: no ct6e-standard-4t 4x4 capacity left in us-central1-a (a stockout)" in msg
+    assert len(fake.pools) == 2  # one up, one left in ERROR: both billed or holding quota until deleted
+    assert run.release([]) == "deleted JobSets none; node pools slice-0, slice-1"
+    assert fake.pools == {}

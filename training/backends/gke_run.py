@@ -15,12 +15,16 @@ from pathlib import Path
 from typing import Any, cast
 
 import yaml
+from google.api_core.exceptions import GoogleAPICallError, RetryError
+from kubernetes.client.exceptions import ApiException
 
 from training import api
 from training.api import Config, JobHandle, JobLook, RunStatus
 from training.backends.base import BackendError
 from training.backends.gke import GKEBackend
-from training.backends.gke_cluster import CloudCluster
+from training.backends.gke_cluster import CloudCluster, first_line
+from training.backends.gke_jobsets import JobSetError
+from training.backends.gke_pools import TPUNodePoolError
 from training.gke import GKEConfigError, GKESettings, TPUSlice, check_config
 
 log = logging.getLogger("rtrain.gke")
@@ -70,7 +74,16 @@ class GKERun:
         self.cluster.check()
 
     def start(self, say: Callable[[str], None]) -> JobHandle:
-        """Create the node pools (done when enough for ``min_workers`` are up) and launch the job's JobSet."""
+        """Create the node pools (done when enough for ``min_workers`` are up) and launch the job's JobSet.
+
+        A cloud call that fails for good is ``training.api.LaunchError``, in one line.
+        """
+        try:
+            return self._start(say)
+        except (TPUNodePoolError, JobSetError, GoogleAPICallError, RetryError, ApiException) as e:
+            raise api.LaunchError(f"gke: {first_line(e)}") from None
+
+    def _start(self, say: Callable[[str], None]) -> JobHandle:
         up = self.backend.provision(self.cfg, self.spec)
         failed = "; ".join(f"{k}: {v}" for k, v in up.get("node_pools_failed", {}).items())
         say(
@@ -119,8 +132,11 @@ class GKERun:
             time.sleep(2.0)
 
     def release(self, handles: list[JobHandle]) -> str:
-        """Delete the JobSets and the node pools; what was deleted, in one line."""
-        out = self.backend.release(self.cfg, self.spec, [dict(h) for h in handles])
+        """Delete the JobSets and the node pools; what was deleted (or how to delete what could not be), in one line."""
+        try:
+            out = self.backend.release(self.cfg, self.spec, [dict(h) for h in handles])
+        except (TPUNodePoolError, GoogleAPICallError, RetryError, ApiException, BackendError) as e:
+            return f"could not delete the node pools ({first_line(e)}): {delete_pools_command(self.gke)}"
         return (
             f"deleted JobSets {', '.join(out.get('jobsets_deleted', [])) or 'none'}; "
             f"node pools {', '.join(out.get('node_pools_deleted', [])) or 'none'}"
