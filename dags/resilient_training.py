@@ -66,6 +66,10 @@ promotes or rolls back, prunes, and always releases capacity.
 * *Trigger* again with `{"run_name": ..., "resume_from": "latest"}` or `{"resume_from": "40"}`
   (rolls the run back to step 40 first), plus any overrides, e.g. `{"steps": 80, "chaos": []}`.
 
+**Stopping** (`rtrain stop`, `rtrain cancel`, the Training view's *Stop the run*): the job ends `stopped`,
+not failed; `watch_job` is skipped (no retry), validation, promotion and pruning are skipped, the teardown
+runs and the DAG run succeeds. Trigger again with the same `run_name` to resume it.
+
 **The form**: a field left empty keeps the preset's value (each field says what that is, preset by
 preset); an empty fault list, `gke` or `overrides` field means off.
 
