@@ -160,7 +160,7 @@ def flops_per_token(cfg: Any) -> float:
     """Training FLOPs per token: 6 x non-embedding parameters + 12 x layers x width x sequence."""
     from training.mesh import param_count
 
-    return 6.0 * (param_count(cfg) - cfg.vocab_size * cfg.d_model) + 12.0 * cfg.n_layers * cfg.d_model * cfg.seq_len
+    return float(6 * (param_count(cfg) - cfg.vocab_size * cfg.d_model) + 12 * cfg.n_layers * cfg.d_model * cfg.seq_len)
 
 
 def packed_batch(batch: int, seq_len: int, vocab: int, doc_len: int, seed: int = 0) -> dict[str, Any]:
@@ -310,7 +310,7 @@ def bench_accelerator(
     return result
 
 
-def check_kernel(seq_len: int = 1024) -> dict[str, float]:
+def check_kernel(seq_len: int = 1024) -> dict[str, float | str]:
     """The largest differences of the kernel ``auto`` picks from the reference einsums, forward and gradients,
     on packed documents with grouped-query heads (fp32, highest matmul precision)."""
     import jax
@@ -333,7 +333,7 @@ def check_kernel(seq_len: int = 1024) -> dict[str, float]:
 
     with jax.default_matmul_precision("highest"):
         (y1, g1), (y2, g2) = run("auto"), run("reference")
-    out = {"kernel": resolve("auto", seq_len, d), "loss": float(abs(y1 - y2))}  # type: ignore[dict-item]
+    out: dict[str, float | str] = {"kernel": resolve("auto", seq_len, d), "loss": float(abs(y1 - y2))}
     out.update({f"d{n}": float(jnp.max(jnp.abs(a - r))) for n, a, r in zip("qkv", g1, g2, strict=True)})
     return out
 

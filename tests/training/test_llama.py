@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -131,8 +133,8 @@ def test_every_remat_policy_gives_the_gradients_of_no_remat() -> None:
     params = Llama(base).init(jax.random.key(0), jnp.asarray(tokens))["params"]
 
     def grads(cfg: LlamaConfig) -> list[np.ndarray]:
-        def loss(p: object) -> jax.Array:
-            return Llama(cfg).apply({"params": p}, tokens, seg, pos).std()
+        def loss(p: Any) -> jax.Array:
+            return jnp.asarray(Llama(cfg).apply({"params": p}, tokens, seg, pos)).std()
 
         return [np.asarray(g) for g in jax.tree.leaves(jax.jit(jax.grad(loss))(params))]
 

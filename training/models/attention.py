@@ -144,7 +144,16 @@ def _sharded_splash(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
     import flax.linen as nn
     from jax.sharding import PartitionSpec as P
 
-    batch, _, heads, _ = nn.logical_to_mesh_axes(("act_batch", None, "act_heads", None))
+    spec: Any = nn.logical_to_mesh_axes(("act_batch", None, "act_heads", None))
+    batch = _dividing(spec[0], mesh, q.shape[0])  # (the model's init traces one row: replicated then)
+    heads = _dividing(spec[2], mesh, math.gcd(q.shape[2], k.shape[2]))
     qkv = P(batch, None, heads, None)
     fn = jax.shard_map(_splash, mesh=mesh, in_specs=(qkv, qkv, qkv, P(batch, None)), out_specs=qkv, check_vma=False)
-    return cast(jax.Array, fn(q, k, v, segment_ids))
+    return fn(q, k, v, segment_ids)
+
+
+def _dividing(axes: Any, mesh: Any, size: int) -> Any:
+    """``axes`` (a mesh axis, several, or None) when they split ``size`` evenly, else None (not split)."""
+    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    n = math.prod(int(mesh.shape[a]) for a in names)
+    return axes if names and size % n == 0 else None
