@@ -8,6 +8,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -249,6 +250,32 @@ def test_launch_refuses_resume_none_on_an_existing_run(dag: Any, tmp_path: Path)
     op = RTrainStartTrainingJobOperator(task_id="l", spec=spec)
     with pytest.raises(AirflowFailException, match="resume_from=none"):
         op.execute({"run_id": "manual__1", "ti": None})
+
+
+def test_launch_fails_without_retry_on_what_the_jobsets_render_refuses(dag: Any, tmp_path: Path) -> None:
+    """A GKEConfigError (no ValueError) fails the task at once; a cluster's own error stays retryable."""
+    from training.gke import GKEConfigError
+
+    class Cluster:  # the render's refusal and a transient error, as the GKE backend would raise them
+        def __init__(self, error: Exception) -> None:
+            self.error = error
+
+        def launch(self, *args: Any, **kwargs: Any) -> Any:
+            raise self.error
+
+    class Launch(RTrainStartTrainingJobOperator):
+        error: Exception
+
+        def backend(self, spec: Any) -> Any:
+            return Cluster(self.error)
+
+    op = Launch(task_id="l", spec=spec_for(tmp_path))
+    op.error = GKEConfigError("preemption_grace_s: 25s does not fit")
+    with pytest.raises(AirflowFailException, match="^preemption_grace_s: 25s"):
+        op.execute({"run_id": "manual__1", "ti": SimpleNamespace(try_number=1)})
+    op.error = ConnectionError("the cluster did not answer")
+    with pytest.raises(ConnectionError):
+        op.execute({"run_id": "manual__2", "ti": SimpleNamespace(try_number=1)})
 
 
 def test_launch_refuses_a_step_that_is_not_committed(dag: Any, tmp_path: Path) -> None:
