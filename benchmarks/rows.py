@@ -186,24 +186,24 @@ def restore_rows(s: Result) -> list[Row]:
 
 
 def local_tier_rows(lt: Result) -> list[Row]:
-    """Local copies' step-time cost; steps lost to a lost host with them and without; a preemption notice."""
+    """Steps lost to a lost host with local copies and without (the figure); their step-time cost; a preemption notice."""
     with_local, without = lt["step_s_with_local"], lt["step_s_without"]
     lost, persistent = lt["steps_lost_with_local"], lt["steps_lost_persistent_only"]
     n = lt["notice"]
     return [
-        row(
-            "overhead",
-            "local copies every 2 / none",
-            f"{over(with_local, 1e3)} vs {over(without, 1e3)} ms/step",
-            ratios(with_local, without),
-            lt["overhead_target"],
-        ),
         row(
             "steps_lost",
             "steps lost / local interval",
             f"{over(lost)} steps (every 2); persistent only (every 10) {over(persistent)}",
             [x / 2 for x in lost],
             lt["target"],
+        ),
+        row(
+            "overhead",
+            "local copies every 2 / none",
+            f"{over(with_local, 1e3)} vs {over(without, 1e3)} ms/step",
+            ratios(with_local, without),
+            lt["overhead_target"],
         ),
         note(
             "notice",

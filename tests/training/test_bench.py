@@ -308,3 +308,45 @@ def test_the_accelerator_row_on_cpu_runs_a_small_shape_and_says_it_is_cpu(tmp_pa
     med = statistics.median(r["step_s"])
     assert _row(acc, "accelerator:cpu-small")["ratio"]["values"] == pytest.approx([s / med for s in r["step_s"]])
     assert "(CPU: no MFU)" in _line(proc.stdout, "accelerator cpu-small")
+
+
+def test_the_local_tier_recovery_and_control_plane_rows_pair_each_repeat_s_own_measurements() -> None:
+    lt = {
+        "step_s_with_local": [0.06, 0.05],
+        "step_s_without": [0.05, 0.05],
+        "overhead_target": "<= 1.10",
+        "steps_lost_with_local": [0, 2],
+        "steps_lost_persistent_only": [6, 7],
+        "target": "<= 1",
+        "notice": [{"steps_lost": 0, "commit_s": 0.3}, {"steps_lost": 0, "commit_s": 0.5}],
+    }
+    r = bench.summarise("local_tier", lt, None)
+    assert r["ratio"]["values"] == [0.0, 1.0] and r["target"] == "<= 1"
+    assert _ratio(r["table_rows"], "overhead")["values"] == pytest.approx([1.2, 1.0])
+    phases = dict.fromkeys(("detect_s", "form_round_s", "worker_init_s", "setup_s", "restore_s", "compile_s"), 0.1)
+    runs = [{**phases, "total_s": t, "first_step_s": 0.2, "steady_step_s": 0.05} for t in (1.0, 2.0, 3.0, 4.0)]
+    rec = {
+        "follower": runs[:2],
+        "leader": runs[2:],
+        "cold_starts_s": [4.0, 5.0],
+        "unseen_mesh": {
+            "runs": [{"ahead": {"compile_s": 0.1, "compile_cached": True}, "not_ahead": {"compile_s": 2.0}}]
+        },
+        "ray": {"runs": [{"recovery_s": 50.0, "trainer": "JaxTrainer"}]},
+    }
+    r = bench.summarise("recovery", rec, None)
+    assert r["ratio"]["values"] == [0.25, 0.4] and _ratio(r["table_rows"], "leader")["values"] == [3.0, 2.0]
+    assert _ratio(r["table_rows"], "first_step")["values"] == [4.0] * 4
+    assert _ratio(r["table_rows"], "ray")["values"] == [1.0 / 50.0]  # paired with the first follower
+    assert _ratio(r["table_rows"], "unseen_mesh")["values"] == [0.05]
+    budget = {"64": {"class_a": 70, "class_b": 330, "heartbeat_s": 5, "class_a_per_day": 6.4e6}}
+    kinds = [
+        {
+            k: {"ratio": x, "measured": {"class_a": 1, "class_b": 2}, "model": {"class_a": 1, "class_b": 2}}
+            for k, x in (("local", a), ("gcs", g))
+        }
+        for a, g in ((0.9, 0.8), (1.1, 0.7))
+    ]
+    r = bench.summarise("control_plane", {"runs": kinds, "target": "<= 1.10", "budget": budget}, None)
+    assert r["ratio"]["values"] == [0.9, 1.1] and _ratio(r["table_rows"], "control_plane_gcs")["max"] == 0.8
+    assert "budget, 64 hosts on gs://" in bench.format_table({"repeats": 2, "control_plane": r})
