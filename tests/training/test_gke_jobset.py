@@ -473,7 +473,7 @@ def test_a_lost_host_is_recreated_while_the_jobset_itself_never_restarts() -> No
     rules = job["podFailurePolicy"]["rules"]
     assert rules[0] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
     assert rules[1]["action"] == "FailJob"
-    assert rules[1]["onExitCodes"] == {"containerName": "agent", "operator": "In", "values": [3, 5]}
+    assert rules[1]["onExitCodes"] == {"containerName": "agent", "operator": "In", "values": [3, 5, 7]}
     from training.elastic.codes import AgentExit
 
     assert {int(AgentExit.FAILED), int(AgentExit.SUPERSEDED), int(AgentExit.STOPPED)} == set(

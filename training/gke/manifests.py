@@ -91,9 +91,9 @@ ENTRYPOINT_SCRIPT = (
     '.${RTRAIN_SUBDOMAIN}" '
     '--coordinator-port "$RTRAIN_COORDINATOR_PORT" --bind-host "$RTRAIN_POD_IP"\n'
 )
-# Agent exit codes that end the job for good (training.elastic.codes.AgentExit.FAILED and SUPERSEDED):
+# Agent exit codes that end the job for good (training.elastic.codes.AgentExit.FAILED, SUPERSEDED and STOPPED):
 # the Job fails at once instead of recreating the pod.
-FINAL_EXIT_CODES = (3, 5)
+FINAL_EXIT_CODES = (3, 5, 7)
 
 # A JobSet's pod names are <jobset>-slice-<j>-<i>-<5 random>, at most 63
 # characters (the JobSet webhook refuses longer ones).  30 leaves room for a
