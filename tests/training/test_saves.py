@@ -359,65 +359,72 @@ def test_a_local_copy_restores_onto_another_mesh_and_a_failed_write_turns_the_ti
 
 
 @pytest.mark.parametrize("where", ["local", pytest.param("gcs", marks=pytest.mark.gcs)])
-def test_a_packed_checkpoint_restores_onto_another_mesh_and_reads_whole_or_params_only(
+def test_an_orbax_step_holds_the_named_tree_restores_onto_another_mesh_and_a_packed_one_still_restores(
     request: pytest.FixtureRequest, tmp_path: Path, tiny_dataset: str, where: str
 ) -> None:
-    """Small arrays are saved packed: few arrays written, the same state read back on any mesh or one device."""
-    over: dict[str, object] = {"checkpoint_format": "auto"}  # Orbax's format, where small arrays are packed
+    """Orbax's format saves the state's own tree, read back on any mesh or one device; earlier packed steps restore."""
+    over: dict[str, object] = {"checkpoint_format": "auto"}
     if where == "gcs":
         over["root"] = request.getfixturevalue("gcs_root")
     res = _run(
         """
-        from training.checkpoint import packing
+        import orbax.checkpoint as ocp
         from training.layout import step_uri
 
         run = cfg.run_uri
         m = ckpt.checkpoint_manager(cfg, run)
-        snap = ckpt.HostSnapshot(abstract, gather_small=True)(state)
+        snap = ckpt.HostSnapshot(abstract, gather_small=ckpt.packs_small(m))(state)  # as the worker makes it
         ckpt.save(m, 1, snap, {"next_batch": 1}, cfg)
         m.wait_until_finished()
-        layout = m.restore(1, args=ocp.args.Composite(layout=ocp.args.JsonRestore()))["layout"]
+        items = sorted(m.item_metadata(1))
+        # A step of an earlier version: small arrays packed, with its layout.
+        tree, layout = packing.pack(ckpt.HostSnapshot(abstract, gather_small=True)(state))
+        m.save(2, args=ocp.args.Composite(state=ocp.args.PyTreeSave(tree), data=ocp.args.JsonSave({"next_batch": 2}),
+                                          config=ocp.args.JsonSave(cfg.model_dump()),
+                                          layout=ocp.args.JsonSave(layout.to_json())), force=True)
+        m.wait_until_finished()
         one = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), trainer.mesh.axis_names)
         single = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                 sharding=jax.sharding.NamedSharding(one, a.sharding.spec)), abstract)
-        back, pos = ckpt.restore(m, 1, abstract)
-        moved, _ = ckpt.restore(m, 1, single)
-        whole = ckpt.load_state_host(run, 1)
-        params = ckpt.load_params_host(run, 1)
-        try:
-            ckpt.restore(m, 1, {k: v for k, v in abstract.items() if k != "rng"})
-            mismatch = ""
-        except ValueError as e:
-            mismatch = str(e)
-        half = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jax.numpy.bfloat16 if a.dtype == np.float32 else a.dtype,
-                                                           sharding=a.sharding), abstract)
-        cast, _ = ckpt.restore(m, 1, half)
-        print(json.dumps({
-            "leaves": len(jax.tree.leaves(state)),
-            "saved_arrays": len([e for e in layout["entries"] if e["name"]]) + len(layout["groups"]),
-            "same": same(host(state), host(back)) and all(
-                a.sharding == b.sharding for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(back))),
-            "moved": same(host(state), host(moved)) and all(
-                len(x.sharding.device_set) == 1 for x in jax.tree.leaves(moved)),
-            "whole": same(host(state), host(whole)),
-            "params": same(host(state["params"]), host(params)),
-            "pos": pos,
-            "mismatch": mismatch,
-            "cast": all(y.dtype == b.dtype and np.allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=1e-2, atol=1e-2)
-                        for x, y, b in zip(jax.tree.leaves(state), jax.tree.leaves(cast), jax.tree.leaves(half))),
-        }))
-        """.replace("from training.checkpoint import packing", "import orbax.checkpoint as ocp"),
+        out = {"items": items}
+        for step in (1, 2):
+            back, pos = ckpt.restore(m, step, abstract)
+            moved, _ = ckpt.restore(m, step, single)
+            try:
+                ckpt.restore(m, step, {k: v for k, v in abstract.items() if k != "rng"})
+                mismatch = ""
+            except ValueError as e:
+                mismatch = str(e)
+            half = jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+                a.shape, jax.numpy.bfloat16 if a.dtype == np.float32 else a.dtype, sharding=a.sharding), abstract)
+            cast, _ = ckpt.restore(m, step, half)
+            out[str(step)] = {
+                "same": same(host(state), host(back)) and all(
+                    a.sharding == b.sharding for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(back))),
+                "moved": same(host(state), host(moved)) and all(
+                    len(x.sharding.device_set) == 1 for x in jax.tree.leaves(moved)),
+                "whole": same(host(state), host(ckpt.load_state_host(run, step))),
+                "params": same(host(state["params"]), host(ckpt.load_params_host(run, step))),
+                "pos": pos,
+                "mismatch": mismatch,
+                "cast": all(y.dtype == b.dtype and np.allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
+                                                               rtol=1e-2, atol=1e-2)
+                            for x, y, b in zip(jax.tree.leaves(state), jax.tree.leaves(cast), jax.tree.leaves(half))),
+            }
+        print(json.dumps(out))
+        """,
         tmp_path,
         tiny_dataset,
         over,
     )
-    assert res["same"] and res["moved"] and res["whole"] and res["params"], res
-    assert res["pos"] == {"next_batch": 1}
-    assert "not in this run's state: ['rng']" in str(res["mismatch"]), res["mismatch"]
-    assert res["cast"], "a state of another float dtype gets the saved values cast to it"
-    # The tiny model's arrays are all small: a few packs (one per top-level key and dtype) instead of 67 arrays.
-    assert int(str(res["saved_arrays"])) <= 6 < int(str(res["leaves"])), res
+    assert res["items"] == ["config", "data", "state"], "no packing layout: the state's own tree"
+    for step in ("1", "2"):
+        got = cast(dict[str, object], res[step])
+        assert got["same"] and got["moved"] and got["whole"] and got["params"], (step, got)
+        assert got["pos"] == {"next_batch": int(step)}
+        assert "not in this run's state: ['rng']" in str(got["mismatch"]), (step, got["mismatch"])
+        assert got["cast"], "a state of another float dtype gets the saved values cast to it"
 
 
 def test_a_run_now_saving_lean_resumes_from_a_step_orbax_saved_and_names_an_incomplete_one(tmp_path, tiny_dataset):

@@ -3,10 +3,12 @@
 Everything the run needs to resume is one checkpoint per step: the state
 (parameters, optimizer state, step, RNG), the global data position and the
 resolved config.  The default format is :mod:`training.checkpoint.lean`.
-With ``checkpoint_format`` ocdbt, zarr or auto a step is an Orbax checkpoint
-with four items: ``state`` (small arrays packed,
-:mod:`training.checkpoint.packing`), ``layout`` (where each leaf of the state is
-in ``state``), ``data`` and ``config``.  Restores are given abstract targets
+With ``checkpoint_format`` ocdbt, zarr or auto a step is a plain Orbax checkpoint
+with three items: ``state`` (the state's own tree, by name: ``params``,
+``opt_state``, ``step``, ``rng``), ``data`` and ``config``, so a plain
+``orbax.checkpoint`` restore of ``state`` gives the named trees.  Steps saved by
+earlier versions with their small arrays packed (a fourth item, ``layout``,
+:mod:`training.checkpoint.packing`) still restore.  Restores are given abstract targets
 carrying the *current* mesh's shardings, so a checkpoint written on any other
 mesh is resharded, and a step of either format is read whatever the run saves in now.
 
@@ -120,12 +122,11 @@ def checkpoint_manager(
             jax.Array,
             type_handlers.ArrayHandler(
                 min_slice_bytes_for_replica_parallel=MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL,
-                # Every restore names its target's shardings: a file per array saying the saved ones
-                # costs a quarter of a small state's save.
-                enable_write_sharding_file=False,
+                # Orbax's own record of each array's sharding: a plain restore with no target needs it.
+                enable_write_sharding_file=True,
             ),
         ),
-        (np.ndarray, type_handlers.NumpyHandler()),  # the packs of small arrays
+        (np.ndarray, type_handlers.NumpyHandler()),  # the packs of small arrays (steps of earlier versions)
     )
     handlers = {
         "state": ocp.PyTreeCheckpointHandler(
@@ -144,18 +145,16 @@ def checkpoint_manager(
 def save(
     mngr: ocp.CheckpointManager | lean.LeanManager, step: int, state: State, data: DataPosition, cfg: Config
 ) -> bool:
-    """Save ``state`` as step ``step`` in the manager's format (in Orbax's, its small replicated arrays packed)."""
+    """Save ``state`` as step ``step`` in the manager's format (in Orbax's, the state's own tree, unpacked)."""
     if isinstance(mngr, lean.LeanManager):
         return mngr.save(step, state, data)
-    tree, layout = packing.pack(state)
     return bool(
         mngr.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.PyTreeSave(tree),
+                state=ocp.args.PyTreeSave(state),
                 data=ocp.args.JsonSave(data),
                 config=ocp.args.JsonSave(cfg.model_dump()),
-                layout=ocp.args.JsonSave(layout.to_json()),
             ),
             force=True,
         )
@@ -163,8 +162,12 @@ def save(
 
 
 def packs_small(mngr: ocp.CheckpointManager | lean.LeanManager) -> bool:
-    """Whether a save packs the small arrays (Orbax's format), so its host copy gathers them."""
-    return not isinstance(mngr, lean.LeanManager)
+    """Whether a save packs the small arrays, so its host copy gathers them: no persistent format does now.
+
+    Orbax's steps hold the state's own tree, so any tool reads a leaf by its name.
+    """
+    del mngr
+    return False
 
 
 def restore(mngr: ocp.CheckpointManager | lean.LeanManager, step: int, abstract: State) -> tuple[State, DataPosition]:
@@ -180,7 +183,11 @@ def restore(mngr: ocp.CheckpointManager | lean.LeanManager, step: int, abstract:
             raise ValueError(f"checkpoint {step} has neither lean.json nor Orbax's metadata: it is incomplete")
         cfg = Config.model_validate({**mngr.config, "checkpoint_format": "auto"})
         return restore(checkpoint_manager(cfg, mngr.run, async_save=False), step, abstract)
-    if "layout" not in mngr.item_metadata(step):  # saved before packing: the state's own tree
+    items = mngr.item_metadata(step)
+    if "layout" not in items:  # the state's own tree (saved unpacked)
+        saved = getattr(items["state"], "tree", items["state"]) if items.get("state") is not None else None
+        if saved is not None:
+            packing.check_same_tree(saved, abstract)
         out = mngr.restore(
             step,
             args=ocp.args.Composite(
@@ -359,7 +366,8 @@ def all_finite(tree: Any) -> bool:
 def _read_on_first_device(run: str, step: int, top: str | None = None) -> Any:
     """A checkpoint's state (or one top-level key of it) on this process's first device, as nested dicts.
 
-    Orbax reshards whatever mesh wrote it; a checkpoint saved before packing is read by its own metadata.
+    Orbax reshards whatever mesh wrote it; an unpacked checkpoint (the state's own tree) is read by its
+    own metadata, a packed one (earlier versions) through its layout.
     """
     from etils import epath
 
@@ -370,7 +378,7 @@ def _read_on_first_device(run: str, step: int, top: str | None = None) -> Any:
     ck = ocp.PyTreeCheckpointer()
     try:
         doc = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(step_dir / "layout")
-    except FileNotFoundError:  # saved before packing: the state's own tree
+    except FileNotFoundError:  # the state's own tree, unpacked
         doc = None
     if doc is not None:
         layout = packing.Layout.from_json(doc)

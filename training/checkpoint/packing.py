@@ -1,4 +1,8 @@
-"""The saved form of a train state: each large array on its own, the small replicated ones packed.
+"""The packed form of a train state that earlier versions saved in Orbax's format; still restored.
+
+Steps saved now hold the state's own tree (:func:`training.checkpoint.manager.save`), so any
+Orbax reader finds each leaf by its name; :func:`check_same_tree` checks such a step against the
+state.  The packed form, kept for the steps already written that way:
 
 A checkpoint library spends a few milliseconds of Python per array it writes, whatever its size:
 a model's norms, biases, counters and RNG are most of its arrays and almost none of its bytes.  So
@@ -219,6 +223,19 @@ def _check_same_leaves(layout: Layout, wanted: set[str]) -> None:
         parts = [f"not in this run's state: {', '.join(extra[:5])}"] if extra else []
         parts += [f"not in the checkpoint: {', '.join(missing[:5])}"] if missing else []
         raise ValueError("the checkpoint's state does not match this run's (" + "; ".join(parts) + ")")
+
+
+def _names(tree: Any) -> set[str]:
+    """Each leaf's path with every key as a string: a named tuple's fields and a saved dict's keys alike."""
+    return {"".join(f"[{str(_key(k))!r}]" for k in p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def check_same_tree(saved: Any, abstract: Any) -> None:
+    """Raise, naming a few, when a saved tree's leaves (Orbax's metadata of an unpacked step) are not the state's."""
+    saved_names, wanted = _names(saved), _names(abstract)
+    if saved_names != wanted:
+        fake = Layout(tuple(Entry(n, (), (), "") for n in saved_names), {})
+        _check_same_leaves(fake, wanted)
 
 
 def _by_path(tree: Any) -> dict[str, Any]:
