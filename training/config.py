@@ -349,7 +349,10 @@ class Config(
     @model_validator(mode="before")
     @classmethod
     def _legacy_keys(cls, data: Any) -> Any:
-        """The old ``activation_checkpointing: true|false`` is ``remat: full|none`` (unless remat is set too)."""
+        """Keys of configs written before: ``activation_checkpointing: true|false`` is ``remat: full|none`` (unless
+        remat is set too), and ``attention: dot_product`` is ``attention: xla``."""
+        if isinstance(data, dict) and data.get("attention") == "dot_product":
+            data = {**data, "attention": "xla"}
         if isinstance(data, dict) and "activation_checkpointing" in data:
             data = dict(data)
             old = data.pop("activation_checkpointing")
