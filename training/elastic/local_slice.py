@@ -325,7 +325,7 @@ class LocalSlice:
         try:
             self.own_events.ended(state, reason, step=self._held_status.get("step"))
             self._held_status["reason"] = reason
-            self._write_held(force=True, state=RunState.FAILED)
+            self._write_held(force=True, state=state)
             rdv = Rendezvous(self.store)
             rdv.open_round(
                 Round(
