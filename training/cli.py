@@ -285,7 +285,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _train_gke(args: argparse.Namespace) -> int:
     """``rtrain train --gke FILE``: node pools, the JobSet, the job followed, then both deleted (docs/gke.md)."""
-    from training.backends.gke_run import GKERun, delete_pools_command, load_settings
+    from training.backends.gke_run import GKERun, load_settings
 
     gke = load_settings(args.gke)
     cfg = _gke_config(args, gke)
@@ -293,30 +293,23 @@ def _train_gke(args: argparse.Namespace) -> int:
     run.check()  # the config against the TPU shape, the credentials, the project, the cluster: before any billing
     progress = Progress(cfg.steps)
     progress.line(f"run {cfg.run_name} at {cfg.run_uri} on GKE cluster {gke['cluster_name']} ({gke['location']})")
-    handles: list[Any] = []
-    try:  # from here on node pools may exist: they are given back however this ends (not a detached job's)
-        handles.append(run.start(progress.line))
-        if args.detach:
-            progress.line(
-                f"follow it with `rtrain status {cfg.run_uri}`; stop it with `rtrain stop {cfg.run_uri}`; "
-                f"once it has ended, delete its node pools: {delete_pools_command(gke)}"
-            )
-            return Exit.OK
-        look = run.follow(handles[-1], progress.line, progress.status)
-    except KeyboardInterrupt:
-        progress.line("interrupted: the job stops at its next step boundary and commits it")
-        run.stop("rtrain train was interrupted")
-        look = {"state": "stopped", "reason": "interrupted", "status": {}}
+    try:  # node pools made are given back however this ends (not a detached job's, nor one out of touch)
+        look = run.drive(progress.line, progress.status, detach=args.detach)
     finally:
-        if not (args.detach and handles):
-            progress.line(run.release(handles))
         progress.close()
+    if look is None:  # detached, or out of touch with a job that may still run (said above)
+        return Exit.OK if args.detach else Exit.ERROR
+    return gke_exit(look, cfg.steps)
+
+
+def gke_exit(look: Mapping[str, Any], steps: int) -> int:
+    """The exit code of a followed GKE job's last look, said in one line: 0 finished, 7 stopped or cancelled, 1 failed."""
     st = look.get("status") or {}
     if look["state"] == "finished":
-        print(f"finished: step {st.get('step')}/{cfg.steps}, loss {st.get('loss')}")
+        print(f"finished: step {st.get('step')}/{steps}, loss {st.get('loss')}")
         return Exit.OK
     print(f"rtrain: the job {look['state']}: {look.get('reason') or 'see the events'}", file=sys.stderr)
-    return Exit.FAILED
+    return Exit.STOPPED if look["state"] in ("stopped", "cancelled") else Exit.FAILED
 
 
 def _show_worker_failure(run_uri: str) -> None:

@@ -71,10 +71,14 @@ class FakeKubernetes:
         self.pods: list[dict[str, Any]] = []
         self.requests: list[tuple[str, str]] = []
         self.lock = threading.Lock()
+        self.unavailable = 0  # the next requests answered 503, as an API server restarting does (-1: all of them)
 
     def handle(self, method: str, url: str, body: dict[str, Any] | None) -> tuple[int, dict[str, Any]]:
         path, query = urlparse(url).path, parse_qs(urlparse(url).query)
         self.requests.append((method, path))
+        if self.unavailable:
+            self.unavailable -= 1 if self.unavailable > 0 else 0
+            return 503, status(503, "ServiceUnavailable", "the server is currently unable to handle the request")
         if path == "/api/v1/nodes" and method == "GET":
             wanted = dict(kv.split("=", 1) for kv in query.get("labelSelector", [""])[0].split(",") if kv)
             items = [
@@ -971,3 +975,89 @@ def test_rtrain_train_s_gke_run_fails_in_one_line_when_too_few_pools_come_up_and
     assert len(fake.pools) == 2  # one up, one left in ERROR: both billed or holding quota until deleted
     assert run.release([]) == "deleted JobSets none; node pools slice-0, slice-1"
     assert fake.pools == {}
+
+
+def gke_run_here(
+    k8s: tuple[FakeKubernetes, str],
+    pools: tuple[FakeClusterManager, container_v1.ClusterManagerClient],
+    gs_config: dict[str, Any],
+    name: str,
+) -> Any:
+    """A ``rtrain train --gke`` run against the gRPC ClusterManager and the Kubernetes API server here."""
+    from training.backends.gke_run import GKERun
+
+    gke = gke_conf(node_pools=["slice-0"], namespace="training")
+    cfg = load_config(overrides={**gs_config, "run_name": name, "hosts_per_slice": 4})
+    cluster = CloudCluster(
+        gke,
+        AnonymousCredentials(),
+        cluster_manager=pools[1],
+        api_client=jobset_hook(k8s[1]).api_client,
+        poll_s=0.001,
+        backoff=Backoff(0.01, 0.01),
+    )
+    return GKERun(cfg, gke, cluster)
+
+
+@pytest.mark.gcs
+def test_a_followed_gke_job_outlives_failed_looks_and_is_given_back_only_at_its_end(
+    k8s: tuple[FakeKubernetes, str],
+    pools: tuple[FakeClusterManager, container_v1.ClusterManagerClient],
+    gs_config: dict[str, Any],
+) -> None:
+    from training.events import write_status
+    from training.storage import open_store
+
+    api, _ = k8s
+    run = gke_run_here(k8s, pools, gs_config, "follow-1")
+    said: list[str] = []
+
+    def on_status(st: Any) -> None:
+        if st.get("state") != "running":
+            return
+        if "restarting" not in said:
+            said.append("restarting")
+            api.unavailable = 3  # the API server restarts: the next three looks fail
+        else:  # a look succeeded again: the job ends
+            write_status(open_store(run.cfg.run_uri), state="finished", job=st["job"], step=10)
+
+    def start_training(line: str) -> None:
+        said.append(line)
+        if line.startswith("job "):
+            write_status(open_store(run.cfg.run_uri), state="running", job=line.split()[1].rstrip(":"), step=3)
+
+    look = run.drive(start_training, on_status, poll_s=0.01)
+    assert look is not None and look["state"] == "finished", said
+    failed = [line for line in said if line.startswith("looking at the job failed")]
+    assert len(failed) == 3 and "503" in failed[0], said
+    assert said[-1].startswith("deleted JobSets ") and pools[0].pools == {}
+
+
+@pytest.mark.gcs
+def test_a_gke_job_out_of_touch_for_long_is_left_up_saying_so_in_one_line(
+    k8s: tuple[FakeKubernetes, str],
+    pools: tuple[FakeClusterManager, container_v1.ClusterManagerClient],
+    gs_config: dict[str, Any],
+) -> None:
+    api, _ = k8s
+    run = gke_run_here(k8s, pools, gs_config, "follow-2")
+    said: list[str] = []
+
+    def start(line: str) -> None:
+        said.append(line)
+        if line.startswith("job "):
+            api.unavailable = -1  # from now on no look succeeds
+
+    assert run.drive(start, lambda st: None, poll_s=0.01, give_up_s=0.2) is None
+    assert said[-1].startswith("no look at job ") and "left up" in said[-1]
+    assert "gcloud container node-pools delete slice-0" in said[-1]
+    assert len(pools[0].pools) == 1 and any(k[0] == "JobSet" for k in api.objects)  # nothing deleted
+
+
+def test_a_stopped_gke_job_exits_7_and_a_failed_one_1() -> None:
+    from training.cli import Exit, gke_exit
+
+    assert gke_exit({"state": "stopped", "reason": "interrupted", "status": {}}, 10) == Exit.STOPPED
+    assert gke_exit({"state": "cancelled", "reason": "", "status": {}}, 10) == Exit.STOPPED
+    assert gke_exit({"state": "failed", "reason": "x", "status": {}}, 10) == Exit.FAILED
+    assert gke_exit({"state": "finished", "reason": "", "status": {"step": 10}}, 10) == Exit.OK

@@ -28,6 +28,11 @@ from training.backends.gke_pools import TPUNodePoolError
 from training.gke import GKEConfigError, GKESettings, TPUSlice, check_config
 
 log = logging.getLogger("rtrain.gke")
+GIVE_UP_S = 900.0  # rtrain train stops following a job it could not look at for this long (it leaves it running)
+
+
+class OutOfTouch(BackendError):
+    """No look at a followed job succeeded for a long time: it may still run, with its node pools."""
 
 
 def load_settings(path: str) -> GKESettings:
@@ -106,11 +111,30 @@ class GKERun:
         on_status: Callable[[RunStatus], None],
         poll_s: float = 10.0,
         start_timeout_s: float = 900.0,
+        give_up_s: float = GIVE_UP_S,
     ) -> JobLook:
-        """Look at the job every ``poll_s`` until it ends; why pods wait is said once per change."""
+        """Look at the job every ``poll_s`` until it ends; why pods wait is said once per change.
+
+        A look that fails (the Kubernetes API's 5xx, a reset connection, a token refresh, the run
+        root's storage) is said and the job looked at again at the next poll: the job runs on
+        without us.  After ``give_up_s`` of nothing but failed looks: :class:`OutOfTouch`.
+        """
         told = ""
+        failing_since: float | None = None
         while True:
-            look = self.backend.poll(handle, {"start_timeout_s": start_timeout_s})
+            try:
+                look = self.backend.poll(handle, {"start_timeout_s": start_timeout_s})
+            except Exception as e:  # noqa: BLE001 - any failed look: the job is not known to have ended
+                now = time.monotonic()
+                failing_since = now if failing_since is None else failing_since
+                if now - failing_since >= give_up_s:
+                    raise OutOfTouch(
+                        f"no look at job {handle.get('job')} succeeded for {now - failing_since:.0f}s ({first_line(e)})"
+                    ) from None
+                say(f"looking at the job failed ({first_line(e)}); looking again in {poll_s:.0f}s")
+                time.sleep(poll_s)
+                continue
+            failing_since = None
             if look.get("status"):
                 on_status(look["status"])
             waiting = look.get("waiting", "")
@@ -120,6 +144,43 @@ class GKERun:
             if look["state"] in api.FINAL_STATES:
                 return look
             time.sleep(poll_s)
+
+    def drive(
+        self,
+        say: Callable[[str], None],
+        on_status: Callable[[RunStatus], None],
+        detach: bool = False,
+        poll_s: float = 10.0,
+        give_up_s: float = GIVE_UP_S,
+    ) -> JobLook | None:
+        """Start the job, follow it to its end, then delete its JobSet and node pools; the last look.
+
+        Given back only on a final state, a failed start or Ctrl-C (after the job committed its
+        step).  None, with all of it left up: ``detach``, or :class:`OutOfTouch` (said in one line).
+        """
+        handles: list[JobHandle] = []
+        keep = False
+        try:
+            handles.append(self.start(say))
+            if detach:
+                keep = True
+                say(detached_line(self.cfg.run_uri, self.gke))
+                return None
+            return self.follow(handles[-1], say, on_status, poll_s=poll_s, give_up_s=give_up_s)
+        except OutOfTouch as e:
+            keep = True
+            say(
+                f"{e}: the job and its node pools are left up; follow it with `rtrain status {self.cfg.run_uri}`; "
+                f"once it has ended, delete its node pools: {delete_pools_command(self.gke)}"
+            )
+            return None
+        except KeyboardInterrupt:
+            say("interrupted: the job stops at its next step boundary and commits it")
+            self.stop("rtrain train was interrupted")
+            return {"state": "stopped", "reason": "interrupted", "status": api.status(self.cfg.run_uri) or {}}
+        finally:
+            if not keep:
+                say(self.release(handles))
 
     def stop(self, reason: str, wait_s: float = 120.0) -> None:
         """Ask the job to stop at a step boundary and wait (up to ``wait_s``) until it has."""
@@ -141,6 +202,14 @@ class GKERun:
             f"deleted JobSets {', '.join(out.get('jobsets_deleted', [])) or 'none'}; "
             f"node pools {', '.join(out.get('node_pools_deleted', [])) or 'none'}"
         )
+
+
+def detached_line(run_uri: str, gke: Mapping[str, Any]) -> str:
+    """What ``rtrain train --gke --detach`` says once the job is launched: how to follow, stop and clean up."""
+    return (
+        f"follow it with `rtrain status {run_uri}`; stop it with `rtrain stop {run_uri}`; "
+        f"once it has ended, delete its node pools: {delete_pools_command(gke)}"
+    )
 
 
 def delete_pools_command(gke: Mapping[str, Any]) -> str:
