@@ -125,9 +125,20 @@ def compiled_memory(cfg: Config, workers: int, *, timeout_s: float = TIMEOUT_S) 
         return cpu
     try:
         dev = _child(cfg, workers, timeout_s, device=True)
-    except PlanError:
+    except PlanError as e:
+        if out_of_memory(str(e)):  # the chip itself refused the step: that is the answer, not a missing figure
+            raise PlanError(f"the step does not fit the device: {e}") from e
         return cpu  # the accelerator is busy, or has fewer devices than the plan: the CPU estimate stands
     return replace(dev, cpu_total_bytes=cpu.total_bytes)
+
+
+# What XLA says when a program's buffers exceed the device's memory at compile time (TPU and GPU backends).
+_OOM = re.compile(r"RESOURCE_EXHAUSTED|ran out of memory|out of memory", re.IGNORECASE)
+
+
+def out_of_memory(error: str) -> bool:
+    """Whether a failed compile's message is the device refusing the program for its memory."""
+    return _OOM.search(error) is not None
 
 
 def _child(cfg: Config, workers: int, timeout_s: float, device: bool) -> CompiledMemory:

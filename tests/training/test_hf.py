@@ -335,7 +335,7 @@ def test_load_params_places_each_weight_with_its_sharding(scan: bool) -> None:
     )
     placed = hf.load_params(str(FIXTURES / name), abstract, task.model_cfg)
     host = hf.to_params(hf.Checkpoint(str(FIXTURES / name)), abstract, task.model_cfg)
-    assert jax.tree.structure(placed) == jax.tree.structure(host)
+    assert jax.tree.structure(placed) == jax.tree.structure(host)  # type: ignore[operator]
     for got, want in zip(jax.tree.leaves(placed), jax.tree.leaves(host), strict=True):
         assert isinstance(got, jax.Array) and got.sharding == NamedSharding(mesh, P())
         np.testing.assert_array_equal(np.asarray(got), want)

@@ -170,3 +170,31 @@ def test_the_device_compile_is_refused_where_jax_finds_only_the_cpu(monkeypatch)
         _child(load_config("tiny", None, TINY_FSDP), 1, 120.0, device=True)
     monkeypatch.setenv("JAX_PLATFORMS", "tpu,cpu")
     assert accelerator_present()
+
+
+def test_a_device_compile_that_runs_out_of_memory_is_a_refusal_not_a_missing_figure(monkeypatch):
+    import training.memfit as memfit
+
+    cfg = load_config("tiny", None, TINY_FSDP)
+    cpu = memfit._child(cfg, 1, 120.0, device=False)
+    # What the v5e's compile said of the 150M model at batch 16 x 2048 without remat.
+    oom = (
+        "the compiled memory analysis failed: RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. "
+        "Ran out of memory in memory space hbm. Used 83.58G of 15.75G hbm."
+    )
+    busy = "the compiled memory analysis failed: the TPU is in use by another process"
+
+    def device_child(message: str):
+        def child(cfg, workers, timeout_s, device):
+            if device:
+                raise PlanError(message)
+            return cpu
+
+        return child
+
+    monkeypatch.setenv("JAX_PLATFORMS", "tpu,cpu")
+    monkeypatch.setattr(memfit, "_child", device_child(oom))
+    with pytest.raises(PlanError, match="does not fit the device.*83.58G"):
+        memfit.compiled_memory(cfg, 1)
+    monkeypatch.setattr(memfit, "_child", device_child(busy))
+    assert memfit.compiled_memory(cfg, 1) == cpu
