@@ -71,6 +71,7 @@ class FakeKubernetes:
         self.pods: list[dict[str, Any]] = []
         self.requests: list[tuple[str, str]] = []
         self.lock = threading.Lock()
+        self.collected: set[str] = set()  # pods listed but gone (pod GC) by the time they are deleted
         self.unavailable = 0  # the next requests answered 503, as an API server restarting does (-1: all of them)
 
     def handle(self, method: str, url: str, body: dict[str, Any] | None) -> tuple[int, dict[str, Any]]:
@@ -85,6 +86,14 @@ class FakeKubernetes:
                 n for n in self.nodes if all(n["metadata"].get("labels", {}).get(k) == v for k, v in wanted.items())
             ]
             return 200, {"apiVersion": "v1", "kind": "NodeList", "metadata": {}, "items": items}
+        one = re.fullmatch(r"/api/v1/namespaces/([^/]+)/pods/([^/]+)", path)
+        if one and method == "DELETE":
+            with self.lock:
+                found = [p for p in self.pods if p["metadata"]["name"] == one.group(2)]
+                self.pods = [p for p in self.pods if p not in found]
+            if not found or one.group(2) in self.collected:
+                return 404, status(404, "NotFound", f'pods "{one.group(2)}" not found')
+            return 200, found[0]
         pods = re.fullmatch(r"/api/v1/namespaces/([^/]+)/pods", path)
         if pods and method == "GET":
             wanted = dict(kv.split("=", 1) for kv in query.get("labelSelector", [""])[0].split(",") if kv)
@@ -1061,3 +1070,37 @@ def test_a_stopped_gke_job_exits_7_and_a_failed_one_1() -> None:
     assert gke_exit({"state": "cancelled", "reason": "", "status": {}}, 10) == Exit.STOPPED
     assert gke_exit({"state": "failed", "reason": "x", "status": {}}, 10) == Exit.FAILED
     assert gke_exit({"state": "finished", "reason": "", "status": {"step": 10}}, 10) == Exit.OK
+
+
+def test_failed_leaders_a_newer_pod_replaces_are_deleted_each_even_when_one_is_gone_already(
+    k8s: tuple[FakeKubernetes, str],
+) -> None:
+    from training.gke.manifests import COMPLETION_INDEX_ANNOTATION, EXCLUSIVE_TOPOLOGY_ANNOTATION, JOB_INDEX_LABEL
+
+    api, url = k8s
+    hook = jobset_hook(url)
+    failed = {"phase": "Failed"}
+
+    def leader(name: str, slice_index: int, st: dict[str, Any]) -> dict[str, Any]:
+        p = pod(name, "js", st)
+        p["metadata"]["labels"][JOB_INDEX_LABEL] = str(slice_index)
+        p["metadata"]["annotations"] = {EXCLUSIVE_TOPOLOGY_ANNOTATION: "x", COMPLETION_INDEX_ANNOTATION: "0"}
+        return p
+
+    api.pods = [
+        leader("js-slice-0-0-a", 0, failed),
+        leader("js-slice-0-0-b", 0, RUNNING),
+        leader("js-slice-1-0-a", 1, failed),
+        leader("js-slice-1-0-b", 1, RUNNING),
+    ]
+    api.collected = {"js-slice-0-0-a"}  # pod GC took it between the list and the delete
+    hook.waiting("js", "training")
+    assert sorted(p["metadata"]["name"] for p in api.pods) == ["js-slice-0-0-b", "js-slice-1-0-b"]
+
+
+def test_a_detached_gke_run_is_told_how_to_clean_up_and_that_nothing_reaps_its_failed_leaders() -> None:
+    from training.backends.gke_run import detached_line
+
+    line = detached_line("gs://b/runs/r", gke_conf(node_pools=["slice-0"]))
+    assert "rtrain status gs://b/runs/r" in line and "gcloud container node-pools delete slice-0" in line
+    assert "nothing deletes the failed leader pods" in line and "\n" not in line

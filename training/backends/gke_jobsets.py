@@ -144,7 +144,11 @@ class KubeJobSets:
         """
         pods = self.pods(name, namespace)
         for stale in replaced_leaders(pods):  # JobSet's webhook counts a failed leader: see training/gke/reaper.py
-            self.core.delete_namespaced_pod(stale, namespace)
+            try:
+                self.core.delete_namespaced_pod(stale, namespace)
+            except ApiException as e:
+                if e.status != 404:  # gone meanwhile (pod GC, another watcher): the next one is deleted all the same
+                    raise
         return describe_waiting(pods_waiting(pods))
 
     def delete(self, name: str, namespace: str) -> bool:

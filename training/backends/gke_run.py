@@ -208,7 +208,8 @@ def detached_line(run_uri: str, gke: Mapping[str, Any]) -> str:
     """What ``rtrain train --gke --detach`` says once the job is launched: how to follow, stop and clean up."""
     return (
         f"follow it with `rtrain status {run_uri}`; stop it with `rtrain stop {run_uri}`; "
-        f"once it has ended, delete its node pools: {delete_pools_command(gke)}"
+        f"once it has ended, delete its node pools: {delete_pools_command(gke)}; "
+        "while detached, nothing deletes the failed leader pods that hold a slice out (docs/gke.md, 'Failed pods')"
     )
 
 
