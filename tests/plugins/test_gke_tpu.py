@@ -31,7 +31,7 @@ from urllib.parse import parse_qs, urlparse
 import kubernetes_validate
 import pytest
 import yaml
-from cluster_manager import FakeClusterManager, serve
+from cluster_manager import FakeClusterManager, PoolStatus, serve
 from google.api_core.exceptions import FailedPrecondition
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import container_v1
@@ -1104,3 +1104,55 @@ def test_a_detached_gke_run_is_told_how_to_clean_up_and_that_nothing_reaps_its_f
     line = detached_line("gs://b/runs/r", gke_conf(node_pools=["slice-0"]))
     assert "rtrain status gs://b/runs/r" in line and "gcloud container node-pools delete slice-0" in line
     assert "nothing deletes the failed leader pods" in line and "\n" not in line
+
+
+def test_pools_refused_for_now_when_enough_were_up_are_made_by_the_job_s_looks(
+    k8s: tuple[FakeKubernetes, str],
+    pools: tuple[FakeClusterManager, container_v1.ClusterManagerClient],
+    tmp_path: Path,
+) -> None:
+    api, url = k8s
+    fake, client = pools
+    busy = "Cluster is running incompatible operation operation-7. Please wait and try again."
+    gke = gke_conf(node_pools=["slice-0", "slice-1", "slice-2"], namespace="training")
+    cfg = load_config("tiny", None, {"root": "gs://b/runs", "min_workers": 4, "max_workers": 12, "hosts_per_slice": 4})
+    hook = jobset_hook(url)
+    backend = GKEBackend(
+        gke,
+        CloudCluster(
+            gke,
+            AnonymousCredentials(),
+            cluster_manager=client,
+            api_client=hook.api_client,
+            poll_s=0.001,
+            backoff=Backoff(0.05, 0.05),
+        ),
+    )
+    fake.refuse_next["slice-1"] = [FailedPrecondition(busy)] * 50  # busy until the first pool is up
+    fake.refuse_next["slice-2"] = [FailedPrecondition(busy)] * 50
+    up = backend.provision(cfg, {"gke": gke})
+    assert up["node_pools_up"] == ["slice-0"] and up["node_pools_creating"] == []
+    assert sorted(up["node_pools_retrying"]) == ["slice-1", "slice-2"]
+    assert f"{CLUSTER_PATH}/nodePools/slice-1" not in fake.pools
+    fake.refuse_next.clear()  # the cluster is free again
+    m = render(
+        load_config(overrides={**CONFIG, "hosts_per_slice": 4}),
+        TPUSlice("ct6e-standard-4t", "4x4"),
+        GKELaunch(image="img", namespace="training"),
+        "j9",
+    )
+    hook.create(m)
+    handle: dict[str, Any] = {"backend": "gke", "run_uri": str(tmp_path / "run"), "job": "j9", "jobset": m.name}
+    handle |= {"namespace": "training", "launched_at": time.time()}
+    deadline = time.monotonic() + 10
+    while len(fake.pools) < 3 or any(p.status != PoolStatus.RUNNING for p in fake.pools.values()):
+        assert time.monotonic() < deadline, fake.calls
+        backend.poll(handle, {"start_timeout_s": 900})
+        time.sleep(0.02)
+    # Airflow's trigger looks from another process: its first look finds each pool and makes a missing one.
+    fake.pools.pop(f"{CLUSTER_PATH}/nodePools/slice-2")
+    other = GKEBackend(
+        gke, CloudCluster(gke, AnonymousCredentials(), cluster_manager=client, api_client=hook.api_client, poll_s=0.001)
+    )
+    other.poll(handle, {"start_timeout_s": 900})
+    assert f"{CLUSTER_PATH}/nodePools/slice-2" in fake.pools

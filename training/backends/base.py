@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypedDict
 
 from training.api import ALIVE_STATES, Config, JobHandle, JobLook
@@ -26,11 +26,12 @@ class Log(Protocol):
 
 @dataclass
 class PoolsUp:
-    """A run's node pools once enough are up: those up, those still being created, those that failed (why)."""
+    """A run's node pools once enough are up: those up, being created, refused for now (sent again), failed (why)."""
 
     ready: list[str]
-    creating: list[str]
+    creating: list[str]  # a create accepted, the pool on its way
     failed: dict[str, str]
+    retrying: list[str] = field(default_factory=list)  # a create refused for now, sent again after a backoff
 
 
 class Provisioned(TypedDict, total=False):
@@ -44,6 +45,7 @@ class Provisioned(TypedDict, total=False):
     need: int
     node_pools_up: list[str]
     node_pools_creating: list[str]
+    node_pools_retrying: list[str]
     node_pools_failed: dict[str, str]
 
 

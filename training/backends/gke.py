@@ -37,6 +37,10 @@ class GKECluster(Protocol):
         """Create every node pool at once; return once ``need`` are up (raise naming each pool's fate if not)."""
         ...
 
+    def see_to_node_pools(self) -> PoolsUp:
+        """One look, without waiting, at the pools still on their way: creates refused for now are sent again."""
+        ...
+
     def delete_node_pools(self) -> list[str]:
         """Delete the run's node pools (waiting for each); the names deleted."""
         ...
@@ -91,6 +95,7 @@ class GKEBackend:
             "need": need,
             "node_pools_up": up.ready,
             "node_pools_creating": up.creating,
+            "node_pools_retrying": up.retrying,
             "node_pools_failed": up.failed,
         }
 
@@ -106,7 +111,7 @@ class GKEBackend:
         return handle
 
     def poll(self, handle: Mapping[str, Any], timeouts: Mapping[str, float], now: float | None = None) -> JobLook:
-        """One look at the job, its JobSet and why its pods wait.
+        """One look at the job, its JobSet and why its pods wait; the node pools still on their way are seen to.
 
         A job that has not started fails after ``start_timeout_s``, but not while Kueue holds its
         JobSet, and only after ``gke.provision_timeout_s`` while its pods wait for nodes the cluster
@@ -122,6 +127,11 @@ class GKEBackend:
         if state == "suspended":
             queue = self.gke.get("kueue_queue")
             return {**look, "waiting": f"the JobSet is suspended: waiting for Kueue to admit it (queue {queue})"}
+        try:  # the pools still on their way when the job was launched (a create refused for now is sent again)
+            self._cluster().see_to_node_pools()
+        except Exception as e:  # noqa: BLE001 - the job runs on the pools it has; the next look tries again
+            if self.log is not None:
+                self.log.warning("Looking at the node pools on their way failed: %s", e)
         try:
             waiting = jobsets.waiting(handle["jobset"], handle["namespace"])
         except Exception as e:  # noqa: BLE001 - why pods wait is a diagnosis: a failed look is no failure of the job

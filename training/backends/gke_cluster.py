@@ -22,7 +22,7 @@ from kubernetes import client as k8s
 
 from training.backends.base import BackendError, Log, PoolsUp
 from training.backends.gke_jobsets import KubeJobSets
-from training.backends.gke_pools import Backoff, NodePools, TPUNodePoolSpec
+from training.backends.gke_pools import Backoff, NodePools, TPUNodePoolSpec, see_to
 from training.gke import GKEConfigError, GKESettings, check_spot_grace
 
 SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
@@ -153,6 +153,9 @@ class CloudCluster:
         except GKEConfigError as e:
             raise BackendError(str(e)) from None
         return self.node_pools().create_all(self.pool_specs(), need, timeout_s)
+
+    def see_to_node_pools(self) -> PoolsUp:
+        return see_to(self.node_pools(), self.pool_specs())
 
     def delete_node_pools(self) -> list[str]:
         return self.node_pools().delete_all(list(self.gke["node_pools"]))

@@ -361,6 +361,7 @@ class NodePools:
         self.log = log
         self.poll_s = poll_s
         self.backoff = backoff
+        self.unfinished: _Provisioning | None = None  # the pools still on their way when create_all returned
 
     def _say(self, msg: str, *args: Any) -> None:
         if self.log is not None:
@@ -521,10 +522,12 @@ class NodePools:
             )
         if st.pending:
             self._say(
-                "Node pools %s are still being created: their hosts join the job when they are up",
+                "Node pools %s are still on their way (each look at the job sees to them): their hosts join "
+                "the job when they are up",
                 ", ".join(st.pending),
             )
-        return PoolsUp(ready=st.ready, creating=list(st.pending), failed=st.failed)
+        self.unfinished = st
+        return where(st)
 
     def _again(self, st: _Provisioning, p: _Pending, e: BaseException) -> None:
         """A request refused for now: send it again after the backoff."""
@@ -616,6 +619,36 @@ class NodePools:
         else:
             st.ready.append(name)
             self._say("Node pool %s is up", name)
+
+
+def where(st: _Provisioning) -> PoolsUp:
+    """Where the pools stand: up, being created (a create accepted), refused for now and sent again, failed."""
+    again = [n for n, p in st.pending.items() if p.retry]
+    creating = [n for n in st.pending if n not in again]
+    return PoolsUp(ready=list(st.ready), creating=creating, failed=dict(st.failed), retrying=again)
+
+
+def see_to(pools: NodePools, specs: Sequence[TPUNodePoolSpec]) -> PoolsUp:
+    """One look, without waiting, at the pools still on their way after ``create_all``; where they stand.
+
+    A create refused for now is sent again once its backoff is over, a pool being deleted is made
+    again once gone.  In a process that did not create them (Airflow's trigger), the first look
+    finds each pool: a missing one is created, one on its way watched; one in ERROR is left failed.
+    """
+    st = pools.unfinished
+    if st is None:
+        st = pools.unfinished = _Provisioning()
+        for spec in specs:
+            try:
+                pool = pools.get(spec.name)
+            except NotFound:
+                pools._start(st, _Pending(spec))
+                continue
+            pools._seen(st, _Pending(spec), pool)
+        return where(st)
+    for p in list(st.pending.values()):
+        pools._advance(st, p)
+    return where(st)
 
 
 def check_same_shape(existing: container_v1.NodePool, spec: TPUNodePoolSpec) -> None:

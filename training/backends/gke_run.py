@@ -98,6 +98,11 @@ class GKERun:
                 if up.get("node_pools_creating")
                 else ""
             )
+            + (
+                f"; refused for now, sent again while the job runs: {', '.join(up['node_pools_retrying'])}"
+                if up.get("node_pools_retrying")
+                else ""
+            )
             + (f"; failed: {failed}" if failed else "")
         )
         handle = self.backend.launch(self.cfg, self.spec, attempt=1)
