@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from processes import started_from, stop_process_group
+from processes import names, started_from, stop_process_group
 
 pytest_plugins = ["pytester"]
 REPO = Path(__file__).resolve().parents[1]
@@ -56,6 +56,39 @@ def test_stopping_a_process_group_takes_the_members_that_outlive_their_leader(tm
     stop_process_group(proc, grace_s=5)
     assert proc.returncode is not None and _gone(member), "the member that ignored SIGTERM is gone too"
     assert started_from(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("cmdline", "cwd", "named"),
+    [
+        (["python", "/s/pytest-1"], "/", True),
+        (["python", "/s/pytest-1/run/worker.py"], "/", True),
+        (["rtrain", "--run=file:///s/pytest-1/run"], "/", True),
+        (["python", "-c", "open('/s/pytest-1')"], "/", True),
+        ([], "/s/pytest-1", True),
+        ([], "/s/pytest-1/h0", True),
+        # Another session's directories, whose names begin with this one's.
+        (["python", "/s/pytest-12/run/worker.py"], "/", False),
+        (["rtrain", "--run=file:///s/pytest-12/run"], "/", False),
+        (["python", "/s/pytest-1.x/a", "/s/pytest-1_b"], "/", False),
+        ([], "/s/pytest-12", False),
+        ([], "/s/pytest-12/h0", False),
+    ],
+)
+def test_a_process_is_named_by_the_base_on_a_path_boundary(cmdline: list[str], cwd: str, named: bool) -> None:
+    assert names(cmdline, cwd, Path("/s/pytest-1")) is named
+
+
+def test_a_process_of_another_directory_whose_name_begins_with_the_base_s_is_not_found(tmp_path: Path) -> None:
+    base, other = tmp_path / "pytest-1", tmp_path / "pytest-12"
+    other.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(other / "run")], cwd=tmp_path)
+    try:
+        assert proc.pid not in {p.pid for p in started_from(base)}
+        assert proc.pid in {p.pid for p in started_from(other)}
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_make_airflow_stops_each_component_s_whole_group(tmp_path: Path) -> None:
