@@ -43,6 +43,7 @@ class FakeClusterManager:
     def __init__(self, clusters: tuple[str, ...] = (), polls: int = 2, version: str = "1.33.5-gke.1308000") -> None:
         self.clusters = set(clusters)
         self.version = version  # the control plane's GKE version
+        self.ca_certificate = ""  # the control plane's CA, base64 (as the GKE API serves it)
         self.polls = polls
         self.pools: dict[str, container_v1.NodePool] = {}
         self.ops: dict[str, dict[str, Any]] = {}
@@ -73,7 +74,13 @@ class FakeClusterManager:
         if request.name not in self.clusters:
             raise NotFound(f'Not found: "{request.name}".')
         name = request.name.rsplit("/", 1)[-1]
-        return container_v1.Cluster(name=name, endpoint="127.0.0.1", status=2, current_master_version=self.version)
+        return container_v1.Cluster(
+            name=name,
+            endpoint="127.0.0.1",
+            status=2,
+            current_master_version=self.version,
+            master_auth=container_v1.MasterAuth(cluster_ca_certificate=self.ca_certificate),
+        )
 
     def create_node_pool(self, request: container_v1.CreateNodePoolRequest) -> container_v1.Operation:
         assert self.CLUSTER_RE.match(request.parent), request.parent

@@ -841,7 +841,11 @@ def test_the_sensor_s_log_says_why_pods_wait_once_per_change(
     gke: dict[str, Any] = {"location": LOCATION, "cluster_name": CLUSTER, "machine_type": "ct6e-standard-4t"}
     gke |= {"tpu_topology": "4x4", "image": "img:1", "node_pools": ["slice-0"]}
     backend = GKEBackend(gke, CloudCluster(gke, AnonymousCredentials(), api_client=hook.api_client))
-    monkeypatch.setattr(RTrainHook, "backend", lambda self, *a, **k: backend)
+    made: list[str] = []  # the backends (and so clusters and clients) the watch makes: one for all its looks
+    closed: list[str] = []
+    monkeypatch.setattr(RTrainHook, "backend", lambda self, *a, **k: made.append("gke") or backend)
+    real_close = backend.close
+    monkeypatch.setattr(backend, "close", lambda: closed.append("gke") or real_close())
     run = str(tmp_path / "run")
     store = open_store(run)
     write_status(store, state="pending", job="j8")
@@ -865,6 +869,7 @@ def test_the_sensor_s_log_says_why_pods_wait_once_per_change(
         event = asyncio.run(asyncio.wait_for(anext(aiter(trigger.run())), 30)).payload
     t.join()
     assert event["status"] == "success", event
+    assert made == ["gke"] and closed == ["gke"]  # one cluster for the watch, its clients closed at its end
     lines = [str(r["event"]) for r in logs if str(r["event"]).startswith("[rtrain] ")]
     waits = [line for line in lines if "pod" in line]
     assert waits == [

@@ -255,3 +255,29 @@ def test_an_unavailable_service_is_asked_again(
 ) -> None:
     fake.refuse_next["slice-0"] = [ServiceUnavailable("The service is currently unavailable.")]
     assert pools(client).create_all(specs(1), need=1, timeout_s=10).ready == ["slice-0"]
+
+
+def test_the_cloud_cluster_looks_its_cluster_up_once_and_close_gives_back_its_clients_and_ca_file(
+    fake: FakeClusterManager, client: container_v1.ClusterManagerClient
+) -> None:
+    import base64
+    import os
+
+    from google.auth.credentials import AnonymousCredentials
+
+    pem = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+    fake.ca_certificate = base64.b64encode(pem).decode()
+    with CloudCluster(settings(), AnonymousCredentials(), cluster_manager=client) as cluster:
+        api = cluster.api_client()
+        for _ in range(3):  # the trigger's looks: the same client, no new lookup, no new CA file
+            assert cluster.jobsets().api_client is api
+            cluster.check()
+        ca = api.configuration.ssl_ca_cert
+        assert ca is not None and open(ca, "rb").read() == pem
+        assert [m for m, _ in fake.calls].count("get_cluster") == 1
+        api.rest_client.pool_manager.connection_from_host("127.0.0.1", 443, "https")  # a connection it holds
+        assert len(api.rest_client.pool_manager.pools) == 1
+    assert not os.path.exists(ca) and len(api.rest_client.pool_manager.pools) == 0
+    assert (
+        client.get_cluster(request=container_v1.GetClusterRequest(name=CLUSTER_PATH)).name == CLUSTER
+    )  # not closed: given

@@ -47,6 +47,10 @@ class GKECluster(Protocol):
 
     def jobsets(self) -> JobSets: ...
 
+    def close(self) -> None:
+        """Close the clients made for the cluster (and whatever files they needed)."""
+        ...
+
 
 class GKEBackend:
     """TPU node pools and one JobSet per job on GKE.
@@ -147,6 +151,11 @@ class GKEBackend:
                 why = f"job {handle.get('job')} did not start within {limit:.0f}s"
                 return {**look, "state": "failed", "reason": why + (f"; pods waiting: {waiting}" if waiting else "")}
         return {**look, "waiting": waiting} if waiting else look
+
+    def close(self) -> None:
+        """Close the cluster's clients (a watch that made the backend is done with it)."""
+        if self.cluster is not None:
+            self.cluster.close()
 
     def stop(self, handle: Mapping[str, Any], reason: str) -> None:
         """Ask the job's leader to end the job at a step boundary (its pods then complete)."""

@@ -9,7 +9,9 @@ project and the cluster, and says in one line which is missing.
 from __future__ import annotations
 
 import base64
+import os
 import tempfile
+from types import TracebackType
 from typing import Any
 
 import google.auth
@@ -41,7 +43,8 @@ class CloudCluster:
     ``credentials`` / ``project``: what Airflow's Google connection holds (None: Application Default
     Credentials, whose project is used when ``gke.project_id`` is left out).  ``cluster_manager`` and
     ``api_client``: the clients to use instead of the ones made from the credentials (a test's
-    in-process servers).
+    in-process servers).  The cluster is looked up once, its CA written to one file; :meth:`close`
+    (or ``with``) closes the clients made here and removes that file.
     """
 
     def __init__(
@@ -63,8 +66,35 @@ class CloudCluster:
         self._cluster_manager = cluster_manager
         self._api_client = api_client
         self._pools: NodePools | None = None
+        self._found: container_v1.Cluster | None = None  # the cluster as check() found it
+        self._ca_file: str | None = None
+        self._made: list[Any] = []  # the clients made here (not those given): closed by close()
         self.poll_s = poll_s
         self.backoff = backoff
+
+    def __enter__(self) -> CloudCluster:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the clients made here and remove the CA file; the cluster may be used again (they are made anew)."""
+        for client in self._made:
+            if isinstance(client, k8s.ApiClient):
+                client.close()
+                client.rest_client.pool_manager.clear()  # its connections to the control plane
+                self._api_client = None
+            else:
+                client.transport.close()
+                self._pools = None
+        self._made = []
+        if self._ca_file is not None:
+            try:
+                os.unlink(self._ca_file)
+            except FileNotFoundError:
+                pass
+            self._ca_file = None
 
     # --- what is needed, found once -------------------------------------------------------------
 
@@ -99,7 +129,10 @@ class CloudCluster:
     def node_pools(self) -> NodePools:
         """The cluster's node pools through a ``ClusterManagerClient`` made with the credentials."""
         if self._pools is None:
-            client = self._cluster_manager or container_v1.ClusterManagerClient(credentials=self.credentials())
+            client = self._cluster_manager
+            if client is None:
+                client = container_v1.ClusterManagerClient(credentials=self.credentials())
+                self._made.append(client)
             self._pools = NodePools(
                 client,
                 self.project,
@@ -112,11 +145,14 @@ class CloudCluster:
         return self._pools
 
     def check(self) -> container_v1.Cluster:
-        """The cluster, found with the credentials and the project; else one line naming what is missing."""
+        """The cluster, found (once) with the credentials and the project; else one line naming what is missing."""
+        if self._found is not None:
+            return self._found
         pools = self.node_pools()
         where = f"project {pools.project}, location {pools.location}"
         try:
-            return pools.get_cluster()
+            self._found = pools.get_cluster()
+            return self._found
         except NotFound:
             raise BackendError(f"gke.cluster_name: no cluster {pools.cluster!r} in {where}") from None
         except PermissionDenied as e:
@@ -166,19 +202,23 @@ class CloudCluster:
     def api_client(self) -> k8s.ApiClient:
         """A Kubernetes client for the cluster's control plane, authenticated with the credentials' token."""
         if self._api_client is None:
-            self._api_client = k8s.ApiClient(kube_configuration(self.check(), self.credentials()))
+            cluster = self.check()
+            if cluster.master_auth.cluster_ca_certificate and self._ca_file is None:
+                with tempfile.NamedTemporaryFile("wb", prefix="rtrain-gke-ca-", suffix=".crt", delete=False) as f:
+                    f.write(base64.b64decode(cluster.master_auth.cluster_ca_certificate))
+                self._ca_file = f.name
+            self._api_client = k8s.ApiClient(kube_configuration(cluster, self.credentials(), self._ca_file))
+            self._made.append(self._api_client)
         return self._api_client
 
 
-def kube_configuration(cluster: container_v1.Cluster, creds: Credentials) -> k8s.Configuration:
-    """The Kubernetes client's configuration for a GKE cluster: its endpoint, its CA, a refreshed token."""
+def kube_configuration(cluster: container_v1.Cluster, creds: Credentials, ca_file: str | None) -> k8s.Configuration:
+    """The Kubernetes client's configuration for a GKE cluster: its endpoint, its CA (``ca_file``), a refreshed token."""
     conf = k8s.Configuration()
     endpoint = cluster.endpoint or cluster.control_plane_endpoints_config.dns_endpoint_config.endpoint
     conf.host = f"https://{endpoint}"
-    if cluster.master_auth.cluster_ca_certificate:
-        with tempfile.NamedTemporaryFile("wb", suffix=".crt", delete=False) as f:
-            f.write(base64.b64decode(cluster.master_auth.cluster_ca_certificate))
-        conf.ssl_ca_cert = f.name
+    if ca_file is not None:
+        conf.ssl_ca_cert = ca_file
 
     def token(c: Any) -> None:
         if not creds.valid:

@@ -222,6 +222,8 @@ class RTrainTrainingJobTrigger(BaseTrigger):
         self.events_after = events_after
         self.progress_every_s = float(progress_every_s)
         self._pool_events = EventReader()  # the shared pool's runs' events, each read once across looks
+        self._hook: Any = None  # one hook and one backend (GKE: one cluster and its clients) per watch
+        self._backend: Any = None
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -270,9 +272,12 @@ class RTrainTrainingJobTrigger(BaseTrigger):
         """
         from rtrain_airflow.hooks.training import RTrainHook
 
-        hook = RTrainHook()
-        backend = hook.backend(self.handle.get("backend", "local"), self.handle.get("gke"), self.handle.get("priority"))
-        found = backend.poll(
+        hook = self._hook = self._hook or RTrainHook()
+        if self._backend is None:
+            self._backend = hook.backend(
+                self.handle.get("backend", "local"), self.handle.get("gke"), self.handle.get("priority")
+            )
+        found = self._backend.poll(
             self.handle, {"start_timeout_s": self.start_timeout_s, "stale_after_s": self.stale_after_s}
         )
         if seen is None:
@@ -305,7 +310,24 @@ class RTrainTrainingJobTrigger(BaseTrigger):
             }
         )
 
+    def _close(self) -> None:
+        """Close the backend's clients (GKE: the cluster's, and its CA file); the next look makes another."""
+        backend, self._backend = self._backend, None
+        close = getattr(backend, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception as e:  # noqa: BLE001 - closing is tidying up: the watch's outcome stands
+                self.log.warning("Closing the clients of %s failed: %s", self.run_uri, e)
+
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        try:
+            async for event in self._watch():
+                yield event
+        finally:
+            self._close()
+
+    async def _watch(self) -> AsyncIterator[TriggerEvent]:
         cursor = self.events_after
         story = Recoveries()
         progress = Progress()
@@ -320,6 +342,7 @@ class RTrainTrainingJobTrigger(BaseTrigger):
             except Exception as e:  # noqa: BLE001 - a transient read error (GCS 5xx) is retried a few times
                 errors += 1
                 self.log.warning("Reading run %s failed (%d/5): %s", self.run_uri, errors, e)
+                await asyncio.to_thread(self._close)  # the next look with clients made anew
                 if errors >= 5:
                     yield self._unreadable(e, story, cursor)
                     return
