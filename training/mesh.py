@@ -266,6 +266,16 @@ def formula_applies(cfg: Config) -> bool:
     return cfg.task == "lm"
 
 
+def fit_hints(cfg: Config) -> str:
+    """What a config that does not fit may change: the remat policy among them unless it is ``full`` already."""
+    remat = {
+        "none": "set remat (full keeps the least; dots, qkv_proj, attn, attn_mlp keep more)",
+        "full": "",
+    }.get(cfg.remat, f"set remat: full (it keeps the least; {cfg.remat} keeps more)")
+    changes = ["raise min_workers", "shard more (ici_fsdp / ici_tensor)", *([remat] if remat else [])]
+    return ", ".join(changes) + ", or lower global_batch / seq_len"
+
+
 def _fit(
     cfg: Config, compiled: bool, measure: Measure | None
 ) -> tuple[MeshPlan, MemoryEstimate | None, CompiledFigures | None]:
@@ -281,8 +291,7 @@ def _fit(
         raise PlanError(
             f"the model does not fit at {where}, {est.params / 1e9:.2f}B parameters, per-device batch "
             f"{cfg.global_batch // plan.batch_shards}):\n{est.table()}\n"
-            "raise min_workers, shard more (ici_fsdp / ici_tensor), enable activation_checkpointing, "
-            "or lower global_batch / seq_len"
+            f"{fit_hints(cfg)}"
         )
     if not (compiled or est is None):
         return plan, est, None
@@ -298,8 +307,7 @@ def _fit(
             f"the model does not fit at {where}, {got.params / 1e9:.2f}B parameters, per-device batch "
             f"{cfg.global_batch // plan.batch_shards}) by the compiled step (CPU backend, XLA's buffer "
             f"assignment):\n{got.table()}\n  {'device memory (90% usable)':<28} {usable / 2**30:10.2f} GiB\n"
-            "raise min_workers, shard more (ici_fsdp / ici_tensor), enable activation_checkpointing, "
-            "or lower global_batch / seq_len"
+            f"{fit_hints(cfg)}"
         )
     return plan, est, got
 

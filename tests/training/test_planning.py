@@ -7,7 +7,7 @@ import pytest
 from training.cli import main
 from training.config import ConfigError, load_config
 from training.faults import ChaosError, parse_chaos
-from training.mesh import PlanError, check_batch, choose_workers, feasible_sizes, plan_mesh
+from training.mesh import PlanError, check_batch, check_fit, choose_workers, feasible_sizes, plan_mesh
 
 
 def test_layers_apply_in_order_and_overrides_are_typed():
@@ -61,6 +61,20 @@ def test_memory_fit_refusal_shows_the_numbers_before_any_worker_starts(tmp_path,
     assert "does not fit at the minimum topology (2 workers x 4 devices" in err
     assert "optimizer (AdamW mu, nu)" in err and "GiB" in err and "70.55B parameters" in err
     assert not (tmp_path / "big").exists(), "nothing may be written for a refused run"
+
+
+@pytest.mark.parametrize(
+    ("remat", "says"),
+    [
+        ("none", "set remat (full keeps the least; dots, qkv_proj, attn, attn_mlp keep more), "),
+        ("dots", "set remat: full (it keeps the least; dots keeps more), "),
+        ("full", "shard more (ici_fsdp / ici_tensor), or lower"),
+    ],
+)
+def test_a_memory_fit_refusal_names_the_remat_setting_to_change(remat, says):
+    with pytest.raises(PlanError) as e:
+        check_fit(load_config("llama3-70b", None, {"min_workers": 2, "remat": remat}))
+    assert says in str(e.value) and "activation_checkpointing" not in str(e.value), str(e.value)
 
 
 def test_indivisible_global_batch_is_refused_before_launch(tmp_path, capsys):
