@@ -236,7 +236,7 @@ def _task_and_data_params() -> dict[str, Param]:
                 "A Hugging Face Llama checkpoint the built-in `lm` task starts from: a directory (local, relative to "
                 "the project, or `gs://`) of `config.json` and `*.safetensors`. Its config sets the model's shapes "
                 "and its `tokenizer.json` the dataset's tokenizer. A run that resumes from its own checkpoint "
-                "ignores it. Empty: a random init."
+                "ignores it. On GKE it must be `gs://` (the pods cannot read a path on the Airflow worker). Empty: a random init."
             ),
         ),
         "dataset_source": Param(

@@ -1161,3 +1161,12 @@ def test_pools_refused_for_now_when_enough_were_up_are_made_by_the_job_s_looks(
     )
     other.poll(handle, {"start_timeout_s": 900})
     assert f"{CLUSTER_PATH}/nodePools/slice-2" in fake.pools
+
+
+def test_the_form_and_docs_gke_md_say_init_from_must_be_gs_on_gke() -> None:
+    param = _shipped_dag_params()["init_from"]
+    help_text = str(param.schema.get("description_md") or param.description)
+    assert "On GKE it must be `gs://`" in help_text
+    doc = (REPO / "docs" / "gke.md").read_text()
+    assert "| `init_from` | a Hugging Face Llama checkpoint to start from: on GKE a `gs://` directory" in doc
+    assert "How much state that commits is\nan estimate, not a measurement" in doc
