@@ -458,3 +458,24 @@ def test_the_cluster_policy_reads_any_dags_conf_without_failing() -> None:
     other = SimpleNamespace(operator="BashOperator", priority_weight=7)
     prioritize(other, SimpleNamespace(conf={"priority": "urgent"}))
     assert other.priority_weight == 7
+
+
+def test_a_polling_sensor_makes_one_backend_for_all_its_pokes(
+    dag: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each backend made is a cluster's clients on GKE: a sensor that pokes keeps one, not one per poke."""
+    from rtrain_airflow.hooks.training import RTrainHook
+
+    from training.events import write_status
+    from training.storage import open_store
+
+    spec = spec_for(tmp_path)
+    write_status(open_store(spec["run_uri"]), state="pending", job="j1")
+    made: list[str] = []
+    real = RTrainHook.backend_for
+    monkeypatch.setattr(RTrainHook, "backend_for", lambda self, s: made.append(s["backend"]) or real(self, s))
+    handle = {"backend": "local", "run_uri": spec["run_uri"], "job": "j1", "launched_at": time.time()}
+    sensor = RTrainTrainingJobSensor(task_id="w", spec=spec, handle=handle, deferrable=False)
+    for _ in range(3):
+        assert not sensor.poke({}).is_done
+    assert made == ["local"]

@@ -257,15 +257,18 @@ def test_an_unavailable_service_is_asked_again(
     assert pools(client).create_all(specs(1), need=1, timeout_s=10).ready == ["slice-0"]
 
 
-def test_the_cloud_cluster_looks_its_cluster_up_once_and_close_gives_back_its_clients_and_ca_file(
+def test_the_cloud_cluster_looks_its_cluster_up_once_and_close_gives_back_its_clients_and_one_ca_file_serves_all(
     fake: FakeClusterManager, client: container_v1.ClusterManagerClient
 ) -> None:
     import base64
+    import glob
     import os
+    import tempfile
+    import uuid
 
     from google.auth.credentials import AnonymousCredentials
 
-    pem = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+    pem = f"-----BEGIN CERTIFICATE-----\nMIIB{uuid.uuid4().hex}\n-----END CERTIFICATE-----\n".encode()
     fake.ca_certificate = base64.b64encode(pem).decode()
     with CloudCluster(settings(), AnonymousCredentials(), cluster_manager=client) as cluster:
         api = cluster.api_client()
@@ -277,7 +280,14 @@ def test_the_cloud_cluster_looks_its_cluster_up_once_and_close_gives_back_its_cl
         assert [m for m, _ in fake.calls].count("get_cluster") == 1
         api.rest_client.pool_manager.connection_from_host("127.0.0.1", 443, "https")  # a connection it holds
         assert len(api.rest_client.pool_manager.pools) == 1
-    assert not os.path.exists(ca) and len(api.rest_client.pool_manager.pools) == 0
+    assert len(api.rest_client.pool_manager.pools) == 0
+    for _ in range(3):  # a watch or task each (a new cluster object): the same CA file, no new one
+        with CloudCluster(settings(), AnonymousCredentials(), cluster_manager=client) as again:
+            assert again.api_client().configuration.ssl_ca_cert == ca
+    assert os.path.exists(ca) and [
+        p for p in glob.glob(os.path.join(tempfile.gettempdir(), "rtrain-gke-ca-*")) if open(p, "rb").read() == pem
+    ] == [ca]
     assert (
         client.get_cluster(request=container_v1.GetClusterRequest(name=CLUSTER_PATH)).name == CLUSTER
     )  # not closed: given
+    os.unlink(ca)  # this test's own CA

@@ -9,6 +9,7 @@ project and the cluster, and says in one line which is missing.
 from __future__ import annotations
 
 import base64
+import hashlib
 import os
 import tempfile
 from types import TracebackType
@@ -43,8 +44,8 @@ class CloudCluster:
     ``credentials`` / ``project``: what Airflow's Google connection holds (None: Application Default
     Credentials, whose project is used when ``gke.project_id`` is left out).  ``cluster_manager`` and
     ``api_client``: the clients to use instead of the ones made from the credentials (a test's
-    in-process servers).  The cluster is looked up once, its CA written to one file; :meth:`close`
-    (or ``with``) closes the clients made here and removes that file.
+    in-process servers).  The cluster is looked up once; :meth:`close` (or ``with``) closes the
+    clients made here.
     """
 
     def __init__(
@@ -67,7 +68,6 @@ class CloudCluster:
         self._api_client = api_client
         self._pools: NodePools | None = None
         self._found: container_v1.Cluster | None = None  # the cluster as check() found it
-        self._ca_file: str | None = None
         self._made: list[Any] = []  # the clients made here (not those given): closed by close()
         self.poll_s = poll_s
         self.backoff = backoff
@@ -79,7 +79,7 @@ class CloudCluster:
         self.close()
 
     def close(self) -> None:
-        """Close the clients made here and remove the CA file; the cluster may be used again (they are made anew)."""
+        """Close the clients made here; the cluster may be used again (they are made anew)."""
         for client in self._made:
             if isinstance(client, k8s.ApiClient):
                 client.close()
@@ -89,12 +89,6 @@ class CloudCluster:
                 client.transport.close()
                 self._pools = None
         self._made = []
-        if self._ca_file is not None:
-            try:
-                os.unlink(self._ca_file)
-            except FileNotFoundError:
-                pass
-            self._ca_file = None
 
     # --- what is needed, found once -------------------------------------------------------------
 
@@ -203,13 +197,27 @@ class CloudCluster:
         """A Kubernetes client for the cluster's control plane, authenticated with the credentials' token."""
         if self._api_client is None:
             cluster = self.check()
-            if cluster.master_auth.cluster_ca_certificate and self._ca_file is None:
-                with tempfile.NamedTemporaryFile("wb", prefix="rtrain-gke-ca-", suffix=".crt", delete=False) as f:
-                    f.write(base64.b64decode(cluster.master_auth.cluster_ca_certificate))
-                self._ca_file = f.name
-            self._api_client = k8s.ApiClient(kube_configuration(cluster, self.credentials(), self._ca_file))
+            ca = cluster.master_auth.cluster_ca_certificate
+            self._api_client = k8s.ApiClient(
+                kube_configuration(cluster, self.credentials(), ca_file(ca) if ca else None)
+            )
             self._made.append(self._api_client)
         return self._api_client
+
+
+def ca_file(certificate: str) -> str:
+    """The file of a cluster's CA (base64, as the GKE API serves it): one per CA on this machine, shared, kept.
+
+    Named by the CA's digest and written (atomically) only when missing, so however many watches and
+    tasks talk to the cluster, the machine holds one file for it.
+    """
+    data = base64.b64decode(certificate)
+    path = os.path.join(tempfile.gettempdir(), f"rtrain-gke-ca-{hashlib.sha256(data).hexdigest()[:16]}.crt")
+    if not os.path.exists(path):
+        with tempfile.NamedTemporaryFile("wb", dir=os.path.dirname(path), suffix=".part", delete=False) as f:
+            f.write(data)
+        os.replace(f.name, path)
+    return path
 
 
 def kube_configuration(cluster: container_v1.Cluster, creds: Credentials, ca_file: str | None) -> k8s.Configuration:

@@ -186,6 +186,7 @@ class GKERun:
         finally:
             if not keep:
                 say(self.release(handles))
+            self.cluster.close()
 
     def stop(self, reason: str, wait_s: float = 120.0) -> None:
         """Ask the job to stop at a step boundary and wait (up to ``wait_s``) until it has."""

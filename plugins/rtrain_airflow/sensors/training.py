@@ -224,7 +224,9 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
         spec = self._spec(context)
         cfg = self.hook.config_from_dict(spec["config"])
         handle = getattr(self, "_watching", None) or check_handle(self.handle, self.task_id)
-        look = self.hook.backend_for(spec).poll(handle, self._timeouts(cfg))
+        if getattr(self, "_backend", None) is None:  # one backend (GKE: one cluster and its clients) for all pokes
+            self._backend = self.hook.backend_for(spec)
+        look = self._backend.poll(handle, self._timeouts(cfg))
         st = look.get("status") or {}
         if look["state"] == "failed":
             raise AirflowException(f"training job {spec['run_name']} failed: {look.get('reason')}")
