@@ -78,6 +78,45 @@ class RecordedCommitFile(atomicity.CommitFileTemporaryPath):  # type: ignore[mis
         await super().finalize()
 
 
+class FailFastManager(ocp.CheckpointManager):  # type: ignore[misc]
+    """Orbax's manager, keeping the error of a background commit where the training loop can see it at once.
+
+    A failed commit's error is raised once, in Orbax's finalize thread, which then waits at a barrier
+    of all processes that the others (whose writes succeeded) never reach: ``check_for_errors`` and
+    ``wait_until_finished`` would see nothing, or block, for Orbax's barrier timeout.
+    :attr:`failure` is that error, kept for :func:`raise_failure`.
+    """
+
+    failure: BaseException | None = None
+
+    def _wait_for_checkpointers(self) -> None:
+        try:
+            super()._wait_for_checkpointers()
+        except BaseException as e:
+            self.failure = e
+            raise
+
+
+def raise_failure(mngr: Any) -> None:
+    """Raise the error of a background commit that failed (a full disk, a read-only root), naming the step's root."""
+    mngr.check_for_errors()
+    failure = getattr(mngr, "failure", None)
+    if failure is not None:
+        raise RuntimeError(f"a checkpoint save to {mngr.directory} failed: {failure}") from failure
+
+
+def wait_saved(mngr: Any, poll_s: float = 0.05) -> None:
+    """Wait for the newest save to finish, raising at once (not at Orbax's barrier timeout) when its commit failed."""
+    import time
+
+    if isinstance(mngr, FailFastManager):
+        while mngr.is_saving_in_progress():
+            raise_failure(mngr)
+            time.sleep(poll_s)
+    mngr.wait_until_finished()
+    raise_failure(mngr)
+
+
 # A replicated shard is split among its replicas for writing only when each slice has at least this
 # many bytes: below it, slicing on the device costs more than writing the shard once.
 MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL = 1 << 20
@@ -139,7 +178,7 @@ def checkpoint_manager(
         "config": ocp.JsonCheckpointHandler(multiprocessing_options=mp),
         "layout": ocp.JsonCheckpointHandler(multiprocessing_options=mp),
     }
-    return ocp.CheckpointManager(root, options=options, item_handlers=handlers)
+    return FailFastManager(root, options=options, item_handlers=handlers)
 
 
 def save(

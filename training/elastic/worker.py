@@ -1236,7 +1236,7 @@ class Saver:
     def __init__(
         self, run: str, mngr: Any, rep: Reporter, pins: Pins, abstract: Any, *, background: bool = True
     ) -> None:
-        from training.checkpoint.manager import BackgroundSave, packs_small
+        from training.checkpoint.manager import BackgroundSave, packs_small, raise_failure, wait_saved
 
         self.run = run
         self.mngr = mngr
@@ -1246,12 +1246,13 @@ class Saver:
         self.last_saved: int | None = None
         self.committed_any = False
         self.bg = BackgroundSave(abstract, "rtrain-save", background=background, gather_small=packs_small(mngr))
+        self.raise_failure, self.wait_saved = raise_failure, wait_saved  # a failed commit's error, seen every step
         self.nbytes: int | None = None
         self.cost: dict[str, Any] = {}
 
     def _commit(self, step: int) -> None:
         # An async save that failed raises here; a step is reported committed only when finalised.
-        self.mngr.check_for_errors()
+        self.raise_failure(self.mngr)
         if not is_committed(self.run, step):  # that step alone: a listing of every step costs a look at each
             raise RuntimeError(f"checkpoint {step} did not commit (no finalised step directory){_why_not(self.mngr)}")
         cost, self.cost = self.cost, {}
@@ -1274,16 +1275,16 @@ class Saver:
     def poll(self) -> None:
         if self.pending is None or not self._started(block=False):
             return
-        # A background write that failed (a full disk) raises now: Orbax may still count the save as in
-        # progress, and the other processes wait for this one at its commit barrier.
-        self.mngr.check_for_errors()
+        # A background write that failed (a full disk, a read-only root) raises now: Orbax may still count
+        # the save as in progress, and the other processes wait for this one at its commit barrier.
+        self.raise_failure(self.mngr)
         if not self.mngr.is_saving_in_progress():
             step, self.pending = self.pending, None
             self._commit(step)
 
     def wait(self) -> None:
         self._started(block=True)
-        self.mngr.wait_until_finished()
+        self.wait_saved(self.mngr)
         self.poll()
 
     def save(self, step: int, state: Any, data_pos: DataPosition, cfg: Any) -> None:
