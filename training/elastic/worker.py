@@ -227,16 +227,18 @@ def import_libraries() -> None:
 def warm_up(run: str, warm: Warm) -> None:
     """Imports, the run's config, the compilation cache, the task and its (checked) data, into ``warm``.
 
-    The task is built here only if that leaves JAX's backend untouched (:mod:`training.elastic.taskbuild`).
+    The task is built here only if that leaves JAX's backend untouched (:mod:`training.elastic.taskbuild`):
+    the backend is fenced off in every thread of this process until the round has joined.
     """
     import_libraries()
     import jax
 
     from training.config import config_from_json
-    from training.elastic.taskbuild import build_in_standby
+    from training.elastic.taskbuild import build_in_standby, fence_backend
     from training.layout import CONFIG
     from training.storage import open_store
 
+    fence_backend()  # in every thread of this process; lifted in set_up, once the round has joined
     warm.store = open_store(run)
     cfg = warm.cfg = config_from_json(warm.store.get(CONFIG).decode())
     # The persistent compilation cache makes a relaunch on a mesh seen before skip XLA compilation.
@@ -593,6 +595,8 @@ def set_up(cfg: Any, run: str, a: Assignment, rep: Reporter, built: Any, t_assig
         )
         watch_peers(a, rep)
         transport = TransportThreads()  # before the backend starts (build_mesh): gloo's threads come with it
+    if taskbuild.lift_fence():  # something reached for the backend in the standby: the task is built again
+        built = None
     from training.gke.manifests import is_round_env
 
     rep.send(
@@ -609,11 +613,11 @@ def set_up(cfg: Any, run: str, a: Assignment, rep: Reporter, built: Any, t_assig
     mesh = build_mesh(plan)
     if transport is not None and mesh.devices.flat[0].platform == "cpu":  # another platform's threads are its own
         transport.lower()
-    if built is None:  # the task uses JAX as it is built: now that the round has joined, it may
+    if built is None:  # the task reached for JAX's backend in the standby: now that the round has joined, it may
         t0 = time.perf_counter()
         built = taskbuild.build(cfg)
         print(
-            f"round {a.round} process {a.rank}: the task uses JAX as it is built: built after the join, "
+            f"round {a.round} process {a.rank}: the task reached for JAX in the standby: built after the join, "
             f"in {time.perf_counter() - t0:.2f} s",
             file=sys.stderr,
             flush=True,
