@@ -887,6 +887,7 @@ FIGURES = (
     "service",
     "control_plane",
     "accelerator",
+    "formats",
 )
 
 
@@ -920,6 +921,7 @@ def figure_runs(ws: Path, repeats: int, quick: bool) -> dict[str, Callable[[], d
         "service": lambda: bench_service(ws, repeats),
         "control_plane": lambda: bench_control_plane(ws, repeats, 10.0 if quick else OPS_WINDOW_S),
         "accelerator": lambda: _accelerator(repeats, quick),
+        "formats": lambda: _formats(repeats, quick),
     }
 
 
@@ -928,6 +930,13 @@ def _accelerator(repeats: int, quick: bool) -> dict[str, Any]:
     from benchmarks.accelerator import bench_accelerator
 
     return bench_accelerator(repeats, quick)
+
+
+def _formats(repeats: int, quick: bool) -> dict[str, Any]:
+    """The format row (``benchmarks/formats.py``): lean against Orbax's OCDBT, locally and on gs:// (the emulator)."""
+    from benchmarks.formats import bench_formats
+
+    return bench_formats(repeats, quick)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks import accelerator
+from benchmarks import accelerator, formats
 from benchmarks.table import Row, note, over, ratios, row
 
 Result = dict[str, Any]
@@ -283,6 +283,7 @@ ROWS: dict[str, Callable[[Result], list[Row]]] = {
     "service": service_rows,
     "control_plane": control_plane_rows,
     "accelerator": accelerator.rows,
+    "formats": formats.rows,
 }
 
 
