@@ -843,9 +843,18 @@ def test_the_sensor_s_log_says_why_pods_wait_once_per_change(
     backend = GKEBackend(gke, CloudCluster(gke, AnonymousCredentials(), api_client=hook.api_client))
     made: list[str] = []  # the backends (and so clusters and clients) the watch makes: one for all its looks
     closed: list[str] = []
-    monkeypatch.setattr(RTrainHook, "backend", lambda self, *a, **k: made.append("gke") or backend)
     real_close = backend.close
-    monkeypatch.setattr(backend, "close", lambda: closed.append("gke") or real_close())
+
+    def make(self: Any, *a: Any, **k: Any) -> GKEBackend:
+        made.append("gke")
+        return backend
+
+    def close() -> None:
+        closed.append("gke")
+        real_close()
+
+    monkeypatch.setattr(RTrainHook, "backend", make)
+    monkeypatch.setattr(backend, "close", close)
     run = str(tmp_path / "run")
     store = open_store(run)
     write_status(store, state="pending", job="j8")

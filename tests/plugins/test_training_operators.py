@@ -190,8 +190,8 @@ def test_resolve_fits_a_gke_run_to_its_tpu_and_spot_grace_and_refuses_before_any
     """Chips per host and hosts per slice come from the TPU type; the notice's commit from the pods' Spot grace;
     what the JobSet's render would refuse fails the task here, with the key, before any node pool is made."""
     op = RTrainResolveRunConfigOperator(task_id="resolve_config")
-    base = {"run_name": "r", "storage_root": "gs://b/runs", "preset": "tiny", "steps": None, "chaos": []}
-    base |= {"min_workers": 4, "max_workers": 8, "backend": "gke", "overrides": {"global_batch": 32}}
+    base: dict[str, Any] = {"run_name": "r", "storage_root": "gs://b/runs", "preset": "tiny", "steps": None}
+    base |= {"chaos": [], "min_workers": 4, "max_workers": 8, "backend": "gke", "overrides": {"global_batch": 32}}
     cfg = op.execute({"params": {**base, "gke": V5E_SPOT}})["config"]
     assert (cfg["devices_per_worker"], cfg["hosts_per_slice"], cfg["preemption_grace_s"]) == (4, 4, 10)
     longer = {**V5E_SPOT, "spot_shutdown_grace_s": 120}  # GKE 1.35.0-gke.1171000+: 105 s for the pods
@@ -473,7 +473,12 @@ def test_a_polling_sensor_makes_one_backend_for_all_its_pokes(
     write_status(open_store(spec["run_uri"]), state="pending", job="j1")
     made: list[str] = []
     real = RTrainHook.backend_for
-    monkeypatch.setattr(RTrainHook, "backend_for", lambda self, s: made.append(s["backend"]) or real(self, s))
+
+    def backend_for(self: Any, s: Any) -> Any:
+        made.append(s["backend"])
+        return real(self, s)
+
+    monkeypatch.setattr(RTrainHook, "backend_for", backend_for)
     handle = {"backend": "local", "run_uri": spec["run_uri"], "job": "j1", "launched_at": time.time()}
     sensor = RTrainTrainingJobSensor(task_id="w", spec=spec, handle=handle, deferrable=False)
     for _ in range(3):
