@@ -235,12 +235,3 @@ def test_the_format_row_measures_lean_and_orbax_side_by_side_locally_and_on_the_
         [r["local:lean"]["commit_s"] / r["local:ocdbt"]["commit_s"] for r in result["runs"]]
     )
     assert "OCDBT" in got["formats:local:orbax"]["measured"] and "zarr" in got["formats:gcs:orbax"]["measured"]
-
-
-def test_orbax_s_format_is_the_default_and_compression_is_refused_with_lean() -> None:
-    from training.config import ConfigError, load_config
-
-    assert load_config("tiny", None, {}).checkpoint_format == "auto"
-    with pytest.raises(ConfigError, match="checkpoint_compression applies to Orbax's formats"):
-        load_config("tiny", None, ["checkpoint_format=lean", "checkpoint_compression=true"])
-    assert load_config("tiny", None, ["checkpoint_compression=true"]).checkpoint_compression

@@ -25,6 +25,7 @@ def test_layers_apply_in_order_and_overrides_are_typed():
         ("preset=huge", "preset: unknown preset 'huge'"),
         ("resume_from=yesterday", "resume_from"),
         ("chaos=[explode:step=1]", "unknown action 'explode'"),
+        ("checkpoint_compression=true", "checkpoint_compression applies to Orbax's formats"),
     ],
 )
 def test_bad_config_is_refused_naming_the_key(override, message):
