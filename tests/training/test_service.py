@@ -240,7 +240,9 @@ def _events(run_uri: str, *types: str) -> list[api.Event]:
 def test_priorities_move_hosts_between_running_jobs_with_no_step_lost(tmp_path, tiny_dataset, jax_cache):
     root = str(tmp_path / "runs")
     common = {"checkpoint_every": 10, "trace_data_ids": True, "log_every": 5}
-    low = job_config(root, tiny_dataset, jax_cache, run_name="low", steps=400, min_workers=2, max_workers=4, **common)
+    # low must outlast high plus the scheduler's restart on 2 hosts: on a quiet machine a tiny step on 2
+    # hosts takes ~55 ms, high and the restart ~30 s, so 400 steps raced them (CI ended low on 2 hosts).
+    low = job_config(root, tiny_dataset, jax_cache, run_name="low", steps=800, min_workers=2, max_workers=4, **common)
     high = job_config(root, tiny_dataset, jax_cache, run_name="high", steps=30, min_workers=2, max_workers=2, **common)
     last = job_config(root, tiny_dataset, jax_cache, run_name="last", steps=12, min_workers=4, max_workers=4, **common)
     seen: dict[str, list[tuple[str, int]]] = {"low": [], "high": [], "last": []}
