@@ -214,7 +214,7 @@ def test_make_airflow_and_the_rest_example_run_as_written(project: Path) -> None
         listening = [c.laddr for p in tree for c in _conns(p) if c.status == psutil.CONN_LISTEN]
         assert listening and all(a.ip in ("127.0.0.1", "::1", "::ffff:127.0.0.1") for a in listening), listening
 
-        block = bash_block("Trigger a run").replace("PASSWORD", password)
+        block = bash_block("### Airflow on this machine: `make airflow`").replace("PASSWORD", password)
         r = run(project, block, timeout=120)
         assert r.returncode == 0, r.stderr
         created = json.loads(r.stdout)
