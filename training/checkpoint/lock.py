@@ -90,43 +90,15 @@ class LockLost(RuntimeError):
     """We believed we held the lock, but someone else has it now (our lease ran out)."""
 
 
-class RunLock:
-    """One owner per run (see the module docstring).
+class LockReader:
+    """Reading a run lock: its newest generation, and whether a lease has lapsed for this process (see the module
+    docstring).  :class:`RunLock` changes it."""
 
-    :param owner: who we are, for messages (``agent h1 of job J``).
-    :param job: the job we belong to; a handoff to this job may be claimed at once.
-    :param lease_s: how long a refresh keeps the lease.
-    :param margin_s: how long after its expiry a lease still keeps others out.
-    :param contact: written into every record: how others reach the holder (an agent: its host-watch address).
-    """
-
-    def __init__(
-        self,
-        store: Store,
-        owner: str,
-        lease_s: float = 60.0,
-        *,
-        job: str | None = None,
-        margin_s: float = DEFAULT_MARGIN_S,
-        on_event: Callable[..., Any] | None = None,
-        contact: HostContact | None = None,
-    ) -> None:
-        if lease_s <= 0:
-            raise ValueError("lease_s must be positive")
-        self.store = store
-        self.owner = owner
-        self.job = job
-        self.lease_s = float(lease_s)
-        self.margin_s = float(margin_s)
-        self.on_event = on_event
-        self.contact = contact
-        self.token = uuid.uuid4().hex
-        self.gen: int | None = None  # the generation we last wrote while holding the lock
-        self._seen_gen = 0  # the newest generation seen: the next look starts from it
-        self._first_read: dict[int, float] = {}  # generation -> when this process first read it (monotonic)
-        self._acquired_at = 0.0
-
-    # -- reading ---------------------------------------------------------------------------
+    store: Store
+    margin_s: float
+    _mu: threading.RLock
+    _seen_gen: int  # the newest generation seen: the next look starts from it
+    _first_read: dict[int, float]  # generation -> when this process first read it (monotonic)
 
     def _generations(self) -> list[tuple[int, str]]:
         return generations(self.store)
@@ -137,6 +109,10 @@ class RunLock:
         After the first look, the generation last seen and those after it are read by name
         (two reads while nothing moved); a listing only when that one is gone.
         """
+        with self._mu:
+            return self._newest()
+
+    def _newest(self) -> tuple[int, LockRecord | None]:
         if self._seen_gen:
             found = self._read_from(self._seen_gen)
             if found is not None:
@@ -226,6 +202,48 @@ class RunLock:
             "refreshed. Stop that job (or wait for its lease to run out) and retry."
         )
 
+
+class RunLock(LockReader):
+    """One owner per run (see the module docstring).
+
+    :param owner: who we are, for messages (``agent h1 of job J``).
+    :param job: the job we belong to; a handoff to this job may be claimed at once.
+    :param lease_s: how long a refresh keeps the lease.
+    :param margin_s: how long after its expiry a lease still keeps others out.
+    :param contact: written into every record: how others reach the holder (an agent: its host-watch address).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        owner: str,
+        lease_s: float = 60.0,
+        *,
+        job: str | None = None,
+        margin_s: float = DEFAULT_MARGIN_S,
+        on_event: Callable[..., Any] | None = None,
+        contact: HostContact | None = None,
+    ) -> None:
+        if lease_s <= 0:
+            raise ValueError("lease_s must be positive")
+        self.store = store
+        self.owner = owner
+        self.job = job
+        self.lease_s = float(lease_s)
+        self.margin_s = float(margin_s)
+        self.on_event = on_event
+        self.contact = contact
+        self.token = uuid.uuid4().hex
+        self.gen: int | None = None  # the generation we last wrote while holding the lock
+        # One change of the lock at a time (a LeaseKeeper's refresh against the holder's release or handoff),
+        # and one reader of the views below: a release waits for a refresh under way, then writes after it.
+        self._mu = threading.RLock()
+        self._state = threading.Lock()  # forget() against a change's last step
+        self._forgotten = 0  # how many times forget() was called: a refresh under way then keeps the lock forgotten
+        self._seen_gen = 0  # the newest generation seen: the next look starts from it
+        self._first_read: dict[int, float] = {}  # generation -> when this process first read it (monotonic)
+        self._acquired_at = 0.0
+
     # -- writing ---------------------------------------------------------------------------
 
     def _write(
@@ -307,6 +325,10 @@ class RunLock:
         ``holder_exited``: a generation whose holder's process is known to have exited; while it is
         the newest, it is taken over at once (see the module docstring).
         """
+        with self._mu:
+            return self._acquire(holder_exited)
+
+    def _acquire(self, holder_exited: int | None) -> LockRecord:
         self._seen_gen = 0  # a taker lists: it must not write on a view read by name
         for _ in range(5):
             gen, rec = self.newest()
@@ -350,37 +372,50 @@ class RunLock:
 
     def handoff(self, job: str, lease_s: float) -> LockRecord:
         """Keep the lock for ``job`` for ``lease_s``: its agents may claim it at once, others are kept out."""
-        self.job = job
-        rec = self._advance("handoff", lease_s)
-        self.gen = None  # it is the job's now
-        return rec
+        with self._mu:
+            self.job = job
+            rec = self._advance("handoff", lease_s)
+            self.forget()  # it is the job's now
+            return rec
+
+    def forget(self) -> None:
+        """Count the lock as no longer ours, writing nothing (its lease was lost): a change under way is not undone,
+        but leaves the lock forgotten too."""
+        with self._state:
+            self._forgotten += 1
+            self.gen = None
 
     def _advance(self, action: str, lease_s: float | None = None) -> LockRecord:
-        if self.gen is None:
-            raise LockLost(f"{self.owner!r} does not hold the lock of {self.store.uri}")
-        try:
-            rec: LockRecord | None = self._write(self.gen + 1, action, None, self._acquired_at, lease_s)
-        except AlreadyExists:
-            rec = None
-        if rec is None or not self._confirm(self.gen + 1):
-            self.gen = None
-            holder = self.held_by()
-            who = f"{holder['owner']!r} (host {holder['host']}, pid {holder['pid']})" if holder else "nobody now"
-            raise LockLost(f"the lock of {self.store.uri} was taken over; it is held by {who}")
-        self.gen += 1
-        return rec
+        with self._mu:
+            gen, forgotten = self.gen, self._forgotten
+            if gen is None:
+                raise LockLost(f"{self.owner!r} does not hold the lock of {self.store.uri}")
+            try:
+                rec: LockRecord | None = self._write(gen + 1, action, None, self._acquired_at, lease_s)
+            except AlreadyExists:
+                rec = None
+            if rec is None or not self._confirm(gen + 1):
+                self.gen = None
+                holder = self.held_by()
+                who = f"{holder['owner']!r} (host {holder['host']}, pid {holder['pid']})" if holder else "nobody now"
+                raise LockLost(f"the lock of {self.store.uri} was taken over; it is held by {who}")
+            with self._state:
+                if forgotten == self._forgotten:
+                    self.gen = gen + 1
+            return rec
 
     def release(self) -> None:
-        """Give the lock up (a no-op when we no longer hold it)."""
-        if self.gen is None:
-            return
-        gen, self.gen = self.gen, None
-        try:
-            self._write(gen + 1, "release", None, time.time())
-        except AlreadyExists:
-            return  # it had already moved on: nothing of ours to release
-        if self._confirm(gen + 1):
-            self._emit("release")
+        """Give the lock up (a no-op when we no longer hold it); a change under way (a refresh) ends first."""
+        with self._mu:
+            if self.gen is None:
+                return
+            gen, self.gen = self.gen, None
+            try:
+                self._write(gen + 1, "release", None, time.time())
+            except AlreadyExists:
+                return  # it had already moved on: nothing of ours to release
+            if self._confirm(gen + 1):
+                self._emit("release")
 
     def __enter__(self) -> RunLock:
         self.acquire()

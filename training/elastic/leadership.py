@@ -194,7 +194,7 @@ class Leadership:
             self.keeper.stop()
         self.keeper = None
         self.leader = None
-        self.lock.gen = None
+        self.lock.forget()  # a refresh the stopped keeper still has under way leaves it forgotten too
         self.heart.update(leader=False)
 
     def last_host_leaves(self) -> float:
