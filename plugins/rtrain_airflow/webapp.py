@@ -11,8 +11,9 @@ Under both: ``status``, ``events`` (``?type=``, ``?after=``, ``?limit=``), ``rep
 ``chart`` and ``view``; and ``POST .../stop?reason=`` (the view's Stop button), with edit access to the same
 DAG runs: the run's job ends ``stopped`` (a run of a shared pool is cancelled: ``stopped`` once its job ran,
 ``cancelled`` before), resumable; a run with no live job is 409.  A storage root's queue: ``GET /rtrain/queue?root=ROOT`` and
-``/rtrain/queue/view`` with read access to every DAG's runs; ``POST /rtrain/queue/{run}/priority?priority=P``
-and ``.../cancel`` with edit access to them (a bad request is 400).  An unknown run is 404, a storage
+``/rtrain/queue/view`` (a Cancel button per run not ended) with read access to every DAG's runs;
+``POST /rtrain/queue/{run}/priority?priority=P`` and ``.../cancel`` (a queued run ends ``cancelled``, a running
+one ``stopped``) with edit access to them (a bad request is 400).  An unknown run is 404, a storage
 error 503, each with one line.  Nothing writes to a run (no stale-job repair); the POSTs write only
 the service's submissions and a run's stop request (``control.json``, as ``rtrain stop``).  FastAPI is imported when the app is built.
 """
@@ -45,6 +46,7 @@ WWW = Path(__file__).resolve().parent / "www"
 STATIC = {
     "view.js": ("view.js", "text/javascript"),
     "view.css": ("view.css", "text/css"),
+    "queue.js": ("queue.js", "text/javascript"),
     "uPlot.iife.min.js": ("vendor/uplot/uPlot.iife.min.js", "text/javascript"),
     "uPlot.min.css": ("vendor/uplot/uPlot.min.css", "text/css"),
 }
@@ -271,7 +273,18 @@ def _queue_routes(cache: Any, templates: Any) -> Any:
 
     @router.get("/queue/view", response_class=HTMLResponse, dependencies=read)
     def queue_page(request: Request, root: str | None = None) -> HTMLResponse:
-        return _page(templates, request, "queue.html", view=queue_of(root), eta=api.duration)
+        v = queue_of(root)
+        prefix = str(request.scope.get("root_path", ""))
+        return _page(
+            templates,
+            request,
+            "queue.html",
+            view=v,
+            eta=api.duration,
+            ended=commands.ENDED,
+            api=f"{prefix}/queue",
+            query=root_query(f"{v.root}/queue"),
+        )
 
     def change(fn: Callable[[], Any]) -> JSONResponse:
         try:

@@ -458,6 +458,11 @@ def test_the_queue_is_served_read_only_to_viewers_and_changed_by_editors(client:
     page = client.get("/queue/view")
     assert page.status_code == 200 and "script-src 'self'" in page.headers["content-security-policy"]
     assert '<tr data-run="waiting" data-state="queued">' in page.text and "A pool of 4 host(s)" in page.text
+    # A Cancel button for the run not ended, none for the one that is; its script is the page's own file.
+    buttons = re.findall(r'<button type="button" class="cancel"\s+data-run="([^"]+)"', page.text)
+    assert buttons == ["waiting"], buttons
+    assert 'data-api="/queue"' in page.text and 'src="/static/queue.js"' in page.text
+    assert client.get("/static/queue.js").status_code == 200
     assert client.get("/queue", params={"root": "/etc"}).status_code == 403
     # A viewer may not change the queue.
     assert client.post("/queue/waiting/priority", params={"priority": "high"}).status_code == 403
