@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 # The main job: the resilient_training DAG end to end (airflow dags test, Airflow home ./airflow_home,
-# SQLite) on the local slice: `small` preset, one host lost at step 40, capacity back at step 80, a
+# SQLite) on the local slice: `small` preset, one host lost at step 41, capacity back at step 80, a
 # learning-rate spike at step 105 that validation rejects (rollback branch); then the run's summary.
 # Options: make demo DEMO_ARGS="--no-regression" (host loss and capacity only), "--steps N", ...
 demo: $(STAMP)
@@ -59,7 +59,7 @@ TESTS_MYPY := $(BIN)/mypy --config-file pyproject.toml --disable-error-code inde
 	--disable-error-code typeddict-item --disable-error-code arg-type --disable-error-code assignment --no-warn-unused-ignores
 typecheck: $(STAMP)
 	$(BIN)/mypy
-	$(TESTS_MYPY) tests/test_storage.py tests/test_readme.py tests/test_sizes.py tests/conftest.py
+	$(TESTS_MYPY) tests/test_storage.py tests/test_readme.py tests/test_sizes.py tests/test_architecture_map.py tests/conftest.py
 	MYPYPATH=tests/training:plugins $(TESTS_MYPY) tests/training
 	MYPYPATH=tests/dags:plugins $(TESTS_MYPY) tests/dags
 	MYPYPATH=tests/dags:plugins $(TESTS_MYPY) tests/plugins
@@ -68,7 +68,7 @@ typecheck: $(STAMP)
 imports: $(STAMP)
 	PYTHONPATH=plugins $(BIN)/lint-imports
 
-# The chaos suite over more seeds (3 run in `make test`).
+# The chaos suite over more seeds (3 run in `make test-all`).
 SEEDS ?= 20
 chaos: $(STAMP)
 	RTRAIN_CHAOS_SEEDS=$(SEEDS) $(BIN)/python -m pytest -q -m chaos
