@@ -910,8 +910,11 @@ def steal_fraction(before: tuple[int, int] | None, after: tuple[int, int] | None
     return (after[0] - before[0]) / (after[1] - before[1])
 
 
-def figure_runs(ws: Path, repeats: int, quick: bool) -> dict[str, Callable[[], dict[str, Any]]]:
-    """Each figure's measurement, by name, every one repeated ``repeats`` times."""
+def figure_runs(
+    ws: Path, repeats: int, quick: bool, formats_mib: list[int] | None = None
+) -> dict[str, Callable[[], dict[str, Any]]]:
+    """Each figure's measurement, by name, every one repeated ``repeats`` times (``formats_mib``: the formats
+    figure's state sizes)."""
     return {
         "recovery": lambda: bench_recovery(ws, repeats, ray=not quick),
         "checkpoint_overhead": lambda: bench_checkpoint_overhead(ws, repeats),
@@ -921,7 +924,7 @@ def figure_runs(ws: Path, repeats: int, quick: bool) -> dict[str, Callable[[], d
         "service": lambda: bench_service(ws, repeats),
         "control_plane": lambda: bench_control_plane(ws, repeats, 10.0 if quick else OPS_WINDOW_S),
         "accelerator": lambda: _accelerator(repeats, quick),
-        "formats": lambda: _formats(repeats, quick),
+        "formats": lambda: _formats(repeats, quick, formats_mib),
     }
 
 
@@ -932,11 +935,11 @@ def _accelerator(repeats: int, quick: bool) -> dict[str, Any]:
     return bench_accelerator(repeats, quick)
 
 
-def _formats(repeats: int, quick: bool) -> dict[str, Any]:
+def _formats(repeats: int, quick: bool, sizes_mib: list[int] | None) -> dict[str, Any]:
     """The format row (``benchmarks/formats.py``): lean against Orbax's OCDBT, locally and on gs:// (the emulator)."""
     from benchmarks.formats import bench_formats
 
-    return bench_formats(repeats, quick)
+    return bench_formats(repeats, quick, sizes_mib)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -949,6 +952,9 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--only: unknown figure(s) {sorted(unknown)}; known: {', '.join(FIGURES)}")
     if repeats < 1:
         raise ValueError(f"--repeats must be at least 1, not {repeats}")
+    formats_mib = getattr(args, "formats_mib", None)
+    if formats_mib and min(formats_mib) < 1:
+        raise ValueError(f"--formats-mib must be at least 1, not {min(formats_mib)}")
     ws = Path("var/bench").resolve()
     ws.mkdir(parents=True, exist_ok=True)
     data.prepare(None, str(ws / "data"), 64, max_bytes=2_000_000)
@@ -957,7 +963,7 @@ def main(args: argparse.Namespace) -> int:
         "repeats": repeats,
         "time": time.time(),
     }
-    runs = figure_runs(ws, repeats, args.quick)
+    runs = figure_runs(ws, repeats, args.quick, formats_mib)
     for name in FIGURES:
         if name not in only:
             continue

@@ -1,17 +1,23 @@
 """The bench's format row: the persistent checkpoint formats side by side, ``lean`` against Orbax's OCDBT.
 
-Each repeat saves and restores one state of a given size per process (default 1 GiB of float32
-arrays, as large arrays the way a model's are, plus a model's share of small ones) in both
-formats, interleaved, on a local disk and on gs:// (the GCS emulator on 127.0.0.1), the way the
-worker saves: the loop's pause (the host copy's dispatch), the time until the step is committed,
-then the time a fresh manager takes to restore it onto the same mesh.  Orbax's fixed cost per save
-is measured apart, on a state of the same arrays at a few KiB each.
+Each repeat saves and restores one state per process of each given size (default 1 GiB and 4 GiB
+of float32 arrays: large arrays the way a model's are, plus a model's share of small ones) in both
+formats, interleaved (their order alternates between repeats), on a local disk and on gs:// (the
+GCS emulator on 127.0.0.1), the way the worker saves:
 
-On the emulator Orbax's format is what ``checkpoint_format: auto`` picks there (plain zarr: OCDBT's
-manifest needs object generations the emulator gets wrong); the row says which ran.  The emulator is
-a single Python process: its figures rank the formats' request patterns, not GCS's throughput.
+- the save pause: the time the training loop is blocked (the host copy's dispatch);
+- the commit: from the save's start until the step is committed (durable: each format's own commit);
+- the restore: a fresh manager reading the step onto the same mesh (a local step's files evicted
+  from the page cache first).
 
-Run it alone: ``python -m benchmarks.formats [--size-mib N] [--repeats N] [--quick]``.
+Orbax's fixed cost per save is measured apart, on a state of the same 65 arrays at a few KiB each.
+
+Against the emulator Orbax writes plain zarr, what ``checkpoint_format: auto`` picks there: the
+emulator answers OCDBT's conditional writes with generations tensorstore refuses ("Malformed
+StorageGeneration"); each run probes OCDBT there once and reports what it said.  The emulator is one
+Python process: its figures rank the formats' request patterns, not GCS's throughput.
+
+Run it alone: ``python -m benchmarks.formats [--size-mib N ...] [--repeats N] [--quick]``.
 """
 
 from __future__ import annotations
@@ -24,19 +30,54 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from benchmarks.table import Row, note, over, ratios, row
 
-DEFAULT_MIB = 1024  # per process: the issue's realistic 1-4 GB
+DEFAULT_SIZES_MIB = (1024, 4096)  # per process: the issue's realistic 1-4 GB
 QUICK_MIB = 64
 LARGE_ARRAYS = 16
 SMALL_ARRAYS = 48  # a model's norms, biases and counters: most of its arrays, almost none of its bytes
 TINY_BYTES = 4096
-CHILD_TIMEOUT_S = 1800.0
+FIXED_SAVES = 5  # saves of the tiny state per format and repeat (the median is the repeat's value)
+CHILD_TIMEOUT_S = 3600.0
+BUCKET = "rtrain-formats"
+MEDIA = ("local", "gcs")
+# The memory one size needs, in multiples of the state: the state, its host copy and the restored
+# state in the measuring process; on gs:// the emulator's copy of the object and its upload's parts too.
+MEMORY_FACTOR = {"local": 3.5, "gcs": 6.0}
 
 CHILD = "benchmarks.formats"
+
+
+class Timing(TypedDict):
+    """One save and restore, in seconds: the loop's pause, until committed, the restore; and the save's CPU."""
+
+    pause_s: float
+    commit_s: float
+    restore_s: float
+    cpu_s: float
+
+
+class SizeResult(TypedDict):
+    """One state size: each repeat's timings by ``medium:format``, Orbax's format on each medium, media skipped."""
+
+    size_mib: int
+    orbax: dict[str, str]
+    runs: list[dict[str, Timing]]
+    skipped: dict[str, str]
+    error: str
+
+
+class FormatsResult(TypedDict):
+    """The row's result: each size's repeats, Orbax's fixed cost per save, and what OCDBT on the emulator said."""
+
+    sizes: list[SizeResult]
+    fixed: list[dict[str, Timing]]
+    gcs_ocdbt: str
+    error: str
 
 
 def _state(total_bytes: int, large_bytes: int | None = None) -> Any:
@@ -53,127 +94,320 @@ def _state(total_bytes: int, large_bytes: int | None = None) -> Any:
     return {"params": params, "step": jax.device_put(np.int32(1), rep)}
 
 
-def _one(root: str, fmt: str, state: Any, step: int) -> dict[str, float]:
-    """Save ``state`` as ``step`` in ``fmt`` under ``root`` as the worker does, then restore it: seconds of each part."""
+def _evict(run_uri: str) -> None:
+    """Drop a local run's files from the page cache, so a restore reads the disk (gs:// has nothing to drop)."""
+    if run_uri.startswith("gs://"):
+        return
+    for p in Path(run_uri).rglob("*"):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _one(root: str, fmt: str, state: Any, step: int) -> Timing:
+    """Save ``state`` as ``step`` in ``fmt`` under ``root`` as the worker does, then restore it: seconds of each part.
+
+    The step is deleted afterwards: a few GiB a step, on disk or in the emulator's memory.
+    """
     import jax
 
     from training.checkpoint import manager as ckpt
     from training.config import load_config
+    from training.storage import open_store
 
     cfg = load_config("tiny", None, {"root": root, "run_name": f"fmt-{fmt}", "checkpoint_format": fmt})
     mngr = ckpt.checkpoint_manager(cfg, cfg.run_uri)
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
     bg = ckpt.BackgroundSave(abstract, "bench-save", gather_small=ckpt.packs_small(mngr))
     bg.snapshot.prepare()
-    t0 = time.perf_counter()
+    cpu0, t0 = time.process_time(), time.perf_counter()
     bg.start(lambda s: ckpt.save(mngr, step, s, {"next_batch": step}, cfg), state)
     pause = time.perf_counter() - t0
     bg.collect()
     ckpt.wait_saved(mngr)
-    commit = time.perf_counter() - t0
+    commit, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     bg.close()
+    _evict(cfg.run_uri)
     fresh = ckpt.checkpoint_manager(cfg, cfg.run_uri)
     t1 = time.perf_counter()
     back, _ = ckpt.restore(fresh, step, abstract)
     jax.block_until_ready(back)
     restore = time.perf_counter() - t1
-    return {"pause_s": pause, "commit_s": commit, "restore_s": restore}
+    del back
+    open_store(cfg.run_uri).delete("checkpoints")
+    return {"pause_s": pause, "commit_s": commit, "restore_s": restore, "cpu_s": cpu}
 
 
-def child(size_mib: int, repeats: int, roots: dict[str, str], out: Path) -> None:
-    """The measurement, in a process of its own (JAX's flags are its own): JSON written to ``out``."""
+def orbax_format(medium: str) -> str:
+    """The ``checkpoint_format`` Orbax's side runs with on ``medium``: OCDBT locally, ``auto`` on gs://."""
+    return "ocdbt" if medium == "local" else "auto"
+
+
+def _orbax_name(root: str) -> str:
+    """What Orbax writes under ``root`` with :func:`orbax_format`: OCDBT, or plain zarr against an emulator."""
+    from training.checkpoint.manager import use_ocdbt
+    from training.config import load_config
+
+    fmt = orbax_format("gcs" if root.startswith("gs://") else "local")
+    return "ocdbt" if use_ocdbt(load_config("tiny", None, {"root": root, "checkpoint_format": fmt})) else "zarr"
+
+
+def measure_size(size_mib: int, repeats: int, roots: dict[str, str]) -> SizeResult:
+    """Each repeat's timings of both formats on each root, at ``size_mib`` per process (after a warm-up save each)."""
     state = _state(size_mib << 20)
-    tiny = _state(0, TINY_BYTES)
-    formats = {"local": ("lean", "ocdbt"), "gcs": ("lean", "auto")}
-    result: dict[str, Any] = {"size_mib": size_mib, "runs": []}
+    names = {medium: _orbax_name(root) for medium, root in roots.items()}
+    result: SizeResult = {"size_mib": size_mib, "orbax": names, "runs": [], "skipped": {}, "error": ""}
     step = 0
-    for _ in range(repeats):
-        run: dict[str, Any] = {}
-        for where, root in roots.items():
-            for fmt in formats[where]:
-                step += 1
-                run[f"{where}:{fmt}"] = _one(root, fmt, state, step)
-        for fmt in ("lean", "ocdbt"):
+    for medium, root in roots.items():  # a first save of each kind pays for imports and compiles: not measured
+        for fmt in ("lean", orbax_format(medium)):
             step += 1
-            run[f"fixed:{fmt}"] = _one(roots["local"], fmt, tiny, step)
+            _one(root, fmt, _state(0, TINY_BYTES), step)
+    for r in range(repeats):
+        run: dict[str, Timing] = {}
+        for medium, root in roots.items():
+            pair = [("lean", "lean"), (names[medium], orbax_format(medium))]
+            for label, fmt in pair if r % 2 == 0 else pair[::-1]:  # drift falls on both
+                step += 1
+                run[f"{medium}:{label}"] = _one(root, fmt, state, step)
         result["runs"].append(run)
-        out.write_text(json.dumps(result))
-
-
-def bench_formats(repeats: int, quick: bool = False, size_mib: int | None = None) -> dict[str, Any]:
-    """The row's result: each repeat's pause, commit and restore seconds per root and format."""
-    from training.emulator import gcs_emulator
-
-    size = size_mib or (QUICK_MIB if quick else DEFAULT_MIB)
-    with tempfile.TemporaryDirectory(prefix="rtrain-formats-") as tmp, gcs_emulator("rtrain-formats"):
-        out = Path(tmp) / "result.json"
-        roots = {"local": str(Path(tmp) / "runs"), "gcs": "gs://rtrain-formats/runs"}
-        env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
-        args = [sys.executable, "-m", CHILD, "--child", str(out), "--size-mib", str(size), "--repeats", str(repeats)]
-        proc = subprocess.run(
-            [*args, "--roots", json.dumps(roots)], env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S
-        )
-        if proc.returncode != 0 or not out.exists():
-            return {"size_mib": size, "runs": [], "error": (proc.stderr or proc.stdout)[-400:]}
-        result: dict[str, Any] = json.loads(out.read_text())
-    commit = [r["local:lean"]["commit_s"] / r["local:ocdbt"]["commit_s"] for r in result["runs"]]
-    result["ratio"] = statistics.median(commit) if commit else 0.0
-    result["target"] = "lean/OCDBT commit: lean stays only if < 1 at 1-4 GiB"
     return result
 
 
-def _med(runs: list[dict[str, Any]], key: str, part: str) -> list[float]:
+def measure_fixed(repeats: int, root: str) -> list[dict[str, Timing]]:
+    """Orbax's fixed cost per save: the tiny state saved FIXED_SAVES times a repeat in each format (medians)."""
+    tiny, step, out = _state(0, TINY_BYTES), 0, []
+    for fmt in ("lean", "ocdbt"):  # warm-up
+        step += 1
+        _one(root, fmt, tiny, step)
+    for _ in range(repeats):
+        run: dict[str, Timing] = {}
+        for fmt in ("lean", "ocdbt"):
+            each = []
+            for _ in range(FIXED_SAVES):
+                step += 1
+                each.append(_one(root, fmt, tiny, step))
+            med = {
+                k: statistics.median(float(t[k]) for t in each) for k in ("pause_s", "commit_s", "restore_s", "cpu_s")
+            }
+            run[fmt] = {
+                "pause_s": med["pause_s"],
+                "commit_s": med["commit_s"],
+                "restore_s": med["restore_s"],
+                "cpu_s": med["cpu_s"],
+            }
+        out.append(run)
+    return out
+
+
+def probe_gcs_ocdbt(root: str) -> str:
+    """What a save in OCDBT to the emulator said: "saved", or its error's first line."""
+    try:
+        _one(root, "ocdbt", _state(0, TINY_BYTES), 1)
+    except Exception as e:  # noqa: BLE001 - the answer is the error
+        text = str(e)
+        return "failed: " + ("Malformed StorageGeneration" if "Malformed StorageGeneration" in text else text[:200])
+    return "saved"
+
+
+def child(mode: str, size_mib: int, repeats: int, roots: dict[str, str], out: Path) -> None:
+    """The measurement, in a process of its own (its JAX and its memory): JSON written to ``out``."""
+    if mode == "fixed":
+        doc: Any = {"fixed": measure_fixed(repeats, roots["local"])}
+        if "gcs" in roots:
+            doc["gcs_ocdbt"] = probe_gcs_ocdbt(roots["gcs"].rstrip("/") + "-probe")
+    else:
+        doc = measure_size(size_mib, repeats, roots)
+    out.write_text(json.dumps(doc))
+
+
+def available_bytes() -> int:
+    """The memory the kernel says is available now (MemAvailable), or 0 where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def media_that_fit(size_mib: int, available: int) -> tuple[list[str], dict[str, str]]:
+    """The media a state of ``size_mib`` fits in memory on (:data:`MEMORY_FACTOR`), and why the others are skipped."""
+    fit, skipped = [], {}
+    for medium in MEDIA:
+        need = int(MEMORY_FACTOR[medium] * (size_mib << 20))
+        if need <= available:
+            fit.append(medium)
+        else:
+            skipped[medium] = f"needs about {need / 2**30:.1f} GiB of memory, {available / 2**30:.1f} GiB available"
+    return fit, skipped
+
+
+def _run_child(mode: str, size: int, repeats: int, roots: dict[str, str], tmp: Path) -> tuple[Any, str]:
+    out = tmp / f"{mode}-{size}.json"
+    args = [sys.executable, "-m", CHILD, "--child", mode, str(out), "--size-mib", str(size), "--repeats", str(repeats)]
+    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    try:
+        proc = subprocess.run(
+            [*args, "--roots", json.dumps(roots)], env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {CHILD_TIMEOUT_S:.0f} s"
+    if proc.returncode != 0 or not out.exists():
+        lines = [x for x in (proc.stderr or proc.stdout).splitlines() if x.strip()]
+        return None, (lines[-1] if lines else f"exit status {proc.returncode}")[:300]
+    return json.loads(out.read_text()), ""
+
+
+def bench_formats(repeats: int, quick: bool = False, sizes_mib: Sequence[int] | None = None) -> dict[str, Any]:
+    """The row's result (:class:`FormatsResult`): each size measured in a process of its own, on the media it fits."""
+    from training.emulator import gcs_emulator
+
+    sizes = list(sizes_mib or ((QUICK_MIB,) if quick else DEFAULT_SIZES_MIB))
+    result: FormatsResult = {"sizes": [], "fixed": [], "gcs_ocdbt": "", "error": ""}
+    with tempfile.TemporaryDirectory(prefix="rtrain-formats-") as tmp, gcs_emulator(BUCKET):
+        roots = {"local": str(Path(tmp) / "runs"), "gcs": f"gs://{BUCKET}/runs"}
+        for size in sizes:
+            fit, skipped = media_that_fit(size, available_bytes())
+            doc, error = _run_child("size", size, repeats, {m: roots[m] for m in fit}, Path(tmp)) if fit else (None, "")
+            empty: SizeResult = {"size_mib": size, "orbax": {}, "runs": [], "skipped": {}, "error": error}
+            got: SizeResult = doc if doc is not None else empty
+            got["skipped"] = skipped
+            result["sizes"].append(got)
+        doc, error = _run_child("fixed", 0, repeats, roots, Path(tmp))
+        if doc is None:
+            result["error"] = f"fixed cost: {error}"
+        else:
+            result["fixed"], result["gcs_ocdbt"] = doc["fixed"], doc.get("gcs_ocdbt", "")
+    return dict(result)
+
+
+# --- the rows -----------------------------------------------------------------------------------
+
+NAMES = {"lean": "lean", "ocdbt": "OCDBT", "zarr": "zarr"}
+
+
+def _of(runs: list[dict[str, Any]], key: str, part: str) -> list[float]:
     return [float(r[key][part]) for r in runs]
 
 
-def rows(result: dict[str, Any]) -> list[Row]:
-    """Per root: lean's commit over Orbax's, per repeat, with each format's pause, commit and restore; then
-    Orbax's fixed cost per save."""
-    runs = result.get("runs") or []
-    if not runs:
-        return [note("formats", "checkpoint formats", f"not run: {str(result.get('error', ''))[:150]}")]
-    out: list[Row] = []
-    size = f"{result['size_mib']} MiB"
-    for where, orbax in (("local", "ocdbt"), ("gcs", "auto")):
-        lean, theirs = f"{where}:lean", f"{where}:{orbax}"
-        name = "OCDBT" if orbax == "ocdbt" else "zarr (auto on the emulator)"
-        parts = []
-        for label, key in (("lean", lean), (name, theirs)):
-            parts.append(
-                f"{label}: pause {over(_med(runs, key, 'pause_s'), 1e3, 1)} ms, "
-                f"commit {over(_med(runs, key, 'commit_s'))} s, restore {over(_med(runs, key, 'restore_s'))} s"
-            )
-        values = ratios(_med(runs, lean, "commit_s"), _med(runs, theirs, "commit_s"))
-        out.append(
-            row(
-                f"formats:{where}",
-                f"lean/Orbax commit, {where} {size}",
-                parts[0],
-                values,
-                "< 1 keeps lean",
-            )
-        )
-        out.append(note(f"formats:{where}:orbax", "", parts[1]))
-    fixed = (
-        f"Orbax (OCDBT) commit {over(_med(runs, 'fixed:ocdbt', 'commit_s'), 1e3, 1)} ms against lean "
-        f"{over(_med(runs, 'fixed:lean', 'commit_s'), 1e3, 1)} ms per save of {LARGE_ARRAYS + SMALL_ARRAYS + 1} "
-        f"arrays of a few KiB (local)"
+def _times(runs: list[dict[str, Any]], key: str) -> str:
+    return (
+        f"pause {over(_of(runs, key, 'pause_s'), 1e3, 1)} ms, commit {over(_of(runs, key, 'commit_s'))} s, "
+        f"restore {over(_of(runs, key, 'restore_s'))} s"
     )
-    out.append(note("formats:fixed", "  fixed cost per save", fixed))
+
+
+def size_rows(s: dict[str, Any]) -> list[Row]:
+    """One size's rows on each medium: lean's commit, restore and pause over Orbax's, per repeat; media skipped."""
+    runs, size, out = s["runs"], s["size_mib"], []
+    for medium in MEDIA:
+        if medium in s.get("skipped", {}):
+            out.append(
+                note(f"formats:{medium}:{size}", f"formats, {medium} {size} MiB", f"not run: {s['skipped'][medium]}")
+            )
+            continue
+        if not runs or f"{medium}:lean" not in runs[0]:
+            continue
+        theirs = s["orbax"][medium]
+        lean, other, name = f"{medium}:lean", f"{medium}:{theirs}", NAMES[theirs]
+        for part, label, target in (
+            ("commit_s", f"lean/{name} commit, {medium} {size} MiB", "< 1: lean faster"),
+            ("restore_s", f"  lean/{name} restore", "< 1: lean faster"),
+            ("pause_s", f"  lean/{name} save pause", "(reported)"),
+        ):
+            scale, unit, digits = (1e3, "ms", 1) if part == "pause_s" else (1.0, "s", 2)
+            mine, them = _of(runs, lean, part), _of(runs, other, part)
+            text = f"{over(mine, scale, digits)} vs {over(them, scale, digits)} {unit}"
+            key = f"formats:{medium}:{size}" + ("" if part == "commit_s" else f":{part[:-2]}")
+            out.append(row(key, label, text, ratios(mine, them), target))
+    return out
+
+
+def _factor(r: float) -> str:
+    return f"{1 / r:.1f}x faster" if r < 1 else f"{r:.1f}x slower"
+
+
+def verdict(sizes: list[dict[str, Any]], medium: str) -> Row | None:
+    """Whether lean beats Orbax's format on ``medium``: faster to commit and to restore at every size measured."""
+    parts, wins = [], []
+    name = ""
+    for s in sizes:
+        runs = s["runs"]
+        if not runs or f"{medium}:lean" not in runs[0]:
+            continue
+        theirs = s["orbax"][medium]
+        name = NAMES[theirs]
+        c = statistics.median(
+            ratios(_of(runs, f"{medium}:lean", "commit_s"), _of(runs, f"{medium}:{theirs}", "commit_s"))
+        )
+        r = statistics.median(
+            ratios(_of(runs, f"{medium}:lean", "restore_s"), _of(runs, f"{medium}:{theirs}", "restore_s"))
+        )
+        wins.append((c < 1, r < 1))
+        parts.append(f"{s['size_mib']} MiB: commit {_factor(c)}, restore {_factor(r)}")
+    if not wins:
+        return None
+    if all(c and r for c, r in wins):
+        said = f"lean beats {name}"
+    elif not any(c or r for c, r in wins):
+        said = f"{name} beats lean"
+    else:
+        said = f"mixed: neither format wins both at every size against {name}"
+    return note(f"formats:verdict:{medium}", f"  verdict, {medium}", f"{said} (lean {'; '.join(parts)})")
+
+
+def fixed_row(fixed: list[dict[str, Any]]) -> Row:
+    """Orbax's fixed cost per save: a tiny state's commit in OCDBT against lean's, per repeat."""
+    o, lean = _of(fixed, "ocdbt", "commit_s"), _of(fixed, "lean", "commit_s")
+    text = (
+        f"{over(o, 1e3, 1)} vs lean {over(lean, 1e3, 1)} ms ({over(_of(fixed, 'ocdbt', 'cpu_s'), 1e3, 1)} vs "
+        f"{over(_of(fixed, 'lean', 'cpu_s'), 1e3, 1)} ms CPU), {LARGE_ARRAYS + SMALL_ARRAYS + 1} arrays of a few KiB"
+    )
+    return row("formats:fixed", "  OCDBT/lean fixed cost per save", text, ratios(o, lean), "(reported)")
+
+
+def rows(result: dict[str, Any]) -> list[Row]:
+    """Each size's rows, then per medium the verdict, then Orbax's fixed cost per save and OCDBT on the emulator."""
+    out: list[Row] = []
+    for s in result.get("sizes") or []:
+        if s.get("error"):
+            out.append(
+                note(f"formats:{s['size_mib']}", f"formats, {s['size_mib']} MiB", f"not run: {s['error'][:150]}")
+            )
+        out.extend(size_rows(s))
+    for medium in MEDIA:
+        v = verdict(result.get("sizes") or [], medium)
+        if v is not None:
+            out.append(v)
+    if result.get("fixed"):
+        out.append(fixed_row(result["fixed"]))
+    elif result.get("error"):
+        out.append(note("formats:fixed", "  fixed cost per save", f"not run: {result['error'][:150]}"))
+    if result.get("gcs_ocdbt"):
+        out.append(note("formats:gcs_ocdbt", "  OCDBT on the GCS emulator", result["gcs_ocdbt"]))
+    if not out:
+        out.append(note("formats", "checkpoint formats", "not run"))
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.formats", description=__doc__.splitlines()[0])
-    p.add_argument("--size-mib", type=int, default=None, help=f"state per process (default {DEFAULT_MIB})")
+    p.add_argument("--size-mib", type=int, action="append", default=None, help="state per process (repeatable)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help=f"a {QUICK_MIB} MiB state")
-    p.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child", nargs=2, default=None, help=argparse.SUPPRESS)
     p.add_argument("--roots", default="", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child is not None:
-        child(a.size_mib or DEFAULT_MIB, a.repeats, json.loads(a.roots), a.child)
+        mode, out = a.child
+        child(mode, (a.size_mib or [QUICK_MIB])[0], a.repeats, json.loads(a.roots), Path(out))
         return 0
+    if a.repeats < 1 or any(s < 1 for s in a.size_mib or []):
+        p.error("--repeats and --size-mib must be at least 1")
     result = bench_formats(a.repeats, a.quick, a.size_mib)
     print(json.dumps(result, indent=2))
     from benchmarks.table import format_row

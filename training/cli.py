@@ -813,6 +813,9 @@ def _host_commands(sub: Subcommands[argparse.ArgumentParser]) -> None:
     sp.add_argument("--repeats", type=int, default=None, help="repeats of each measurement (default 3; 1 with --quick)")
     sp.add_argument("--out", default="var/bench/bench.json", help="where the JSON goes")
     sp.add_argument("--only", action="append", default=[], help="run only these figures (repeatable)")
+    sp.add_argument(
+        "--formats-mib", type=int, action="append", default=None, help="the formats figure's state sizes per process"
+    )
     sp.set_defaults(fn=cmd_bench)
 
 

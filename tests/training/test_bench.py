@@ -350,3 +350,75 @@ def test_the_local_tier_recovery_and_control_plane_rows_pair_each_repeat_s_own_m
     r = bench.summarise("control_plane", {"runs": kinds, "target": "<= 1.10", "budget": budget}, None)
     assert r["ratio"]["values"] == [0.9, 1.1] and _ratio(r["table_rows"], "control_plane_gcs")["max"] == 0.8
     assert "budget, 64 hosts on gs://" in bench.format_table({"repeats": 2, "control_plane": r})
+
+
+def _timing(commit: float, restore: float, pause: float = 0.01) -> dict[str, float]:
+    return {"pause_s": pause, "commit_s": commit, "restore_s": restore, "cpu_s": commit / 2}
+
+
+def test_the_formats_rows_pair_each_repeat_and_the_verdict_says_which_format_wins_by_how_much() -> None:
+
+    size = {
+        "size_mib": 1024,
+        "orbax": {"local": "ocdbt", "gcs": "zarr"},
+        "skipped": {},
+        "error": "",
+        "runs": [
+            {
+                "local:lean": _timing(1.0, 0.5),
+                "local:ocdbt": _timing(2.0, 2.0),
+                "gcs:lean": _timing(3.0, 1.0),
+                "gcs:zarr": _timing(2.0, 2.0),
+            },
+            {
+                "local:lean": _timing(1.5, 0.5),
+                "local:ocdbt": _timing(2.0, 1.0),
+                "gcs:lean": _timing(4.0, 1.0),
+                "gcs:zarr": _timing(2.0, 4.0),
+            },
+        ],
+    }
+    big = {"size_mib": 4096, "orbax": {}, "runs": [], "error": "", "skipped": {"gcs": "needs about 24.0 GiB"}}
+    fixed = [{"lean": _timing(0.01, 0.01), "ocdbt": _timing(0.15, 0.05)}] * 2
+    r = bench.summarise("formats", {"sizes": [size, big], "fixed": fixed, "gcs_ocdbt": "failed: x", "error": ""}, None)
+    assert r["ratio"]["values"] == [0.5, 0.75] and r["target"] == "< 1: lean faster"
+    rows = r["table_rows"]
+    assert _ratio(rows, "formats:local:1024:restore")["values"] == [0.25, 0.5]
+    assert _ratio(rows, "formats:gcs:1024")["values"] == [1.5, 2.0]
+    assert _ratio(rows, "formats:fixed")["values"] == pytest.approx([15.0, 15.0])
+    local, gcs = find(rows, "formats:verdict:local")["measured"], find(rows, "formats:verdict:gcs")["measured"]
+    assert local.startswith("lean beats OCDBT") and "commit 1.6x faster, restore 2.7x faster" in local
+    assert gcs.startswith("mixed") and "commit 1.8x slower, restore 2.7x faster" in gcs
+    assert "not run: needs about 24.0 GiB" in find(rows, "formats:gcs:4096")["measured"]
+    table = bench.format_table({"repeats": 2, "formats": r})
+    assert "0.625 [0.500..0.750]  < 1: lean faster" in _line(table, "lean/OCDBT commit, local 1024 MiB")
+
+
+def test_the_formats_figure_runs_a_size_only_where_it_fits_in_memory() -> None:
+    from benchmarks import formats
+
+    gib = 1 << 30
+    assert formats.media_that_fit(1024, 10 * gib) == (["local", "gcs"], {})
+    fit, skipped = formats.media_that_fit(4096, 20 * gib)
+    assert fit == ["local"] and skipped["gcs"] == "needs about 24.0 GiB of memory, 20.0 GiB available"
+    assert formats.media_that_fit(4096, gib)[0] == []
+
+
+@pytest.mark.slow
+def test_the_formats_figure_saves_and_restores_both_formats_locally_and_on_the_emulator(tmp_path: Path) -> None:
+    proc, results = _bench(tmp_path, "--only", "formats", "--repeats", "2", "--formats-mib", "16")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    f = results["formats"]
+    [size] = f["sizes"]
+    assert size["size_mib"] == 16 and size["orbax"] == {"local": "ocdbt", "gcs": "zarr"} and not size["skipped"]
+    assert [sorted(run) for run in size["runs"]] == [["gcs:lean", "gcs:zarr", "local:lean", "local:ocdbt"]] * 2
+    for run in size["runs"]:
+        for t in run.values():
+            assert 0 < t["pause_s"] < t["commit_s"] and t["restore_s"] > 0 and t["cpu_s"] > 0
+    lean, ocdbt = ([run[f"local:{k}"]["commit_s"] for run in size["runs"]] for k in ("lean", "ocdbt"))
+    _check(f, "formats:local:16", lean, ocdbt, proc.stdout, "< 1: lean faster")
+    assert len(f["fixed"]) == 2 and f["gcs_ocdbt"].startswith(("saved", "failed"))
+    assert (
+        _line(proc.stdout, "verdict, local").split("verdict, local")[1].strip().startswith(("lean", "OCDBT", "mixed"))
+    )
+    assert "fixed cost per save" in proc.stdout
