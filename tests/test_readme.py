@@ -3,7 +3,9 @@
 The CLI section's block runs line by line (continuations joined) with bash; `make airflow`
 and the REST block run as a user would: Airflow starts, the two curl commands get a token and
 trigger a run (PASSWORD is the one `make airflow` printed).  Each command's exit code and output
-are checked.  The copy shares this checkout's `.venv` (a symlink) and nothing else.
+are checked.  The copy shares this checkout's `.venv` (a symlink) and nothing else.  The bench commands the
+README and docs/benchmarks.md show (an hour each, run by the bench's own test) are parsed by rtrain's own parser,
+and every `make` target they show is the Makefile's.
 """
 
 from __future__ import annotations
@@ -260,3 +262,41 @@ class socket_free:
 
     def __exit__(self, *exc: object) -> None:
         pass
+
+
+DOCS = {"README.md": README, "docs/benchmarks.md": (REPO / "docs" / "benchmarks.md").read_text()}
+
+
+def inline_commands(text: str, prefix: str) -> list[str]:
+    """The commands a text shows in `backticks` (outside its fenced blocks) that start with ``prefix``."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    found = (" ".join(m.group(1).split()) for m in re.finditer(r"`([^`]+)`", text))
+    return [c for c in found if c.startswith(prefix)]
+
+
+def test_the_bench_commands_shown_are_the_cli_s() -> None:
+    """Each `rtrain bench ...` the README and docs/benchmarks.md show parses as written, naming real figures.
+
+    A full bench takes an hour, so it is not run here: the bench's own test runs its figures.
+    """
+    import shlex
+
+    from benchmarks.bench import FIGURES
+    from training.cli import build_parser
+
+    shown = [(doc, c) for doc, text in DOCS.items() for c in inline_commands(text, "rtrain bench")]
+    assert any("--only" in c for _, c in shown) and any(doc == "docs/benchmarks.md" for doc, _ in shown), shown
+    for doc, cmd in shown:
+        try:
+            args = build_parser().parse_args(shlex.split(cmd)[1:])
+        except SystemExit:
+            pytest.fail(f"{doc}: `{cmd}` is refused by rtrain's parser")
+        assert set(args.only) <= set(FIGURES), f"{doc}: `{cmd}` names no figure of {FIGURES}"
+
+
+def test_every_make_target_shown_exists() -> None:
+    makefile = (REPO / "Makefile").read_text()
+    targets = set(re.findall(r"^([\w-]+):", makefile, re.M))
+    for doc, text in DOCS.items():
+        shown = set(re.findall(r"`make ([\w-]+)", text)) | set(re.findall(r"^make ([\w-]+)", text, re.M))
+        assert shown and shown <= targets, f"{doc} shows make targets the Makefile lacks: {sorted(shown - targets)}"
