@@ -61,6 +61,13 @@ class Released(TypedDict, total=False):
     node_pools_deleted: list[str]
 
 
+class Timeouts(TypedDict, total=False):
+    """When a look calls a job failed: never started within ``start_timeout_s``, or silent for ``stale_after_s``."""
+
+    start_timeout_s: float
+    stale_after_s: float
+
+
 class Backend(Protocol):
     """Where a run's jobs run: the same five verbs for the local slice, the shared pool and GKE."""
 
@@ -74,7 +81,7 @@ class Backend(Protocol):
         """Start a job, or follow the run's live one; never start a second."""
         ...
 
-    def poll(self, handle: Mapping[str, Any], timeouts: Mapping[str, float], now: float | None = None) -> JobLook:
+    def poll(self, handle: Mapping[str, Any], timeouts: Timeouts, now: float | None = None) -> JobLook:
         """One look at the job: its state (alive, finished, failed), why, and its status."""
         ...
 

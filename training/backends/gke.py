@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from training import api
 from training.api import Config, JobHandle, JobLook
-from training.backends.base import BackendError, Log, PoolsUp, Provisioned, Released
+from training.backends.base import BackendError, Log, PoolsUp, Provisioned, Released, Timeouts
 from training.gke import GKELaunch, GKESettings, TPUSlice, settings_launch
 
 
@@ -114,7 +114,7 @@ class GKEBackend:
         handle["gke"] = self.gke
         return handle
 
-    def poll(self, handle: Mapping[str, Any], timeouts: Mapping[str, float], now: float | None = None) -> JobLook:
+    def poll(self, handle: Mapping[str, Any], timeouts: Timeouts, now: float | None = None) -> JobLook:
         """One look at the job, its JobSet and why its pods wait; the node pools still on their way are seen to.
 
         A job that has not started fails after ``start_timeout_s``, but not while Kueue holds its

@@ -12,7 +12,7 @@ from typing import Any
 
 from training import api
 from training.api import Config, JobHandle, JobLook
-from training.backends.base import ALIVE, Log, Provisioned, Released
+from training.backends.base import ALIVE, Log, Provisioned, Released, Timeouts
 
 
 def pid_alive(pid: int | None) -> bool:
@@ -87,7 +87,7 @@ class LocalSliceBackend:
         )
         return handle
 
-    def poll(self, handle: Mapping[str, Any], timeouts: Mapping[str, float], now: float | None = None) -> JobLook:
+    def poll(self, handle: Mapping[str, Any], timeouts: Timeouts, now: float | None = None) -> JobLook:
         """One look at the job; state is one of ALIVE, finished, failed.
 
         A job whose hosts are all gone is recorded failed (``training.api.repair_status``); one whose

@@ -8,7 +8,7 @@ from typing import Any
 
 from training import api
 from training.api import Config, JobHandle, JobLook
-from training.backends.base import BackendError, Log, Provisioned, Released
+from training.backends.base import BackendError, Log, Provisioned, Released, Timeouts
 from training.backends.local import LocalSliceBackend
 from training.service import commands
 
@@ -69,7 +69,7 @@ class SharedPoolBackend:
         self._say("Submitted %s to the queue of %s at priority %s", cfg.run_name, cfg.root, sub.priority)
         return {**handle, "attached": False, "job": ""}
 
-    def poll(self, handle: Mapping[str, Any], timeouts: Mapping[str, float], now: float | None = None) -> JobLook:
+    def poll(self, handle: Mapping[str, Any], timeouts: Timeouts, now: float | None = None) -> JobLook:
         """One look: state, reason, status and the queue's row; ``queued`` while the run holds no host.
 
         A run still in the queue whose scheduler is gone (killed) gets a new one.

@@ -134,7 +134,7 @@ class RTrainResolveRunConfigOperator(BaseOperator):
             if self.continual:
                 overrides.update(self._continue_from(overrides, params))
                 # Refreshed data: the model trains on, the data position restarts on the new dataset.
-                overrides.setdefault("on_dataset_change", "restart")
+                overrides.setdefault("data.on_dataset_change", "restart")
             gke = cast("GKESettings", dict(params.get("gke") or {}))  # the backend checks it, by key
             if params.get("backend") == "gke" and not gke.get("image") and os.environ.get("RTRAIN_TRAIN_IMAGE"):
                 # The training image is named once where Airflow runs (docker/compose.yaml): the conf may leave it out.
@@ -147,8 +147,8 @@ class RTrainResolveRunConfigOperator(BaseOperator):
                     tpu = TPUSlice(gke["machine_type"], gke["tpu_topology"])
                 except GKEConfigError as e:
                     raise RTrainConfigError(f"gke: {e}") from None
-                overrides.setdefault("hosts_per_slice", tpu.hosts)
-                overrides.setdefault("devices_per_worker", tpu.chips_per_host)  # one process per host, all its chips
+                overrides.setdefault("placement.hosts_per_slice", tpu.hosts)
+                overrides.setdefault("placement.devices_per_worker", tpu.chips_per_host)  # one process per host, all its chips
             cfg = self.hook.build_config(overrides)
             priority = params.get("priority") or None
             if priority is not None:
@@ -158,7 +158,7 @@ class RTrainResolveRunConfigOperator(BaseOperator):
                     raise RTrainConfigError(f"priority: {e}") from None
             if cfg.backend == "gke":
                 self.hook.backend("gke", gke, priority)  # checks the gke settings
-                cfg = _check_gke_launch(cfg, gke, priority, "preemption_grace_s" in overrides)
+                cfg = _check_gke_launch(cfg, gke, priority, "checkpoint.preemption_grace_s" in overrides)
             if cfg.task != "lm":  # it must import and build here (a token dataset is prepared next)
                 self.hook.check_task(cfg, data=not cfg.prepared_tokens)
         except BackendError as e:  # RTrainConfigError too
@@ -200,7 +200,7 @@ class RTrainResolveRunConfigOperator(BaseOperator):
 
     def _continue_from(self, overrides: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
         """steps and resume_from for one more stretch of continual training."""
-        probe = self.hook.build_config({**overrides, "resume_from": "latest"})
+        probe = self.hook.build_config({**overrides, "checkpoint.resume_from": "latest"})
         per_run = int(params.get("steps_per_run") or 0)
         if per_run < 1:
             raise RTrainConfigError(f"steps_per_run: at least 1, got {params.get('steps_per_run')!r}")
@@ -210,7 +210,10 @@ class RTrainResolveRunConfigOperator(BaseOperator):
         self.log.info(
             "Continual training of %s: newest validated checkpoint %s, %d more steps", probe.run_name, base, per_run
         )
-        return {"steps": (base or 0) + per_run, "resume_from": str(base) if base is not None else "latest"}
+        return {
+            "optimizer.steps": (base or 0) + per_run,
+            "checkpoint.resume_from": str(base) if base is not None else "latest",
+        }
 
 
 def _check_gke_launch(cfg: Config, gke: GKESettings, priority: str | None, grace_given: bool) -> Config:
@@ -518,13 +521,11 @@ class RTrainRollbackAndResumeOperator(_RTrainBaseOperator):
         )
         context["ti"].xcom_push(key="handle", value=handle)  # for the teardown
         self.defer(
-            trigger=RTrainTrainingJobTrigger(
-                run_uri=run_uri,
-                handle=handle,
+            trigger=RTrainTrainingJobTrigger.for_job(
+                cfg,
+                handle,
                 poll_interval=self.poll_interval,
                 start_timeout_s=self.start_timeout_s,
-                stale_after_s=cfg.hang_timeout_s * 2 + 120,
-                events_after=handle.get("events_after"),
                 progress_every_s=self.progress_every_s,
             ),
             method_name="resume_complete",

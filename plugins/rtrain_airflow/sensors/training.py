@@ -22,7 +22,7 @@ import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from functools import cache, cached_property
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 from urllib.parse import quote, urlsplit
 
 from airflow.sdk import BaseOperatorLink, BaseSensorOperator, PokeReturnValue
@@ -30,9 +30,10 @@ from airflow.sdk.exceptions import AirflowException, AirflowSkipException
 
 from rtrain_airflow.hooks.training import RTrainHook, absolute
 from rtrain_airflow.operators.training import RESOLVE_TASK_ID, _is_deferred_value, check_spec
-from rtrain_airflow.triggers.training import PROGRESS_EVERY_S, STOPPED, RTrainTrainingJobTrigger
-from training.api import describe
+from rtrain_airflow.triggers.training import PROGRESS_EVERY_S, RELAYED, RTrainTrainingJobTrigger
+from training.api import Config, JobHandle, describe
 from training.backends import ALIVE
+from training.backends.watch import JobWatch, timeouts
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -159,9 +160,6 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
     def hook(self) -> RTrainHook:
         return RTrainHook()
 
-    def _timeouts(self, cfg: Any) -> dict[str, float]:
-        return {"start_timeout_s": self.start_timeout_s, "stale_after_s": cfg.hang_timeout_s * 2 + 120}
-
     def _spec(self, context: Context) -> dict[str, Any]:
         if self.spec is not None:
             return check_spec(self.spec, self.task_id)
@@ -182,7 +180,7 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
             current = (self.hook.status(cfg.run_uri) or {}).get("job")
             if current and current != handle.get("job"):
                 handle = {**handle, "job": current, "attached": True, "launched_at": time.time()}
-            look = backend.poll(handle, self._timeouts(cfg))
+            look = backend.poll(handle, timeouts(cfg, self.start_timeout_s))
             if look["state"] == "failed":
                 self.log.warning(
                     "[rtrain] try %d: the job is gone (%s); relaunching from the newest committed checkpoint",
@@ -207,32 +205,43 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
         if not self.deferrable:
             return super().execute(context)
         self.defer(
-            trigger=RTrainTrainingJobTrigger(
-                run_uri=spec["run_uri"],
-                handle=handle,
+            trigger=RTrainTrainingJobTrigger.for_job(
+                cfg,
+                handle,
                 poll_interval=self.poll_interval,
                 start_timeout_s=self.start_timeout_s,
-                stale_after_s=cfg.hang_timeout_s * 2 + 120,
-                events_after=handle.get("events_after"),
                 progress_every_s=self.progress_every_s,
             ),
             method_name="execute_complete",
             timeout=timedelta(seconds=self.timeout) if self.timeout else None,
         )
 
+    def _looks(self, spec: Mapping[str, Any], cfg: Config) -> JobWatch:
+        """The engine's watch of the job, kept for all pokes (one backend: GKE, one cluster and its clients)."""
+        if getattr(self, "_job_watch", None) is None:
+            handle = getattr(self, "_watching", None) or check_handle(self.handle, self.task_id)
+            self._job_watch = JobWatch(
+                lambda: self.hook.backend_for(spec),
+                cast(JobHandle, handle),
+                timeouts(cfg, self.start_timeout_s),
+                handle.get("events_after"),
+            )
+        return self._job_watch
+
     def poke(self, context: Context) -> PokeReturnValue:
         spec = self._spec(context)
         cfg = self.hook.config_from_dict(spec["config"])
-        handle = getattr(self, "_watching", None) or check_handle(self.handle, self.task_id)
-        if getattr(self, "_backend", None) is None:  # one backend (GKE: one cluster and its clients) for all pokes
-            self._backend = self.hook.backend_for(spec)
-        look = self._backend.poll(handle, self._timeouts(cfg))
-        st = look.get("status") or {}
-        if look["state"] == "failed":
-            raise AirflowException(f"training job {spec['run_name']} failed: {look.get('reason')}")
-        if look["state"] in STOPPED:
-            self._stopped(spec["run_uri"], str(look["state"]), look.get("reason"), st.get("latest_committed"))
-        if look["state"] == "finished":
+        watch = self._looks(spec, cfg)
+        look = watch.look()
+        for ev in look.events:
+            if ev["type"] in RELAYED and (ev["type"] != "checkpoint" or ev.get("committed")):
+                self.log.info("[rtrain] %s", describe(ev))
+        st = look.status
+        if look.outcome == "failed":
+            raise AirflowException(f"training job {spec['run_name']} failed: {look.reason}")
+        if look.outcome == "stopped":
+            self._stopped(spec["run_uri"], look.state, look.reason, st.get("latest_committed"))
+        if look.outcome == "success":
             return PokeReturnValue(
                 True,
                 {
@@ -241,17 +250,17 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
                     "step": st.get("step"),
                     "latest_committed": st.get("latest_committed"),
                     "failures": st.get("failures"),
-                    "handle": handle,
+                    "handle": dict(watch.handle),
                 },
             )
-        if look["state"] not in ALIVE:
-            raise AirflowException(f"training job {spec['run_name']}: unexpected state {look['state']!r}")
+        if look.state not in ALIVE:
+            raise AirflowException(f"training job {spec['run_name']}: unexpected state {look.state!r}")
         now = time.monotonic()
         if self.progress_every_s and (self._progress_at is None or now - self._progress_at >= self.progress_every_s):
             self._progress_at = now
             keys = ("step", "steps_total", "loss", "tokens_per_s", "workers", "mesh")
             line = describe({"type": "progress", **{k: st.get(k) for k in keys}})
-            self.log.info("[rtrain] %s: %s", str(look["state"]).replace("_", " "), line)
+            self.log.info("[rtrain] %s: %s", look.state.replace("_", " "), line)
         return PokeReturnValue(False)
 
     def _stopped(self, run_uri: Any, state: str, reason: Any, committed: Any) -> NoReturn:

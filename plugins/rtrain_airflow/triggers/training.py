@@ -19,13 +19,16 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Generator, Mapping
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from training.api import Event, EventReader, describe, duration, find_recoveries, floor_key
+from training.api import Config, Event, EventReader, JobHandle, describe, duration, find_recoveries
+from training.backends import Backend
+from training.backends.base import Timeouts
+from training.backends.watch import BY_REQUEST, Look, Unreadable, WatchItem, timeouts, watch
 from training.service import commands
 from training.service.commands import QueueRow
 
@@ -60,7 +63,7 @@ RELAYED = (
     "host_joined",
     "host_lost",
 )
-STOPPED = ("stopped", "cancelled")  # the ends a person asked for (rtrain stop or cancel, the Training view, a teardown)
+STOPPED = BY_REQUEST  # the ends a person asked for (rtrain stop or cancel, the Training view, a teardown)
 PROGRESS_EVERY_S = 10.0
 PACE_WINDOW_S = 60.0  # the ETA follows the pace of the steps of the last minute
 
@@ -171,17 +174,15 @@ def written_at(ev: Event) -> dict[str, str]:
     return {"timestamp": datetime.fromtimestamp(float(t), tz=UTC).isoformat().replace("+00:00", "Z")}
 
 
-def final_event(found: dict[str, Any], base: dict[str, Any]) -> TriggerEvent | None:
+def final_event(found: Look, base: dict[str, Any]) -> TriggerEvent | None:
     """The trigger's event for a job that is over (finished, failed, or stopped by a person); None while it lives."""
-    if found["state"] == "finished":
+    outcome = found.outcome
+    if outcome is None:
+        return None
+    if outcome == "success":
         return TriggerEvent({"status": "success", **base})
-    if found["state"] == "failed":
-        return TriggerEvent({"status": "failed", "message": found.get("reason") or "the job failed", **base})
-    if found["state"] in STOPPED:  # a person's stop or cancel: not a failure, and nothing to retry
-        return TriggerEvent(
-            {"status": "stopped", "message": found.get("reason") or f"the run was {found['state']}", **base}
-        )
-    return None
+    why = found.reason or ("the job failed" if outcome == "failed" else f"the run was {found.state}")
+    return TriggerEvent({"status": outcome, "message": why, **base})
 
 
 class RTrainTrainingJobTrigger(BaseTrigger):
@@ -222,8 +223,28 @@ class RTrainTrainingJobTrigger(BaseTrigger):
         self.events_after = events_after
         self.progress_every_s = float(progress_every_s)
         self._pool_events = EventReader()  # the shared pool's runs' events, each read once across looks
-        self._hook: Any = None  # one hook and one backend (GKE: one cluster and its clients) per watch
-        self._backend: Any = None
+
+    @classmethod
+    def for_job(
+        cls,
+        cfg: Config,
+        handle: Mapping[str, Any],
+        *,
+        poll_interval: float,
+        start_timeout_s: float,
+        progress_every_s: float = PROGRESS_EVERY_S,
+    ) -> RTrainTrainingJobTrigger:
+        """The trigger that watches the job of ``handle``, a job of a run of ``cfg`` (the engine's timeouts)."""
+        limits = timeouts(cfg, start_timeout_s)
+        return cls(
+            run_uri=cfg.run_uri,
+            handle=dict(handle),
+            poll_interval=poll_interval,
+            start_timeout_s=limits["start_timeout_s"],
+            stale_after_s=limits["stale_after_s"],
+            events_after=handle.get("events_after"),
+            progress_every_s=progress_every_s,
+        )
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -265,27 +286,6 @@ class RTrainTrainingJobTrigger(BaseTrigger):
             self.log.warning("Reading the queue of %s failed: %s", self.handle.get("root"), e)
             return None
 
-    def _look(self, cursor: str | None, seen: set[str] | None) -> tuple[dict[str, Any], list[Event]]:
-        """The job's state, and its events since the last look (``seen``: those read since ``floor_key(cursor)``).
-
-        The first look reads after ``cursor``; later ones look back for events that landed late.
-        """
-        from rtrain_airflow.hooks.training import RTrainHook
-
-        hook = self._hook = self._hook or RTrainHook()
-        if self._backend is None:
-            self._backend = hook.backend(
-                self.handle.get("backend", "local"), self.handle.get("gke"), self.handle.get("priority")
-            )
-        found = self._backend.poll(
-            self.handle, {"start_timeout_s": self.start_timeout_s, "stale_after_s": self.stale_after_s}
-        )
-        if seen is None:
-            new = hook.events(self.run_uri, after=cursor)
-        else:  # never before where this watch began (an earlier job's events)
-            new = hook.events_since(self.run_uri, cursor, seen, self.events_after)
-        return dict(found), new
-
     def _record_waiting(self, waiting: str) -> None:
         """Put why the pods wait (or that none does now) on the run's record: the Training view's timeline shows it."""
         from training import api
@@ -310,71 +310,64 @@ class RTrainTrainingJobTrigger(BaseTrigger):
             }
         )
 
-    def _close(self) -> None:
-        """Close the backend's clients (GKE: the cluster's, and its CA file); the next look makes another."""
-        backend, self._backend = self._backend, None
-        close = getattr(backend, "close", None)
-        if callable(close):
-            try:
-                close()
-            except Exception as e:  # noqa: BLE001 - closing is tidying up: the watch's outcome stands
-                self.log.warning("Closing the clients of %s failed: %s", self.run_uri, e)
+    def _backend(self) -> Backend:
+        """The watch's backend, made by the hook (one per watch; GKE: one cluster and its clients)."""
+        from rtrain_airflow.hooks.training import RTrainHook
+
+        h = self.handle
+        return RTrainHook().backend(h.get("backend", "local"), h.get("gke"), h.get("priority"))
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        limits = Timeouts(start_timeout_s=self.start_timeout_s, stale_after_s=self.stale_after_s)
+        looks = watch(
+            self._backend, cast(JobHandle, self.handle), limits, events_after=self.events_after, sleep=_no_wait
+        )
         try:
-            async for event in self._watch():
+            async for event in self._tell_looks(looks):
                 yield event
         finally:
-            self._close()
+            await asyncio.to_thread(looks.close)  # the watch closes its backend's clients
 
-    async def _watch(self) -> AsyncIterator[TriggerEvent]:
+    async def _tell_looks(self, looks: Generator[WatchItem]) -> AsyncIterator[TriggerEvent]:
+        """Each look of the engine's watch told in the task log; the final one as the trigger's event."""
         cursor = self.events_after
         story = Recoveries()
         progress = Progress()
         assumed: tuple[str, ...] = ()  # the ETA's assumptions last logged
         waiting = ""  # why the job's pods wait (GKE), as last logged
-        seen: set[str] | None = None  # events read since floor_key(cursor); None until the first look
-        errors = 0
         while True:
-            try:
-                found, new = await asyncio.to_thread(self._look, cursor, seen)
-                errors = 0
-            except Exception as e:  # noqa: BLE001 - a transient read error (GCS 5xx) is retried a few times
-                errors += 1
-                self.log.warning("Reading run %s failed (%d/5): %s", self.run_uri, errors, e)
-                await asyncio.to_thread(self._close)  # the next look with clients made anew
-                if errors >= 5:
-                    yield self._unreadable(e, story, cursor)
+            found = await asyncio.to_thread(next, looks)  # blocking reads run in a thread
+            if isinstance(found, Unreadable):  # a transient read error (GCS 5xx) is borne a few times
+                self.log.warning("Reading run %s failed (%d/5): %s", self.run_uri, found.failures, found.error)
+                if found.failures >= 5:
+                    yield self._unreadable(found.error, story, cursor)
                     return
                 await asyncio.sleep(self.poll_interval)
                 continue
-            st = found.get("status") or {}
-            if _gist(found.get("waiting", "")) != _gist(waiting):  # the reasons and counts, not the messages
-                waiting = found.get("waiting", "")
+            st: dict[str, Any] = dict(found.status)
+            if _gist(found.waiting) != _gist(waiting):  # the reasons and counts, not the messages
+                waiting = found.waiting
                 self.log.info("[rtrain] %s", f"pods waiting: {waiting}" if waiting else "no pod waits any more")
                 await asyncio.to_thread(self._record_waiting, waiting)
             now = time.monotonic()
             due = self.progress_every_s > 0 and (
                 progress.logged_at is None or now - progress.logged_at >= self.progress_every_s
             )
+            new = found.events
             newest = max((i for i, ev in enumerate(new) if ev["type"] == "progress"), default=None)
             outlook = (
                 await asyncio.to_thread(self._outlook)
-                if due and (newest is not None or found["state"] == "queued")
+                if due and (newest is not None or found.state == "queued")
                 else None
             )
             if outlook is not None and outlook.eta_notes != assumed:
                 assumed = outlook.eta_notes
                 if assumed:
                     self.log.info("[rtrain] the ETA assumes: %s", "; ".join(assumed))
-            if found["state"] == "queued" and due and outlook is not None:
+            if found.state == "queued" and due and outlook is not None:
                 self.log.info("[rtrain] %s", queued_line(outlook))
                 progress.logged_at = now
-            seen = seen if seen is not None else set()
-            seen.update(ev["_key"] for ev in new)
-            cursor = max([cursor or "", *seen]) or None
-            floor = floor_key(cursor) if cursor else ""
-            seen = {k for k in seen if k > floor}
+            cursor = found.cursor
             for i, ev in enumerate(new):
                 progress.see(ev)
                 self._tell(ev, story.see(ev), story.told)
@@ -383,7 +376,7 @@ class RTrainTrainingJobTrigger(BaseTrigger):
                     progress.logged_step, progress.logged_at = ev.get("step"), now
             base = {
                 "run_uri": self.run_uri,
-                "state": found["state"],
+                "state": found.state,
                 "step": st.get("step"),
                 "latest_committed": st.get("latest_committed"),
                 "failures": st.get("failures"),
@@ -395,3 +388,7 @@ class RTrainTrainingJobTrigger(BaseTrigger):
                 yield end
                 return
             await asyncio.sleep(self.poll_interval)
+
+
+def _no_wait(_seconds: float) -> None:
+    """The watch's wait between looks, left to the trigger (``asyncio.sleep``: it holds no thread)."""
