@@ -58,6 +58,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -154,6 +155,28 @@ def _restore_npz(abstract: Any, path: Path) -> Any:
     return jax.tree.unflatten(treedef, out)
 
 
+def _start_jax(cache: str, coordinator: str, world: int, rank: int) -> None:
+    """JAX as the engine's worker starts it: its compilation-cache settings, and jax.distributed's timeouts."""
+    import jax
+
+    from training.elastic.worker import share_cpu_compilation_cache
+
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    share_cpu_compilation_cache()
+    if world > 1:
+        # The same timeouts as our engine's worker (training/elastic/worker.py).
+        jax.distributed.initialize(
+            coordinator,
+            world,
+            rank,
+            coordinator_bind_address=coordinator if rank == 0 else None,  # this host's address only
+            heartbeat_timeout_seconds=10,
+            initialization_timeout=120,
+        )
+
+
 def _train_loop(config: dict[str, Any]) -> None:
     """One Ray Train worker: jax.distributed, our mesh and train step, Ray Train's checkpoints and reports."""
     import tempfile
@@ -175,27 +198,12 @@ def _train_loop(config: dict[str, Any]) -> None:
 
     from training.config import load_config
     from training.data import make_batches
-    from training.elastic.worker import share_cpu_compilation_cache
     from training.mesh import build_mesh, check_batch, plan_mesh
     from training.tasks import load_task
     from training.trainer import Trainer
 
     cfg = load_config("tiny", None, config["overrides"])
-    # The engine's compilation-cache settings, so that both sides compile alike.
-    jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    share_cpu_compilation_cache()
-    if world > 1:
-        # The same timeouts as our engine's worker (training/elastic/worker.py).
-        jax.distributed.initialize(
-            shared["coordinator"],
-            world,
-            rank,
-            coordinator_bind_address=shared["coordinator"] if rank == 0 else None,  # this host's address only
-            heartbeat_timeout_seconds=10,
-            initialization_timeout=120,
-        )
+    _start_jax(cfg.compilation_cache, shared["coordinator"], world, rank)
     plan = plan_mesh(cfg, world)
     check_batch(cfg, plan)
     trainer = Trainer(cfg, build_mesh(plan), load_task(cfg))
@@ -297,6 +305,268 @@ def _median_step_s(times: dict[int, float], lo: int, hi: int) -> float | None:
     return gaps[len(gaps) // 2] if gaps else None
 
 
+@dataclass
+class RaySettings:
+    """One Ray recovery run's settings: the job, the kill, Ray's knobs, and where its records go."""
+
+    workdir: Path
+    hosts: int
+    kill_at_step: int
+    kill: str
+    timeout_s: float
+    max_failures: int
+    report_every: int
+    overrides: dict[str, Any]
+    system_config: dict[str, Any]
+    train_env: dict[str, str]
+    worker_env: dict[str, str]
+
+    @property
+    def progress_dir(self) -> Path:
+        return self.workdir / PROGRESS_DIR
+
+    def notes(self) -> list[str]:
+        """How the run was set up, for the result."""
+        hosts = self.hosts
+        return [
+            "JaxTrainer: its JAX backend starts jax.distributed only with use_tpu/use_gpu, so on CPU the train loop "
+            "starts it (coordinator address from ray.train.collective.broadcast_from_rank_zero; heartbeat 10 s, "
+            "initialisation 120 s, as our worker)",
+            f"cluster: ray.cluster_utils.Cluster; a head with 0 CPUs (driver, Train controller), {hosts} worker nodes "
+            "of {CPU: 1, host: 1}; resources_per_worker={CPU: 1, host: 1}: one worker per node",
+            f"ScalingConfig(num_workers=(1, {hosts})), FailureConfig(max_failures={self.max_failures})",
+            "kill: SIGKILL of world rank 1's worker process"
+            + (
+                ", then Cluster.remove_node(allow_graceful=False) of its node"
+                if self.kill == "node"
+                else " (node kept)"
+            ),
+            "checkpoints: ray.train.report(metrics, Checkpoint.from_directory(d)) every checkpoint_every steps, d "
+            "holding one state.npz (process_allgather, written by rank 0); restored from ray.train.get_checkpoint() "
+            "onto the new world size's mesh",
+            "tuned: " + json.dumps({"_system_config": self.system_config, "env": self.train_env})
+            if self.system_config or self.train_env
+            else "Ray's defaults (GCS health checks every 3 s, 5 misses; Train controller poll 2 s; worker group "
+            "start timeout 60 s)",
+        ]
+
+
+def _check_ray() -> Any:
+    """The ray module, once Ray Train v2 is known to run here; RuntimeError naming why not."""
+    # A cluster on one machine: Ray then takes the loopback address as every node's address (read when
+    # Ray is imported, and by every process it starts), so no Ray server listens on another interface.
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    try:
+        import ray
+        from ray.train.v2._internal.constants import is_v2_enabled
+    except ImportError as e:
+        raise RuntimeError(f"Ray Train v2 cannot be imported here: {e}") from e
+    if not is_v2_enabled():
+        raise RuntimeError("Ray Train v2 is turned off here (RAY_TRAIN_V2_ENABLED=0)")
+    if ray.is_initialized():
+        raise RuntimeError("this process is already connected to a Ray cluster; the bench starts its own")
+    return ray
+
+
+def _settings(workdir: Path, dataset: str, hosts: int, devices_per_host: int, **kw: Any) -> RaySettings:
+    """The run's settings, its job's config checked on both world sizes and its records' folder emptied."""
+    from training.config import load_config
+    from training.data import load_manifest
+    from training.mesh import check_batch, plan_mesh
+
+    workdir = Path(workdir).resolve()
+    dataset = os.path.abspath(dataset)
+    load_manifest(dataset)  # a missing dataset is an error here, not in a Ray worker
+    survivors = hosts - 1 if kw["kill"] == "node" else hosts
+    overrides: dict[str, Any] = {
+        "dataset": dataset,
+        "devices_per_worker": devices_per_host,
+        "min_workers": 1,
+        "max_workers": hosts,
+        "steps": kw["steps"],
+        "checkpoint_every": kw["checkpoint_every"],
+        "compilation_cache": os.path.abspath(kw["compilation_cache"] or workdir / "jax-cache"),
+        "spike_factor": 0,
+    }
+    cfg = load_config("tiny", None, overrides)
+    for n in sorted({hosts, survivors}):
+        check_batch(cfg, plan_mesh(cfg, n))  # the PlanError names the numbers
+    for sub in (PROGRESS_DIR, "ray_results"):
+        shutil.rmtree(workdir / sub, ignore_errors=True)
+    (workdir / PROGRESS_DIR).mkdir(parents=True)
+    worker_env = dict(WORKER_ENV)
+    worker_env["XLA_FLAGS"] = cpu_xla_flags(devices_per_host)
+    worker_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+    return RaySettings(
+        workdir=workdir,
+        hosts=hosts,
+        kill_at_step=kw["kill_at_step"],
+        kill=kw["kill"],
+        timeout_s=kw["timeout_s"],
+        max_failures=kw["max_failures"],
+        report_every=kw["report_every"],
+        overrides=overrides,
+        system_config=dict(TUNED_SYSTEM_CONFIG) if kw["tuned"] else {},
+        train_env=dict(TUNED_TRAIN_ENV) if kw["tuned"] else {},
+        worker_env=worker_env,
+    )
+
+
+def _start_cluster(ray: Any, st: RaySettings) -> Any:
+    """A local Ray cluster: a head with no CPUs, and one worker node per host; this process connected to it."""
+    from ray.cluster_utils import Cluster
+
+    try:
+        # Every Ray node on the loopback address: nothing listens on another interface.
+        head_args: dict[str, Any] = {"num_cpus": 0, "include_dashboard": False, "node_ip_address": LOOPBACK}
+        if st.system_config:
+            head_args["_system_config"] = dict(st.system_config)  # (Ray adds its own keys to it)
+        cluster = Cluster(initialize_head=True, connect=False, head_node_args=head_args)
+        for _ in range(st.hosts):
+            cluster.add_node(num_cpus=1, resources={"host": 1}, node_ip_address=LOOPBACK)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=bool(os.environ.get("RTRAIN_RAY_LOGS")))
+    except Exception as e:
+        raise RuntimeError(f"a local Ray cluster cannot start here: {type(e).__name__}: {e}") from e
+    return cluster
+
+
+def _fit_in_thread(st: RaySettings) -> tuple[threading.Event, list[BaseException]]:
+    """JaxTrainer's fit of our train loop, in a thread: the event set when it ends, and its errors."""
+    from ray.train.v2.api.config import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.v2.jax import JaxTrainer
+
+    trainer = JaxTrainer(
+        _train_loop,
+        train_loop_config={
+            "progress_dir": str(st.progress_dir),
+            "overrides": st.overrides,
+            "report_every": st.report_every,
+        },
+        scaling_config=ScalingConfig(num_workers=(1, st.hosts), resources_per_worker={"CPU": 1, "host": 1}),
+        run_config=RunConfig(
+            name="ray-recovery",
+            storage_path=str(st.workdir / "ray_results"),
+            failure_config=FailureConfig(max_failures=st.max_failures),
+            worker_runtime_env={"env_vars": st.worker_env},
+        ),
+    )
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def fit() -> None:
+        try:
+            res = trainer.fit()
+            if res.error is not None:
+                errors.append(res.error)
+        except BaseException as e:  # noqa: BLE001 - handed to the driver's thread
+            errors.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=fit, name="ray-train-fit", daemon=True).start()
+    return done, errors
+
+
+def _kill_rank_1(cluster: Any, st: RaySettings, records: list[dict[str, Any]], first: str) -> None:
+    """Lose world rank 1 of worker group ``first``: its process SIGKILLed, and its node removed (``kill="node"``)."""
+    victim = next((r for r in records if r["event"] == "start" and r["attempt"] == first and r["rank"] == 1), None)
+    node = next((n for n in cluster.worker_nodes if victim is not None and n.node_id == victim["node_id"]), None)
+    if victim is None or node is None:
+        raise RuntimeError(f"world rank 1 of the first worker group, or its node, not found ({victim})")
+    try:
+        os.kill(int(victim["pid"]), signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if st.kill == "node":
+        cluster.remove_node(node, allow_graceful=False)
+
+
+def _recovered(a: dict[str, Any], t_kill: float) -> dict[str, Any]:
+    """The result's fields of a recovery: worker group ``a``, the first started after the kill."""
+    first_step = min(a["steps"])
+    return {
+        "recovery_s": a["steps"][first_step] - t_kill,
+        "restored_step": a.get("restored_step"),
+        "first_step_after": first_step,
+        "workers_after": a["world"],
+        # Cumulative from the kill, as the new worker group's rank 0 saw it.
+        "breakdown_s": {
+            "train_fn_started": a["start"] - t_kill,
+            "restored": a["restored_at"] - t_kill,
+            "compiled": a["compiled_at"] - t_kill,
+            "first_step": a["steps"][first_step] - t_kill,
+        },
+    }
+
+
+def _watch(cluster: Any, st: RaySettings, done: threading.Event, result: dict[str, Any]) -> float | None:
+    """Follow the workers' records: kill at ``kill_at_step``, then time the first step after; the kill's time."""
+    deadline = time.monotonic() + st.timeout_s
+    t_kill: float | None = None
+    while not done.is_set() and time.monotonic() < deadline:
+        records = _read_progress(st.progress_dir)
+        attempts = _attempts(records)
+        if t_kill is None:
+            ready = [(k, a) for k, a in attempts.items() if st.kill_at_step in a["steps"]]
+            if ready:
+                first, a = ready[0]
+                t_kill = time.time()
+                _kill_rank_1(cluster, st, records, first)
+                result.update(
+                    workers_before=a["world"],
+                    killed_after_step=max(a["steps"]),
+                    step_s=_median_step_s(a["steps"], 2, max(a["steps"])),
+                )
+        elif result["recovery_s"] is None:
+            after = [a for a in attempts.values() if a.get("start", 0.0) > t_kill and a["steps"]]
+            if after:
+                result.update(_recovered(min(after, key=lambda a: float(a["start"])), t_kill))
+        time.sleep(0.05)
+    return t_kill
+
+
+def _outcome(st: RaySettings, done: threading.Event, errors: list[BaseException], t_kill: float | None) -> bool:
+    """Whether the fit finished every step; RuntimeError where it failed before the kill or never reached it."""
+    if errors:
+        err = errors[0]
+        if t_kill is None:
+            raise RuntimeError(f"Ray Train failed before the kill: {type(err).__name__}: {err}") from err
+    elif t_kill is None:
+        raise RuntimeError(
+            f"Ray Train did not reach step {st.kill_at_step} in {st.timeout_s:.0f} s"
+            if not done.is_set()
+            else f"training ended without a record of step {st.kill_at_step} (see {st.progress_dir})"
+        )
+    finished = any(r["event"] == "done" for r in _read_progress(st.progress_dir))
+    return done.is_set() and not errors and finished
+
+
+def _blank_result(ray_version: str, st: RaySettings, *, steps: int, tuned: bool) -> dict[str, Any]:
+    """The result before the run: its settings and notes, every measurement still None."""
+    return {
+        "framework": "ray-train",
+        "ray_version": ray_version,
+        "trainer": "JaxTrainer",
+        "kill": st.kill,
+        "tuned": tuned,
+        "recovery_s": None,
+        "kill_at_step": st.kill_at_step,
+        "killed_after_step": None,
+        "restored_step": None,
+        "first_step_after": None,
+        "workers_before": None,
+        "workers_after": None,
+        "finished": False,
+        "steps": steps,
+        "seconds_total": None,
+        "step_s": None,
+        "breakdown_s": None,
+        "settings": {"system_config": st.system_config, "env": st.train_env, "report_every": st.report_every},
+        "notes": st.notes(),
+    }
+
+
 def ray_recovery(
     workdir: Path,
     dataset: str,
@@ -330,205 +600,36 @@ def ray_recovery(
         raise ValueError(f"kill_at_step must be in 1..{steps - 1}, got {kill_at_step}")
     if kill not in ("node", "worker"):
         raise ValueError(f"kill must be 'node' or 'worker', got {kill!r}")
-    # A cluster on one machine: Ray then takes the loopback address as every node's address (read when
-    # Ray is imported, and by every process it starts), so no Ray server listens on another interface.
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    try:
-        import ray
-        from ray.cluster_utils import Cluster
-        from ray.train.v2._internal.constants import is_v2_enabled
-        from ray.train.v2.api.config import FailureConfig, RunConfig, ScalingConfig
-        from ray.train.v2.jax import JaxTrainer
-    except ImportError as e:
-        raise RuntimeError(f"Ray Train v2 cannot be imported here: {e}") from e
-    if not is_v2_enabled():
-        raise RuntimeError("Ray Train v2 is turned off here (RAY_TRAIN_V2_ENABLED=0)")
-    if ray.is_initialized():
-        raise RuntimeError("this process is already connected to a Ray cluster; the bench starts its own")
-    from training.config import load_config
-    from training.data import load_manifest
-    from training.mesh import check_batch, plan_mesh
-
-    workdir = Path(workdir).resolve()
-    dataset = os.path.abspath(dataset)
-    load_manifest(dataset)  # a missing dataset is an error here, not in a Ray worker
-    survivors = hosts - 1 if kill == "node" else hosts
-    overrides: dict[str, Any] = {
-        "dataset": dataset,
-        "devices_per_worker": devices_per_host,
-        "min_workers": 1,
-        "max_workers": hosts,
-        "steps": steps,
-        "checkpoint_every": checkpoint_every,
-        "compilation_cache": os.path.abspath(compilation_cache or workdir / "jax-cache"),
-        "spike_factor": 0,
-    }
-    cfg = load_config("tiny", None, overrides)
-    for n in sorted({hosts, survivors}):
-        check_batch(cfg, plan_mesh(cfg, n))  # the PlanError names the numbers
-    for sub in (PROGRESS_DIR, "ray_results"):
-        shutil.rmtree(workdir / sub, ignore_errors=True)
-    progress_dir = workdir / PROGRESS_DIR
-    progress_dir.mkdir(parents=True)
-
-    system_config: dict[str, Any] = dict(TUNED_SYSTEM_CONFIG) if tuned else {}
-    train_env = dict(TUNED_TRAIN_ENV) if tuned else {}
-    worker_env = dict(WORKER_ENV)
-    worker_env["XLA_FLAGS"] = cpu_xla_flags(devices_per_host)
-    worker_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-    notes: list[str] = [
-        "JaxTrainer: its JAX backend starts jax.distributed only with use_tpu/use_gpu, so on CPU the train loop "
-        "starts it (coordinator address from ray.train.collective.broadcast_from_rank_zero; heartbeat 10 s, "
-        "initialisation 120 s, as our worker)",
-        f"cluster: ray.cluster_utils.Cluster; a head with 0 CPUs (driver, Train controller), {hosts} worker nodes "
-        "of {CPU: 1, host: 1}; resources_per_worker={CPU: 1, host: 1}: one worker per node",
-        f"ScalingConfig(num_workers=(1, {hosts})), FailureConfig(max_failures={max_failures})",
-        "kill: SIGKILL of world rank 1's worker process"
-        + (", then Cluster.remove_node(allow_graceful=False) of its node" if kill == "node" else " (node kept)"),
-        "checkpoints: ray.train.report(metrics, Checkpoint.from_directory(d)) every checkpoint_every steps, d "
-        "holding one state.npz (process_allgather, written by rank 0); restored from ray.train.get_checkpoint() "
-        "onto the new world size's mesh",
-        "tuned: " + json.dumps({"_system_config": system_config, "env": train_env})
-        if tuned
-        else "Ray's defaults (GCS health checks every 3 s, 5 misses; Train controller poll 2 s; worker group "
-        "start timeout 60 s)",
-    ]
-    result: dict[str, Any] = {
-        "framework": "ray-train",
-        "ray_version": ray.__version__,
-        "trainer": "JaxTrainer",
-        "kill": kill,
-        "tuned": tuned,
-        "recovery_s": None,
-        "kill_at_step": kill_at_step,
-        "killed_after_step": None,
-        "restored_step": None,
-        "first_step_after": None,
-        "workers_before": None,
-        "workers_after": None,
-        "finished": False,
-        "steps": steps,
-        "seconds_total": None,
-        "step_s": None,
-        "breakdown_s": None,
-        "settings": {"system_config": system_config, "env": train_env, "report_every": report_every},
-        "notes": notes,
-    }
-
-    fit_errors: list[BaseException] = []
-    fit_done = threading.Event()
+    ray = _check_ray()
+    st = _settings(
+        workdir,
+        dataset,
+        hosts,
+        devices_per_host,
+        steps=steps,
+        kill_at_step=kill_at_step,
+        checkpoint_every=checkpoint_every,
+        timeout_s=timeout_s,
+        kill=kill,
+        tuned=tuned,
+        max_failures=max_failures,
+        report_every=report_every,
+        compilation_cache=compilation_cache,
+    )
+    result = _blank_result(ray.__version__, st, steps=steps, tuned=tuned)
     cluster: Any = None
-    with _Env(train_env):
+    with _Env(st.train_env):
         try:
-            try:
-                # Every Ray node on the loopback address: nothing listens on another interface.
-                head_args: dict[str, Any] = {"num_cpus": 0, "include_dashboard": False, "node_ip_address": LOOPBACK}
-                if system_config:
-                    head_args["_system_config"] = dict(system_config)  # (Ray adds its own keys to it)
-                cluster = Cluster(initialize_head=True, connect=False, head_node_args=head_args)
-                for _ in range(hosts):
-                    cluster.add_node(num_cpus=1, resources={"host": 1}, node_ip_address=LOOPBACK)
-                cluster.wait_for_nodes()
-                ray.init(address=cluster.address, log_to_driver=bool(os.environ.get("RTRAIN_RAY_LOGS")))
-            except Exception as e:
-                raise RuntimeError(f"a local Ray cluster cannot start here: {type(e).__name__}: {e}") from e
-
-            trainer = JaxTrainer(
-                _train_loop,
-                train_loop_config={
-                    "progress_dir": str(progress_dir),
-                    "overrides": overrides,
-                    "report_every": report_every,
-                },
-                scaling_config=ScalingConfig(num_workers=(1, hosts), resources_per_worker={"CPU": 1, "host": 1}),
-                run_config=RunConfig(
-                    name="ray-recovery",
-                    storage_path=str(workdir / "ray_results"),
-                    failure_config=FailureConfig(max_failures=max_failures),
-                    worker_runtime_env={"env_vars": worker_env},
-                ),
-            )
-
-            def fit() -> None:
-                try:
-                    res = trainer.fit()
-                    if res.error is not None:
-                        fit_errors.append(res.error)
-                except BaseException as e:  # noqa: BLE001 - handed to the driver's thread
-                    fit_errors.append(e)
-                finally:
-                    fit_done.set()
-
+            cluster = _start_cluster(ray, st)
             t_fit = time.time()
-            threading.Thread(target=fit, name="ray-train-fit", daemon=True).start()
-            deadline = time.monotonic() + timeout_s
-            t_kill: float | None = None
-            while not fit_done.is_set() and time.monotonic() < deadline:
-                records = _read_progress(progress_dir)
-                attempts = _attempts(records)
-                if t_kill is None:
-                    ready = [(k, a) for k, a in attempts.items() if kill_at_step in a["steps"]]
-                    if ready:
-                        first, a = ready[0]
-                        victim = next(
-                            (r for r in records if r["event"] == "start" and r["attempt"] == first and r["rank"] == 1),
-                            None,
-                        )
-                        node = next(
-                            (n for n in cluster.worker_nodes if victim is not None and n.node_id == victim["node_id"]),
-                            None,
-                        )
-                        if victim is None or node is None:
-                            raise RuntimeError(
-                                f"world rank 1 of the first worker group, or its node, not found ({victim})"
-                            )
-                        t_kill = time.time()
-                        try:
-                            os.kill(int(victim["pid"]), signal.SIGKILL)
-                        except ProcessLookupError:
-                            pass
-                        if kill == "node":
-                            cluster.remove_node(node, allow_graceful=False)
-                        result.update(
-                            workers_before=a["world"],
-                            killed_after_step=max(a["steps"]),
-                            step_s=_median_step_s(a["steps"], 2, max(a["steps"])),
-                        )
-                elif result["recovery_s"] is None:
-                    after = [a for a in attempts.values() if a.get("start", 0.0) > t_kill and a["steps"]]
-                    if after:
-                        a = min(after, key=lambda a: float(a["start"]))
-                        first_step = min(a["steps"])
-                        result.update(
-                            recovery_s=a["steps"][first_step] - t_kill,
-                            restored_step=a.get("restored_step"),
-                            first_step_after=first_step,
-                            workers_after=a["world"],
-                            # Cumulative from the kill, as the new worker group's rank 0 saw it.
-                            breakdown_s={
-                                "train_fn_started": a["start"] - t_kill,
-                                "restored": a["restored_at"] - t_kill,
-                                "compiled": a["compiled_at"] - t_kill,
-                                "first_step": a["steps"][first_step] - t_kill,
-                            },
-                        )
-                time.sleep(0.05)
+            done, errors = _fit_in_thread(st)
+            t_kill = _watch(cluster, st, done, result)
             result["seconds_total"] = time.time() - t_fit
-            if not fit_done.is_set():
-                notes.append(f"stopped after timeout_s={timeout_s:.0f} s")
-            if fit_errors:
-                err = fit_errors[0]
-                if t_kill is None:
-                    raise RuntimeError(f"Ray Train failed before the kill: {type(err).__name__}: {err}") from err
-                notes.append(f"fit ended with {type(err).__name__}: {str(err)[:400]}")
-            elif t_kill is None:
-                raise RuntimeError(
-                    f"Ray Train did not reach step {kill_at_step} in {timeout_s:.0f} s"
-                    if not fit_done.is_set()
-                    else f"training ended without a record of step {kill_at_step} (see {progress_dir})"
-                )
-            done = any(r["event"] == "done" for r in _read_progress(progress_dir))
-            result["finished"] = fit_done.is_set() and not fit_errors and done
+            if not done.is_set():
+                result["notes"].append(f"stopped after timeout_s={timeout_s:.0f} s")
+            result["finished"] = _outcome(st, done, errors, t_kill)
+            if errors:
+                result["notes"].append(f"fit ended with {type(errors[0]).__name__}: {str(errors[0])[:400]}")
             return result
         finally:
             try:

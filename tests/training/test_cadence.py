@@ -179,7 +179,7 @@ def test_billing_counts_requests_by_class() -> None:
 
 
 def test_the_documented_budget_is_the_model_s() -> None:
-    from benchmarks.bench import budget
+    from benchmarks.control_plane import budget
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "gke.md").read_text()
     for hosts, b in budget().items():
