@@ -13,7 +13,7 @@ import pytest
 from jobs import hosts, job_config, kill_host, run_job, start_job, wait_finished, wait_for, worker_logs
 
 from training import api
-from training.elastic.worker import WARM_UP_THREAD
+from training.elastic.warmup import WARM_UP_THREAD
 
 pytestmark = pytest.mark.slow
 

@@ -39,7 +39,8 @@ NAME = "rtrain-fork"  # a fork server's OS name (its title: ``rtrain forkserver 
 
 def main() -> int:
     from training import procctl
-    from training.elastic.worker import die_with_parent, import_libraries
+    from training.elastic.warmup import import_libraries
+    from training.elastic.worker_link import die_with_parent
 
     die_with_parent()
     where = (os.environ.get(k, "?") for k in ("RTRAIN_RUN_URI", "RTRAIN_JOB", "RTRAIN_HOST"))

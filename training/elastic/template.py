@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     procctl.set_title(procctl.job_title("template", args.run, args.job), name="rtrain-template")
     sock = socket.socket(fileno=int(os.environ.pop(FD_ENV)))
     procctl.prctl(procctl.PR_SET_CHILD_SUBREAPER, 1)  # a lost host's orphans become this process's to reap
-    from training.elastic.worker import import_libraries
+    from training.elastic.warmup import import_libraries
 
     import_libraries()
     import training.elastic.agent  # noqa: F401

@@ -193,7 +193,7 @@ class ForkServer:
         thread yet (an agent forked by the local slice's template, at its start); its output is this process's;
         ``title``: its process title."""
         from training.elastic import forkserver
-        from training.elastic.worker import die_with_parent
+        from training.elastic.worker_link import die_with_parent
 
         sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         sys.stdout.flush()

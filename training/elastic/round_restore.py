@@ -1,0 +1,256 @@
+"""Where a round starts: a local copy every process holds, a committed checkpoint (checked, resharded onto
+this mesh), or a new model; with a rollback's hint and a changed dataset's rule.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from training.checkpoint.resume import DataPosition
+from training.elastic import worker_link
+from training.elastic.codes import WorkerExit
+from training.elastic.round_compile import init_once
+from training.elastic.round_saves import Pins
+from training.elastic.wire import ReportType
+from training.elastic.worker_link import Assignment, Reporter, leave
+
+
+@dataclass
+class Start:
+    """Where a round starts: the train state, the step it holds (None: a new model), the data position."""
+
+    state: Any
+    restored: int | None
+    next_batch: int
+    lr_scale: float
+    skipped: list[list[int]]
+    dataset: str  # the fingerprint of the data trained on
+    tier: Any  # this host's local checkpoint tier (None: off)
+    chaos: Any  # the faults this process fires
+
+    @property
+    def step(self) -> int:
+        return int(self.restored or 0)
+
+
+def restore(
+    cfg: Any, run: str, a: Assignment, rep: Reporter, trainer: Any, mngr: Any, ledger: Any, dataset: str, pins: Pins
+) -> Start:
+    """The round's starting point: a local copy, a committed checkpoint (resharded onto this mesh), or a new model.
+
+    Every process computes the same decision from the same objects (committed steps, ledger,
+    the round's local candidates and every process's verdict on its own copies).
+    """
+    from training.checkpoint.local import LocalTier, host_dir, parse_resume
+    from training.checkpoint.resume import ResumeError, choose_resume
+    from training.checkpoint.steps import committed_steps
+    from training.elastic.chaos import WorkerChaos
+
+    t0 = time.time()
+    shape = trainer.mesh.shape
+    local_dir = host_dir(cfg.local_checkpoint_dir, run, a.job, os.environ["RTRAIN_HOST"])
+    tier = LocalTier(local_dir, cfg.local_keep, trainer.mesh, trainer.abstract) if cfg.local_checkpoint_every else None
+    worker_link.hold_tier(tier)
+    on = tier is not None and tier.enabled
+    chaos = WorkerChaos(
+        list(a.faults), a.rank, rep.send, local_dir, (lambda: settle_local(tier, rep, a)) if on else None
+    )
+    if tier is not None and not tier.enabled:
+        rep.send(ReportType.LOCAL_TIER_OFF, reason=tier.reason)
+    local_step = None
+    if on and parse_resume(a.resume):
+        # The leader judged "newer than any persistent checkpoint" from the ledger; a save that Orbax
+        # finalised but whose record was not written yet (its process died) is a committed step too.
+        try:
+            persistent = choose_resume("latest", committed_steps(run), ledger.states(), None).step
+        except ResumeError:
+            persistent = None
+        local_step = pick_local_step(parse_resume(a.resume), local_dir, a, rep, newer_than=persistent)
+    decision = None
+    if local_step is not None:
+        assert tier is not None
+        state, pos = tier.restore(local_step)
+        step0: int | None = local_step
+        rep.send(
+            ReportType.RESTORE, step=local_step, tier="local", mesh=shape, workers=a.processes, seconds=time.time() - t0
+        )
+    else:
+        try:
+            resume = "latest" if a.resume.startswith("local:") else a.resume
+            states = ledger.states()
+            decision = choose_resume(resume, committed_steps(run), states, ledger.pointer_record())
+        except ResumeError as e:
+            leave(rep, WorkerExit.ERROR, str(e))
+        step0 = decision.step
+        if step0 is not None:
+            state, pos = restore_persistent(run, step0, a, rep, trainer, mngr, ledger, states, pins)
+            rep.send(
+                ReportType.RESTORE,
+                step=step0,
+                tier="persistent",
+                mesh=shape,
+                workers=a.processes,
+                seconds=time.time() - t0,
+            )
+        else:
+            state, pos = init_once(cfg, trainer, pins.store, a), DataPosition(next_batch=0)
+            rep.send(ReportType.INIT, step=0, mesh=shape, workers=a.processes, seconds=time.time() - t0)
+    if step0 is not None and pos.get("dataset") not in (None, dataset):
+        pos = data_changed(cfg, step0, pos, dataset, rep)
+    if on:
+        tier.forget_after(step0)  # type: ignore[union-attr]
+    start = Start(
+        state,
+        step0,
+        int(pos["next_batch"]),
+        float(pos.get("lr_scale", 1.0)),
+        list(pos.get("skipped", [])),
+        dataset,
+        tier,
+        chaos,
+    )
+    if decision is not None and decision.hint is not None:
+        follow_hint(start, decision.hint, rep)
+    return start
+
+
+def follow_hint(start: Start, hint: Any, rep: Reporter) -> None:
+    """A rollback's hint for the resumed round: skip to its batch, scale the learning rate; reported."""
+    if hint.skip_to_batch is not None and hint.skip_to_batch > start.next_batch:
+        start.skipped.append([start.next_batch, hint.skip_to_batch])
+        start.next_batch = hint.skip_to_batch
+    start.lr_scale *= hint.lr_scale
+    rep.send(
+        ReportType.RESUMED_WITH,
+        step=start.step,
+        next_batch=start.next_batch,
+        lr_scale=start.lr_scale,
+        skipped=start.skipped,
+    )
+
+
+def data_changed(cfg: Any, step: int, pos: DataPosition, dataset: str, rep: Reporter) -> DataPosition:
+    """The data position to go on from when checkpoint ``step`` was trained on another dataset (or leave)."""
+    if cfg.on_dataset_change != "restart":
+        leave(
+            rep,
+            WorkerExit.ERROR,
+            f"checkpoint {step} was trained on dataset {pos.get('dataset')}, not {dataset} "
+            "(on_dataset_change=restart continues on the new data)",
+        )
+    # Continual training on refreshed data: the model goes on, the data position starts over.
+    rep.send(ReportType.DATA_REFRESHED, step=step, old=pos.get("dataset"), new=dataset)
+    return DataPosition(next_batch=0, lr_scale=pos.get("lr_scale", 1.0))
+
+
+def restore_persistent(
+    run: str,
+    step: int,
+    a: Assignment,
+    rep: Reporter,
+    trainer: Any,
+    mngr: Any,
+    ledger: Any,
+    states: dict[int, dict[str, Any]],
+    pins: Pins,
+) -> tuple[Any, DataPosition]:
+    """Committed checkpoint ``step``, checked and resharded onto this round's mesh, and its data position.
+
+    A checkpoint whose files fail their check, or whose data cannot be read, is reported corrupt and
+    the worker leaves (the leader then resumes from an older one).
+    """
+    from training.checkpoint import manager as ckpt
+    from training.checkpoint.retention import USABLE_STATES
+
+    check_integrity(run, step, ledger, a, rep)
+    pins.pin(step, "restore")
+    try:
+        state, pos = ckpt.restore(mngr, step, trainer.abstract)
+    except Exception as e:  # noqa: BLE001 - unreadable data is a corrupt checkpoint; anything else an error
+        if looks_unreadable(e):
+            rep.send(ReportType.CORRUPT, step=step, reason=f"restore failed: {str(e).strip().splitlines()[0]}")
+            leave(rep, WorkerExit.CORRUPT)
+        raise
+    pins.unpin(step)
+    if a.rank == 0 and str(states.get(step, {}).get("state", "committed")) not in USABLE_STATES:
+        # A later save of a step whose unusable one was moved out: its commit is on record from now on.
+        ledger.record(step, "committed", reason="committed by Orbax; its writer did not live to record it")
+    return state, pos
+
+
+def settle_local(tier: Any, rep: Reporter, a: Assignment) -> None:
+    """Finish this host's local saves in flight and report each one."""
+    tier.wait()
+    for done, seconds in tier.finished():
+        rep.send(ReportType.LOCAL_CHECKPOINT, everyone=True, step=done, seconds=seconds, round=a.round)
+
+
+def pick_local_step(
+    candidates: list[int], directory: Any, a: Assignment, rep: Reporter, newer_than: int | None = None
+) -> int | None:
+    """The newest candidate whose local copy every process holds intact (or None: the persistent tier).
+
+    Each process checks its own copies against their manifests; the verdicts are
+    gathered, so every process takes the same decision.  A copy that fails is
+    stepped over, with an event naming it.  A candidate no newer than a committed
+    persistent step (``newer_than``, as any process sees it) is not taken: the
+    persistent tier has that state or a newer one.
+    """
+    import numpy as np
+
+    from training.checkpoint.local import verify
+
+    if not candidates:
+        return None
+    problems = [verify(directory, s) for s in candidates]
+    ok = np.array([0 if p else 1 for p in problems] + [-1 if newer_than is None else newer_than], np.int32)
+    if a.processes > 1:
+        from jax.experimental import multihost_utils
+
+        everyone = np.asarray(multihost_utils.process_allgather(ok)).reshape(a.processes, len(candidates) + 1)
+    else:
+        everyone = ok.reshape(1, -1)
+    floor = int(everyone[:, -1].max())  # the newest committed persistent step any process sees (-1: none)
+    chosen = next((s for i, s in enumerate(candidates) if s > floor and everyone[:, i].all()), None)
+    for s, problem in zip(candidates, problems, strict=True):
+        if problem and (chosen is None or s > chosen):  # stepped over (older candidates were not needed)
+            rep.send(
+                ReportType.LOCAL_CHECKPOINT_SKIPPED,
+                everyone=True,
+                step=s,
+                host=os.environ.get("RTRAIN_HOST"),
+                reason=problem,
+            )
+    return chosen
+
+
+def check_integrity(run: str, step: int, ledger: Any, a: Assignment, rep: Reporter) -> None:
+    """Process 0 checks the step's files against its ledger record; every process learns the verdict."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from training.checkpoint.steps import verify
+
+    problem = ""
+    if a.rank == 0:
+        record = ledger.state(step) or {}
+        try:
+            problem = verify(run, step, record.get("files"))
+        except Exception as e:  # noqa: BLE001 - an unreadable step is as bad as a changed one
+            problem = f"cannot check checkpoint {step}: {e}"
+    bad = int(bool(problem))
+    if a.processes > 1:
+        bad = int(multihost_utils.broadcast_one_to_all(np.int32(bad)))
+    if bad:
+        if a.rank == 0:
+            rep.send(ReportType.CORRUPT, step=step, reason=problem)
+        leave(rep, WorkerExit.CORRUPT)
+
+
+def looks_unreadable(e: BaseException) -> bool:
+    """A restore error about the checkpoint's own bytes (not a vanished peer)."""
+    text = f"{type(e).__name__} {e}".lower()
+    return any(k in text for k in ("data_loss", "not_found", "error reading", "error opening", "corrupt", "decode"))
