@@ -49,6 +49,7 @@ def _ops_by_op(before: dict[str, dict[str, int]], after: dict[str, dict[str, int
 def _control_plane_on(ws: Path, root: str, kind: str, window_s: float) -> dict[str, Any]:
     """One 2-host job on ``root``, its agents' and workers' store calls counted over a window of steady training."""
     from training import api
+    from training.backends.local import launch
     from training.cadence import billed, cadence, steady_ops
 
     sink = ws / f"ops-{kind}"
@@ -58,7 +59,7 @@ def _control_plane_on(ws: Path, root: str, kind: str, window_s: float) -> dict[s
         shutil.rmtree(Path(cfg.run_uri), ignore_errors=True)
     os.environ[OPS_ENV] = str(sink)
     try:
-        handle: dict[str, Any] = dict(api.launch(cfg, detach=True, provision=True))
+        handle: dict[str, Any] = dict(launch(cfg, provision=True))
     finally:
         os.environ.pop(OPS_ENV, None)
     try:

@@ -47,8 +47,10 @@ def run_job(cfg: Config) -> list[Event]:
     store_dir = Path(cfg.run_uri)
     if store_dir.exists():
         shutil.rmtree(store_dir)
-    res = api.launch(cfg, detach=False, provision=True)
-    if res.get("returncode") != 0:
+    from training.backends.local import run_here
+
+    _handle, rc = run_here(cfg, provision=True)
+    if rc != 0:
         raise RuntimeError(f"bench run {cfg.run_name} failed: see {cfg.run_uri}/logs")
     return api.events(cfg.run_uri)
 
@@ -61,12 +63,12 @@ def first_event(evs: list[Event], type_: str, after: float, **match: Any) -> Eve
 
 
 def start_job(cfg: Config) -> dict[str, Any]:
-    from training import api
+    from training.backends.local import launch
 
     store_dir = Path(cfg.run_uri)
     if store_dir.exists():
         shutil.rmtree(store_dir)
-    return dict(api.launch(cfg, detach=True, provision=True))
+    return dict(launch(cfg, provision=True))
 
 
 def wait_for(check: Any, timeout: float, what: str) -> Any:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 import time
 import uuid
@@ -100,7 +99,6 @@ __all__ = [
     "load_config",
     "parse_chaos",
     "spec_pattern",
-    "JobHandle",
     "LaunchError",
     "LaunchRefused",
     "LifecycleError",
@@ -116,7 +114,8 @@ __all__ = [
     "floor_key",
     "job_state",
     "host_processes",
-    "launch",
+    "begin_or_follow",
+    "Begun",
     "plan",
     "promote",
     "prune",
@@ -174,27 +173,6 @@ class LaunchRefused(LaunchError):
     def __init__(self, message: str, holder: LockRecord | None = None) -> None:
         super().__init__(message)
         self.holder = holder
-
-
-class JobHandle(TypedDict, total=False):
-    """What a launch returns and a watcher (sensor, trigger, CLI) follows."""
-
-    backend: str  # local | gke
-    run_uri: str
-    job: str  # the job id (the run lock's and the rendezvous' owner)
-    attached: bool  # True: an already running job of the run was found and is followed
-    controller_pid: int  # local: the local slice process (this host)
-    host: str
-    launched_at: float
-    events_after: str | None  # relay events after this key
-    jobset: str  # gke
-    namespace: str
-    num_slices: int
-    state: str
-    gke: GKESettings
-    priority: str  # submitted to the storage root's shared pool at this level (the service places the job)
-    root: str  # the storage root (the service's pool)
-    run_name: str
 
 
 class RunSpec(TypedDict, total=False):
@@ -431,79 +409,44 @@ def _take_run_lock(lock: RunLock, on_line: Callable[[str], None] | None) -> None
         # Lapsed, released, or another owner: look again.
 
 
-def launch(
+class Begun(TypedDict):
+    """A job of the run begun here (``attached`` False), or the live job that holds the run, to follow."""
+
+    job: str
+    attached: bool
+    events_after: str | None  # the run's newest event before it: a watch tells only those after
+
+
+def begin_or_follow(
     cfg: Config,
     *,
-    detach: bool = True,
     allow_attach: bool = False,
     provision: bool = False,
+    backend: str = "local",
     by: str | None = None,
     on_line: Callable[[str], None] | None = None,
-    on_status: Callable[[RunStatus], None] | None = None,
-) -> JobHandle:
-    """Start a job of the run on the local slice; never starts over, never overwrites.
+) -> Begun:
+    """Take the run for a new job (:func:`begin_job`); never starts over, never overwrites.
 
-    ``detach``: the local slice runs in a process of its own and this returns at
-    once; otherwise this waits for the job's end (``returncode`` in the handle).
-    ``allow_attach``: when a live job holds the run, follow it instead of refusing
-    (an Airflow retry re-attaches to the job its first try started).
-    ``provision``: give the local slice its ``max_workers`` hosts first (``rtrain train``).
-    ``by``: who launches, for the config's history (default: user, host and pid).
+    ``allow_attach``: when a live job holds the run, name it instead of refusing (an Airflow retry
+    re-attaches to the job its first try started); a holder whose job is gone and whose lease lapsed
+    is taken over.  Where the job's hosts run is the backend's (``training.backends``).
     """
     store = open_store(cfg.run_uri)
     after = EventLog(store).newest_key()
     try:
-        job = begin_job(cfg, provision=provision, by=by, on_line=on_line)
+        job = begin_job(cfg, backend=backend, provision=provision, by=by, on_line=on_line)
     except LaunchRefused as e:
         holder = e.holder or LockRecord()
         if allow_attach and holder.get("job") and not _job_alive(store, str(holder["job"])) and _lease_lapses(store):
             # The holder's job is gone and its lease lapsed (a retry right after the job died).
-            return launch(cfg, detach=detach, provision=provision, by=by, on_line=on_line, on_status=on_status)
+            return begin_or_follow(
+                cfg, allow_attach=allow_attach, provision=provision, backend=backend, by=by, on_line=on_line
+            )
         if allow_attach and holder.get("job"):
-            return JobHandle(
-                backend="local",
-                run_uri=cfg.run_uri,
-                job=str(holder["job"]),
-                attached=True,
-                host=socket.gethostname(),
-                launched_at=time.time(),
-                events_after=after,
-            )
+            return Begun(job=str(holder["job"]), attached=True, events_after=after)
         raise
-    handle = JobHandle(
-        backend="local",
-        run_uri=cfg.run_uri,
-        job=job,
-        attached=False,
-        host=socket.gethostname(),
-        launched_at=time.time(),
-        events_after=after,
-    )
-    from training.elastic.local_slice import LocalSlice, log_dir_for
-
-    if detach:
-        logs = log_dir_for(cfg, job)
-        logs.mkdir(parents=True, exist_ok=True)
-        with open(logs / "local-slice.log", "ab") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "training.elastic.local_slice", cfg.run_uri, "--job", job],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # outlives the caller (an Airflow task, a shell)
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
-        handle["controller_pid"] = proc.pid
-        return handle
-    slice_ = LocalSlice(cfg, job, on_line=on_line, on_status=on_status)
-    handle["controller_pid"] = os.getpid()
-    try:
-        rc = slice_.run()
-    except KeyboardInterrupt:
-        slice_.stop("interrupted (Ctrl-C)")
-        rc = slice_.run()
-    handle["returncode"] = rc  # type: ignore[typeddict-unknown-key]
-    return handle
+    return Begun(job=job, attached=False, events_after=after)
 
 
 def _job_alive(store: Store, job: str) -> bool:

@@ -49,11 +49,12 @@ def test_sensor_retry_relaunches_from_the_newest_committed_checkpoint(
                 what="the job waiting for capacity",
             )
             # One job per run: a second job is refused by the lock (naming the holder), a relaunch re-attaches.
-            from training.api import LaunchRefused, launch, load_run_config
+            from training.api import LaunchRefused, load_run_config
             from training.backends import LocalSliceBackend
+            from training.backends.local import launch
 
             try:
-                launch(load_run_config(run_uri), detach=True)
+                launch(load_run_config(run_uri))
             except LaunchRefused as e:
                 seen["second_job_refused"] = str(e)
             seen["relaunch"] = LocalSliceBackend().launch(load_run_config(run_uri), {}, attempt=1)

@@ -30,18 +30,18 @@ def job_config(root: str, dataset: str, cache: str, **overrides: Any) -> Config:
 
 def run_job(cfg: Config) -> int:
     """Run a job on the local slice to its end (as `rtrain train` does); its exit code."""
-    from training.api import launch
+    from training.backends.local import run_here
 
     lines: list[str] = []
-    res = launch(cfg, detach=False, on_line=lines.append)
-    return int(res["returncode"])  # type: ignore[typeddict-item]
+    _handle, rc = run_here(cfg, on_line=lines.append)
+    return rc
 
 
 def start_job(cfg: Config) -> dict[str, Any]:
     """Start a job in the background (as `rtrain train --detach` and Airflow do); its handle."""
-    from training.api import launch
+    from training.backends.local import launch
 
-    return dict(launch(cfg, detach=True))
+    return dict(launch(cfg))
 
 
 def start_agent(

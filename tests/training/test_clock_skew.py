@@ -21,6 +21,7 @@ import pytest
 from jobs import assert_exact_data, job_config, start_agent, wait_for, worker_logs
 
 from training import api
+from training.backends import local
 from training.checkpoint.lock import LockHeld, RunLock
 from training.elastic.clocks import CLEAR_SKEW_S, MIN_BEATS, HostClocks
 from training.storage import open_store
@@ -130,7 +131,7 @@ def test_a_retry_whose_clock_runs_ahead_follows_the_live_job_instead_of_taking_i
     try:
         assert job.stdout is not None and job.stdout.readline().strip() == "HOLDS"
         lines: list[str] = []
-        handle = api.launch(cfg, detach=True, allow_attach=True, on_line=lines.append)
+        handle = local.launch(cfg, allow_attach=True, on_line=lines.append)
         assert handle["attached"] and handle["job"] == "j-live", (handle, lines)
         assert (RunLock(open_store(cfg.run_uri), "probe").newest()[1] or {}).get("job") == "j-live"
         assert job.poll() is None

@@ -31,6 +31,7 @@ from jobs import (
 )
 
 from training import api
+from training.backends import local
 from training.elastic.capacity import LocalCapacity
 from training.storage import open_store
 
@@ -250,13 +251,13 @@ def test_two_launches_of_one_run_one_trains_the_other_is_refused_naming_the_hold
     wait_for(lambda: (api.status(cfg.run_uri) or {}).get("leader"), 120, "a leader")
     other = cfg.model_copy(update={"learning_rate": 0.5, "chaos": ["crash:worker=0,step=3"]})
     with pytest.raises(api.LaunchRefused, match=rf"run {cfg.run_uri} is locked by 'agent h0 of job {handle['job']}'"):
-        api.launch(other, detach=True)
+        local.launch(other)
     # Nothing of the refused launch was written: config, its history, the capacity, the status.
     assert store.get("config.json") == config_before and store.list("config-history/") == history_before
     assert api.status(cfg.run_uri)["job"] == handle["job"]
     st = wait_finished(handle)
     assert st["state"] == "finished" and st["step"] == 12
-    assert json.loads(store.get("config.json"))["learning_rate"] == cfg.learning_rate
+    assert json.loads(store.get("config.json"))["optimizer"]["learning_rate"] == cfg.optimizer.learning_rate
     assert not _events(cfg.run_uri, "chaos")
 
 
@@ -432,7 +433,7 @@ def test_below_minimum_capacity_the_job_waits_keeping_its_lease_then_goes_on(tmp
             if st and st.get("state") == "waiting_for_capacity":
                 time.sleep(3 * cfg.lease_s)  # longer than a lease: the waiting leader must keep it
                 try:
-                    api.launch(cfg.model_copy(update={"learning_rate": 0.1}), detach=True)
+                    local.launch(cfg.model_copy(update={"learning_rate": 0.1}))
                 except api.LaunchRefused as e:
                     refused.append(str(e))
                 api.set_capacity(cfg.run_uri, 2, reason="host repaired")

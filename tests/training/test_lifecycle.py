@@ -6,6 +6,7 @@ import pytest
 from jobs import job_config, run_job, step_ids, worker_logs
 
 from training import api
+from training.backends import local
 from training.checkpoint.ledger import Ledger
 from training.storage import open_store
 
@@ -147,7 +148,7 @@ def test_continual_training_on_a_refreshed_dataset_restarts_the_data_position(tm
 
     refused = cfg.model_copy(update={"dataset": fresh, "steps": 9})
     with pytest.raises(api.LaunchError, match="different dataset"):
-        api.launch(refused, detach=False)
+        local.run_here(refused)
 
     onward = refused.model_copy(update={"on_dataset_change": "restart"})
     assert run_job(onward) == 0

@@ -191,7 +191,7 @@ def test_a_launch_right_after_every_agent_was_killed_waits_out_the_lapsing_lease
     _kill_everything(handle)
     lines: list[str] = []
     t0 = time.monotonic()
-    new = api.launch(cfg, detach=True, on_line=lines.append)  # refused before issue 23 (exit 5)
+    new = local.launch(cfg, on_line=lines.append)  # refused before issue 23 (exit 5)
     took = time.monotonic() - t0
     try:
         assert new["job"] != job and not new.get("attached")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypedDict
+from typing import Any, NotRequired, Protocol, TypedDict
 
-from training.api import ALIVE_STATES, Config, JobHandle, JobLook
+from training.api import ALIVE_STATES, Config, JobLook
+from training.gke import GKESettings
 
 # Live states as the backends report them: the engine's, and ``queued`` (a shared-pool run waiting for hosts).
 ALIVE = tuple(sorted({*ALIVE_STATES, "queued"}))
@@ -59,6 +60,45 @@ class Released(TypedDict, total=False):
     ended: str
     jobsets_deleted: list[str]
     node_pools_deleted: list[str]
+
+
+class JobHandle(TypedDict):
+    """What a backend's launch returns and a watch follows: the job of a run, and where its events begin.
+
+    Each backend's handle adds what it needs to find its job again (JSON as it is: it crosses XCom).
+    """
+
+    backend: str  # local | gke
+    run_uri: str
+    job: str  # the job id (the run lock's and the rendezvous' owner); "" while a shared pool's run waits
+    attached: bool  # True: an already running job of the run was found and is followed
+    launched_at: float
+    events_after: str | None  # a watch tells the events after this key
+
+
+class LocalHandle(JobHandle, total=False):
+    """A local slice's job: the slice process (on ``host``) that keeps its host agents running."""
+
+    controller_pid: int
+    host: str
+
+
+class PoolHandle(JobHandle):
+    """A shared pool's run: its submission at ``priority`` to the queue of ``root``; ``job`` once placed."""
+
+    priority: str
+    root: str
+    run_name: str
+
+
+class GKEHandle(JobHandle):
+    """A GKE job: its JobSet, on how many slices, and the settings it was launched with."""
+
+    jobset: str
+    namespace: str
+    num_slices: int
+    state: str  # the JobSet's state when it was created
+    gke: NotRequired[GKESettings]
 
 
 class Timeouts(TypedDict, total=False):

@@ -13,15 +13,15 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from training import api
-from training.api import Config, JobHandle, JobLook
-from training.backends.base import BackendError, Log, PoolsUp, Provisioned, Released, Timeouts
+from training.api import Config, JobLook
+from training.backends.base import BackendError, GKEHandle, Log, PoolsUp, Provisioned, Released, Timeouts
 from training.gke import GKELaunch, GKESettings, TPUSlice, settings_launch
 
 
 class JobSets(Protocol):
     """A job's JobSet in the cluster: start it, read its state and why its pods wait, delete it."""
 
-    def start_job(self, cfg: Config, tpu: TPUSlice, launch: GKELaunch, by: str = "Airflow") -> JobHandle: ...
+    def start_job(self, cfg: Config, tpu: TPUSlice, launch: GKELaunch, by: str = "Airflow") -> GKEHandle: ...
 
     def state(self, name: str, namespace: str) -> str: ...
 
@@ -107,7 +107,7 @@ class GKEBackend:
         """Where and how the JobSet's pods run (image, namespace, node pools, Spot and its grace, Kueue)."""
         return settings_launch(self.gke, self.priority)
 
-    def launch(self, cfg: Config, spec: Mapping[str, Any], attempt: int) -> JobHandle:
+    def launch(self, cfg: Config, spec: Mapping[str, Any], attempt: int) -> GKEHandle:
         """Take the run for a job and create its JobSet."""
         tpu = TPUSlice(self.gke["machine_type"], self.gke["tpu_topology"])
         handle = self._cluster().jobsets().start_job(cfg, tpu, self.placement(), by=f"{self.by} (try {attempt})")

@@ -16,7 +16,8 @@ from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
 from training import api
-from training.api import Config, JobHandle
+from training.api import Config
+from training.backends.base import GKEHandle
 from training.gke import (
     ACCELERATOR_LABEL,
     JOBSET_API_VERSION,
@@ -92,7 +93,7 @@ class KubeJobSets:
 
     def start_job(
         self, cfg: Config, tpu: TPUSlice, launch: GKELaunch, by: str = "Airflow", num_slices: int | None = None
-    ) -> JobHandle:
+    ) -> GKEHandle:
         """Start a job of the run on GKE: take the run for it (lock, config), then create its JobSet.
 
         Refused (``training.api.LaunchRefused``, nothing written) while another job holds the run.
@@ -105,7 +106,7 @@ class KubeJobSets:
         job = api.begin_job(cfg, backend="gke", by=by)
         manifests = render(cfg, tpu, launch, job, num_slices)
         obj = self.create(manifests)
-        return JobHandle(
+        return GKEHandle(
             backend="gke",
             run_uri=cfg.run_uri,
             job=job,

@@ -19,8 +19,8 @@ from google.api_core.exceptions import GoogleAPICallError, RetryError
 from kubernetes.client.exceptions import ApiException
 
 from training import api
-from training.api import Config, JobHandle, JobLook, RunStatus
-from training.backends.base import BackendError
+from training.api import Config, JobLook, RunStatus
+from training.backends.base import BackendError, GKEHandle
 from training.backends.gke import GKEBackend
 from training.backends.gke_cluster import CloudCluster, first_line
 from training.backends.gke_jobsets import JobSetError
@@ -78,7 +78,7 @@ class GKERun:
             raise BackendError(str(e)) from None
         self.cluster.check()
 
-    def start(self, say: Callable[[str], None]) -> JobHandle:
+    def start(self, say: Callable[[str], None]) -> GKEHandle:
         """Create the node pools (done when enough for ``min_workers`` are up) and launch the job's JobSet.
 
         A cloud call that fails for good is ``training.api.LaunchError``, in one line.
@@ -88,7 +88,7 @@ class GKERun:
         except (TPUNodePoolError, JobSetError, GoogleAPICallError, RetryError, ApiException) as e:
             raise api.LaunchError(f"gke: {first_line(e)}") from None
 
-    def _start(self, say: Callable[[str], None]) -> JobHandle:
+    def _start(self, say: Callable[[str], None]) -> GKEHandle:
         up = self.backend.provision(self.cfg, self.spec)
         failed = "; ".join(f"{k}: {v}" for k, v in up.get("node_pools_failed", {}).items())
         say(
@@ -111,7 +111,7 @@ class GKERun:
 
     def follow(
         self,
-        handle: JobHandle,
+        handle: GKEHandle,
         say: Callable[[str], None],
         on_status: Callable[[RunStatus], None],
         poll_s: float = 10.0,
@@ -163,7 +163,7 @@ class GKERun:
         Given back only on a final state, a failed start or Ctrl-C (after the job committed its
         step).  None, with all of it left up: ``detach``, or :class:`OutOfTouch` (said in one line).
         """
-        handles: list[JobHandle] = []
+        handles: list[GKEHandle] = []
         keep = False
         try:
             handles.append(self.start(say))
@@ -198,7 +198,7 @@ class GKERun:
                 return
             time.sleep(2.0)
 
-    def release(self, handles: list[JobHandle]) -> str:
+    def release(self, handles: list[GKEHandle]) -> str:
         """Delete the JobSets and the node pools; what was deleted (or how to delete what could not be), in one line."""
         try:
             out = self.backend.release(self.cfg, self.spec, [dict(h) for h in handles])

@@ -7,12 +7,12 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from training import api
-from training.api import Config, JobHandle, JobLook
-from training.backends.base import ALIVE, Log, Provisioned, Released, Timeouts
+from training.api import Config, JobLook, RunStatus
+from training.backends.base import ALIVE, LocalHandle, Log, Provisioned, Released, Timeouts
 
 
 def pid_alive(pid: int | None) -> bool:
@@ -58,14 +58,80 @@ def stop_process_tree(pid: int) -> list[int]:
     return killed
 
 
+def launch(
+    cfg: Config,
+    *,
+    allow_attach: bool = False,
+    provision: bool = False,
+    by: str | None = None,
+    on_line: Callable[[str], None] | None = None,
+) -> LocalHandle:
+    """Start a job of the run on the local slice, in a process of its own; never starts over, never overwrites.
+
+    ``allow_attach``: when a live job holds the run, follow it instead of refusing (``attached``).
+    ``provision``: give the slice its ``max_workers`` hosts, under the run lock (``rtrain train``).
+    ``by``: who launches, for the config's history (default: user, host and pid).
+    """
+    from training.elastic.local_slice import spawn
+
+    begun = api.begin_or_follow(cfg, allow_attach=allow_attach, provision=provision, by=by, on_line=on_line)
+    handle = _handle(cfg, begun)
+    if not begun["attached"]:
+        handle["controller_pid"] = spawn(cfg, begun["job"])
+    return handle
+
+
+def run_here(
+    cfg: Config,
+    *,
+    provision: bool = False,
+    by: str | None = None,
+    on_line: Callable[[str], None] | None = None,
+    on_status: Callable[[RunStatus], None] | None = None,
+) -> tuple[LocalHandle, int]:
+    """Run a job of the run on the local slice in this process, to its end; its handle and exit code (0: finished).
+
+    Ctrl-C asks the job to stop at a step boundary and waits for it.  Refused (``LaunchRefused``) while
+    another job holds the run.
+    """
+    from training.elastic.local_slice import LocalSlice
+
+    begun = api.begin_or_follow(cfg, provision=provision, by=by, on_line=on_line)
+    handle = _handle(cfg, begun)
+    handle["controller_pid"] = os.getpid()
+    slice_ = LocalSlice(cfg, begun["job"], on_line=on_line, on_status=on_status)
+    try:
+        rc = slice_.run()
+    except KeyboardInterrupt:
+        slice_.stop("interrupted (Ctrl-C)")
+        rc = slice_.run()
+    return handle, rc
+
+
+def _handle(cfg: Config, begun: api.Begun) -> LocalHandle:
+    return LocalHandle(
+        backend="local",
+        run_uri=cfg.run_uri,
+        job=begun["job"],
+        attached=begun["attached"],
+        host=socket.gethostname(),
+        launched_at=time.time(),
+        events_after=begun["events_after"],
+    )
+
+
 class LocalSliceBackend:
     """The local slice: ``max_workers`` simulated hosts, one host agent each, kept running by the slice process."""
 
     name = "local"
 
-    def __init__(self, log: Log | None = None, by: str = "Airflow") -> None:
+    def __init__(
+        self, log: Log | None = None, by: str = "Airflow", *, provision: bool = False, follow: bool = True
+    ) -> None:
         self.log = log
         self.by = by  # who provisions and tears down, in the records: Airflow, rtrain
+        self.provision_at_launch = provision  # the slice's hosts given at launch, under the run lock (rtrain train)
+        self.follow = follow  # a live job that holds the run is followed; False: refused (LaunchRefused)
 
     def _say(self, msg: str, *args: Any) -> None:
         if self.log is not None:
@@ -76,9 +142,9 @@ class LocalSliceBackend:
         api.set_capacity(cfg.run_uri, cfg.max_workers, reason=f"provisioned by {self.by}", source=self.by.lower())
         return {"backend": self.name, "hosts": cfg.max_workers, "run_uri": cfg.run_uri}
 
-    def launch(self, cfg: Config, spec: Mapping[str, Any], attempt: int) -> JobHandle:
-        """Start a job, or follow the live one (``training.api.launch`` never starts over, never overwrites)."""
-        handle = api.launch(cfg, detach=True, allow_attach=True)
+    def launch(self, cfg: Config, spec: Mapping[str, Any], attempt: int) -> LocalHandle:
+        """Start a job, or follow the live one (:func:`launch` never starts over, never overwrites)."""
+        handle = launch(cfg, allow_attach=self.follow, provision=self.provision_at_launch)
         self._say(
             "%s job %s of %s",
             "Following the live" if handle.get("attached") else "Started",

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from training import api
-from training.api import Config, JobHandle, JobLook
-from training.backends.base import BackendError, Log, Provisioned, Released, Timeouts
+from training.api import Config, JobLook
+from training.backends.base import BackendError, Log, PoolHandle, Provisioned, Released, Timeouts
 from training.backends.local import LocalSliceBackend
 from training.service import commands
 
@@ -47,17 +47,19 @@ class SharedPoolBackend:
             )
         return {"backend": self.name, "pool": pool, "priority": self.priority, "run_uri": cfg.run_uri}
 
-    def launch(self, cfg: Config, spec: Mapping[str, Any], attempt: int) -> JobHandle:
+    def launch(self, cfg: Config, spec: Mapping[str, Any], attempt: int) -> PoolHandle:
         """Submit the run (or follow its live submission): the scheduler launches it when its minimum fits."""
-        handle: JobHandle = {
-            "backend": self.name,
-            "run_uri": cfg.run_uri,
-            "root": cfg.root,
-            "run_name": cfg.run_name,
-            "priority": self.priority,
-            "launched_at": time.time(),
-            "events_after": api.newest_event_key(cfg.run_uri) if api.run_exists(cfg.run_uri) else None,
-        }
+        handle = PoolHandle(
+            backend=self.name,
+            run_uri=cfg.run_uri,
+            job="",
+            attached=False,
+            root=cfg.root,
+            run_name=cfg.run_name,
+            priority=self.priority,
+            launched_at=time.time(),
+            events_after=api.newest_event_key(cfg.run_uri) if api.run_exists(cfg.run_uri) else None,
+        )
         try:
             row = commands.look(cfg.root, cfg.run_name)
         except commands.QueueError:
@@ -67,7 +69,7 @@ class SharedPoolBackend:
             return {**handle, "attached": True, "priority": row.priority, "job": row.job}
         sub = commands.submit(cfg, self.priority)
         self._say("Submitted %s to the queue of %s at priority %s", cfg.run_name, cfg.root, sub.priority)
-        return {**handle, "attached": False, "job": ""}
+        return handle
 
     def poll(self, handle: Mapping[str, Any], timeouts: Timeouts, now: float | None = None) -> JobLook:
         """One look: state, reason, status and the queue's row; ``queued`` while the run holds no host.

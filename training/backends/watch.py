@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from training import api
 from training.api import Config, Event, JobLook, RunStatus
-from training.backends.base import Backend, Timeouts
+from training.backends.base import Backend, JobHandle, Timeouts
 
 # A live job whose status is not written for this long past two hang timeouts is failed by a watch
 # (the agents' own hang detection fires first: this catches a job whose leader is gone unseen).
@@ -100,7 +100,7 @@ class JobWatch:
     def __init__(
         self,
         backend: Backend | Callable[[], Backend],
-        handle: api.JobHandle,
+        handle: JobHandle,
         limits: Timeouts,
         events_after: str | None = None,
     ) -> None:
@@ -156,7 +156,7 @@ class JobWatch:
 
 def watch(
     backend: Backend | Callable[[], Backend],
-    handle: api.JobHandle,
+    handle: JobHandle,
     limits: Timeouts,
     *,
     events_after: str | None = None,

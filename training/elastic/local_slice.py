@@ -408,6 +408,22 @@ class LocalSlice:
         return {"finished": 0, "stopped": int(AgentExit.STOPPED)}.get(str(st.get("state")), 1)
 
 
+def spawn(cfg: Config, job: str) -> int:
+    """Start the local slice of ``job`` in a process of its own (outliving the caller: a task, a shell); its pid."""
+    logs = log_dir_for(cfg, job)
+    logs.mkdir(parents=True, exist_ok=True)
+    with open(logs / "local-slice.log", "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "training.elastic.local_slice", cfg.run_uri, "--job", job],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    return proc.pid
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m training.elastic.local_slice")
     p.add_argument("run")

@@ -143,6 +143,8 @@ class Scheduler:
             log.info("run %s: %s", sub.run_name, why)
 
     def _launch(self, sub: Submission, p: Placement, hosts: int) -> None:
+        from training.elastic.local_slice import spawn  # the pool's hosts are a local slice's
+
         st = api.repair_status(sub.run_uri) or {}
         if st.get("state") in ALIVE_STATES and st.get("job"):
             # Launched before a restart of this scheduler, or by hand: adopt it, do not launch twice.
@@ -154,14 +156,15 @@ class Scheduler:
                 LocalCapacity(open_store(sub.run_uri), default=hosts).assign(
                     hosts, reason=f"launched on {hosts} host(s)"
                 )
-                handle = api.launch(cfg, detach=True, allow_attach=True, by="scheduler")
+                begun = api.begin_or_follow(cfg, allow_attach=True, by="scheduler")
+                pid = 0 if begun["attached"] else spawn(cfg, begun["job"])
             except LockLost:
                 raise
             except Exception as e:  # noqa: BLE001 - a run that cannot launch ends with the reason; the rest go on
                 self._end(p, "failed", f"launch failed: {type(e).__name__}: {e}")
                 return
-            p.job = str(handle["job"])
-            p.controller_pid = int(handle.get("controller_pid") or 0)
+            p.job = begun["job"]
+            p.controller_pid = pid
             p.launches += 1
             log.info("run %s: launched job %s on %d host(s)", sub.run_name, p.job, hosts)
         p.hosts = hosts

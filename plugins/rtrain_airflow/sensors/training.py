@@ -2,7 +2,7 @@
 
 When a job dies beyond what its agents absorb (failure budget spent, capacity short past its
 timeout, the agent killed, the JobSet failed or gone), this sensor fails, and Airflow's retry
-relaunches the job through the same idempotent launch (``RTrainHook`` -> ``training.api.launch``:
+relaunches the job through the same idempotent launch (``RTrainHook`` -> ``Backend.launch``:
 re-attach if alive, else resume from the newest committed checkpoint; never from scratch, never
 overwriting).  Why here: a watch that retried without relaunching would watch a dead job again,
 and a retry cannot re-run the upstream launch task; the graph still shows plan, launch and watch.
@@ -31,8 +31,9 @@ from airflow.sdk.exceptions import AirflowException, AirflowSkipException
 from rtrain_airflow.hooks.training import RTrainHook, absolute
 from rtrain_airflow.operators.training import RESOLVE_TASK_ID, _is_deferred_value, check_spec
 from rtrain_airflow.triggers.training import PROGRESS_EVERY_S, RELAYED, RTrainTrainingJobTrigger
-from training.api import Config, JobHandle, describe
+from training.api import Config, describe
 from training.backends import ALIVE
+from training.backends.base import JobHandle
 from training.backends.watch import JobWatch, timeouts
 
 if TYPE_CHECKING:

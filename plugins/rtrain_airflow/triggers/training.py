@@ -25,9 +25,9 @@ from typing import Any, cast
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from training.api import Config, Event, EventReader, JobHandle, describe, duration, find_recoveries
+from training.api import Config, Event, EventReader, describe, duration, find_recoveries
 from training.backends import Backend
-from training.backends.base import Timeouts
+from training.backends.base import JobHandle, Timeouts
 from training.backends.watch import BY_REQUEST, Look, Unreadable, WatchItem, timeouts, watch
 from training.service import commands
 from training.service.commands import QueueRow
