@@ -62,3 +62,22 @@ def set_title(title: str, name: str | None = None) -> None:
     if keep:
         with contextlib.suppress(OSError):
             prctl(PR_SET_NAME, keep[:15])
+
+
+def start_detached(module: str, args: list[str], log: Path) -> int:
+    """Run ``python -m module args`` in a session of its own (it outlives the caller), its output appended to ``log``."""
+    import os
+    import subprocess
+    import sys
+
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    return proc.pid

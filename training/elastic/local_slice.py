@@ -41,6 +41,7 @@ from training.elastic.template import Template
 from training.elastic.workerproc import cpu_slice_env
 from training.events import FINAL_STATES, EventLog, RunState, RunStatus, describe, read_status, write_status
 from training.layout import CONFIG, CONTROL, logs_base
+from training.procctl import start_detached
 from training.storage import NotFound, Store, open_store
 
 log = logging.getLogger("rtrain.local_slice")
@@ -410,18 +411,8 @@ class LocalSlice:
 
 def spawn(cfg: Config, job: str) -> int:
     """Start the local slice of ``job`` in a process of its own (outliving the caller: a task, a shell); its pid."""
-    logs = log_dir_for(cfg, job)
-    logs.mkdir(parents=True, exist_ok=True)
-    with open(logs / "local-slice.log", "ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "training.elastic.local_slice", cfg.run_uri, "--job", job],
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    return proc.pid
+    log = log_dir_for(cfg, job) / "local-slice.log"
+    return start_detached("training.elastic.local_slice", [cfg.run_uri, "--job", job], log)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,6 @@ import contextlib
 import logging
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +32,7 @@ from training.checkpoint.lock import LeaseKeeper, LockHeld, LockLost, RunLock
 from training.config import config_from_json
 from training.elastic.capacity import LocalCapacity
 from training.events import ALIVE_STATES, FINAL_STATES, EventLog, RunState, read_status, write_status
+from training.procctl import start_detached
 from training.service.policy import allocate
 from training.service.queue import Placement, Queue, Submission
 from training.storage import open_store, scheme
@@ -254,18 +254,7 @@ def ensure_running(root: str) -> int | None:
     holder = RunLock(q.store, owner="probe", lease_s=LEASE_S).held_by()
     if holder is not None and time.time() - float(holder.get("time") or 0) < LEASE_S / 2:
         return None
-    path = log_path(root)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "training.service.scheduler", root],
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    return proc.pid
+    return start_detached("training.service.scheduler", [root], log_path(root))
 
 
 def main(argv: list[str] | None = None) -> int:
