@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from training.elastic.rendezvous import Outcome, Report
-from training.elastic.round_end import detected_by_what, explain_failure
+from training.elastic.round_end import detected_by_what, explain_failure, lasting_storage_error
 
 
 def _rep(host: str, rank: int, **kw: object) -> Report:
@@ -40,3 +40,21 @@ def test_a_signalled_worker_is_blamed_before_one_that_failed_on_its_own_before_a
     assert explain_failure([], [], "", [bystander, own, killed]) == ("worker killed by SIGKILL", killed)
     assert explain_failure([], [], "", [bystander, own]) == ("worker exited with code 1: ValueError: bad batch", own)
     assert explain_failure([], [], "", [bystander]) == ("peer gone", bystander)
+
+
+SAVE = "RuntimeError: a checkpoint save to /r/run/checkpoints failed: [Errno {}] {}: '/r/run/checkpoints/5.tmp'"
+
+
+@pytest.mark.parametrize(
+    ("error", "want"),
+    [
+        (SAVE.format(30, "Read-only file system"), "the run root /r/run refuses writes (Read-only file system)"),
+        (SAVE.format(122, "Disk quota exceeded"), "the run root /r/run refuses writes (Disk quota exceeded)"),
+        (SAVE.format(28, "No space left on device"), "no space left on /r/run (No space left on device)"),
+        ("RuntimeError: gloo: Connection reset by peer", ""),  # another round may well not meet it
+        (SAVE.format(2, "No such file or directory"), ""),
+    ],
+)
+def test_a_save_failing_on_storage_another_round_would_meet_again_is_the_job_s_end(error: str, want: str) -> None:
+    bystander = _rep("h0", 0, peer_lost=1, error="peer process 1 of round 3 is gone")
+    assert lasting_storage_error([bystander, _rep("h1", 1, error=error)], "/r/run") == want

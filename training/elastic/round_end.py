@@ -9,7 +9,9 @@ the verdict: a new round, a failure to settle, or the job's end.
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -328,9 +330,10 @@ class RoundEnds:
             self.emit("host_lost", host=h, reason="agent gone" if h in ended else "no heartbeat", round=rnd.round)
         rec = judge_failure(f, reports, lost, ended, reached, resume_step)
         self.failures += 1
-        if any("No space left on device" in f"{r.reason} {r.error}" for r in reports):
-            # Another round would fill the same disk again: end the job with the reason now.
-            return JobFails(f"no space left on {self.store.uri} (No space left on device): {rec.reason}")
+        lasting = lasting_storage_error(reports, self.store.uri)
+        if lasting:
+            # Another round would meet the same storage again (a full disk, a read-only root): end the job now.
+            return JobFails(f"{lasting}: {rec.reason}")
         own = next((r for r in reports if r.returncode == WorkerExit.TASK), None)
         if own is not None:
             # The task's own code raised (its one line names the task, the method and the error): another round
@@ -400,3 +403,17 @@ class RoundEnds:
         if status_step is not None:
             steps.append(int(status_step))
         return max(steps) if steps else None
+
+
+# Storage errors another round would meet again: a worker reporting one (a save that failed) ends the job at once.
+LASTING_STORAGE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
+def lasting_storage_error(reports: list[Report], uri: str) -> str:
+    """The storage error the failed workers name that another round would meet again ('' for none): the job's end."""
+    for code in LASTING_STORAGE_ERRORS:
+        said = os.strerror(code)
+        if any(said in f"{r.reason} {r.error}" for r in reports):
+            head = f"no space left on {uri}" if code == errno.ENOSPC else f"the run root {uri} refuses writes"
+            return f"{head} ({said})"
+    return ""
