@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from training.elastic.rendezvous import Outcome, Report
 from training.elastic.round_end import detected_by_what, explain_failure, lasting_storage_error
 
 
-def _rep(host: str, rank: int, **kw: object) -> Report:
+def _rep(host: str, rank: int, **kw: Any) -> Report:
     return Report(round=3, host=host, rank=rank, outcome=Outcome.FAILED, **kw)
 
 
