@@ -77,7 +77,7 @@ def figure_runs(
     figure's state sizes)."""
     return {
         "recovery": lambda: bench_recovery(ws, repeats, ray=not quick),
-        "checkpoint_overhead": lambda: bench_checkpoint_overhead(ws, repeats),
+        "checkpoint_overhead": lambda: bench_checkpoint_overhead(ws, repeats, quick=quick),
         "cost_of_resilience": lambda: bench_cost(ws, repeats),
         "restore_throughput": lambda: bench_restore(ws, repeats),
         "local_tier": lambda: bench_local_tier(ws, repeats),

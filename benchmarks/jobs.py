@@ -25,7 +25,8 @@ LOCAL_STEADY = (60, 310)
 LOCAL_STEADY_STEPS = 315
 
 
-def bench_cfg(ws: Path, name: str, **kw: Any) -> Config:
+def bench_cfg(ws: Path, name: str, preset: str = "tiny", **kw: Any) -> Config:
+    """A figure's job config: ``preset`` on 2 local hosts under ``ws``, a progress event every step, overridden by ``kw``."""
     base = {
         "root": str(ws / "runs"),
         "dataset": str(ws / "data"),
@@ -38,7 +39,7 @@ def bench_cfg(ws: Path, name: str, **kw: Any) -> Config:
         "spike_factor": 0,
     }
     base.update(kw)
-    return load_config("tiny", None, base)
+    return load_config(preset, None, base)
 
 
 def run_job(cfg: Config) -> list[Event]:

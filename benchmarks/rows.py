@@ -98,28 +98,34 @@ BREAKDOWN = {
 
 
 def checkpoint_rows(c: Result) -> list[Row]:
-    """Step time with saves every K against none; Orbax's format; a save's pause against its copy's bound."""
-    base = c["step_s_without"]
+    """Step time with saves every K against none (the default format; the other beside it); a save's pause
+    against its copy's bound; each format's fixed cost per save."""
+    base, fmt = c["step_s_without"], c.get("format", "lean")
+    at = f"{c.get('preset', 'tiny')}, {over(base, 1e3, 0)} ms/step"
     rows = [
         row(
             f"every_{every}",
-            f"checkpoint every {every} / none",
-            f"{over(v['step_s'], 1e3)} vs {over(base, 1e3)} ms/step",
+            f"checkpoint every {every} ({fmt}) / none",
+            f"{over(v['step_s'], 1e3)} vs {over(base, 1e3)} ms/step ({at})",
             ratios(v["step_s"], base),
             "<= 1.03" if int(every) >= 20 else "<= 1.10",
         )
         for every, v in c["per_k"].items()
     ]
-    o = c["orbax"]
+    o = c.get("other") or {**c["orbax"], "format": "ocdbt"}  # (results written before the format was named)
     rows.append(
         row(
-            "orbax",
-            f"  every {o['every']} in Orbax's format / none",
+            "other_format",
+            f"  every {o['every']} in {o['format']} / none",
             f"{over(o['step_s'], 1e3)} vs {over(base, 1e3)} ms/step",
             ratios(o["step_s"], base),
             "(reported)",
         )
     )
+    if min(base) < c.get("realistic_step_s", 0.0):
+        rows.append(
+            note("short_step", "  step time", f"{over(base, 1e3, 0)} ms: below {c['realistic_step_s'] * 1e3:.0f} ms")
+        )
     if c.get("save_pause_s"):
         p, b = c["save_pause_s"], c["copy_bound_s"]
         rows.append(
@@ -131,6 +137,10 @@ def checkpoint_rows(c: Result) -> list[Row]:
                 "(reported)",
             )
         )
+    if c.get("fixed"):
+        rows.append(formats.fixed_row(c["fixed"], "orbax_fixed"))
+    elif c.get("fixed_error"):
+        rows.append(note("orbax_fixed", "  fixed cost per save", f"not measured: {c['fixed_error'][:150]}"))
     return rows
 
 
