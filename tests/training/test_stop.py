@@ -275,3 +275,27 @@ def test_a_job_held_with_no_host_left_ends_stopped_when_asked(
     assert [e["reason"] for e in api.events(uri, ("stopped",))] == [st["reason"]]
     stops = [json.loads(open(p).read()) for p in glob.glob(f"{uri}/rendezvous/rounds/*.json")]
     assert any(r["action"] == "stop" and r["final"] == "stopped" for r in stops), stops
+
+
+@pytest.mark.slow
+def test_a_stop_commits_the_step_the_job_stopped_at(tmp_path: Path, tiny_dataset: str, jax_cache: str) -> None:
+    """``rtrain stop`` of a job that trains: its 2 hosts stop together at the next step and commit it, as for a
+    preemption notice, though no checkpoint was due (every 1000 steps); the job ends stopped at that step, and no
+    preemption notice is on record."""
+    cfg = job_config(
+        str(tmp_path), tiny_dataset, jax_cache, run_name="at-step", min_workers=2, max_workers=2, steps=2000,
+        checkpoint_every=1000, local_checkpoint_every=0,
+    )  # fmt: skip
+    handle = start_job(cfg)
+    uri = cfg.run_uri
+    wait_for(lambda: ((api.status(uri) or {}).get("step") or 0) >= 3, 240, "the job training")
+    assert main(["stop", "at-step", "--root", str(tmp_path)]) == Exit.OK
+    st = wait_finished(handle, timeout=120)
+    assert (st["state"], st["reason"]) == ("stopped", "stopped with rtrain stop"), st
+    [stopped] = api.events(uri, ("stopped",))
+    step = int(stopped["step"])
+    assert 3 <= step < 1000, stopped
+    assert api.committed_steps(uri) == [step], "the step it stopped at is committed, and no other"
+    assert st["step"] == step
+    assert not api.events(uri, ("preemption_notice",)), "a person's stop is not a preemption notice"
+    assert not api.events(uri, ("failed",)) and not api.events(uri, ("failure",))

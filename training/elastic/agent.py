@@ -127,6 +127,7 @@ class HostAgent:
             cadence=self.cadence,
             heart=self.heart,
             emit=self.emit,
+            stop_worker_at_step=self._stop_worker_at_step,
         )
         self.reports = ReportHandler(
             self.cfg,
@@ -243,6 +244,15 @@ class HostAgent:
             self.reports.emit_later(
                 "preemption_notice", step=None, seconds=0.0, committed=False, reason="no worker was training"
             )
+
+    def _stop_worker_at_step(self, round_: int) -> bool:
+        """A person's stop (the leader asks): this host's worker of ``round_`` gets a notice, so its group stops at
+        the next step and commits it; recorded as the job's stop, not as a preemption notice.  False: none trains."""
+        w = self.workers.worker
+        if w is None or w.round != round_ or self.leaving is not None:
+            return False
+        self.reports.stopping = True
+        return self.workers.notice()
 
     def _drained(self) -> bool:
         """May a leaving agent go: its worker has ended and reported, and it leads nothing that needs it?"""

@@ -70,6 +70,53 @@ class LeaderHost(Protocol):
     def emit(self, type_: str, **fields: Any) -> None:
         """Write an event now, naming this host."""
 
+    def stop_worker_at_step(self, round_: int) -> bool:
+        """Tell this host's worker of ``round_`` to stop its group at the next step and commit it (a notice for a
+        person's stop); False when this host has none."""
+
+
+class PersonStop:
+    """A person's stop (``rtrain stop``, a cancel, a teardown) as the leader carries it out.
+
+    A round that trains stops at its next step and commits it, as for a preemption notice: the leader's own
+    worker is told, and the notice reaches the whole group through that step; the round's reports then end
+    the job.  With no worker of the round on the leader's host, or past ``grace_s``, the job ends at once.
+    """
+
+    def __init__(self, agent: LeaderHost, grace_s: float) -> None:
+        self.agent = agent
+        self.grace_s = grace_s
+        self.reason = ""
+        self.deadline: float | None = None  # while the round stops at a step
+
+    @staticmethod
+    def requested(store: Store) -> str | None:
+        """The reason of a stop of the job asked for on the run root's control object; None when none is."""
+        try:
+            req = json.loads(store.get(CONTROL))
+        except (NotFound, ValueError):
+            return None
+        return str(req.get("reason") or "asked to stop") if req.get("action") == "stop_job" else None
+
+    def now(self, reason: str, rnd: Round | None, running: bool) -> str:
+        """The reason to end the job with now; '' while the running round stops at a step."""
+        if self.deadline is None and running and rnd is not None and self.agent.stop_worker_at_step(rnd.round):
+            self.reason, self.deadline = reason, time.time() + self.grace_s
+            log.warning("[%s] stopping the job at its next step: %s", self.agent.host, reason)
+            return ""
+        if self.deadline is None:
+            return reason
+        if time.time() < self.deadline:
+            return ""
+        return f"{reason} (the round did not stop at a step within {self.grace_s:.0f}s)"
+
+
+def stopped_step(seen: dict[str, Report] | RoundFailed) -> int | None:
+    """The step a round that stopped for a notice committed (None: it failed instead)."""
+    reps = [] if isinstance(seen, RoundFailed) else list(seen.values())
+    steps = [int(r.notice["step"]) for r in reps if r.notice and r.notice.get("step") is not None]
+    return max(steps) if steps else None
+
 
 class Leader:
     """The job's decisions, taken by the one host agent that holds the run's lease: the round state machine.
@@ -113,6 +160,7 @@ class Leader:
         # Local copies saved before this round number are of another lineage (a guard rollback since).
         self.local_floor = self.round.local_floor if self.round else 0
         self.recovery: Recovery | None = None  # what the next round recovers from (its `recovered` event)
+        self.stop = PersonStop(agent, self.cfg.preemption_grace_s)  # a person's stop: at the next step, committed
         self.cadence = agent.cadence
         self._control_at = 0.0
         self.agent.emit(
@@ -246,7 +294,10 @@ class Leader:
         rnd = self.round
         assert rnd is not None
         seen = self.watch.look(rnd, now)
-        if isinstance(seen, RoundFailed):
+        if self.stop.deadline is not None and seen is not None:  # the round stopped for a person's stop
+            self.status.fields["step"] = stopped_step(seen) or self.status.fields.get("step")
+            self._fail(self.stop.reason, RunState.STOPPED)
+        elif isinstance(seen, RoundFailed):
             self._failed(rnd, seen, now)
         elif seen is not None:
             self._round_over(rnd, seen)
@@ -358,12 +409,9 @@ class Leader:
     # --- requests, status -----------------------------------------------------------------------
 
     def _control(self) -> None:
-        try:
-            req = json.loads(self.store.get(CONTROL))
-        except (NotFound, ValueError):
-            return
-        if req.get("action") == "stop_job" and self.phase != Phase.DONE:
-            self._fail(str(req.get("reason") or "asked to stop"), RunState.STOPPED)
+        reason = self.stop.requested(self.store) if self.phase != Phase.DONE else None
+        if reason is not None and (why := self.stop.now(reason, self.round, self.phase == Phase.RUNNING)):
+            self._fail(why, RunState.STOPPED)
 
     def _write_status(self, force: bool = False, state: RunState | None = None) -> None:
         if self.status.due(force):

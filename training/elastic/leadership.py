@@ -58,6 +58,7 @@ class Leadership:
         cadence: Cadence,
         heart: Heartbeat,
         emit: Callable[..., None],
+        stop_worker_at_step: Callable[[int], bool] = lambda _round: False,
     ) -> None:
         self.cfg = cfg
         self.store = store
@@ -81,6 +82,7 @@ class Leadership:
         self.cadence = cadence
         self.heart = heart  # this host's heartbeat record: it says whether this host leads
         self._emit = emit
+        self._stop_worker_at_step = stop_worker_at_step
         self.keeper: LeaseKeeper | None = None
         self.leader: Leader | None = None  # while this agent leads
         self.store_failure = ""  # why the run root refuses writes for good (a full disk, a read-only one), once seen
@@ -90,6 +92,10 @@ class Leadership:
     def emit(self, type_: str, **fields: Any) -> None:
         """Write an event now, naming this host."""
         self._emit(type_, **fields)
+
+    def stop_worker_at_step(self, round_: int) -> bool:
+        """Tell this host's worker of ``round_`` to stop its group at the next step and commit it (a person's stop)."""
+        return self._stop_worker_at_step(round_)
 
     def look_soon(self) -> None:
         """Something happened: is there still a leader?  Look at the next turn of the loop."""

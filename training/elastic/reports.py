@@ -96,6 +96,7 @@ class ReportHandler:
         self.local_dir = local_dir  # this host's local checkpoint tier
         self.step_beat_s = step_beat_s  # rank 0's step is written at most this often
         self.scalars: ScalarLog | None = None
+        self.stopping = False  # the notice to this host's worker is a person's stop (the job's `stopped` event says so)
         self._scalars_at = 0.0
         self._step_beat_at = 0.0
 
@@ -157,7 +158,7 @@ class ReportHandler:
 
     def _preempted(self, w: WorkerProc, msg: dict[str, Any]) -> None:
         w.seen["notice"] = msg
-        if msg.get("noticed"):
+        if msg.get("noticed") and not self.stopping:
             at = self.leaving_at()
             at = at if at is not None else msg.get("notice_at")
             seconds = float(msg["committed_at"]) - float(at) if at else None
