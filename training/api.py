@@ -64,7 +64,7 @@ from training.events import (
 )
 from training.faults import ACTIONS as CHAOS_ACTIONS
 from training.faults import ChaosError, parse_chaos, spec_pattern
-from training.gke.manifests import GKESettings
+from training.gke.launch import GKESettings
 from training.layout import AIRFLOW, CAPACITY, CONFIG, CONFIG_HISTORY, CONTROL, RDV_EVENT_RESERVE, RDV_RESERVE
 from training.mesh import MemoryEstimate, MeshPlan, PlanEnd, PlanError, PlanReport, plan_report
 from training.mesh import check_fit as _check_fit

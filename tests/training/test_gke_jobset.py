@@ -36,23 +36,38 @@ from kubernetes.client import (
     V1ObjectMeta,
     V1Taint,
 )
-
 from training.config import load_config
-from training.gke import manifests as gke
-from training.gke.manifests import (
-    GKECapacity,
-    GKEConfigError,
+from training.gke.cluster_state import GKECapacity, complete_slices, jobset_state
+from training.gke.launch import (
     GKELaunch,
     GKESettings,
-    TPUSlice,
-    complete_slices,
+    check_spot_grace,
+    settings_preemption_grace_s,
+    spot_pod_grace_s,
+    spot_shutdown_grace_s,
+)
+from training.gke.manifests import render, workload_priority_classes
+from training.gke.names import (
+    COMPLETION_INDEX_ANNOTATION,
+    DEFAULT_COORDINATOR_PORT,
+    EXCLUSIVE_TOPOLOGY_ANNOTATION,
+    GRACE_MARGIN_S,
+    JOB_INDEX_LABEL,
+    JOBSET_API_VERSION,
+    JOBSET_NAME_LABEL,
+    JOBSET_PLURAL,
+    KUEUE_PRIORITY_LABEL,
+    KUEUE_QUEUE_LABEL,
+    LIBTPU_PORTS,
+    LOCAL_TIER_PATH,
+    MAX_JOBSET_NAME,
+    SPOT_POD_GRACE_S,
+    GKEConfigError,
     jobset_name,
-    jobset_state,
-    plan_slices,
-    render,
-    slice_bounds,
 )
 from training.gke.pod_emulator import container_env, expand_pods
+from training.gke.tpu import TPUSlice, feasible_slices, plan_slices, slice_bounds
+from training.gke.worker_env import is_round_env, round_env, worker_base_env
 
 REPO = Path(__file__).resolve().parents[2]
 K8S_VERSION = kubernetes_validate.latest_version()
@@ -146,7 +161,7 @@ def test_3d_slices_are_the_sub_cube_shapes_or_whole_cubes(machine_type: str, top
 def test_jobset_name_is_a_short_dns_label(run_name: str, job: str) -> None:
     name = jobset_name(run_name, job)
     assert DNS_1035.match(name), name
-    assert len(name) <= gke.MAX_JOBSET_NAME
+    assert len(name) <= MAX_JOBSET_NAME
 
 
 def test_jobset_names_differ_by_run_and_job() -> None:
@@ -191,7 +206,7 @@ def test_plan_slices_takes_whole_slices_up_to_max(available: int, k: int) -> Non
 def test_plan_slices_takes_only_slice_counts_the_batch_splits_over() -> None:
     cfg = gke_config(global_batch=32)  # 32 sequences over 4-device hosts: 4 or 8 hosts, not 12 or 16
     tpu = TPUSlice("ct6e-standard-4t", "4x4")
-    assert gke.feasible_slices(cfg, tpu) == [1, 2]
+    assert feasible_slices(cfg, tpu) == [1, 2]
     assert plan_slices(cfg, tpu, 16) == 2
     with pytest.raises(GKEConfigError, match="^min_workers/max_workers: the mesh or global_batch=20"):
         render(gke_config(global_batch=20), tpu, LAUNCH, "j1")
@@ -303,8 +318,8 @@ def crd_schema(path: Path, api_version: str) -> dict[str, Any]:
 
 def jobset_schema() -> dict[str, Any]:
     crd = yaml.safe_load(JOBSET_CRD.read_text())
-    assert crd["spec"]["names"]["plural"] == gke.JOBSET_PLURAL
-    return crd_schema(JOBSET_CRD, gke.JOBSET_API_VERSION)
+    assert crd["spec"]["names"]["plural"] == JOBSET_PLURAL
+    return crd_schema(JOBSET_CRD, JOBSET_API_VERSION)
 
 
 def validate_crd_object(path: Path, obj: dict[str, Any]) -> None:
@@ -389,7 +404,7 @@ def test_service_and_jobset_validate_against_kubernetes_schemas(
     assert m.service["spec"]["clusterIP"] == "None"
     assert m.service["spec"]["publishNotReadyAddresses"] is True
     assert m.service["metadata"]["name"] == m.jobset["spec"]["network"]["subdomain"] == m.name
-    assert m.service["spec"]["selector"] == {gke.JOBSET_NAME_LABEL: m.name}
+    assert m.service["spec"]["selector"] == {JOBSET_NAME_LABEL: m.name}
 
     check_jobset_structure(m.jobset)
     rjob = m.jobset["spec"]["replicatedJobs"][0]
@@ -488,13 +503,13 @@ def test_a_lost_host_is_recreated_while_the_jobset_itself_never_restarts() -> No
     (container,) = pod["containers"]
     assert container["resources"]["limits"] == {"google.com/tpu": "4"}
     assert container["resources"]["requests"]["google.com/tpu"] == "4"
-    assert m.jobset["metadata"]["annotations"][gke.EXCLUSIVE_TOPOLOGY_ANNOTATION] == "cloud.google.com/gke-nodepool"
+    assert m.jobset["metadata"]["annotations"][EXCLUSIVE_TOPOLOGY_ANNOTATION] == "cloud.google.com/gke-nodepool"
 
 
 def test_a_single_host_slice_is_not_bound_to_a_node_pool_of_its_own() -> None:
     tpu = TPUSlice("ct6e-standard-4t", "2x2")
     m = render(gke_config(min_workers=1, max_workers=1, hosts_per_slice=1), tpu, LAUNCH, "j1")
-    assert gke.EXCLUSIVE_TOPOLOGY_ANNOTATION not in m.jobset["metadata"]["annotations"]
+    assert EXCLUSIVE_TOPOLOGY_ANNOTATION not in m.jobset["metadata"]["annotations"]
 
 
 @pytest.mark.parametrize(("machine_type", "topology", "min_w", "max_w", "k"), CASES)
@@ -518,8 +533,8 @@ def test_every_pod_runs_one_host_agent_with_its_identity_and_addresses(
         assert args["run"] == "gs://rtrain-prod/runs/Llama3_8B.v2" == cfg.run_uri
         assert args["job"] == "j20261129-101500-abc123"
         # The host id names its slice and its place in it: what the agents' membership counts in.
-        j = pod["metadata"]["labels"][gke.JOB_INDEX_LABEL]
-        i = pod["metadata"]["annotations"][gke.COMPLETION_INDEX_ANNOTATION]
+        j = pod["metadata"]["labels"][JOB_INDEX_LABEL]
+        i = pod["metadata"]["annotations"][COMPLETION_INDEX_ANNOTATION]
         assert args["host"] == f"s{j}-h{i}"
         # Peers reach its worker (as rank 0) at hostname.subdomain, on a port the pod declares; it binds the pod IP.
         assert args["coordinator_host"] == f"{pod['spec']['hostname']}.{pod['spec']['subdomain']}"
@@ -611,10 +626,10 @@ def pod_grace(m: Any) -> int:
 def test_spot_pods_get_the_15s_a_spot_preemption_gives_and_the_job_must_commit_within_it() -> None:
     tpu = TPUSlice("ct6e-standard-4t", "4x4")
     on_demand = render(gke_config(), tpu, GKELaunch(image="img:1"), "j1")
-    assert pod_grace(on_demand) == 30 >= gke_config().preemption_grace_s + gke.GRACE_MARGIN_S
+    assert pod_grace(on_demand) == 30 >= gke_config().preemption_grace_s + GRACE_MARGIN_S
     # Spot: 15 s by default, so the default preemption_grace_s (25 s) cannot be honoured: refused, naming both.
     spot = GKELaunch(image="img:1", spot=True)
-    assert spot.pod_grace_s == spot.preemption_window_s == gke.SPOT_POD_GRACE_S == 15
+    assert spot.pod_grace_s == spot.preemption_window_s == SPOT_POD_GRACE_S == 15
     with pytest.raises(GKEConfigError, match=r"^preemption_grace_s: 25s .*gke.spot_shutdown_grace_s: 120.*at most 10s"):
         render(gke_config(), tpu, spot, "j1")
     m = render(gke_config(preemption_grace_s=10), tpu, spot, "j1")
@@ -648,8 +663,8 @@ TWO_SLICES = ["s0-h0", "s0-h1", "s0-h2", "s0-h3", "s1-h0", "s1-h1", "s1-h2", "s1
 
 def worker_env(members: list[str], rank: int, coordinator: str) -> dict[str, str]:
     """The environment a worker of this round runs with: the agent's child env, then the round's (worker.py)."""
-    env = gke.worker_base_env(WEBHOOK_ENV)
-    env.update(gke.round_env(members, rank, 4, coordinator, WEBHOOK_ENV["MEGASCALE_PORT"]))
+    env = worker_base_env(WEBHOOK_ENV)
+    env.update(round_env(members, rank, 4, coordinator, WEBHOOK_ENV["MEGASCALE_PORT"]))
     return env
 
 
@@ -672,14 +687,14 @@ def test_a_round_that_shrank_to_one_slice_keeps_no_stale_multislice_value(surviv
         assert not [k for k in env if k.startswith("MEGASCALE_")], env
         assert env["TPU_WORKER_ID"] == str(rank)
         assert env["TPU_WORKER_HOSTNAMES"] == ",".join(f"r-abc-slice-{survivor}-{i}.r-abc" for i in range(4))
-        stale = {k: v for k, v in WEBHOOK_ENV.items() if gke.is_round_env(k) and env.get(k) == v}
+        stale = {k: v for k, v in WEBHOOK_ENV.items() if is_round_env(k) and env.get(k) == v}
         assert stale in ({}, {"TPU_WORKER_ID": "3"}), stale  # only a value this round gives again
 
 
 def test_a_single_host_slice_runs_without_tpu_worker_or_multislice_values() -> None:
-    env = gke.worker_base_env(WEBHOOK_ENV)
-    env.update(gke.round_env(["s0-h0"], 0, 1, "r-abc-slice-0-0.r-abc:8476"))
-    assert not [k for k in env if gke.is_round_env(k)], env
+    env = worker_base_env(WEBHOOK_ENV)
+    env.update(round_env(["s0-h0"], 0, 1, "r-abc-slice-0-0.r-abc:8476"))
+    assert not [k for k in env if is_round_env(k)], env
 
 
 def test_round_env_names_the_pods_the_jobset_makes() -> None:
@@ -693,10 +708,10 @@ def test_round_env_names_the_pods_the_jobset_makes() -> None:
         args = agent_args(run_entrypoint(container, container_env(pod, container)))
         names[args["host"]] = (args["coordinator_host"], f"{pod['spec']['hostname']}.{pod['spec']['subdomain']}")
     members = sorted(names, key=lambda h: (int(h[1 : h.index("-")]), int(h.rsplit("h", 1)[1])))
-    coordinator = f"{names[members[0]][0]}:{gke.DEFAULT_COORDINATOR_PORT}"  # rank 0's, as the leader writes it
+    coordinator = f"{names[members[0]][0]}:{DEFAULT_COORDINATOR_PORT}"  # rank 0's, as the leader writes it
     assert coordinator == m.coordinator
     for rank, host in enumerate(members):
-        env = gke.round_env(members, rank, tpu.hosts, coordinator)
+        env = round_env(members, rank, tpu.hosts, coordinator)
         slice_members = members[rank - rank % 4 : rank - rank % 4 + 4]
         assert env["TPU_WORKER_HOSTNAMES"].split(",") == [names[h][1] for h in slice_members]
         assert env["TPU_WORKER_HOSTNAMES"].split(",")[int(env["TPU_WORKER_ID"])] == names[host][1]
@@ -719,7 +734,7 @@ def test_the_agent_gives_its_worker_only_this_rounds_tpu_values(
 
     class FakePopen:  # the fork server's process, then (that server never answering) the worker's own
         def __init__(self, argv: list[str], env: dict[str, str], **kwargs: Any) -> None:
-            assert not [k for k in env if gke.is_round_env(k)], env
+            assert not [k for k in env if is_round_env(k)], env
             seen["env"] = env
 
     monkeypatch.setattr("subprocess.Popen", FakePopen)
@@ -730,7 +745,7 @@ def test_the_agent_gives_its_worker_only_this_rounds_tpu_values(
     w = workers.spawn()
     os.close(w.fd)
     child = dict(seen["env"])
-    assert not [k for k in child if gke.is_round_env(k)], child
+    assert not [k for k in child if is_round_env(k)], child
     assert child["RTRAIN_JOB"] == "j1" and child["RTRAIN_HOST"] == "s1-h3"
     rnd = Round(
         round=3, job="j1", gen=1, leader="s1-h0", members=TWO_SLICES[4:], coordinator="r-abc-slice-1-0.r-abc:8476"
@@ -849,7 +864,7 @@ def test_capacity_asks_for_the_tpu_shape_and_cannot_be_set() -> None:
 
 def test_the_backend_imports_neither_airflow_nor_jax() -> None:
     code = (
-        "import sys, training.gke.manifests\n"
+        "import sys, training.gke.manifests, training.gke.cluster_state, training.gke.worker_env\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('airflow', 'jax', 'flax', 'orbax'))\n"
         "assert not bad, bad\n"
     )
@@ -890,9 +905,9 @@ def test_the_local_tier_gets_a_memory_volume_and_the_pods_a_grace_period_the_not
     assert volume["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
     c = pod["spec"]["containers"][0]
     [mount] = c["volumeMounts"]
-    assert mount == {"name": volume["name"], "mountPath": gke.LOCAL_TIER_PATH}
-    assert {"name": "RTRAIN_LOCAL_CHECKPOINT_DIR", "value": gke.LOCAL_TIER_PATH} in c["env"]
-    assert pod["spec"]["terminationGracePeriodSeconds"] >= gke_config().preemption_grace_s + gke.GRACE_MARGIN_S
+    assert mount == {"name": volume["name"], "mountPath": LOCAL_TIER_PATH}
+    assert {"name": "RTRAIN_LOCAL_CHECKPOINT_DIR", "value": LOCAL_TIER_PATH} in c["env"]
+    assert pod["spec"]["terminationGracePeriodSeconds"] >= gke_config().preemption_grace_s + GRACE_MARGIN_S
     # A grace period the job's stop-and-commit does not fit in is refused, naming both settings.
     with pytest.raises(GKEConfigError, match="preemption_grace_s"):
         render(gke_config(preemption_grace_s=40), tpu, GKELaunch(image="img:1", termination_grace_period_s=30), "j1")
@@ -906,12 +921,12 @@ def test_kueue_queues_the_whole_jobset_at_the_runs_priority_class() -> None:
     launch = GKELaunch(image=LAUNCH.image, namespace="training", kueue_queue="tpu-v6e", priority="high")
     m = render(cfg, tpu, launch, "j20261201-101500-abc123", 2)
     labels = m.jobset["metadata"]["labels"]
-    assert labels[gke.KUEUE_QUEUE_LABEL] == "tpu-v6e" and labels[gke.KUEUE_PRIORITY_LABEL] == "rtrain-high"
+    assert labels[KUEUE_QUEUE_LABEL] == "tpu-v6e" and labels[KUEUE_PRIORITY_LABEL] == "rtrain-high"
     pod_labels = m.jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["metadata"]["labels"]
-    assert gke.KUEUE_QUEUE_LABEL not in pod_labels, "Kueue reads the JobSet's labels, not the pods'"
+    assert KUEUE_QUEUE_LABEL not in pod_labels, "Kueue reads the JobSet's labels, not the pods'"
     check_jobset_structure(m.jobset)
     validate_core({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x", "labels": labels}})
-    classes = gke.workload_priority_classes()
+    classes = workload_priority_classes()
     assert [(c["metadata"]["name"], c["value"]) for c in classes] == [
         ("rtrain-low", 100),
         ("rtrain-normal", 200),
@@ -1015,14 +1030,14 @@ def test_the_spot_grace_reaches_the_pools_and_the_pods_and_a_cluster_too_old_for
         assert [s.spot_shutdown_grace_s for s in CloudCluster(gke_settings).pool_specs()] == [asked, asked]
         launch = GKEBackend(gke_settings).placement()
         assert launch.spot_grace_s == launch.pod_grace_s == pods
-        assert gke.settings_preemption_grace_s(gke_settings) == commit
+        assert settings_preemption_grace_s(gke_settings) == commit
         m = render(gke_config(preemption_grace_s=commit), tpu, launch, "j1", 2)
         assert pod_grace(m) == pods
     longer: GKESettings = {**settings, "spot_shutdown_grace_s": 120}
-    gke.check_spot_grace(longer, "1.35.0-gke.1171000")
+    check_spot_grace(longer, "1.35.0-gke.1171000")
     with pytest.raises(GKEConfigError, match=r"^gke.spot_shutdown_grace_s: 120s needs GKE 1.35.0-gke.1171000"):
-        gke.check_spot_grace(longer, "1.34.5-gke.1000")
-    gke.check_spot_grace(settings, "1.30.0-gke.1")  # the default grace: any version
+        check_spot_grace(longer, "1.34.5-gke.1000")
+    check_spot_grace(settings, "1.30.0-gke.1")  # the default grace: any version
 
 
 def test_rtrain_plan_and_train_on_gke_refuse_what_the_render_would_before_any_pool(tmp_path: Path) -> None:
@@ -1077,7 +1092,7 @@ def test_the_pod_declares_the_watch_ports_the_agents_listen_on_outside_libtpus()
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports["peer-watch"] == peer_watch_port(ports["coordinator"]) == 8490
     assert ports["host-watch"] == host_watch_port(ports["coordinator"]) == 8491
-    assert not {ports["peer-watch"], ports["host-watch"]} & gke.LIBTPU_PORTS
+    assert not {ports["peer-watch"], ports["host-watch"]} & LIBTPU_PORTS
     assert peer_watch_port(0) == host_watch_port(0) == 0  # no fixed coordinator port: any free port
 
 
@@ -1086,11 +1101,11 @@ def test_the_pod_declares_the_watch_ports_the_agents_listen_on_outside_libtpus()
     [("1.35.0-gke.1171000", 120, 105), ("1.35.1-gke.1000", 120, 105), ("1.35.0-gke.1170999", 30, 15), (None, 30, 15)],
 )
 def test_the_longest_spot_grace_follows_the_clusters_version(version: str | None, grace: int, pods: int) -> None:
-    assert gke.spot_shutdown_grace_s(version) == grace and gke.spot_pod_grace_s(grace) == pods
+    assert spot_shutdown_grace_s(version) == grace and spot_pod_grace_s(grace) == pods
     with pytest.raises(GKEConfigError, match="^spot_shutdown_grace_s:"):
-        gke.spot_pod_grace_s(60)
+        spot_pod_grace_s(60)
     with pytest.raises(GKEConfigError, match="^cluster version:"):
-        gke.spot_shutdown_grace_s("latest")
+        spot_shutdown_grace_s("latest")
 
 
 def test_the_vendored_crds_are_the_files_their_readme_names() -> None:

@@ -20,11 +20,11 @@ from typing import Any
 
 import pytest
 from jobs import assert_exact_data, hosts, job_config, wait_for
-
-from training import api
 from training.events import EventReader
-from training.gke import manifests as gke
-from training.gke.manifests import GKELaunch, TPUSlice, describe_waiting, jobset_state, pods_waiting, render
+from training.gke.cluster_state import describe_waiting, jobset_state, pods_waiting
+from training.gke.launch import GKELaunch
+from training.gke.manifests import render
+from training.gke.names import COMPLETION_INDEX_ANNOTATION, JOB_INDEX_LABEL
 from training.gke.pod_emulator import (
     EmulatedJobSet,
     PodEmulatorError,
@@ -33,6 +33,10 @@ from training.gke.pod_emulator import (
     process_environ,
     webhook_env,
 )
+from training.gke.tpu import TPUSlice
+from training.gke.worker_env import is_round_env
+
+from training import api
 
 TPU = TPUSlice("ct5p-hightpu-4t", "2x2x2")  # 2 hosts of 4 chips a slice
 GCS_ENV = (
@@ -133,7 +137,7 @@ def test_a_2_slice_jobset_run_as_pods_rides_out_a_spot_reclaim_and_a_lost_host(
             # (Processes that set their title overwrite what /proc shows of their environment: those are
             # left out; the round's own values are the worker_started events' runtime_env, checked below.)
             envs = _worker_envs(js, 0) + _worker_envs(js, 1)
-            assert not any(gke.is_round_env(k) for e in envs for k in e)
+            assert not any(is_round_env(k) for e in envs for k in e)
 
             # A Spot reclaim of slice 1: its pods get SIGTERM (a notice) and 15 s; the job commits and shrinks.
             js.preempt_slice(1)
@@ -164,7 +168,7 @@ def test_a_2_slice_jobset_run_as_pods_rides_out_a_spot_reclaim_and_a_lost_host(
             t_kill = time.time()
             js.kill_pod(1, 0)
             js.kill_pod(1, 1)
-            wait_for(lambda: gke.jobset_state(js.object()) != "running", 900, "the JobSet's end", every=5)
+            wait_for(lambda: jobset_state(js.object()) != "running", 900, "the JobSet's end", every=5)
         except BaseException:
             print(_pod_logs(js))
             raise
@@ -277,9 +281,9 @@ def test_the_emulated_jobset_follows_the_jobs_failure_policy(tmp_path: Path, fin
         _exit(tmp_path, 0, 0, 1)  # an error: counted, the pod made again after the Job's backoff
         wait_for(lambda: js.indexes[(0, 0)].failures == 1 and len(js.running()) == 4, 20, "the pod made again")
         assert time.monotonic() - t_exit >= FAST_BACKOFF[0]
-        assert gke.jobset_state(js.object()) == "running"
+        assert jobset_state(js.object()) == "running"
         _exit(tmp_path, 0, 1, final)  # podFailurePolicy FailJob
-        wait_for(lambda: gke.jobset_state(js.object()) == "failed", 20, "the JobSet to fail")
+        wait_for(lambda: jobset_state(js.object()) == "failed", 20, "the JobSet to fail")
         assert f"exited {final} (podFailurePolicy FailJob)" in js.failed_jobs[0]
         wait_for(lambda: not js.running(), 20, "every pod deleted")
 
@@ -357,9 +361,9 @@ def test_an_index_out_of_retries_is_not_made_again_and_fails_its_job_once_the_ot
             wait_for(functools.partial(lambda n: js.indexes[(0, 0)].failures == n, n), 20, f"failure {n}")
         wait_for(lambda: js.indexes[(0, 0)].failed, 20, "the index failed")
         time.sleep(0.5)
-        assert len(js.running()) == 3 and gke.jobset_state(js.object()) == "running"  # the Job goes on
+        assert len(js.running()) == 3 and jobset_state(js.object()) == "running"  # the Job goes on
         _exit(tmp_path, 0, 1, 0)  # the slice's last index ends: the Job has a failed index
-        wait_for(lambda: gke.jobset_state(js.object()) == "failed", 20, "the JobSet to fail")
+        wait_for(lambda: jobset_state(js.object()) == "failed", 20, "the JobSet to fail")
         assert "indexes [0] failed" in js.failed_jobs[0]
 
 
@@ -401,7 +405,7 @@ def test_expand_pods_makes_one_pod_per_host_of_each_slice(tmp_path: Path) -> Non
     m, _ = _toy_jobset(tmp_path, "")
     pods = expand_pods(m.jobset)
     assert [
-        (p["metadata"]["labels"][gke.JOB_INDEX_LABEL], p["metadata"]["annotations"][gke.COMPLETION_INDEX_ANNOTATION])
+        (p["metadata"]["labels"][JOB_INDEX_LABEL], p["metadata"]["annotations"][COMPLETION_INDEX_ANNOTATION])
         for p in pods
     ] == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
     assert {p["spec"]["hostname"] for p in pods} == {f"{m.name}-slice-{j}-{i}" for j in (0, 1) for i in (0, 1)}
@@ -417,7 +421,9 @@ def test_expand_pods_makes_one_pod_per_host_of_each_slice(tmp_path: Path) -> Non
 OWNER = """
 import sys, time
 from pathlib import Path
-from training.gke.manifests import GKELaunch, TPUSlice, render
+from training.gke.launch import GKELaunch
+from training.gke.manifests import render
+from training.gke.tpu import TPUSlice
 from training.gke.pod_emulator import EmulatedJobSet
 from training.config import load_config
 

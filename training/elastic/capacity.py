@@ -4,7 +4,7 @@ The agent asks a ``CapacitySource`` before every (re)launch and while it waits
 for capacity to return.  Locally the number of hosts of the simulated slice is
 a small document in the run root that tests, chaos options and
 ``rtrain capacity RUN N`` change while the job runs; on GKE it is the number of
-ready TPU hosts (see ``training.gke.manifests``).
+ready TPU hosts (see ``training.gke.cluster_state``).
 """
 
 from __future__ import annotations

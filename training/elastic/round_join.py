@@ -75,7 +75,7 @@ def set_up(cfg: Any, run: str, a: Assignment, rep: Reporter, built: Any, t_assig
         transport = TransportThreads()  # before the backend starts (build_mesh): gloo's threads come with it
     if taskbuild.lift_fence():  # something reached for the backend in the standby: the task is built again
         built = None
-    from training.gke.manifests import is_round_env
+    from training.gke.worker_env import is_round_env
 
     rep.send(
         ReportType.WORKER_STARTED,

@@ -151,7 +151,7 @@ class WorkerSupervisor:
         """
         if self.cfg.backend != "gke":
             return {}
-        from training.gke.manifests import round_env
+        from training.gke.worker_env import round_env
 
         return round_env(rnd.members, rank, self.cfg.hosts_per_slice, rnd.coordinator, os.environ.get("MEGASCALE_PORT"))
 

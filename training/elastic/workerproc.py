@@ -113,7 +113,7 @@ class WorkerProc:
 
 def worker_env(cfg: Config, run_uri: str, host: str, job: str) -> dict[str, str]:
     """The environment of this agent's workers (and of its fork server)."""
-    from training.gke.manifests import worker_base_env  # without a round's TPU variables: the round sets them
+    from training.gke.worker_env import worker_base_env  # without a round's TPU variables: the round sets them
 
     env = {
         **worker_base_env(os.environ),

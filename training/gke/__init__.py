@@ -4,7 +4,22 @@ The names here are the GKE surface the Airflow side and the backends use; ``pod_
 runs a rendered JobSet's pods as local processes (tests and trials).
 """
 
-from training.gke.manifests import (
+from training.gke.cluster_state import GKECapacity, describe_waiting, jobset_state, node_is_usable, pods_waiting
+from training.gke.launch import (
+    GKELaunch,
+    GKESettings,
+    check_config,
+    check_launch,
+    check_spot_grace,
+    fit_grace,
+    settings_keys,
+    settings_launch,
+    settings_preemption_grace_s,
+    spot_pod_grace_s,
+    spot_shutdown_grace_s,
+)
+from training.gke.manifests import GKEManifests, render, workload_priority_classes
+from training.gke.names import (
     ACCELERATOR_LABEL,
     JOBSET_API_VERSION,
     JOBSET_GROUP,
@@ -12,29 +27,10 @@ from training.gke.manifests import (
     JOBSET_PLURAL,
     JOBSET_VERSION,
     NODEPOOL_LABEL,
-    GKECapacity,
     GKEConfigError,
-    GKELaunch,
-    GKEManifests,
-    GKESettings,
-    TPUSlice,
-    check_config,
-    check_launch,
-    check_spot_grace,
-    describe_waiting,
-    fit_grace,
-    jobset_state,
-    node_is_usable,
-    pods_waiting,
-    render,
-    settings_keys,
-    settings_launch,
-    settings_preemption_grace_s,
-    spot_pod_grace_s,
-    spot_shutdown_grace_s,
-    workload_priority_classes,
 )
 from training.gke.reaper import replaced_leaders
+from training.gke.tpu import TPUSlice
 
 __all__ = [
     "ACCELERATOR_LABEL",

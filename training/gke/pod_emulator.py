@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from training.cpu_devices import cpu_xla_flags
-from training.gke.manifests import (
+from training.gke.manifests import GKEManifests
+from training.gke.names import (
     COMPLETION_INDEX_ANNOTATION,
     CRITICAL_PODS_GRACE_S,
     EXCLUSIVE_TOPOLOGY_ANNOTATION,
@@ -46,7 +47,6 @@ from training.gke.manifests import (
     NODEPOOL_LABEL,
     SPOT_SHUTDOWN_GRACE_S,
     TPU_RESOURCE,
-    GKEManifests,
 )
 from training.gke.reaper import replaced_leaders
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from training.gke.manifests import COMPLETION_INDEX_ANNOTATION, EXCLUSIVE_TOPOLOGY_ANNOTATION, JOB_INDEX_LABEL
+from training.gke.names import COMPLETION_INDEX_ANNOTATION, EXCLUSIVE_TOPOLOGY_ANNOTATION, JOB_INDEX_LABEL
 
 
 def replaced_leaders(pods: Sequence[Mapping[str, Any]]) -> list[str]:
