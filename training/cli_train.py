@@ -16,6 +16,7 @@ from types import FrameType
 
 from training.backends.base import LocalHandle
 from training.backends.local import LocalSliceBackend, pid_alive, stop_process_tree
+from training.backends.spec import JobSpec
 from training.backends.watch import Look, Unreadable, timeouts, watch
 from training.cli_common import Exit, Progress
 from training.config import Config
@@ -91,7 +92,7 @@ def train_here(cfg: Config) -> int:
             f"run {cfg.run_name} at {cfg.run_uri}: {cfg.min_workers}..{cfg.max_workers} hosts, {cfg.steps} steps"
         )
         progress.line(f"curves: tensorboard --logdir {logdir(cfg.run_uri)}")
-        handle = local.launch(cfg, {}, attempt=1)
+        handle = local.launch(JobSpec.local(cfg), attempt=1)
         try:
             look = follow(local, handle, cfg, progress)
         finally:

@@ -50,14 +50,14 @@ def test_sensor_retry_relaunches_from_the_newest_committed_checkpoint(
             )
             # One job per run: a second job is refused by the lock (naming the holder), a relaunch re-attaches.
             from training.api import LaunchRefused, load_run_config
-            from training.backends import LocalSliceBackend
+            from training.backends import JobSpec, LocalSliceBackend
             from training.backends.local import launch
 
             try:
                 launch(load_run_config(run_uri))
             except LaunchRefused as e:
                 seen["second_job_refused"] = str(e)
-            seen["relaunch"] = LocalSliceBackend().launch(load_run_config(run_uri), {}, attempt=1)
+            seen["relaunch"] = LocalSliceBackend().launch(JobSpec.local(load_run_config(run_uri)), attempt=1)
             seen["first_job"] = st["job"]
             wait_for(lambda: events(run_uri, "failed"), 240, what="the job giving up")
             seen["capacity_back_at"] = __import__("time").time()

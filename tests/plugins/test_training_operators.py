@@ -307,12 +307,13 @@ def test_release_stops_the_jobs_this_dag_run_launched(tmp_path: Path) -> None:
     import sys
 
     from training.api import events
+    from training.backends import JobSpec
     from training.backends.local import LocalSliceBackend, pid_alive
 
     spec = spec_for(tmp_path)
     cfg = RTrainHook().config_from_dict(spec["config"])
     backend = LocalSliceBackend()
-    backend.provision(cfg, spec)
+    backend.provision(JobSpec.local(cfg))
     agent = subprocess.Popen(
         [
             sys.executable,
@@ -336,7 +337,7 @@ def test_release_stops_the_jobs_this_dag_run_launched(tmp_path: Path) -> None:
             "controller_pid": agent.pid,
             "host": socket.gethostname(),
         }
-        result = backend.release(cfg, spec, [handle])
+        result = backend.release(JobSpec.local(cfg), [handle])
         assert set(result["stopped_pids"]) == {agent.pid, worker.pid}
         assert not pid_alive(agent.pid)
         assert not psutil.pid_exists(worker.pid) or worker.status() == psutil.STATUS_ZOMBIE

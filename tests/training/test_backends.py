@@ -11,7 +11,7 @@ import pytest
 from jobs import wait_for
 
 from training import api, backends
-from training.backends import BackendError, GKEBackend, LocalSliceBackend, SharedPoolBackend
+from training.backends import BackendError, GKEBackend, GKESpec, JobSpec, LocalSliceBackend, SharedPoolBackend
 from training.backends.local import pid_alive
 from training.cli import Exit, main
 
@@ -44,7 +44,7 @@ def test_the_gke_backend_without_cluster_calls_says_where_they_come_from(tmp_pat
     made = backends.backend("gke", gke=GKE)  # by default: the engine's cluster calls, with ADC
     assert isinstance(made, GKEBackend) and type(made.cluster) is CloudCluster
     with pytest.raises(BackendError, match="no cluster client was given"):
-        GKEBackend(GKE).provision(cfg, {})
+        GKEBackend(GKE).provision(JobSpec(cfg, GKESpec(GKE)))
     assert not Path(cfg.run_uri).exists(), "nothing of the run is written"
 
 
@@ -77,7 +77,7 @@ def test_rtrain_train_detach_provisions_and_launches_through_the_local_backend(
     assert look["state"] == "running"
     pids = api.local_job_pids(run_uri)
     assert pids and all(pid_alive(p) for p in pids)
-    released = local.release(cfg, {}, [{"run_uri": run_uri, "job": job, "controller_pid": os.getpid()}])
+    released = local.release(JobSpec.local(cfg), [{"run_uri": run_uri, "job": job, "controller_pid": os.getpid()}])
     assert released["released"] is True
     assert not any(pid_alive(p) for p in pids)
     assert api.events(run_uri, ("capacity",))[-1]["reason"] == "released by the rtrain teardown"

@@ -6,12 +6,15 @@ The Airflow hook and the CLI both choose here; each backend answers the verbs of
 
 from __future__ import annotations
 
-from typing import cast
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from training.backends.base import ALIVE, Backend, BackendError, Log, PoolsUp, Provisioned, Released
 from training.backends.gke import GKEBackend, GKECluster, JobSets
 from training.backends.local import LocalSliceBackend
 from training.backends.pool import SharedPoolBackend
+from training.backends.spec import GKESpec, JobSpec, LocalSpec, Placement, PoolSpec, placement
 from training.gke import GKESettings
 
 __all__ = [
@@ -19,6 +22,15 @@ __all__ = [
     "NAMES",
     "Backend",
     "BackendError",
+    "Context",
+    "GKESpec",
+    "JobSpec",
+    "LocalSpec",
+    "Placement",
+    "PoolSpec",
+    "REGISTRY",
+    "backend_for",
+    "register",
     "GKEBackend",
     "GKECluster",
     "JobSets",
@@ -27,11 +39,66 @@ __all__ = [
     "PoolsUp",
     "Provisioned",
     "Released",
+    "placement",
     "SharedPoolBackend",
     "backend",
 ]
 
 NAMES = ("local", "gke")
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a backend is made with besides its placement: where it says what it did, who it is, the GKE calls."""
+
+    log: Log | None = None
+    by: str = "Airflow"  # who provisions and tears down, in the run's records
+    cluster: GKECluster | None = None  # the gke backend's cluster calls (None: Application Default Credentials)
+
+
+Factory = Callable[[Any, Context], Backend]
+REGISTRY: dict[str, Factory] = {}  # a placement's kind -> how to make its backend
+
+
+def register(kind: str) -> Callable[[Factory], Factory]:
+    """Register the factory of the backend that runs placements of ``kind`` (one per kind)."""
+
+    def add(factory: Factory) -> Factory:
+        if kind in REGISTRY:
+            raise ValueError(f"backend kind {kind!r} is registered already")
+        REGISTRY[kind] = factory
+        return factory
+
+    return add
+
+
+@register("local")
+def _local(where: LocalSpec, ctx: Context) -> Backend:
+    return LocalSliceBackend(ctx.log, ctx.by)
+
+
+@register("pool")
+def _pool(where: PoolSpec, ctx: Context) -> Backend:
+    return SharedPoolBackend(where.priority, ctx.log, ctx.by)
+
+
+@register("gke")
+def _gke(where: GKESpec, ctx: Context) -> Backend:
+    cluster = ctx.cluster
+    if cluster is None:
+        from training.backends.gke_cluster import CloudCluster
+
+        cluster = CloudCluster(where.gke, log=ctx.log)  # Application Default Credentials
+    return GKEBackend(where.gke, cluster, ctx.log, where.priority, ctx.by)
+
+
+def backend_for(where: Placement | JobSpec, ctx: Context | None = None) -> Backend:
+    """The backend that runs a placement (or a job spec's): its kind's registered factory."""
+    place = where.placement if isinstance(where, JobSpec) else where
+    factory = REGISTRY.get(place.kind)
+    if factory is None:
+        raise BackendError(f"backend: no backend runs placements of kind {place.kind!r} (known: {', '.join(REGISTRY)})")
+    return factory(place, ctx or Context())
 
 
 def backend(
@@ -49,13 +116,6 @@ def backend(
     :class:`~training.backends.gke_cluster.CloudCluster` with Application Default Credentials.  ``by``: who provisions
     and tears down, in the run's records.
     """
-    if name == "local":
-        return SharedPoolBackend(priority, log, by) if priority else LocalSliceBackend(log, by)
-    if name == "gke":
-        settings = gke or cast(GKESettings, {})  # an empty one is refused, by key
-        if cluster is None:
-            from training.backends.gke_cluster import CloudCluster
-
-            cluster = CloudCluster(settings, log=log)  # Application Default Credentials
-        return GKEBackend(settings, cluster, log, priority, by)
-    raise BackendError(f"backend: one of {', '.join(NAMES)}, not {name!r}")
+    if name not in NAMES:
+        raise BackendError(f"backend: one of {', '.join(NAMES)}, not {name!r}")
+    return backend_for(placement(name, gke, priority), Context(log, by, cluster))

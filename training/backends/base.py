@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NotRequired, Protocol, TypedDict
 
-from training.api import ALIVE_STATES, Config, JobLook
+from training.api import ALIVE_STATES, JobLook
+from training.backends.spec import JobSpec
 from training.gke import GKESettings
 
 # Live states as the backends report them: the engine's, and ``queued`` (a shared-pool run waiting for hosts).
@@ -113,11 +114,11 @@ class Backend(Protocol):
 
     name: str
 
-    def provision(self, cfg: Config, spec: Mapping[str, Any]) -> Provisioned:
+    def provision(self, job: JobSpec) -> Provisioned:
         """Make the run's hosts ready (enough for ``min_workers``; the rest may join later)."""
         ...
 
-    def launch(self, cfg: Config, spec: Mapping[str, Any], attempt: int) -> JobHandle:
+    def launch(self, job: JobSpec, attempt: int) -> JobHandle:
         """Start a job, or follow the run's live one; never start a second."""
         ...
 
@@ -129,6 +130,6 @@ class Backend(Protocol):
         """Ask the job to stop at a step boundary (resumable); returns at once."""
         ...
 
-    def release(self, cfg: Config, spec: Mapping[str, Any], handles: list[Mapping[str, Any]]) -> Released:
+    def release(self, job: JobSpec, handles: Sequence[Mapping[str, Any]]) -> Released:
         """Stop the jobs of ``handles`` still running and give the hosts back."""
         ...

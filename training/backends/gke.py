@@ -9,12 +9,13 @@ Airflow's Google connection (the Airflow hook hands them over).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from training import api
 from training.api import Config, JobLook
 from training.backends.base import BackendError, GKEHandle, Log, PoolsUp, Provisioned, Released, Timeouts
+from training.backends.spec import JobSpec
 from training.gke import GKELaunch, GKESettings, TPUSlice, settings_launch
 
 
@@ -88,8 +89,9 @@ class GKEBackend:
             )
         return self.cluster
 
-    def provision(self, cfg: Config, spec: Mapping[str, Any]) -> Provisioned:
+    def provision(self, job: JobSpec) -> Provisioned:
         """Create every node pool at once; done when enough for ``min_workers`` are up (the rest join later)."""
+        cfg = job.config
         tpu = TPUSlice(self.gke["machine_type"], self.gke["tpu_topology"])
         hosts_per_pool = tpu.hosts if tpu.multi_host else 1
         need = -(-cfg.min_workers // hosts_per_pool)
@@ -107,8 +109,9 @@ class GKEBackend:
         """Where and how the JobSet's pods run (image, namespace, node pools, Spot and its grace, Kueue)."""
         return settings_launch(self.gke, self.priority)
 
-    def launch(self, cfg: Config, spec: Mapping[str, Any], attempt: int) -> GKEHandle:
+    def launch(self, job: JobSpec, attempt: int) -> GKEHandle:
         """Take the run for a job and create its JobSet."""
+        cfg = job.config
         tpu = TPUSlice(self.gke["machine_type"], self.gke["tpu_topology"])
         handle = self._cluster().jobsets().start_job(cfg, tpu, self.placement(), by=f"{self.by} (try {attempt})")
         handle["gke"] = self.gke
@@ -161,7 +164,7 @@ class GKEBackend:
         """Ask the job's leader to end the job at a step boundary (its pods then complete)."""
         api.stop_job(str(handle["run_uri"]), reason)
 
-    def release(self, cfg: Config, spec: Mapping[str, Any], handles: list[Mapping[str, Any]]) -> Released:
+    def release(self, job: JobSpec, handles: Sequence[Mapping[str, Any]]) -> Released:
         """Delete the jobs' JobSets, then the node pools."""
         cluster = self._cluster()
         jobsets = cluster.jobsets()

@@ -20,11 +20,13 @@ from kubernetes.client.exceptions import ApiException
 
 from training import api
 from training.api import Config, JobLook, RunStatus
-from training.backends.base import BackendError, GKEHandle
+from training.backends.base import BackendError, GKEHandle, Timeouts
 from training.backends.gke import GKEBackend
 from training.backends.gke_cluster import CloudCluster, first_line
 from training.backends.gke_jobsets import JobSetError
 from training.backends.gke_pools import TPUNodePoolError
+from training.backends.spec import GKESpec, JobSpec
+from training.backends.watch import Unreadable, watch
 from training.gke import GKEConfigError, GKESettings, TPUSlice, check_config
 
 log = logging.getLogger("rtrain.gke")
@@ -68,7 +70,7 @@ class GKERun:
         self.gke = gke
         self.cluster = cluster or CloudCluster(gke, log=log)
         self.backend = GKEBackend(gke, self.cluster, log, by="rtrain")  # refuses missing keys, naming them
-        self.spec = {"backend": "gke", "gke": dict(gke), "run_uri": cfg.run_uri}
+        self.job = JobSpec(cfg, GKESpec(gke))
 
     def check(self) -> None:
         """Everything that can be known before a node pool is made: the config against the shape, then the cluster."""
@@ -89,7 +91,7 @@ class GKERun:
             raise api.LaunchError(f"gke: {first_line(e)}") from None
 
     def _start(self, say: Callable[[str], None]) -> GKEHandle:
-        up = self.backend.provision(self.cfg, self.spec)
+        up = self.backend.provision(self.job)
         failed = "; ".join(f"{k}: {v}" for k, v in up.get("node_pools_failed", {}).items())
         say(
             f"node pools up: {', '.join(up.get('node_pools_up', [])) or 'none'}"
@@ -105,7 +107,7 @@ class GKERun:
             )
             + (f"; failed: {failed}" if failed else "")
         )
-        handle = self.backend.launch(self.cfg, self.spec, attempt=1)
+        handle = self.backend.launch(self.job, attempt=1)
         say(f"job {handle['job']}: JobSet {handle['namespace']}/{handle['jobset']}")
         return handle
 
@@ -125,30 +127,24 @@ class GKERun:
         without us.  After ``give_up_s`` of nothing but failed looks: :class:`OutOfTouch`.
         """
         told = ""
-        failing_since: float | None = None
-        while True:
-            try:
-                look = self.backend.poll(handle, {"start_timeout_s": start_timeout_s})
-            except Exception as e:  # noqa: BLE001 - any failed look: the job is not known to have ended
-                now = time.monotonic()
-                failing_since = now if failing_since is None else failing_since
-                if now - failing_since >= give_up_s:
+        limits = Timeouts(start_timeout_s=start_timeout_s)
+        for look in watch(self.backend, handle, limits, events_after=handle["events_after"], poll_s=poll_s):
+            if isinstance(look, Unreadable):  # the job is not known to have ended: look again
+                out_for = time.monotonic() - look.since
+                if out_for >= give_up_s:
                     raise OutOfTouch(
-                        f"no look at job {handle.get('job')} succeeded for {now - failing_since:.0f}s ({first_line(e)})"
-                    ) from None
-                say(f"looking at the job failed ({first_line(e)}); looking again in {poll_s:.0f}s")
-                time.sleep(poll_s)
+                        f"no look at job {handle.get('job')} succeeded for {out_for:.0f}s ({first_line(look.error)})"
+                    )
+                say(f"looking at the job failed ({first_line(look.error)}); looking again in {poll_s:.0f}s")
                 continue
-            failing_since = None
-            if look.get("status"):
-                on_status(look["status"])
-            waiting = look.get("waiting", "")
-            if waiting != told:
-                say(f"pods waiting: {waiting}" if waiting else "no pod waits any more")
-                told = waiting
-            if look["state"] in api.FINAL_STATES:
-                return look
-            time.sleep(poll_s)
+            if look.status:
+                on_status(look.status)
+            if look.waiting != told:
+                say(f"pods waiting: {look.waiting}" if look.waiting else "no pod waits any more")
+                told = look.waiting
+            if look.final:
+                return look.job_look()
+        raise AssertionError("the watch ends with a final look")  # pragma: no cover
 
     def drive(
         self,
@@ -201,7 +197,7 @@ class GKERun:
     def release(self, handles: list[GKEHandle]) -> str:
         """Delete the JobSets and the node pools; what was deleted (or how to delete what could not be), in one line."""
         try:
-            out = self.backend.release(self.cfg, self.spec, [dict(h) for h in handles])
+            out = self.backend.release(self.job, [dict(h) for h in handles])
         except (TPUNodePoolError, GoogleAPICallError, RetryError, ApiException, BackendError) as e:
             return f"could not delete the node pools ({first_line(e)}): {delete_pools_command(self.gke)}"
         return (

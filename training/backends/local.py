@@ -7,12 +7,13 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from training import api
 from training.api import Config, JobLook, RunStatus
 from training.backends.base import ALIVE, LocalHandle, Log, Provisioned, Released, Timeouts
+from training.backends.spec import JobSpec
 
 
 def pid_alive(pid: int | None) -> bool:
@@ -137,13 +138,15 @@ class LocalSliceBackend:
         if self.log is not None:
             self.log.info(msg, *args)
 
-    def provision(self, cfg: Config, spec: Mapping[str, Any]) -> Provisioned:
+    def provision(self, job: JobSpec) -> Provisioned:
         """Give the simulated slice its hosts: capacity = max_workers."""
+        cfg = job.config
         api.set_capacity(cfg.run_uri, cfg.max_workers, reason=f"provisioned by {self.by}", source=self.by.lower())
         return {"backend": self.name, "hosts": cfg.max_workers, "run_uri": cfg.run_uri}
 
-    def launch(self, cfg: Config, spec: Mapping[str, Any], attempt: int) -> LocalHandle:
+    def launch(self, job: JobSpec, attempt: int) -> LocalHandle:
         """Start a job, or follow the live one (:func:`launch` never starts over, never overwrites)."""
+        cfg = job.config
         handle = launch(cfg, allow_attach=self.follow, provision=self.provision_at_launch)
         self._say(
             "%s job %s of %s",
@@ -171,19 +174,20 @@ class LocalSliceBackend:
         """Ask the job's leader to end the job at a step boundary."""
         api.stop_job(str(handle["run_uri"]), reason)
 
-    def release(self, cfg: Config, spec: Mapping[str, Any], handles: list[Mapping[str, Any]]) -> Released:
+    def release(self, job: JobSpec, handles: Sequence[Mapping[str, Any]]) -> Released:
         """Stop the jobs of ``handles`` still running (their leader ends them), kill what is left here, give the hosts back."""
+        cfg = job.config
 
-        def running(job: str) -> bool:
-            look = api.job_state({"run_uri": cfg.run_uri, "job": job, "launched_at": time.time()})
+        def running(job_id: str) -> bool:
+            look = api.job_state({"run_uri": cfg.run_uri, "job": job_id, "launched_at": time.time()})
             return look["state"] in ALIVE and look["state"] != "pending"
 
-        live = [job for job in {str(h["job"]) for h in handles if h.get("job")} if running(job)]
-        for job in live:
-            api.stop_job(cfg.run_uri, f"stopped by the {self.by} teardown (job {job})")
+        live = [j for j in {str(h["job"]) for h in handles if h.get("job")} if running(j)]
+        for j in live:
+            api.stop_job(cfg.run_uri, f"stopped by the {self.by} teardown (job {j})")
         deadline = time.time() + 3 * cfg.lease_s + 5
         while live and time.time() < deadline:
-            live = [job for job in live if running(job)]
+            live = [j for j in live if running(j)]
             time.sleep(0.5)
         pids = {
             int(h["controller_pid"])

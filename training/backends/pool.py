@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from training import api
-from training.api import Config, JobLook
+from training.api import JobLook
 from training.backends.base import BackendError, Log, PoolHandle, Provisioned, Released, Timeouts
 from training.backends.local import LocalSliceBackend
+from training.backends.spec import JobSpec
 from training.service import commands
 
 
@@ -37,8 +38,9 @@ class SharedPoolBackend:
         if self.log is not None:
             self.log.info(msg, *args)
 
-    def provision(self, cfg: Config, spec: Mapping[str, Any]) -> Provisioned:
+    def provision(self, job: JobSpec) -> Provisioned:
         """The pool is the root's: made as large as this run's ``max_workers`` when it has no size yet."""
+        cfg = job.config
         pool = commands.ensure_pool(cfg.root, cfg.max_workers)
         if cfg.min_workers > pool:
             raise BackendError(
@@ -47,8 +49,9 @@ class SharedPoolBackend:
             )
         return {"backend": self.name, "pool": pool, "priority": self.priority, "run_uri": cfg.run_uri}
 
-    def launch(self, cfg: Config, spec: Mapping[str, Any], attempt: int) -> PoolHandle:
+    def launch(self, job: JobSpec, attempt: int) -> PoolHandle:
         """Submit the run (or follow its live submission): the scheduler launches it when its minimum fits."""
+        cfg = job.config
         handle = PoolHandle(
             backend=self.name,
             run_uri=cfg.run_uri,
@@ -95,8 +98,9 @@ class SharedPoolBackend:
         """Cancel the submission: a placed job stops at a step boundary (resumable), a queued one never starts."""
         commands.cancel(str(handle["root"]), str(handle["run_name"]), reason)
 
-    def release(self, cfg: Config, spec: Mapping[str, Any], handles: list[Mapping[str, Any]]) -> Released:
+    def release(self, job: JobSpec, handles: Sequence[Mapping[str, Any]]) -> Released:
         """Cancel the run if it is still in the queue (its job stops at a step boundary); the pool stays."""
+        cfg = job.config
         try:
             row = commands.look(cfg.root, cfg.run_name)
         except commands.QueueError:

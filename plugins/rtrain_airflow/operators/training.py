@@ -18,7 +18,8 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException, Airfl
 
 from rtrain_airflow.hooks.training import RTrainConfigError, RTrainHook, format_validations, plan_text, readable
 from rtrain_airflow.triggers.training import PROGRESS_EVERY_S, RTrainTrainingJobTrigger
-from training.backends import BackendError
+from training.api import Config, DatasetSpec, RunSpec
+from training.backends import Backend, BackendError, JobSpec, placement
 from training.service import commands
 
 if TYPE_CHECKING:
@@ -35,6 +36,11 @@ def _is_deferred_value(value: Any) -> bool:
     from airflow.sdk.definitions.xcom_arg import XComArg
 
     return isinstance(value, XComArg) or (isinstance(value, str) and "{{" in value)
+
+
+def job_spec(spec: Mapping[str, Any], cfg: Config) -> JobSpec:
+    """The job of a run spec (what the resolve task returned) with the config ``cfg`` of its run."""
+    return JobSpec(cfg, placement(str(spec["backend"]), spec.get("gke"), spec.get("priority")))
 
 
 def check_spec(spec: Any, who: str) -> dict[str, Any]:
@@ -88,11 +94,16 @@ class _RTrainBaseOperator(BaseOperator):
             raise AirflowException(f"{self.task_id}: {self.spec_from} left no run spec (did it run?)")
         return spec
 
-    def run_config(self, spec: Mapping[str, Any]) -> Any:
+    def run_config(self, spec: Mapping[str, Any]) -> Config:
         return self.hook.config_from_dict(spec["config"])
 
-    def backend(self, spec: Mapping[str, Any]) -> Any:
+    def backend(self, spec: Mapping[str, Any]) -> Backend:
+        """The backend the run spec names (local slice, shared pool, GKE), made by the hook."""
         return self.hook.backend_for(spec)
+
+    def job(self, spec: Mapping[str, Any], cfg: Config | None = None) -> JobSpec:
+        """The job the run spec describes; ``cfg``: another config of the run (a relaunch from the latest step)."""
+        return job_spec(spec, cfg or self.run_config(spec))
 
 
 class RTrainResolveRunConfigOperator(BaseOperator):
@@ -127,7 +138,7 @@ class RTrainResolveRunConfigOperator(BaseOperator):
     def hook(self) -> RTrainHook:
         return RTrainHook()
 
-    def execute(self, context: Context) -> dict[str, Any]:
+    def execute(self, context: Context) -> RunSpec:
         params = dict(context["params"])
         try:
             overrides = self.hook.overrides_from_params(params)
@@ -148,7 +159,9 @@ class RTrainResolveRunConfigOperator(BaseOperator):
                 except GKEConfigError as e:
                     raise RTrainConfigError(f"gke: {e}") from None
                 overrides.setdefault("placement.hosts_per_slice", tpu.hosts)
-                overrides.setdefault("placement.devices_per_worker", tpu.chips_per_host)  # one process per host, all its chips
+                overrides.setdefault(
+                    "placement.devices_per_worker", tpu.chips_per_host
+                )  # one process per host, all its chips
             cfg = self.hook.build_config(overrides)
             priority = params.get("priority") or None
             if priority is not None:
@@ -169,20 +182,20 @@ class RTrainResolveRunConfigOperator(BaseOperator):
             if isinstance(e, GKEConfigError):  # what the JobSet's render would refuse, after the pools are billing
                 raise AirflowFailException(f"invalid conf: gke: {e}") from None
             raise
-        spec = {
-            "config": cfg.model_dump(mode="json"),
-            "run_uri": cfg.run_uri,
-            "run_name": cfg.run_name,
-            "backend": cfg.backend,
-            "dataset": {
-                "source": params.get("dataset_source") or "stdlib",
-                "max_bytes": params.get("dataset_max_bytes"),
-                "uri": cfg.dataset,
-                "refresh": self.continual,
-            },
-            "gke": dict(gke),
-            "priority": priority,
-        }
+        spec = RunSpec(
+            config=cfg.model_dump(mode="json"),
+            run_uri=cfg.run_uri,
+            run_name=cfg.run_name,
+            backend=cfg.backend,
+            dataset=DatasetSpec(
+                source=params.get("dataset_source") or "stdlib",
+                max_bytes=params.get("dataset_max_bytes"),
+                uri=cfg.dataset,
+                refresh=self.continual,
+            ),
+            gke=gke,
+            priority=priority,
+        )
         self.log.info(
             "Run %s at %s: preset %s, %s steps, %s..%s workers, backend %s%s, resume_from %s, chaos %s",
             cfg.run_name,
@@ -269,7 +282,7 @@ class RTrainProvisionCapacityOperator(_RTrainBaseOperator):
     def execute(self, context: Context) -> dict[str, Any]:
         spec = self.required_spec(context)
         try:
-            result = self.backend(spec).provision(self.run_config(spec), spec)
+            result = self.backend(spec).provision(self.job(spec))
         except BackendError as e:  # a run that can never fit: no retry helps
             raise AirflowFailException(str(e)) from None
         self.log.info("Provisioned: %s", readable(result))
@@ -337,7 +350,7 @@ class RTrainStartTrainingJobOperator(_RTrainBaseOperator):
             )
         launch_cfg = cfg if (mark is None and resume == "none") else cfg.model_copy(update={"resume_from": "latest"})
         try:
-            handle = self.backend(spec).launch(launch_cfg, spec, attempt=context["ti"].try_number)
+            handle = self.backend(spec).launch(self.job(spec, launch_cfg), attempt=context["ti"].try_number)
         except Exception as e:
             from training.api import LaunchError, PlanError, TaskError
             from training.gke import GKEConfigError
@@ -517,7 +530,8 @@ class RTrainRollbackAndResumeOperator(_RTrainBaseOperator):
         )
         rounds = [*rounds, dict(rb)]
         handle = backend.launch(
-            cfg.model_copy(update={"resume_from": "latest"}), spec, attempt=context["ti"].try_number + 100 * len(rounds)
+            self.job(spec, cfg.model_copy(update={"resume_from": "latest"})),
+            attempt=context["ti"].try_number + 100 * len(rounds),
         )
         context["ti"].xcom_push(key="handle", value=handle)  # for the teardown
         self.defer(
@@ -656,6 +670,6 @@ class RTrainReleaseCapacityOperator(_RTrainBaseOperator):
                 value = context["ti"].xcom_pull(task_ids=task_id, key=key)
                 if isinstance(value, Mapping) and value.get("backend"):
                     handles.append(dict(value))
-        result = self.backend(spec).release(self.run_config(spec), spec, handles)
+        result = self.backend(spec).release(self.job(spec), handles)
         self.log.info("Released: %s", readable(result))
         return dict(result)

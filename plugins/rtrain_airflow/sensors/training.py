@@ -29,7 +29,7 @@ from airflow.sdk import BaseOperatorLink, BaseSensorOperator, PokeReturnValue
 from airflow.sdk.exceptions import AirflowException, AirflowSkipException
 
 from rtrain_airflow.hooks.training import RTrainHook, absolute
-from rtrain_airflow.operators.training import RESOLVE_TASK_ID, _is_deferred_value, check_spec
+from rtrain_airflow.operators.training import RESOLVE_TASK_ID, _is_deferred_value, check_spec, job_spec
 from rtrain_airflow.triggers.training import PROGRESS_EVERY_S, RELAYED, RTrainTrainingJobTrigger
 from training.api import Config, describe
 from training.backends import ALIVE
@@ -189,9 +189,8 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
                     look.get("reason"),
                 )
                 committed = self.hook.committed_steps(cfg.run_uri)[-1:] or None
-                handle = dict(
-                    backend.launch(cfg.model_copy(update={"resume_from": "latest"}), spec, attempt=try_number)
-                )
+                relaunch = job_spec(spec, cfg.model_copy(update={"resume_from": "latest"}))
+                handle = dict(backend.launch(relaunch, attempt=try_number))
                 self.log.warning(
                     "[rtrain] relaunched %s (newest committed step %s): %s", cfg.run_name, committed, handle
                 )

@@ -1,0 +1,75 @@
+"""What a backend is asked to run: a :class:`JobSpec`, the run's config and where its hosts are (a tagged placement).
+
+The placement is one of three, told apart by ``kind``: the local slice (:class:`LocalSpec`), the root's
+shared pool at a priority (:class:`PoolSpec`), or TPU node pools on GKE (:class:`GKESpec`).  Airflow's
+resolve task writes a run's spec as JSON (``training.api.RunSpec``, for XCom); :meth:`JobSpec.from_run_spec`
+reads it back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Literal, cast
+
+from training.api import Config, RunSpec, config_from_dict
+from training.gke import GKESettings
+
+
+@dataclass(frozen=True)
+class LocalSpec:
+    """The local slice: the run's ``max_workers`` hosts as processes on this machine."""
+
+    kind: Literal["local"] = "local"
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """The storage root's shared pool: the run submitted at ``priority``, placed by the root's scheduler."""
+
+    priority: str
+    kind: Literal["pool"] = "pool"
+
+
+@dataclass(frozen=True)
+class GKESpec:
+    """TPU node pools and a JobSet on GKE, by the ``gke`` settings; ``priority``: Kueue's."""
+
+    gke: GKESettings
+    priority: str | None = None
+    kind: Literal["gke"] = "gke"
+
+
+Placement = LocalSpec | PoolSpec | GKESpec
+
+
+def placement(backend: str, gke: Mapping[str, Any] | None = None, priority: str | None = None) -> Placement:
+    """The placement a backend's name and settings say (a local run with a priority joins the shared pool)."""
+    if backend == "gke":
+        return GKESpec(cast(GKESettings, dict(gke or {})), priority)
+    if backend == "local":
+        return PoolSpec(priority) if priority else LocalSpec()
+    raise ValueError(f"backend: one of local, gke, not {backend!r}")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A job to run: the run's config and where its hosts are."""
+
+    config: Config
+    placement: Placement
+
+    @classmethod
+    def local(cls, cfg: Config) -> JobSpec:
+        """A job of ``cfg`` on the local slice."""
+        return cls(cfg, LocalSpec())
+
+    @classmethod
+    def from_run_spec(cls, spec: RunSpec | Mapping[str, Any]) -> JobSpec:
+        """The job of a DAG run's resolved run spec (its JSON form, as XCom hands it over)."""
+        cfg = config_from_dict(spec["config"])
+        return cls(cfg, placement(str(spec.get("backend") or cfg.backend), spec.get("gke"), spec.get("priority")))
+
+    def with_config(self, cfg: Config) -> JobSpec:
+        """The same placement for another config of the run (a relaunch resumes from the latest step)."""
+        return replace(self, config=cfg)
