@@ -12,10 +12,11 @@ GCS emulator on 127.0.0.1), the way the worker saves:
 
 Orbax's fixed cost per save is measured apart, on a state of the same 65 arrays at a few KiB each.
 
-Against the emulator Orbax writes plain zarr, what ``checkpoint_format: auto`` picks there: the
-emulator answers OCDBT's conditional writes with generations tensorstore refuses ("Malformed
-StorageGeneration"); each run probes OCDBT there once and reports what it said.  The emulator is one
-Python process: its figures rank the formats' request patterns, not GCS's throughput.
+On gs:// OCDBT is measured, and plain zarr beside it, what ``checkpoint_format: auto`` writes against
+an emulator: the emulator sometimes answers OCDBT's conditional writes with generations tensorstore
+refuses ("Malformed StorageGeneration"); a save that fails so is left out of its repeat and named, and
+the rows pair only the repeats that measured both.  The emulator is one Python process: its figures
+rank the formats' request patterns, not GCS's throughput.
 
 Run it alone: ``python -m benchmarks.formats [--size-mib N ...] [--repeats N] [--quick]``.
 """
@@ -65,10 +66,11 @@ class SizeResult(TypedDict):
     """One state size: each repeat's timings by ``medium:format``, Orbax's format on each medium, media skipped."""
 
     size_mib: int
-    orbax: dict[str, str]
+    orbax: dict[str, list[str]]
     runs: list[dict[str, Timing]]
     skipped: dict[str, str]
     error: str
+    failures: list[str]
 
 
 class FormatsResult(TypedDict):
@@ -141,37 +143,51 @@ def _one(root: str, fmt: str, state: Any, step: int) -> Timing:
     return {"pause_s": pause, "commit_s": commit, "restore_s": restore, "cpu_s": cpu}
 
 
-def orbax_format(medium: str) -> str:
-    """The ``checkpoint_format`` Orbax's side runs with on ``medium``: OCDBT locally, ``auto`` on gs://."""
-    return "ocdbt" if medium == "local" else "auto"
-
-
-def _orbax_name(root: str) -> str:
-    """What Orbax writes under ``root`` with :func:`orbax_format`: OCDBT, or plain zarr against an emulator."""
+def orbax_formats(root: str) -> list[str]:
+    """The Orbax formats measured against lean under ``root``: OCDBT, and on an emulator plain zarr too
+    (what ``checkpoint_format: auto`` writes there)."""
     from training.checkpoint.manager import use_ocdbt
     from training.config import load_config
 
-    fmt = orbax_format("gcs" if root.startswith("gs://") else "local")
-    return "ocdbt" if use_ocdbt(load_config("tiny", None, {"root": root, "checkpoint_format": fmt})) else "zarr"
+    auto = "ocdbt" if use_ocdbt(load_config("tiny", None, {"root": root, "checkpoint_format": "auto"})) else "zarr"
+    return ["ocdbt"] if auto == "ocdbt" else ["ocdbt", auto]
+
+
+def _attempt(root: str, fmt: str, state: Any, step: int) -> Timing | str:
+    """:func:`_one`, or its error's first line where OCDBT cannot save on the emulator (its step removed)."""
+    if not root.startswith("gs://") or fmt != "ocdbt":
+        return _one(root, fmt, state, step)
+    from training.storage import open_store
+
+    try:
+        return _one(root, fmt, state, step)
+    except Exception as e:  # noqa: BLE001 - reported in the row
+        open_store(f"{root}/fmt-{fmt}").delete("checkpoints")
+        text = str(e)
+        return "Malformed StorageGeneration" if "Malformed StorageGeneration" in text else text.splitlines()[0][:200]
 
 
 def measure_size(size_mib: int, repeats: int, roots: dict[str, str]) -> SizeResult:
-    """Each repeat's timings of both formats on each root, at ``size_mib`` per process (after a warm-up save each)."""
+    """Each repeat's timings of each format on each root, at ``size_mib`` per process (after a warm-up save each)."""
     state = _state(size_mib << 20)
-    names = {medium: _orbax_name(root) for medium, root in roots.items()}
-    result: SizeResult = {"size_mib": size_mib, "orbax": names, "runs": [], "skipped": {}, "error": ""}
+    names = {medium: orbax_formats(root) for medium, root in roots.items()}
+    result: SizeResult = {"size_mib": size_mib, "orbax": names, "runs": [], "skipped": {}, "error": "", "failures": []}
     step = 0
     for medium, root in roots.items():  # a first save of each kind pays for imports and compiles: not measured
-        for fmt in ("lean", orbax_format(medium)):
+        for fmt in ("lean", *names[medium]):
             step += 1
-            _one(root, fmt, _state(0, TINY_BYTES), step)
+            _attempt(root, fmt, _state(0, TINY_BYTES), step)
     for r in range(repeats):
         run: dict[str, Timing] = {}
         for medium, root in roots.items():
-            pair = [("lean", "lean"), (names[medium], orbax_format(medium))]
-            for label, fmt in pair if r % 2 == 0 else pair[::-1]:  # drift falls on both
+            order = ["lean", *names[medium]]
+            for fmt in order if r % 2 == 0 else order[::-1]:  # drift falls on all
                 step += 1
-                run[f"{medium}:{label}"] = _one(root, fmt, state, step)
+                got = _attempt(root, fmt, state, step)
+                if isinstance(got, str):
+                    result["failures"].append(f"{medium}:{fmt} repeat {r + 1}: {got}")
+                else:
+                    run[f"{medium}:{fmt}"] = got
         result["runs"].append(run)
     return result
 
@@ -279,7 +295,14 @@ def bench_formats(repeats: int, quick: bool = False, sizes_mib: Sequence[int] | 
         for size in sizes:
             fit, skipped = media_that_fit(size, available_bytes())
             doc, error = _run_child("size", size, repeats, {m: roots[m] for m in fit}, Path(tmp)) if fit else (None, "")
-            empty: SizeResult = {"size_mib": size, "orbax": {}, "runs": [], "skipped": {}, "error": error}
+            empty: SizeResult = {
+                "size_mib": size,
+                "orbax": {},
+                "runs": [],
+                "skipped": {},
+                "error": error,
+                "failures": [],
+            }
             got: SizeResult = doc if doc is not None else empty
             got["skipped"] = skipped
             result["sizes"].append(got)
@@ -307,36 +330,47 @@ def _of(runs: list[dict[str, Any]], key: str, part: str) -> list[float]:
     return [float(r[key][part]) for r in runs]
 
 
-def _times(runs: list[dict[str, Any]], key: str) -> str:
-    return (
-        f"pause {over(_of(runs, key, 'pause_s'), 1e3, 1)} ms, commit {over(_of(runs, key, 'commit_s'))} s, "
-        f"restore {over(_of(runs, key, 'restore_s'))} s"
-    )
+def _paired(runs: list[dict[str, Any]], a: str, b: str) -> list[dict[str, Any]]:
+    """The repeats that measured both ``a`` and ``b`` (a save that failed left its format out of its repeat)."""
+    return [r for r in runs if a in r and b in r]
+
+
+def _theirs(s: dict[str, Any], medium: str) -> list[str]:
+    got = s.get("orbax", {}).get(medium, [])
+    return [got] if isinstance(got, str) else list(got)
 
 
 def size_rows(s: dict[str, Any]) -> list[Row]:
-    """One size's rows on each medium: lean's commit, restore and pause over Orbax's, per repeat; media skipped."""
-    runs, size, out = s["runs"], s["size_mib"], []
+    """One size's rows on each medium: lean's commit, restore and pause over each Orbax format's, per repeat."""
+    size, out = s["size_mib"], []
     for medium in MEDIA:
         if medium in s.get("skipped", {}):
             out.append(
                 note(f"formats:{medium}:{size}", f"formats, {medium} {size} MiB", f"not run: {s['skipped'][medium]}")
             )
             continue
-        if not runs or f"{medium}:lean" not in runs[0]:
-            continue
-        theirs = s["orbax"][medium]
-        lean, other, name = f"{medium}:lean", f"{medium}:{theirs}", NAMES[theirs]
-        for part, label, target in (
-            ("commit_s", f"lean/{name} commit, {medium} {size} MiB", "< 1: lean faster"),
-            ("restore_s", f"  lean/{name} restore", "< 1: lean faster"),
-            ("pause_s", f"  lean/{name} save pause", "(reported)"),
-        ):
-            scale, unit, digits = (1e3, "ms", 1) if part == "pause_s" else (1.0, "s", 2)
-            mine, them = _of(runs, lean, part), _of(runs, other, part)
-            text = f"{over(mine, scale, digits)} vs {over(them, scale, digits)} {unit}"
-            key = f"formats:{medium}:{size}" + ("" if part == "commit_s" else f":{part[:-2]}")
-            out.append(row(key, label, text, ratios(mine, them), target))
+        for n, theirs in enumerate(_theirs(s, medium)):
+            lean, other, name = f"{medium}:lean", f"{medium}:{theirs}", NAMES[theirs]
+            key = f"formats:{medium}:{size}" + ("" if n == 0 else f":{theirs}")
+            runs = _paired(s["runs"], lean, other)
+            if not runs:
+                failed = [f for f in s.get("failures", []) if f.startswith(other + " ")]
+                said = f"not measured: {failed[0]}" if failed else "not measured"
+                out.append(note(key, f"lean/{name}, {medium} {size} MiB", said[:200]))
+                continue
+            for part, label, target in (
+                ("commit_s", f"lean/{name} commit, {medium} {size} MiB", "< 1: lean faster"),
+                ("restore_s", f"  lean/{name} restore", "< 1: lean faster"),
+                ("pause_s", f"  lean/{name} save pause", "(reported)"),
+            ):
+                scale, unit, digits = (1e3, "ms", 1) if part == "pause_s" else (1.0, "s", 2)
+                mine, them = _of(runs, lean, part), _of(runs, other, part)
+                text = f"{over(mine, scale, digits)} vs {over(them, scale, digits)} {unit}"
+                if part == "commit_s" and len(runs) < len(s["runs"]):
+                    text += f" ({len(runs)} of {len(s['runs'])} repeats)"
+                out.append(
+                    row(key + ("" if part == "commit_s" else f":{part[:-2]}"), label, text, ratios(mine, them), target)
+                )
     return out
 
 
@@ -345,23 +379,22 @@ def _factor(r: float) -> str:
 
 
 def verdict(sizes: list[dict[str, Any]], medium: str) -> Row | None:
-    """Whether lean beats Orbax's format on ``medium``: faster to commit and to restore at every size measured."""
-    parts, wins = [], []
-    name = ""
+    """Whether lean beats OCDBT on ``medium`` (else the Orbax format measured there): faster to commit and to
+    restore at every size measured."""
+    parts, wins, name = [], [], ""
     for s in sizes:
-        runs = s["runs"]
-        if not runs or f"{medium}:lean" not in runs[0]:
+        measured = [t for t in _theirs(s, medium) if _paired(s["runs"], f"{medium}:lean", f"{medium}:{t}")]
+        if not measured:
             continue
-        theirs = s["orbax"][medium]
+        theirs = measured[0]
         name = NAMES[theirs]
-        c = statistics.median(
-            ratios(_of(runs, f"{medium}:lean", "commit_s"), _of(runs, f"{medium}:{theirs}", "commit_s"))
-        )
-        r = statistics.median(
-            ratios(_of(runs, f"{medium}:lean", "restore_s"), _of(runs, f"{medium}:{theirs}", "restore_s"))
+        runs = _paired(s["runs"], f"{medium}:lean", f"{medium}:{theirs}")
+        c, r = (
+            statistics.median(ratios(_of(runs, f"{medium}:lean", part), _of(runs, f"{medium}:{theirs}", part)))
+            for part in ("commit_s", "restore_s")
         )
         wins.append((c < 1, r < 1))
-        parts.append(f"{s['size_mib']} MiB: commit {_factor(c)}, restore {_factor(r)}")
+        parts.append(f"{s['size_mib']} MiB against {name}: commit {_factor(c)}, restore {_factor(r)}")
     if not wins:
         return None
     if all(c and r for c, r in wins):
@@ -369,8 +402,8 @@ def verdict(sizes: list[dict[str, Any]], medium: str) -> Row | None:
     elif not any(c or r for c, r in wins):
         said = f"{name} beats lean"
     else:
-        said = f"mixed: neither format wins both at every size against {name}"
-    return note(f"formats:verdict:{medium}", f"  verdict, {medium}", f"{said} (lean {'; '.join(parts)})")
+        said = f"mixed: neither lean nor {name} wins both at every size"
+    return note(f"formats:verdict:{medium}", f"  verdict, {medium}", f"{said} (lean at {'; '.join(parts)})")
 
 
 def fixed_row(fixed: list[dict[str, Any]], key: str = "formats:fixed") -> Row:

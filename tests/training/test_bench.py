@@ -444,8 +444,13 @@ def test_the_formats_figure_saves_and_restores_both_formats_locally_and_on_the_e
     assert proc.returncode == 0, proc.stderr[-3000:]
     f = results["formats"]
     [size] = f["sizes"]
-    assert size["size_mib"] == 16 and size["orbax"] == {"local": "ocdbt", "gcs": "zarr"} and not size["skipped"]
-    assert [sorted(run) for run in size["runs"]] == [["gcs:lean", "gcs:zarr", "local:lean", "local:ocdbt"]] * 2
+    assert size["size_mib"] == 16 and size["orbax"] == {"local": ["ocdbt"], "gcs": ["ocdbt", "zarr"]}
+    assert not size["skipped"]
+    for i, run in enumerate(size["runs"], start=1):
+        # OCDBT on the emulator saves, or its failure is named for that repeat.
+        failed = any(f.startswith(f"gcs:ocdbt repeat {i}: ") for f in size["failures"])
+        assert ("gcs:ocdbt" in run) != failed
+        assert sorted(k for k in run if k != "gcs:ocdbt") == ["gcs:lean", "gcs:zarr", "local:lean", "local:ocdbt"]
     for run in size["runs"]:
         for t in run.values():
             assert 0 < t["pause_s"] < t["commit_s"] and t["restore_s"] > 0 and t["cpu_s"] > 0
