@@ -36,6 +36,7 @@ from kubernetes.client import (
     V1ObjectMeta,
     V1Taint,
 )
+
 from training.config import load_config
 from training.gke.cluster_state import GKECapacity, complete_slices, jobset_state
 from training.gke.launch import (
@@ -65,7 +66,7 @@ from training.gke.names import (
     GKEConfigError,
     jobset_name,
 )
-from training.gke.pod_emulator import container_env, expand_pods
+from training.gke.pod_specs import container_env, expand_pods
 from training.gke.tpu import TPUSlice, feasible_slices, plan_slices, slice_bounds
 from training.gke.worker_env import is_round_env, round_env, worker_base_env
 
@@ -989,7 +990,7 @@ def test_the_reaper_takes_the_failed_leaders_a_newer_pod_replaces_and_nothing_el
     m = render(gke_config(), TPUSlice("ct6e-standard-4t", "4x4"), LAUNCH, "j1", 2)
 
     def pod(slice_: int, index: int, suffix: str, phase: str, deleting: bool = False) -> dict[str, Any]:
-        from training.gke.pod_emulator import expand_pod
+        from training.gke.pod_specs import expand_pod
 
         obj = expand_pod(m.jobset, slice_, index, suffix)
         if deleting:

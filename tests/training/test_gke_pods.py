@@ -20,23 +20,17 @@ from typing import Any
 
 import pytest
 from jobs import assert_exact_data, hosts, job_config, wait_for
+
+from training import api
 from training.events import EventReader
 from training.gke.cluster_state import describe_waiting, jobset_state, pods_waiting
 from training.gke.launch import GKELaunch
 from training.gke.manifests import render
 from training.gke.names import COMPLETION_INDEX_ANNOTATION, JOB_INDEX_LABEL
-from training.gke.pod_emulator import (
-    EmulatedJobSet,
-    PodEmulatorError,
-    cpu_image_env,
-    expand_pods,
-    process_environ,
-    webhook_env,
-)
+from training.gke.pod_emulator import EmulatedJobSet, cpu_image_env, process_environ
+from training.gke.pod_specs import PodEmulatorError, expand_pods, webhook_env
 from training.gke.tpu import TPUSlice
 from training.gke.worker_env import is_round_env
-
-from training import api
 
 TPU = TPUSlice("ct5p-hightpu-4t", "2x2x2")  # 2 hosts of 4 chips a slice
 GCS_ENV = (

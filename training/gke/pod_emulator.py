@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -39,18 +38,27 @@ from typing import Any
 from training.cpu_devices import cpu_xla_flags
 from training.gke.manifests import GKEManifests
 from training.gke.names import (
-    COMPLETION_INDEX_ANNOTATION,
     CRITICAL_PODS_GRACE_S,
-    EXCLUSIVE_TOPOLOGY_ANNOTATION,
-    JOB_INDEX_LABEL,
-    JOBSET_NAME_LABEL,
     NODEPOOL_LABEL,
     SPOT_SHUTDOWN_GRACE_S,
     TPU_RESOURCE,
 )
+from training.gke.pod_specs import (
+    Node,
+    Pod,
+    PodEmulatorError,
+    admit,
+    expand_pod,
+    hosts_text,
+    job_container,
+    kubelet_env,
+    pod_ip,
+    pod_object,
+    rule_action,
+    webhook_env,
+)
 from training.gke.reaper import replaced_leaders
 
-REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
 # The Job controller's backoffs (kubernetes pkg/controller/job/job_controller.go, backoff_utils.go): a pod
 # that failed and counts is made again after 10 s, doubling with each failure of its index, at most 6 min
 # (DefaultJobPodFailureBackOff, MaxJobPodFailureBackOff); a failure the podFailurePolicy ignores adds none.
@@ -66,41 +74,6 @@ ORPHAN_GC_S = 40.0
 POD_INIT = 'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"'
 
 
-class PodEmulatorError(RuntimeError):
-    """The emulator cannot run pods on this machine (no ``unshare``, no namespaces) or was given a bad JobSet."""
-
-
-@dataclass
-class Pod:
-    """One pod of the emulated JobSet: its object, and the process its container is."""
-
-    name: str
-    slice: int
-    index: int
-    obj: dict[str, Any]
-    created: float = field(default_factory=time.time)
-    ip: str = ""
-    node: str = ""
-    proc: subprocess.Popen[bytes] | None = None
-    exit_code: int | None = None
-    disruption: str = ""  # why the node ended the pod (a DisruptionTarget: its shutdown), if it did
-    deleting_since: float | None = None  # deleted through the API (a deletionTimestamp), or its node shut down
-    kill_at: float | None = None
-    log: Path | None = None
-    removed: bool = False  # gone from the API (deleted once terminal, or garbage-collected)
-
-    @property
-    def phase(self) -> str:
-        if self.exit_code is not None:  # deleted or not, by its container's exit (the kubelet's rule since 1.27)
-            return "Succeeded" if self.exit_code == 0 else "Failed"
-        return "Running" if self.proc is not None else "Pending"
-
-    @property
-    def api_deleted(self) -> bool:
-        """Deleted through the API (a deletionTimestamp); a node's shutdown ends a pod without one."""
-        return self.deleting_since is not None and not self.disruption
-
-
 @dataclass
 class _Index:
     """One completion index of one slice's Job: its pods so far, and its failures that count."""
@@ -112,149 +85,6 @@ class _Index:
     create_at: float | None = 0.0  # when the Job controller makes its next pod (None: it has one)
     refused: int = 0  # creates refused in a row (the API backoff's exponent)
     accounted: str = ""  # the last pod whose end the Job controller has acted on
-
-
-@dataclass
-class Node:
-    """A TPU VM of a slice's node pool: a Spot reclaim shuts it down, then deletes it."""
-
-    name: str
-    pool: str
-    slice: int
-    index: int
-    ready: bool = True
-    delete_at: float | None = None  # when GKE deletes it (after a reclaim)
-    deleted_at: float | None = None
-
-
-def pod_ip(n: int, net: int = 1) -> str:
-    """The ``n``-th address of 127.<net>.0.0/16 (all loopback on Linux): pods on 127.1, nodes on 127.2."""
-    if not 0 <= n < 250 * 256:
-        raise PodEmulatorError(f"no address left for pod {n}")
-    return f"127.{net}.{n // 250}.{n % 250 + 2}"
-
-
-def expand_pod(jobset: Mapping[str, Any], slice_: int, index: int, suffix: str) -> dict[str, Any]:
-    """The pod the JobSet (its Job ``slice_``) and the Job controller (index ``index``) make of the template.
-
-    The JobSet's exclusive-topology annotation reaches the pod as JobSet v0.12.0 puts it there
-    (``pkg/controllers/jobset_controller.go``: ``labelAndAnnotateObject``), with the JobSet's name.
-    """
-    name = jobset["metadata"]["name"]
-    (rjob,) = jobset["spec"]["replicatedJobs"]
-    job_spec = rjob["template"]["spec"]
-    if job_spec.get("completionMode") != "Indexed":
-        raise PodEmulatorError("only Indexed Jobs are emulated")
-    tmpl = job_spec["template"]
-    subdomain = jobset["spec"]["network"].get("subdomain") or name
-    index_meta = {
-        JOBSET_NAME_LABEL: name,
-        REPLICATED_JOB_LABEL: rjob["name"],
-        JOB_INDEX_LABEL: str(slice_),
-        COMPLETION_INDEX_ANNOTATION: str(index),
-    }
-    exclusive = (jobset["metadata"].get("annotations") or {}).get(EXCLUSIVE_TOPOLOGY_ANNOTATION)
-    hostname = f"{name}-{rjob['name']}-{slice_}-{index}"
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": f"{hostname}-{suffix}",
-            "namespace": jobset["metadata"]["namespace"],
-            "labels": {**tmpl["metadata"].get("labels", {}), **index_meta},
-            "annotations": {
-                **tmpl["metadata"].get("annotations", {}),
-                **index_meta,
-                **({EXCLUSIVE_TOPOLOGY_ANNOTATION: exclusive} if exclusive else {}),
-            },
-        },
-        "spec": {**tmpl["spec"], "hostname": hostname, "subdomain": subdomain},
-    }
-
-
-def admit(pod: Pod, pods: list[Pod], nodes: Mapping[str, Node]) -> str:
-    """JobSet's pod webhooks on a create: "" when admitted (a follower then selects its leader's pool), else why not.
-
-    JobSet v0.12.0, ``pkg/webhooks/pod_webhook.go``: under exclusive placement a leader (completion index
-    0) is admitted as it is; a follower only when the pods named like its slice's leader, less those with a
-    deletion timestamp, are exactly one, and that one is scheduled.  Failed pods count.
-    """
-    annotations = pod.obj["metadata"]["annotations"]
-    topology = annotations.get(EXCLUSIVE_TOPOLOGY_ANNOTATION)
-    if not topology or annotations[COMPLETION_INDEX_ANNOTATION] == "0":
-        return ""
-    prefix = pod.name.rsplit("-", 2)[0] + "-0-"  # <jobset>-slice-<j>-0-: placement.GenPodName, less the suffix
-    leaders = [p for p in pods if p.name.startswith(prefix) and not p.removed and not p.api_deleted]
-    if len(leaders) != 1:
-        return f"expected 1 leader pod ({prefix[:-1]}), but got {len(leaders)}. this is an expected, transient error"
-    if not leaders[0].node:
-        return "leader pod not yet scheduled, not creating follower pod. this is an expected, transient error"
-    pod.obj["spec"]["nodeSelector"] = {**pod.obj["spec"].get("nodeSelector", {}), topology: nodes[leaders[0].node].pool}
-    return ""
-
-
-def expand_pods(jobset: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Every pod of a JobSet, as the controllers first make them (slice-major)."""
-    (rjob,) = jobset["spec"]["replicatedJobs"]
-    hosts = rjob["template"]["spec"]["completions"]
-    return [expand_pod(jobset, j, i, "abcde") for j in range(rjob["replicas"]) for i in range(hosts)]
-
-
-def container_env(pod: Mapping[str, Any], container: Mapping[str, Any]) -> dict[str, str]:
-    """The container's ``env`` as the kubelet resolves it: values and downward-API field refs."""
-    env: dict[str, str] = {}
-    for item in container.get("env") or []:
-        if "value" in item:
-            env[item["name"]] = str(item["value"])
-            continue
-        path = item["valueFrom"]["fieldRef"]["fieldPath"]
-        if path in ("status.podIP", "status.hostIP"):
-            env[item["name"]] = str(pod["status"][path.split(".")[1]])
-            continue
-        if path in ("metadata.name", "metadata.namespace", "spec.nodeName"):
-            section, key = path.split(".")
-            env[item["name"]] = str(pod[section][key])
-            continue
-        m = re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", path)
-        if not m or m.group(2) not in pod["metadata"].get(m.group(1), {}):
-            raise PodEmulatorError(f"{pod['metadata']['name']}: fieldPath {path} has no value on the pod")
-        env[item["name"]] = str(pod["metadata"][m.group(1)][m.group(2)])
-    return env
-
-
-def webhook_env(jobset: Mapping[str, Any], slice_: int, index: int) -> dict[str, str]:
-    """What GKE's TPU webhook injects into a JobSet pod that asks for TPU chips, as GKE's docs describe it.
-
-    ``TPU_WORKER_ID`` and ``TPU_WORKER_HOSTNAMES`` on multi-host slices, ``MEGASCALE_*`` when the JobSet
-    has more than one slice.  The shape's own values (``TPU_TOPOLOGY``, ...) never change between rounds
-    and are left out.  Taken from the documentation, not from a cluster.
-    """
-    name = jobset["metadata"]["name"]
-    (rjob,) = jobset["spec"]["replicatedJobs"]
-    subdomain = jobset["spec"]["network"].get("subdomain") or name
-    hosts = int(rjob["template"]["spec"]["completions"])
-    env: dict[str, str] = {}
-    if hosts > 1:
-        env["TPU_WORKER_ID"] = str(index)
-        env["TPU_WORKER_HOSTNAMES"] = ",".join(f"{name}-{rjob['name']}-{slice_}-{i}.{subdomain}" for i in range(hosts))
-    if int(rjob["replicas"]) > 1:
-        env["MEGASCALE_COORDINATOR_ADDRESS"] = f"{name}-{rjob['name']}-0-0.{subdomain}"
-        env["MEGASCALE_NUM_SLICES"] = str(rjob["replicas"])
-        env["MEGASCALE_SLICE_ID"] = str(slice_)
-    return env
-
-
-def _rule_action(rules: list[Mapping[str, Any]], exit_code: int, disrupted: bool, container: str) -> str:
-    """The action of the Job's ``podFailurePolicy`` for a failed pod: its first matching rule's, else Count."""
-    for rule in rules:
-        conds = rule.get("onPodConditions") or []
-        if disrupted and any(c.get("type") == "DisruptionTarget" and c.get("status", "True") == "True" for c in conds):
-            return str(rule["action"])
-        codes = rule.get("onExitCodes")
-        if codes and codes.get("containerName", container) == container and exit_code != 0:
-            if (exit_code in codes["values"]) == (codes["operator"] == "In"):
-                return str(rule["action"])
-    return "Count"
 
 
 class _Kubelet:
@@ -336,7 +166,7 @@ class _Kubelet:
         pod.obj["spec"]["nodeName"] = pod.node
 
     def _env(self, pod: Pod) -> dict[str, str]:
-        container = _container(self.job_spec)
+        container = job_container(self.job_spec)
         mounts = container.get("volumeMounts") or []
         volumes = {m["mountPath"]: self._pod_dir(pod, "volumes", m["name"]) for m in mounts}
         return {
@@ -353,7 +183,7 @@ class _Kubelet:
         return path
 
     def _start(self, pod: Pod) -> None:
-        container = _container(self.job_spec)
+        container = job_container(self.job_spec)
         env = self._env(pod)
         cwd = self._pod_dir(pod)
         pod.log = cwd / "container.log"
@@ -472,9 +302,9 @@ class EmulatedJobSet(_Kubelet):
         with self._lock:
             pending = (
                 f"0/{len(self.up) * self.hosts} nodes are available: {self.hosts} Insufficient {TPU_RESOURCE} "
-                f"({_container(self.job_spec)['resources']['limits'].get(TPU_RESOURCE, '0')} per pod)"
+                f"({job_container(self.job_spec)['resources']['limits'].get(TPU_RESOURCE, '0')} per pod)"
             )
-            container = _container(self.job_spec)["name"]
+            container = job_container(self.job_spec)["name"]
             return [pod_object(p, container, pending) for p in self._pods() if not p.removed]
 
     def object(self) -> dict[str, Any]:
@@ -629,7 +459,7 @@ class EmulatedJobSet(_Kubelet):
             self._job_ended(j)
             return False
         rules = (self.job_spec.get("podFailurePolicy") or {}).get("rules") or []
-        action = _rule_action(rules, pod.exit_code, bool(pod.disruption), _container(self.job_spec)["name"])
+        action = rule_action(rules, pod.exit_code, bool(pod.disruption), job_container(self.job_spec)["name"])
         if action == "FailJob":
             self._fail_job(j, f"pod {pod.name} exited {pod.exit_code} (podFailurePolicy FailJob)")
             return False
@@ -678,59 +508,6 @@ class EmulatedJobSet(_Kubelet):
     def _end_all(self) -> None:
         for pod in self._pods():
             self._delete_pod(pod, "", None)
-
-
-def kubelet_env(pod: Pod, container: Mapping[str, Any], volumes: Mapping[str, Path]) -> dict[str, str]:
-    """What the kubelet sets: the container's ``env``, ``HOSTNAME`` and the cluster's API address.
-
-    A value under a volume's mount path names the volume's directory here; on the host network
-    ``HOSTNAME`` is the node's.
-    """
-    env = container_env({**pod.obj, "status": {"podIP": pod.ip, "hostIP": pod.ip}}, container)
-    for key, value in env.items():
-        for path, local in volumes.items():
-            if value == path or value.startswith(path + "/"):
-                env[key] = str(local) + value[len(path) :]
-    hostname = pod.node if pod.obj["spec"].get("hostNetwork") else pod.obj["spec"]["hostname"]
-    return {**env, "HOSTNAME": hostname, "KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": "443"}
-
-
-def pod_object(pod: Pod, container: str, pending: str) -> dict[str, Any]:
-    """The pod as an API object with its status (``pending``: why a pod not yet placed waits)."""
-    obj = {**pod.obj, "metadata": dict(pod.obj["metadata"])}
-    if pod.deleting_since is not None and pod.exit_code is None and not pod.disruption:
-        # Deleted through the API; a node's shutdown (a Spot reclaim) ends the pod without one.
-        obj["metadata"]["deletionTimestamp"] = _rfc3339(pod.deleting_since)
-    status: dict[str, Any] = {"phase": pod.phase}
-    conditions = []
-    if pod.disruption:
-        disrupted = {"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet"}
-        conditions.append({**disrupted, "message": pod.disruption})
-    if pod.proc is None and pod.exit_code is None:
-        conditions.append({"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": pending})
-    else:
-        status["podIP"] = pod.ip
-        state: dict[str, Any] = {"running": {}}
-        if pod.exit_code is not None:
-            reason = "Completed" if not pod.exit_code else "Error"
-            state = {"terminated": {"exitCode": pod.exit_code, "reason": reason}}
-        status["containerStatuses"] = [{"name": container, "state": state}]
-    status["conditions"] = conditions
-    obj["status"] = status
-    return obj
-
-
-def hosts_text(jobset: Mapping[str, Any], pods: list[Pod]) -> bytes:
-    """An /etc/hosts with localhost and each pod's DNS names on the JobSet's headless Service."""
-    subdomain = jobset["spec"]["network"].get("subdomain") or jobset["metadata"]["name"]
-    ns = jobset["metadata"]["namespace"]
-    lines = ["127.0.0.1\tlocalhost"]
-    for pod in pods:
-        host = pod.obj["spec"]["hostname"]
-        lines.append(f"{pod.ip}\t{host}.{subdomain}.{ns}.svc.cluster.local {host}.{subdomain} {host}")
-        if pod.obj["spec"].get("hostNetwork"):
-            lines.append(f"{pod.ip}\t{pod.node}")
-    return ("\n".join(lines) + "\n").encode()
 
 
 def rewrite_in_place(path: Path, data: bytes) -> None:
@@ -785,11 +562,6 @@ def cpu_image_env(chips_per_host: int, extra: Mapping[str, str] | None = None) -
     }
 
 
-def _container(job_spec: Mapping[str, Any]) -> dict[str, Any]:
-    (container,) = job_spec["template"]["spec"]["containers"]
-    return dict(container)
-
-
 def _group_pids(pgid: int) -> Iterator[int]:
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
@@ -814,7 +586,3 @@ def _die_with_parent() -> Callable[[], object]:
 def _killpg(pgid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-
-
-def _rfc3339(t: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
