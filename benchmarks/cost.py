@@ -54,7 +54,7 @@ def plain_loop() -> int:
     mesh = build_mesh(plan_mesh(cfg, n))
     if os.environ.get("BENCH_LOWER") == "1":  # as the engine's workers do, once the backend started
         transport.lower()
-    tx = make_optimizer(cfg)
+    tx = make_optimizer(cfg.optimizer)
     layout = state_shardings(task, tx, mesh)
     param_sh, opt_sh = layout.param_shardings, layout.opt_shardings
     batch_sh = NamedSharding(mesh, P(("data", "fsdp")))

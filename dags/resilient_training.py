@@ -91,24 +91,29 @@ SECTIONS = (
     "Chaos",
     "Config overrides",
 )
-# Form fields that are run-config keys: (section, key, title).  Type, bounds and help come from the config.
+# Form fields that are run-config keys: (form section, config key as section.key, title).  Type, bounds and help
+# come from the config; the param is named by the key in its section (its name in a DAG run's conf).
 CONFIG_FIELDS = (
-    ("Training", "min_workers", "Fewest hosts"),
-    ("Training", "max_workers", "Most hosts"),
-    ("Checkpoints", "checkpoint_every", "Checkpoint every N steps"),
-    ("Checkpoints", "local_checkpoint_every", "Local checkpoint every N steps"),
-    ("Checkpoints", "keep_last", "Keep the newest N"),
-    ("Checkpoints", "keep_best", "Keep the best N"),
-    ("Checkpoints", "keep_every", "Keep every K-th step"),
-    ("Validation", "val_tolerance", "Loss tolerance"),
-    ("Validation", "val_max_loss", "Highest loss"),
-    ("Validation", "val_min_accuracy", "Lowest accuracy"),
-    ("Validation", "max_rollbacks", "Rollbacks at most"),
+    ("Training", "elastic.min_workers", "Fewest hosts"),
+    ("Training", "elastic.max_workers", "Most hosts"),
+    ("Checkpoints", "checkpoint.checkpoint_every", "Checkpoint every N steps"),
+    ("Checkpoints", "checkpoint.local_checkpoint_every", "Local checkpoint every N steps"),
+    ("Checkpoints", "checkpoint.keep_last", "Keep the newest N"),
+    ("Checkpoints", "checkpoint.keep_best", "Keep the best N"),
+    ("Checkpoints", "checkpoint.keep_every", "Keep every K-th step"),
+    ("Validation", "checkpoint.val_tolerance", "Loss tolerance"),
+    ("Validation", "checkpoint.val_max_loss", "Highest loss"),
+    ("Validation", "checkpoint.val_min_accuracy", "Lowest accuracy"),
+    ("Validation", "checkpoint.max_rollbacks", "Rollbacks at most"),
 )
 
 
 def _config_params(*sections: str) -> dict[str, Param]:
-    return {key: config_param(key, title, sec, PRESETS) for sec, key, title in CONFIG_FIELDS if sec in sections}
+    return {
+        key.rpartition(".")[2]: config_param(key, title, sec, PRESETS)
+        for sec, key, title in CONFIG_FIELDS
+        if sec in sections
+    }
 
 
 def training_params(continual: bool) -> dict[str, Param]:
@@ -133,7 +138,7 @@ def _steps_param(continual: bool) -> Param:
             description="Optimizer steps each scheduled run adds to the newest validated checkpoint (1 to 1,000,000).",
         )
         if continual
-        else config_param("steps", "Steps", "Training", PRESETS)
+        else config_param("optimizer.steps", "Steps", "Training", PRESETS)
     )
 
 

@@ -125,7 +125,7 @@ def test_the_cli_section_runs_as_written(project: Path) -> None:
         r"^saves\s+(\d+) committed, median per save: training paused ([\d.]+) ms .*at least", out["report"].stdout, re.M
     )
     assert saves and int(saves.group(1)) >= 4, out["report"].stdout
-    assert re.search(r"^checkpoint_every\s+int\s+10\s", out["config"].stdout, re.M)
+    assert re.search(r"^checkpoint\.checkpoint_every\s+int\s+10\s", out["config"].stdout, re.M)
     assert re.match(r"\[step \d+\] def ", out["sample"].stdout), out["sample"].stdout  # the prompt, continued
     # The README's claim: paths are absolute in the saved config (the relative default root worked).
     saved = json.loads((project / "var" / "runs" / "r1" / "config.json").read_text())
@@ -173,7 +173,8 @@ def test_the_fine_tuning_section_runs_as_written(project: Path) -> None:
     assert "var/data/stdlib-llama3-tied-seq32" in out[0] and "(huggingface tokenizer)" in out[0], out[0]
     assert "finished: step 20/20" in out[1], out[1][-2000:]
     saved = json.loads((project / "var" / "runs" / "ft1" / "config.json").read_text())
-    assert saved["tie_embeddings"] is True and saved["vocab_size"] == 320 and saved["n_kv_heads"] == 1
+    model = saved["model"]
+    assert model["tie_embeddings"] is True and model["vocab_size"] == 320 and model["n_kv_heads"] == 1
     hf = project / "var" / "export" / "ft1"
     assert "step 20 of " in out[3] and sorted(p.name for p in hf.iterdir()) == [
         "config.json",

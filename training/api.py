@@ -39,7 +39,17 @@ from training.checkpoint.lifecycle import (
 )
 from training.checkpoint.lock import LockHeld, LockRecord, RunLock
 from training.checkpoint.prune import Pruned
-from training.config import RUN_NAME_PATTERN, Config, ConfigError, absolute, config_from_json, load_config
+from training.config import (
+    RUN_NAME_PATTERN,
+    Config,
+    ConfigError,
+    absolute,
+    config_from_json,
+    dotted,
+    key_schema,
+    load_config,
+    note_flat_keys,
+)
 from training.data import DatasetError
 from training.elastic.capacity import LocalCapacity
 from training.elastic.rendezvous import Rendezvous
@@ -85,6 +95,9 @@ __all__ = [
     "ChaosError",
     "Config",
     "ConfigError",
+    "dotted",
+    "key_schema",
+    "note_flat_keys",
     "DatasetError",
     "absolute",
     "check_fit",
@@ -105,7 +118,6 @@ __all__ = [
     "PlanError",
     "RunNotFound",
     "RunSpec",
-    "DatasetSpec",
     "RunState",
     "begin_job",
     "committed_steps",
@@ -176,15 +188,6 @@ class LaunchRefused(LaunchError):
         self.holder = holder
 
 
-class DatasetSpec(TypedDict):
-    """A DAG run's dataset: where its text comes from (at most ``max_bytes``), the prepared ``uri``, a refresh."""
-
-    source: str
-    max_bytes: int | None
-    uri: str
-    refresh: bool
-
-
 class RunSpec(TypedDict, total=False):
     """A DAG run's resolved run: what the resolve task returns and every other task reads."""
 
@@ -192,7 +195,7 @@ class RunSpec(TypedDict, total=False):
     run_uri: str
     run_name: str
     backend: str
-    dataset: DatasetSpec
+    dataset: dict[str, Any]  # source, max_bytes, uri, refresh
     gke: GKESettings
     priority: str | None  # None: the run has its capacity to itself; a level: it joins the root's shared pool
 
@@ -317,7 +320,8 @@ def _write_config(cfg: Config, store: Store, job: str, by: str) -> list[str]:
                 f"run {cfg.run_name!r} exists with different {', '.join(bad)}; "
                 "these cannot change on resume (start a new run_name)"
             )
-        changed = [k for k in Config.model_fields if getattr(old, k) != getattr(cfg, k)]
+        before = old.flat()
+        changed = [k for k, v in cfg.flat().items() if before.get(k) != v]  # section.key
     data = cfg.to_json().encode()
     store.put(CONFIG, data)
     record = {"by": by, "job": job, "time": time.time(), "changed": changed, "config": cfg.model_dump(mode="json")}

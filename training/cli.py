@@ -52,7 +52,7 @@ from training.cli_common import (
 )
 from training.cli_gke import gke_config, gke_exit, train_gke
 from training.cli_service import queue_row, service_commands
-from training.config import ConfigError, describe_keys, load_config
+from training.config import ConfigError, describe_keys, format_config, load_config
 from training.events import duration
 
 __all__ = ["Exit", "NotFoundError", "build_parser", "gke_exit", "main"]
@@ -76,11 +76,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     overrides = list(args.overrides)
     if args.tokenizer:
-        overrides.append(f"tokenizer={args.tokenizer}")
+        overrides.append(f"data.tokenizer={args.tokenizer}")
     if args.vocab_size:
-        overrides.append(f"vocab_size={args.vocab_size}")
+        overrides.append(f"model.vocab_size={args.vocab_size}")
     if args.seq_len:
-        overrides.append(f"seq_len={args.seq_len}")
+        overrides.append(f"model.seq_len={args.seq_len}")
     # The flags are config overrides, so the default output is the dataset the config trains on.
     cfg = load_config(args.preset, args.config, overrides)
     out = absolute(args.output) if args.output else cfg.dataset
@@ -140,7 +140,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from training.backends import BackendError, JobSpec, LocalSliceBackend
+    from training.backends import BackendError, LocalSliceBackend
     from training.cli_train import train_here
 
     if args.gke:
@@ -151,9 +151,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not args.detach:
         return train_here(cfg)  # through the local backend, followed by the engine's watch
     local = LocalSliceBackend(by="rtrain")
-    job = JobSpec.local(cfg)
-    local.provision(job)
-    handle = local.launch(job, attempt=1)
+    local.provision(cfg, {})
+    handle = local.launch(cfg, {}, attempt=1)
     print(
         f"job {handle['job']} of run {cfg.run_name} {'followed' if handle.get('attached') else 'started'} "
         f"on the local slice ({cfg.run_uri}); follow it with `rtrain status {cfg.run_name}`"
@@ -353,8 +352,7 @@ def cmd_config(args: argparse.Namespace) -> int:
         if args.json:
             print(cfg.to_json())
         else:
-            for key, value in cfg.model_dump(mode="json").items():
-                print(f"{key:<24} {json.dumps(value)}")
+            print(format_config(cfg))
         return Exit.OK
     keys = describe_keys()
     if args.json:

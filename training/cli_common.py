@@ -30,7 +30,7 @@ class NotFoundError(LookupError):
 def config(args: argparse.Namespace, extra: list[str] | None = None) -> Any:
     overrides = list(args.overrides)
     if getattr(args, "chaos", None):
-        overrides.append("chaos=" + json.dumps(args.chaos))
+        overrides.append("elastic.chaos=" + json.dumps(args.chaos))
     return load_config(args.preset, args.config, overrides + (extra or []))
 
 

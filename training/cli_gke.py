@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from training.cli_common import Exit, Progress, config
+from training.config import dotted
 
 
 def gke_config(args: argparse.Namespace, gke: Any) -> Any:
@@ -16,11 +17,12 @@ def gke_config(args: argparse.Namespace, gke: Any) -> Any:
     from training.backends import BackendError
     from training.gke import GKEConfigError, check_launch, fit_grace, settings_keys
 
-    given = {o.split("=", 1)[0] for o in args.overrides}
+    given = {dotted(o.split("=", 1)[0]) for o in args.overrides}
     try:
-        extra = ["backend=gke"] + [f"{k}={v}" for k, v in settings_keys(gke).items() if k not in given]
+        keys = {dotted(k): v for k, v in settings_keys(gke).items()}
+        extra = ["placement.backend=gke"] + [f"{k}={v}" for k, v in keys.items() if k not in given]
         cfg = config(args, extra)
-        cfg = cfg if "preemption_grace_s" in given else fit_grace(cfg, gke)
+        cfg = cfg if "checkpoint.preemption_grace_s" in given else fit_grace(cfg, gke)
         check_launch(cfg, gke)
     except GKEConfigError as e:
         raise BackendError(f"gke: {e}") from None

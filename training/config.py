@@ -14,17 +14,31 @@ that nothing downstream has to.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Self
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from training.cadence import gcs_timing
 from training.faults import ChaosError, parse_chaos
 from training.layout import run_uri
+from training.sections import (
+    FLAT,
+    SECTIONS,
+    CheckpointSection,
+    DataSection,
+    ElasticSection,
+    ModelSection,
+    ObservabilitySection,
+    OptimizerSection,
+    PlacementSection,
+)
 from training.storage import scheme
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -43,7 +57,7 @@ class ConfigError(ValueError):
 
 
 class RunKeys(BaseModel):
-    """The run: its name, where it lives, its dataset and where a launch resumes from."""
+    """The run's own keys, at the top of the document: its name, where it lives, its preset and its task."""
 
     run_name: str = Field("demo", description="Run name; the run's directory under `root`. Letters, digits, `_.-`.")
     root: str = Field(
@@ -51,40 +65,7 @@ class RunKeys(BaseModel):
         description="Run root URI: a local path (made absolute against the directory the command runs in) or "
         "gs://bucket/prefix.",
     )
-    dataset: str = Field(
-        "",
-        description="Prepared dataset URI (output of `rtrain prepare`); empty: var/data/stdlib-seq<seq_len>, one "
-        "dataset of this Python's standard library per sequence length.",
-    )
-    dataset_reads: Literal["auto", "direct", "download"] = Field(
-        "auto",
-        description="How each host reads a gs:// dataset: `direct` (in place, only the records it trains on), "
-        "`download` (every shard into a local cache first) or `auto` (direct above 1 GiB a split).",
-    )
     preset: str = Field("tiny", description="Preset the config was built from (informational once resolved).")
-    resume_from: str = Field(
-        "latest",
-        description="Where a new launch starts: `latest` (the run's newest committed checkpoint, else scratch), "
-        "`none` (refuse to reuse an existing run), or a step number of this run.",
-    )
-    init_from: str = Field(
-        "",
-        description="A Hugging Face Llama checkpoint a new run of the built-in `lm` task starts from: a directory "
-        "(local or gs://) of `config.json` and `*.safetensors`. Its config.json sets the model's shapes (keys your "
-        "config or overrides also set must agree) and its `tokenizer.json` becomes the tokenizer; a run that "
-        "resumes from its own checkpoint ignores it. Empty: a random init.",
-    )
-
-    on_dataset_change: Literal["refuse", "restart"] = Field(
-        "refuse",
-        description="When a resumed checkpoint was trained on another dataset (a refreshed one): `refuse`, or "
-        "`restart` the data position at the new dataset's first example (continual training).",
-    )
-
-
-class TaskKeys(BaseModel):
-    """The task: what is trained, its arguments and the tokenizer its data is prepared with."""
-
     task: str = Field(
         "lm",
         description="What is trained: a built-in task (`lm`: a Llama 3 decoder on a prepared token dataset; "
@@ -94,273 +75,81 @@ class TaskKeys(BaseModel):
     task_args: dict[str, Any] = Field(
         default_factory=dict, description="Free-form arguments for the task, validated by the task itself."
     )
-    tokenizer: str = Field(
-        "bytes",
-        description="How `rtrain prepare` turns text into token ids: `bytes` (vocab 256), `bpe` (a byte-level BPE "
-        "of `vocab_size` trained on the corpus with Hugging Face tokenizers), or a local `tokenizer.json` "
-        "(Hugging Face) or SentencePiece `.model` file.",
-    )
 
 
-class ModelKeys(BaseModel):
-    """The built-in ``lm`` task's model: a Llama 3 decoder's shapes and kernels."""
+def _flat_property(section: str, name: str) -> property:
+    """A flat key of earlier versions read and set through its section (``cfg.d_model`` is ``cfg.model.d_model``)."""
 
-    vocab_size: int = Field(256, ge=2, description="Vocabulary size (byte-level tokens: 256).")
-    seq_len: int = Field(64, ge=8, description="Tokens per training sequence.")
-    d_model: int = Field(64, ge=8, description="Model width.")
-    n_layers: int = Field(2, ge=1, description="Transformer blocks.")
-    n_heads: int = Field(4, ge=1, description="Attention heads.")
-    n_kv_heads: int = Field(0, ge=0, description="Key/value heads (grouped-query attention); 0 means n_heads.")
-    d_ff: int = Field(256, ge=8, description="MLP hidden width.")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Activation dtype.")
-    param_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="Parameter (master weight) dtype; with dtype bfloat16: bf16 compute, fp32 masters."
-    )
-    rope_theta: float = Field(500000.0, gt=0, description="RoPE base frequency (Llama 3: 500000).")
-    rope_scaling: float = Field(
-        0.0, ge=0, description="Llama 3.1 RoPE frequency scaling factor for long context (0: off; Llama 3.1: 8)."
-    )
-    norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
-    rope_original_context: int = Field(
-        8192,
-        ge=1,
-        description="Llama 3.1 RoPE scaling: the context length the model was first trained at (Hugging Face's "
-        "original_max_position_embeddings).",
-    )
-    tie_embeddings: bool = Field(False, description="Share the input embedding with the output head.")
-    scan_layers: bool = Field(
-        False,
-        description="Run the blocks as one scanned layer (one compiled block whatever the depth: deep models "
-        "compile in seconds); off, each block is compiled on its own (faster for a few layers).",
-    )
-    attention: Literal["auto", "splash", "xla", "reference"] = Field(
-        "auto",
-        description="Attention kernel: `splash` (Pallas's TPU splash kernel; interpreted, slowly, elsewhere), `xla` "
-        "(jax.nn.dot_product_attention: cuDNN on a GPU, einsums on TPU and CPU), `reference` (plain einsums, for "
-        "checking); `auto`: splash on a TPU when sequence and head width are multiples of 128, else xla.",
-    )
-    remat: Literal["none", "full", "dots", "qkv_proj", "attn", "attn_mlp"] = Field(
-        "none",
-        description="What each block keeps for the backward pass (the rest is recomputed): `none` (no "
-        "rematerialisation), `full` (only the block's input), `dots` (every projection's output), `qkv_proj` (the "
-        "attention's q, k, v projections), `attn` (those and the attention's output), `attn_mlp` (and the MLP's "
-        "gated hidden). true means full, false none.",
-    )
+    def get(self: BaseModel) -> Any:
+        return getattr(getattr(self, section), name)
 
-    @field_validator("remat", mode="before")
-    @classmethod
-    def _remat_bool(cls, v: Any) -> Any:
-        return ("full" if v else "none") if isinstance(v, bool) else v
+    def set_(self: BaseModel, value: Any) -> None:
+        setattr(getattr(self, section), name, value)
+
+    return property(get, set_, doc=f"``{section}.{name}``")
 
 
-class OptimKeys(BaseModel):
-    """Optimisation: steps, the global batch, the optimizer and its schedule."""
+# What a section derives from its keys, read flat as well.
+DERIVED = {"kv_heads": ("model", "kv_heads"), "head_dim": ("model", "head_dim")}
 
-    steps: int = Field(40, ge=1, le=10_000_000, description="Total optimizer steps of the run.")
-    global_batch: int = Field(16, ge=1, description="Sequences per step, constant across resizes.")
-    grad_accum: int = Field(
-        1, ge=1, description="Micro-batches per step: the global batch is split and the gradients summed."
-    )
-    optimizer: Literal["adamw", "adafactor", "lion", "sgd"] = Field("adamw", description="The optimizer (optax).")
-    learning_rate: float = Field(3e-3, gt=0, description="Peak learning rate.")
-    b1: float = Field(0.9, ge=0, lt=1, description="First moment decay (adamw, lion) or momentum (sgd).")
-    b2: float = Field(0.95, ge=0, lt=1, description="Second moment decay (adamw, lion).")
-    eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
-    schedule: Literal["cosine", "wsd", "linear", "constant"] = Field(
-        "cosine",
-        description="Learning-rate schedule after the warmup: cosine or linear decay to min_lr_ratio, constant, "
-        "or wsd (warmup-stable-decay: constant, then a linear decay over the last `decay_fraction` of the steps).",
-    )
-    decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: the fraction of the steps that decays.")
-    warmup_steps: int = Field(5, ge=0, description="Linear warmup steps.")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of the peak.")
-    weight_decay: float = Field(0.01, ge=0, description="Decoupled weight decay (adamw, lion, adafactor).")
-    grad_clip: float = Field(1.0, ge=0, description="Global-norm gradient clipping; 0 disables.")
-    seed: int = Field(0, description="Seed for initialisation, data order and dropout.")
+if TYPE_CHECKING:  # the flat keys, typed for the checker (the sections' fields)
 
-
-class CheckpointKeys(BaseModel):
-    """Checkpoints: how often, how (async, format), the local tier and the notice's grace."""
-
-    checkpoint_every: int = Field(
-        10, ge=1, le=1_000_000, description="Save a checkpoint every N steps (and at the end)."
-    )
-    async_checkpoint: bool = Field(True, description="Save in the background while training goes on.")
-    local_checkpoint_every: int = Field(
-        0,
-        ge=0,
-        le=1_000_000,
-        description="Local tier: every N steps each host also saves the state to host-local storage "
-        "(`local_checkpoint_dir`), restored from after a lost host when newer than the newest persistent "
-        "checkpoint (0: off).",
-    )
-    local_checkpoint_dir: str = Field(
-        "",
-        description="Local tier directory on each host (on GKE an emptyDir volume with medium Memory); empty: "
-        "/dev/shm/rtrain (a tmpfs) when it has 1 GiB free, else the system's temp directory. A host's "
-        "RTRAIN_LOCAL_CHECKPOINT_DIR wins.",
-    )
-    local_keep: int = Field(2, ge=1, description="Local tier: each host keeps its newest N local checkpoints.")
-    preemption_grace_s: float = Field(
-        25.0,
-        gt=0,
-        description="After a preemption notice (SIGTERM), the seconds the job has to stop at a step boundary and "
-        "commit a checkpoint of it (keep below the platform's grace period: 30 s for a GKE pod by default, 15 s for "
-        "a Spot preemption; a GKE Spot job is refused unless this plus 5 s fits).",
-    )
-    checkpoint_format: Literal["lean", "auto", "ocdbt", "zarr"] = Field(
-        "lean",
-        description="How persistent checkpoints are written. lean: each process writes the shards it is the writer of "
-        "once, with an index (a few files per process and save, a tenth of Orbax's CPU). ocdbt or zarr: Orbax's "
-        "formats; auto = OCDBT except against a GCS emulator. Steps of any format restore whatever this says.",
-    )
-    checkpoint_compression: bool = Field(
-        False,
-        description="Compress checkpoint arrays with zstd, in Orbax's formats (Orbax's default). Trained weights "
-        "barely compress (about 7% here) and zstd costs CPU in every save and restore, so it is off.",
-    )
+    class _FlatKeys(
+        ModelSection, DataSection, CheckpointSection, ElasticSection, PlacementSection, ObservabilitySection
+    ):
+        steps: int
+        global_batch: int
+        grad_accum: int
+        learning_rate: float
+        b1: float
+        b2: float
+        eps: float
+        schedule: str
+        decay_fraction: float
+        warmup_steps: int
+        min_lr_ratio: float
+        weight_decay: float
+        grad_clip: float
+        seed: int
+else:
+    _FLAT_READS = {**{k: v for k, v in FLAT.items() if k not in SECTIONS}, **DERIVED}
+    _FlatKeys = type("_FlatKeys", (), {key: _flat_property(*where) for key, where in _FLAT_READS.items()})
 
 
-class LifecycleKeys(BaseModel):
-    """The checkpoint lifecycle: validation, rollback, the in-training guard and retention."""
+class Config(_FlatKeys, RunKeys):
+    """A run's whole configuration: the run's keys and its sections, validated together.
 
-    val_batches: int = Field(4, ge=1, description="Evaluation batches of the held-out split per validation.")
-    val_batch: int = Field(16, ge=1, description="Sequences per evaluation batch.")
-    validate_on: Literal["host", "slice"] = Field(
-        "host",
-        description="Where a checkpoint is evaluated: `host` (validation restores its parameters onto one device) "
-        "or `slice` (the job evaluates each step it saves on its own mesh, sharded like training, and "
-        "validation judges those metrics: for a model too big for one device). `val_batch` then splits "
-        "over the job's devices as `global_batch` does.",
-    )
-    val_tolerance: float = Field(
-        0.05,
-        ge=0,
-        le=10,
-        description="Reject a checkpoint whose loss exceeds the best validated loss by this fraction (0.05: 5%).",
-    )
-    val_max_loss: float = Field(
-        0.0, ge=0, description="Reject a checkpoint whose validation loss is above this (0: no threshold)."
-    )
-    val_min_accuracy: float = Field(
-        0.0, ge=0, le=1, description="Reject a checkpoint whose token accuracy is below this (0: none)."
-    )
-    rollback_skip_data: bool = Field(
-        True, description="After a rollback, skip the data window since the good checkpoint."
-    )
-    rollback_lr_scale: float = Field(1.0, gt=0, description="After a rollback, scale the learning rate by this factor.")
-    max_rollbacks: int = Field(
-        2, ge=0, le=100, description="Validation rollbacks (each followed by resumed training) a pipeline run may do."
-    )
-    spike_factor: float = Field(
-        4.0, ge=0, description="In-training guard: a loss above this x the running median is a spike (0: off)."
-    )
-    spike_window: int = Field(10, ge=3, description="Logged losses in the running median of the guard.")
-    max_guard_rollbacks: int = Field(
-        2, ge=0, description="In-job rollbacks for non-finite or spiking loss before the job fails."
-    )
-    keep_last: int = Field(3, ge=0, le=100_000, description="Pruning: keep the newest N checkpoints (0: rule off).")
-    keep_best: int = Field(
-        1, ge=0, le=100_000, description="Pruning: keep the best N validated checkpoints by `best_metric` (0: off)."
-    )
-    best_metric: str = Field("loss", description="Validation metric for keep_best (lower is better).")
-    keep_every: int = Field(
-        0, ge=0, le=10_000_000, description="Pruning: keep every K-th step as a milestone (0: off)."
-    )
-    quarantine_ttl_s: float = Field(
-        7 * 86400.0, ge=0, description="Pruning: delete quarantined checkpoints after this long."
-    )
-
-
-class ElasticKeys(BaseModel):
-    """The elastic job: its size range, failure budget and the control plane's timing."""
-
-    backend: Literal["local", "gke"] = Field("local", description="Where workers run: the local slice or GKE.")
-    min_workers: int = Field(1, ge=1, le=10_000, description="Fewest workers (hosts) the job may run on.")
-    max_workers: int = Field(2, ge=1, le=10_000, description="Most workers (hosts) the job may use.")
-    devices_per_worker: int = Field(2, ge=1, description="Accelerator devices per worker (local slice: CPU devices).")
-    hosts_per_slice: int = Field(
-        1,
-        ge=1,
-        description="Hosts of one slice (a multi-host TPU slice is lost and gained whole); min/max_workers and every "
-        "size the job runs on are whole slices.",
-    )
-    max_failures: int = Field(3, ge=0, description="Worker-group failures the job absorbs before it fails.")
-    capacity_timeout_s: float = Field(120.0, gt=0, description="How long to wait for capacity >= min_workers.")
-    hang_timeout_s: float = Field(300.0, gt=0, description="No progress from the workers for this long is a failure.")
-    heartbeat_s: float = Field(
-        0.5, gt=0, description="Host agents write a heartbeat to the rendezvous this often (gs:// root: 1 s)."
-    )
-    heartbeat_timeout_s: float = Field(
-        5.0,
-        gt=0,
-        description="A host whose heartbeat is older than this is lost (a frozen or vanished host; gs:// root: 10 s).",
-    )
-    lease_s: float = Field(
-        2.0,
-        gt=0,
-        description="The leader's lease on the run; another agent takes over when it lapses (gs:// root: 8 s).",
-    )
-    join_timeout_s: float = Field(
-        15.0, gt=0, description="How long the first round waits for every expected host before it starts with fewer."
-    )
-
-
-class MeshKeys(BaseModel):
-    """The device mesh and the memory-fit check."""
-
-    ici_data: int = Field(1, description="Data parallelism inside a host (-1: fill).")
-    ici_fsdp: int = Field(-1, description="FSDP parallelism inside a host (-1: fill).")
-    ici_tensor: int = Field(1, description="Tensor parallelism inside a host (-1: fill).")
-    dcn_data: int = Field(-1, description="Data parallelism across hosts (-1: fill).")
-    dcn_fsdp: int = Field(1, description="FSDP parallelism across hosts (-1: fill).")
-    device_memory_gib: float = Field(2.0, gt=0, description="Memory per device for the fit check.")
-
-
-class OperationsKeys(BaseModel):
-    """Operations: logging, fault injection, compilation."""
-
-    log_every: int = Field(
-        10,
-        ge=1,
-        description="A progress event (loss, tokens/s, ETA for the task log and status) every N steps; the "
-        "per-step curves go to TensorBoard whatever N is.",
-    )
-    chaos: list[str] = Field(default_factory=list, description="Fault injections, e.g. `preempt:worker=1,step=12`.")
-    compilation_cache: str = Field("var/jax-cache", description="JAX persistent compilation cache directory.")
-    compile_ahead: bool | None = Field(
-        None,
-        description="Process 0 compiles the step for each smaller size the job may shrink to, in the background "
-        "after a round's first steps, into the persistent cache: a recovery onto one loads it instead of compiling. "
-        "Unset: on, except on TPU, where loading a step compiled in a larger runtime has not yet run on a real slice.",
-    )
-    trace_data_ids: bool = Field(False, description="Record the example ids of every step (tests, audits).")
-
-
-# Pydantic orders the fields of several bases from the last one: the sections are listed last first, so the
-# keys keep their order (the run first) in dumps, docs and the DAG's form.
-class Config(
-    OperationsKeys, MeshKeys, ElasticKeys, LifecycleKeys, CheckpointKeys, OptimKeys, ModelKeys, TaskKeys, RunKeys
-):
-    """A run's whole configuration: every key of every section, validated together."""
+    Code reads a key through its section (``cfg.model.d_model``); the flat names of earlier versions
+    (``cfg.d_model``) still read and set the same key.
+    """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
+    model: ModelSection = Field(
+        default_factory=lambda: ModelSection.model_validate({}), description=ModelSection.__doc__
+    )
+    data: DataSection = Field(default_factory=lambda: DataSection.model_validate({}), description=DataSection.__doc__)
+    optimizer: OptimizerSection = Field(
+        default_factory=lambda: OptimizerSection.model_validate({}), description=OptimizerSection.__doc__
+    )
+    checkpoint: CheckpointSection = Field(
+        default_factory=lambda: CheckpointSection.model_validate({}), description=CheckpointSection.__doc__
+    )
+    elastic: ElasticSection = Field(
+        default_factory=lambda: ElasticSection.model_validate({}), description=ElasticSection.__doc__
+    )
+    placement: PlacementSection = Field(
+        default_factory=lambda: PlacementSection.model_validate({}), description=PlacementSection.__doc__
+    )
+    observability: ObservabilitySection = Field(
+        default_factory=lambda: ObservabilitySection.model_validate({}), description=ObservabilitySection.__doc__
+    )
+
     @model_validator(mode="before")
     @classmethod
-    def _legacy_keys(cls, data: Any) -> Any:
-        """Keys of configs written before: ``activation_checkpointing: true|false`` is ``remat: full|none`` (unless
-        remat is set too), and ``attention: dot_product`` is ``attention: xla``."""
-        if isinstance(data, dict) and data.get("attention") == "dot_product":
-            data = {**data, "attention": "xla"}
-        if isinstance(data, dict) and "activation_checkpointing" in data:
-            data = dict(data)
-            old = data.pop("activation_checkpointing")
-            if isinstance(old, bool):
-                data.setdefault("remat", "full" if old else "none")
-            else:
-                data["activation_checkpointing"] = old  # refused below, naming the key
-        return data
+    def _in_sections(cls, data: Any) -> Any:
+        """A document written with flat keys (or ``section.key`` ones) read into its sections."""
+        return nest(data)[0] if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _check(self) -> Config:
@@ -369,20 +158,9 @@ class Config(
                 f"run_name {self.run_name!r}: letters, digits and _.- (up to 63), not starting with one of _.-, no '..'"
             )
         if not self.dataset:
-            self.dataset = default_dataset(self.tokenizer, self.vocab_size, self.seq_len)
+            self.data.dataset = default_dataset(self.tokenizer, self.vocab_size, self.seq_len)
         if scheme(self.root).requests:
-            # Every look at a gs:// root is an HTTP request: beat, and renew the lease, less often, and
-            # beat slower as the job grows (unless told otherwise).
-            timing = gcs_timing(self.max_workers)
-            derived = [k for k in ("heartbeat_s", "heartbeat_timeout_s", "lease_s") if k not in self.model_fields_set]
-            told_timeout = "heartbeat_timeout_s" not in derived
-            if "heartbeat_s" in derived and told_timeout and self.heartbeat_timeout_s < 2 * timing.heartbeat_s:
-                raise ValueError(
-                    f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must be at least twice heartbeat_s: on gs:// "
-                    f"a job of {self.max_workers} hosts beats every {timing.heartbeat_s:g} s unless told otherwise"
-                )
-            for key in derived:
-                setattr(self, key, getattr(timing, key))
+            self._gcs_timing()
         if self.min_workers > self.max_workers:
             raise ValueError(f"min_workers ({self.min_workers}) > max_workers ({self.max_workers})")
         if self.min_workers % self.hosts_per_slice or self.max_workers % self.hosts_per_slice:
@@ -411,6 +189,26 @@ class Config(
             raise ValueError(f"init_from loads a Hugging Face Llama into the built-in lm task, not task {self.task!r}")
         if self.resume_from not in ("latest", "none") and not self.resume_from.isdigit():
             raise ValueError(f"resume_from must be 'latest', 'none' or a step number, got {self.resume_from!r}")
+        self._check_chaos()
+        return self
+
+    def _gcs_timing(self) -> None:
+        """Every look at a gs:// root is an HTTP request: beat, and renew the lease, less often, and beat slower
+        as the job grows (unless told otherwise)."""
+        timing = gcs_timing(self.max_workers)
+        derived = [
+            k for k in ("heartbeat_s", "heartbeat_timeout_s", "lease_s") if k not in self.elastic.model_fields_set
+        ]
+        told_timeout = "heartbeat_timeout_s" not in derived
+        if "heartbeat_s" in derived and told_timeout and self.heartbeat_timeout_s < 2 * timing.heartbeat_s:
+            raise ValueError(
+                f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must be at least twice heartbeat_s: on gs:// "
+                f"a job of {self.max_workers} hosts beats every {timing.heartbeat_s:g} s unless told otherwise"
+            )
+        for key in derived:
+            setattr(self.elastic, key, getattr(timing, key))
+
+    def _check_chaos(self) -> None:
         for spec in self.chaos:
             try:
                 fault = parse_chaos(spec)
@@ -418,25 +216,23 @@ class Config(
                 raise ValueError(str(e)) from None
             if fault.action == "damage_local" and not self.local_checkpoint_every:
                 raise ValueError(f"chaos {spec!r}: damage_local needs the local tier (local_checkpoint_every > 0)")
-        return self
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """A copy with ``update``'s keys (flat, ``section.key`` or whole sections) changed; each section copied,
+        so that setting a key of the copy leaves this config as it is."""
+        nested, _ = nest(dict(update or {}))
+        top: dict[str, Any] = {k: v for k, v in nested.items() if k not in SECTIONS}
+        for name in SECTIONS:
+            given = nested.get(name)
+            top[name] = (
+                given if isinstance(given, BaseModel) else getattr(self, name).model_copy(update=given, deep=deep)
+            )
+        return super().model_copy(update=top, deep=deep)
 
     @property
     def prepared_tokens(self) -> bool:
         """Whether the task trains on the prepared token dataset at ``dataset`` (the built-in ``lm`` and ``maxtext``)."""
         return self.task in TOKEN_TASKS
-
-    @property
-    def activation_checkpointing(self) -> bool:
-        """Whether the blocks are rematerialised at all (any ``remat`` policy but none)."""
-        return self.remat != "none"
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
 
     @property
     def run_uri(self) -> str:
@@ -452,8 +248,55 @@ class Config(
             update["task"] = f"{absolute(file, base)}:{factory}"
         return self.model_copy(update=update)
 
+    def flat(self) -> dict[str, Any]:
+        """Every key as ``section.key`` (the run's own keys bare) -> its JSON value, in the document's order."""
+        out: dict[str, Any] = {}
+        for key, value in self.model_dump(mode="json").items():
+            if key in SECTIONS:
+                out |= {f"{key}.{k}": v for k, v in value.items()}
+            else:
+                out[key] = value
+        return out
+
     def to_json(self) -> str:
         return self.model_dump_json(indent=2)
+
+
+def nest(data: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A document's keys read into sections: ``{section: {key: value}}`` from a section's mapping, a
+    ``section.key`` or a flat key of earlier versions (whose names it returns too, in the order met).
+    Later keys win; an unknown key is kept as it is, for the config to refuse by name."""
+    out: dict[str, Any] = {}
+    flat: list[str] = []
+    for key, value in data.items():
+        section, dot, name = key.partition(".")
+        if key in SECTIONS and not (key == "optimizer" and isinstance(value, str)):
+            if isinstance(value, BaseModel) or not isinstance(value, Mapping):
+                out[key] = value
+            else:
+                into = out.setdefault(key, {})
+                into.update(value) if isinstance(into, dict) else out.__setitem__(key, dict(value))
+        elif dot and section in SECTIONS:
+            _into(out, section)[name] = value
+        elif key in FLAT:
+            section, name = FLAT[key]
+            _into(out, section)[name] = value
+            flat.append(key)
+        else:
+            out[key] = value
+    return out, flat
+
+
+def dotted(key: str) -> str:
+    """A key as ``section.key``: a flat key of earlier versions moved to its section, any other as it is."""
+    return ".".join(FLAT[key]) if key in FLAT else key
+
+
+def _into(out: dict[str, Any], section: str) -> dict[str, Any]:
+    into = out.get(section)
+    if not isinstance(into, dict):
+        into = out[section] = {} if into is None else dict(into.model_dump(exclude_unset=True))
+    return into
 
 
 def default_dataset(tokenizer: str, vocab_size: int, seq_len: int) -> str:
@@ -523,10 +366,13 @@ def load_config(
 ) -> Config:
     """Build a Config from the layers; raises ConfigError naming the bad key.
 
+    Each layer may be written in sections (``model: {d_model: 64}``), as ``section.key`` or, as earlier
+    versions wrote it, with flat keys (``d_model: 64``): those of a file or a ``key=value`` override give one
+    deprecation note (``note_flat_keys``).
     Local paths are made absolute here, once, against ``base_dir`` (default: the
     directory the command runs in), so every process of the run sees the same ones.
     """
-    layers: dict[str, Any] = dict(_read_yaml(CONFIG_DIR / "base.yml"))
+    layers, _ = nest(_read_yaml(CONFIG_DIR / "base.yml"))
     ov: dict[str, Any] = {}
     if isinstance(overrides, dict):
         ov = dict(overrides)
@@ -534,40 +380,77 @@ def load_config(
         for item in overrides or []:
             k, v = parse_override(item)
             ov[k] = v
-    user_files = [_read_yaml(Path(f)) for f in files or []]
-    preset = ov.get("preset") or next((u["preset"] for u in reversed(user_files) if "preset" in u), None) or preset
+    user: list[tuple[str, dict[str, Any]]] = [(f"--config {f}", _read_yaml(Path(f))) for f in files or []]
+    user.append(("dict" if isinstance(overrides, dict) else "key=value overrides", ov))
+    preset = next((u["preset"] for _, u in reversed(user) if u.get("preset")), None) or preset
     preset = preset or layers.get("preset", "tiny")
     preset_path = CONFIG_DIR / f"{preset}.yml"
     if not preset_path.exists():
         raise ConfigError(f"preset: unknown preset {preset!r}; known: {', '.join(preset_names())}")
-    layers.update(_read_yaml(preset_path))
+    _merge(layers, nest(_read_yaml(preset_path))[0])
     layers["preset"] = preset
-    for u in user_files:
-        layers.update(u)
-    layers.update(ov)
-    if layers.get("init_from"):
-        user = {k for u in user_files for k in u} | set(ov)
-        layers.update(checkpoint_keys(absolute(str(layers["init_from"]), base_dir), layers, user))
-    return validate_dict(layers).with_absolute_paths(base_dir)
+    flat: dict[str, list[str]] = {}
+    set_by_user: set[str] = set()
+    for where, u in user:
+        nested, flat[where] = nest(u)
+        set_by_user |= {f"{k}.{n}" for k, v in nested.items() if isinstance(v, dict) for n in v} | set(nested)
+        _merge(layers, nested)
+    model = layers.setdefault("model", {})
+    if model.get("init_from"):
+        _merge(layers, checkpoint_keys(absolute(str(model["init_from"]), base_dir), layers, set_by_user))
+    cfg = validate_dict(layers).with_absolute_paths(base_dir)
+    for where, keys in flat.items():
+        if where != "dict":  # a program's dict of overrides (tests, benchmarks, the DAG's hook) is not noted
+            note_flat_keys(keys, where)
+    return cfg
+
+
+def _merge(into: dict[str, Any], layer: dict[str, Any]) -> None:
+    """A nested layer over ``into``: a section's keys one by one, the run's own keys whole."""
+    for key, value in layer.items():
+        if key in SECTIONS and isinstance(value, dict) and isinstance(into.get(key), dict):
+            into[key].update(value)
+        else:
+            into[key] = value
+
+
+_NOTED: set[str] = set()
+log = logging.getLogger(__name__)
+
+
+def note_flat_keys(keys: list[str], where: str) -> None:
+    """One line saying that ``keys`` (flat keys of earlier versions, read from ``where``) have a section now.
+
+    Logged once per process and source (a warning of ``training.config``: on stderr for ``rtrain``, in the
+    task's log for Airflow)."""
+    if not keys:
+        return
+    moved = ", ".join(f"{k} -> {'.'.join(FLAT[k])}" if k in FLAT else k for k in dict.fromkeys(keys))
+    line = f"config: flat keys are deprecated, write them in their sections ({where}: {moved})"
+    if line not in _NOTED:
+        _NOTED.add(line)
+        log.warning("%s", line)
 
 
 def checkpoint_keys(uri: str, layers: dict[str, Any], user: set[str]) -> dict[str, Any]:
-    """The keys a Hugging Face checkpoint sets (its model's shapes, its tokenizer), checked against ``user``'s."""
+    """The keys a Hugging Face checkpoint sets (its model's shapes, its tokenizer), nested, checked against the
+    ``section.key``s the user set."""
     from training.hf import HFError, checkpoint_keys
 
     try:
         found = checkpoint_keys(uri)
     except HFError as e:
         raise ConfigError(f"init_from: {e}") from None
-    keys = dict(found.model)
-    for key, value in keys.items():
-        mine = layers.get(key)
+    model = layers.get("model", {})
+    for key, value in found.model.items():
+        mine = model.get(key)
         if key == "n_kv_heads" and mine == 0:
-            mine = layers.get("n_heads")
-        if key in user and mine != value:
+            mine = model.get("n_heads")
+        if f"model.{key}" in user and mine != value:
             raise ConfigError(f"init_from: {uri} has {key}={value!r}, the config sets {key}={mine!r}")
-    if found.tokenizer and "tokenizer" not in user:
-        keys["tokenizer"] = found.tokenizer
+    keys: dict[str, Any] = {"model": dict(found.model)}
+    if found.tokenizer and "data.tokenizer" not in user:
+        keys["data"] = {"tokenizer": found.tokenizer}
     return keys
 
 
@@ -588,9 +471,11 @@ def validate_dict(data: dict[str, Any]) -> Config:
 
 
 def describe_keys() -> list[dict[str, str]]:
-    """Every config key with its type, default and description (``rtrain config``)."""
+    """Every config key as ``section.key`` (the run's own keys bare) with its type, default and description."""
     out = []
-    for name, field in Config.model_fields.items():
+    fields = [(name, field) for name, field in RunKeys.model_fields.items()]
+    fields += [(f"{sec}.{name}", f) for sec, section in SECTIONS.items() for name, f in section.model_fields.items()]
+    for name, field in fields:
         ann = field.annotation
         typ = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
         out.append(
@@ -604,5 +489,32 @@ def describe_keys() -> list[dict[str, str]]:
     return out
 
 
+def key_schema(key: str) -> dict[str, Any]:
+    """The JSON schema of one key (``section.key``, a flat key of earlier versions or a run key); KeyError if none."""
+    section, name = FLAT.get(key) or (key.partition(".")[0], key.partition(".")[2])
+    model: type[BaseModel] = SECTIONS[section] if section in SECTIONS else RunKeys
+    props = model.model_json_schema()["properties"]
+    return dict(props[name if section in SECTIONS else key])
+
+
+def format_config(cfg: Config) -> str:
+    """A resolved config as ``rtrain config --show`` prints it: the run's keys, then each section's."""
+    lines = []
+    for key, value in cfg.model_dump(mode="json").items():
+        if key not in SECTIONS:
+            lines.append(f"{key:<26} {json.dumps(value)}")
+    for key in SECTIONS:
+        lines.append(f"{key}:")
+        lines += [f"  {k:<24} {json.dumps(v)}" for k, v in getattr(cfg, key).model_dump(mode="json").items()]
+    return "\n".join(lines)
+
+
 def config_from_json(text: str) -> Config:
-    return Config.model_validate_json(text)
+    """A config from its JSON form (a run's stored config.json): in sections, or flat as an earlier version wrote
+    it (noted once per process; the run's next launch stores it in sections)."""
+    data = json.loads(text)
+    if isinstance(data, dict):
+        nested, flat = nest(data)
+        note_flat_keys(flat[:3] + (["..."] if len(flat) > 3 else []), "a run's config.json of an earlier version")
+        data = nested
+    return validate_dict(data) if isinstance(data, dict) else Config.model_validate(data)

@@ -1,4 +1,4 @@
-"""The optimizer and learning-rate schedule a config names (optax)."""
+"""The optimizer and learning-rate schedule a config's optimizer section names (optax)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from training.config import Config
+from training.sections import OptimizerSection
 
 
-def make_schedule(cfg: Config) -> optax.Schedule:
-    """Linear warmup to the peak, then the config's decay (cosine, linear, constant or warmup-stable-decay)."""
+def make_schedule(cfg: OptimizerSection) -> optax.Schedule:
+    """Linear warmup to the peak, then the section's decay (cosine, linear, constant or warmup-stable-decay)."""
     peak, end = cfg.learning_rate, cfg.learning_rate * cfg.min_lr_ratio
     warmup = min(cfg.warmup_steps, cfg.steps)
     rest = max(cfg.steps - warmup, 1)
@@ -31,15 +31,15 @@ def make_schedule(cfg: Config) -> optax.Schedule:
     return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
 
 
-def make_optimizer(cfg: Config, schedule: optax.Schedule | None = None) -> optax.GradientTransformation:
-    """Gradient clipping (when on), then the config's optimizer at the schedule's rate."""
+def make_optimizer(cfg: OptimizerSection, schedule: optax.Schedule | None = None) -> optax.GradientTransformation:
+    """Gradient clipping (when on), then the section's optimizer (``name``) at the schedule's rate."""
     lr = schedule or make_schedule(cfg)
     parts: list[optax.GradientTransformation] = [clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
-    if cfg.optimizer == "adamw":
+    if cfg.name == "adamw":
         parts.append(optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay))
-    elif cfg.optimizer == "lion":
+    elif cfg.name == "lion":
         parts.append(optax.lion(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
-    elif cfg.optimizer == "adafactor":
+    elif cfg.name == "adafactor":
         parts.append(optax.adafactor(lr, weight_decay_rate=cfg.weight_decay or None))
     else:
         parts.append(optax.sgd(lr, momentum=cfg.b1 or None))

@@ -82,8 +82,8 @@ class Trainer:
         self.cfg = cfg
         self.mesh = mesh
         self.task = task
-        self.schedule = make_schedule(cfg)
-        self.tx = make_optimizer(cfg, self.schedule)
+        self.schedule = make_schedule(cfg.optimizer)
+        self.tx = make_optimizer(cfg.optimizer, self.schedule)
         self.batch_sharding = NamedSharding(mesh, P(("data", "fsdp")))
         self.replicated = NamedSharding(mesh, P())
         # One flag per device, set by the process that owns it: the step all-reduces them, so every

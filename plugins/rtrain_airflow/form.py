@@ -14,7 +14,7 @@ from typing import Any
 from airflow.sdk import Param
 
 from rtrain_airflow.hooks.training import preset_values
-from training.api import Config
+from training import api
 
 MARKDOWN = ("`", "**", "](")
 # JSON-schema keys of a config field that the form's field keeps (its checks).
@@ -42,11 +42,6 @@ def when_empty(key: str, presets: Sequence[str]) -> str:
     return "Empty: the preset's (" + ", ".join(f"{p} {shown(v)}" for p, v in values.items()) + ")."
 
 
-@cache
-def _schema() -> dict[str, dict[str, Any]]:
-    return dict(Config.model_json_schema()["properties"])
-
-
 def _number(value: float) -> str:
     return f"{int(value):,}" if float(value).is_integer() else f"{value:g}"
 
@@ -64,10 +59,12 @@ def range_text(field: dict[str, Any]) -> str:
     return f"{text[:1].upper()}{text[1:]}." if text else ""
 
 
+@cache
 def config_field(key: str) -> dict[str, Any]:
-    """The JSON schema of config key ``key`` (a ``KeyError`` that names it when the config has no such key)."""
+    """The JSON schema of config key ``key``, ``section.key`` (a ``KeyError`` that names it when the config has no
+    such key)."""
     try:
-        return _schema()[key]
+        return api.key_schema(key)
     except KeyError:
         raise KeyError(f"the run config has no key {key!r}") from None
 

@@ -48,7 +48,7 @@ def test_continual_training_continues_from_the_newest_validated_checkpoint(dagba
     params = {**{k: dag.params[k] for k in dag.params}, "storage_root": str(tmp_path), "steps_per_run": 15}
 
     fresh = op.execute({"params": params})
-    assert fresh["config"]["steps"] == 15 and fresh["config"]["resume_from"] == "latest"
+    assert fresh["config"]["optimizer"]["steps"] == 15 and fresh["config"]["checkpoint"]["resume_from"] == "latest"
 
     store = open_store(f"{tmp_path}/continual")
     store.put("config.json", b"{}")
@@ -57,7 +57,7 @@ def test_continual_training_continues_from_the_newest_validated_checkpoint(dagba
         ledger.record(step, "committed")
         ledger.record(step, state, **({"metrics": {"loss": 1.0}} if state == "validated" else {"reason": "worse"}))
     later = op.execute({"params": params})
-    assert later["config"]["steps"] == 35 and later["config"]["resume_from"] == "20"
+    assert later["config"]["optimizer"]["steps"] == 35 and later["config"]["checkpoint"]["resume_from"] == "20"
 
 
 def test_an_unknown_priority_is_refused_at_the_trigger(dagbag: Any) -> None:

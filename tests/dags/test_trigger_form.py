@@ -81,7 +81,9 @@ def test_a_form_with_the_optional_fields_empty_triggers_and_means_off(dag: Any, 
     op = dag.get_task("resolve_config")
     assert isinstance(op, RTrainResolveRunConfigOperator)
     spec = op.execute({"params": values})
-    assert spec["config"]["chaos"] == [] and spec["gke"] == {} and spec["config"]["steps"] == 40  # tiny's
+    assert (
+        spec["config"]["elastic"]["chaos"] == [] and spec["gke"] == {} and spec["config"]["optimizer"]["steps"] == 40
+    )  # tiny's
     assert spec["config"]["task"] == "lm" and spec["config"]["task_args"] == {}  # empty task: the built-in
 
 
@@ -140,8 +142,13 @@ def test_local_checkpoint_every_is_a_checkpoints_field_wired_to_the_config(dag: 
     assert p.schema["minimum"] == 0 and p.value is None
     op = dag.get_task("resolve_config")
     base = {k: dag.params[k] for k in dag.params} | {"storage_root": str(tmp_path)}
-    assert op.execute({"params": {**base, "local_checkpoint_every": 5}})["config"]["local_checkpoint_every"] == 5
-    assert op.execute({"params": base})["config"]["local_checkpoint_every"] == 0  # empty: the preset's (off)
+    assert (
+        op.execute({"params": {**base, "local_checkpoint_every": 5}})["config"]["checkpoint"]["local_checkpoint_every"]
+        == 5
+    )
+    assert (
+        op.execute({"params": base})["config"]["checkpoint"]["local_checkpoint_every"] == 0
+    )  # empty: the preset's (off)
     with pytest.raises(Exception, match="local_checkpoint_every"):
         server_params(dag).deep_merge({"local_checkpoint_every": -1}).validate()
 
@@ -278,16 +285,15 @@ def test_config_fields_of_the_form_take_type_bounds_and_help_from_the_config(dag
 
     from rtrain_airflow.form import config_param
 
-    from training.config import Config
+    from training.config import key_schema
 
     spec = importlib.util.spec_from_file_location("dag_file", dag.fileloc)
     assert spec is not None and spec.loader is not None
     dag_file = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(dag_file)
-    schema = Config.model_json_schema()["properties"]
-    keys = [key for _, key, _ in dag_file.CONFIG_FIELDS] + ["steps"]
+    keys = [key for _, key, _ in dag_file.CONFIG_FIELDS] + ["optimizer.steps"]
     for key in keys:
-        param, field = dag.params.get_param(key), schema[key]
+        param, field = dag.params.get_param(key.rpartition(".")[2]), key_schema(key)
         assert help_text(param).startswith(field["description"]), key
         for bound in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
             assert param.schema.get(bound) == field.get(bound), (key, bound)
@@ -305,9 +311,9 @@ def test_config_fields_of_the_form_take_type_bounds_and_help_from_the_config(dag
 
 
 def test_a_form_field_out_of_the_configs_bounds_is_refused_by_the_server(dag: Any) -> None:
-    from training.config import Config
+    from training.config import key_schema
 
-    hi = Config.model_json_schema()["properties"]["max_workers"]["maximum"]
+    hi = key_schema("elastic.max_workers")["maximum"]
     server_params(dag).deep_merge({"max_workers": hi}).validate()
     with pytest.raises(Exception, match="max_workers"):
         server_params(dag).deep_merge({"max_workers": hi + 1}).validate()

@@ -192,10 +192,12 @@ def test_resolve_fits_a_gke_run_to_its_tpu_and_spot_grace_and_refuses_before_any
     op = RTrainResolveRunConfigOperator(task_id="resolve_config")
     base: dict[str, Any] = {"run_name": "r", "storage_root": "gs://b/runs", "preset": "tiny", "steps": None}
     base |= {"chaos": [], "min_workers": 4, "max_workers": 8, "backend": "gke", "overrides": {"global_batch": 32}}
-    cfg = op.execute({"params": {**base, "gke": V5E_SPOT}})["config"]
-    assert (cfg["devices_per_worker"], cfg["hosts_per_slice"], cfg["preemption_grace_s"]) == (4, 4, 10)
+    cfg = RTrainHook().config_from_dict(op.execute({"params": {**base, "gke": V5E_SPOT}})["config"])
+    assert (cfg.devices_per_worker, cfg.hosts_per_slice, cfg.preemption_grace_s) == (4, 4, 10)
     longer = {**V5E_SPOT, "spot_shutdown_grace_s": 120}  # GKE 1.35.0-gke.1171000+: 105 s for the pods
-    assert op.execute({"params": {**base, "gke": longer}})["config"]["preemption_grace_s"] == 25  # the preset's fits
+    assert (
+        op.execute({"params": {**base, "gke": longer}})["config"]["checkpoint"]["preemption_grace_s"] == 25
+    )  # the preset's fits
     cases: list[tuple[dict[str, Any], str]] = [
         ({"overrides": {"global_batch": 32, "preemption_grace_s": 20}}, "preemption_grace_s: 20s"),
         ({"overrides": {"global_batch": 32, "devices_per_worker": 2}}, "devices_per_worker: ct5lp-hightpu-4t has 4"),
@@ -226,9 +228,9 @@ def test_resolve_returns_the_spec_with_absolute_paths(dag: Any) -> None:
             }
         }
     )
-    cfg = spec["config"]
-    assert cfg["steps"] == 150 and cfg["max_workers"] == 2 and cfg["learning_rate"] == 0.001  # null = the preset's
-    assert spec["run_uri"] == str(REPO / "var" / "runs" / "r") and cfg["dataset"].startswith(str(REPO))
+    cfg = RTrainHook().config_from_dict(spec["config"])
+    assert cfg.steps == 150 and cfg.max_workers == 2 and cfg.learning_rate == 0.001  # null = the preset's
+    assert spec["run_uri"] == str(REPO / "var" / "runs" / "r") and cfg.dataset.startswith(str(REPO))
     assert absolute("gs://b/p") == "gs://b/p"
 
 

@@ -55,7 +55,7 @@ def test_maxtexts_llama3_8b_has_the_published_parameter_count_and_the_builtin_pr
     cfg = config({"model_name": "llama3-8b"}, seq_len=128, devices_per_worker=1, min_workers=1)
     task = load_task(cfg)
     mesh = build_mesh(plan_mesh(cfg, 1), jax.devices()[:1])
-    layout = state_shardings(task, make_optimizer(cfg, make_schedule(cfg)), mesh)
+    layout = state_shardings(task, make_optimizer(cfg.optimizer, make_schedule(cfg.optimizer)), mesh)
     params, shardings = layout.params, layout.param_shardings
     assert n_params(params) == LLAMA3_8B
     builtin = load_config("llama3-8b", None, {"devices_per_worker": 1, "min_workers": 1, "max_workers": 1})

@@ -27,7 +27,7 @@ def test_schedules_warm_up_then_decay_as_named(schedule: str, at: dict[int, floa
         None,
         {"schedule": schedule, "steps": 100, "warmup_steps": 10, "learning_rate": 1.0, "min_lr_ratio": 0.1},
     )
-    lr = make_schedule(cfg)
+    lr = make_schedule(cfg.optimizer)
     for step, want in at.items():
         assert float(lr(step)) == pytest.approx(want, abs=1e-6), (schedule, step)
 
@@ -35,7 +35,7 @@ def test_schedules_warm_up_then_decay_as_named(schedule: str, at: dict[int, floa
 @pytest.mark.parametrize("name", ["adamw", "lion", "adafactor", "sgd"])
 def test_each_optimizer_lowers_a_quadratic(name: str) -> None:
     cfg = load_config("tiny", None, {"optimizer": name, "learning_rate": 0.05, "warmup_steps": 0, "steps": 50})
-    tx = make_optimizer(cfg)
+    tx = make_optimizer(cfg.optimizer)
     params = {"w": jax.numpy.full((4, 4), 3.0)}
     state = tx.init(params)
     loss = lambda p: (p["w"] ** 2).sum()  # noqa: E731
@@ -114,7 +114,7 @@ def test_the_clip_given_the_step_s_norm_updates_exactly_as_optax_s_own(scale: fl
     import optax
 
     cfg = load_config("tiny", None, {"grad_clip": 1.0})
-    tx = make_optimizer(cfg)
+    tx = make_optimizer(cfg.optimizer)
     keys = jax.random.split(jax.random.key(3), 3)
     params = {"w": jax.random.normal(keys[0], (16, 8)), "b": jax.random.normal(keys[1], (8,))}
     grads = jax.tree.map(lambda p: scale * jax.random.normal(keys[2], p.shape), params)
@@ -133,4 +133,4 @@ def test_the_clip_given_the_step_s_norm_updates_exactly_as_optax_s_own(scale: fl
 def tx_rest(cfg: Any) -> list[Any]:  # the optimizer after the clip, as make_optimizer builds it
     import optax
 
-    return [optax.adamw(make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)]
+    return [optax.adamw(make_schedule(cfg.optimizer), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)]

@@ -91,6 +91,11 @@ CHAOS_RULES: dict[str, Any] = {
 PRIORITY_LEVELS = list(commands.PRIORITIES)  # the DAG's priority field: lowest first
 
 
+def config_key(param: str) -> str:
+    """The config key (``section.key``) a DAG param sets: its name in its section, or ``PARAM_TO_CONFIG``'s."""
+    return api.dotted(PARAM_TO_CONFIG.get(param, param))
+
+
 class RTrainConfigError(BackendError):
     """A DAG run's params that do not make a runnable config (the message names the key)."""
 
@@ -103,7 +108,7 @@ def preset_config(preset: str) -> Config:
 
 def preset_values(key: str, presets: Iterable[str]) -> dict[str, Any]:
     """What a config key is in each preset (the trigger form shows them next to a field left empty)."""
-    return {p: getattr(preset_config(p), key) for p in presets}
+    return {p: preset_config(p).flat()[api.dotted(key)] for p in presets}
 
 
 def format_validations(results: Sequence[Mapping[str, Any]]) -> str:
@@ -186,7 +191,7 @@ class RTrainHook(BaseHook):
 
     @staticmethod
     def overrides_from_params(params: Mapping[str, Any]) -> dict[str, Any]:
-        """DAG params -> Config overrides.  ``None`` means "the preset's value" and is left out.
+        """DAG params -> Config overrides, as ``section.key``.  ``None`` means "the preset's value" and is left out.
 
         Keys of ``params["overrides"]`` are Config keys too (checked by the config itself:
         an unknown key is an error that names it).
@@ -195,15 +200,16 @@ class RTrainHook(BaseHook):
         for key, value in params.items():
             if key in NON_CONFIG_PARAMS or value is None:
                 continue
-            out[PARAM_TO_CONFIG.get(key, key)] = value
+            out[config_key(key)] = value
         extra = params.get("overrides") or {}
         if not isinstance(extra, Mapping):
             raise RTrainConfigError(f"overrides: a mapping of Config key -> value, got {type(extra).__name__}")
-        named = {PARAM_TO_CONFIG.get(k, k) for k in params if k not in NON_CONFIG_PARAMS}
-        clash = sorted(set(extra) & named)
+        named = {config_key(k) for k in params if k not in NON_CONFIG_PARAMS}
+        clash = sorted(k for k in extra if api.dotted(k) in named)
         if clash:
             raise RTrainConfigError(f"overrides: {', '.join(clash)} are params of their own; set them there")
-        out.update(extra)
+        api.note_flat_keys([k for k in extra if api.dotted(k) != k], "the DAG run's overrides")
+        out.update({api.dotted(k): v for k, v in extra.items()})  # section.key, as the params
         return out
 
     def build_config(self, overrides: Mapping[str, Any]) -> Config:
