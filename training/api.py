@@ -118,6 +118,7 @@ __all__ = [
     "PlanError",
     "RunNotFound",
     "RunSpec",
+    "DatasetSpec",
     "RunState",
     "begin_job",
     "committed_steps",
@@ -188,6 +189,15 @@ class LaunchRefused(LaunchError):
         self.holder = holder
 
 
+class DatasetSpec(TypedDict):
+    """A DAG run's dataset: where its text comes from (at most ``max_bytes``), the prepared ``uri``, a refresh."""
+
+    source: str
+    max_bytes: int | None
+    uri: str
+    refresh: bool
+
+
 class RunSpec(TypedDict, total=False):
     """A DAG run's resolved run: what the resolve task returns and every other task reads."""
 
@@ -195,7 +205,7 @@ class RunSpec(TypedDict, total=False):
     run_uri: str
     run_name: str
     backend: str
-    dataset: dict[str, Any]  # source, max_bytes, uri, refresh
+    dataset: DatasetSpec
     gke: GKESettings
     priority: str | None  # None: the run has its capacity to itself; a level: it joins the root's shared pool
 

@@ -140,7 +140,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from training.backends import BackendError, LocalSliceBackend
+    from training.backends import BackendError, JobSpec, LocalSliceBackend
     from training.cli_train import train_here
 
     if args.gke:
@@ -151,8 +151,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not args.detach:
         return train_here(cfg)  # through the local backend, followed by the engine's watch
     local = LocalSliceBackend(by="rtrain")
-    local.provision(cfg, {})
-    handle = local.launch(cfg, {}, attempt=1)
+    job = JobSpec.local(cfg)
+    local.provision(job)
+    handle = local.launch(job, attempt=1)
     print(
         f"job {handle['job']} of run {cfg.run_name} {'followed' if handle.get('attached') else 'started'} "
         f"on the local slice ({cfg.run_uri}); follow it with `rtrain status {cfg.run_name}`"

@@ -37,13 +37,13 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import container_v1
 from kubernetes import client as k8s_client
 from rtrain_airflow.hooks.gke_tpu import ProviderCluster
-from training.backends import BackendError, GKEBackend
+
+from training.api import load_config
+from training.backends import BackendError, GKEBackend, GKESpec, JobSpec
 from training.backends.gke_cluster import CloudCluster
 from training.backends.gke_jobsets import KubeJobSets
 from training.backends.gke_pools import Backoff, TPUNodePoolError
 from training.gke import GKEConfigError, GKELaunch, TPUSlice, render
-
-from training.api import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 PROJECT = "rtrain-prod"
@@ -780,7 +780,7 @@ def test_the_gke_backend_provisions_for_min_workers_and_reports_each_pool(
     cfg = load_config("tiny", None, {"root": "gs://b/runs", "min_workers": 8, "max_workers": 16, "hosts_per_slice": 4})
     fake.fail_pools["slice-1"] = "ZONE_RESOURCE_POOL_EXHAUSTED"
     fake.slow_pools["slice-3"] = 1000
-    result = backend.provision(cfg, {"gke": gke})
+    result = backend.provision(JobSpec(cfg, GKESpec(gke)))
     assert result["need"] == 2, "8 hosts of 4-host slices"
     assert sorted(result["node_pools_up"]) == ["slice-0", "slice-2"] and result["node_pools_creating"] == ["slice-3"]
     assert list(result["node_pools_failed"]) == ["slice-1"]
@@ -790,7 +790,7 @@ def test_the_gke_backend_provisions_for_min_workers_and_reports_each_pool(
     )
     with pytest.raises(TPUNodePoolError, match="of the 4 node pools the job needs at least are up"):
         backend.gke["provision_timeout_s"] = 0.05
-        backend.provision(cfg_all, {"gke": gke})
+        backend.provision(JobSpec(cfg_all, GKESpec(gke)))
 
 
 def test_queued_provisioning_needs_flex_start_and_a_kueue_queue() -> None:
@@ -816,7 +816,7 @@ def test_the_gke_backend_makes_flex_start_pools_when_the_conf_asks(
     )
     backend = GKEBackend(gke, cloud(gke, client))
     cfg = load_config("tiny", None, {"root": "gs://b/runs", "min_workers": 2, "max_workers": 4, "hosts_per_slice": 2})
-    assert sorted(backend.provision(cfg, {"gke": gke})["node_pools_up"]) == ["slice-0", "slice-1"]
+    assert sorted(backend.provision(JobSpec(cfg, GKESpec(gke)))["node_pools_up"]) == ["slice-0", "slice-1"]
     made = list(fake.pools.values())
     assert len(made) == 2 and all(p.config.flex_start and p.queued_provisioning.enabled for p in made)
     assert all(p.initial_node_count == 0 and p.autoscaling.total_max_node_count == 2 for p in made)
@@ -1142,7 +1142,7 @@ def test_pools_refused_for_now_when_enough_were_up_are_made_by_the_job_s_looks(
     )
     fake.refuse_next["slice-1"] = [FailedPrecondition(busy)] * 50  # busy until the first pool is up
     fake.refuse_next["slice-2"] = [FailedPrecondition(busy)] * 50
-    up = backend.provision(cfg, {"gke": gke})
+    up = backend.provision(JobSpec(cfg, GKESpec(gke)))
     assert up["node_pools_up"] == ["slice-0"] and up["node_pools_creating"] == []
     assert sorted(up["node_pools_retrying"]) == ["slice-1", "slice-2"]
     assert f"{CLUSTER_PATH}/nodePools/slice-1" not in fake.pools
