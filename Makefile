@@ -8,7 +8,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: test-all install demo test test-fast check lint format typecheck imports chaos bench airflow clean
+.PHONY: test-all install demo test test-fast check lint format typecheck imports sizes chaos bench airflow clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -n "$(PY)" || { echo "need Python 3.12 (python3.12 on PATH, or pyenv's 3.12), or PY=/path/to/python3.12"; exit 1; }
@@ -43,7 +43,7 @@ test-all: check
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
-check: lint typecheck imports
+check: lint typecheck imports sizes
 
 lint: $(STAMP)
 	$(BIN)/ruff check training benchmarks plugins dags tests examples .ci
@@ -67,6 +67,10 @@ typecheck: $(STAMP)
 # dags -> plugins -> training.api -> training.* (contracts in pyproject.toml).
 imports: $(STAMP)
 	PYTHONPATH=plugins $(BIN)/lint-imports
+
+# The size limits: no module over 800 lines, class over 300 or function over 80, in every folder of code.
+sizes: $(STAMP)
+	$(BIN)/python -m pytest -q tests/test_sizes.py
 
 # The chaos suite over more seeds (3 run in `make test-all`).
 SEEDS ?= 20

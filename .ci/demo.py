@@ -119,6 +119,31 @@ def main() -> int:
         stderr=subprocess.DEVNULL,
     )
 
+    conf = dag_conf(args)
+    chaos = conf["chaos"]
+    run_uri = REPO / "var" / "runs" / args.run_name
+    say(
+        f"== DAG resilient_training, run {args.run_name}: preset {args.preset}, up to {args.max_workers} "
+        f"simulated hosts, chaos {chaos or 'off'}"
+    )
+    if chaos:
+        say(
+            "   host 1 is lost at step 41 (4 -> 2 hosts), capacity is back at step 80 (-> 4 hosts)"
+            + (
+                "; a learning-rate spike from step 105 makes checkpoints 125 and 150 worse, for validation to catch"
+                if not args.no_regression
+                else ""
+            )
+        )
+    say(f"   conf: {json.dumps(conf)}")
+    log_path = HOME / "logs" / f"{args.run_name}.dags-test.log"
+    rc, dag_wall = dags_test(conf, env, log_path, run_uri)
+    say(f"== airflow dags test exited with {rc} after {dag_wall:.0f}s (full log: {log_path.relative_to(REPO)})")
+    return summary(run_uri, args.run_name, dag_wall, time.time() - t0, env)
+
+
+def dag_conf(args: argparse.Namespace) -> dict[str, Any]:
+    """The DAG run's conf: the demo's preset, dataset, hosts and retention, and its faults (``chaos``)."""
     # The host is lost one step after a local copy (step 40): its survivors go on from that copy.
     chaos = [] if args.no_chaos else ["preempt:worker=1,step=41", "capacity:to=4,step=80"]
     overrides: dict[str, Any] = {"log_every": 5}
@@ -144,22 +169,11 @@ def main() -> int:
         "chaos": chaos,
         "overrides": overrides,
     }
-    run_uri = REPO / "var" / "runs" / args.run_name
-    say(
-        f"== DAG resilient_training, run {args.run_name}: preset {args.preset}, up to {args.max_workers} "
-        f"simulated hosts, chaos {chaos or 'off'}"
-    )
-    if chaos:
-        say(
-            "   host 1 is lost at step 41 (4 -> 2 hosts), capacity is back at step 80 (-> 4 hosts)"
-            + (
-                "; a learning-rate spike from step 105 makes checkpoints 125 and 150 worse, for validation to catch"
-                if not args.no_regression
-                else ""
-            )
-        )
-    say(f"   conf: {json.dumps(conf)}")
-    log_path = HOME / "logs" / f"{args.run_name}.dags-test.log"
+    return conf
+
+
+def dags_test(conf: dict[str, Any], env: dict[str, str], log_path: Path, run_uri: Path) -> tuple[int, float]:
+    """``airflow dags test`` of the DAG with ``conf``, its lines logged and the telling ones shown; (exit code, wall s)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     stop = threading.Event()
     threading.Thread(target=watch_progress, args=(run_uri, stop), daemon=True).start()
@@ -182,8 +196,7 @@ def main() -> int:
         rc = proc.wait()
     stop.set()
     dag_wall = time.time() - t_dag
-    say(f"== airflow dags test exited with {rc} after {dag_wall:.0f}s (full log: {log_path.relative_to(REPO)})")
-    return summary(run_uri, args.run_name, dag_wall, time.time() - t0, env)
+    return rc, dag_wall
 
 
 def summary(run_uri: Path, run_name: str, dag_wall: float, total: float, env: dict[str, str]) -> int:
