@@ -5,17 +5,34 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 import pytest
 from jobs import wait_for
 
 from training import api, backends
-from training.backends import BackendError, GKEBackend, GKESpec, JobSpec, LocalSliceBackend, SharedPoolBackend
+from training.backends import (
+    REGISTRY,
+    BackendError,
+    Context,
+    GKEBackend,
+    GKESpec,
+    JobSpec,
+    LocalSliceBackend,
+    LocalSpec,
+    PoolSpec,
+    SharedPoolBackend,
+    backend_for,
+    register,
+)
+from training.backends.base import LocalHandle, Provisioned, Released, Timeouts
 from training.backends.local import pid_alive
 from training.cli import Exit, main
+from training.gke import GKESettings
 
-GKE = {
+GKE: GKESettings = {
     "location": "us-east5",
     "cluster_name": "c",
     "machine_type": "ct6e-standard-4t",
@@ -94,3 +111,92 @@ def test_stop_asks_the_job_s_leader_to_end_it_on_every_backend_that_runs_agents(
         backend.stop({"run_uri": run_uri, "job": "j1"}, f"stopped from {name}")
         control = json.loads(open_store(run_uri).get(CONTROL))
         assert control == {"action": "stop_job", "reason": f"stopped from {name}"}
+
+
+# --- the registry: a job spec's placement kind chooses its backend; a new kind is one registered factory ---
+
+
+class NoCluster:
+    """A GKE cluster nobody may call (the registry only makes the backend)."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"the cluster was called: {name}")
+
+
+def test_each_placement_kind_makes_its_backend(tmp_path: Path) -> None:
+    cfg = api.load_config("tiny", None, {"root": str(tmp_path), "run_name": "r"})
+    assert type(backend_for(JobSpec.local(cfg))) is LocalSliceBackend
+    pool = backend_for(JobSpec(cfg, PoolSpec("high")), Context(by="rtrain"))
+    assert isinstance(pool, SharedPoolBackend) and (pool.priority, pool.by) == ("high", "rtrain")
+    gke = backend_for(GKESpec(GKE), Context(cluster=NoCluster()))  # type: ignore[arg-type]
+    assert isinstance(gke, GKEBackend) and gke.gke == GKE
+    # By name, as the hook and the CLI ask: a priority puts a local run in the shared pool.
+    assert type(backends.backend("local")) is LocalSliceBackend
+    assert isinstance(backends.backend("local", priority="low"), SharedPoolBackend)
+    with pytest.raises(BackendError, match="backend: one of local, gke, not 'ray'"):
+        backends.backend("ray")
+
+
+def test_a_run_spec_s_json_reads_back_as_a_typed_job_spec(tmp_path: Path) -> None:
+    cfg = api.load_config("tiny", None, {"root": str(tmp_path), "run_name": "r"})
+    spec = api.RunSpec(config=cfg.model_dump(mode="json"), run_uri=cfg.run_uri, backend="local", priority=None)
+    job = JobSpec.from_run_spec(spec)
+    assert job.config == cfg and job.placement == LocalSpec()
+    assert JobSpec.from_run_spec({**spec, "priority": "urgent"}).placement == PoolSpec("urgent")
+    on_gke = JobSpec.from_run_spec({**spec, "backend": "gke", "gke": dict(GKE), "priority": "high"})
+    assert on_gke.placement == GKESpec(GKE, "high")
+    resumed = job.with_config(cfg.model_copy(update={"resume_from": "latest"}))
+    assert resumed.placement is job.placement and resumed.config.resume_from == "latest"
+
+
+@dataclass(frozen=True)
+class DrySpec:
+    """A placement of a kind the engine does not ship: a dry run that only records what it was asked."""
+
+    kind: Literal["dry"] = "dry"
+
+
+class DryBackend:
+    """A backend that runs nothing: the smallest one the Backend protocol allows."""
+
+    name = "dry"
+
+    def __init__(self, by: str) -> None:
+        self.by = by
+        self.asked: list[str] = []
+
+    def provision(self, job: JobSpec) -> Provisioned:
+        self.asked.append(f"provision {job.config.run_name}")
+        return {"backend": self.name, "run_uri": job.config.run_uri}
+
+    def launch(self, job: JobSpec, attempt: int) -> LocalHandle:
+        self.asked.append(f"launch {job.config.run_name} try {attempt}")
+        return LocalHandle(
+            backend=self.name, run_uri=job.config.run_uri, job="dry", attached=False, launched_at=0.0, events_after=None
+        )
+
+    def poll(self, handle: Any, timeouts: Timeouts, now: float | None = None) -> api.JobLook:
+        return api.JobLook(state="finished", reason="", status={})
+
+    def stop(self, handle: Any, reason: str) -> None:
+        self.asked.append(f"stop: {reason}")
+
+    def release(self, job: JobSpec, handles: Any) -> Released:
+        return {"backend": self.name, "released": True}
+
+
+def test_a_new_backend_is_one_registered_factory(tmp_path: Path) -> None:
+    cfg = api.load_config("tiny", None, {"root": str(tmp_path), "run_name": "r"})
+    with pytest.raises(BackendError, match="no backend runs placements of kind 'dry'"):
+        backend_for(DrySpec())  # type: ignore[arg-type]
+    register("dry")(lambda where, ctx: DryBackend(ctx.by))
+    try:
+        made = backend_for(JobSpec(cfg, DrySpec()), Context(by="rtrain"))  # type: ignore[arg-type]
+        assert isinstance(made, DryBackend) and made.by == "rtrain"
+        handle = made.launch(JobSpec(cfg, DrySpec()), attempt=1)  # type: ignore[arg-type]
+        assert handle["job"] == "dry" and made.asked == ["launch r try 1"]
+        with pytest.raises(ValueError, match="'dry' is registered already"):
+            register("dry")(lambda where, ctx: DryBackend(ctx.by))
+    finally:
+        REGISTRY.pop("dry", None)
+    assert set(REGISTRY) == {"local", "pool", "gke"}

@@ -27,6 +27,8 @@ from jobs import (
     worker_logs,
 )
 
+from training.backends import local
+
 pytestmark = pytest.mark.slow
 
 QUICK = {"heartbeat_s": 0.5, "heartbeat_timeout_s": 3.0, "lease_s": 1.0, "join_timeout_s": 10, "checkpoint_every": 5}
@@ -179,8 +181,6 @@ def test_every_agent_gone_is_recorded_lost_by_the_next_reader_within_the_heartbe
 def test_a_launch_right_after_every_agent_was_killed_waits_out_the_lapsing_lease_and_takes_over(
     tmp_path: Any, tiny_dataset: str, jax_cache: str
 ) -> None:
-    from training import api
-
     cfg = job_config(
         str(tmp_path), tiny_dataset, jax_cache, run_name="relaunch", min_workers=2, max_workers=2, steps=200,
         lease_s=4.0, heartbeat_s=0.5, heartbeat_timeout_s=8.0,
