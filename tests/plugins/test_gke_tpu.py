@@ -480,10 +480,10 @@ def test_the_gke_conf_in_docs_gke_md_triggers_the_shipped_dag() -> None:
     """The conf of §7.1 passes the DAG's params, resolves, and fits the TPU shape it names."""
     from airflow.sdk.definitions.param import ParamsDict
     from rtrain_airflow.operators.training import RTrainResolveRunConfigOperator
-    from training.gke import TPUSlice, check_config
-    from training.gke.tpu import feasible_slices, slice_bounds
 
     from training.api import check_fit, config_from_dict
+    from training.gke import TPUSlice, check_config
+    from training.gke.tpu import feasible_slices, slice_bounds
 
     text = (REPO / "docs" / "gke.md").read_text()
     (raw,) = [b for b in re.findall(r"```json\n(.*?)```", text, re.S) if '"backend": "gke"' in b]
@@ -828,6 +828,7 @@ def test_the_sensor_s_log_says_why_pods_wait_once_per_change(
     import structlog
     from rtrain_airflow.hooks.training import RTrainHook
     from rtrain_airflow.triggers.training import RTrainTrainingJobTrigger
+
     from training.events import write_status
     from training.storage import open_store
 
@@ -888,6 +889,7 @@ def test_the_sensor_s_log_says_why_pods_wait_once_per_change(
     ], lines
     # The same, on the run's record: the Training view's timeline tells it.
     from rtrain_airflow.runview import chart_data
+
     from training.events import EventLog, describe
 
     told = [e for e in EventLog(store).read() if e["type"] == "pods_waiting"]
@@ -912,6 +914,7 @@ def test_the_airflow_hook_hands_the_engine_the_connection_s_credentials_and_proj
 
 def test_the_gke_backend_is_made_with_the_airflow_connection_by_the_hook_and_with_adc_elsewhere() -> None:
     from rtrain_airflow.hooks.training import RTrainHook
+
     from training.backends import backend
 
     gke = gke_conf(gcp_conn_id=CONN_ID, node_pools=["slice-0"])
@@ -979,9 +982,8 @@ def test_rtrain_train_s_gke_run_checks_provisions_launches_follows_and_releases(
 def test_rtrain_train_s_gke_run_fails_in_one_line_when_too_few_pools_come_up_and_gives_them_back(
     pools: tuple[FakeClusterManager, container_v1.ClusterManagerClient], tmp_path: Path
 ) -> None:
-    from training.backends.gke_run import GKERun
-
     from training.api import LaunchError
+    from training.backends.gke_run import GKERun
 
     fake, client = pools
     gke = gke_conf(node_pools=["slice-0", "slice-1"], node_locations=["us-central1-a"])
