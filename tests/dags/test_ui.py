@@ -432,3 +432,81 @@ def test_the_training_queue_is_a_page_of_airflows_navigation(ui: dict[str, Any],
     assert "Not started yet" in page.locator("#summary").inner_text()
     assert errors == []
     page.close()
+
+
+# --- the buttons, on real jobs -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_cancel_in_the_queue_and_stop_in_the_view_end_real_runs_cancelled_and_stopped(
+    ui: dict[str, Any], browser: Any, shared: dict[str, str], stop_agents: list[str]
+) -> None:
+    """A pool of 1 host under a storage root: run ``pa`` trains (a real job on the local slice, placed by a real
+    scheduler), ``pb`` waits.  The queue page's Cancel on ``pb`` ends it cancelled; the Training view's Stop on
+    ``pa`` ends its job stopped; both pages show it, without a hand-made record."""
+    from rtrain_airflow.hooks.training import RTrainHook
+
+    from training import api
+    from training.service import commands
+
+    context, errors = browser
+    root = str(ui["extra"] / "pool")
+    hook = RTrainHook()
+    cfgs = {
+        name: hook.build_config(
+            {"root": root, "run_name": name, "dataset": shared["dataset"], "steps": 100_000}
+            | {"min_workers": 1, "max_workers": 1, "checkpoint_every": 20, "compilation_cache": shared["cache"]}
+            | {"hang_timeout_s": 120, "log_every": 5}
+        )
+        for name in ("pa", "pb")
+    }
+    stop_agents.extend(cfg.run_uri for cfg in cfgs.values())
+    hook.prepare_dataset("stdlib", shared["dataset"], cfgs["pa"].seq_len, 1_000_000)
+    commands.submit(cfgs["pa"], "normal", pool_hosts=1)
+    commands.submit(cfgs["pb"], "normal")
+    try:
+        wait_for(
+            lambda: (api_status(cfgs["pa"].run_uri).get("step") or 0) >= 3, 300, what="pa training on the pool's host"
+        )
+        assert commands.look(root, "pb").state == "queued"
+        page = context.new_page()
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.on("dialog", lambda d: d.accept())  # the buttons ask "are you sure?"
+        page.goto(f"{ui['base']}/rtrain/queue/view?root={quote(root)}")
+        row = {name: page.locator(f'tr[data-run="{name}"]') for name in cfgs}
+        row["pa"].locator("td", has_text="running").first.wait_for(timeout=30_000)
+        assert row["pb"].get_attribute("data-state") == "queued"
+        assert row["pa"].locator("button.cancel").is_visible() and row["pb"].locator("button.cancel").is_visible()
+        row["pb"].locator("button.cancel").click()
+        page.locator('tr[data-run="pb"][data-state="cancelled"]').wait_for(timeout=60_000)  # after the page's reloads
+        assert page.locator('tr[data-run="pb"] button.cancel').count() == 0, "an ended run has no Cancel"
+        assert page.locator('tr[data-run="pa"]').get_attribute("data-state") == "running"
+
+        view = context.new_page()
+        view.on("pageerror", lambda e: errors.append(str(e)))
+        view.on("dialog", lambda d: d.accept())
+        view.goto(f"{ui['base']}/rtrain/runs/pa/view?root={quote(root)}")
+        view.locator("body[data-stoppable=true]").wait_for(timeout=60_000)
+        view.locator("#stop").click()
+        view.locator("#stop-said", has_text="Cancelled in the queue").wait_for(timeout=30_000)
+        view.locator("#state", has_text="stopped").wait_for(timeout=180_000)
+        assert view.locator("#stop").is_hidden()
+        page.locator('tr[data-run="pa"][data-state="stopped"]').wait_for(timeout=60_000)
+        st = api_status(cfgs["pa"].run_uri)
+        assert (st["state"], st["reason"]) == ("stopped", "cancelled: stopped in the Training view"), st
+        assert max(api.committed_steps(cfgs["pa"].run_uri)) == st["step"], "the step it stopped at is committed"
+        assert api_status(cfgs["pb"].run_uri)["state"] == "cancelled"
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SCREENSHOTS / "training-queue-cancelled.png"), full_page=True)
+        assert errors == []
+    finally:
+        for name in cfgs:
+            if commands.look(root, name).state not in commands.ENDED:
+                commands.cancel(root, name, "the test is over")
+        wait_for(lambda: all(commands.look(root, n).state in commands.ENDED for n in cfgs), 120, what="both runs ended")
+
+
+def api_status(run_uri: str) -> dict[str, Any]:
+    from training import api
+
+    return dict(api.status(run_uri) or {})
