@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +68,7 @@ from training.gke.names import (
     jobset_name,
 )
 from training.gke.pod_specs import container_env, expand_pods
-from training.gke.tpu import TPUSlice, feasible_slices, plan_slices, slice_bounds
+from training.gke.tpu import TPUSlice, feasible_slices, slice_bounds
 from training.gke.worker_env import is_round_env, round_env, worker_base_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -199,24 +200,12 @@ def test_slice_bounds_refuse_a_range_no_whole_slice_fits() -> None:
         slice_bounds(cfg, TPUSlice("ct6e-standard-4t", "4x4"))
 
 
-@pytest.mark.parametrize(("available", "k"), [(0, 0), (3, 0), (4, 1), (7, 1), (8, 2), (15, 3), (16, 4), (40, 4)])
-def test_plan_slices_takes_whole_slices_up_to_max(available: int, k: int) -> None:
-    assert plan_slices(gke_config(), TPUSlice("ct6e-standard-4t", "4x4"), available) == k
-
-
-def test_plan_slices_takes_only_slice_counts_the_batch_splits_over() -> None:
+def test_feasible_slices_are_only_slice_counts_the_batch_splits_over() -> None:
     cfg = gke_config(global_batch=32)  # 32 sequences over 4-device hosts: 4 or 8 hosts, not 12 or 16
     tpu = TPUSlice("ct6e-standard-4t", "4x4")
     assert feasible_slices(cfg, tpu) == [1, 2]
-    assert plan_slices(cfg, tpu, 16) == 2
     with pytest.raises(GKEConfigError, match="^min_workers/max_workers: the mesh or global_batch=20"):
         render(gke_config(global_batch=20), tpu, LAUNCH, "j1")
-
-
-def test_plan_slices_is_zero_below_min_workers() -> None:
-    cfg = gke_config(min_workers=8)
-    assert plan_slices(cfg, TPUSlice("ct6e-standard-4t", "4x4"), 7) == 0
-    assert plan_slices(cfg, TPUSlice("ct6e-standard-4t", "4x4"), 8) == 2
 
 
 # --- config checks ------------------------------------------------------------------------
@@ -391,15 +380,28 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("machine_type", "topology", "min_w", "max_w", "k"), CASES)
-def test_service_and_jobset_validate_against_kubernetes_schemas(
-    machine_type: str, topology: str, min_w: int, max_w: int, k: int
-) -> None:
+@dataclass(frozen=True)
+class Rendered:
+    """One of ``CASES`` rendered: its slice, its config and the manifests of ``k`` slices."""
+
+    tpu: TPUSlice
+    cfg: Any
+    m: Any
+    k: int
+
+
+@pytest.fixture(params=CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}..{c[3]}-k{c[4]}")
+def rendered(request: pytest.FixtureRequest) -> Rendered:
+    machine_type, topology, min_w, max_w, k = request.param
     tpu = TPUSlice(machine_type, topology)
     cfg = gke_config(
         min_workers=min_w, max_workers=max_w, devices_per_worker=tpu.chips_per_host, hosts_per_slice=tpu.hosts
     )
-    m = render(cfg, tpu, LAUNCH, "j20261129-101500-abc123", k)
+    return Rendered(tpu, cfg, render(cfg, tpu, LAUNCH, "j20261129-101500-abc123", k), k)
+
+
+def test_service_and_jobset_validate_against_kubernetes_schemas(rendered: Rendered) -> None:
+    tpu, m, k = rendered.tpu, rendered.m, rendered.k
 
     validate_core(m.service)
     assert m.service["spec"]["clusterIP"] == "None"
@@ -513,15 +515,8 @@ def test_a_single_host_slice_is_not_bound_to_a_node_pool_of_its_own() -> None:
     assert EXCLUSIVE_TOPOLOGY_ANNOTATION not in m.jobset["metadata"]["annotations"]
 
 
-@pytest.mark.parametrize(("machine_type", "topology", "min_w", "max_w", "k"), CASES)
-def test_every_pod_runs_one_host_agent_with_its_identity_and_addresses(
-    machine_type: str, topology: str, min_w: int, max_w: int, k: int
-) -> None:
-    tpu = TPUSlice(machine_type, topology)
-    cfg = gke_config(
-        min_workers=min_w, max_workers=max_w, devices_per_worker=tpu.chips_per_host, hosts_per_slice=tpu.hosts
-    )
-    m = render(cfg, tpu, LAUNCH, "j20261129-101500-abc123", k)
+def test_every_pod_runs_one_host_agent_with_its_identity_and_addresses(rendered: Rendered) -> None:
+    tpu, cfg, m, k = rendered.tpu, rendered.cfg, rendered.m, rendered.k
     seen: dict[str, dict[str, Any]] = {}
     for n, pod in enumerate(expand_pods(m.jobset)):
         pod["status"] = {"podIP": f"10.8.0.{n + 2}"}
