@@ -214,8 +214,10 @@ class Config(_FlatKeys, RunKeys):
                 fault = parse_chaos(spec)
             except ChaosError as e:
                 raise ValueError(str(e)) from None
-            if fault.action == "damage_local" and not self.local_checkpoint_every:
-                raise ValueError(f"chaos {spec!r}: damage_local needs the local tier (local_checkpoint_every > 0)")
+            try:
+                fault.kind.check_config(fault, self)
+            except ChaosError as e:
+                raise ValueError(f"chaos {spec!r}: {e}") from None
 
     def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
         """A copy with ``update``'s keys (flat, ``section.key`` or whole sections) changed; each section copied,

@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 
 class AlreadyExists(Exception):
@@ -75,12 +75,47 @@ class Scheme:
     generations: bool  # object generations and conditional writes behave as the real service's (an emulator's may not)
 
 
+class StorageScheme:
+    """A kind of storage a URI names: which URIs are its own, what may be assumed of it, how a store of it opens.
+
+    A new scheme is one subclass registered with ``@storage_scheme`` (plus its test); ``scheme`` and
+    ``open_store`` choose among them by the URI's prefix (a URI no scheme claims is a local path)."""
+
+    name: ClassVar[str]
+    prefix: ClassVar[str]  # "gs://"; "" for the local file system, the scheme of every URI no other claims
+
+    def traits(self, uri: str) -> Scheme:
+        raise NotImplementedError
+
+    def open(self, uri: str) -> Store:
+        raise NotImplementedError
+
+    def unreachable(self, op: str, key: str) -> Exception:
+        """The error a call of this kind raises when its storage cannot be reached (chaos: ``disturb``)."""
+        return OSError(errno.ETIMEDOUT, f"the run root is unreachable (chaos), {op} {key}")
+
+
+# Every storage scheme by name (``@storage_scheme`` adds one).
+SCHEMES: dict[str, StorageScheme] = {}
+
+
+def storage_scheme[S: type[StorageScheme]](cls: S) -> S:
+    """Register a storage scheme (a class decorator)."""
+    if cls.name in SCHEMES:
+        raise ValueError(f"storage scheme {cls.name!r} is registered twice")
+    SCHEMES[cls.name] = cls()
+    return cls
+
+
+def scheme_of(uri: str) -> StorageScheme:
+    """The registered scheme whose prefix ``uri`` starts with (the longest), else the local file system's."""
+    claimed = [s for s in SCHEMES.values() if s.prefix and uri.startswith(s.prefix)]
+    return max(claimed, key=lambda s: len(s.prefix)) if claimed else SCHEMES["file"]
+
+
 def scheme(uri: str) -> Scheme:
-    """The scheme of a run root, dataset or checkpoint URI (``gs://`` or a local path)."""
-    if is_gcs(uri):
-        emulated = bool(os.environ.get("STORAGE_EMULATOR_HOST"))
-        return Scheme("gs", False, True, False, True, generations=not emulated)
-    return Scheme("file", True, False, True, False, generations=True)
+    """The scheme of a run root, dataset or checkpoint URI (``gs://`` or a local path): what may be assumed of it."""
+    return scheme_of(uri).traits(uri)
 
 
 # Buckets mounted on this host (GCS FUSE on GKE): ``bucket=/path[,bucket=/path...]``, set by the pod spec.
@@ -607,7 +642,8 @@ _DISTURBANCE = _Disturbance()
 def disturb(root: str, for_s: float, latency_s: float = 0.0) -> None:
     """For ``for_s`` seconds, every call of this process to a store under ``root`` fails (or, with
     ``latency_s``, waits that long): as a store of that kind fails when it cannot be reached."""
-    _DISTURBANCE.root = root.rstrip("/") if is_gcs(root) or not root else str(Path(root).expanduser().resolve())
+    local = bool(root) and scheme(root).filesystem
+    _DISTURBANCE.root = str(Path(root).expanduser().resolve()) if local else root.rstrip("/")
     _DISTURBANCE.until = time.monotonic() + for_s
     _DISTURBANCE.latency_s = latency_s
 
@@ -621,15 +657,44 @@ def _count(op: str, key: str, uri: str) -> None:
     if d.until and time.monotonic() < d.until and (uri == d.root or uri.startswith(d.root + "/")):
         if _DISTURBANCE.latency_s:
             time.sleep(_DISTURBANCE.latency_s)
-        elif is_gcs(uri):
-            from google.api_core.exceptions import RetryError, ServiceUnavailable
-
-            raise RetryError("Timeout of 120.0s exceeded (chaos)", ServiceUnavailable(f"{op} {key}: unreachable"))
         else:
-            raise OSError(errno.ETIMEDOUT, f"the run root is unreachable (chaos), {op} {key}")
+            raise scheme_of(uri).unreachable(op, key)
 
 
 def open_store(uri: str) -> Store:
-    if is_gcs(uri):
+    """The store of a URI, of the scheme its prefix names (``scheme_of``)."""
+    return scheme_of(uri).open(uri)
+
+
+@storage_scheme
+class FileScheme(StorageScheme):
+    """A local (or mounted) directory tree: any URI no other scheme claims."""
+
+    name = "file"
+    prefix = ""
+
+    def traits(self, uri: str) -> Scheme:
+        return Scheme("file", True, False, True, False, generations=True)
+
+    def open(self, uri: str) -> Store:
+        return LocalStore(Path(uri).expanduser().resolve())
+
+
+@storage_scheme
+class GCSScheme(StorageScheme):
+    """``gs://bucket/prefix``: Google Cloud Storage (or its emulator at ``STORAGE_EMULATOR_HOST``)."""
+
+    name = "gs"
+    prefix = "gs://"
+
+    def traits(self, uri: str) -> Scheme:
+        emulated = bool(os.environ.get("STORAGE_EMULATOR_HOST"))
+        return Scheme("gs", False, True, False, True, generations=not emulated)
+
+    def open(self, uri: str) -> Store:
         return GCSStore(uri)
-    return LocalStore(Path(uri).expanduser().resolve())
+
+    def unreachable(self, op: str, key: str) -> Exception:
+        from google.api_core.exceptions import RetryError, ServiceUnavailable
+
+        return RetryError("Timeout of 120.0s exceeded (chaos)", ServiceUnavailable(f"{op} {key}: unreachable"))

@@ -1,13 +1,11 @@
-"""Fault injection: each fault of ``training.faults`` fired at the step its spec names.
+"""Fault injection: each fault of ``training.faults`` fired at the step its spec names, through its kind's hooks.
 
 On the worker side (``WorkerChaos``), and the leader's record of what the job fired (``JobChaos``):
-the worker faults a new round carries, and the capacity faults the leader fires itself.
+the worker faults a new round carries, and the leader-side faults (capacity) the leader fires itself.
 """
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +13,7 @@ from pathlib import Path
 from training.elastic.capacity import LocalCapacity
 from training.elastic.wire import ReportType
 from training.events import EventLog
-from training.faults import HOST_ACTIONS, STORAGE_ACTIONS, WORKER_SIDE, ChaosError, Fault, parse_chaos
+from training.faults import ChaosError, Fault, parse_chaos
 
 CAPACITY_SPACING_S = 2.0  # capacity faults due at once fire this far apart (the local pool looks every 0.2 s)
 
@@ -44,7 +42,7 @@ class WorkerChaos:
         self.settle_local = settle_local
         self.lr_factor = 1.0
 
-    def _fire(self, f: Fault, step: int, everyone: bool = False) -> None:
+    def fire(self, f: Fault, step: int, everyone: bool = False) -> None:
         self.send(
             ReportType.CHAOS,
             everyone=everyone,
@@ -56,26 +54,12 @@ class WorkerChaos:
         )
 
     def before_step(self, step: int) -> None:
-        """Process and host faults due at ``step`` (this call does not return for them)."""
+        """This worker's faults due at ``step`` (the call does not return for a process or host fault)."""
         for f in self.faults:
-            if f.step != step or f.worker != self.rank:
-                continue
-            if f.action == "damage_local":
-                self._damage_local()
-            if f.action in ("crash", "damage_local"):
-                self._fire(f, step, everyone=True)
-                os.kill(os.getpid(), signal.SIGKILL)
-            if f.action in HOST_ACTIONS:
-                self._fire(f, step, everyone=True)
-                time.sleep(3600)  # the agent takes the host down (with this process)
-            if f.action in STORAGE_ACTIONS:
-                self._fire(f, step, everyone=True)  # the agent loses (or slows) its run root; this worker goes on
-            if f.action == "preempt_notice":
-                self._fire(f, step, everyone=True)
-                # The platform's notice goes to the host's agent (a pod's first process), which passes it on.
-                os.kill(int(os.environ.get("RTRAIN_AGENT_PID") or os.getppid()), signal.SIGTERM)
+            if f.step == step and f.worker == self.rank:
+                f.kind.before_step(f, self, step)
 
-    def _damage_local(self) -> None:
+    def damage_local(self) -> None:
         """Cut the largest file of the newest local copy of this host to half its size (once it is described:
         the damage is what a later check must find, not part of what the manifest records)."""
         from training.checkpoint.local import finalised_steps, read_manifests
@@ -101,28 +85,22 @@ class WorkerChaos:
         """1.0 normally; from an ``lr_spike`` step on its factor; NaN at a ``nan`` step."""
         scale = self.lr_factor
         for f in self.faults:
-            if f.step != step:
-                continue
-            if f.action == "lr_spike":
-                self.lr_factor = scale = float(f.get("factor") or 1.0)
-                self._fire(f, step)
-            elif f.action == "nan":
-                scale = float("nan")
-                self._fire(f, step)
+            if f.step == step:
+                scale = f.kind.lr_scale(f, self, step, scale)
         return scale
 
     def corrupts(self, step: int) -> bool:
         """Should the parameters be overwritten with noise before the save of ``step``?"""
-        due = [f for f in self.faults if f.action == "corrupt" and f.step == step]
+        due = [f for f in self.faults if f.kind.corrupts() and f.step == step]
         for f in due:
-            self._fire(f, step)
+            self.fire(f, step)
         return bool(due)
 
     def after_save_started(self, step: int) -> None:
+        """This worker's faults of ``step`` once its save has started (a kill during the save)."""
         for f in self.faults:
-            if f.action == "kill_during_save" and f.step == step and f.worker == self.rank:
-                self._fire(f, step, everyone=True)
-                os.kill(os.getpid(), signal.SIGKILL)
+            if f.step == step and f.worker == self.rank:
+                f.kind.after_save_started(f, self, step)
 
 
 class JobChaos:
@@ -146,16 +124,13 @@ class JobChaos:
 
     def round_faults(self) -> list[str]:
         """The worker-side faults a new round carries: those not fired yet, and those that repeat."""
-        if any(parse_chaos(spec).action in WORKER_SIDE for spec in self.specs):
+        faults = [parse_chaos(spec) for spec in self.specs]
+        if any(f.kind.worker_side for f in faults):
             self.fired |= self._on_record()
-        return [
-            spec
-            for spec in self.specs
-            if parse_chaos(spec).action in WORKER_SIDE and (parse_chaos(spec).repeats or spec not in self.fired)
-        ]
+        return [f.spec for f in faults if f.kind.worker_side and (f.repeats or f.spec not in self.fired)]
 
     def capacity_due(self, step: int | None, elapsed: float) -> None:
-        """Fire the ``capacity`` faults due at rank 0's ``step``, ``elapsed`` seconds into the job.
+        """Fire the leader-side faults (``capacity``) due at rank 0's ``step``, ``elapsed`` seconds into the job.
 
         One at a time: several due at one look (the step seen jumped past them) fire
         :data:`CAPACITY_SPACING_S` apart, so the pool acts on each.
@@ -166,19 +141,17 @@ class JobChaos:
             return
         for spec in self.specs:
             f = parse_chaos(spec)
-            if f.action != "capacity" or spec in self.fired:
+            if f.kind.worker_side or spec in self.fired or not f.kind.due(f, step, elapsed):
                 continue
-            after = f.get("after_s")
-            due = (f.step is not None and step is not None and int(step) >= f.step) or (
-                after is not None and elapsed >= float(after)
-            )
-            if due:
-                self.fired.add(spec)
-                self._last_capacity = elapsed
-                to = int(f.get("to") or 0)
-                # On record first: the pool may take this very host at once, and the next leader must not
-                # fire the same fault again.
-                self.emit("chaos", action="capacity", spec=spec, to=to, step=step)
-                self.capacity.set(to, reason=f"chaos {spec}")
-                self.emit("capacity", available=to, reason="chaos")
-                return
+            self.fired.add(spec)
+            self._last_capacity = elapsed
+            f.kind.on_leader(f, self, step)
+            return
+
+    def set_capacity(self, fault: Fault, to: int, step: int | None) -> None:
+        """The pool's capacity becomes ``to`` hosts: on record first, as the pool may take this very host at once,
+        and the next leader must not fire the same fault again."""
+        assert self.capacity is not None
+        self.emit("chaos", action=fault.action, spec=fault.spec, to=to, step=step)
+        self.capacity.set(to, reason=f"chaos {fault.spec}")
+        self.emit("capacity", available=to, reason="chaos")

@@ -10,8 +10,6 @@ writer, in order, except those that must be on record before what follows.
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -30,7 +28,7 @@ from training.elastic.rendezvous import Outcome, Rendezvous, Report
 from training.elastic.wire import ReportType, WorkerReport
 from training.elastic.workerproc import WorkerProc
 from training.elastic.writer import Writer
-from training.faults import HOST_ACTIONS, STORAGE_ACTIONS, parse_chaos
+from training.faults import KINDS, Fault, parse_chaos
 from training.scalars import ScalarLog
 from training.storage import Store, is_transient
 
@@ -173,21 +171,21 @@ class ReportHandler:
 
     def _event(self, t: str, msg: dict[str, Any]) -> None:
         """The reports the run keeps become events; a host or storage fault is carried out once on record."""
-        host_fault = t == "chaos" and msg.get("action") in HOST_ACTIONS
-        storage_fault = t == "chaos" and msg.get("action") in STORAGE_ACTIONS
+        kind = KINDS.get(str(msg.get("action"))) if t == "chaos" else None
+        by_agent = kind is not None and bool(kind.by_agent)  # carried out by this agent: on the host, or its storage
         committed = t == "checkpoint" and bool(msg.get("committed"))  # its event follows the ledger record
         if t in EVENT_REPORTS and not committed and (msg.get("process_id") == 0 or t in ("worker_started", "chaos")):
             # The event is timed when the worker reported it (the same host's clock), not when this agent's
             # loop read the report and its writer wrote it: step times and a round's phases stay exact.
             sent = msg.pop("time", None)
-            if host_fault or storage_fault:
+            if by_agent:
                 self.emit(t, reported_at=sent, **msg)  # on record before the host goes down, or loses its run root
             else:
                 self.emit_later(t, reported_at=sent, **msg)
-        if host_fault:
-            self._host_fault(str(msg["action"]), msg)
-        if storage_fault:
-            self._storage_fault(msg)
+        if by_agent and kind is not None:
+            fault = parse_chaos(str(msg.get("spec")))
+            log.warning("[%s] chaos %s: carried out by this host's agent (%s)", self.host, fault.spec, kind.by_agent)
+            kind.on_agent(fault, self)
 
     def _committed(self, step: int, msg: dict[str, Any]) -> None:
         """Rank 0's agent records a commit (writer thread): the step's file checksums go into the ledger.
@@ -209,24 +207,17 @@ class ReportHandler:
         fields = {k: v for k, v in msg.items() if k != "time"}
         self.emit("checkpoint", **fields)
 
-    def _storage_fault(self, msg: dict[str, Any]) -> None:
+    def disturb_storage(self, fault: Fault, for_s: float, latency_s: float) -> None:
         """Chaos on this agent's link to the run root: every call fails (or is slow) for a while."""
-        f = parse_chaos(str(msg.get("spec")))
-        log.warning("[%s] chaos %s: the run root is %s for %ss", self.host, f.spec, f.action, f.get("for_s"))
-        storage.disturb(self.run_uri, float(f.get("for_s") or 0.0), float(f.get("latency_s") or 0.0))
+        log.warning("[%s] chaos %s: the run root is %s for %ss", self.host, fault.spec, fault.action, for_s)
+        storage.disturb(self.run_uri, for_s, latency_s)
 
-    def _host_fault(self, action: str, msg: dict[str, Any]) -> None:
-        """Chaos carried out on this whole host (the worker said so, then waits)."""
-        if action == "preempt" and self.capacity is not None:
-            # This host leaves the pool, and no other: lowering the pool's size alone would let the
-            # local slice stop another host too, when it looks before this one's agent is gone.
-            self.capacity.leave(self.host, reason=f"chaos {msg.get('spec')}: host {self.host} lost")
+    def leave_pool(self, fault: Fault) -> None:
+        """This host leaves the pool, and no other: lowering the pool's size alone would let the local slice stop
+        another host too, when it looks before this one's agent is gone."""
+        if self.capacity is not None:
+            self.capacity.leave(self.host, reason=f"chaos {fault.spec}: host {self.host} lost")
             self.emit("capacity", available=self.capacity.available(), reason=f"host {self.host} preempted")
-        log.warning("[%s] chaos %s: taking this host down", self.host, action)
-        sig = signal.SIGSTOP if action == "freeze" else signal.SIGKILL
-        if action == "kill_agent":
-            os.kill(os.getpid(), sig)  # the worker dies with its agent (PR_SET_PDEATHSIG)
-        os.killpg(os.getpgid(0), sig)  # the agent, its worker and its standby: the host is gone (or frozen)
 
     # --- the worker's end -----------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from training.elastic.codes import WorkerExit
 from training.elastic.hostview import HostView
 from training.elastic.rendezvous import Outcome, Report, Round
 from training.elastic.rounds import LeaderRecords
-from training.faults import WORKER_SIDE
+from training.faults import KINDS
 from training.storage import NotFound
 
 log = logging.getLogger("rtrain.leader")
@@ -393,7 +393,7 @@ class RoundEnds:
         times = [
             float(e.get("at") or e["time"])
             for e in self.events.read(types=("chaos",))
-            if e.get("attempt") == rnd.round and e.get("action") in WORKER_SIDE
+            if e.get("attempt") == rnd.round and (kind := KINDS.get(str(e.get("action")))) and kind.worker_side
         ]
         return max(times) if times else None
 
