@@ -12,7 +12,6 @@ bfloat16): the format is an 8-byte header length, a JSON header and the raw byte
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -394,10 +393,6 @@ def write_checkpoint(
         (out / TOKENIZER_FILE).write_bytes(tokenizer)
         files.append(TOKENIZER_FILE)
     return files
-
-
-def param_bytes(tensors: Mapping[str, np.ndarray]) -> int:
-    return sum(math.prod(a.shape) * a.dtype.itemsize for a in tensors.values())
 
 
 @dataclass(frozen=True)

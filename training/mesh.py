@@ -165,12 +165,6 @@ def feasible_sizes(cfg: Config) -> list[int]:
     return out
 
 
-def choose_workers(cfg: Config, available: int) -> int | None:
-    """The largest feasible size not above the available capacity (None: below the minimum)."""
-    sizes = [n for n in feasible_sizes(cfg) if n <= available]
-    return max(sizes) if sizes else None
-
-
 @dataclass(frozen=True)
 class MemoryEstimate:
     params: int

@@ -7,7 +7,7 @@ import pytest
 from training.cli import main
 from training.config import ConfigError, load_config
 from training.faults import ChaosError, parse_chaos
-from training.mesh import PlanError, check_batch, check_fit, choose_workers, feasible_sizes, plan_mesh
+from training.mesh import PlanError, check_batch, check_fit, feasible_sizes, plan_mesh
 
 
 def test_layers_apply_in_order_and_overrides_are_typed():
@@ -51,7 +51,6 @@ def test_the_global_batch_stays_constant_and_the_per_device_batch_adapts():
     cfg = load_config("tiny", None, {"global_batch": 16, "min_workers": 1, "max_workers": 4})
     assert [check_batch(cfg, plan_mesh(cfg, n)) for n in (1, 2, 4)] == [8, 4, 2]
     assert feasible_sizes(cfg) == [1, 2, 4]  # 3 hosts x 2 devices cannot split 16 sequences
-    assert choose_workers(cfg, 3) == 2 and choose_workers(cfg, 0) is None
 
 
 def test_memory_fit_refusal_shows_the_numbers_before_any_worker_starts(tmp_path, capsys):

@@ -57,12 +57,6 @@ def largest_round(cfg: Config, available: int | None) -> int:
     return max([n for n in feasible_sizes(cfg) if n <= expected] or [0])
 
 
-def possible_size(cfg: Config, hosts: Mapping[str, HostRecord], alive: Collection[str]) -> int:
-    """How many hosts a round could have with ``alive`` (0: below the minimum)."""
-    members = choose_members(cfg, hosts, alive)
-    return len(members) if members else 0
-
-
 def newest_persistent(states: Mapping[int, Mapping[str, object]]) -> int | None:
     """The newest committed checkpoint the ledger's ``states`` hold usable (what ``resume=latest`` will pick)."""
     good = [s for s, r in states.items() if r.get("state") in USABLE_STATES]

@@ -141,9 +141,3 @@ def feasible_slices(cfg: Config, tpu: TPUSlice) -> list[int]:
     k_min, k_max = slice_bounds(cfg, tpu)
     sizes = set(feasible_sizes(cfg))
     return [k for k in range(k_min, k_max + 1) if k * tpu.hosts in sizes]
-
-
-def plan_slices(cfg: Config, tpu: TPUSlice, available_hosts: int) -> int:
-    """The most slices the job can run on with ``available_hosts`` ready hosts; 0 when none fits."""
-    fits = [k for k in feasible_slices(cfg, tpu) if k * tpu.hosts <= available_hosts]
-    return max(fits) if fits else 0
