@@ -113,7 +113,7 @@ def test_validation_rejects_a_regression_and_training_resumes_from_the_last_good
     assert ledger.state(15)["history"] == ["committed", "rejected", "quarantined", "committed", "validated"]
     # The verdicts' metrics are a TensorBoard run beside the training curves: one value per step, the
     # re-validated step 15 replacing its rejected value.
-    from training.scalars import read_scalars
+    from tensorboard_view import read_scalars
 
     val = read_scalars(cfg.run_uri, "validation")
     assert [s for s, _ in val["loss"]] == [5, 10, 15] and [v for _, v in val["rejected"]] == [0.0, 0.0, 0.0]

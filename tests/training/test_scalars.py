@@ -6,8 +6,9 @@ import subprocess
 import sys
 
 import pytest
+from tensorboard_view import read_scalars
 
-from training.scalars import ScalarLog, logdir, read_scalars
+from training.scalars import ScalarLog, logdir
 from training.storage import open_store
 
 
