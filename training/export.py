@@ -85,7 +85,7 @@ def export(cfg: Config, output: str, fmt: Literal["hf", "orbax"] = "hf", step: i
     from training import hf
     from training.tasks.lm import llama_config
 
-    model = llama_config(cfg)
+    model = llama_config(cfg.model)
     dtype = np.dtype(hf.DTYPES["BF16"]) if cfg.param_dtype == "bfloat16" else np.dtype(np.float32)
     tensors = hf.from_params(params, model, dtype)
     config = hf.hf_config(model, cfg.param_dtype)

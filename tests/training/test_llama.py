@@ -151,7 +151,10 @@ def test_remat_takes_a_policy_and_the_old_booleans() -> None:
     assert load_config("tiny", None, {"remat": False}).remat == "none"
     legacy = load_config("tiny", None, {"activation_checkpointing": True})
     assert (legacy.remat, legacy.activation_checkpointing) == ("full", True)
-    assert llama_config(load_config("tiny", None, {"remat": "attn", "attention": "splash"})).remat == "attn"
+    assert (
+        llama_config(load_config("tiny", None, {"model.remat": "attn", "model.attention": "splash"}).model).remat
+        == "attn"
+    )
     assert load_config("llama3-8b").remat == "full"
     with pytest.raises(ConfigError, match="remat"):
         load_config("tiny", None, {"remat": "some"})

@@ -11,29 +11,76 @@ from training.config import Config
 from training.data import load_manifest
 from training.data.tokens import lm_source
 from training.models.llama import Llama, LlamaConfig, cross_entropy
+from training.sections import DataSection, ModelSection
 from training.tasks import Batch, ExampleSpec, Metrics, TaskData, TaskError
 
 
-def llama_config(cfg: Config) -> LlamaConfig:
-    """The model a run config describes."""
+def llama_config(model: ModelSection) -> LlamaConfig:
+    """The model a run config's model section describes."""
     return LlamaConfig(
-        vocab_size=cfg.vocab_size,
-        d_model=cfg.d_model,
-        n_layers=cfg.n_layers,
-        n_heads=cfg.n_heads,
-        n_kv_heads=cfg.kv_heads,
-        d_ff=cfg.d_ff,
-        rope_theta=cfg.rope_theta,
-        rope_scaling=cfg.rope_scaling,
-        rope_original_context=cfg.rope_original_context,
-        norm_eps=cfg.norm_eps,
-        tie_embeddings=cfg.tie_embeddings,
-        dtype=cfg.dtype,
-        param_dtype=cfg.param_dtype,
-        remat=cfg.remat,
-        scan_layers=cfg.scan_layers,
-        attention=cfg.attention,
+        vocab_size=model.vocab_size,
+        d_model=model.d_model,
+        n_layers=model.n_layers,
+        n_heads=model.n_heads,
+        n_kv_heads=model.kv_heads,
+        d_ff=model.d_ff,
+        rope_theta=model.rope_theta,
+        rope_scaling=model.rope_scaling,
+        rope_original_context=model.rope_original_context,
+        norm_eps=model.norm_eps,
+        tie_embeddings=model.tie_embeddings,
+        dtype=model.dtype,
+        param_dtype=model.param_dtype,
+        remat=model.remat,
+        scan_layers=model.scan_layers,
+        attention=model.attention,
     )
+
+
+def check_manifest(data: DataSection, seq_len: int, vocab_size: int) -> dict[str, Any]:
+    """The prepared dataset's manifest, refused when it does not fit the data section, the sequence length or the
+    model's vocabulary (nothing of the shards is read)."""
+    manifest = load_manifest(data.dataset)
+    if int(manifest["seq_len"]) != seq_len:
+        raise TaskError(
+            f"dataset {data.dataset} has sequences of {manifest['seq_len']} tokens, the config seq_len={seq_len}"
+        )
+    check_tokenizer(data, manifest)
+    vocab = int(manifest.get("vocab_size", 256))
+    if vocab > vocab_size:
+        raise TaskError(
+            f"dataset {data.dataset} has a vocabulary of {vocab} tokens, more than the model's vocab_size={vocab_size}"
+        )
+    return manifest
+
+
+def token_data(data: DataSection, seq_len: int, vocab_size: int) -> TaskData:
+    """The data section's prepared dataset as the task's train and validation sources, checked first."""
+    manifest = check_manifest(data, seq_len, vocab_size)
+    return TaskData(
+        train=lm_source(data.dataset, "train", reads=data.dataset_reads),
+        validation=lm_source(data.dataset, "validation", reads=data.dataset_reads),
+        fingerprint=str(manifest["fingerprint"]),
+    )
+
+
+def check_tokenizer(data: DataSection, manifest: dict[str, Any]) -> None:
+    """The data section's tokenizer is the one the dataset was prepared with (kind, and a file's own bytes)."""
+    from training.data.tokenizer import resolve
+
+    entry = manifest.get("tokenizer") or {"kind": "bytes"}
+    want = data.tokenizer
+    where = f"dataset {data.dataset} was prepared with the {entry.get('kind')} tokenizer"
+    if want in ("bytes", "bpe"):
+        if entry.get("kind") != want:
+            raise TaskError(f"{where}, the config's tokenizer is {want}")
+        return
+    tok = resolve(want)
+    if tok.fingerprint != entry.get("fingerprint"):
+        raise TaskError(
+            f"{where} (fingerprint {str(entry.get('fingerprint'))[:12]}), not the config's {want} "
+            f"(fingerprint {tok.fingerprint[:12]})"
+        )
 
 
 class TokenTask:
@@ -64,46 +111,10 @@ class TokenTask:
 
     def check_manifest(self) -> dict[str, Any]:
         """The dataset's manifest, refused when it does not fit the config (nothing of the shards is read)."""
-        manifest = load_manifest(self.cfg.dataset)
-        if int(manifest["seq_len"]) != self.cfg.seq_len:
-            raise TaskError(
-                f"dataset {self.cfg.dataset} has sequences of {manifest['seq_len']} tokens, the config "
-                f"seq_len={self.cfg.seq_len}"
-            )
-        self._check_tokenizer(manifest)
-        vocab = int(manifest.get("vocab_size", 256))
-        if vocab > self.vocab_size:
-            raise TaskError(
-                f"dataset {self.cfg.dataset} has a vocabulary of {vocab} tokens, more than the model's "
-                f"vocab_size={self.vocab_size}"
-            )
-        return manifest
+        return check_manifest(self.cfg.data, self.cfg.seq_len, self.vocab_size)
 
     def data(self) -> TaskData:
-        manifest = self.check_manifest()
-        return TaskData(
-            train=lm_source(self.cfg.dataset, "train", reads=self.cfg.dataset_reads),
-            validation=lm_source(self.cfg.dataset, "validation", reads=self.cfg.dataset_reads),
-            fingerprint=str(manifest["fingerprint"]),
-        )
-
-    def _check_tokenizer(self, manifest: dict[str, Any]) -> None:
-        """The config's tokenizer is the one the dataset was prepared with (kind, and a file's own bytes)."""
-        from training.data.tokenizer import resolve
-
-        entry = manifest.get("tokenizer") or {"kind": "bytes"}
-        want = self.cfg.tokenizer
-        where = f"dataset {self.cfg.dataset} was prepared with the {entry.get('kind')} tokenizer"
-        if want in ("bytes", "bpe"):
-            if entry.get("kind") != want:
-                raise TaskError(f"{where}, the config's tokenizer is {want}")
-            return
-        tok = resolve(want)
-        if tok.fingerprint != entry.get("fingerprint"):
-            raise TaskError(
-                f"{where} (fingerprint {str(entry.get('fingerprint'))[:12]}), not the config's {want} "
-                f"(fingerprint {tok.fingerprint[:12]})"
-            )
+        return token_data(self.cfg.data, self.cfg.seq_len, self.vocab_size)
 
     def tokens_per_example(self) -> int:
         return self.cfg.seq_len
@@ -114,7 +125,7 @@ class LanguageModel(TokenTask):
 
     def __init__(self, cfg: Config) -> None:
         super().__init__(cfg, cfg.vocab_size)
-        self.model_cfg = llama_config(cfg)
+        self.model_cfg = llama_config(cfg.model)
         self.model = Llama(self.model_cfg)
 
     def init(self, rng: jax.Array) -> Any:
