@@ -12,7 +12,7 @@ bfloat16): the format is an 8-byte header length, a JSON header and the raw byte
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -313,14 +313,20 @@ def _scanned(path: tuple[str, ...]) -> tuple[tuple[str, ...], int] | None:
     return None
 
 
-def to_params(ckpt: Checkpoint, abstract: Mapping[str, Any], model: Any) -> dict[str, Any]:
-    """The checkpoint's weights as a numpy tree shaped and typed like ``abstract`` (the model's own params).
+def to_params(
+    ckpt: Checkpoint,
+    abstract: Mapping[str, Any],
+    model: Any,
+    place: Callable[[np.ndarray, Any], Any] | None = None,
+) -> dict[str, Any]:
+    """The checkpoint's weights as a tree shaped and typed like ``abstract`` (the model's own params).
 
     ``abstract`` may be scanned (``layers`` stacked over a leading axis) or not; every shape is checked.
+    ``place(values, abstract leaf)`` makes each leaf as it is read (None: the numpy array itself).
     """
     out: dict[str, Any] = {}
     for path, arr in leaves(ckpt, abstract, model):
-        _set(out, path, arr)
+        _set(out, path, arr if place is None else place(arr, _get(abstract, path)))
     return out
 
 
@@ -422,7 +428,4 @@ def load_params(uri: str, abstract: Any, model: Any) -> Any:
     def place(arr: np.ndarray, want: Any) -> jax.Array:
         return jax.make_array_from_callback(want.shape, want.sharding, lambda idx: arr[idx])
 
-    out: dict[str, Any] = {}
-    for path, arr in leaves(Checkpoint(uri), abstract, model):
-        _set(out, path, place(arr, _get(abstract, path)))
-    return out
+    return to_params(Checkpoint(uri), abstract, model, place)
