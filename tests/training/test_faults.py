@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -138,51 +139,80 @@ def test_a_broken_dataset_fails_the_job_with_the_worker_s_own_error_and_its_log(
     assert "--- the end of " in err and "worker-" in err  # the failed worker's log, named, and its last lines
 
 
-def test_a_full_disk_ends_the_job_naming_the_root_and_a_rerun_with_space_back_resumes(
-    tmp_path, tiny_dataset, jax_cache
-):
+def _mount(*args: str) -> bool:
+    return subprocess.run(["mount", *args], capture_output=True).returncode == 0
+
+
+def _fill(mnt: Path) -> Path:
+    """Fill the file system at ``mnt`` with one file; its path."""
+    filler = mnt / f"filler-{uuid.uuid4().hex}"
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+        except OSError:
+            pass
+    return filler
+
+
+@pytest.mark.parametrize(
+    ("checkpoint_format", "failure"), [("lean", "full"), ("ocdbt", "full"), ("ocdbt", "read-only")]
+)
+def test_a_storage_failure_ends_the_job_naming_it_and_a_rerun_resumes(
+    tmp_path: Path, tiny_dataset: str, jax_cache: str, checkpoint_format: str, failure: str
+) -> None:
+    """A full disk under the run root, or its checkpoint root gone read-only, in either format (Orbax's background
+    commit failing too) ends the job soon, naming the error; no process is left, the lease is given back, and
+    with the storage back a rerun resumes from a committed step."""
     import psutil
+
+    from training.checkpoint.lock import RunLock
 
     mnt = tmp_path / "small-disk"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(mnt)], capture_output=True).returncode:
+    if not _mount("-t", "tmpfs", "-o", "size=40m", "tmpfs", str(mnt)):
         pytest.skip("needs a tmpfs mount (root) to make a disk that fills up")
+    ckpts = mnt / "runs" / "broken" / "checkpoints"
     try:
         cfg = job_config(
-            str(mnt),
+            str(mnt / "runs"),
             tiny_dataset,
             jax_cache,
-            run_name="full",
+            run_name="broken",
             steps=40,
             checkpoint_every=5,
+            checkpoint_format=checkpoint_format,
             min_workers=1,
             max_workers=2,
             log_every=5,
         )
         handle = start_job(cfg)
         wait_for(lambda: ((api.status(cfg.run_uri) or {}).get("latest_committed") or 0) >= 5, 240, "a checkpoint")
-        filler = mnt / f"filler-{uuid.uuid4().hex}"
-        with open(filler, "wb") as f:  # fill the disk the run root is on
-            try:
-                while True:
-                    f.write(b"\0" * (1 << 20))
-                    f.flush()
-            except OSError:
-                pass
+        t = time.time()
+        if failure == "full":
+            filler = _fill(mnt)
+            named = f"no space left on {cfg.run_uri} (No space left on device"
+        else:  # the checkpoint root alone: the run's status and lease stay writable
+            assert _mount("--bind", str(ckpts), str(ckpts)) and _mount("-o", "remount,bind,ro", str(ckpts))
+            named = "Read-only file system"
         st = wait_finished(handle, timeout=300)
-        assert st["state"] == "failed" and f"no space left on {cfg.run_uri} (No space left on device" in st["reason"], (
-            st
+        took = time.time() - t
+        print(
+            f"{checkpoint_format} {failure}: the job ended {took:.1f} s after the storage failed: {st['reason'][:200]}"
         )
+        assert st["state"] == "failed" and named in st["reason"], st
+        assert took < 120, f"the job went on {took:.0f} s after its checkpoint storage failed"
         procs = [p for p in psutil.process_iter(["cmdline"]) if cfg.run_uri in " ".join(p.info["cmdline"] or [])]
         assert not [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], procs
         assert api.job_state(handle)["state"] == "failed"
-        # The lease is given back, the committed checkpoints are intact, and with space back a re-run resumes.
-        from training.checkpoint.lock import RunLock
-
-        assert RunLock(open_store(cfg.run_uri), owner="test").held_by() is None
+        assert RunLock(open_store(cfg.run_uri), owner="test").held_by() is None, "the lease is given back"
         committed = api.committed_steps(cfg.run_uri)
         assert committed and min(committed) >= 5, committed
-        filler.unlink()
+        if failure == "full":
+            filler.unlink()
+        else:
+            subprocess.run(["umount", "-l", str(ckpts)], capture_output=True)
         assert run_job(cfg) == 0, worker_logs(cfg.run_uri)
         restored = [e["step"] for e in api.events(cfg.run_uri, ("restore",))]
         assert restored and restored[-1] in committed, (restored, committed)
@@ -191,5 +221,6 @@ def test_a_full_disk_ends_the_job_naming_the_root_and_a_rerun_with_space_back_re
         for p in psutil.process_iter(["cmdline"]):
             if str(mnt) in " ".join(p.info["cmdline"] or []):
                 p.kill()
+        subprocess.run(["umount", "-l", str(ckpts)], capture_output=True)
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
         os.sync()
