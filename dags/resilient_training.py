@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 from datetime import datetime, timedelta
+from typing import Any
 
 from airflow.sdk import DAG, CronTriggerTimetable, Param, TaskGroup
 from rtrain_airflow.callbacks import alert_callbacks, rollback_alert
@@ -203,46 +204,42 @@ def _run_params(continual: bool) -> dict[str, Param]:
     return params
 
 
+def _optional(kind: str, title: str, section: str, help_text: str, **schema: Any) -> Param:
+    """A field that may be left empty: None, else a value of JSON type ``kind`` (a free string is never empty)."""
+    if kind == "string" and "enum" not in schema:
+        schema.setdefault("minLength", 1)
+    return Param(None, type=["null", kind], title=title, section=section, **schema, **text(help_text))
+
+
 def _task_and_data_params() -> dict[str, Param]:
     """The Task and Data sections: what is trained, on what."""
     return {
-        "task": Param(
-            None,
-            type=["null", "string"],
-            minLength=1,
-            title="Task",
-            section="Task",
-            **text(
-                "What is trained: `lm` (the built-in Llama 3 on the prepared dataset), `maxtext` (a MaxText model "
-                "on it) or your own code as "
-                "`package.module:factory` or `path/to/file.py:factory` (a path relative to the project), e.g. "
-                "`examples/regression/task.py:make_task`. A task that cannot be loaded fails the run before it "
-                f"trains. {when_empty('task', PRESETS)}"
-            ),
+        "task": _optional(
+            "string",
+            "Task",
+            "Task",
+            "What is trained: `lm` (the built-in Llama 3 on the prepared dataset), `maxtext` (a MaxText model "
+            "on it) or your own code as "
+            "`package.module:factory` or `path/to/file.py:factory` (a path relative to the project), e.g. "
+            "`examples/regression/task.py:make_task`. A task that cannot be loaded fails the run before it "
+            f"trains. {when_empty('task', PRESETS)}",
         ),
-        "task_args": Param(
-            None,
-            type=["null", "object"],
-            title="Task arguments",
-            section="Task",
-            **text(
-                "The task's own arguments, as a JSON object that the task checks, e.g. "
-                '`{"hidden": 64, "seed": 1}`; for `maxtext`, `{"model_name": "llama3-8b", "overrides": {...}}`. '
-                "Empty: none (the built-in `lm` takes none)."
-            ),
+        "task_args": _optional(
+            "object",
+            "Task arguments",
+            "Task",
+            "The task's own arguments, as a JSON object that the task checks, e.g. "
+            '`{"hidden": 64, "seed": 1}`; for `maxtext`, `{"model_name": "llama3-8b", "overrides": {...}}`. '
+            "Empty: none (the built-in `lm` takes none).",
         ),
-        "init_from": Param(
-            None,
-            type=["null", "string"],
-            minLength=1,
-            title="Start from (Hugging Face Llama)",
-            section="Task",
-            **text(
-                "A Hugging Face Llama checkpoint the built-in `lm` task starts from: a directory (local, relative to "
-                "the project, or `gs://`) of `config.json` and `*.safetensors`. Its config sets the model's shapes "
-                "and its `tokenizer.json` the dataset's tokenizer. A run that resumes from its own checkpoint "
-                "ignores it. On GKE it must be `gs://` (the pods cannot read a path on the Airflow worker). Empty: a random init."
-            ),
+        "init_from": _optional(
+            "string",
+            "Start from (Hugging Face Llama)",
+            "Task",
+            "A Hugging Face Llama checkpoint the built-in `lm` task starts from: a directory (local, relative to "
+            "the project, or `gs://`) of `config.json` and `*.safetensors`. Its config sets the model's shapes "
+            "and its `tokenizer.json` the dataset's tokenizer. A run that resumes from its own checkpoint "
+            "ignores it. On GKE it must be `gs://` (the pods cannot read a path on the Airflow worker). Empty: a random init.",
         ),
         "dataset_source": Param(
             "stdlib",
@@ -256,24 +253,19 @@ def _task_and_data_params() -> dict[str, Param]:
                 "`gs://bucket/prefix`."
             ),
         ),
-        "dataset": Param(
-            None,
-            type=["null", "string"],
-            minLength=1,
-            title="Prepared dataset",
-            section="Data",
-            **text(
-                "Where the prepared dataset lives (a local path or `gs://`); prepared if missing. Empty: "
-                "`var/data/stdlib-seq<seq_len>` (one per sequence length)."
-            ),
+        "dataset": _optional(
+            "string",
+            "Prepared dataset",
+            "Data",
+            "Where the prepared dataset lives (a local path or `gs://`); prepared if missing. Empty: "
+            "`var/data/stdlib-seq<seq_len>` (one per sequence length).",
         ),
-        "dataset_max_bytes": Param(
-            None,
-            type=["null", "integer"],
+        "dataset_max_bytes": _optional(
+            "integer",
+            "Source bytes at most",
+            "Data",
+            "Read at most this many bytes of the source (10,000 or more). Empty: all of it.",
             minimum=10_000,
-            title="Source bytes at most",
-            section="Data",
-            description="Read at most this many bytes of the source (10,000 or more). Empty: all of it.",
         ),
     }
 
@@ -281,26 +273,20 @@ def _task_and_data_params() -> dict[str, Param]:
 def _export_params() -> dict[str, Param]:
     """The export after promotion: a format and a directory (both empty: no export)."""
     return {
-        "export_format": Param(
-            None,
-            type=["null", "string"],
+        "export_format": _optional(
+            "string",
+            "Export format",
+            "Checkpoints",
+            "After promotion, write the newest validated checkpoint to `export_dir`: `hf` (a Hugging Face "
+            "directory: config.json, safetensors, tokenizer.json) or `orbax` (the parameter tree alone, as "
+            "plain Orbax). Empty: no export.",
             enum=[None, "hf", "orbax"],
-            title="Export format",
-            section="Checkpoints",
-            **text(
-                "After promotion, write the newest validated checkpoint to `export_dir`: `hf` (a Hugging Face "
-                "directory: config.json, safetensors, tokenizer.json) or `orbax` (the parameter tree alone, as "
-                "plain Orbax). Empty: no export."
-            ),
         ),
-        "export_dir": Param(
-            None,
-            type=["null", "string"],
-            minLength=1,
-            title="Export directory",
-            section="Checkpoints",
-            description="A new or empty directory for the export (local, relative to the project, or gs://). "
-            "Empty: no export.",
+        "export_dir": _optional(
+            "string",
+            "Export directory",
+            "Checkpoints",
+            "A new or empty directory for the export (local, relative to the project, or gs://). Empty: no export.",
         ),
     }
 
@@ -369,27 +355,21 @@ def _backend_params() -> dict[str, Param]:
 def _chaos_and_overrides_params() -> dict[str, Param]:
     """The Chaos and Config overrides sections."""
     return {
-        "chaos": Param(
-            None,
-            type=["null", "array"],
+        "chaos": _optional(
+            "array",
+            "Fault injection",
+            "Chaos",
+            "One fault per line (empty: off), `action:key=value,...`, e.g. "
+            + ", ".join(f"`{x}`" for x in CHAOS_EXAMPLES)
+            + ".",
             items=CHAOS_RULES,
-            title="Fault injection",
-            section="Chaos",
-            **text(
-                "One fault per line (empty: off), `action:key=value,...`, e.g. "
-                + ", ".join(f"`{x}`" for x in CHAOS_EXAMPLES)
-                + "."
-            ),
         ),
-        "overrides": Param(
-            None,
-            type=["null", "object"],
-            title="Other config keys",
-            section="Config overrides",
-            **text(
-                'Any other run-config key (`rtrain config` lists them), as a JSON object, e.g. `{"learning_rate": '
-                "0.001}`; empty: none. Unknown keys, and keys that have a field of their own above, are refused."
-            ),
+        "overrides": _optional(
+            "object",
+            "Other config keys",
+            "Config overrides",
+            'Any other run-config key (`rtrain config` lists them), as a JSON object, e.g. `{"learning_rate": '
+            "0.001}`; empty: none. Unknown keys, and keys that have a field of their own above, are refused.",
         ),
     }
 
