@@ -36,6 +36,7 @@ from training.checkpoint.steps import fresh_gcs_listings, record_integrity
 from training.config import Config
 from training.layout import checkpoints_uri, step_uri
 from training.ready import wait_ready
+from training.sections import CheckpointSection
 from training.storage import join, open_store, scheme
 
 State = dict[str, Any]
@@ -45,15 +46,20 @@ fresh_gcs_listings()  # before Orbax lists a gs:// root in this process
 
 
 def use_ocdbt(cfg: Config) -> bool:
+    """Whether a config's Orbax checkpoints are OCDBT (``ocdbt_for`` its checkpoint section and root)."""
+    return ocdbt_for(cfg.checkpoint, cfg.root)
+
+
+def ocdbt_for(section: CheckpointSection, root: str) -> bool:
     """OCDBT (Orbax's default) unless told otherwise.
 
     ``auto`` picks plain zarr for a gs:// root served by a GCS emulator
     (STORAGE_EMULATOR_HOST set): OCDBT's manifest needs the object generations
     and conditional writes that real GCS has and emulators get wrong.
     """
-    if cfg.checkpoint_format == "auto":
-        return scheme(cfg.root).generations
-    return cfg.checkpoint_format == "ocdbt"
+    if section.checkpoint_format == "auto":
+        return scheme(root).generations
+    return section.checkpoint_format == "ocdbt"
 
 
 async def _record(path: Any) -> None:
@@ -125,7 +131,15 @@ MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL = 1 << 20
 def checkpoint_manager(
     cfg: Config, run: str, *, async_save: bool | None = None
 ) -> ocp.CheckpointManager | lean.LeanManager:
-    """The run's persistent checkpoint manager, shared by every process of the job.
+    """The run's persistent checkpoint manager (``manager_for`` its checkpoint section, the config written along)."""
+    return manager_for(cfg.checkpoint, run, config=cfg.model_dump(mode="json"), async_save=async_save)
+
+
+def manager_for(
+    section: CheckpointSection, run: str, *, config: dict[str, Any], async_save: bool | None = None
+) -> ocp.CheckpointManager | lean.LeanManager:
+    """The run's persistent checkpoint manager, shared by every process of the job, as the checkpoint section says;
+    ``config`` is the run's config in its JSON form (the lean format's index carries it).
 
     ``checkpoint_format: lean`` gets :class:`~training.checkpoint.lean.LeanManager`; the rest Orbax's.
 
@@ -138,8 +152,8 @@ def checkpoint_manager(
     - Replicated shards are split among replicas only above :data:`MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL`
       (a device slice per small array halved the blocking time of a small model's save).
     """
-    if cfg.checkpoint_format == "lean":
-        return lean.LeanManager(run, jax.process_count(), jax.process_index(), cfg.model_dump(mode="json"))
+    if section.checkpoint_format == "lean":
+        return lean.LeanManager(run, jax.process_count(), jax.process_index(), config)
     from etils import epath
 
     mp = ocp.options.MultiprocessingOptions(primary_host=0, active_processes=set(range(jax.process_count())))
@@ -151,7 +165,7 @@ def checkpoint_manager(
         max_to_keep=None,  # retention is the pruner's job: it knows validation and pins
         create=False,  # made above: not supported with active_processes
         cleanup_tmp_directories=True,  # a save cut off by a crash is never restored, and is cleaned up
-        enable_async_checkpointing=cfg.async_checkpoint if async_save is None else async_save,
+        enable_async_checkpointing=section.async_checkpoint if async_save is None else async_save,
         multiprocessing_options=mp,
         # Orbax's own choice of commit for the root's scheme, recording the step's integrity first.
         temporary_path_class=RecordedRename if scheme(str(root)).atomic_rename else RecordedCommitFile,
@@ -169,8 +183,8 @@ def checkpoint_manager(
     )
     handlers = {
         "state": ocp.PyTreeCheckpointHandler(
-            use_ocdbt=use_ocdbt(cfg),
-            use_compression=cfg.checkpoint_compression,
+            use_ocdbt=ocdbt_for(section, run),
+            use_compression=section.checkpoint_compression,
             multiprocessing_options=mp,
             type_handler_registry=registry,
         ),
