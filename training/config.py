@@ -56,6 +56,8 @@ class ConfigError(ValueError):
     """A config that cannot be run, with a message that names the key."""
 
 
+# The sections' keys, with their defaults and descriptions (checkpoint_format's among them), are in
+# training/sections.py; the presets (training/configs/*.yml) are written in sections.
 class RunKeys(BaseModel):
     """The run's own keys, at the top of the document: its name, where it lives, its preset and its task."""
 
