@@ -17,7 +17,7 @@ from airflow.sdk import BaseBranchOperator, BaseOperator, TriggerRule
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 
 from rtrain_airflow.hooks.training import RTrainConfigError, RTrainHook, format_validations, plan_text, readable
-from rtrain_airflow.triggers.training import PROGRESS_EVERY_S, RTrainTrainingJobTrigger
+from rtrain_airflow.triggers.training import PROGRESS_EVERY_S, RTrainTrainingJobTrigger, WatchEnd
 from training.api import Config, DatasetSpec, RunSpec
 from training.backends import Backend, BackendError, JobSpec, placement
 from training.service import commands
@@ -43,7 +43,7 @@ def job_spec(spec: Mapping[str, Any], cfg: Config) -> JobSpec:
     return JobSpec(cfg, placement(str(spec["backend"]), spec.get("gke"), spec.get("priority")))
 
 
-def check_spec(spec: Any, who: str) -> dict[str, Any]:
+def check_spec(spec: Any, who: str) -> RunSpec:
     """A resolved run spec (what RTrainResolveRunConfigOperator returned), or an error naming the problem."""
     if not isinstance(spec, Mapping):
         raise AirflowFailException(
@@ -52,7 +52,7 @@ def check_spec(spec: Any, who: str) -> dict[str, Any]:
     missing = [k for k in ("config", "run_uri", "backend") if k not in spec]
     if missing:
         raise AirflowFailException(f"{who}: spec lacks {', '.join(missing)}")
-    return dict(spec)
+    return cast(RunSpec, dict(spec))
 
 
 class _RTrainBaseOperator(BaseOperator):
@@ -81,14 +81,14 @@ class _RTrainBaseOperator(BaseOperator):
     def hook(self) -> RTrainHook:
         return RTrainHook()
 
-    def resolved_spec(self, context: Context) -> dict[str, Any] | None:
+    def resolved_spec(self, context: Context) -> RunSpec | None:
         """The run spec; None when ``spec_from`` left none (a teardown after a refused conf)."""
         if self.spec is not None:
             return check_spec(self.spec, self.task_id)
         value = context["ti"].xcom_pull(task_ids=self.spec_from)
         return None if value is None else check_spec(value, self.task_id)
 
-    def required_spec(self, context: Context) -> dict[str, Any]:
+    def required_spec(self, context: Context) -> RunSpec:
         spec = self.resolved_spec(context)
         if spec is None:
             raise AirflowException(f"{self.task_id}: {self.spec_from} left no run spec (did it run?)")
@@ -253,7 +253,7 @@ class RTrainPrepareDatasetOperator(_RTrainBaseOperator):
         if not cfg.prepared_tokens:
             self.log.info("Task %s brings its own data: nothing to prepare", cfg.task)
             return {"dataset": None, "task": cfg.task}
-        data = spec.get("dataset") or {}
+        data: Mapping[str, Any] = spec.get("dataset") or {}  # an older spec may lack uri and refresh
         max_bytes = data.get("max_bytes")
         if max_bytes is not None and int(max_bytes) < 1:
             raise AirflowFailException(f"dataset_max_bytes: positive or null, got {max_bytes!r}")
@@ -493,7 +493,7 @@ class RTrainRollbackAndResumeOperator(_RTrainBaseOperator):
             if e.get("kind") == "validation" and f"(dag run {context['run_id']})" in str(e.get("reason"))
         ]
 
-    def _round(self, context: Context, spec: dict[str, Any]) -> dict[str, Any]:
+    def _round(self, context: Context, spec: RunSpec) -> dict[str, Any]:
         cfg = self.run_config(spec)
         run_uri = spec["run_uri"]
         rounds = self._rollbacks(context, run_uri)
@@ -546,7 +546,7 @@ class RTrainRollbackAndResumeOperator(_RTrainBaseOperator):
         )
         raise AssertionError("defer() returns only by raising")  # pragma: no cover
 
-    def resume_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
+    def resume_complete(self, context: Context, event: WatchEnd) -> dict[str, Any]:
         if event.get("status") == "stopped":  # a person stopped the resumed job: not a failure (see the sensor)
             raise AirflowSkipException(f"the resumed job was {event.get('state')}: {event.get('message')} (resumable)")
         if event.get("status") != "success":

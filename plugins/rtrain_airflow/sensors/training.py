@@ -30,8 +30,8 @@ from airflow.sdk.exceptions import AirflowException, AirflowSkipException
 
 from rtrain_airflow.hooks.training import RTrainHook, absolute
 from rtrain_airflow.operators.training import RESOLVE_TASK_ID, _is_deferred_value, check_spec, job_spec
-from rtrain_airflow.triggers.training import PROGRESS_EVERY_S, RELAYED, RTrainTrainingJobTrigger
-from training.api import Config, describe
+from rtrain_airflow.triggers.training import PROGRESS_EVERY_S, RELAYED, RTrainTrainingJobTrigger, WatchEnd
+from training.api import Config, RunSpec, describe
 from training.backends import ALIVE
 from training.backends.base import JobHandle
 from training.backends.watch import JobWatch, timeouts
@@ -40,10 +40,11 @@ if TYPE_CHECKING:
     from airflow.sdk import Context
 
 
-def check_handle(handle: Any, who: str) -> dict[str, Any]:
+def check_handle(handle: Any, who: str) -> JobHandle:
+    """The job handle a launch task returned (through XCom), or an error naming the problem."""
     if not isinstance(handle, Mapping) or not handle.get("backend") or not handle.get("run_uri"):
         raise AirflowException(f"{who}: handle must be what the launch task returned, got {handle!r}")
-    return dict(handle)
+    return cast(JobHandle, dict(handle))
 
 
 # The plugin's Training view (plugins/rtrain_plugin.py, mounted by the API server under /rtrain).
@@ -161,7 +162,7 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
     def hook(self) -> RTrainHook:
         return RTrainHook()
 
-    def _spec(self, context: Context) -> dict[str, Any]:
+    def _spec(self, context: Context) -> RunSpec:
         if self.spec is not None:
             return check_spec(self.spec, self.task_id)
         value = context["ti"].xcom_pull(task_ids=self.spec_from)
@@ -169,7 +170,7 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
             raise AirflowException(f"{self.task_id}: {self.spec_from} left no run spec (did it run?)")
         return check_spec(value, self.task_id)
 
-    def _job(self, context: Context) -> tuple[dict[str, Any], Any, dict[str, Any]]:
+    def _job(self, context: Context) -> tuple[RunSpec, Config, JobHandle]:
         """(spec, config, handle of the job to watch), relaunching on a retry when the job is gone."""
         spec = self._spec(context)
         handle = check_handle(self.handle, self.task_id)
@@ -180,7 +181,7 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
             # The run's current job: the one an earlier try relaunched, if it did (its status names it).
             current = (self.hook.status(cfg.run_uri) or {}).get("job")
             if current and current != handle.get("job"):
-                handle = {**handle, "job": current, "attached": True, "launched_at": time.time()}
+                handle = {**handle, "job": str(current), "attached": True, "launched_at": time.time()}
             look = backend.poll(handle, timeouts(cfg, self.start_timeout_s))
             if look["state"] == "failed":
                 self.log.warning(
@@ -190,7 +191,7 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
                 )
                 committed = self.hook.committed_steps(cfg.run_uri)[-1:] or None
                 relaunch = job_spec(spec, cfg.model_copy(update={"resume_from": "latest"}))
-                handle = dict(backend.launch(relaunch, attempt=try_number))
+                handle = backend.launch(relaunch, attempt=try_number)
                 self.log.warning(
                     "[rtrain] relaunched %s (newest committed step %s): %s", cfg.run_name, committed, handle
                 )
@@ -222,7 +223,7 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
             handle = getattr(self, "_watching", None) or check_handle(self.handle, self.task_id)
             self._job_watch = JobWatch(
                 lambda: self.hook.backend_for(spec),
-                cast(JobHandle, handle),
+                handle,
                 timeouts(cfg, self.start_timeout_s),
                 handle.get("events_after"),
             )
@@ -276,7 +277,7 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
         )
         raise AirflowSkipException(f"training run {run_uri} was {state}: {reason} (resumable)")
 
-    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
+    def execute_complete(self, context: Context, event: WatchEnd) -> WatchEnd:
         if event.get("status") == "stopped":
             self._stopped(
                 event.get("run_uri"), str(event.get("state")), event.get("message"), event.get("latest_committed")

@@ -21,14 +21,14 @@ import re
 import time
 from collections.abc import AsyncIterator, Generator, Mapping
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any, NotRequired, TypedDict, cast
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from training.api import Config, Event, EventReader, describe, duration, find_recoveries
+from training.api import Config, Event, EventReader, RecoveryRow, RunStatus, describe, duration, find_recoveries
 from training.backends import Backend
 from training.backends.base import JobHandle, Timeouts
-from training.backends.watch import BY_REQUEST, Look, Unreadable, WatchItem, timeouts, watch
+from training.backends.watch import BY_REQUEST, Look, Outcome, Unreadable, WatchItem, timeouts, watch
 from training.service import commands
 from training.service.commands import QueueRow
 
@@ -96,7 +96,7 @@ class Progress:
         step_time = ev.get("step_time")
         return float(step_time) if isinstance(step_time, int | float) and step_time > 0 else None
 
-    def line(self, ev: Event, status: dict[str, Any], outlook: QueueRow | None = None) -> str:
+    def line(self, ev: Event, status: RunStatus, outlook: QueueRow | None = None) -> str:
         """The progress line of a progress event (``describe`` with what the watch knows besides).
 
         The ETA is the service's forecast when the run is in a shared pool (``outlook``: it knows
@@ -117,17 +117,38 @@ class Progress:
         return describe(fields)
 
 
+class SeenRecovery(RecoveryRow):
+    """A recovery as a watch saw it: ``seen_after_s`` after the job was training again."""
+
+    seen_after_s: float
+
+
+class WatchEnd(TypedDict):
+    """The trigger's one event: how the job ended for Airflow, where it stood, the recoveries the watch saw."""
+
+    status: Outcome  # success, failed, stopped (a person's stop or cancel)
+    run_uri: str
+    state: str | None  # None: the run could not be read any more
+    step: int | None
+    latest_committed: int | None
+    failures: NotRequired[int | None]
+    recoveries: list[SeenRecovery]
+    events_after: str | None  # the newest event read: a later watch goes on from there
+    message: NotRequired[str]  # why it failed or was stopped
+    handle: NotRequired[dict[str, Any]]  # the polling sensor's: the job it watched
+
+
 class Recoveries:
     """The failures a watch has read, and the recoveries it paired them with (as the sensor counts them)."""
 
     def __init__(self) -> None:
         self.measured: list[Event] = []  # what the recoveries are measured from (find_recoveries)
-        self.recoveries: list[dict[str, Any]] = []
+        self.recoveries: list[SeenRecovery] = []
         self.told = (
             False  # the engine's own "recovered" event told the last recovery (the trigger's line is not needed)
         )
 
-    def see(self, ev: Event) -> dict[str, Any] | None:
+    def see(self, ev: Event) -> SeenRecovery | None:
         """The recovery this event completes (a ``resumed`` after failures), if it does."""
         if ev["type"] in ("failure", "rollback", "restore", "init", "resumed"):
             self.measured.append(ev)
@@ -141,7 +162,7 @@ class Recoveries:
             done = [r for r in find_recoveries(self.measured) if r["resumed_at"] is not None]
             if len(done) <= len(self.recoveries):
                 return None
-            recovered = {**done[-1], "seen_after_s": round(time.time() - ev["time"], 3)}
+            recovered = SeenRecovery(**done[-1], seen_after_s=round(time.time() - ev["time"], 3))
             self.recoveries.append(recovered)
             return recovered
         return None
@@ -174,15 +195,25 @@ def written_at(ev: Event) -> dict[str, str]:
     return {"timestamp": datetime.fromtimestamp(float(t), tz=UTC).isoformat().replace("+00:00", "Z")}
 
 
-def final_event(found: Look, base: dict[str, Any]) -> TriggerEvent | None:
+def final_event(found: Look, run_uri: str, story: Recoveries) -> TriggerEvent | None:
     """The trigger's event for a job that is over (finished, failed, or stopped by a person); None while it lives."""
     outcome = found.outcome
     if outcome is None:
         return None
-    if outcome == "success":
-        return TriggerEvent({"status": "success", **base})
-    why = found.reason or ("the job failed" if outcome == "failed" else f"the run was {found.state}")
-    return TriggerEvent({"status": outcome, "message": why, **base})
+    st = found.status
+    end = WatchEnd(
+        status=outcome,
+        run_uri=run_uri,
+        state=found.state,
+        step=st.get("step"),
+        latest_committed=st.get("latest_committed"),
+        failures=st.get("failures"),
+        recoveries=story.recoveries,
+        events_after=found.cursor,
+    )
+    if outcome != "success":
+        end["message"] = found.reason or ("the job failed" if outcome == "failed" else f"the run was {found.state}")
+    return TriggerEvent(end)
 
 
 class RTrainTrainingJobTrigger(BaseTrigger):
@@ -262,7 +293,7 @@ class RTrainTrainingJobTrigger(BaseTrigger):
 
     # --- one look (blocking; runs in a thread) --------------------------------------------------
 
-    def _tell(self, ev: Event, recovered: dict[str, Any] | None, told: bool) -> None:
+    def _tell(self, ev: Event, recovered: SeenRecovery | None, told: bool) -> None:
         """Log the event's sentence, or the recovery it completes (unless the engine ``told`` it), dated by the event."""
         if recovered is not None and not told:
             self.log.info(
@@ -297,18 +328,17 @@ class RTrainTrainingJobTrigger(BaseTrigger):
 
     def _unreadable(self, e: Exception, story: Recoveries, cursor: str | None) -> TriggerEvent:
         """The end of a watch that cannot read its run any more."""
-        return TriggerEvent(
-            {
-                "status": "failed",
-                "run_uri": self.run_uri,
-                "message": f"cannot read the run: {e}",
-                "state": None,
-                "step": None,
-                "latest_committed": None,
-                "recoveries": story.recoveries,
-                "events_after": cursor,
-            }
+        end = WatchEnd(
+            status="failed",
+            run_uri=self.run_uri,
+            message=f"cannot read the run: {e}",
+            state=None,
+            step=None,
+            latest_committed=None,
+            recoveries=story.recoveries,
+            events_after=cursor,
         )
+        return TriggerEvent(end)
 
     def _backend(self) -> Backend:
         """The watch's backend, made by the hook (one per watch; GKE: one cluster and its clients)."""
@@ -344,7 +374,7 @@ class RTrainTrainingJobTrigger(BaseTrigger):
                     return
                 await asyncio.sleep(self.poll_interval)
                 continue
-            st: dict[str, Any] = dict(found.status)
+            st = found.status
             if _gist(found.waiting) != _gist(waiting):  # the reasons and counts, not the messages
                 waiting = found.waiting
                 self.log.info("[rtrain] %s", f"pods waiting: {waiting}" if waiting else "no pod waits any more")
@@ -374,16 +404,7 @@ class RTrainTrainingJobTrigger(BaseTrigger):
                 if i == newest and due and ev.get("step") != progress.logged_step:
                     self.log.info("[rtrain] %s", progress.line(ev, st, outlook))
                     progress.logged_step, progress.logged_at = ev.get("step"), now
-            base = {
-                "run_uri": self.run_uri,
-                "state": found.state,
-                "step": st.get("step"),
-                "latest_committed": st.get("latest_committed"),
-                "failures": st.get("failures"),
-                "recoveries": story.recoveries,
-                "events_after": cursor,
-            }
-            end = final_event(found, base)
+            end = final_event(found, self.run_uri, story)
             if end is not None:
                 yield end
                 return
