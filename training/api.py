@@ -1,4 +1,4 @@
-"""The small API the CLI and the Airflow plugin call: plan, launch, watch, stop, and the checkpoint lifecycle.
+"""The small API the CLI, the backends and the Airflow plugin call: plan, begin a job, look, stop, the checkpoint lifecycle.
 
 This is the one door into ``training`` for the Airflow side (``plugins/`` imports
 nothing else of ours but the shared pool's verbs, ``training.service.commands``),
