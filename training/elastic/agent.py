@@ -46,6 +46,7 @@ from training.elastic.capacity import LocalCapacity
 from training.elastic.codes import AgentExit
 from training.elastic.follower import RoundFollower
 from training.elastic.heartbeat import Heartbeat, first_record
+from training.elastic.hostctx import HostContext
 from training.elastic.hostwatch import Listener, host_watch_port
 from training.elastic.leadership import Leadership
 from training.elastic.rendezvous import Outcome, Rendezvous, Round
@@ -114,34 +115,15 @@ class HostAgent:
         self.heart = Heartbeat(self.rdv, record, self.cfg.heartbeat_s)
         self.writer = Writer(host)
         self.cadence = cadence(self.cfg.max_workers, scheme(run).requests, self.cfg.heartbeat_s, self.cfg.lease_s)
-        self.lead = Leadership(
-            self.cfg,
-            self.store,
-            self.rdv,
-            ledger,
-            self.events,
-            run_uri=run,
-            job=job,
-            host=host,
-            capacity=self.capacity,
-            cadence=self.cadence,
-            heart=self.heart,
-            emit=self.emit,
-            stop_worker_at_step=self._stop_worker_at_step,
+        ctx = HostContext(
+            self.cfg, run, job, host, self.store, self.rdv, ledger, self.events, self.heart, self.emit, self.capacity
         )
+        self.lead = Leadership(ctx, cadence=self.cadence, stop_worker_at_step=self._stop_worker_at_step)
         self.reports = ReportHandler(
-            self.cfg,
-            self.store,
-            self.rdv,
-            ledger,
-            run_uri=run,
-            host=host,
+            ctx,
             local_dir=local_tier.host_dir(self.cfg.local_checkpoint_dir, run, job, host),
             step_beat_s=self.cadence.step_beat_s,
-            heart=self.heart,
             writer=self.writer,
-            emit=self.emit,
-            capacity=self.capacity,
             leaving_at=lambda: self.leaving["at"] if self.leaving is not None else None,
             warm=self._warm,
         )

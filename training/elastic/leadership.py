@@ -16,18 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from training.cadence import Cadence
-from training.checkpoint.ledger import Ledger
 from training.checkpoint.lock import LeaseKeeper, LockHeld, LockLost, LockRecord, RunLock
-from training.config import Config
-from training.elastic.capacity import LocalCapacity
 from training.elastic.codes import AgentExit
-from training.elastic.heartbeat import Heartbeat
+from training.elastic.hostctx import HostContext
 from training.elastic.hostwatch import HostWatch
 from training.elastic.jobstatus import Phase
 from training.elastic.leader import Leader
-from training.elastic.rendezvous import Rendezvous
-from training.events import EventLog
-from training.storage import LASTING_WRITE_ERRORS, Store, is_transient
+from training.storage import LASTING_WRITE_ERRORS, is_transient
 
 log = logging.getLogger("rtrain.agent")
 
@@ -45,26 +40,17 @@ class Leadership:
 
     def __init__(
         self,
-        cfg: Config,
-        store: Store,
-        rdv: Rendezvous,
-        ledger: Ledger,
-        events: EventLog,
+        ctx: HostContext,
         *,
-        run_uri: str,
-        job: str,
-        host: str,
-        capacity: LocalCapacity | None,
         cadence: Cadence,
-        heart: Heartbeat,
-        emit: Callable[..., None],
         stop_worker_at_step: Callable[[int], bool] = lambda _round: False,
     ) -> None:
+        cfg, store, job, host, emit, heart = ctx.cfg, ctx.store, ctx.job, ctx.host, ctx.emit, ctx.heart
         self.cfg = cfg
         self.store = store
-        self.rdv = rdv
-        self.ledger = ledger
-        self.events = events
+        self.rdv = ctx.rdv
+        self.ledger = ctx.ledger
+        self.events = ctx.events
         rec = heart.record
         self.lock = RunLock(
             store,
@@ -75,10 +61,10 @@ class Leadership:
             contact={"host": host, "started": rec.started, "watch": rec.watch},
         )
         self.host_watch = HostWatch()  # connections to other agents (they survive a change of leader)
-        self.run_uri = run_uri
+        self.run_uri = ctx.run_uri
         self.job = job
         self.host = host
-        self.capacity = capacity
+        self.capacity = ctx.capacity
         self.cadence = cadence
         self.heart = heart  # this host's heartbeat record: it says whether this host leads
         self._emit = emit

@@ -18,19 +18,16 @@ from typing import Any
 
 from training import storage
 from training.checkpoint import local as local_tier
-from training.checkpoint.ledger import Ledger
 from training.checkpoint.steps import file_checksums, recorded_checksums
-from training.config import Config
-from training.elastic.capacity import LocalCapacity
-from training.elastic.heartbeat import Heartbeat
+from training.elastic.hostctx import HostContext
 from training.elastic.outcomes import last_error, recovery_cost, worker_outcome
-from training.elastic.rendezvous import Outcome, Rendezvous, Report
+from training.elastic.rendezvous import Outcome, Report
 from training.elastic.wire import ReportType, WorkerReport
 from training.elastic.workerproc import WorkerProc
 from training.elastic.writer import Writer
 from training.faults import KINDS, Fault, parse_chaos
 from training.scalars import ScalarLog
-from training.storage import Store, is_transient
+from training.storage import is_transient
 
 log = logging.getLogger("rtrain.agent")
 
@@ -63,32 +60,24 @@ class ReportHandler:
 
     def __init__(
         self,
-        cfg: Config,
-        store: Store,
-        rdv: Rendezvous,
-        ledger: Ledger,
+        ctx: HostContext,
         *,
-        run_uri: str,
-        host: str,
         local_dir: Path,
         step_beat_s: float,
-        heart: Heartbeat,
         writer: Writer,
-        emit: Callable[..., None],
-        capacity: LocalCapacity | None,
         leaving_at: Callable[[], float | None],
         warm: Callable[[], None],
     ) -> None:
-        self.cfg = cfg
-        self.store = store
-        self.rdv = rdv
-        self.ledger = ledger
-        self.run_uri = run_uri
-        self.host = host
-        self.heart = heart  # this host's heartbeat record
+        self.cfg = ctx.cfg
+        self.store = ctx.store
+        self.rdv = ctx.rdv
+        self.ledger = ctx.ledger
+        self.run_uri = ctx.run_uri
+        self.host = ctx.host
+        self.heart = ctx.heart  # this host's heartbeat record
         self.writer = writer  # the agent's writes, in order, off the main loop
-        self.emit = emit  # write an event now
-        self.capacity = capacity  # the local slice's pool (a preempted host leaves it)
+        self.emit = ctx.emit  # write an event now
+        self.capacity = ctx.capacity  # the local slice's pool (a preempted host leaves it)
         self.leaving_at = leaving_at  # when this host got a preemption notice (None: it did not)
         self.warm = warm  # start the next worker warming up (unless this host is leaving)
         self.local_dir = local_dir  # this host's local checkpoint tier
