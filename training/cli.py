@@ -360,7 +360,7 @@ def cmd_config(args: argparse.Namespace) -> int:
         dump(keys)
         return Exit.OK
     for k in keys:
-        print(f"{k['key']:<24} {k['type']:<22} {k['default']:<16} {k['description']}")
+        print(f"{k['key']:<36} {k['type']:<22} {k['default']:<16} {k['description']}")
     return Exit.OK
 
 
