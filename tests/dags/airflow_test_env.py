@@ -9,12 +9,16 @@ collected.  It is idempotent (a second call keeps the first home).
 from __future__ import annotations
 
 import atexit
+import contextlib
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -171,3 +175,66 @@ def drive(dag: Any, run_id: str) -> Any:
             for ti in scheduled:
                 _run_task(ti=ti, task=dag.task_dict[ti.task_id], run_triggerer=True)
         return dr
+
+
+@dataclass(frozen=True)
+class APIServer:
+    """A running ``airflow api-server`` on 127.0.0.1: its URL, an admin's JWT, its log file."""
+
+    base: str
+    token: str
+    log: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+
+@contextlib.contextmanager
+def api_server(log_dir: Path, env: Mapping[str, str] | None = None) -> Iterator[APIServer]:
+    """A real ``airflow api-server`` (one worker, a free port) with one admin, this repo's DAGs serialized first
+    (it serves DAGs from the metadata DB); ``env`` is added to its environment.  Always stopped, workers and all."""
+    import requests
+    from processes import stop_process_group
+
+    from tests.conftest import free_port
+
+    exe = str(Path(sys.executable).parent / "airflow")
+    passwords = log_dir / "passwords.json"
+    password = os.urandom(8).hex()
+    passwords.write_text(json.dumps({"admin": password}))
+    env = {
+        **os.environ,
+        **(env or {}),
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords),
+    }
+    subprocess.run([exe, "dags", "reserialize"], env=env, check=True, capture_output=True, timeout=180)
+    port = free_port()
+    log = open(log_dir / "api-server.log", "wb")
+    proc = subprocess.Popen(
+        [exe, "api-server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+
+        def up() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the API server exited with {proc.returncode}; see {log.name}")
+            try:
+                return requests.get(f"{base}/api/v2/monitor/health", timeout=2).status_code == 200
+            except requests.RequestException:
+                return False
+
+        wait_for(up, 120, interval=0.5, what="the API server")
+        token = requests.post(
+            f"{base}/auth/token", json={"username": "admin", "password": password}, timeout=10
+        ).json()["access_token"]
+        yield APIServer(base, str(token), log.name)
+    finally:
+        stop_process_group(proc)  # the API server and its workers
+        log.close()

@@ -6,72 +6,21 @@ bounded waits, and always stopped.
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
-from airflow_test_env import wait_for
-from processes import stop_process_group
+from airflow_test_env import api_server
 
 DAG_ID = "resilient_training"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def api(airflow_db: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    home = Path(os.environ["AIRFLOW_HOME"])
-    exe = str(Path(sys.executable).parent / "airflow")
-    passwords = home / "passwords.json"
-    password = os.urandom(8).hex()
-    passwords.write_text(json.dumps({"admin": password}))
-    env = {
-        **os.environ,
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords),
-    }
-    # The API server serves DAGs from the metadata DB: serialize ours first (what the DAG processor does).
-    subprocess.run([exe, "dags", "reserialize"], env=env, check=True, capture_output=True, timeout=180)
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("api") / "api-server.log", "wb")
-    proc = subprocess.Popen(
-        [exe, "api-server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-
-        def up() -> bool:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the API server exited with {proc.returncode}; see {log.name}")
-            try:
-                return requests.get(f"{base}/api/v2/monitor/health", timeout=2).status_code == 200
-            except requests.RequestException:
-                return False
-
-        wait_for(up, 120, interval=0.5, what="the API server")
-        token = requests.post(
-            f"{base}/auth/token", json={"username": "admin", "password": password}, timeout=10
-        ).json()["access_token"]
-        yield {"base": base, "headers": {"Authorization": f"Bearer {token}"}}
-    finally:
-        stop_process_group(proc)  # the API server and its workers
-        log.close()
+    with api_server(tmp_path_factory.mktemp("api")) as server:
+        yield {"base": server.base, "headers": server.headers}
 
 
 def trigger(api: dict[str, Any], conf: dict[str, Any]) -> requests.Response:

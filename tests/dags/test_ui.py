@@ -9,11 +9,8 @@ The run roots are written by hand (tests/dags/fake_runs.py): no JAX runs here.  
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,9 +20,7 @@ from urllib.parse import quote
 import fake_runs
 import pytest
 import requests
-from airflow_test_env import REPO, wait_for
-from processes import stop_process_group
-from test_rest_trigger import free_port
+from airflow_test_env import REPO, api_server, wait_for
 
 DAG_ID = "resilient_training"
 ROUTES = ("status", "events", "report", "checkpoints", "chart", "view")
@@ -62,48 +57,13 @@ def ui(airflow_db: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
     (broken / "status.json").unlink()
     (broken / "status.json").mkdir()  # unreadable: a storage error
 
-    home = Path(os.environ["AIRFLOW_HOME"])
-    exe = str(Path(sys.executable).parent / "airflow")
-    passwords = home / "ui-passwords.json"
-    password = os.urandom(8).hex()
-    passwords.write_text(json.dumps({"admin": password}))
-    env = {
-        **os.environ,
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords),
-        "RTRAIN_PROJECT_ROOT": str(project),
-        "RTRAIN_STORAGE_ROOTS": f"{extra}:gs://rtrain-ui-test/runs",
-    }
-    # The API server serves DAGs from the metadata DB: serialize ours (with the link as this code names it).
-    subprocess.run([exe, "dags", "reserialize"], env=env, check=True, capture_output=True, timeout=180)
-    port = free_port()
-    log = open(base_dir / "api-server.log", "wb")
-    proc = subprocess.Popen(
-        [exe, "api-server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-
-        def up() -> bool:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the API server exited with {proc.returncode}; see {log.name}")
-            try:
-                return requests.get(f"{base}/api/v2/monitor/health", timeout=2).status_code == 200
-            except requests.RequestException:
-                return False
-
-        wait_for(up, 120, interval=0.5, what="the API server")
-        token = requests.post(
-            f"{base}/auth/token", json={"username": "admin", "password": password}, timeout=10
-        ).json()["access_token"]
+    env = {"RTRAIN_PROJECT_ROOT": str(project), "RTRAIN_STORAGE_ROOTS": f"{extra}:gs://rtrain-ui-test/runs"}
+    with api_server(base_dir, env) as server:
+        base, token = server.base, server.token
         # A DAG run of the pipeline (no scheduler runs here: it stays queued until a test moves it).
         dag_run = requests.post(
             f"{base}/api/v2/dags/{DAG_ID}/dagRuns",
-            headers={"Authorization": f"Bearer {token}"},
+            headers=server.headers,
             json={"logical_date": None, "conf": {"run_name": "ui-demo"}},
             timeout=30,
         )
@@ -111,17 +71,14 @@ def ui(airflow_db: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
         yield {
             "base": base,
             "token": token,
-            "headers": {"Authorization": f"Bearer {token}"},
+            "headers": server.headers,
             "project": project,
             "runs": runs,
             "extra": extra,
             "outside": outside,
             "dag_run": dag_run.json()["dag_run_id"],
-            "log": log.name,
+            "log": server.log,
         }
-    finally:
-        stop_process_group(proc)  # the API server and its workers
-        log.close()
 
 
 def get(ui: dict[str, Any], path: str, auth: bool = True, root: str | None = None) -> requests.Response:
