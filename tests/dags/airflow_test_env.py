@@ -16,8 +16,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -238,3 +239,24 @@ def api_server(log_dir: Path, env: Mapping[str, str] | None = None) -> Iterator[
     finally:
         stop_process_group(proc)  # the API server and its workers
         log.close()
+
+
+def dag_test_beside(
+    dag: Any, conf: dict[str, Any], console: Callable[[dict[str, Any]], None]
+) -> tuple[Any, dict[str, Any]]:
+    """``dag.test()`` of ``conf`` while ``console(seen)`` acts as a person at the console, in a thread, noting what it
+    saw in ``seen``; an error it raised fails the test.  The DAG run and ``seen``."""
+    seen: dict[str, Any] = {}
+
+    def act() -> None:
+        try:
+            console(seen)
+        except Exception as e:  # noqa: BLE001 - reported below, in the test's thread
+            seen["error"] = repr(e)
+
+    helper = threading.Thread(target=act, daemon=True)
+    helper.start()
+    dr = dag.test(run_conf=conf, logical_date=None)
+    helper.join(timeout=30)
+    assert "error" not in seen, seen
+    return dr, seen

@@ -4,11 +4,10 @@ triggering again with ``resume_from`` and overrides.  All with dag.test() and re
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pytest
-from airflow_test_env import alerts, clear_tasks, drive, events, task_states, wait_for, xcom
+from airflow_test_env import alerts, clear_tasks, dag_test_beside, drive, events, task_states, wait_for, xcom
 
 from training.api import Event, set_capacity, status
 
@@ -39,37 +38,29 @@ def test_sensor_retry_relaunches_from_the_newest_committed_checkpoint(
     conf = run_conf("retry", **LOSE_A_HOST, overrides={**FAST_FAIL, "capacity_timeout_s": 8})
     run_uri = f"{conf['storage_root']}/retry"
     stop_agents.append(run_uri)
-    seen: dict[str, Any] = {}
 
-    def operator_at_the_console() -> None:
+    def operator_at_the_console(seen: dict[str, Any]) -> None:
+        st = wait_for(
+            lambda: (status(run_uri) or {}).get("state") == "waiting_for_capacity" and status(run_uri),
+            240,
+            what="the job waiting for capacity",
+        )
+        # One job per run: a second job is refused by the lock (naming the holder), a relaunch re-attaches.
+        from training.api import LaunchRefused, load_run_config
+        from training.backends import JobSpec, LocalSliceBackend
+        from training.backends.local import launch
+
         try:
-            st = wait_for(
-                lambda: (status(run_uri) or {}).get("state") == "waiting_for_capacity" and status(run_uri),
-                240,
-                what="the job waiting for capacity",
-            )
-            # One job per run: a second job is refused by the lock (naming the holder), a relaunch re-attaches.
-            from training.api import LaunchRefused, load_run_config
-            from training.backends import JobSpec, LocalSliceBackend
-            from training.backends.local import launch
+            launch(load_run_config(run_uri))
+        except LaunchRefused as e:
+            seen["second_job_refused"] = str(e)
+        seen["relaunch"] = LocalSliceBackend().launch(JobSpec.local(load_run_config(run_uri)), attempt=1)
+        seen["first_job"] = st["job"]
+        wait_for(lambda: events(run_uri, "failed"), 240, what="the job giving up")
+        seen["capacity_back_at"] = __import__("time").time()
+        set_capacity(run_uri, 2, reason="test: hosts are back")
 
-            try:
-                launch(load_run_config(run_uri))
-            except LaunchRefused as e:
-                seen["second_job_refused"] = str(e)
-            seen["relaunch"] = LocalSliceBackend().launch(JobSpec.local(load_run_config(run_uri)), attempt=1)
-            seen["first_job"] = st["job"]
-            wait_for(lambda: events(run_uri, "failed"), 240, what="the job giving up")
-            seen["capacity_back_at"] = __import__("time").time()
-            set_capacity(run_uri, 2, reason="test: hosts are back")
-        except Exception as e:  # noqa: BLE001 - reported by the test below
-            seen["error"] = repr(e)
-
-    helper = threading.Thread(target=operator_at_the_console, daemon=True)
-    helper.start()
-    dr = dag.test(run_conf=conf, logical_date=None)
-    helper.join(timeout=30)
-    assert "error" not in seen, seen
+    dr, seen = dag_test_beside(dag, conf, operator_at_the_console)
 
     states = task_states(dr)
     assert dr.state == "success", states

@@ -4,35 +4,25 @@ resumes from its newest committed checkpoint.  With dag.test() and real jobs."""
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pytest
-from airflow_test_env import alerts, events, task_states, wait_for
+from airflow_test_env import alerts, dag_test_beside, events, task_states, wait_for
 
 from training import api
 
 pytestmark = pytest.mark.slow
 
 
-def stop_after_a_commit(run_uri: str, seen: dict[str, Any]) -> None:
-    """As a person at the console would: once a checkpoint is committed, ``rtrain stop`` the run."""
-    try:
-        wait_for(lambda: api.committed_steps(run_uri), 300, what="a committed checkpoint")
-        api.stop_job(run_uri, "stopped by the test's operator")
-        seen["stopped_at"] = __import__("time").time()
-    except Exception as e:  # noqa: BLE001 - reported by the test
-        seen["error"] = repr(e)
-
-
 def stopped_dag_run(dag: Any, conf: dict[str, Any], run_uri: str) -> Any:
     """A DAG run whose job a person stops after its first commit: checked as Airflow shows it."""
-    seen: dict[str, Any] = {}
-    helper = threading.Thread(target=stop_after_a_commit, args=(run_uri, seen), daemon=True)
-    helper.start()
-    dr = dag.test(run_conf=conf, logical_date=None)
-    helper.join(timeout=30)
-    assert "error" not in seen, seen
+
+    def stop_after_a_commit(seen: dict[str, Any]) -> None:
+        """As a person at the console would: once a checkpoint is committed, ``rtrain stop`` the run."""
+        wait_for(lambda: api.committed_steps(run_uri), 300, what="a committed checkpoint")
+        api.stop_job(run_uri, "stopped by the test's operator")
+
+    dr, _seen = dag_test_beside(dag, conf, stop_after_a_commit)
 
     states = task_states(dr)
     assert dr.state == "success", states
