@@ -189,10 +189,11 @@ class CheckpointSection(Section):
         "a Spot preemption; a GKE Spot job is refused unless this plus 5 s fits).",
     )
     checkpoint_format: Literal["lean", "auto", "ocdbt", "zarr"] = Field(
-        "lean",
-        description="How persistent checkpoints are written. lean: each process writes the shards it is the writer of "
-        "once, with an index (a few files per process and save, a tenth of Orbax's CPU). ocdbt or zarr: Orbax's "
-        "formats; auto = OCDBT except against a GCS emulator. Steps of any format restore whatever this says.",
+        "auto",
+        description="How persistent checkpoints are written. ocdbt or zarr: Orbax's formats, the state's own tree "
+        "by name (a plain orbax.checkpoint restore reads a step); auto = OCDBT except against a GCS emulator (zarr "
+        "there). lean: each process writes the shards it is the writer of once, with an index (a tenth of Orbax's "
+        "CPU per save; only this project reads it). Steps of any format restore whatever this says.",
     )
     checkpoint_compression: bool = Field(
         False,

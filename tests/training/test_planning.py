@@ -25,7 +25,6 @@ def test_layers_apply_in_order_and_overrides_are_typed():
         ("preset=huge", "preset: unknown preset 'huge'"),
         ("resume_from=yesterday", "resume_from"),
         ("chaos=[explode:step=1]", "unknown action 'explode'"),
-        ("checkpoint_compression=true", "checkpoint_compression applies to Orbax's formats"),
     ],
 )
 def test_bad_config_is_refused_naming_the_key(override, message):
@@ -199,3 +198,10 @@ def test_paths_are_made_absolute_against_the_directory_the_command_runs_in(tmp_p
     assert load_config("small").dataset.endswith("var/data/stdlib-bpe1024-seq128")  # the preset's BPE
     assert load_config("tiny", None, ["root=gs://bucket/runs"]).root == "gs://bucket/runs"
     assert cfg.run_uri == str(tmp_path / "runs" / "demo")
+
+
+def test_orbax_s_format_is_the_default_and_compression_is_refused_with_lean() -> None:
+    assert load_config("tiny", None, {}).checkpoint_format == "auto"
+    with pytest.raises(ConfigError, match="checkpoint_compression applies to Orbax's formats"):
+        load_config("tiny", None, ["checkpoint_format=lean", "checkpoint_compression=true"])
+    assert load_config("tiny", None, ["checkpoint_compression=true"]).checkpoint_compression

@@ -438,7 +438,7 @@ def test_a_run_now_saving_lean_resumes_from_a_step_orbax_saved_and_names_an_inco
         orbax = ckpt.checkpoint_manager(cfg.model_copy(update={"checkpoint_format": "ocdbt"}), run)
         ckpt.save(orbax, 2, state, {"next_batch": 2}, cfg)
         orbax.wait_until_finished()
-        m = ckpt.checkpoint_manager(cfg, run)  # the default: lean
+        m = ckpt.checkpoint_manager(cfg.model_copy(update={"checkpoint_format": "lean"}), run)
         back, pos = ckpt.restore(m, 2, abstract)
         ckpt.save(m, 4, ckpt.HostSnapshot(abstract)(state), {"next_batch": 4}, cfg)
         shutil.copytree(step_uri(run, 4), step_uri(run, 6))
