@@ -36,7 +36,7 @@ def service_once(ws: Path, i: int = 0) -> dict[str, Any]:
     if root.exists():
         shutil.rmtree(root)
     every = 10
-    common = {"root": str(root), "checkpoint_every": every, "max_workers": 4}
+    common: dict[str, Any] = {"root": str(root), "checkpoint_every": every, "max_workers": 4}
     low = bench_cfg(ws, "svc-low", steps=160, min_workers=2, **common)
     big = bench_cfg(ws, "svc-big", steps=40, min_workers=4, **common)
     commands.submit(low, "low", pool_hosts=4)
