@@ -129,21 +129,3 @@ def test_a_trained_runs_step_restores_with_plain_orbax_by_name(
         np.testing.assert_array_equal(a, b)
     assert int(got["['step']"]) == 6
     np.testing.assert_array_equal(got["['rng']"], want["['rng']"])
-
-
-def test_the_format_row_measures_lean_and_orbax_side_by_side_locally_and_on_the_emulator() -> None:
-    from benchmarks.formats import bench_formats, rows
-
-    result = bench_formats(2, size_mib=8)
-    assert len(result["runs"]) == 2, result.get("error")
-    for run in result["runs"]:
-        assert set(run) == {"local:lean", "local:ocdbt", "gcs:lean", "gcs:auto", "fixed:lean", "fixed:ocdbt"}
-        for parts in run.values():
-            assert 0 < parts["pause_s"] <= parts["commit_s"] and parts["restore_s"] > 0, parts
-    got = {r["key"]: r for r in rows(result)}
-    assert set(got) == {"formats:local", "formats:local:orbax", "formats:gcs", "formats:gcs:orbax", "formats:fixed"}
-    local = got["formats:local"]["ratio"]
-    assert local is not None and local["values"] == pytest.approx(
-        [r["local:lean"]["commit_s"] / r["local:ocdbt"]["commit_s"] for r in result["runs"]]
-    )
-    assert "OCDBT" in got["formats:local:orbax"]["measured"] and "zarr" in got["formats:gcs:orbax"]["measured"]
