@@ -191,7 +191,7 @@ def test_bad_requests_are_one_line_refusals_that_change_nothing(tmp_path, tiny_d
     def rtrain(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "training.cli", *args], capture_output=True, text=True, env=env)
 
-    r = rtrain("submit", "--priority", "top", f"root={root}", f"dataset={tiny_dataset}")
+    r = rtrain("submit", "--priority", "top", f"root={root}", f"data.dataset={tiny_dataset}")
     assert r.returncode == 3 and r.stderr.strip().splitlines() == [
         "rtrain: error: unknown priority 'top': one of low, normal, high, urgent"
     ], r.stderr
