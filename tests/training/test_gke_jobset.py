@@ -1051,7 +1051,13 @@ def test_rtrain_plan_and_train_on_gke_refuse_what_the_render_would_before_any_po
             }
         )
     )
-    keys = ["min_workers=4", "max_workers=8", "global_batch=32", "root=gs://b/r", "run_name=p"]
+    keys = [
+        "elastic.min_workers=4",
+        "elastic.max_workers=8",
+        "optimizer.global_batch=32",
+        "root=gs://b/r",
+        "run_name=p",
+    ]
 
     def rtrain(verb: str, *argv: str) -> subprocess.CompletedProcess[str]:
         cmd = [str(Path(sys.executable).parent / "rtrain"), verb, "--gke", str(settings), *argv, *keys]
@@ -1061,7 +1067,7 @@ def test_rtrain_plan_and_train_on_gke_refuse_what_the_render_would_before_any_po
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["min_plan"]["devices"] == 16  # 4 hosts of 4 chips
     for verb in ("plan", "train"):
-        bad = rtrain(verb, "preemption_grace_s=20")
+        bad = rtrain(verb, "checkpoint.preemption_grace_s=20")
         assert bad.returncode != 0 and bad.stderr.strip().splitlines() == [bad.stderr.strip()]
         assert "gke: preemption_grace_s: 20s" in bad.stderr and "at most 10s" in bad.stderr, bad.stderr
 
