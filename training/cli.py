@@ -25,7 +25,8 @@
 RUN is a run name under the configured root (``--root``, default var/runs) or a
 run URI (a path or gs://...).  Errors are one line on stderr (``--debug`` for the
 traceback); exit codes: 0 ok, 1 the job (or a verdict) failed, 2 usage,
-3 config, 4 not found, 5 refused (the run is held by another job), 6 other errors.
+3 config, 4 not found, 5 refused (the run is held by another job), 6 other errors,
+7 the job was stopped by a person (resumable).
 """
 
 from __future__ import annotations
@@ -388,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rtrain",
         description="Elastic JAX training that survives losing hosts.",
-        epilog="Exit codes: 0 ok, 1 job/verdict failed, 2 usage, 3 config, 4 not found, 5 refused, 6 other errors.",
+        epilog="Exit codes: 0 ok, 1 job/verdict failed, 2 usage, 3 config, 4 not found, 5 refused, 6 other errors, 7 stopped.",
     )
     p.add_argument("--version", action="version", version=f"rtrain {_version()}")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
