@@ -28,7 +28,7 @@ GKE = {
     "image": "us-west4-docker.pkg.dev/rtrain-prod/rtrain/train:abc1234",
     "spot": True,
 }
-ARGS = ["--preset", "tiny", "root=gs://rtrain-prod-runs/runs", "min_workers=2", "max_workers=4"]
+ARGS = ["--preset", "tiny", "root=gs://rtrain-prod-runs/runs", "elastic.min_workers=2", "elastic.max_workers=4"]
 CONFIG_EXIT = 3
 
 
@@ -67,7 +67,7 @@ def one_line(out: subprocess.CompletedProcess[str]) -> str:
 @pytest.mark.parametrize("key_file", [True, False])
 def test_no_credentials_is_one_line_saying_how_to_get_them(tmp_path: Path, key_file: bool) -> None:
     env = {"GOOGLE_APPLICATION_CREDENTIALS": str(tmp_path / "missing.json")} if key_file else {}
-    line = one_line(rtrain_train(tmp_path, GKE, env, "devices_per_worker=4"))
+    line = one_line(rtrain_train(tmp_path, GKE, env, "placement.devices_per_worker=4"))
     assert line.startswith("rtrain: error: gke: no Google credentials (gcloud auth application-default login")
     if key_file:
         assert line.endswith(f"File {tmp_path / 'missing.json'} was not found.")
@@ -79,14 +79,16 @@ def test_no_project_is_one_line_naming_the_key(tmp_path: Path) -> None:
         json.dumps({"type": "authorized_user", "client_id": "c", "client_secret": "s", "refresh_token": "r"})
     )
     gke = {k: v for k, v in GKE.items() if k != "project_id"}
-    line = one_line(rtrain_train(tmp_path, gke, {"GOOGLE_APPLICATION_CREDENTIALS": str(user)}, "devices_per_worker=4"))
+    line = one_line(
+        rtrain_train(tmp_path, gke, {"GOOGLE_APPLICATION_CREDENTIALS": str(user)}, "placement.devices_per_worker=4")
+    )
     assert line.startswith("rtrain: error: gke.project_id: no Google Cloud project")
 
 
 def test_a_config_the_shape_cannot_run_is_refused_before_credentials_are_looked_for(tmp_path: Path) -> None:
-    line = one_line(rtrain_train(tmp_path, GKE, {}, "devices_per_worker=2"))
+    line = one_line(rtrain_train(tmp_path, GKE, {}, "placement.devices_per_worker=2"))
     assert line.startswith("rtrain: error: ")
     assert line.endswith("devices_per_worker: ct5lp-hightpu-4t has 4 chips per host, but devices_per_worker=2")
     missing = {k: v for k, v in GKE.items() if k != "image"}
-    line = one_line(rtrain_train(tmp_path, missing, {}, "devices_per_worker=4"))
+    line = one_line(rtrain_train(tmp_path, missing, {}, "placement.devices_per_worker=4"))
     assert line.startswith("rtrain: error: gke") and "gke.image" in line  # the key, named
