@@ -34,20 +34,27 @@ STALE_STATUS_S = 15.0
 REPAIR_WAIT_S = 15.0
 
 
+def _stored_seconds(store: Store, key: str, default: float) -> float:
+    """A number of seconds from the run's stored config, written in sections or flat (older runs)."""
+    try:
+        doc = json.loads(store.get(CONFIG))
+        found = doc.get(key)
+        for section in doc.values():
+            if found is None and isinstance(section, dict):
+                found = section.get(key)
+        return float(found or default)
+    except (NotFound, ValueError, TypeError, AttributeError):
+        return default
+
+
 def stale_after_s(store: Store) -> float:
     """The run's heartbeat timeout: no status, heartbeat or lease for this long means no live agent."""
-    try:
-        return float(json.loads(store.get(CONFIG)).get("heartbeat_timeout_s") or STALE_STATUS_S)
-    except (NotFound, ValueError, TypeError, AttributeError):
-        return STALE_STATUS_S
+    return _stored_seconds(store, "heartbeat_timeout_s", STALE_STATUS_S)
 
 
 def _heartbeat_s(store: Store) -> float:
     """How often the run's hosts beat (1 s when the config cannot be read)."""
-    try:
-        return float(json.loads(store.get(CONFIG)).get("heartbeat_s") or 1.0)
-    except (NotFound, ValueError, TypeError, AttributeError):
-        return 1.0
+    return _stored_seconds(store, "heartbeat_s", 1.0)
 
 
 def _pulse(store: Store, job: Any) -> tuple[Any, ...]:
