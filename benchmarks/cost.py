@@ -154,7 +154,11 @@ def _plain_times(cfg: Config, window: tuple[int, ...], lower: bool, poll: bool =
     """
     from training.elastic.supervisor import free_port
 
-    over = {k: v for k, v in cfg.model_dump().items() if k in ("dataset", "compilation_cache", "steps")}
+    over = {
+        "data": {"dataset": cfg.data.dataset},
+        "placement": {"compilation_cache": cfg.placement.compilation_cache},
+        "optimizer": {"steps": cfg.optimizer.steps},
+    }
     port = free_port()
     procs = []
     for pid in range(WORKERS):

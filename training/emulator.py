@@ -24,6 +24,47 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# gcp-storage-emulator ignores an upload's ``ifGenerationMatch``, so two writers of one write-once object (the run
+# lock's next generation) could both win, as they cannot on GCS: two agents then both led the job.  An upload whose
+# precondition fails gets GCS's 412.  The emulator serves one request at a time, so the check and the write are one.
+PRECONDITIONS = """
+from http import HTTPStatus as _Status
+from gcp_storage_emulator import server as _server
+from gcp_storage_emulator.exceptions import NotFound as _NotFound
+from gcp_storage_emulator.handlers import objects as _objects
+
+def _target(request, storage):
+    if "upload_id" in request.query:
+        return storage.get_resumable_file_obj(request.query["upload_id"][0])["name"]
+    if "name" in request.query:
+        return request.query["name"][0]
+    data = request.data
+    return (data.get("meta") or data).get("name") if isinstance(data, dict) else None
+
+def _preconditioned(handler):
+    def checked(request, response, storage, *args, **kwargs):
+        want = request.query.get("ifGenerationMatch")
+        if want:
+            request.data  # the body is read before any answer
+            try:
+                name = _target(request, storage)
+                have = str(storage.get_file_obj(request.params["bucket_name"], name)["generation"])
+            except (_NotFound, KeyError, TypeError):
+                have = "0"
+            if have != want[0]:
+                response.status = _Status.PRECONDITION_FAILED
+                response.json({"error": {"code": 412, "message": "conditionNotMet"}})
+                return None
+        return handler(request, response, storage, *args, **kwargs)
+    return checked
+
+_wrapped = {h: _preconditioned(h) for h in (_objects.insert, _objects.upload_partial)}
+for _regex, _methods in _server.HANDLERS:
+    for _m, _h in list(_methods.items()):
+        if _h in _wrapped:
+            _methods[_m] = _wrapped[_h]
+_objects.insert, _objects.upload_partial = _wrapped[_objects.insert], _wrapped[_objects.upload_partial]
+"""
 # The emulator serves one request at a time from a listen queue of 5 (http.server's default): a job's
 # many clients overflow it, and each dropped connection waits out TCP's SYN retries (1 s, 3 s, 7 s, ...).
 # A queue of 1024 keeps them waiting in line instead.
@@ -36,6 +77,7 @@ QUICKER = (
     "from gcp_storage_emulator.storage import Storage\n"
     "_meta = Storage._write_config_to_file\n"
     "Storage._write_config_to_file = lambda self: None if self._use_memory_fs else _meta(self)\n"
+    + PRECONDITIONS
 )
 _LAUNCH = QUICKER + "import sys\nfrom gcp_storage_emulator.__main__ import main\nsys.exit(main(sys.argv[1:]))\n"
 

@@ -1,10 +1,13 @@
-"""The GCS emulator the tests and the bench run: a write's cost does not grow with the objects it holds."""
+"""The GCS emulator the tests and the bench run: a write costs the same however many objects it holds, and an
+upload's generation precondition holds as on GCS."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from training.emulator import QUICKER
 
@@ -31,3 +34,55 @@ def test_the_in_memory_emulator_keeps_no_copy_of_every_object_s_metadata_per_wri
     unpatched = "import json, sys\n" + _WRITES
     out = subprocess.run([sys.executable, "-c", unpatched, str(tmp_path / "b")], capture_output=True, text=True)
     assert out.stdout.splitlines()[0] == "3 ['o0', 'o1', 'o2']"  # what the emulator does by itself
+
+
+def test_an_upload_whose_generation_precondition_fails_is_refused_as_gcs_refuses_it(gcs_root: str) -> None:
+    """The run lock's write-once generations rely on ``ifGenerationMatch``: unpatched, the emulator wrote both of two
+    racing creates (two agents then both led one job).  Each upload path is checked: small (multipart) and
+    resumable (chunked), a create of an object that exists, and a match on the wrong generation."""
+    from google.api_core.exceptions import PreconditionFailed
+
+    from training.storage import GCSStore, open_store
+
+    store = open_store(gcs_root)
+    assert isinstance(store, GCSStore)
+    blob = store.bucket.blob(store._name("once"))
+    blob.upload_from_string(b"first", if_generation_match=0)
+    with pytest.raises(PreconditionFailed):
+        blob.upload_from_string(b"second", if_generation_match=0)
+    blob.reload()
+    with pytest.raises(PreconditionFailed):
+        blob.upload_from_string(b"third", if_generation_match=int(blob.generation) + 1)
+    blob.upload_from_string(b"fourth", if_generation_match=int(blob.generation))
+    assert store.get("once") == b"fourth"
+
+    big = store.bucket.blob(store._name("big"), chunk_size=256 * 1024)  # a resumable upload in chunks
+    big.upload_from_string(b"a" * 600_000, if_generation_match=0)
+    with pytest.raises(PreconditionFailed):
+        store.bucket.blob(store._name("big"), chunk_size=256 * 1024).upload_from_string(
+            b"b" * 600_000, if_generation_match=0
+        )
+    assert store.get("big") == b"a" * 600_000
+
+
+def test_of_racing_creates_of_one_object_exactly_one_wins(gcs_root: str) -> None:
+    """Eight threads create the same write-once object at once, as the run lock's writers do: one wins, the others
+    get AlreadyExists, and the object holds the winner's bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from training.storage import AlreadyExists, open_store
+
+    def create(i: int) -> int | None:
+        store = open_store(gcs_root)  # a client each, as separate agents have
+        try:
+            store.create("lock/000000000001.json", f"{i}".encode())
+        except AlreadyExists:
+            return None
+        return i
+
+    for _ in range(5):
+        with ThreadPoolExecutor(8) as pool:
+            won = [i for i in pool.map(create, range(8)) if i is not None]
+        assert len(won) == 1, won
+        assert open_store(gcs_root).get("lock/000000000001.json") == f"{won[0]}".encode()
+        open_store(gcs_root).delete("lock/000000000001.json")

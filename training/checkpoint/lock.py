@@ -10,8 +10,8 @@ over only once it has lapsed by its writer's clock and by the taker's own (:meth
 the holder counts it lost ``lease_s`` after it began its last good refresh, before anyone may take
 it.  The one exception: a generation whose holder's process is known to have exited (a connection
 to its record's ``contact`` closed) may be taken at once (``acquire(holder_exited=gen)``).
-Not on gcp-storage-emulator, which ignores ``ifGenerationMatch``: there two writers racing within
-milliseconds could both win.
+It needs a store whose ``create`` is exclusive: GCS's ``ifGenerationMatch=0`` (the test emulator is
+patched to honour it: ``training.emulator``), or a local file created with ``O_EXCL``.
 """
 
 from __future__ import annotations
