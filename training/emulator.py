@@ -24,46 +24,86 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-# gcp-storage-emulator ignores an upload's ``ifGenerationMatch``, so two writers of one write-once object (the run
-# lock's next generation) could both win, as they cannot on GCS: two agents then both led the job.  An upload whose
-# precondition fails gets GCS's 412.  The emulator serves one request at a time, so the check and the write are one.
+# gcp-storage-emulator ignores generation preconditions, and its media downloads carry no ``x-goog-generation``.
+# Both matter to writers of one object who must not both win, as on GCS:
+# - the run lock's write-once generations: an upload with ``ifGenerationMatch=0`` (unpatched, two racing creates
+#   both won, and two agents both led the job);
+# - tensorstore (Orbax's OCDBT): it reads an object's generation from a download's ``x-goog-generation`` and makes
+#   its next write of that object (the manifest) conditional on it.  Unpatched it read generation 0 and refused the
+#   write itself ("Malformed StorageGeneration"); a delete on a stale generation deleted the newer object.
+# So, as on GCS: a download answers with the object's generation and metageneration headers; each
+# ``if(Meta)generation(Not)Match`` on an upload, a read, a delete or a patch is checked, and one that fails gets
+# 412 (304 for a read's ``...NotMatch``).  An upload counts a missing object as generation 0; a read, delete or patch
+# of one gets the handler's 404.  The emulator serves one request at a time, so the check and the write are one.
 PRECONDITIONS = """
 from http import HTTPStatus as _Status
 from gcp_storage_emulator import server as _server
 from gcp_storage_emulator.exceptions import NotFound as _NotFound
 from gcp_storage_emulator.handlers import objects as _objects
 
+_CONDITIONS = (("ifGenerationMatch", "generation", True), ("ifGenerationNotMatch", "generation", False),
+               ("ifMetagenerationMatch", "metageneration", True), ("ifMetagenerationNotMatch", "metageneration", False))
+
 def _target(request, storage):
     if "upload_id" in request.query:
         return storage.get_resumable_file_obj(request.query["upload_id"][0])["name"]
     if "name" in request.query:
         return request.query["name"][0]
+    if "object_id" in request.params:
+        return request.params["object_id"]
     data = request.data
     return (data.get("meta") or data).get("name") if isinstance(data, dict) else None
 
-def _preconditioned(handler):
+def _current(request, storage):
+    try:
+        return storage.get_file_obj(request.params["bucket_name"], _target(request, storage))
+    except (_NotFound, KeyError, TypeError):
+        return None
+
+def _unmet(query, obj, reading):
+    for param, field, equal in _CONDITIONS:
+        want = query.get(param)
+        have = str(obj[field]) if obj else "0"
+        if want and (have == want[0]) != equal:
+            return _Status.NOT_MODIFIED if reading and not equal else _Status.PRECONDITION_FAILED
+    return None
+
+def _preconditioned(handler, uploading=False, reading=False):
     def checked(request, response, storage, *args, **kwargs):
-        want = request.query.get("ifGenerationMatch")
-        if want:
+        if uploading and not any(p in request.query for p, _, _ in _CONDITIONS):
+            return handler(request, response, storage, *args, **kwargs)
+        if uploading:
             request.data  # the body is read before any answer
-            try:
-                name = _target(request, storage)
-                have = str(storage.get_file_obj(request.params["bucket_name"], name)["generation"])
-            except (_NotFound, KeyError, TypeError):
-                have = "0"
-            if have != want[0]:
-                response.status = _Status.PRECONDITION_FAILED
-                response.json({"error": {"code": 412, "message": "conditionNotMet"}})
-                return None
+        obj = _current(request, storage)
+        if obj is None and not uploading:
+            return handler(request, response, storage, *args, **kwargs)
+        unmet = _unmet(request.query, obj, reading)
+        if unmet == _Status.PRECONDITION_FAILED:
+            response.status = unmet
+            response.json({"error": {"code": 412, "message": "conditionNotMet"}})
+            return None
+        if unmet:
+            response.status = unmet
+            return None
+        if reading:
+            response["x-goog-generation"] = str(obj["generation"])
+            response["x-goog-metageneration"] = str(obj["metageneration"])
         return handler(request, response, storage, *args, **kwargs)
     return checked
 
-_wrapped = {h: _preconditioned(h) for h in (_objects.insert, _objects.upload_partial)}
+_uploads = {h: _preconditioned(h, uploading=True) for h in (_objects.insert, _objects.upload_partial)}
+_wrapped = {
+    **_uploads,
+    **{h: _preconditioned(h, reading=True) for h in (_objects.get, _objects.download)},
+    **{h: _preconditioned(h) for h in (_objects.delete, _objects.patch)},
+}
 for _regex, _methods in _server.HANDLERS:
     for _m, _h in list(_methods.items()):
         if _h in _wrapped:
             _methods[_m] = _wrapped[_h]
-_objects.insert, _objects.upload_partial = _wrapped[_objects.insert], _wrapped[_objects.upload_partial]
+# An upload reaches these by name too (a resumable upload's POST, a POST to .../o without /upload); ``get`` calls
+# ``download`` by name, already checked.
+_objects.insert, _objects.upload_partial = _uploads[_objects.insert], _uploads[_objects.upload_partial]
 """
 # The emulator serves one request at a time from a listen queue of 5 (http.server's default): a job's
 # many clients overflow it, and each dropped connection waits out TCP's SYN retries (1 s, 3 s, 7 s, ...).
@@ -76,8 +116,7 @@ QUICKER = (
     "socketserver.TCPServer.request_queue_size = 1024\n"
     "from gcp_storage_emulator.storage import Storage\n"
     "_meta = Storage._write_config_to_file\n"
-    "Storage._write_config_to_file = lambda self: None if self._use_memory_fs else _meta(self)\n"
-    + PRECONDITIONS
+    "Storage._write_config_to_file = lambda self: None if self._use_memory_fs else _meta(self)\n" + PRECONDITIONS
 )
 _LAUNCH = QUICKER + "import sys\nfrom gcp_storage_emulator.__main__ import main\nsys.exit(main(sys.argv[1:]))\n"
 

@@ -1,11 +1,13 @@
-"""The GCS emulator the tests and the bench run: a write costs the same however many objects it holds, and an
-upload's generation precondition holds as on GCS."""
+"""The GCS emulator the tests and the bench run: a write costs the same however many objects it holds, and object
+generations and their preconditions hold as on GCS (uploads, downloads, deletes), for the run lock and for
+tensorstore (Orbax's OCDBT)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -86,3 +88,73 @@ def test_of_racing_creates_of_one_object_exactly_one_wins(gcs_root: str) -> None
         assert len(won) == 1, won
         assert open_store(gcs_root).get("lock/000000000001.json") == f"{won[0]}".encode()
         open_store(gcs_root).delete("lock/000000000001.json")
+
+
+def _kvstore(gcs_root: str) -> tuple[Any, str]:
+    """A tensorstore GCS kvstore on the emulator's bucket (as Orbax opens one), and the root's prefix in it."""
+    import tensorstore as ts
+
+    bucket, _, prefix = gcs_root.removeprefix("gs://").partition("/")
+    return ts.KvStore.open({"driver": "gcs", "bucket": bucket}, context=ts.Context()).result(), prefix + "/"
+
+
+def test_tensorstore_reads_an_object_s_generation_and_its_conditional_writes_hold(gcs_root: str) -> None:
+    """tensorstore takes an object's generation from a download's ``x-goog-generation`` and conditions its next
+    write on it.  Unpatched, it read generation 0 and refused that write itself ("Malformed StorageGeneration"),
+    a read conditioned on the current generation sent the bytes again, and a delete on a stale one deleted."""
+    kv, at = _kvstore(gcs_root)
+    first = kv.write(at + "x", b"one").result().generation
+    read = kv.read(at + "x").result()
+    assert (read.value, read.stamp.generation) == (b"one", first)
+    second = kv.write(at + "x", b"two", if_equal=first).result().generation
+    assert second not in (b"", first)
+    assert kv.write(at + "x", b"stale", if_equal=first).result().generation == b"", "a stale write must not win"
+    unchanged = kv.read(at + "x", if_not_equal=second).result()
+    assert (unchanged.state, unchanged.value) == ("unspecified", b""), "not modified: no bytes sent again"
+    assert kv.write(at + "x", None, if_equal=first).result().generation == b"", "a stale delete must not win"
+    assert kv.read(at + "x").result().value == b"two"
+    assert kv.write(at + "x", None, if_equal=second).result().generation != b""
+    assert kv.read(at + "x").result().state == "missing"
+
+
+def test_google_cloud_storage_s_conditional_downloads_and_deletes_hold(gcs_root: str) -> None:
+    """The same preconditions through google-cloud-storage: a download carries its generation; one that must not
+    match the current generation gets 304, one that must match a stale one 412, and so does a stale delete."""
+    from google.api_core.exceptions import NotModified, PreconditionFailed
+
+    from training.storage import GCSStore, open_store
+
+    store = open_store(gcs_root)
+    assert isinstance(store, GCSStore)
+    blob = store.bucket.blob(store._name("obj"))
+    blob.upload_from_string(b"old")
+    old = int(blob.generation)
+    blob.upload_from_string(b"new")
+    new = int(blob.generation)
+    reader = store.bucket.blob(store._name("obj"))
+    assert reader.download_as_bytes() == b"new" and reader.generation == new, "the download's x-goog-generation"
+    with pytest.raises(NotModified):
+        reader.download_as_bytes(if_generation_not_match=new)
+    with pytest.raises(PreconditionFailed):
+        reader.download_as_bytes(if_generation_match=old)
+    with pytest.raises(PreconditionFailed):
+        store.bucket.get_blob(store._name("obj"), if_generation_match=old)
+    with pytest.raises(PreconditionFailed):
+        reader.delete(if_generation_match=old)
+    assert store.get("obj") == b"new"
+    reader.delete(if_generation_match=new)
+    assert not store.exists("obj")
+
+
+def test_two_openers_of_one_ocdbt_database_on_gs_both_commit(gcs_root: str) -> None:
+    """OCDBT's manifest is rewritten on the generation its writer read: a second opener of a database (another
+    process, or a restore followed by a save) failed to commit on the emulator ("Malformed StorageGeneration")."""
+    import tensorstore as ts
+
+    spec = {"driver": "ocdbt", "base": f"{gcs_root}/db/"}
+    ts.KvStore.open(spec, context=ts.Context()).result().write("k1", b"one").result()
+    second = ts.KvStore.open(spec, context=ts.Context()).result()
+    second.write("k2", b"two").result()
+    third = ts.KvStore.open(spec, context=ts.Context()).result()
+    assert sorted(third.list().result()) == [b"k1", b"k2"]
+    assert third.read("k1").result().value == b"one"
