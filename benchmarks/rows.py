@@ -244,6 +244,22 @@ def service_rows(sv: Result) -> list[Row]:
             ratios(freed, bound),
             sv["moved_target"],
         ),
+        *_cold_service_row(sv.get("cold")),
+    ]
+
+
+def _cold_service_row(cold: Result | None) -> list[Row]:
+    """The uncounted first run's ETA error (an empty compile cache), where the result has one."""
+    if cold is None:
+        return []
+    return [
+        row(
+            "eta_cold",
+            "  ETA error, first run (empty compile cache)",
+            f"predicted {cold['eta_predicted_s']:.1f} s vs actual {cold['eta_actual_s']:.1f} s",
+            [cold["eta_error"]],
+            "(not counted)",
+        )
     ]
 
 
