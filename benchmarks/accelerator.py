@@ -22,10 +22,13 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from benchmarks.table import Row, note, over, row
 from training.memfit import accelerator_present
+
+if TYPE_CHECKING:
+    from training.config import Config
 
 # Peak dense bf16 FLOP/s per chip (TPU) or per GPU, in TFLOP/s, by a piece of the device kind JAX reports
 # (most specific first: "TPU v5 lite" is a v5e, "TPU v5" a v5p).
@@ -156,11 +159,14 @@ class Measured:
         return statistics.median(self.step_s) if self.step_s else 0.0
 
 
-def flops_per_token(cfg: Any) -> float:
+def flops_per_token(cfg: Config) -> float:
     """Training FLOPs per token: 6 x non-embedding parameters + 12 x layers x width x sequence."""
     from training.mesh import param_count
 
-    return float(6 * (param_count(cfg) - cfg.vocab_size * cfg.d_model) + 12 * cfg.n_layers * cfg.d_model * cfg.seq_len)
+    return float(
+        6 * (param_count(cfg) - cfg.model.vocab_size * cfg.model.d_model)
+        + 12 * cfg.model.n_layers * cfg.model.d_model * cfg.model.seq_len
+    )
 
 
 def packed_batch(batch: int, seq_len: int, vocab: int, doc_len: int, seed: int = 0) -> dict[str, Any]:

@@ -35,7 +35,14 @@ def preset_dataset(ws: Path, preset: str) -> str:
 
     cfg = load_config(preset, None, {})
     path = ws / f"data-{preset}"
-    data.prepare(None, str(path), cfg.seq_len, tokenizer=cfg.tokenizer, vocab_size=cfg.vocab_size, max_bytes=2_000_000)
+    data.prepare(
+        None,
+        str(path),
+        cfg.model.seq_len,
+        tokenizer=cfg.data.tokenizer,
+        vocab_size=cfg.model.vocab_size,
+        max_bytes=2_000_000,
+    )
     return str(path)
 
 
@@ -43,7 +50,7 @@ def formats_to_compare() -> tuple[str, str]:
     """The engine's default persistent format, and the other one measured beside it (lean against Orbax's)."""
     from training.config import load_config
 
-    default = load_config(CKPT_PRESET, None, {}).checkpoint_format
+    default = load_config(CKPT_PRESET, None, {}).checkpoint.checkpoint_format
     return default, ("ocdbt" if default == "lean" else "lean")
 
 

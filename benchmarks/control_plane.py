@@ -76,7 +76,7 @@ def _control_plane_on(ws: Path, root: str, kind: str, window_s: float) -> dict[s
     agents_before = {pid: c for role in ("agent", "worker") for pid, c in before.get(role, {}).items()}
     measured = billed({op: n * per_min for op, n in _ops_by_op(agents_before, agents, True).items()})
     other = billed({op: n * per_min for op, n in _ops_by_op(agents_before, agents, False).items()})
-    model = steady_ops(cadence(WORKERS, kind == "gcs", cfg.heartbeat_s, cfg.lease_s))
+    model = steady_ops(cadence(WORKERS, kind == "gcs", cfg.elastic.heartbeat_s, cfg.elastic.lease_s))
     return {
         "root": root,
         "window_s": t1 - t0,

@@ -39,7 +39,7 @@ def plain_loop() -> int:
 
     cfg = load_config("tiny", None, json.loads(os.environ["BENCH_CFG"]))
     n, pid = int(os.environ["BENCH_N"]), int(os.environ["BENCH_PID"])
-    jax.config.update("jax_compilation_cache_dir", os.path.abspath(cfg.compilation_cache))
+    jax.config.update("jax_compilation_cache_dir", os.path.abspath(cfg.placement.compilation_cache))
     jax.distributed.initialize(os.environ["BENCH_COORD"], n, pid)
     from training.elastic.cpu_slice import TransportThreads
 
@@ -71,18 +71,22 @@ def plain_loop() -> int:
         return optax.apply_updates(params, updates), opt_state, loss
 
     with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_RULES):  # the model's activation constraints
-        params, opt_state = jax.jit(init, out_shardings=(param_sh, opt_sh))(jax.random.key(cfg.seed))
+        params, opt_state = jax.jit(init, out_shardings=(param_sh, opt_sh))(jax.random.key(cfg.optimizer.seed))
         shapes = {
-            k: jax.ShapeDtypeStruct((cfg.global_batch, *s.shape), np.dtype(s.dtype), sharding=batch_sh)
+            k: jax.ShapeDtypeStruct((cfg.optimizer.global_batch, *s.shape), np.dtype(s.dtype), sharding=batch_sh)
             for k, s in spec.items()
         }
         jstep = (
             jax.jit(step, out_shardings=(param_sh, opt_sh, NamedSharding(mesh, P())), donate_argnums=(0, 1))
-            .lower(params, opt_state, shapes, jax.random.key(cfg.seed + 1))
+            .lower(params, opt_state, shapes, jax.random.key(cfg.optimizer.seed + 1))
             .compile()
         )
     batches = pipeline.batches(
-        task.data().train, seed=cfg.seed, global_batch=cfg.global_batch, process_index=pid, process_count=n
+        task.data().train,
+        seed=cfg.optimizer.seed,
+        global_batch=cfg.optimizer.global_batch,
+        process_index=pid,
+        process_count=n,
     )
     times = _timed_steps(cfg, jstep, (params, opt_state), batches, batch_sh, fields)
     if pid == 0:
@@ -99,16 +103,18 @@ def _timed_steps(
     from training.ready import wait_ready
 
     params, opt_state = state
-    key = jax.random.key(cfg.seed + 1)
+    key = jax.random.key(cfg.optimizer.seed + 1)
     # No host sync per step (the engine reads each step's metrics one step late, so the device runs
     # ahead): the loop waits for the device only at the window's two ends, where it is timed.
     window = {int(x) for x in os.environ["BENCH_WINDOW"].split(",")}
     poll = os.environ.get("BENCH_POLL") == "1"  # wait for each step as the engine does (training.ready)
     times, before = [], None
-    for i in range(1, cfg.steps + 1):
+    for i in range(1, cfg.optimizer.steps + 1):
         local = next(batches)
         batch = {
-            k: jax.make_array_from_process_local_data(batch_sh, local[k], (cfg.global_batch, *local[k].shape[1:]))
+            k: jax.make_array_from_process_local_data(
+                batch_sh, local[k], (cfg.optimizer.global_batch, *local[k].shape[1:])
+            )
             for k in fields
         }
         params, opt_state, loss = jstep(params, opt_state, batch, key)
@@ -128,8 +134,8 @@ def model_flops_per_token(cfg: Config) -> float:
     plus the attention scores' 12 x layers x width x sequence length."""
     from training.mesh import param_count
 
-    n = param_count(cfg) - cfg.vocab_size * cfg.d_model  # the embedding lookup is no matmul
-    return 6.0 * n + 12.0 * cfg.n_layers * cfg.d_model * cfg.seq_len
+    n = param_count(cfg) - cfg.model.vocab_size * cfg.model.d_model  # the embedding lookup is no matmul
+    return 6.0 * n + 12.0 * cfg.model.n_layers * cfg.model.d_model * cfg.model.seq_len
 
 
 def matmul_flops_per_s() -> float:
@@ -173,7 +179,7 @@ def _plain_times(cfg: Config, window: tuple[int, ...], lower: bool, poll: bool =
             "BENCH_POLL": "1" if poll else "0",
             "JAX_PLATFORMS": "cpu",
             "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
-            "XLA_FLAGS": cpu_xla_flags(cfg.devices_per_worker),
+            "XLA_FLAGS": cpu_xla_flags(cfg.placement.devices_per_worker),
         }
         procs.append(
             subprocess.Popen(
@@ -223,7 +229,7 @@ def bench_cost(ws: Path, repeats: int) -> dict[str, Any]:
         as_is.append(rate(_plain_times(cfg, (lo, hi), lower=False), lo, hi))
     cfg = bench_cfg(ws, "cost-0")
     return {
-        "devices": WORKERS * cfg.devices_per_worker,
+        "devices": WORKERS * cfg.placement.devices_per_worker,
         "model_flops_per_token": model_flops_per_token(cfg),
         "matmul_flops_per_s": matmul_flops_per_s(),
         "engine_tokens_per_s": engine,

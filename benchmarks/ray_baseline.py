@@ -203,7 +203,7 @@ def _train_loop(config: dict[str, Any]) -> None:
     from training.trainer import Trainer
 
     cfg = load_config("tiny", None, config["overrides"])
-    _start_jax(cfg.compilation_cache, shared["coordinator"], world, rank)
+    _start_jax(cfg.placement.compilation_cache, shared["coordinator"], world, rank)
     plan = plan_mesh(cfg, world)
     check_batch(cfg, plan)
     trainer = Trainer(cfg, build_mesh(plan), load_task(cfg))
@@ -220,21 +220,23 @@ def _train_loop(config: dict[str, Any]) -> None:
     progress("compiled", step=start)
 
     batches = make_batches(
-        cfg.dataset,
+        cfg.data.dataset,
         "train",
-        seed=cfg.seed,
-        global_batch=cfg.global_batch,
+        seed=cfg.optimizer.seed,
+        global_batch=cfg.optimizer.global_batch,
         process_index=rank,
         process_count=world,
         start_batch=start,
     )
-    for step in range(start + 1, cfg.steps + 1):
+    for step in range(start + 1, cfg.optimizer.steps + 1):
         state, m = trainer.step(state, trainer.global_batch(next(batches)))
         loss = float(m["loss"])
         now = time.time()
         progress("step", time=now, step=step, loss=loss, world=world)
         metrics = {"step": step, "loss": loss, "time": now, "world_size": world}
-        if step % cfg.checkpoint_every == 0 or step == cfg.steps:  # (a report, with the checkpoint)
+        if (
+            step % cfg.checkpoint.checkpoint_every == 0 or step == cfg.optimizer.steps
+        ):  # (a report, with the checkpoint)
             if rank == 0:
                 with tempfile.TemporaryDirectory(prefix="rtrain-ray-ckpt-") as tmp:
                     _save_npz(state, Path(tmp) / "state.npz")
@@ -245,7 +247,7 @@ def _train_loop(config: dict[str, Any]) -> None:
             progress("checkpoint", step=step)
         elif step % config["report_every"] == 0:
             ray.train.report(metrics)
-    progress("done", step=cfg.steps)
+    progress("done", step=cfg.optimizer.steps)
 
 
 # --- the driver ---------------------------------------------------------------------------------

@@ -276,12 +276,16 @@ def _check_dataset(cfg: Config) -> None:
     from training import data as data_lib
 
     try:
-        data_lib.load_manifest(cfg.dataset)
+        data_lib.load_manifest(cfg.data.dataset)
     except Exception as e:  # noqa: BLE001 - any failure to read it means the same thing
         raise LaunchError(
-            f"dataset {cfg.dataset} is not prepared ({e}); prepare it with: "
-            f"rtrain prepare --output {cfg.dataset} --seq-len {cfg.seq_len}"
-            + ("" if cfg.tokenizer == "bytes" else f" --tokenizer {cfg.tokenizer} --vocab-size {cfg.vocab_size}")
+            f"dataset {cfg.data.dataset} is not prepared ({e}); prepare it with: "
+            f"rtrain prepare --output {cfg.data.dataset} --seq-len {cfg.model.seq_len}"
+            + (
+                ""
+                if cfg.data.tokenizer == "bytes"
+                else f" --tokenizer {cfg.data.tokenizer} --vocab-size {cfg.model.vocab_size}"
+            )
         ) from None
 
 
@@ -316,14 +320,14 @@ def _write_config(cfg: Config, store: Store, job: str, by: str) -> list[str]:
         old: Config | None = config_from_json(store.get(CONFIG).decode())
     except NotFound:
         old = None
-    if old is not None and cfg.resume_from == "none":
+    if old is not None and cfg.checkpoint.resume_from == "none":
         raise LaunchError(
             f"run {cfg.run_name!r} already exists at {cfg.run_uri} and resume_from=none; "
             "pick another run_name or resume_from=latest"
         )
     changed: list[str] = []
     if old is not None:
-        fixed = tuple(k for k in FIXED_KEYS if not (k == "dataset" and cfg.on_dataset_change == "restart"))
+        fixed = tuple(k for k in FIXED_KEYS if not (k == "dataset" and cfg.data.on_dataset_change == "restart"))
         bad = [k for k in fixed if getattr(old, k) != getattr(cfg, k)]
         if bad:
             raise LaunchError(
@@ -368,9 +372,11 @@ def begin_job(
     lock = RunLock(store, owner=f"launcher of job {job} ({who})", lease_s=60.0)
     _take_run_lock(lock, on_line)
     try:
-        if cfg.resume_from.isdigit() and int(cfg.resume_from) not in (steps := committed_steps(cfg.run_uri)):
+        if cfg.checkpoint.resume_from.isdigit() and int(cfg.checkpoint.resume_from) not in (
+            steps := committed_steps(cfg.run_uri)
+        ):
             raise LaunchError(
-                f"resume_from={cfg.resume_from}: not a committed checkpoint of {cfg.run_uri} (committed: {steps})"
+                f"resume_from={cfg.checkpoint.resume_from}: not a committed checkpoint of {cfg.run_uri} (committed: {steps})"
             )
         _write_config(cfg, store, job, who)
         Rendezvous(store).clear()
@@ -380,8 +386,10 @@ def begin_job(
             store.put(RDV_EVENT_RESERVE, bytes(EVENT_RESERVE_BYTES))
         store.delete(CONTROL)
         if backend == "local" and provision:
-            LocalCapacity(store, default=cfg.max_workers).set(cfg.max_workers, reason=f"job {job} launched")
-        write_status(store, state=RunState.PENDING.value, job=job, run_uri=cfg.run_uri, steps_total=cfg.steps)
+            LocalCapacity(store, default=cfg.elastic.max_workers).set(
+                cfg.elastic.max_workers, reason=f"job {job} launched"
+            )
+        write_status(store, state=RunState.PENDING.value, job=job, run_uri=cfg.run_uri, steps_total=cfg.optimizer.steps)
         lock.handoff(job, HANDOFF_S.get(backend, 120.0))
     except BaseException:
         lock.release()

@@ -84,13 +84,13 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         overrides.append(f"model.seq_len={args.seq_len}")
     # The flags are config overrides, so the default output is the dataset the config trains on.
     cfg = load_config(args.preset, args.config, overrides)
-    out = absolute(args.output) if args.output else cfg.dataset
+    out = absolute(args.output) if args.output else cfg.data.dataset
     manifest = data.prepare(
         args.source,
         out,
-        cfg.seq_len,
-        tokenizer=cfg.tokenizer,
-        vocab_size=cfg.vocab_size,
+        cfg.model.seq_len,
+        tokenizer=cfg.data.tokenizer,
+        vocab_size=cfg.model.vocab_size,
         fmt=None if args.format == "auto" else args.format,
         field=args.field,
         max_bytes=args.max_bytes,
@@ -147,8 +147,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.gke:
         return train_gke(args)
     cfg = config(args)
-    if cfg.backend != "local":
-        raise BackendError(f"backend: a {cfg.backend!r} run needs its settings: rtrain train --gke FILE (docs/gke.md)")
+    if cfg.placement.backend != "local":
+        raise BackendError(
+            f"backend: a {cfg.placement.backend!r} run needs its settings: rtrain train --gke FILE (docs/gke.md)"
+        )
     if not args.detach:
         return train_here(cfg)  # through the local backend, followed by the engine's watch
     local = LocalSliceBackend(by="rtrain")

@@ -6,10 +6,13 @@ import argparse
 import json
 import sys
 from enum import IntEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from training.config import load_config
 from training.events import RunStatus
+
+if TYPE_CHECKING:
+    from training.config import Config
 
 
 class Exit(IntEnum):
@@ -27,7 +30,7 @@ class NotFoundError(LookupError):
     pass
 
 
-def config(args: argparse.Namespace, extra: list[str] | None = None) -> Any:
+def config(args: argparse.Namespace, extra: list[str] | None = None) -> Config:
     overrides = list(args.overrides)
     if getattr(args, "chaos", None):
         overrides.append("elastic.chaos=" + json.dumps(args.chaos))

@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from training.cli_common import Exit, Progress, config
 from training.config import dotted
 
+if TYPE_CHECKING:
+    from training.config import Config
 
-def gke_config(args: argparse.Namespace, gke: Any) -> Any:
+
+def gke_config(args: argparse.Namespace, gke: Any) -> Config:
     """A ``backend: gke`` run's config: hosts per slice and chips per host from the TPU type and the notice's commit
     fitted to the pods' grace, unless given; then all the JobSet's render would refuse, in one line, before billing."""
     from training.backends import BackendError
@@ -37,7 +40,7 @@ def train_gke(args: argparse.Namespace) -> int:
     cfg = gke_config(args, gke)
     run = GKERun(cfg, gke)
     run.check()  # the config against the TPU shape, the credentials, the project, the cluster: before any billing
-    progress = Progress(cfg.steps)
+    progress = Progress(cfg.optimizer.steps)
     progress.line(f"run {cfg.run_name} at {cfg.run_uri} on GKE cluster {gke['cluster_name']} ({gke['location']})")
     try:  # node pools made are given back however this ends (not a detached job's, nor one out of touch)
         look = run.drive(progress.line, progress.status, detach=args.detach)
@@ -45,7 +48,7 @@ def train_gke(args: argparse.Namespace) -> int:
         progress.close()
     if look is None:  # detached, or out of touch with a job that may still run (said above)
         return Exit.OK if args.detach else Exit.ERROR
-    return gke_exit(look, cfg.steps)
+    return gke_exit(look, cfg.optimizer.steps)
 
 
 def gke_exit(look: Mapping[str, Any], steps: int) -> int:

@@ -73,7 +73,7 @@ def follow(local: LocalSliceBackend, handle: LocalHandle, cfg: Config, progress:
 def settle(local: LocalSliceBackend, handle: LocalHandle, cfg: Config) -> None:
     """Wait for the job's slice process to have stopped its agents and gone; what is left after that is killed."""
     pid = int(handle.get("controller_pid") or 0)
-    deadline = time.monotonic() + 3 * cfg.lease_s + 15
+    deadline = time.monotonic() + 3 * cfg.elastic.lease_s + 15
     while pid and pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     if pid and pid_alive(pid):
@@ -86,10 +86,10 @@ def train_here(cfg: Config) -> int:
     from training.scalars import logdir
 
     local = LocalSliceBackend(by="rtrain", provision=True, follow=False)  # a run held by another job: refused
-    progress = Progress(cfg.steps)
+    progress = Progress(cfg.optimizer.steps)
     try:
         progress.line(
-            f"run {cfg.run_name} at {cfg.run_uri}: {cfg.min_workers}..{cfg.max_workers} hosts, {cfg.steps} steps"
+            f"run {cfg.run_name} at {cfg.run_uri}: {cfg.elastic.min_workers}..{cfg.elastic.max_workers} hosts, {cfg.optimizer.steps} steps"
         )
         progress.line(f"curves: tensorboard --logdir {logdir(cfg.run_uri)}")
         handle = local.launch(JobSpec.local(cfg), attempt=1)
@@ -102,7 +102,7 @@ def train_here(cfg: Config) -> int:
     st = status(cfg.run_uri) or look.status
     if look.outcome == "success":
         print(
-            f"finished: step {st.get('step')}/{cfg.steps}, loss {st.get('loss')}, "
+            f"finished: step {st.get('step')}/{cfg.optimizer.steps}, loss {st.get('loss')}, "
             f"{st.get('failures', 0)} failure(s) absorbed"
         )
         return Exit.OK

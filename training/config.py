@@ -159,59 +159,66 @@ class Config(_FlatKeys, RunKeys):
             raise ValueError(
                 f"run_name {self.run_name!r}: letters, digits and _.- (up to 63), not starting with one of _.-, no '..'"
             )
-        if not self.dataset:
-            self.data.dataset = default_dataset(self.tokenizer, self.vocab_size, self.seq_len)
+        if not self.data.dataset:
+            self.data.dataset = default_dataset(self.data.tokenizer, self.model.vocab_size, self.model.seq_len)
         if scheme(self.root).requests:
             self._gcs_timing()
-        if self.min_workers > self.max_workers:
-            raise ValueError(f"min_workers ({self.min_workers}) > max_workers ({self.max_workers})")
-        if self.min_workers % self.hosts_per_slice or self.max_workers % self.hosts_per_slice:
+        if self.elastic.min_workers > self.elastic.max_workers:
+            raise ValueError(f"min_workers ({self.elastic.min_workers}) > max_workers ({self.elastic.max_workers})")
+        if (
+            self.elastic.min_workers % self.placement.hosts_per_slice
+            or self.elastic.max_workers % self.placement.hosts_per_slice
+        ):
             raise ValueError(
-                f"min_workers ({self.min_workers}) and max_workers ({self.max_workers}) must be whole slices of "
-                f"hosts_per_slice={self.hosts_per_slice} hosts"
+                f"min_workers ({self.elastic.min_workers}) and max_workers ({self.elastic.max_workers}) must be whole slices of "
+                f"hosts_per_slice={self.placement.hosts_per_slice} hosts"
             )
-        if self.heartbeat_timeout_s < 2 * self.heartbeat_s:
+        if self.elastic.heartbeat_timeout_s < 2 * self.elastic.heartbeat_s:
             raise ValueError(
-                f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must be at least twice heartbeat_s ({self.heartbeat_s})"
+                f"heartbeat_timeout_s ({self.elastic.heartbeat_timeout_s}) must be at least twice heartbeat_s ({self.elastic.heartbeat_s})"
             )
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
-        if self.kv_heads and self.n_heads % self.kv_heads:
-            raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.kv_heads})")
-        if self.global_batch % self.grad_accum:
-            raise ValueError(f"global_batch ({self.global_batch}) must be divisible by grad_accum ({self.grad_accum})")
-        if self.tokenizer == "bytes" and self.task == "lm" and self.vocab_size < 256:
-            raise ValueError(f"vocab_size ({self.vocab_size}) is below the byte tokenizer's 256")
-        if self.checkpoint_compression and self.checkpoint_format == "lean":
+        if self.model.d_model % self.model.n_heads:
+            raise ValueError(f"d_model ({self.model.d_model}) must be divisible by n_heads ({self.model.n_heads})")
+        if self.model.kv_heads and self.model.n_heads % self.model.kv_heads:
+            raise ValueError(f"n_heads ({self.model.n_heads}) must be divisible by n_kv_heads ({self.model.kv_heads})")
+        if self.optimizer.global_batch % self.optimizer.grad_accum:
+            raise ValueError(
+                f"global_batch ({self.optimizer.global_batch}) must be divisible by grad_accum ({self.optimizer.grad_accum})"
+            )
+        if self.data.tokenizer == "bytes" and self.task == "lm" and self.model.vocab_size < 256:
+            raise ValueError(f"vocab_size ({self.model.vocab_size}) is below the byte tokenizer's 256")
+        if self.checkpoint.checkpoint_compression and self.checkpoint.checkpoint_format == "lean":
             raise ValueError(
                 "checkpoint_compression applies to Orbax's formats (checkpoint_format ocdbt, zarr or auto); "
                 "the lean format is stored uncompressed"
             )
-        if self.init_from and self.task != "lm":
+        if self.model.init_from and self.task != "lm":
             raise ValueError(f"init_from loads a Hugging Face Llama into the built-in lm task, not task {self.task!r}")
-        if self.resume_from not in ("latest", "none") and not self.resume_from.isdigit():
-            raise ValueError(f"resume_from must be 'latest', 'none' or a step number, got {self.resume_from!r}")
+        if self.checkpoint.resume_from not in ("latest", "none") and not self.checkpoint.resume_from.isdigit():
+            raise ValueError(
+                f"resume_from must be 'latest', 'none' or a step number, got {self.checkpoint.resume_from!r}"
+            )
         self._check_chaos()
         return self
 
     def _gcs_timing(self) -> None:
         """Every look at a gs:// root is an HTTP request: beat, and renew the lease, less often, and beat slower
         as the job grows (unless told otherwise)."""
-        timing = gcs_timing(self.max_workers)
+        timing = gcs_timing(self.elastic.max_workers)
         derived = [
             k for k in ("heartbeat_s", "heartbeat_timeout_s", "lease_s") if k not in self.elastic.model_fields_set
         ]
         told_timeout = "heartbeat_timeout_s" not in derived
-        if "heartbeat_s" in derived and told_timeout and self.heartbeat_timeout_s < 2 * timing.heartbeat_s:
+        if "heartbeat_s" in derived and told_timeout and self.elastic.heartbeat_timeout_s < 2 * timing.heartbeat_s:
             raise ValueError(
-                f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must be at least twice heartbeat_s: on gs:// "
-                f"a job of {self.max_workers} hosts beats every {timing.heartbeat_s:g} s unless told otherwise"
+                f"heartbeat_timeout_s ({self.elastic.heartbeat_timeout_s}) must be at least twice heartbeat_s: on gs:// "
+                f"a job of {self.elastic.max_workers} hosts beats every {timing.heartbeat_s:g} s unless told otherwise"
             )
         for key in derived:
             setattr(self.elastic, key, getattr(timing, key))
 
     def _check_chaos(self) -> None:
-        for spec in self.chaos:
+        for spec in self.elastic.chaos:
             try:
                 fault = parse_chaos(spec)
             except ChaosError as e:
@@ -245,8 +252,8 @@ class Config(_FlatKeys, RunKeys):
     def with_absolute_paths(self, base: str | Path | None = None) -> Config:
         """Local paths made absolute against ``base`` (default: the current directory); gs:// kept."""
         update = {k: absolute(getattr(self, k), base) for k in PATH_KEYS}
-        if self.tokenizer not in BUILTIN_TOKENIZERS:
-            update["tokenizer"] = absolute(self.tokenizer, base)
+        if self.data.tokenizer not in BUILTIN_TOKENIZERS:
+            update["tokenizer"] = absolute(self.data.tokenizer, base)
         file, sep, factory = self.task.rpartition(":")
         if sep and file.endswith(".py"):
             update["task"] = f"{absolute(file, base)}:{factory}"

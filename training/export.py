@@ -61,7 +61,7 @@ def tokenizer_file(cfg: Config) -> bytes | None:
     from training.data.tokens import load_tokenizer
 
     try:
-        tok = load_tokenizer(cfg.dataset)
+        tok = load_tokenizer(cfg.data.dataset)
     except Exception:  # noqa: BLE001 - a run whose dataset is gone still exports its weights
         return None
     return tok.definition() if tok.kind in ("huggingface", "bpe") else None
@@ -86,9 +86,9 @@ def export(cfg: Config, output: str, fmt: Literal["hf", "orbax"] = "hf", step: i
     from training.tasks.lm import llama_config
 
     model = llama_config(cfg.model)
-    dtype = np.dtype(hf.DTYPES["BF16"]) if cfg.param_dtype == "bfloat16" else np.dtype(np.float32)
+    dtype = np.dtype(hf.DTYPES["BF16"]) if cfg.model.param_dtype == "bfloat16" else np.dtype(np.float32)
     tensors = hf.from_params(params, model, dtype)
-    config = hf.hf_config(model, cfg.param_dtype)
+    config = hf.hf_config(model, cfg.model.param_dtype)
     with tempfile.TemporaryDirectory() as tmp:
         local = Path(tmp) / "hf" if is_gcs(output) else Path(output)
         files = hf.write_checkpoint(local, tensors, config, tokenizer_file(cfg))

@@ -124,39 +124,43 @@ class MeshPlan:
 
 def plan_mesh(cfg: Config, workers: int) -> MeshPlan:
     """The mesh for ``workers`` hosts of ``cfg.devices_per_worker`` devices each, in slices of ``hosts_per_slice``."""
-    h = cfg.hosts_per_slice
+    h = cfg.placement.hosts_per_slice
     if workers % h:
         raise PlanError(f"{workers} hosts are not whole slices of hosts_per_slice={h}")
-    d = cfg.devices_per_worker * h
+    d = cfg.placement.devices_per_worker * h
     where = f"{d} devices per host" if h == 1 else f"{d} devices per slice ({h} hosts)"
-    ici = _fill([cfg.ici_data, cfg.ici_fsdp, cfg.ici_tensor], d, f"ici axes over {where}")
+    ici = _fill([cfg.placement.ici_data, cfg.placement.ici_fsdp, cfg.placement.ici_tensor], d, f"ici axes over {where}")
     n = workers // h
-    dcn = _fill([cfg.dcn_data, cfg.dcn_fsdp, 1], n, f"dcn axes over {n} {'hosts' if h == 1 else 'slices'}")
-    return MeshPlan(workers, cfg.devices_per_worker, tuple(ici), tuple(dcn), h)  # type: ignore[arg-type]
+    dcn = _fill(
+        [cfg.placement.dcn_data, cfg.placement.dcn_fsdp, 1], n, f"dcn axes over {n} {'hosts' if h == 1 else 'slices'}"
+    )
+    return MeshPlan(workers, cfg.placement.devices_per_worker, tuple(ici), tuple(dcn), h)  # type: ignore[arg-type]
 
 
 def check_batch(cfg: Config, plan: MeshPlan) -> int:
     """Per-device batch for a plan; refuses a global batch that does not split."""
     shards = plan.batch_shards
-    if cfg.global_batch % shards or cfg.global_batch % plan.workers:
+    if cfg.optimizer.global_batch % shards or cfg.optimizer.global_batch % plan.workers:
         raise PlanError(
-            f"global_batch={cfg.global_batch} cannot be split over {plan.workers} workers x "
+            f"global_batch={cfg.optimizer.global_batch} cannot be split over {plan.workers} workers x "
             f"{plan.devices_per_worker} devices (batch shards: {shards}); choose a global batch divisible by "
             f"{math.lcm(shards, plan.workers)} or another worker range"
         )
-    if cfg.validate_on == "slice" and (cfg.val_batch % shards or cfg.val_batch % plan.workers):
+    if cfg.checkpoint.validate_on == "slice" and (
+        cfg.checkpoint.val_batch % shards or cfg.checkpoint.val_batch % plan.workers
+    ):
         raise PlanError(
-            f"val_batch={cfg.val_batch} cannot be split over {plan.workers} workers x {plan.devices_per_worker} "
+            f"val_batch={cfg.checkpoint.val_batch} cannot be split over {plan.workers} workers x {plan.devices_per_worker} "
             f"devices (validate_on: slice evaluates on the job's mesh); choose a val_batch divisible by "
             f"{math.lcm(shards, plan.workers)}"
         )
-    return cfg.global_batch // shards
+    return cfg.optimizer.global_batch // shards
 
 
 def feasible_sizes(cfg: Config) -> list[int]:
     """Worker counts in min..max, whole slices, on which the job can run (mesh and batch both split)."""
     out = []
-    for n in range(cfg.min_workers, cfg.max_workers + 1, cfg.hosts_per_slice):
+    for n in range(cfg.elastic.min_workers, cfg.elastic.max_workers + 1, cfg.placement.hosts_per_slice):
         try:
             check_batch(cfg, plan_mesh(cfg, n))
         except PlanError:
@@ -195,11 +199,11 @@ class MemoryEstimate:
 
 def param_count(cfg: Config) -> int:
     """Parameters of the built-in Llama model, from its shapes alone (used for planning large presets)."""
-    h, f, v, hd = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.head_dim
-    attn = h * cfg.n_heads * hd * 2 + h * cfg.kv_heads * hd * 2
+    h, f, v, hd = cfg.model.d_model, cfg.model.d_ff, cfg.model.vocab_size, cfg.model.head_dim
+    attn = h * cfg.model.n_heads * hd * 2 + h * cfg.model.kv_heads * hd * 2
     mlp = 3 * h * f
     per_layer = attn + mlp + 2 * h
-    return v * h + cfg.n_layers * per_layer + h + (0 if cfg.tie_embeddings else h * v)
+    return v * h + cfg.model.n_layers * per_layer + h + (0 if cfg.model.tie_embeddings else h * v)
 
 
 def estimate_memory(cfg: Config, plan: MeshPlan) -> MemoryEstimate:
@@ -213,18 +217,18 @@ def estimate_memory(cfg: Config, plan: MeshPlan) -> MemoryEstimate:
     """
     n = param_count(cfg)
     shards = plan.param_shards
-    pbytes = BYTES[cfg.param_dtype]
-    abytes = BYTES[cfg.dtype]
-    b_dev = cfg.global_batch / plan.batch_shards
-    tokens = b_dev * cfg.seq_len
+    pbytes = BYTES[cfg.model.param_dtype]
+    abytes = BYTES[cfg.model.dtype]
+    b_dev = cfg.optimizer.global_batch / plan.batch_shards
+    tokens = b_dev * cfg.model.seq_len
     t = plan.shape["tensor"]
-    h, ff, kv = cfg.d_model, cfg.d_ff, cfg.kv_heads * cfg.head_dim
+    h, ff, kv = cfg.model.d_model, cfg.model.d_ff, cfg.model.kv_heads * cfg.model.head_dim
     per_layer_full = tokens * (6 * h + 2 * kv + 3 * ff) * abytes / t
-    if cfg.activation_checkpointing:
-        acts = cfg.n_layers * tokens * h * abytes + per_layer_full
+    if cfg.model.activation_checkpointing:
+        acts = cfg.model.n_layers * tokens * h * abytes + per_layer_full
     else:
-        acts = cfg.n_layers * per_layer_full
-    logits = tokens * cfg.vocab_size * 4 * 2 / t  # fp32 logits and their gradient
+        acts = cfg.model.n_layers * per_layer_full
+    logits = tokens * cfg.model.vocab_size * 4 * 2 / t  # fp32 logits and their gradient
     return MemoryEstimate(
         params=n,
         bytes_params=n * pbytes / shards,
@@ -232,7 +236,7 @@ def estimate_memory(cfg: Config, plan: MeshPlan) -> MemoryEstimate:
         bytes_optimizer=2 * n * pbytes / shards,
         bytes_activations=acts,
         bytes_logits=logits,
-        device_bytes=cfg.device_memory_gib * 2**30,
+        device_bytes=cfg.placement.device_memory_gib * 2**30,
     )
 
 
@@ -265,7 +269,7 @@ def fit_hints(cfg: Config) -> str:
     remat = {
         "none": "set remat (full keeps the least; dots, qkv_proj, attn, attn_mlp keep more)",
         "full": "",
-    }.get(cfg.remat, f"set remat: full (it keeps the least; {cfg.remat} keeps more)")
+    }.get(cfg.model.remat, f"set remat: full (it keeps the least; {cfg.model.remat} keeps more)")
     changes = ["raise min_workers", "shard more (ici_fsdp / ici_tensor)", *([remat] if remat else [])]
     return ", ".join(changes) + ", or lower global_batch / seq_len"
 
@@ -276,15 +280,17 @@ def _fit(
     sizes = feasible_sizes(cfg)
     if not sizes:
         # Explain with the smallest size's own error.
-        check_batch(cfg, plan_mesh(cfg, cfg.min_workers))
-        raise PlanError(f"no worker count in {cfg.min_workers}..{cfg.max_workers} splits the global batch")
+        check_batch(cfg, plan_mesh(cfg, cfg.elastic.min_workers))
+        raise PlanError(
+            f"no worker count in {cfg.elastic.min_workers}..{cfg.elastic.max_workers} splits the global batch"
+        )
     plan = plan_mesh(cfg, sizes[0])
     where = f"the minimum topology ({plan.workers} workers x {plan.devices_per_worker} devices, mesh {plan.shape}"
     est = estimate_memory(cfg, plan) if formula_applies(cfg) else None
     if est is not None and est.total > 0.9 * est.device_bytes:
         raise PlanError(
             f"the model does not fit at {where}, {est.params / 1e9:.2f}B parameters, per-device batch "
-            f"{cfg.global_batch // plan.batch_shards}):\n{est.table()}\n"
+            f"{cfg.optimizer.global_batch // plan.batch_shards}):\n{est.table()}\n"
             f"{fit_hints(cfg)}"
         )
     if not (compiled or est is None):
@@ -295,11 +301,11 @@ def _fit(
             "estimated from the compiled step (training.api.plan / check_fit, or rtrain plan --compiled)"
         )
     got = measure(cfg, plan.workers)
-    usable = 0.9 * cfg.device_memory_gib * 2**30
+    usable = 0.9 * cfg.placement.device_memory_gib * 2**30
     if got.total_bytes > usable:
         raise PlanError(
             f"the model does not fit at {where}, {got.params / 1e9:.2f}B parameters, per-device batch "
-            f"{cfg.global_batch // plan.batch_shards}) by the compiled step (CPU backend, XLA's buffer "
+            f"{cfg.optimizer.global_batch // plan.batch_shards}) by the compiled step (CPU backend, XLA's buffer "
             f"assignment):\n{got.table()}\n  {'device memory (90% usable)':<28} {usable / 2**30:10.2f} GiB\n"
             f"{fit_hints(cfg)}"
         )

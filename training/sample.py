@@ -49,9 +49,9 @@ def sample(cfg: Config, prompt: str, *, max_new_tokens: int = 64, step: int | No
         raise TaskError(f"step {step} is not a committed checkpoint of {cfg.run_uri} (committed: {steps})")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    tok = load_tokenizer(cfg.dataset)
+    tok = load_tokenizer(cfg.data.dataset)
     params = load_params_host(cfg.run_uri, step)
-    n = cfg.seq_len
+    n = cfg.model.seq_len
 
     @jax.jit
     def next_token(p: Any, window: jax.Array, last: jax.Array) -> jax.Array:

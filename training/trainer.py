@@ -109,7 +109,7 @@ class Trainer:
         self.abstract = jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, self.shardings
         )
-        seed = cfg.seed
+        seed = cfg.optimizer.seed
         self._init = jax.jit(lambda: self._init_state(jax.random.key(seed)), out_shardings=self.shardings)
         self._init_compiled: Any = None
         batch_sh = {k: self.batch_sharding for k in self.spec}
@@ -132,7 +132,7 @@ class Trainer:
             "params": params,
             "opt_state": self.tx.init(params),
             # The RNG is state too: saved, restored, never re-derived from the clock.
-            "rng": jax.random.key_data(jax.random.key(self.cfg.seed + 1)),
+            "rng": jax.random.key_data(jax.random.key(self.cfg.optimizer.seed + 1)),
         }
 
     def tracing(self) -> contextlib.ExitStack:
@@ -180,7 +180,7 @@ class Trainer:
     def _grads(self, params: Any, batch: Batch, rng: jax.Array) -> tuple[jax.Array, Any, dict[str, Any]]:
         """Loss, gradients and metrics of a batch, over ``grad_accum`` micro-batches when asked."""
         grad_fn = jax.value_and_grad(self.task.loss, has_aux=True)
-        m = self.cfg.grad_accum
+        m = self.cfg.optimizer.grad_accum
         if m == 1:
             (loss, aux), grads = grad_fn(params, batch, rng)
             return loss, grads, aux
@@ -227,7 +227,7 @@ class Trainer:
     def global_batch(self, local: Mapping[str, np.ndarray], size: int | None = None) -> Batch:
         """Assemble this process's rows of each field into global arrays sharded over (data, fsdp)
         (``size`` rows in all; default: the training batch)."""
-        b = size or self.cfg.global_batch
+        b = size or self.cfg.optimizer.global_batch
         return {
             k: jax.make_array_from_process_local_data(self.batch_sharding, local[k], (b, *local[k].shape[1:]))
             for k in self.spec
@@ -280,7 +280,7 @@ class Trainer:
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         """The global batch's shapes and shardings."""
-        b = self.cfg.global_batch
+        b = self.cfg.optimizer.global_batch
         return {
             k: jax.ShapeDtypeStruct((b, *s.shape), np.dtype(s.dtype), sharding=self.batch_sharding)
             for k, s in self.spec.items()

@@ -94,7 +94,7 @@ class GKEBackend:
         cfg = job.config
         tpu = TPUSlice(self.gke["machine_type"], self.gke["tpu_topology"])
         hosts_per_pool = tpu.hosts if tpu.multi_host else 1
-        need = -(-cfg.min_workers // hosts_per_pool)
+        need = -(-cfg.elastic.min_workers // hosts_per_pool)
         up = self._cluster().create_node_pools(need, float(self.gke.get("provision_timeout_s", 3600.0)))
         return {
             "backend": self.name,

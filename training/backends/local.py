@@ -141,8 +141,10 @@ class LocalSliceBackend:
     def provision(self, job: JobSpec) -> Provisioned:
         """Give the simulated slice its hosts: capacity = max_workers."""
         cfg = job.config
-        api.set_capacity(cfg.run_uri, cfg.max_workers, reason=f"provisioned by {self.by}", source=self.by.lower())
-        return {"backend": self.name, "hosts": cfg.max_workers, "run_uri": cfg.run_uri}
+        api.set_capacity(
+            cfg.run_uri, cfg.elastic.max_workers, reason=f"provisioned by {self.by}", source=self.by.lower()
+        )
+        return {"backend": self.name, "hosts": cfg.elastic.max_workers, "run_uri": cfg.run_uri}
 
     def launch(self, job: JobSpec, attempt: int) -> LocalHandle:
         """Start a job, or follow the live one (:func:`launch` never starts over, never overwrites)."""
@@ -185,7 +187,7 @@ class LocalSliceBackend:
         live = [j for j in {str(h["job"]) for h in handles if h.get("job")} if running(j)]
         for j in live:
             api.stop_job(cfg.run_uri, f"stopped by the {self.by} teardown (job {j})")
-        deadline = time.time() + 3 * cfg.lease_s + 5
+        deadline = time.time() + 3 * cfg.elastic.lease_s + 5
         while live and time.time() < deadline:
             live = [j for j in live if running(j)]
             time.sleep(0.5)

@@ -41,10 +41,10 @@ class SharedPoolBackend:
     def provision(self, job: JobSpec) -> Provisioned:
         """The pool is the root's: made as large as this run's ``max_workers`` when it has no size yet."""
         cfg = job.config
-        pool = commands.ensure_pool(cfg.root, cfg.max_workers)
-        if cfg.min_workers > pool:
+        pool = commands.ensure_pool(cfg.root, cfg.elastic.max_workers)
+        if cfg.elastic.min_workers > pool:
             raise BackendError(
-                f"min_workers={cfg.min_workers} never fits the pool of {pool} host(s) at {cfg.root} "
+                f"min_workers={cfg.elastic.min_workers} never fits the pool of {pool} host(s) at {cfg.root} "
                 "(rtrain submit --pool-hosts N resizes it)"
             )
         return {"backend": self.name, "pool": pool, "priority": self.priority, "run_uri": cfg.run_uri}
@@ -111,7 +111,7 @@ class SharedPoolBackend:
             commands.cancel(cfg.root, cfg.run_name, f"cancelled by the {self.by} teardown")
         except commands.QueueError as e:  # it ended meanwhile
             return {"backend": self.name, "cancelled": False, "ended": str(e)}
-        deadline = time.time() + 3 * cfg.lease_s + 30
+        deadline = time.time() + 3 * cfg.elastic.lease_s + 30
         while time.time() < deadline and commands.look(cfg.root, cfg.run_name).state not in commands.ENDED:
             time.sleep(0.5)
         ended = commands.look(cfg.root, cfg.run_name).state

@@ -68,7 +68,9 @@ class JobSpec:
     def from_run_spec(cls, spec: RunSpec | Mapping[str, Any]) -> JobSpec:
         """The job of a DAG run's resolved run spec (its JSON form, as XCom hands it over)."""
         cfg = config_from_dict(spec["config"])
-        return cls(cfg, placement(str(spec.get("backend") or cfg.backend), spec.get("gke"), spec.get("priority")))
+        return cls(
+            cfg, placement(str(spec.get("backend") or cfg.placement.backend), spec.get("gke"), spec.get("priority"))
+        )
 
     def with_config(self, cfg: Config) -> JobSpec:
         """The same placement for another config of the run (a relaunch resumes from the latest step)."""

@@ -37,7 +37,7 @@ def stale_after_s(hang_timeout_s: float) -> float:
 
 def timeouts(cfg: Config, start_timeout_s: float = START_TIMEOUT_S) -> Timeouts:
     """The watch's timeouts for a run of ``cfg``."""
-    return Timeouts(start_timeout_s=float(start_timeout_s), stale_after_s=stale_after_s(cfg.hang_timeout_s))
+    return Timeouts(start_timeout_s=float(start_timeout_s), stale_after_s=stale_after_s(cfg.elastic.hang_timeout_s))
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ def evaluate(cfg: Config, params: Any) -> dict[str, float]:
     fields = list(task.example_spec())
     fn = jax.jit(task.evaluate)
     sums: dict[str, list[float]] = {}
-    for b in eval_set(source, batch=cfg.val_batch, max_batches=cfg.val_batches):
+    for b in eval_set(source, batch=cfg.checkpoint.val_batch, max_batches=cfg.checkpoint.val_batches):
         for k, v in fn(params, {f: b[f] for f in fields}).items():
             sums.setdefault(k, []).append(float(v))
     out = {k: float(np.mean(v)) for k, v in sums.items()}
@@ -237,12 +237,12 @@ def validate(run_uri: str, step: int | None = None, evaluated: list[Event] | Non
         raise LifecycleError(f"step {step} is not a committed checkpoint of {run_uri} (committed: {steps})")
     reasons: list[str] = []
     metrics = None
-    if cfg.validate_on == "slice":
+    if cfg.checkpoint.validate_on == "slice":
         evaluated = events.read(types=("evaluated",)) if evaluated is None else evaluated
         metrics = _evaluated_on_slice(cfg, ledger, evaluated, step)
     evaluated_on = "host" if metrics is None else "slice"
     if metrics is None:
-        if cfg.validate_on == "slice":
+        if cfg.checkpoint.validate_on == "slice":
             logging.getLogger("rtrain.lifecycle").warning(
                 "the job recorded no evaluation of step %s on its mesh: evaluating it on this host", step
             )
@@ -257,15 +257,15 @@ def validate(run_uri: str, step: int | None = None, evaluated: list[Event] | Non
     best = [s for s in ledger.best("loss", 1) if s != step]
     if best and math.isfinite(metrics["loss"]):
         best_loss = float(ledger.state(best[0])["metrics"]["loss"])  # type: ignore[index]
-        if metrics["loss"] > best_loss * (1 + cfg.val_tolerance):
+        if metrics["loss"] > best_loss * (1 + cfg.checkpoint.val_tolerance):
             reasons.append(
                 f"loss {metrics['loss']:.4f} is worse than the best validated {best_loss:.4f} "
-                f"(step {best[0]}) by more than {cfg.val_tolerance:.0%}"
+                f"(step {best[0]}) by more than {cfg.checkpoint.val_tolerance:.0%}"
             )
-    if cfg.val_max_loss and metrics["loss"] > cfg.val_max_loss:
-        reasons.append(f"loss {metrics['loss']:.4f} > val_max_loss {cfg.val_max_loss}")
-    if cfg.val_min_accuracy and metrics.get("accuracy", 0.0) < cfg.val_min_accuracy:
-        reasons.append(f"accuracy {metrics['accuracy']:.4f} < val_min_accuracy {cfg.val_min_accuracy}")
+    if cfg.checkpoint.val_max_loss and metrics["loss"] > cfg.checkpoint.val_max_loss:
+        reasons.append(f"loss {metrics['loss']:.4f} > val_max_loss {cfg.checkpoint.val_max_loss}")
+    if cfg.checkpoint.val_min_accuracy and metrics.get("accuracy", 0.0) < cfg.checkpoint.val_min_accuracy:
+        reasons.append(f"accuracy {metrics['accuracy']:.4f} < val_min_accuracy {cfg.checkpoint.val_min_accuracy}")
 
     # NaN is not JSON: record non-finite numbers as strings.
     clean = {k: (v if math.isfinite(v) else str(v)) for k, v in metrics.items()}
@@ -320,7 +320,7 @@ def validate_pending(run_uri: str) -> list[Verdict]:
     states = ledger.states()
     committed = committed_steps(run_uri)
     todo = [s for s in committed if s not in states or states[s]["state"] == "committed"]
-    if cfg.validate_on != "slice":
+    if cfg.checkpoint.validate_on != "slice":
         return [validate(run_uri, s) for s in todo]
     evaluated = events.read(types=("evaluated",))  # once for every step
     todo = [s for s in todo if s == committed[-1] or _evaluated_on_slice(cfg, ledger, evaluated, s) is not None]
@@ -363,8 +363,8 @@ def rollback(run_uri: str, to: int | None = None, reason: str = "manual rollback
     if state and state["state"] in ("rejected", "quarantined"):
         raise LifecycleError(f"step {target} is {state['state']}; roll back to a good checkpoint")
     from_step = steps[-1]
-    how = ResumeHow(lr_scale=cfg.rollback_lr_scale)
-    if cfg.rollback_skip_data and from_step > target:
+    how = ResumeHow(lr_scale=cfg.checkpoint.rollback_lr_scale)
+    if cfg.checkpoint.rollback_skip_data and from_step > target:
         how["skip_to_batch"] = int(_data_position(run_uri, from_step).get("next_batch", 0))
     quarantined = []
     for s in steps:
@@ -400,7 +400,11 @@ def prune(run_uri: str, dry_run: bool = False) -> prune_lib.Pruned:
     """Apply the run's retention policy to checkpoints/ and expire old quarantined ones."""
     store, cfg, ledger, events = _run(run_uri)
     policy = prune_lib.policy_from_config(
-        cfg.keep_last, cfg.keep_best, cfg.best_metric, cfg.keep_every, cfg.quarantine_ttl_s
+        cfg.checkpoint.keep_last,
+        cfg.checkpoint.keep_best,
+        cfg.checkpoint.best_metric,
+        cfg.checkpoint.keep_every,
+        cfg.checkpoint.quarantine_ttl_s,
     )
     plan = prune_lib.prune(run_uri, policy, dry_run=dry_run, events=None if dry_run else events)
     out = plan.to_dict()
@@ -408,7 +412,7 @@ def prune(run_uri: str, dry_run: bool = False) -> prune_lib.Pruned:
     expired = []
     for name in sorted({k.split("/")[1] for k in store.list(QUARANTINE)}):
         born = int(name.rsplit("-", 1)[1]) / 1e9 if "-" in name else now
-        if now - born > cfg.quarantine_ttl_s:
+        if now - born > cfg.checkpoint.quarantine_ttl_s:
             expired.append(name)
             if not dry_run:
                 store.delete(f"{QUARANTINE}{name}")
@@ -631,13 +635,16 @@ def report(run_uri: str) -> RunReport:
     pruned = sorted({s for e in evs if e["type"] == "prune" for s in e.get("deleted", [])})
     states = ledger.states()
     kept = sorted(s for s, r in states.items() if r["state"] not in ("pruned", "quarantined", "corrupt"))
-    gp = goodput(evs, int(status.get("step") or cfg.steps) if status.get("state") == "finished" else cfg.steps)
+    gp = goodput(
+        evs,
+        int(status.get("step") or cfg.optimizer.steps) if status.get("state") == "finished" else cfg.optimizer.steps,
+    )
     loss = status.get("loss")
     return {
         "run": run_uri,
         "state": status.get("state"),
         "steps": status.get("step"),
-        "steps_total": cfg.steps,
+        "steps_total": cfg.optimizer.steps,
         "final_loss": round(float(loss), 4) if isinstance(loss, int | float) else loss,
         "launches": [{"attempt": e["attempt"], "workers": e["workers"], "mesh": e["mesh"]} for e in launches],
         "failures": len([e for e in evs if e["type"] == "failure"]),

@@ -120,15 +120,15 @@ def compile_smaller(cfg: Config, task: Any, workers: int, own_key: str | None, t
     for n in smaller_sizes(cfg, workers):
         t0 = time.time()
         note = ahead_key(own_key, n) if own_key else None
-        if to.have(n) or (note is not None and compile_once.cached(cfg.compilation_cache, note)):
+        if to.have(n) or (note is not None and compile_once.cached(cfg.placement.compilation_cache, note)):
             to.done(n, time.time() - t0, True)
             continue
         devices = [d for d in jax.devices() if d.process_index < n]
         lowered = Trainer(cfg, build_mesh(plan_mesh(cfg, n), devices), task).lower()
         compiled = compile_once.compile_here(lowered, None, to.cache_hits)
         if note is not None:
-            compile_once.note_cached(cfg.compilation_cache, note)
-        program = compiled.whole(cfg.compilation_cache)
+            compile_once.note_cached(cfg.placement.compilation_cache, note)
+        program = compiled.whole(cfg.placement.compilation_cache)
         if program is not None:  # kept before it is reported: a round of that size may start at once
             to.keep(n, program, compile_once.program_key(lowered))
         to.done(n, time.time() - t0, False)
@@ -144,8 +144,8 @@ def enabled(cfg: Config, platform: str | None = None) -> bool:
 
     ``platform``: JAX's backend (``cpu``, ``tpu``, ...); by default this process's.
     """
-    if cfg.compile_ahead is not None:
-        return cfg.compile_ahead
+    if cfg.placement.compile_ahead is not None:
+        return cfg.placement.compile_ahead
     if platform is None:
         import jax
 
@@ -165,7 +165,7 @@ def start(
     def run() -> None:
         idle_this_thread()  # the training's threads come first, and the collectives' transport threads too
         try:
-            program = own.whole(cfg.compilation_cache) if own is not None and own_key is not None else None
+            program = own.whole(cfg.placement.compilation_cache) if own is not None and own_key is not None else None
             if program is not None and own_key is not None:
                 to.keep(workers, program, own_key)
             compile_smaller(cfg, task, workers, own_key, to)

@@ -96,7 +96,7 @@ class HostView:
             h
             for h, r in self.hosts.items()
             if r.state not in ("leaving", "gone")
-            and self.age(h) < self.cfg.heartbeat_timeout_s
+            and self.age(h) < self.cfg.elastic.heartbeat_timeout_s
             and not self.known_gone(h)
         }
 
@@ -110,7 +110,7 @@ class HostView:
             h
             for h, r in self.hosts.items()
             if r.state not in ("leaving", "gone")
-            and self.age(h) < 3 * self.cfg.heartbeat_s
+            and self.age(h) < 3 * self.cfg.elastic.heartbeat_s
             and not self.known_gone(h)
             and not (h in self.lost and self.lost[h] >= (r.started, r.seq))
         }

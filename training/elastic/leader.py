@@ -141,9 +141,9 @@ class Leader:
             run_uri=agent.run_uri,
             job=agent.job,
             leader=agent.host,
-            steps=self.cfg.steps,
+            steps=self.cfg.optimizer.steps,
         )
-        self.chaos = JobChaos(self.cfg.chaos, agent.events, agent.emit, agent.capacity)
+        self.chaos = JobChaos(self.cfg.elastic.chaos, agent.events, agent.emit, agent.capacity)
         self.rounds = RoundWriter(
             rec, gen=lambda: int(agent.lock.gen or 0), faults=self.chaos.round_faults, prev=self.round
         )
@@ -160,7 +160,9 @@ class Leader:
         # Local copies saved before this round number are of another lineage (a guard rollback since).
         self.local_floor = self.round.local_floor if self.round else 0
         self.recovery: Recovery | None = None  # what the next round recovers from (its `recovered` event)
-        self.stop = PersonStop(agent, self.cfg.preemption_grace_s)  # a person's stop: at the next step, committed
+        self.stop = PersonStop(
+            agent, self.cfg.checkpoint.preemption_grace_s
+        )  # a person's stop: at the next step, committed
         self.cadence = agent.cadence
         self._control_at = 0.0
         self.agent.emit(
@@ -217,19 +219,19 @@ class Leader:
         cap = self.agent.capacity
         want = largest_round(self.cfg, cap.available() if cap is not None else None)
         members = choose_members(self.cfg, self.view.hosts, self.view.fresh())
-        if members and (len(members) >= want or now - self.t_phase >= self.cfg.join_timeout_s):
+        if members and (len(members) >= want or now - self.t_phase >= self.cfg.elastic.join_timeout_s):
             self._open(members, "start")
-        elif now - self.t_phase >= self.cfg.join_timeout_s:
+        elif now - self.t_phase >= self.cfg.elastic.join_timeout_s:
             self._start_waiting(now)
 
     def _form(self, now: float) -> None:
         # A member that does not show life within the settle is lost.  Not just 3 heartbeats: a busy host
         # (its worker tearing down, the machine loaded) can miss a few beats and is not lost for that.
         # A member whose agent's connection ended is lost at once: no settle.
-        settle_s = max(3 * self.cfg.heartbeat_s, self.cfg.heartbeat_timeout_s / 2)
+        settle_s = max(3 * self.cfg.elastic.heartbeat_s, self.cfg.elastic.heartbeat_timeout_s / 2)
         if self.settle is not None:
             pending = self.view.unsettled(self.prev_members, self.settle, settle_s)
-            if pending and now - self.settle.at < self.cfg.heartbeat_timeout_s:
+            if pending and now - self.settle.at < self.cfg.elastic.heartbeat_timeout_s:
                 return  # let the members of the failed round show they are alive
         lost = self.view.lost_since(self.prev_members, self.settle)
         self.view.declare_lost(lost)
@@ -249,7 +251,7 @@ class Leader:
 
     def _start_waiting(self, now: float) -> None:
         n = len(self.view.fresh())
-        self.agent.emit("waiting_for_capacity", available=n, min_workers=self.cfg.min_workers)
+        self.agent.emit("waiting_for_capacity", available=n, min_workers=self.cfg.elastic.min_workers)
         self.status.waiting(n, now)
         self._enough_at = None
         self._set_phase(Phase.WAIT)
@@ -261,20 +263,20 @@ class Leader:
             # The capacity came back larger than the hosts beating yet: one round with them all (as the
             # first round waits), rather than a smaller one and a resize at once.
             self._enough_at = self._enough_at or now
-            if now - self._enough_at < self.cfg.join_timeout_s:
+            if now - self._enough_at < self.cfg.elastic.join_timeout_s:
                 return
         if members is not None:
             self.agent.emit("capacity", available=len(self.view.fresh()))
             self._open(members, "capacity returned")
-        elif now - self.t_phase >= self.cfg.capacity_timeout_s:
+        elif now - self.t_phase >= self.cfg.elastic.capacity_timeout_s:
             self._fail(
-                f"capacity stayed below min_workers={self.cfg.min_workers} for {self.cfg.capacity_timeout_s:.0f}s "
+                f"capacity stayed below min_workers={self.cfg.elastic.min_workers} for {self.cfg.elastic.capacity_timeout_s:.0f}s "
                 f"(available: {len(self.view.fresh())} hosts)"
             )
 
     def _open(self, members: list[str], reason: str, resume: str | None = None) -> None:
         if self.round is None:
-            resume = self.cfg.resume_from
+            resume = self.cfg.checkpoint.resume_from
         elif resume is None:
             resume = self._resume_for(members)[0]
         recovery = self.recovery.as_dict() if self.recovery is not None else {}
@@ -369,7 +371,7 @@ class Leader:
             self._start_waiting(now)
             self.t_phase = now
         self._write_status(force=True)
-        return max(self.cfg.capacity_timeout_s - (now - self.t_phase), 1.0)
+        return max(self.cfg.elastic.capacity_timeout_s - (now - self.t_phase), 1.0)
 
     def fail(self, reason: str) -> None:
         """End the job as failed with ``reason`` (the agent, when leading itself failed)."""

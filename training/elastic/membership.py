@@ -26,9 +26,9 @@ def complete_slices(cfg: Config, hosts: Mapping[str, HostRecord], alive: Collect
         if rec is not None:
             by_slice.setdefault(rec.slice, {})[rec.index] = name
     return {
-        s: [members[i] for i in range(cfg.hosts_per_slice)]
+        s: [members[i] for i in range(cfg.placement.hosts_per_slice)]
         for s, members in sorted(by_slice.items())
-        if all(i in members for i in range(cfg.hosts_per_slice))
+        if all(i in members for i in range(cfg.placement.hosts_per_slice))
     }
 
 
@@ -41,10 +41,10 @@ def choose_members(
     resize keeps as many processes in place as it can.
     """
     slices = complete_slices(cfg, hosts, alive)
-    sizes = [n for n in feasible_sizes(cfg) if n <= len(slices) * cfg.hosts_per_slice]
+    sizes = [n for n in feasible_sizes(cfg) if n <= len(slices) * cfg.placement.hosts_per_slice]
     if not sizes:
         return None
-    want = max(sizes) // cfg.hosts_per_slice
+    want = max(sizes) // cfg.placement.hosts_per_slice
     keep = set(prefer)
     order = sorted(slices, key=lambda s: (not any(h in keep for h in slices[s]), s))
     chosen = sorted(order[:want])
@@ -53,7 +53,7 @@ def choose_members(
 
 def largest_round(cfg: Config, available: int | None) -> int:
     """The largest round ``available`` hosts allow (none said, or 0: ``max_workers``)."""
-    expected = min(available or cfg.max_workers, cfg.max_workers)
+    expected = min(available or cfg.elastic.max_workers, cfg.elastic.max_workers)
     return max([n for n in feasible_sizes(cfg) if n <= expected] or [0])
 
 
@@ -77,7 +77,7 @@ def resume_for(
     """
     newest = newest_persistent(states)
     local: list[int] = []
-    if members and cfg.local_checkpoint_every:
+    if members and cfg.checkpoint.local_checkpoint_every:
         common: set[int] | None = None
         for h in members:
             rec = hosts.get(h)

@@ -10,10 +10,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from training.elastic import ahead, compile_once
 from training.elastic.worker_link import Assignment
+
+if TYPE_CHECKING:
+    from training.config import Config
 
 # This process's hits in JAX's persistent compilation cache, by the thread that compiled (JAX reports a hit
 # in the thread that looked it up): the step, a new model's init and the steps compiled ahead run side by side.
@@ -73,7 +76,7 @@ class StepMade:
     compiled: compile_once.Compiled | None  # as compiled here, to keep; None when loaded (kept, or passed on)
 
 
-def make_step(cfg: Any, trainer: Any, store: Any, a: Assignment) -> StepMade:
+def make_step(cfg: Config, trainer: Any, store: Any, a: Assignment) -> StepMade:
     """Load the round's step as this job kept it (``compile_ahead``), else compile it (once in the round, on one
     machine: :mod:`training.elastic.compile_once`); run beside the restore."""
     t0, hits = time.time(), cache_hits()
@@ -95,9 +98,9 @@ def make_step(cfg: Any, trainer: Any, store: Any, a: Assignment) -> StepMade:
     return StepMade(loaded, loaded or cache_hits() > hits, time.time() - t0, key, compiled)
 
 
-def share_compiles(cfg: Any, a: Assignment) -> bool:
+def share_compiles(cfg: Config, a: Assignment) -> bool:
     """Whether the round's programs are compiled once, by process 0 (:mod:`training.elastic.compile_once`)."""
-    return compile_once.enabled(cfg.backend, a.processes) and bool(a.job)
+    return compile_once.enabled(cfg.placement.backend, a.processes) and bool(a.job)
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,7 @@ class Shared:
 
 
 def compile_shared(
-    cfg: Any,
+    cfg: Config,
     store: Any,
     a: Assignment,
     name: str,
@@ -132,10 +135,10 @@ def compile_shared(
         key = compile_once.program_key(lowered, options)
         compile_once.announce(store, a.job, a.round, name, key)
         compiled = compile_once.compile_here(lowered, options, cache_hits)
-        compile_once.publish(store, a.job, a.round, name, compiled.whole(cfg.compilation_cache))
+        compile_once.publish(store, a.job, a.round, name, compiled.whole(cfg.placement.compilation_cache))
         return Shared(compiled.executable, False, key, compiled)
     assert lower is not None
-    wait_s = cfg.hang_timeout_s / 2
+    wait_s = cfg.elastic.hang_timeout_s / 2
     announced = compile_once.announced(store, a.job, a.round, name, wait_s)
     got = None if announced is None else compile_once.fetch(store, a.job, a.round, name, wait_s=wait_s)
     if got is None:
@@ -148,16 +151,16 @@ def compile_shared(
     return Shared(got, True, announced)
 
 
-def init_once(cfg: Any, trainer: Any, store: Any, a: Assignment) -> Any:
+def init_once(cfg: Config, trainer: Any, store: Any, a: Assignment) -> Any:
     """A new model's state: its initialisation compiled once in the round (:mod:`training.elastic.compile_once`)."""
     if share_compiles(cfg, a):
         shared = compile_shared(cfg, store, a, "init", trainer.lower_init, trainer.init_compiler_options())
         trainer.load_init(shared.compiled)
     state = trainer.init()
     load = getattr(trainer.task, "initial_params", None)
-    if cfg.init_from and load is not None:  # the optimizer's new state does not depend on the values
+    if cfg.model.init_from and load is not None:  # the optimizer's new state does not depend on the values
         state = {**state, "params": load(trainer.abstract["params"])}
-        print(f"round {a.round} process {a.rank}: parameters from {cfg.init_from}", file=sys.stderr)
+        print(f"round {a.round} process {a.rank}: parameters from {cfg.model.init_from}", file=sys.stderr)
     return state
 
 

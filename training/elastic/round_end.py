@@ -159,16 +159,16 @@ def decide_guard(
         # The bad loss came right after restoring that step: never roll back to it again.
         suspect = [s for s in good if s >= int(restored)]
         good = [s for s in good if s < int(restored)]
-    if guards > cfg.max_guard_rollbacks or not good:
-        if guards > cfg.max_guard_rollbacks:
-            why = f"{guards - 1} rollback(s) did not help (max_guard_rollbacks={cfg.max_guard_rollbacks})"
+    if guards > cfg.checkpoint.max_guard_rollbacks or not good:
+        if guards > cfg.checkpoint.max_guard_rollbacks:
+            why = f"{guards - 1} rollback(s) did not help (max_guard_rollbacks={cfg.checkpoint.max_guard_rollbacks})"
         elif suspect:
             why = f"no checkpoint before step {suspect[0]}, which gave this loss right after it was restored"
         else:
             why = "no committed checkpoint before it to roll back to"
         return JobFails(f"in-training guard: {reason} at step {step} (metric {g.get('metric', 'loss')}); {why}")
-    how = ResumeHow(lr_scale=cfg.rollback_lr_scale)
-    if cfg.rollback_skip_data and g.get("next_batch") is not None:
+    how = ResumeHow(lr_scale=cfg.checkpoint.rollback_lr_scale)
+    if cfg.checkpoint.rollback_skip_data and g.get("next_batch") is not None:
         how["skip_to_batch"] = int(g["next_batch"])
     return GuardRollback(step=step, reason=reason, target=good[-1], suspect=suspect, resume=how)
 
@@ -368,10 +368,10 @@ class RoundEnds:
             detected_by=rec.detected_by,
             failures=self.failures,
         )
-        log.warning("[%s] failure %d/%d: %s", self.host, self.failures, self.cfg.max_failures, rec.reason)
-        if self.failures > self.cfg.max_failures:
+        log.warning("[%s] failure %d/%d: %s", self.host, self.failures, self.cfg.elastic.max_failures, rec.reason)
+        if self.failures > self.cfg.elastic.max_failures:
             return JobFails(
-                f"failure budget spent: {self.failures} failures > max_failures={self.cfg.max_failures}; "
+                f"failure budget spent: {self.failures} failures > max_failures={self.cfg.elastic.max_failures}; "
                 f"last: {rec.reason}"
             )
         return NextRound("recovery", recovery)

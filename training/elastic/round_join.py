@@ -7,11 +7,14 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from training.elastic.cpu_slice import TransportThreads
 from training.elastic.wire import ReportType
 from training.elastic.worker_link import Assignment, Reporter, watch_peers
+
+if TYPE_CHECKING:
+    from training.config import Config
 
 JOIN_S = 120  # how long a process of a round has to join it (jax.distributed), from its set-up on
 
@@ -38,7 +41,7 @@ def wait_until_listening(address: str, timeout: float) -> bool:
             time.sleep(0.005)
 
 
-def set_up(cfg: Any, run: str, a: Assignment, rep: Reporter, built: Any, t_assigned: float) -> tuple[Any, Any, Any]:
+def set_up(cfg: Config, run: str, a: Assignment, rep: Reporter, built: Any, t_assigned: float) -> tuple[Any, Any, Any]:
     """Join the round (``jax.distributed``, the peer watch) and build its mesh, trainer and checkpoint manager;
     the task too, if the standby left it (``built`` None: it reaches for JAX's backend); those and the task.
 

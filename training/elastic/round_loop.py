@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from training.checkpoint.resume import DataPosition
 from training.elastic import ahead, compile_once
@@ -24,18 +24,21 @@ from training.elastic.wire import ReportType
 from training.elastic.worker_link import Assignment, Reporter, leave
 from training.ready import wait_ready
 
+if TYPE_CHECKING:
+    from training.config import Config
+
 # This process's CPU time (all its threads) when it was assigned its round.
 CPU_AT_ASSIGNMENT = [0.0]
 
 
-def train_batches(cfg: Any, a: Assignment, task_data: Any, next_batch: int) -> Iterator[dict[str, Any]]:
+def train_batches(cfg: Config, a: Assignment, task_data: Any, next_batch: int) -> Iterator[dict[str, Any]]:
     """This process's training batches from global batch ``next_batch`` on (the exact data position)."""
     from training.data import pipeline
 
     return pipeline.batches(
         task_data.train,
-        seed=cfg.seed,
-        global_batch=cfg.global_batch,
+        seed=cfg.optimizer.seed,
+        global_batch=cfg.optimizer.global_batch,
         process_index=a.rank,
         process_count=a.processes,
         start_batch=next_batch,
@@ -82,7 +85,7 @@ class RoundLoop:
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: Config,
         store: Any,
         a: Assignment,
         rep: Reporter,
@@ -112,9 +115,10 @@ class RoundLoop:
         cfg = self.cfg
         return DataPosition(
             next_batch=self.next_batch,
-            examples_consumed=(self.next_batch - sum(end - start for start, end in self.skipped)) * cfg.global_batch,
-            global_batch=cfg.global_batch,
-            seed=cfg.seed,
+            examples_consumed=(self.next_batch - sum(end - start for start, end in self.skipped))
+            * cfg.optimizer.global_batch,
+            global_batch=cfg.optimizer.global_batch,
+            seed=cfg.optimizer.seed,
             dataset=self.dataset,
             lr_scale=self.lr_scale,
             skipped=self.skipped,
@@ -126,14 +130,14 @@ class RoundLoop:
         self.validation = task_data.validation
         self.loop = Loop(cfg, self.rep, self.t_assigned, self.step, self.tokens_per_example)
         background_at = self.step + 2  # once the round's first step was read (below): it comes first
-        while self.step < cfg.steps:
+        while self.step < cfg.optimizer.steps:
             self.one_step(batches)
-            if (self.step + 1) % cfg.checkpoint_every == 0 and self.step + 1 < cfg.steps:
+            if (self.step + 1) % cfg.checkpoint.checkpoint_every == 0 and self.step + 1 < cfg.optimizer.steps:
                 self.stop_vote = StopVote.cast(self.store, self.a, self.step + 1)  # read at that save, not waited for
-            save_now = self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps
+            save_now = self.step % cfg.checkpoint.checkpoint_every == 0 or self.step == cfg.optimizer.steps
             # Due by the config and the step alone, the same in every process (a process whose local
             # write failed has its tier off, and skips only the write).
-            local_due = not save_now and self.tier_planned and self.step % cfg.local_checkpoint_every == 0
+            local_due = not save_now and self.tier_planned and self.step % cfg.checkpoint.local_checkpoint_every == 0
             # Read every step but the newest; before a persistent save (or at the end), the newest too: the
             # guard passes every step before it is saved.  A local copy is staged instead, and written once
             # its step is read.  Decided by the step alone, the same in every process: a process that read
@@ -142,7 +146,7 @@ class RoundLoop:
             self.check(verdict.bad)
             if self.step == background_at:
                 self.start_background()
-            if verdict.notice and self.step < cfg.steps:
+            if verdict.notice and self.step < cfg.optimizer.steps:
                 self.observe(keep=0)  # the newest step too, through the guard, before it is saved
                 self.check(self.loop.bad)
                 self.stop_here("preemption notice")
@@ -232,7 +236,7 @@ class RoundLoop:
         self.chaos.before_step(self.step)
         step_lr = self.lr_scale * self.chaos.learning_rate_scale(self.step)
         local = next(batches)  # after the step's faults: a notice they send has the batch's time to land
-        if self.cfg.trace_data_ids:
+        if self.cfg.observability.trace_data_ids:
             self.store.put(
                 f"{TRACE}{self.step:08d}/a{self.a.round:03d}-p{self.a.rank:03d}.json",
                 json.dumps({"ids": [int(i) for i in local["ids"]], "processes": self.a.processes}).encode(),
@@ -266,11 +270,11 @@ class RoundLoop:
             self.state = self.trainer.corrupt(self.state)
         self.saver.save(self.step, self.state, self.data_position(), self.cfg)
         self.chaos.after_save_started(self.step)
-        if self.cfg.validate_on == "slice":
+        if self.cfg.checkpoint.validate_on == "slice":
             self.evaluate_saved()
         vote, self.stop_vote = self.stop_vote, None
         stop = vote.agreed() if vote is not None and vote.step == self.step else None
-        if self.step < self.cfg.steps and (stop if stop is not None else stop_requested(self.store, self.a)):
+        if self.step < self.cfg.optimizer.steps and (stop if stop is not None else stop_requested(self.store, self.a)):
             self.saver.wait()
             self.rep.send(ReportType.RESCALE_REQUESTED, everyone=True, step=self.step, workers=self.a.processes)
             self.mngr.close()
@@ -292,12 +296,12 @@ class RoundLoop:
         if self.eval_batches is None:
             local = eval_set(
                 self.validation,
-                batch=cfg.val_batch,
-                max_batches=cfg.val_batches,
+                batch=cfg.checkpoint.val_batch,
+                max_batches=cfg.checkpoint.val_batches,
                 process_index=a.rank,
                 process_count=a.processes,
             )
-            self.eval_batches = [self.trainer.global_batch(b, size=cfg.val_batch) for b in local]
+            self.eval_batches = [self.trainer.global_batch(b, size=cfg.checkpoint.val_batch) for b in local]
         sums: dict[str, float] = {}
         for batch in self.eval_batches:
             for k, v in self.trainer.evaluate(self.state["params"], batch).items():
@@ -355,7 +359,7 @@ class Verdict:
 class Loop:
     """The steps in flight, read one step late: the guard, the metrics and progress reports."""
 
-    def __init__(self, cfg: Any, rep: Reporter, t_assigned: float, step: int, tokens_per_example: int) -> None:
+    def __init__(self, cfg: Config, rep: Reporter, t_assigned: float, step: int, tokens_per_example: int) -> None:
         self.cfg = cfg
         self.rep = rep
         self.t_assigned = t_assigned
@@ -364,7 +368,7 @@ class Loop:
         self.first = True
         self.t_last = time.time()
         self.since = 0  # steps read since the last progress report
-        self.tokens_per_step = cfg.global_batch * tokens_per_example
+        self.tokens_per_step = cfg.optimizer.global_batch * tokens_per_example
         self.bad: dict[str, Any] | None = None
         self.passed: int | None = None  # the newest step read that the guard passed
         self.notice = False
@@ -387,20 +391,20 @@ class Loop:
             m = {k: float(v) for k, v in jax.device_get(metrics).items()}  # the host sync, one step late
             now = time.time()
             loss = m["loss"]
-            why = guard_verdict(loss, self.recent, self.cfg.spike_factor, self.cfg.spike_window)
+            why = guard_verdict(loss, self.recent, self.cfg.checkpoint.spike_factor, self.cfg.checkpoint.spike_window)
             if why:
                 self.bad = {"step": step, "metric": "loss", "value": loss, "reason": why, "next_batch": next_batch}
                 break
             self.passed = step
             self.recent.append(loss)
-            del self.recent[: -self.cfg.spike_window]
+            del self.recent[: -self.cfg.checkpoint.spike_window]
             self.notice = self.notice or m["notice"] > 0
             self.since += 1
             step_time = (now - self.t_last) / self.since
             values = {k: v for k, v in m.items() if k != "notice"}  # the engine's and the task's own metrics
             self.rep.send(ReportType.METRICS, step=step, step_time=step_time, loss=loss, values=values)
             common: dict[str, Any] = {k: values[k] for k in ("loss", "grad_norm", "accuracy", "lr") if k in values}
-            if step % self.cfg.log_every == 0 or step == self.cfg.steps or self.first:
+            if step % self.cfg.observability.log_every == 0 or step == self.cfg.optimizer.steps or self.first:
                 self.rep.send(
                     ReportType.PROGRESS,
                     step=step,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from training.checkpoint.resume import DataPosition
 from training.elastic import worker_link
@@ -16,6 +16,9 @@ from training.elastic.round_compile import init_once
 from training.elastic.round_saves import Pins
 from training.elastic.wire import ReportType
 from training.elastic.worker_link import Assignment, Reporter, leave
+
+if TYPE_CHECKING:
+    from training.config import Config
 
 
 @dataclass
@@ -37,7 +40,7 @@ class Start:
 
 
 def restore(
-    cfg: Any, run: str, a: Assignment, rep: Reporter, trainer: Any, mngr: Any, ledger: Any, dataset: str, pins: Pins
+    cfg: Config, run: str, a: Assignment, rep: Reporter, trainer: Any, mngr: Any, ledger: Any, dataset: str, pins: Pins
 ) -> Start:
     """The round's starting point: a local copy, a committed checkpoint (resharded onto this mesh), or a new model.
 
@@ -51,8 +54,12 @@ def restore(
 
     t0 = time.time()
     shape = trainer.mesh.shape
-    local_dir = host_dir(cfg.local_checkpoint_dir, run, a.job, os.environ["RTRAIN_HOST"])
-    tier = LocalTier(local_dir, cfg.local_keep, trainer.mesh, trainer.abstract) if cfg.local_checkpoint_every else None
+    local_dir = host_dir(cfg.checkpoint.local_checkpoint_dir, run, a.job, os.environ["RTRAIN_HOST"])
+    tier = (
+        LocalTier(local_dir, cfg.checkpoint.local_keep, trainer.mesh, trainer.abstract)
+        if cfg.checkpoint.local_checkpoint_every
+        else None
+    )
     worker_link.hold_tier(tier)
     on = tier is not None and tier.enabled
     chaos = WorkerChaos(
@@ -132,9 +139,9 @@ def follow_hint(start: Start, hint: Any, rep: Reporter) -> None:
     )
 
 
-def data_changed(cfg: Any, step: int, pos: DataPosition, dataset: str, rep: Reporter) -> DataPosition:
+def data_changed(cfg: Config, step: int, pos: DataPosition, dataset: str, rep: Reporter) -> DataPosition:
     """The data position to go on from when checkpoint ``step`` was trained on another dataset (or leave)."""
-    if cfg.on_dataset_change != "restart":
+    if cfg.data.on_dataset_change != "restart":
         leave(
             rep,
             WorkerExit.ERROR,

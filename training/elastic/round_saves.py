@@ -7,13 +7,16 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from training.checkpoint.resume import DataPosition
 from training.checkpoint.steps import is_committed
 from training.elastic.wire import ReportType
 from training.elastic.worker_link import Assignment, Reporter
 from training.storage import scheme
+
+if TYPE_CHECKING:
+    from training.config import Config
 
 
 class Pins:
@@ -109,7 +112,7 @@ class Saver:
         self.wait_saved(self.mngr)
         self.poll()
 
-    def save(self, step: int, state: Any, data_pos: DataPosition, cfg: Any) -> None:
+    def save(self, step: int, state: Any, data_pos: DataPosition, cfg: Config) -> None:
         from training.checkpoint import manager as ckpt
 
         if self.pending is not None:

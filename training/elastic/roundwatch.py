@@ -21,11 +21,13 @@ def round_broken(rnd: Round, reps: dict[str, Report], view: HostView, cfg: Confi
     """A round not every member has ended: has it failed (a worker, a lapsed heartbeat, a straggler)?"""
     failed = [r for r in reps.values() if r.outcome == Outcome.FAILED]
     lapsed = [
-        h for h in rnd.members if h not in reps and (view.age(h) >= cfg.heartbeat_timeout_s or view.known_gone(h))
+        h
+        for h in rnd.members
+        if h not in reps and (view.age(h) >= cfg.elastic.heartbeat_timeout_s or view.known_gone(h))
     ]
     if failed or lapsed:
         return RoundFailed(failed, lapsed=lapsed)
-    if reps and now - min(r.time for r in reps.values()) > max(2 * cfg.heartbeat_timeout_s, 10.0):
+    if reps and now - min(r.time for r in reps.values()) > max(2 * cfg.elastic.heartbeat_timeout_s, 10.0):
         missing = sorted(set(rnd.members) - set(reps))
         return RoundFailed([], f"hosts {missing} did not end round {rnd.round} with the others")
     return None
@@ -53,8 +55,8 @@ class RoundWatch:
         if broken is not None:
             return broken
         self.status.follow(self.view.hosts.get(rnd.members[0]), rnd.round, now)
-        if now - self.status.last_step_change > self.cfg.hang_timeout_s:
-            return RoundFailed([], f"no progress for {self.cfg.hang_timeout_s:.0f}s (hang)")
+        if now - self.status.last_step_change > self.cfg.elastic.hang_timeout_s:
+            return RoundFailed([], f"no progress for {self.cfg.elastic.hang_timeout_s:.0f}s (hang)")
         if not self.rescale_asked:
             self._grow(rnd)
         return None

@@ -149,11 +149,13 @@ class WorkerSupervisor:
         On GKE every value is this round's: the worker was started without the pod's own TPU_WORKER_* and
         MEGASCALE_* (``worker_base_env`` in ``spawn_worker``), which GKE's webhook set for the JobSet as created.
         """
-        if self.cfg.backend != "gke":
+        if self.cfg.placement.backend != "gke":
             return {}
         from training.gke.worker_env import round_env
 
-        return round_env(rnd.members, rank, self.cfg.hosts_per_slice, rnd.coordinator, os.environ.get("MEGASCALE_PORT"))
+        return round_env(
+            rnd.members, rank, self.cfg.placement.hosts_per_slice, rnd.coordinator, os.environ.get("MEGASCALE_PORT")
+        )
 
     def pump(self, handle: Callable[[WorkerProc, WorkerReport], None]) -> tuple[WorkerProc, int] | None:
         """Hand each report the worker wrote to ``handle``; the worker and its exit code once it has ended."""

@@ -25,7 +25,7 @@ import sys
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from training import procctl
 from training.elastic import worker_link
@@ -38,6 +38,9 @@ from training.elastic.round_saves import Pins, Saver
 from training.elastic.warmup import Warm, warm_up, warm_up_in_background
 from training.elastic.wire import ReportType
 from training.elastic.worker_link import Assignment, Reporter, die_with_parent, leave
+
+if TYPE_CHECKING:
+    from training.config import Config
 
 
 def main() -> int:
@@ -91,7 +94,7 @@ def error_line(e: BaseException) -> tuple[WorkerExit, str]:
     return WorkerExit.ERROR, f"{type(e).__name__}: {first}"
 
 
-def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, built: Any, ledger: Any) -> int:
+def train(cfg: Config, run: str, store: Any, a: Assignment, rep: Reporter, built: Any, ledger: Any) -> int:
     """One round of this process: set up, restore, compile, then train until done, a notice or a stop request.
 
     ``built``: the task and its data, as the standby built them (None: built in the set-up, once joined).
@@ -114,7 +117,7 @@ def train(cfg: Any, run: str, store: Any, a: Assignment, rep: Reporter, built: A
         cache_hit=step.cache_hit,
         loaded=step.loaded,
     )
-    saver = Saver(run, mngr, rep, pins, trainer.abstract, background=cfg.async_checkpoint)
+    saver = Saver(run, mngr, rep, pins, trainer.abstract, background=cfg.checkpoint.async_checkpoint)
     loop = RoundLoop(cfg, store, a, rep, trainer, saver, start, t_assigned, task, step)
     return loop.run(task_data, batches)
 

@@ -124,7 +124,7 @@ def worker_env(cfg: Config, run_uri: str, host: str, job: str) -> dict[str, str]
         "TF_CPP_MIN_LOG_LEVEL": "2",
         "PYTHONUNBUFFERED": "1",
     }
-    if cfg.backend == "local":
+    if cfg.placement.backend == "local":
         env.update(cpu_slice_env(cfg))
     return env
 
@@ -134,7 +134,7 @@ def cpu_slice_env(cfg: Config) -> dict[str, str]:
     return {
         "JAX_PLATFORMS": "cpu",
         "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
-        "XLA_FLAGS": cpu_xla_flags(cfg.devices_per_worker),
+        "XLA_FLAGS": cpu_xla_flags(cfg.placement.devices_per_worker),
     }
 
 

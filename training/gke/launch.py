@@ -244,8 +244,8 @@ def settings_keys(gke: GKESettings) -> dict[str, int]:
 
 def fit_grace(cfg: Config, gke: GKESettings) -> Config:
     """The config with its stop-and-commit after a notice (``preemption_grace_s``) no longer than the pods have."""
-    fit = min(cfg.preemption_grace_s, settings_preemption_grace_s(gke))
-    return cfg if fit == cfg.preemption_grace_s else cfg.model_copy(update={"preemption_grace_s": fit})
+    fit = min(cfg.checkpoint.preemption_grace_s, settings_preemption_grace_s(gke))
+    return cfg if fit == cfg.checkpoint.preemption_grace_s else cfg.model_copy(update={"preemption_grace_s": fit})
 
 
 def check_launch(cfg: Config, gke: GKESettings, priority: str | None = None) -> GKELaunch:
@@ -262,35 +262,35 @@ def check_launch(cfg: Config, gke: GKESettings, priority: str | None = None) -> 
     if tpu.multi_host and len(launch.node_pools) < k_max:
         raise GKEConfigError(
             f"gke.node_pools: {len(launch.node_pools)} pool(s) for up to {k_max} slices of {tpu.hosts} hosts "
-            f"(max_workers={cfg.max_workers}): name one pool per slice"
+            f"(max_workers={cfg.elastic.max_workers}): name one pool per slice"
         )
     return launch
 
 
 def check_config(cfg: Config, tpu: TPUSlice) -> None:
     """Refuse a run config that cannot run on this TPU shape; messages name the key."""
-    if cfg.backend != "gke":
-        raise GKEConfigError(f"backend: the GKE launch needs backend=gke, got {cfg.backend!r}")
+    if cfg.placement.backend != "gke":
+        raise GKEConfigError(f"backend: the GKE launch needs backend=gke, got {cfg.placement.backend!r}")
     if not cfg.root.startswith("gs://"):
         raise GKEConfigError(f"root: workers on GKE need a gs:// run root, got {cfg.root!r}")
-    if cfg.devices_per_worker != tpu.chips_per_host:
+    if cfg.placement.devices_per_worker != tpu.chips_per_host:
         raise GKEConfigError(
             f"devices_per_worker: {tpu.machine_type} has {tpu.chips_per_host} chips per host, "
-            f"but devices_per_worker={cfg.devices_per_worker}"
+            f"but devices_per_worker={cfg.placement.devices_per_worker}"
         )
-    if cfg.hosts_per_slice != tpu.hosts:
+    if cfg.placement.hosts_per_slice != tpu.hosts:
         raise GKEConfigError(
             f"hosts_per_slice: a {tpu.machine_type} {tpu.topology} slice has {tpu.hosts} host(s), "
-            f"but hosts_per_slice={cfg.hosts_per_slice} (a slice is lost and gained whole)"
+            f"but hosts_per_slice={cfg.placement.hosts_per_slice} (a slice is lost and gained whole)"
         )
     slice_bounds(cfg, tpu)
 
 
 def dataset_bucket(cfg: Config) -> str:
     """The bucket of the run's dataset (GCS FUSE mounts it); the dataset must be on gs://."""
-    if not cfg.dataset.startswith("gs://"):
-        raise GKEConfigError(f"gcs_fuse: mounts the dataset's bucket, but dataset={cfg.dataset!r} is not on gs://")
-    return cfg.dataset[len("gs://") :].split("/", 1)[0]
+    if not cfg.data.dataset.startswith("gs://"):
+        raise GKEConfigError(f"gcs_fuse: mounts the dataset's bucket, but dataset={cfg.data.dataset!r} is not on gs://")
+    return cfg.data.dataset[len("gs://") :].split("/", 1)[0]
 
 
 def check_grace(cfg: Config, launch: GKELaunch) -> None:
@@ -300,7 +300,7 @@ def check_grace(cfg: Config, launch: GKELaunch) -> None:
     their own ``terminationGracePeriodSeconds`` says.
     """
     window = launch.preemption_window_s
-    if cfg.preemption_grace_s + GRACE_MARGIN_S > window:
+    if cfg.checkpoint.preemption_grace_s + GRACE_MARGIN_S > window:
         if launch.spot and window == launch.spot_grace_s:
             where = (
                 f"a Spot preemption gives the pods {window}s (GKE's default is {SPOT_POD_GRACE_S}s; 105s with "
@@ -309,7 +309,7 @@ def check_grace(cfg: Config, launch: GKELaunch) -> None:
         else:
             where = f"the pods get termination_grace_period_s={window}s"
         raise GKEConfigError(
-            f"preemption_grace_s: {cfg.preemption_grace_s:g}s (the job's stop-and-commit after a preemption "
+            f"preemption_grace_s: {cfg.checkpoint.preemption_grace_s:g}s (the job's stop-and-commit after a preemption "
             f"notice) does not fit: {where}, minus a {GRACE_MARGIN_S}s margin; lower preemption_grace_s to at most "
             f"{window - GRACE_MARGIN_S}s or give the pods more (termination_grace_period_s)"
         )
@@ -324,11 +324,11 @@ def check_slices(cfg: Config, tpu: TPUSlice, launch: GKELaunch, num_slices: int 
     if not k_min <= num_slices <= k_max:
         raise GKEConfigError(
             f"num_slices: {num_slices} slices of {tpu.hosts} host(s) is outside min_workers..max_workers "
-            f"({cfg.min_workers}..{cfg.max_workers}); allowed: {k_min}..{k_max}"
+            f"({cfg.elastic.min_workers}..{cfg.elastic.max_workers}); allowed: {k_min}..{k_max}"
         )
     if not feasible_slices(cfg, tpu):
         raise GKEConfigError(
-            f"min_workers/max_workers: the mesh or global_batch={cfg.global_batch} splits over no number of "
-            f"{tpu.machine_type} {tpu.topology} slices in {cfg.min_workers}..{cfg.max_workers} hosts"
+            f"min_workers/max_workers: the mesh or global_batch={cfg.optimizer.global_batch} splits over no number of "
+            f"{tpu.machine_type} {tpu.topology} slices in {cfg.elastic.min_workers}..{cfg.elastic.max_workers} hosts"
         )
     return num_slices

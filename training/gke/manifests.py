@@ -182,7 +182,7 @@ def _volumes(cfg: Config, launch: GKELaunch, container: dict[str, Any]) -> tuple
     mounts: list[dict[str, Any]] = []
     pod_annotations: dict[str, str] = {}
     env = container["env"]
-    if cfg.local_checkpoint_every:
+    if cfg.checkpoint.local_checkpoint_every:
         # The local checkpoint tier: host memory that survives the worker (not the pod), as Orbax's
         # multi-tier checkpointing uses on GKE.
         volumes.append(
@@ -269,7 +269,7 @@ def _job_template(
             "completionMode": "Indexed",
             # A host's pod is recreated when it fails (its agent rejoins); preemptions and evictions
             # do not count, and a job that has failed for good fails the Job at once.
-            "backoffLimitPerIndex": max(cfg.max_failures, 1),
+            "backoffLimitPerIndex": max(cfg.elastic.max_failures, 1),
             # A replacement only once the old pod has failed (the only value podFailurePolicy allows): a
             # terminating leader and its successor never exist together; the failed one is removed by
             # training.gke.reaper before JobSet's webhook counts it (docs/gke.md, "Failed pods").

@@ -121,14 +121,14 @@ def slice_bounds(cfg: Config, tpu: TPUSlice) -> tuple[int, int]:
     A single-host slice cannot join others (GKE Multislice needs multi-host
     slices), so with one host per slice ``k`` is 1.
     """
-    k_min = max(1, math.ceil(cfg.min_workers / tpu.hosts))
-    k_max = cfg.max_workers // tpu.hosts
+    k_min = max(1, math.ceil(cfg.elastic.min_workers / tpu.hosts))
+    k_max = cfg.elastic.max_workers // tpu.hosts
     if not tpu.multi_host:
         k_max = min(k_max, 1)
     if k_min > k_max:
         raise GKEConfigError(
             f"min_workers/max_workers: a {tpu.machine_type} {tpu.topology} slice has {tpu.hosts} host(s); "
-            f"no number of slices gives {cfg.min_workers}..{cfg.max_workers} workers"
+            f"no number of slices gives {cfg.elastic.min_workers}..{cfg.elastic.max_workers} workers"
             + ("" if tpu.multi_host else " (single-host slices cannot form a multislice: k is 1)")
         )
     return k_min, k_max

@@ -90,9 +90,9 @@ def submit(cfg: Config, priority: str, pool_hosts: int | None = None) -> Submiss
     q = Queue(cfg.root)
     if pool_hosts is not None:
         q.set_pool(pool_hosts)
-    pool = ensure_pool(cfg.root, cfg.max_workers)
-    if cfg.min_workers > pool:
-        raise QueueError(f"min_workers={cfg.min_workers} never fits the pool of {pool} host(s) at {cfg.root}")
+    pool = ensure_pool(cfg.root, cfg.elastic.max_workers)
+    if cfg.elastic.min_workers > pool:
+        raise QueueError(f"min_workers={cfg.elastic.min_workers} never fits the pool of {pool} host(s) at {cfg.root}")
     api.plan(cfg)  # a config that cannot run is refused before anything is queued
     api.check_task(cfg)
     try:
@@ -105,10 +105,10 @@ def submit(cfg: Config, priority: str, pool_hosts: int | None = None) -> Submiss
         run_name=cfg.run_name,
         run_uri=cfg.run_uri,
         priority=priority,
-        min_hosts=cfg.min_workers,
-        max_hosts=cfg.max_workers,
-        hosts_per_slice=cfg.hosts_per_slice,
-        steps=cfg.steps,
+        min_hosts=cfg.elastic.min_workers,
+        max_hosts=cfg.elastic.max_workers,
+        hosts_per_slice=cfg.placement.hosts_per_slice,
+        steps=cfg.optimizer.steps,
         config=cfg.to_json(),
         submitted_at=time.time(),
     )

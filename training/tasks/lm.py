@@ -107,36 +107,36 @@ class TokenTask:
         return {"loss": loss, "accuracy": accuracy}
 
     def example_spec(self) -> dict[str, ExampleSpec]:
-        return {k: ExampleSpec((self.cfg.seq_len,), "int32") for k in self.FIELDS}
+        return {k: ExampleSpec((self.cfg.model.seq_len,), "int32") for k in self.FIELDS}
 
     def check_manifest(self) -> dict[str, Any]:
         """The dataset's manifest, refused when it does not fit the config (nothing of the shards is read)."""
-        return check_manifest(self.cfg.data, self.cfg.seq_len, self.vocab_size)
+        return check_manifest(self.cfg.data, self.cfg.model.seq_len, self.vocab_size)
 
     def data(self) -> TaskData:
-        return token_data(self.cfg.data, self.cfg.seq_len, self.vocab_size)
+        return token_data(self.cfg.data, self.cfg.model.seq_len, self.vocab_size)
 
     def tokens_per_example(self) -> int:
-        return self.cfg.seq_len
+        return self.cfg.model.seq_len
 
 
 class LanguageModel(TokenTask):
     """The built-in Llama 3 on packed documents (segment ids keep them apart)."""
 
     def __init__(self, cfg: Config) -> None:
-        super().__init__(cfg, cfg.vocab_size)
+        super().__init__(cfg, cfg.model.vocab_size)
         self.model_cfg = llama_config(cfg.model)
         self.model = Llama(self.model_cfg)
 
     def init(self, rng: jax.Array) -> Any:
-        tokens = jnp.zeros((1, self.cfg.seq_len), jnp.int32)
+        tokens = jnp.zeros((1, self.cfg.model.seq_len), jnp.int32)
         return self.model.init(rng, tokens)["params"]
 
     def initial_params(self, abstract: Any) -> Any:
         """The parameters of ``init_from`` (a Hugging Face Llama), placed as ``abstract`` (shapes, shardings) says."""
         from training.hf import load_params
 
-        return load_params(self.cfg.init_from, abstract, self.model_cfg)
+        return load_params(self.cfg.model.init_from, abstract, self.model_cfg)
 
     def logits(self, params: Any, batch: Batch) -> jax.Array:
         return cast(

@@ -66,9 +66,9 @@ class MaxTextTask(TokenTask):
         return self._models[mesh]
 
     def init(self, rng: jax.Array) -> Any:
-        shape = (1, self.cfg.seq_len)
+        shape = (1, self.cfg.model.seq_len)
         tokens = jnp.zeros(shape, jnp.int32)
-        positions = jnp.broadcast_to(jnp.arange(self.cfg.seq_len, dtype=jnp.int32), shape)
+        positions = jnp.broadcast_to(jnp.arange(self.cfg.model.seq_len, dtype=jnp.int32), shape)
         segments = jnp.ones(shape, jnp.int32)
         variables = self.model().init(
             {"params": rng, "dropout": rng}, tokens, positions, segments, enable_dropout=False
@@ -114,14 +114,14 @@ def model_config(cfg: Config, model_name: str, overrides: dict[str, Any]) -> Any
     ):
         raise TaskError(f"task 'maxtext': MaxText has no model {model_name!r} (its configs/models/*.yml)")
     keys: dict[str, Any] = {
-        "dtype": cfg.dtype,
-        "weight_dtype": cfg.param_dtype,
+        "dtype": cfg.model.dtype,
+        "weight_dtype": cfg.model.param_dtype,
         "attention": "dot_product",
         "per_device_batch_size": 1,
         **overrides,
         "model_name": model_name,
         "override_model_config": True,
-        "max_target_length": cfg.seq_len,
+        "max_target_length": cfg.model.seq_len,
         "skip_jax_distributed_system": True,
         "enable_checkpointing": False,
         "enable_dropout": False,

@@ -169,7 +169,7 @@ class RTrainResolveRunConfigOperator(BaseOperator):
                     commands.priority_value(priority)
                 except commands.PriorityError as e:
                     raise RTrainConfigError(f"priority: {e}") from None
-            if cfg.backend == "gke":
+            if cfg.placement.backend == "gke":
                 self.hook.backend("gke", gke, priority)  # checks the gke settings
                 cfg = _check_gke_launch(cfg, gke, priority, "checkpoint.preemption_grace_s" in overrides)
             if cfg.task != "lm":  # it must import and build here (a token dataset is prepared next)
@@ -186,11 +186,11 @@ class RTrainResolveRunConfigOperator(BaseOperator):
             config=cfg.model_dump(mode="json"),
             run_uri=cfg.run_uri,
             run_name=cfg.run_name,
-            backend=cfg.backend,
+            backend=cfg.placement.backend,
             dataset=DatasetSpec(
                 source=params.get("dataset_source") or "stdlib",
                 max_bytes=params.get("dataset_max_bytes"),
-                uri=cfg.dataset,
+                uri=cfg.data.dataset,
                 refresh=self.continual,
             ),
             gke=gke,
@@ -201,13 +201,13 @@ class RTrainResolveRunConfigOperator(BaseOperator):
             cfg.run_name,
             cfg.run_uri,
             cfg.preset,
-            cfg.steps,
-            cfg.min_workers,
-            cfg.max_workers,
-            cfg.backend,
-            f" (shared pool, priority {priority})" if priority and cfg.backend == "local" else "",
-            cfg.resume_from,
-            cfg.chaos or "off",
+            cfg.optimizer.steps,
+            cfg.elastic.min_workers,
+            cfg.elastic.max_workers,
+            cfg.placement.backend,
+            f" (shared pool, priority {priority})" if priority and cfg.placement.backend == "local" else "",
+            cfg.checkpoint.resume_from,
+            cfg.elastic.chaos or "off",
         )
         return spec
 
@@ -235,7 +235,7 @@ def _check_gke_launch(cfg: Config, gke: GKESettings, priority: str | None, grace
     from training.gke import check_launch, settings_preemption_grace_s
 
     if not grace_given:  # the pods' grace decides: 10 s on Spot (GKE's 15 s less a margin), 100 s with a 120 s grace
-        fit = min(cfg.preemption_grace_s, settings_preemption_grace_s(gke))
+        fit = min(cfg.checkpoint.preemption_grace_s, settings_preemption_grace_s(gke))
         cfg = cfg.model_copy(update={"preemption_grace_s": fit})
     check_launch(cfg, gke, priority)
     return cfg
@@ -263,13 +263,13 @@ class RTrainPrepareDatasetOperator(_RTrainBaseOperator):
             return dict(
                 self.hook.prepare_dataset(
                     data.get("source"),
-                    cfg.dataset,
-                    cfg.seq_len,
+                    cfg.data.dataset,
+                    cfg.model.seq_len,
                     None if max_bytes is None else int(max_bytes),
                     progress=lambda line: self.log.info("[prepare] %s", line),
                     refresh=bool(data.get("refresh")),
-                    tokenizer=cfg.tokenizer,
-                    vocab_size=cfg.vocab_size,
+                    tokenizer=cfg.data.tokenizer,
+                    vocab_size=cfg.model.vocab_size,
                 )
             )
         except DatasetError as e:  # a different dataset at the output, a bad source: a retry cannot help
@@ -332,7 +332,7 @@ class RTrainStartTrainingJobOperator(_RTrainBaseOperator):
         run_uri, run_id = cfg.run_uri, context["run_id"]
         mark = self.hook.dag_run_mark(run_uri, run_id)
         exists = self.hook.run_exists(run_uri)
-        resume = cfg.resume_from
+        resume = cfg.checkpoint.resume_from
         if mark is None:
             if exists and resume == "none":
                 raise AirflowFailException(
@@ -369,7 +369,7 @@ class RTrainStartTrainingJobOperator(_RTrainBaseOperator):
         self.log.info("%s job %s of %s (%s)", verb, handle.get("job"), cfg.run_name, where)
         return dict(handle)
 
-    def _rewind(self, cfg: Any, step: int, run_id: str, exists: bool) -> None:
+    def _rewind(self, cfg: Config, step: int, run_id: str, exists: bool) -> None:
         if not exists:
             raise AirflowFailException(f"resume_from={step}: run {cfg.run_name!r} does not exist yet (use latest)")
         committed = self.hook.committed_steps(cfg.run_uri)
@@ -502,12 +502,14 @@ class RTrainRollbackAndResumeOperator(_RTrainBaseOperator):
             promoted = self.hook.promote(run_uri)
             self.log.info("Step %s validated after %d rollback(s): promoted", summary["step"], len(rounds))
             return {"rollbacks": rounds, "promoted": promoted, "validation": summary}
-        if len(rounds) >= cfg.max_rollbacks:
+        if len(rounds) >= cfg.checkpoint.max_rollbacks:
             if summary["newest_validated"] is not None and summary["step"] != summary["newest_validated"]:
-                self.hook.rollback(run_uri, reason=f"rollback budget spent (max_rollbacks={cfg.max_rollbacks})")
+                self.hook.rollback(
+                    run_uri, reason=f"rollback budget spent (max_rollbacks={cfg.checkpoint.max_rollbacks})"
+                )
             raise AirflowFailException(
                 f"step {summary['step']} rejected ({summary['reason']}) after {len(rounds)} rollback(s) "
-                f"(max_rollbacks={cfg.max_rollbacks}); the resume pointer is on validated step "
+                f"(max_rollbacks={cfg.checkpoint.max_rollbacks}); the resume pointer is on validated step "
                 f"{summary['newest_validated']}: rerun with resume_from and other overrides"
             )
         if summary["newest_validated"] is None:
@@ -523,7 +525,7 @@ class RTrainRollbackAndResumeOperator(_RTrainBaseOperator):
         self.log.warning(
             "[rtrain] rollback %d/%d: step %s -> %s (quarantined %s)",
             len(rounds) + 1,
-            cfg.max_rollbacks,
+            cfg.checkpoint.max_rollbacks,
             rb["from_step"],
             rb["to_step"],
             rb["quarantined"],
