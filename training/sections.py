@@ -191,8 +191,8 @@ class CheckpointSection(Section):
     checkpoint_format: Literal["lean", "auto", "ocdbt", "zarr"] = Field(
         "auto",
         description="How persistent checkpoints are written. ocdbt or zarr: Orbax's formats, the state's own tree "
-        "by name (a plain orbax.checkpoint restore reads a step); auto = OCDBT except against a GCS emulator (zarr "
-        "there). lean: each process writes the shards it is the writer of once, with an index (a tenth of Orbax's "
+        "by name (a plain orbax.checkpoint restore reads a step); auto = OCDBT (on every root). "
+        "lean: each process writes the shards it is the writer of once, with an index (a tenth of Orbax's "
         "CPU per save; only this project reads it). Steps of any format restore whatever this says.",
     )
     checkpoint_compression: bool = Field(

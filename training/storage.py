@@ -72,7 +72,6 @@ class Scheme:
     requests: bool  # every look is a network request: beats, leases and polls are paced for it
     atomic_rename: bool  # renaming a directory commits it (else a commit marker object does)
     cached_listings: bool  # the file-system layer above it caches listings per process: flush before judging
-    generations: bool  # object generations and conditional writes behave as the real service's (an emulator's may not)
 
 
 class StorageScheme:
@@ -673,7 +672,7 @@ class FileScheme(StorageScheme):
     prefix = ""
 
     def traits(self, uri: str) -> Scheme:
-        return Scheme("file", True, False, True, False, generations=True)
+        return Scheme("file", True, False, True, False)
 
     def open(self, uri: str) -> Store:
         return LocalStore(Path(uri).expanduser().resolve())
@@ -687,8 +686,7 @@ class GCSScheme(StorageScheme):
     prefix = "gs://"
 
     def traits(self, uri: str) -> Scheme:
-        emulated = bool(os.environ.get("STORAGE_EMULATOR_HOST"))
-        return Scheme("gs", False, True, False, True, generations=not emulated)
+        return Scheme("gs", False, True, False, True)
 
     def open(self, uri: str) -> Store:
         return GCSStore(uri)

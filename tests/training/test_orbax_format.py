@@ -1,9 +1,9 @@
 """Orbax's persistent format: a trained run's steps read by plain ``orbax.checkpoint``, by name, without this project.
 
-A real job trains the tiny preset saving in Orbax's format; a fresh process with the project's
-packages blocked from import restores a committed step's ``state`` item with Orbax alone, with no
-target (Orbax's own sharding record) and onto a one-device mesh (resharded), and its named leaves
-equal what the project's own restore reads.
+A real job trains the tiny preset saving in the default format (OCDBT, on a local root and on gs://
+against the GCS emulator); a fresh process with the project's packages blocked from import restores a
+committed step's ``state`` item with Orbax alone, with no target (Orbax's own sharding record) and onto
+a one-device mesh (resharded), and its named leaves equal what the project's own restore reads.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from jobs import job_config, run_job, worker_logs
 from training import api
 from training.checkpoint.steps import committed_steps
 from training.layout import step_uri
+from training.storage import open_store
 
 # The project's own read of a step, flattened by each leaf's path in the state.
 PROJECT = """
@@ -81,31 +82,36 @@ def _py(code: str, *args: str, devices: int, cwd: Path) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("where", ["local", "gs"])
 def test_a_trained_runs_step_restores_with_plain_orbax_by_name(
-    tmp_path: Path, tiny_dataset: str, jax_cache: str
+    request: pytest.FixtureRequest, tmp_path: Path, tiny_dataset: str, jax_cache: str, where: str
 ) -> None:
+    """The default format, ``auto``, is OCDBT on either root (on gs:// it was plain zarr against the emulator)."""
+    root = str(tmp_path / "runs") if where == "local" else request.getfixturevalue("gcs_root")
     cfg = job_config(
-        str(tmp_path / "runs"),
+        root,
         tiny_dataset,
         jax_cache,
         run_name="orbax-named",
         steps=6,
         checkpoint_every=3,
-        checkpoint_format="ocdbt",
         min_workers=1,
         max_workers=1,
     )
+    assert cfg.checkpoint.checkpoint_format == "auto", "the default"
     assert run_job(cfg) == 0, worker_logs(cfg.run_uri)
     st = api.status(cfg.run_uri)
     assert st is not None and st["state"] == "finished"
     step = committed_steps(cfg.run_uri)[-1]
     assert step == 6
-    step_dir = Path(step_uri(cfg.run_uri, step))
-    assert not (step_dir / "layout").exists(), "a step of Orbax's format has no packing layout"
+    step_dir = step_uri(cfg.run_uri, step)
+    files = open_store(step_dir).list()
+    assert not any(f.startswith("layout/") for f in files), "a step of Orbax's format has no packing layout"
+    assert "state/manifest.ocdbt" in files, ("OCDBT", files[:10])
 
     ours, theirs = tmp_path / "ours.npz", tmp_path / "theirs.npz"
     _py(PROJECT, cfg.run_uri, str(step), str(ours), devices=2, cwd=Path(__file__).resolve().parents[2])
-    res = json.loads(_py(PLAIN, str(step_dir), str(theirs), devices=1, cwd=tmp_path).strip().splitlines()[-1])
+    res = json.loads(_py(PLAIN, step_dir, str(theirs), devices=1, cwd=tmp_path).strip().splitlines()[-1])
     assert res["top"] == ["opt_state", "params", "rng", "step"], res
     assert res["moved"] and res["devices"] == 1, res
 

@@ -31,7 +31,7 @@ class Shelf(StorageScheme):
     base = Path()
 
     def traits(self, uri: str) -> Scheme:
-        return Scheme("shelf", False, True, True, False, generations=True)
+        return Scheme("shelf", False, True, True, False)
 
     def open(self, uri: str) -> Store:
         return LocalStore(self.base / uri.removeprefix(self.prefix))

@@ -2,10 +2,11 @@
 
 Everything the run needs to resume is one checkpoint per step: the state
 (parameters, optimizer state, step, RNG), the global data position and the
-resolved config.  The default format is :mod:`training.checkpoint.lean`.
-With ``checkpoint_format`` ocdbt, zarr or auto a step is a plain Orbax checkpoint
-with three items: ``state`` (the state's own tree, by name: ``params``,
-``opt_state``, ``step``, ``rng``), ``data`` and ``config``, so a plain
+resolved config.  The default (``checkpoint_format: auto``) is Orbax's OCDBT on
+every root; :mod:`training.checkpoint.lean` is an option.  With ``checkpoint_format``
+auto, ocdbt or zarr a step is a plain Orbax checkpoint with three items: ``state``
+(the state's own tree, by name: ``params``, ``opt_state``, ``step``, ``rng``),
+``data`` and ``config``, so a plain
 ``orbax.checkpoint`` restore of ``state`` gives the named trees.  Steps saved by
 earlier versions with their small arrays packed (a fourth item, ``layout``,
 :mod:`training.checkpoint.packing`) still restore.  Restores are given abstract targets
@@ -46,20 +47,13 @@ fresh_gcs_listings()  # before Orbax lists a gs:// root in this process
 
 
 def use_ocdbt(cfg: Config) -> bool:
-    """Whether a config's Orbax checkpoints are OCDBT (``ocdbt_for`` its checkpoint section and root)."""
-    return ocdbt_for(cfg.checkpoint, cfg.root)
+    """Whether a config's Orbax checkpoints are OCDBT (``ocdbt_for`` its checkpoint section)."""
+    return ocdbt_for(cfg.checkpoint)
 
 
-def ocdbt_for(section: CheckpointSection, root: str) -> bool:
-    """OCDBT (Orbax's default) unless told otherwise.
-
-    ``auto`` picks plain zarr for a gs:// root served by a GCS emulator
-    (STORAGE_EMULATOR_HOST set): OCDBT's manifest needs the object generations
-    and conditional writes that real GCS has and emulators get wrong.
-    """
-    if section.checkpoint_format == "auto":
-        return scheme(root).generations
-    return section.checkpoint_format == "ocdbt"
+def ocdbt_for(section: CheckpointSection) -> bool:
+    """OCDBT (Orbax's default) on every root, ``auto`` included; plain zarr only where the section says ``zarr``."""
+    return section.checkpoint_format in ("auto", "ocdbt")
 
 
 async def _record(path: Any) -> None:
@@ -183,7 +177,7 @@ def manager_for(
     )
     handlers = {
         "state": ocp.PyTreeCheckpointHandler(
-            use_ocdbt=ocdbt_for(section, run),
+            use_ocdbt=ocdbt_for(section),
             use_compression=section.checkpoint_compression,
             multiprocessing_options=mp,
             type_handler_registry=registry,
