@@ -151,7 +151,14 @@ def _cold_start(ws: Path, src: Config, step: int, i: int) -> float:
     """A fresh `rtrain train` process of the same job, from the same checkpoint, on the mesh the recovery ended on."""
     from training import api
 
-    cfg = src.model_copy(update={"run_name": f"cold-{i}", "chaos": [], "min_workers": 1, "max_workers": WORKERS - 1})
+    cfg = src.model_copy(
+        update={
+            "run_name": f"cold-{i}",
+            "elastic.chaos": [],
+            "elastic.min_workers": 1,
+            "elastic.max_workers": WORKERS - 1,
+        }
+    )
     dst = Path(cfg.run_uri)
     shutil.rmtree(dst, ignore_errors=True)
     (dst / "checkpoints").mkdir(parents=True)

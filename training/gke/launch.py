@@ -245,7 +245,11 @@ def settings_keys(gke: GKESettings) -> dict[str, int]:
 def fit_grace(cfg: Config, gke: GKESettings) -> Config:
     """The config with its stop-and-commit after a notice (``preemption_grace_s``) no longer than the pods have."""
     fit = min(cfg.checkpoint.preemption_grace_s, settings_preemption_grace_s(gke))
-    return cfg if fit == cfg.checkpoint.preemption_grace_s else cfg.model_copy(update={"preemption_grace_s": fit})
+    return (
+        cfg
+        if fit == cfg.checkpoint.preemption_grace_s
+        else cfg.model_copy(update={"checkpoint.preemption_grace_s": fit})
+    )
 
 
 def check_launch(cfg: Config, gke: GKESettings, priority: str | None = None) -> GKELaunch:

@@ -236,7 +236,7 @@ def _check_gke_launch(cfg: Config, gke: GKESettings, priority: str | None, grace
 
     if not grace_given:  # the pods' grace decides: 10 s on Spot (GKE's 15 s less a margin), 100 s with a 120 s grace
         fit = min(cfg.checkpoint.preemption_grace_s, settings_preemption_grace_s(gke))
-        cfg = cfg.model_copy(update={"preemption_grace_s": fit})
+        cfg = cfg.model_copy(update={"checkpoint.preemption_grace_s": fit})
     check_launch(cfg, gke, priority)
     return cfg
 
@@ -348,7 +348,9 @@ class RTrainStartTrainingJobOperator(_RTrainBaseOperator):
                 cfg.run_name,
                 mark,
             )
-        launch_cfg = cfg if (mark is None and resume == "none") else cfg.model_copy(update={"resume_from": "latest"})
+        launch_cfg = (
+            cfg if (mark is None and resume == "none") else cfg.model_copy(update={"checkpoint.resume_from": "latest"})
+        )
         try:
             handle = self.backend(spec).launch(self.job(spec, launch_cfg), attempt=context["ti"].try_number)
         except Exception as e:
@@ -532,7 +534,7 @@ class RTrainRollbackAndResumeOperator(_RTrainBaseOperator):
         )
         rounds = [*rounds, dict(rb)]
         handle = backend.launch(
-            self.job(spec, cfg.model_copy(update={"resume_from": "latest"})),
+            self.job(spec, cfg.model_copy(update={"checkpoint.resume_from": "latest"})),
             attempt=context["ti"].try_number + 100 * len(rounds),
         )
         context["ti"].xcom_push(key="handle", value=handle)  # for the teardown

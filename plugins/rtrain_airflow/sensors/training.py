@@ -190,7 +190,7 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
                     look.get("reason"),
                 )
                 committed = self.hook.committed_steps(cfg.run_uri)[-1:] or None
-                relaunch = job_spec(spec, cfg.model_copy(update={"resume_from": "latest"}))
+                relaunch = job_spec(spec, cfg.model_copy(update={"checkpoint.resume_from": "latest"}))
                 handle = backend.launch(relaunch, attempt=try_number)
                 self.log.warning(
                     "[rtrain] relaunched %s (newest committed step %s): %s", cfg.run_name, committed, handle
