@@ -128,7 +128,7 @@ def test_each_placement_kind_makes_its_backend(tmp_path: Path) -> None:
     assert type(backend_for(JobSpec.local(cfg))) is LocalSliceBackend
     pool = backend_for(JobSpec(cfg, PoolSpec("high")), Context(by="rtrain"))
     assert isinstance(pool, SharedPoolBackend) and (pool.priority, pool.by) == ("high", "rtrain")
-    gke = backend_for(GKESpec(GKE), Context(cluster=NoCluster()))  # type: ignore[arg-type]
+    gke = backend_for(GKESpec(GKE), Context(cluster=NoCluster()))
     assert isinstance(gke, GKEBackend) and gke.gke == GKE
     # By name, as the hook and the CLI ask: a priority puts a local run in the shared pool.
     assert type(backends.backend("local")) is LocalSliceBackend
@@ -188,12 +188,12 @@ class DryBackend:
 def test_a_new_backend_is_one_registered_factory(tmp_path: Path) -> None:
     cfg = api.load_config("tiny", None, {"root": str(tmp_path), "run_name": "r"})
     with pytest.raises(BackendError, match="no backend runs placements of kind 'dry'"):
-        backend_for(DrySpec())  # type: ignore[arg-type]
+        backend_for(DrySpec())
     register("dry")(lambda where, ctx: DryBackend(ctx.by))
     try:
-        made = backend_for(JobSpec(cfg, DrySpec()), Context(by="rtrain"))  # type: ignore[arg-type]
+        made = backend_for(JobSpec(cfg, DrySpec()), Context(by="rtrain"))
         assert isinstance(made, DryBackend) and made.by == "rtrain"
-        handle = made.launch(JobSpec(cfg, DrySpec()), attempt=1)  # type: ignore[arg-type]
+        handle = made.launch(JobSpec(cfg, DrySpec()), attempt=1)
         assert handle["job"] == "dry" and made.asked == ["launch r try 1"]
         with pytest.raises(ValueError, match="'dry' is registered already"):
             register("dry")(lambda where, ctx: DryBackend(ctx.by))

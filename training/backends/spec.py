@@ -1,7 +1,7 @@
 """What a backend is asked to run: a :class:`JobSpec`, the run's config and where its hosts are (a tagged placement).
 
-The placement is one of three, told apart by ``kind``: the local slice (:class:`LocalSpec`), the root's
-shared pool at a priority (:class:`PoolSpec`), or TPU node pools on GKE (:class:`GKESpec`).  Airflow's
+The placement is told apart by its ``kind``: the engine's are the local slice (:class:`LocalSpec`), the root's
+shared pool at a priority (:class:`PoolSpec`), and TPU node pools on GKE (:class:`GKESpec`).  Airflow's
 resolve task writes a run's spec as JSON (``training.api.RunSpec``, for XCom); :meth:`JobSpec.from_run_spec`
 reads it back.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Literal, cast
+from typing import Any, Literal, Protocol, cast
 
 from training.api import Config, RunSpec, config_from_dict
 from training.gke import GKESettings
@@ -40,7 +40,12 @@ class GKESpec:
     kind: Literal["gke"] = "gke"
 
 
-Placement = LocalSpec | PoolSpec | GKESpec
+class Placement(Protocol):
+    """Where a job's hosts are: any placement class whose ``kind`` a backend is registered for
+    (``training.backends.register``), the three above or one of a module of its own."""
+
+    @property
+    def kind(self) -> str: ...
 
 
 def placement(backend: str, gke: Mapping[str, Any] | None = None, priority: str | None = None) -> Placement:
