@@ -12,11 +12,12 @@ GCS emulator on 127.0.0.1), the way the worker saves:
 
 Orbax's fixed cost per save is measured apart, on a state of the same 65 arrays at a few KiB each.
 
-On gs:// OCDBT is measured, and plain zarr beside it, what ``checkpoint_format: auto`` writes against
-an emulator: the emulator sometimes answers OCDBT's conditional writes with generations tensorstore
-refuses ("Malformed StorageGeneration"); a save that fails so is left out of its repeat and named, and
-the rows pair only the repeats that measured both.  The emulator is one Python process: its figures
-rank the formats' request patterns, not GCS's throughput.
+On gs:// OCDBT is measured against the emulator, as ``checkpoint_format: auto`` writes there (the
+emulator keeps GCS's object generations and preconditions, which OCDBT's manifest needs: before it
+did, tensorstore refused some saves, "Malformed StorageGeneration").  A save that fails anyway is
+left out of its repeat and named, and the rows pair only the repeats that measured both; the probe
+row says how many tiny OCDBT saves to the emulator committed.  The emulator is one Python process:
+its figures rank the formats' request patterns, not GCS's throughput.
 
 Run it alone: ``python -m benchmarks.formats [--size-mib N ...] [--repeats N] [--quick]``.
 """
@@ -145,8 +146,8 @@ def _one(root: str, fmt: str, state: Any, step: int) -> Timing:
 
 
 def orbax_formats(root: str) -> list[str]:
-    """The Orbax formats measured against lean under ``root``: OCDBT, and on an emulator plain zarr too
-    (what ``checkpoint_format: auto`` writes there)."""
+    """The Orbax formats measured against lean under ``root``: OCDBT, and plain zarr too where
+    ``checkpoint_format: auto`` writes that (on no root now)."""
     from training.checkpoint.manager import use_ocdbt
     from training.config import load_config
 
@@ -155,7 +156,7 @@ def orbax_formats(root: str) -> list[str]:
 
 
 def _attempt(root: str, fmt: str, state: Any, step: int) -> Timing | str:
-    """:func:`_one`, or its error's first line where OCDBT cannot save on the emulator (its step removed)."""
+    """:func:`_one`, or its error's first line where an OCDBT save to the emulator fails (its step removed)."""
     if not root.startswith("gs://") or fmt != "ocdbt":
         return _one(root, fmt, state, step)
     from training.storage import open_store

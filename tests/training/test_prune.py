@@ -20,11 +20,11 @@ TMP = "600.orbax-checkpoint-tmp"  # what Orbax leaves when a local save of step 
 
 
 def save_steps(uri: str, steps: list[int]) -> None:
-    # Plain zarr on the emulator, as the trainer does: OCDBT needs conditional writes it gets wrong.
+    # OCDBT (Orbax's default) on either root, as the trainer saves.
     mgr = ocp.CheckpointManager(
         uri + "/checkpoints",
         options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False),
-        item_handlers=ocp.StandardCheckpointHandler(use_ocdbt=not uri.startswith("gs://")),
+        item_handlers=ocp.StandardCheckpointHandler(),
     )
     for step in steps:
         tree = {"w": np.full((64,), float(step), np.float32), "b": np.arange(8, dtype=np.int32) + step}
