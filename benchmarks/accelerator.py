@@ -22,13 +22,10 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from benchmarks.table import Row, note, over, row
 from training.memfit import accelerator_present
-
-if TYPE_CHECKING:
-    from training.config import Config
 
 # Peak dense bf16 FLOP/s per chip (TPU) or per GPU, in TFLOP/s, by a piece of the device kind JAX reports
 # (most specific first: "TPU v5 lite" is a v5e, "TPU v5" a v5p).
@@ -159,16 +156,6 @@ class Measured:
         return statistics.median(self.step_s) if self.step_s else 0.0
 
 
-def flops_per_token(cfg: Config) -> float:
-    """Training FLOPs per token: 6 x non-embedding parameters + 12 x layers x width x sequence."""
-    from training.mesh import param_count
-
-    return float(
-        6 * (param_count(cfg) - cfg.model.vocab_size * cfg.model.d_model)
-        + 12 * cfg.model.n_layers * cfg.model.d_model * cfg.model.seq_len
-    )
-
-
 def packed_batch(batch: int, seq_len: int, vocab: int, doc_len: int, seed: int = 0) -> dict[str, Any]:
     """Random tokens in packed documents of random lengths (mean ``doc_len``): segment ids and positions."""
     import numpy as np
@@ -212,6 +199,7 @@ def _measure(shape: Shape, steps: int, repeats: int, save: bool, out: Measured) 
     import numpy as np
     from jax.sharding import Mesh
 
+    from benchmarks.cost import model_flops_per_token
     from training.config import load_config
     from training.mesh import AXES
     from training.tasks import load_task
@@ -220,8 +208,8 @@ def _measure(shape: Shape, steps: int, repeats: int, save: bool, out: Measured) 
     cfg = load_config("tiny", None, shape.overrides())
     dev = jax.devices()[0]
     mesh = Mesh(np.array([dev]).reshape(1, 1, 1), AXES)
-    trainer = Trainer(cfg, mesh, load_task(cfg))
-    out.flops_per_token = flops_per_token(cfg)
+    trainer = Trainer(cfg.optimizer, mesh, load_task(cfg))
+    out.flops_per_token = model_flops_per_token(cfg.model)
     out.peak_tflops = peak_tflops(dev.device_kind) if dev.platform != "cpu" else None
     t0 = time.perf_counter()
     compiled = trainer.compile()

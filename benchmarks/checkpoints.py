@@ -117,7 +117,7 @@ RESTORE_SETUP = (
     "from training.mesh import build_mesh, plan_mesh; from training.tasks import load_task;"
     "from training.trainer import Trainer; import sys\n"
     "cfg=config_from_json(open(sys.argv[2]+'/config.json').read()); m=ckpt.checkpoint_manager(cfg, sys.argv[2])\n"
-    "abstract=Trainer(cfg, build_mesh(plan_mesh(cfg, 1)), load_task(cfg)).abstract\n"
+    "abstract=Trainer(cfg.optimizer, build_mesh(plan_mesh(cfg.placement, 1)), load_task(cfg)).abstract\n"
 )
 RESTORE_WORKER = (
     RESTORE_SETUP

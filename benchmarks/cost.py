@@ -22,6 +22,7 @@ from benchmarks.jobs import (
 )
 from training.config import Config, load_config
 from training.cpu_devices import cpu_xla_flags
+from training.sections import ModelSection
 
 
 def plain_loop() -> int:
@@ -51,7 +52,7 @@ def plain_loop() -> int:
     from training.trainer import state_shardings
 
     task = load_task(cfg)
-    mesh = build_mesh(plan_mesh(cfg, n))
+    mesh = build_mesh(plan_mesh(cfg.placement, n))
     if os.environ.get("BENCH_LOWER") == "1":  # as the engine's workers do, once the backend started
         transport.lower()
     tx = make_optimizer(cfg.optimizer)
@@ -129,13 +130,13 @@ def _timed_steps(
     return times
 
 
-def model_flops_per_token(cfg: Config) -> float:
+def model_flops_per_token(model: ModelSection) -> float:
     """Training FLOPs per token of the built-in model: 6 x parameters (matmuls, forward and backward)
     plus the attention scores' 12 x layers x width x sequence length."""
     from training.mesh import param_count
 
-    n = param_count(cfg) - cfg.model.vocab_size * cfg.model.d_model  # the embedding lookup is no matmul
-    return 6.0 * n + 12.0 * cfg.model.n_layers * cfg.model.d_model * cfg.model.seq_len
+    n = param_count(model) - model.vocab_size * model.d_model  # the embedding lookup is no matmul
+    return 6.0 * n + 12.0 * model.n_layers * model.d_model * model.seq_len
 
 
 def matmul_flops_per_s() -> float:
@@ -230,7 +231,7 @@ def bench_cost(ws: Path, repeats: int) -> dict[str, Any]:
     cfg = bench_cfg(ws, "cost-0")
     return {
         "devices": WORKERS * cfg.placement.devices_per_worker,
-        "model_flops_per_token": model_flops_per_token(cfg),
+        "model_flops_per_token": model_flops_per_token(cfg.model),
         "matmul_flops_per_s": matmul_flops_per_s(),
         "engine_tokens_per_s": engine,
         "engine_without_saves_tokens_per_s": unsaved,

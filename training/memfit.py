@@ -142,7 +142,7 @@ def out_of_memory(error: str) -> bool:
 
 
 def _child(cfg: Config, workers: int, timeout_s: float, device: bool) -> CompiledMemory:
-    plan = plan_mesh(cfg, workers)
+    plan = plan_mesh(cfg.placement, workers)
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")).strip()
     env = dict(os.environ)
     if not device:
@@ -197,7 +197,7 @@ def analyse(cfg: Config, plan: MeshPlan, first: bool = False) -> CompiledMemory:
     shape = tuple(plan.shape[a] for a in AXES)
     mesh = Mesh(mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True), AXES)
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, mesh, load_task(cfg))  # never opens the task's data
+    trainer = Trainer(cfg.optimizer, mesh, load_task(cfg))  # never opens the task's data
     stats = trainer.lower().compile().memory_analysis()
     seconds = time.perf_counter() - t0
     if stats is None:
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
 
             if jax.default_backend() == "cpu":
                 raise PlanError("no accelerator: JAX found only the CPU")
-        result: dict[str, Any] = asdict(analyse(cfg, plan_mesh(cfg, args.workers), first=args.device))
+        result: dict[str, Any] = asdict(analyse(cfg, plan_mesh(cfg.placement, args.workers), first=args.device))
     except (PlanError, TaskError) as e:
         result = {"error": str(e), "kind": "TaskError" if isinstance(e, TaskError) else type(e).__name__}
     except Exception as e:  # noqa: BLE001 - a user's model may fail to trace in any way: one line back

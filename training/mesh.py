@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal, NotRequired, Protocol, TypedDict
 
 from training.config import Config
+from training.sections import ModelSection, PlacementSection
 
 AXES = ("data", "fsdp", "tensor")
 # Logical parameter/activation axes -> mesh axes.
@@ -122,19 +123,17 @@ class MeshPlan:
         return {"workers": self.workers, "devices": self.devices, "shape": self.shape}
 
 
-def plan_mesh(cfg: Config, workers: int) -> MeshPlan:
-    """The mesh for ``workers`` hosts of ``cfg.devices_per_worker`` devices each, in slices of ``hosts_per_slice``."""
-    h = cfg.placement.hosts_per_slice
+def plan_mesh(placement: PlacementSection, workers: int) -> MeshPlan:
+    """The mesh for ``workers`` hosts of ``devices_per_worker`` devices each, in slices of ``hosts_per_slice``."""
+    h = placement.hosts_per_slice
     if workers % h:
         raise PlanError(f"{workers} hosts are not whole slices of hosts_per_slice={h}")
-    d = cfg.placement.devices_per_worker * h
+    d = placement.devices_per_worker * h
     where = f"{d} devices per host" if h == 1 else f"{d} devices per slice ({h} hosts)"
-    ici = _fill([cfg.placement.ici_data, cfg.placement.ici_fsdp, cfg.placement.ici_tensor], d, f"ici axes over {where}")
+    ici = _fill([placement.ici_data, placement.ici_fsdp, placement.ici_tensor], d, f"ici axes over {where}")
     n = workers // h
-    dcn = _fill(
-        [cfg.placement.dcn_data, cfg.placement.dcn_fsdp, 1], n, f"dcn axes over {n} {'hosts' if h == 1 else 'slices'}"
-    )
-    return MeshPlan(workers, cfg.placement.devices_per_worker, tuple(ici), tuple(dcn), h)  # type: ignore[arg-type]
+    dcn = _fill([placement.dcn_data, placement.dcn_fsdp, 1], n, f"dcn axes over {n} {'hosts' if h == 1 else 'slices'}")
+    return MeshPlan(workers, placement.devices_per_worker, tuple(ici), tuple(dcn), h)  # type: ignore[arg-type]
 
 
 def check_batch(cfg: Config, plan: MeshPlan) -> int:
@@ -162,7 +161,7 @@ def feasible_sizes(cfg: Config) -> list[int]:
     out = []
     for n in range(cfg.elastic.min_workers, cfg.elastic.max_workers + 1, cfg.placement.hosts_per_slice):
         try:
-            check_batch(cfg, plan_mesh(cfg, n))
+            check_batch(cfg, plan_mesh(cfg.placement, n))
         except PlanError:
             continue
         out.append(n)
@@ -197,13 +196,13 @@ class MemoryEstimate:
         return "\n".join(f"  {name:<28} {val / gib:10.2f} GiB" for name, val in rows)
 
 
-def param_count(cfg: Config) -> int:
+def param_count(model: ModelSection) -> int:
     """Parameters of the built-in Llama model, from its shapes alone (used for planning large presets)."""
-    h, f, v, hd = cfg.model.d_model, cfg.model.d_ff, cfg.model.vocab_size, cfg.model.head_dim
-    attn = h * cfg.model.n_heads * hd * 2 + h * cfg.model.kv_heads * hd * 2
+    h, f, v, hd = model.d_model, model.d_ff, model.vocab_size, model.head_dim
+    attn = h * model.n_heads * hd * 2 + h * model.kv_heads * hd * 2
     mlp = 3 * h * f
     per_layer = attn + mlp + 2 * h
-    return v * h + cfg.model.n_layers * per_layer + h + (0 if cfg.model.tie_embeddings else h * v)
+    return v * h + model.n_layers * per_layer + h + (0 if model.tie_embeddings else h * v)
 
 
 def estimate_memory(cfg: Config, plan: MeshPlan) -> MemoryEstimate:
@@ -215,7 +214,7 @@ def estimate_memory(cfg: Config, plan: MeshPlan) -> MemoryEstimate:
     recomputed by fused attention kernels on accelerators); with activation
     checkpointing only each block's input is kept, plus one block at a time.
     """
-    n = param_count(cfg)
+    n = param_count(cfg.model)
     shards = plan.param_shards
     pbytes = BYTES[cfg.model.param_dtype]
     abytes = BYTES[cfg.model.dtype]
@@ -280,11 +279,11 @@ def _fit(
     sizes = feasible_sizes(cfg)
     if not sizes:
         # Explain with the smallest size's own error.
-        check_batch(cfg, plan_mesh(cfg, cfg.elastic.min_workers))
+        check_batch(cfg, plan_mesh(cfg.placement, cfg.elastic.min_workers))
         raise PlanError(
             f"no worker count in {cfg.elastic.min_workers}..{cfg.elastic.max_workers} splits the global batch"
         )
-    plan = plan_mesh(cfg, sizes[0])
+    plan = plan_mesh(cfg.placement, sizes[0])
     where = f"the minimum topology ({plan.workers} workers x {plan.devices_per_worker} devices, mesh {plan.shape}"
     est = estimate_memory(cfg, plan) if formula_applies(cfg) else None
     if est is not None and est.total > 0.9 * est.device_bytes:
@@ -332,7 +331,7 @@ def plan_report(cfg: Config, compiled: bool = False, measure: Measure | None = N
     report: PlanReport = {
         "feasible_workers": feasible_sizes(cfg),
         "min_plan": plan.describe(),
-        "max_plan": plan_mesh(cfg, max(feasible_sizes(cfg))).describe(),
+        "max_plan": plan_mesh(cfg.placement, max(feasible_sizes(cfg))).describe(),
     }
     if est is not None:
         report["memory_gib"] = {k: v / 2**30 for k, v in asdict(est).items() if k.startswith("bytes")} | {

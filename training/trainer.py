@@ -22,9 +22,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from training.config import Config
 from training.mesh import LOGICAL_RULES
 from training.optim import make_optimizer, make_schedule
+from training.sections import OptimizerSection
 from training.tasks import Task, on_mesh
 
 State = dict[str, Any]
@@ -78,12 +78,12 @@ def state_shardings(task: Task, tx: optax.GradientTransformation, mesh: Mesh) ->
 class Trainer:
     """The task's model, the optimizer and the shardings of one run on one mesh."""
 
-    def __init__(self, cfg: Config, mesh: Mesh, task: Task) -> None:
-        self.cfg = cfg
+    def __init__(self, optimizer: OptimizerSection, mesh: Mesh, task: Task) -> None:
+        self.opt = optimizer
         self.mesh = mesh
         self.task = task
-        self.schedule = make_schedule(cfg.optimizer)
-        self.tx = make_optimizer(cfg.optimizer, self.schedule)
+        self.schedule = make_schedule(optimizer)
+        self.tx = make_optimizer(optimizer, self.schedule)
         self.batch_sharding = NamedSharding(mesh, P(("data", "fsdp")))
         self.replicated = NamedSharding(mesh, P())
         # One flag per device, set by the process that owns it: the step all-reduces them, so every
@@ -109,7 +109,7 @@ class Trainer:
         self.abstract = jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, self.shardings
         )
-        seed = cfg.optimizer.seed
+        seed = optimizer.seed
         self._init = jax.jit(lambda: self._init_state(jax.random.key(seed)), out_shardings=self.shardings)
         self._init_compiled: Any = None
         batch_sh = {k: self.batch_sharding for k in self.spec}
@@ -132,7 +132,7 @@ class Trainer:
             "params": params,
             "opt_state": self.tx.init(params),
             # The RNG is state too: saved, restored, never re-derived from the clock.
-            "rng": jax.random.key_data(jax.random.key(self.cfg.optimizer.seed + 1)),
+            "rng": jax.random.key_data(jax.random.key(self.opt.seed + 1)),
         }
 
     def tracing(self) -> contextlib.ExitStack:
@@ -144,7 +144,7 @@ class Trainer:
         return stack
 
     def init(self) -> State:
-        """A new model's state on this mesh (from ``cfg.seed``)."""
+        """A new model's state on this mesh (from the optimizer section's ``seed``)."""
         if self._init_compiled is None:
             self.compile_init()
         with self.tracing():
@@ -180,7 +180,7 @@ class Trainer:
     def _grads(self, params: Any, batch: Batch, rng: jax.Array) -> tuple[jax.Array, Any, dict[str, Any]]:
         """Loss, gradients and metrics of a batch, over ``grad_accum`` micro-batches when asked."""
         grad_fn = jax.value_and_grad(self.task.loss, has_aux=True)
-        m = self.cfg.optimizer.grad_accum
+        m = self.opt.grad_accum
         if m == 1:
             (loss, aux), grads = grad_fn(params, batch, rng)
             return loss, grads, aux
@@ -227,7 +227,7 @@ class Trainer:
     def global_batch(self, local: Mapping[str, np.ndarray], size: int | None = None) -> Batch:
         """Assemble this process's rows of each field into global arrays sharded over (data, fsdp)
         (``size`` rows in all; default: the training batch)."""
-        b = size or self.cfg.optimizer.global_batch
+        b = size or self.opt.global_batch
         return {
             k: jax.make_array_from_process_local_data(self.batch_sharding, local[k], (b, *local[k].shape[1:]))
             for k in self.spec
@@ -280,7 +280,7 @@ class Trainer:
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         """The global batch's shapes and shardings."""
-        b = self.cfg.optimizer.global_batch
+        b = self.opt.global_batch
         return {
             k: jax.ShapeDtypeStruct((b, *s.shape), np.dtype(s.dtype), sharding=self.batch_sharding)
             for k, s in self.spec.items()

@@ -33,7 +33,7 @@ root, dataset, coord, pid, out = sys.argv[1:6]
 jax.distributed.initialize(coord, 2, int(pid))
 cfg = load_config("tiny", None, {"root": root, "dataset": dataset, "run_name": "lean",
                                  "checkpoint_format": "lean", "min_workers": 1, "max_workers": 2})
-trainer = Trainer(cfg, build_mesh(plan_mesh(cfg, 2)), load_task(cfg))
+trainer = Trainer(cfg.optimizer, build_mesh(plan_mesh(cfg.placement, 2)), load_task(cfg))
 state = trainer.init()
 state = jax.tree.map(lambda x: x + 1 if x.dtype == np.float32 else x, state)  # not the init a reader makes
 m = ckpt.checkpoint_manager(cfg, cfg.run_uri)
@@ -55,7 +55,7 @@ class Spy(lean._Blobs):
                        else sum(len(d) for r in self.ranges.values() for _, d in r))
 lean._Blobs = Spy
 split = cfg.model_copy(update={"dcn_data": 1, "dcn_fsdp": 2})
-sharded = Trainer(split, build_mesh(plan_mesh(split, 2)), load_task(split))
+sharded = Trainer(split.optimizer, build_mesh(plan_mesh(split.placement, 2)), load_task(split))
 moved, _ = ckpt.restore(m, 6, sharded.abstract)
 across = gather(moved)
 
@@ -90,7 +90,7 @@ from training.checkpoint import manager as ckpt
 root, dataset, saved = sys.argv[1:4]
 cfg = load_config("tiny", None, {"root": root, "dataset": dataset, "run_name": "lean", "checkpoint_format": "lean",
                                  "devices_per_worker": jax.device_count()})
-trainer = Trainer(cfg, build_mesh(plan_mesh(cfg, 1)), load_task(cfg))
+trainer = Trainer(cfg.optimizer, build_mesh(plan_mesh(cfg.placement, 1)), load_task(cfg))
 m = ckpt.checkpoint_manager(cfg, cfg.run_uri)
 want = list(np.load(saved).values())
 state, pos = ckpt.restore(m, 6, trainer.abstract)

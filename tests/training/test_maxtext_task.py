@@ -54,7 +54,7 @@ def test_maxtexts_llama3_8b_has_the_published_parameter_count_and_the_builtin_pr
 
     cfg = config({"model_name": "llama3-8b"}, seq_len=128, devices_per_worker=1, min_workers=1)
     task = load_task(cfg)
-    mesh = build_mesh(plan_mesh(cfg, 1), jax.devices()[:1])
+    mesh = build_mesh(plan_mesh(cfg.placement, 1), jax.devices()[:1])
     layout = state_shardings(task, make_optimizer(cfg.optimizer, make_schedule(cfg.optimizer)), mesh)
     params, shardings = layout.params, layout.param_shardings
     assert n_params(params) == LLAMA3_8B
@@ -82,7 +82,7 @@ def test_a_tiny_maxtext_llama3_trains_and_validates_through_the_engine(tiny_data
         val_batches=2,
     )
     task = load_task(cfg)
-    trainer = Trainer(cfg, build_mesh(plan_mesh(cfg, 1)), task)
+    trainer = Trainer(cfg.optimizer, build_mesh(plan_mesh(cfg.placement, 1)), task)
     state = trainer.init()
     batches = make_batches(tiny_dataset, "train", seed=0, global_batch=16, process_index=0, process_count=1)
     batch = trainer.global_batch(next(batches))

@@ -72,9 +72,9 @@ def test_argument_bytes_are_the_sharded_state_and_halve_when_the_shards_double(t
     cfg = load_config("tiny", None, TINY_FSDP)
     for workers, shards in ((1, 2), (2, 4)):
         got = tiny[workers]
-        plan = plan_mesh(cfg, workers)
+        plan = plan_mesh(cfg.placement, workers)
         assert plan.param_shards == shards and got.devices == plan.devices and got.mesh_shape == plan.shape
-        assert got.params == param_count(cfg)
+        assert got.params == param_count(cfg.model)
         # Parameters and the two AdamW moments, each split over the parameter shards (norm scales and
         # counters are replicated: a few percent more), plus this device's rows of the batch.
         expected = 3 * got.params * BYTES[cfg.param_dtype] / shards
@@ -128,7 +128,7 @@ def test_plan_compiled_prints_both_figures_and_refuses_what_the_compiled_step_do
 
 def test_llama3_8b_is_analysed_from_shapes_alone():
     cfg = load_config("llama3-8b")
-    plan = plan_mesh(cfg, 4)
+    plan = plan_mesh(cfg.placement, 4)
     t0 = time.perf_counter()
     got = compiled_memory(cfg, 4)
     print(f"llama3-8b compiled analysis: {time.perf_counter() - t0:.1f} s ({got.compile_s:.1f} s compiling)")

@@ -63,7 +63,7 @@ def test_accumulated_micro_batches_give_the_full_batch_update(tiny_dataset: str)
         cfg = load_config(
             "tiny", None, {"dataset": tiny_dataset, "grad_accum": accum, "devices_per_worker": 1, "min_workers": 1}
         )
-        tr = Trainer(cfg, build_mesh(plan_mesh(cfg, 1)), load_task(cfg))
+        tr = Trainer(cfg.optimizer, build_mesh(plan_mesh(cfg.placement, 1)), load_task(cfg))
         state = tr.init()
         batch = next(make_batches(tiny_dataset, "train", seed=0, global_batch=16, process_index=0, process_count=1))
         state, metrics = tr.step(state, tr.global_batch(batch))
@@ -82,7 +82,7 @@ def test_the_abstract_state_a_restore_is_given_is_the_initialised_one(name: str)
     from training.trainer import Trainer
 
     cfg = load_config("tiny", None, {"optimizer": name, "devices_per_worker": 1, "min_workers": 1})
-    tr = Trainer(cfg, build_mesh(plan_mesh(cfg, 1)), load_task(cfg))
+    tr = Trainer(cfg.optimizer, build_mesh(plan_mesh(cfg.placement, 1)), load_task(cfg))
     state = tr.init()
     assert str(jax.tree.structure(tr.abstract)) == str(jax.tree.structure(state)), name
     for want, got in zip(jax.tree.leaves(tr.abstract), jax.tree.leaves(state), strict=True):
@@ -98,7 +98,7 @@ def test_a_small_state_s_initialisation_is_compiled_without_optimisation_on_cpu(
     from training.tasks import load_task
 
     cfg = load_config("tiny", None, {"dataset": tiny_dataset, "devices_per_worker": 1, "min_workers": 1})
-    tr = trainer_mod.Trainer(cfg, build_mesh(plan_mesh(cfg, 1)), load_task(cfg))
+    tr = trainer_mod.Trainer(cfg.optimizer, build_mesh(plan_mesh(cfg.placement, 1)), load_task(cfg))
     assert tr.init_compiler_options() == {"xla_backend_optimization_level": 0}
     state = tr.init()
     with tr.tracing():

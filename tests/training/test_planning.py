@@ -43,12 +43,12 @@ def test_bad_config_is_refused_naming_the_key(override, message):
 )
 def test_the_mesh_is_planned_from_hosts_and_knobs(workers, devices, knobs, shape):
     cfg = load_config("tiny", None, {"devices_per_worker": devices, **knobs})
-    assert plan_mesh(cfg, workers).shape == shape
+    assert plan_mesh(cfg.placement, workers).shape == shape
 
 
 def test_the_global_batch_stays_constant_and_the_per_device_batch_adapts():
     cfg = load_config("tiny", None, {"global_batch": 16, "min_workers": 1, "max_workers": 4})
-    assert [check_batch(cfg, plan_mesh(cfg, n)) for n in (1, 2, 4)] == [8, 4, 2]
+    assert [check_batch(cfg, plan_mesh(cfg.placement, n)) for n in (1, 2, 4)] == [8, 4, 2]
     assert feasible_sizes(cfg) == [1, 2, 4]  # 3 hosts x 2 devices cannot split 16 sequences
 
 
@@ -81,7 +81,7 @@ def test_indivisible_global_batch_is_refused_before_launch(tmp_path, capsys):
     assert "global_batch=6 cannot be split over 4 workers x 2 devices" in capsys.readouterr().err
     assert not (tmp_path / "odd").exists()
     with pytest.raises(PlanError):
-        check_batch(load_config("tiny", None, {"global_batch": 6}), plan_mesh(load_config("tiny"), 4))
+        check_batch(load_config("tiny", None, {"global_batch": 6}), plan_mesh(load_config("tiny").placement, 4))
 
 
 def test_real_model_presets_fit_at_their_minimum_topology(capsys):
@@ -104,7 +104,7 @@ def test_param_count_matches_the_flax_model(overrides):
     cfg = load_config("tiny", None, overrides)
     params = jax.eval_shape(load_task(cfg).init, jax.random.key(0))
     n = sum(x.size for x in jax.tree.leaves(params))
-    assert n == param_count(cfg)
+    assert n == param_count(cfg.model)
 
 
 @pytest.mark.parametrize(("preset", "published"), [("llama3-8b", 8_030_261_248), ("llama3-70b", 70_553_706_496)])
@@ -115,7 +115,7 @@ def test_the_llama3_presets_have_the_published_parameter_counts(preset, publishe
     from training.tasks import load_task
 
     cfg = load_config(preset)
-    assert param_count(cfg) == published
+    assert param_count(cfg.model) == published
     params = jax.eval_shape(load_task(cfg).init, jax.random.key(0))  # the model itself, from shapes alone
     assert sum(x.size for x in jax.tree.leaves(params)) == published
 

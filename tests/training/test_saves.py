@@ -29,7 +29,7 @@ from training.checkpoint import manager as ckpt, packing
 root, dataset = sys.argv[1], sys.argv[2]
 over = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
 cfg = load_config("tiny", None, {"root": root, "dataset": dataset, "run_name": "saves", **over})
-trainer = Trainer(cfg, build_mesh(plan_mesh(cfg, 1)), load_task(cfg))
+trainer = Trainer(cfg.optimizer, build_mesh(plan_mesh(cfg.placement, 1)), load_task(cfg))
 state = trainer.init()
 abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
 

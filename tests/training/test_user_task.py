@@ -143,7 +143,9 @@ def test_an_error_in_the_task_s_code_is_one_line_naming_the_task_the_method_and_
     cfg = config(JAX_TASK, {"fail": stage}, devices_per_worker=1)
     monkeypatch.setenv("RTRAIN_HOST", "h0")  # it breaks in a job's worker only
     with pytest.raises(TaskError) as e:
-        trainer = Trainer(cfg, build_mesh(plan_mesh(cfg, 1)), build(cfg).task)  # init: under jax.eval_shape
+        trainer = Trainer(
+            cfg.optimizer, build_mesh(plan_mesh(cfg.placement, 1)), build(cfg).task
+        )  # init: under jax.eval_shape
         trainer.lower()  # loss: traced under jax.jit and jax.value_and_grad
     code, line = error_line(e.value)
     assert code == WorkerExit.TASK

@@ -124,7 +124,7 @@ def compile_smaller(cfg: Config, task: Any, workers: int, own_key: str | None, t
             to.done(n, time.time() - t0, True)
             continue
         devices = [d for d in jax.devices() if d.process_index < n]
-        lowered = Trainer(cfg, build_mesh(plan_mesh(cfg, n), devices), task).lower()
+        lowered = Trainer(cfg.optimizer, build_mesh(plan_mesh(cfg.placement, n), devices), task).lower()
         compiled = compile_once.compile_here(lowered, None, to.cache_hits)
         if note is not None:
             compile_once.note_cached(cfg.placement.compilation_cache, note)

@@ -89,7 +89,7 @@ def set_up(cfg: Config, run: str, a: Assignment, rep: Reporter, built: Any, t_as
         # The TPU identity and Multislice values the runtime started with (this round's, none left of another).
         runtime_env={k: v for k, v in sorted(os.environ.items()) if is_round_env(k)},
     )
-    plan = plan_mesh(cfg, a.processes)
+    plan = plan_mesh(cfg.placement, a.processes)
     check_batch(cfg, plan)
     mesh = build_mesh(plan)
     if transport is not None and mesh.devices.flat[0].platform == "cpu":  # another platform's threads are its own
@@ -103,4 +103,4 @@ def set_up(cfg: Config, run: str, a: Assignment, rep: Reporter, built: Any, t_as
             file=sys.stderr,
             flush=True,
         )
-    return tr.Trainer(cfg, mesh, built.task), ckpt.checkpoint_manager(cfg, run), built
+    return tr.Trainer(cfg.optimizer, mesh, built.task), ckpt.checkpoint_manager(cfg, run), built
