@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from training.checkpoint.prune import policy_from_config
+from training.checkpoint.prune import retention_policy
 from training.checkpoint.retention import (
     AnyOf,
     ExpireQuarantined,
@@ -20,6 +20,7 @@ from training.checkpoint.retention import (
     decide,
     protected_steps,
 )
+from training.sections import CheckpointSection
 
 NOW = 10_000.0
 
@@ -160,22 +161,24 @@ def test_decide_gives_every_reason() -> None:
 
 
 @pytest.mark.parametrize(
-    "args, expected",
+    "keys, expected",
     [
         (
-            (3, 2, "loss", 1000, 86400.0),
+            {"keep_last": 3, "keep_best": 2, "best_metric": "loss", "keep_every": 1000, "quarantine_ttl_s": 86400.0},
             AnyOf(KeepLastN(3), KeepBestN(2, "loss"), KeepEveryNSteps(1000), ExpireQuarantined(86400.0)),
         ),
-        ((3, 0, "loss", 0, 0.0), AnyOf(KeepLastN(3))),
-        ((0, 0, "loss", 0, 0.0), AnyOf()),
+        ({"keep_last": 3, "keep_best": 0, "keep_every": 0, "quarantine_ttl_s": 0.0}, AnyOf(KeepLastN(3))),
+        ({"keep_last": 0, "keep_best": 0, "keep_every": 0, "quarantine_ttl_s": 0.0}, AnyOf()),
     ],
 )
-def test_policy_from_config(args: tuple, expected: Policy) -> None:
-    assert policy_from_config(*args) == expected
+def test_retention_policy_of_the_checkpoint_section(keys: dict, expected: Policy) -> None:
+    assert retention_policy(CheckpointSection.model_validate(keys)) == expected
 
 
-def test_policy_from_config_best_mode() -> None:
-    assert policy_from_config(0, 1, "accuracy", 0, 0, best_mode="max") == AnyOf(KeepBestN(1, "accuracy", "max"))
+def test_retention_policy_best_mode() -> None:
+    keys = {"keep_last": 0, "keep_best": 1, "best_metric": "accuracy", "keep_every": 0, "quarantine_ttl_s": 0}
+    section = CheckpointSection.model_validate(keys)
+    assert retention_policy(section, best_mode="max") == AnyOf(KeepBestN(1, "accuracy", "max"))
 
 
 @pytest.mark.parametrize("bad", [lambda: KeepLastN(-1), lambda: KeepEveryNSteps(0), lambda: KeepBestN(1, "loss", "up")])

@@ -26,6 +26,7 @@ from training.checkpoint.steps import INTEGRITY, committed_steps
 from training.config import Config, config_from_json
 from training.events import ALIVE_STATES, Event, EventLog, mesh_text
 from training.layout import CHECKPOINTS, CONFIG, QUARANTINE, STATUS, step_uri
+from training.sections import CheckpointSection
 from training.storage import NotFound, Store, join, open_store
 
 
@@ -255,17 +256,8 @@ def validate(run_uri: str, step: int | None = None, evaluated: list[Event] | Non
     if not reasons and not math.isfinite(metrics["loss"]):
         reasons.append(f"validation loss is {metrics['loss']}")
     best = [s for s in ledger.best("loss", 1) if s != step]
-    if best and math.isfinite(metrics["loss"]):
-        best_loss = float(ledger.state(best[0])["metrics"]["loss"])  # type: ignore[index]
-        if metrics["loss"] > best_loss * (1 + cfg.checkpoint.val_tolerance):
-            reasons.append(
-                f"loss {metrics['loss']:.4f} is worse than the best validated {best_loss:.4f} "
-                f"(step {best[0]}) by more than {cfg.checkpoint.val_tolerance:.0%}"
-            )
-    if cfg.checkpoint.val_max_loss and metrics["loss"] > cfg.checkpoint.val_max_loss:
-        reasons.append(f"loss {metrics['loss']:.4f} > val_max_loss {cfg.checkpoint.val_max_loss}")
-    if cfg.checkpoint.val_min_accuracy and metrics.get("accuracy", 0.0) < cfg.checkpoint.val_min_accuracy:
-        reasons.append(f"accuracy {metrics['accuracy']:.4f} < val_min_accuracy {cfg.checkpoint.val_min_accuracy}")
+    best_loss = (best[0], float(ledger.state(best[0])["metrics"]["loss"])) if best else None  # type: ignore[index]
+    reasons += quality_reasons(metrics, best_loss, cfg.checkpoint)
 
     # NaN is not JSON: record non-finite numbers as strings.
     clean = {k: (v if math.isfinite(v) else str(v)) for k, v in metrics.items()}
@@ -278,6 +270,23 @@ def validate(run_uri: str, step: int | None = None, evaluated: list[Event] | Non
     events.emit("validation", step=step, verdict=verdict, metrics=clean, reason=reason, evaluated_on=evaluated_on)
     _validation_scalars(run_uri, step, metrics, verdict)
     return Verdict(step=step, verdict=verdict, metrics=clean, reason=reason, evaluated_on=evaluated_on)
+
+
+def quality_reasons(metrics: Mapping[str, float], best: tuple[int, float] | None, ck: CheckpointSection) -> list[str]:
+    """Why a checkpoint's finite validation metrics fall short of the checkpoint section's bars: worse than the best
+    validated loss (``best``: its step and loss) by more than ``val_tolerance``, above ``val_max_loss``, below
+    ``val_min_accuracy``; none when they pass."""
+    reasons = []
+    if best is not None and math.isfinite(metrics["loss"]) and metrics["loss"] > best[1] * (1 + ck.val_tolerance):
+        reasons.append(
+            f"loss {metrics['loss']:.4f} is worse than the best validated {best[1]:.4f} "
+            f"(step {best[0]}) by more than {ck.val_tolerance:.0%}"
+        )
+    if ck.val_max_loss and metrics["loss"] > ck.val_max_loss:
+        reasons.append(f"loss {metrics['loss']:.4f} > val_max_loss {ck.val_max_loss}")
+    if ck.val_min_accuracy and metrics.get("accuracy", 0.0) < ck.val_min_accuracy:
+        reasons.append(f"accuracy {metrics['accuracy']:.4f} < val_min_accuracy {ck.val_min_accuracy}")
+    return reasons
 
 
 def _evaluated_on_slice(cfg: Config, ledger: Ledger, evaluated: list[Event], step: int) -> dict[str, float] | None:
@@ -399,13 +408,7 @@ def promote(run_uri: str, step: int | None = None) -> Promotion:
 def prune(run_uri: str, dry_run: bool = False) -> prune_lib.Pruned:
     """Apply the run's retention policy to checkpoints/ and expire old quarantined ones."""
     store, cfg, ledger, events = _run(run_uri)
-    policy = prune_lib.policy_from_config(
-        cfg.checkpoint.keep_last,
-        cfg.checkpoint.keep_best,
-        cfg.checkpoint.best_metric,
-        cfg.checkpoint.keep_every,
-        cfg.checkpoint.quarantine_ttl_s,
-    )
+    policy = prune_lib.retention_policy(cfg.checkpoint)
     plan = prune_lib.prune(run_uri, policy, dry_run=dry_run, events=None if dry_run else events)
     out = plan.to_dict()
     now = time.time()

@@ -42,6 +42,7 @@ from training.checkpoint.retention import (
 )
 from training.events import EventLog
 from training.layout import CHECKPOINTS
+from training.sections import CheckpointSection
 from training.storage import NotFound, Store, open_store, scheme
 
 # A committed step being deleted on a local root is first renamed to
@@ -96,27 +97,21 @@ class Pruned(TypedDict):
     quarantine_expired: list[str]  # quarantined checkpoints past their time to live (deleted unless a dry run)
 
 
-def policy_from_config(
-    keep_last: int,
-    keep_best: int,
-    best_metric: str,
-    keep_every: int,
-    quarantine_ttl_s: float,
-    best_mode: Literal["min", "max"] = "min",
-) -> Policy:
-    """The union of the enabled rules; 0 turns a rule off (the protected set is kept regardless).
+def retention_policy(ck: CheckpointSection, best_mode: Literal["min", "max"] = "min") -> Policy:
+    """The union of the checkpoint section's enabled retention rules; 0 turns a rule off (the protected set is
+    kept regardless).
 
     With every rule off only the protected set survives a prune.
     """
     rules: list[Policy] = []
-    if keep_last > 0:
-        rules.append(KeepLastN(keep_last))
-    if keep_best > 0:
-        rules.append(KeepBestN(keep_best, best_metric, best_mode))
-    if keep_every > 0:
-        rules.append(KeepEveryNSteps(keep_every))
-    if quarantine_ttl_s > 0:
-        rules.append(ExpireQuarantined(quarantine_ttl_s))
+    if ck.keep_last > 0:
+        rules.append(KeepLastN(ck.keep_last))
+    if ck.keep_best > 0:
+        rules.append(KeepBestN(ck.keep_best, ck.best_metric, best_mode))
+    if ck.keep_every > 0:
+        rules.append(KeepEveryNSteps(ck.keep_every))
+    if ck.quarantine_ttl_s > 0:
+        rules.append(ExpireQuarantined(ck.quarantine_ttl_s))
     return AnyOf(*rules)
 
 
