@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import builtins
+import contextlib
 import errno
 import json
 import os
@@ -38,6 +39,13 @@ class AlreadyExists(Exception):
 
 class NotFound(Exception):
     """The object does not exist."""
+
+
+class RootGone(FileNotFoundError):
+    """A local store's root directory, there before, is gone (renamed, deleted, its volume unmounted): a lasting failure."""
+
+    def __init__(self, root: Path, why: str = "No such file or directory") -> None:
+        super().__init__(errno.ENOENT, f"the run root {root} is gone ({why})", str(root))
 
 
 class Store(Protocol):
@@ -162,6 +170,42 @@ def write_parts(path: str | Path, parts: Iterable[Any], *, sync: bool) -> None:
         os.close(fd)
 
 
+# Local roots this process works in, made before it started (a job's run root), by their (device, inode).
+_EXPECTED_ROOTS: dict[Path, tuple[int, int]] = {}
+
+
+def expect_root(uri: str) -> None:
+    """This process works inside the existing local root ``uri`` (its job's run root): a write under it once it has
+    vanished (renamed, deleted, its volume unmounted) raises RootGone, where it would make it anew or write on
+    whatever directory is in its place now."""
+    if scheme(uri).filesystem:
+        root = Path(uri).expanduser().resolve()
+        with contextlib.suppress(OSError):  # not there yet: nothing to expect
+            st = os.stat(root)
+            _EXPECTED_ROOTS[root] = (st.st_dev, st.st_ino)
+
+
+def check_root(uri: str) -> None:
+    """RootGone when the local root ``uri`` this process expects (``expect_root``) has vanished."""
+    if scheme(uri).filesystem:
+        _check_expected(Path(uri).expanduser().resolve())
+
+
+def _check_expected(root: Path) -> None:
+    """RootGone when the expected root at or above ``root`` is gone, or another directory is in its place."""
+    for path in (root, *root.parents):
+        ident = _EXPECTED_ROOTS.get(path)
+        if ident is None:
+            continue
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise RootGone(path) from None
+        if (st.st_dev, st.st_ino) != ident:
+            raise RootGone(path, "another directory is in its place: unmounted, or moved")
+        return
+
+
 @dataclass
 class LocalStore:
     """A directory on a local (or mounted) file system."""
@@ -171,6 +215,12 @@ class LocalStore:
     @property
     def uri(self) -> str:
         return str(self.root)
+
+    def _make_parent(self, path: Path) -> None:
+        """Make ``path``'s directory, but write nothing under a root this process expects (``expect_root``) that
+        has vanished: it is not made anew, nor is the directory now in its place written on (RootGone)."""
+        _check_expected(self.root)
+        path.parent.mkdir(parents=True, exist_ok=True)
 
     def _path(self, key: str) -> Path:
         if ".." in Path(key).parts:
@@ -183,7 +233,7 @@ class LocalStore:
     def put(self, key: str, data: bytes) -> None:
         _count("put", key, self.uri)
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        self._make_parent(path)
         try:
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
         except OSError as e:
@@ -207,7 +257,7 @@ class LocalStore:
         """Write an object from its parts, one after another, without joining them in memory (then fsync)."""
         _count("put", key, self.uri)
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        self._make_parent(path)
         write_parts(path, parts, sync=True)
 
     @staticmethod
@@ -231,7 +281,7 @@ class LocalStore:
         """
         _count("create_in", key, self.uri)
         src, path = self._path(reserve), self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        self._make_parent(path)
         if path.exists():  # keys written this way are unique (a time stamp and a nonce): a plain check will do
             raise AlreadyExists(str(path))
         with open(src, "r+b") as f:
@@ -247,7 +297,7 @@ class LocalStore:
         # target exists, so a reader never sees a half-written object and two
         # writers never both win.
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        self._make_parent(path)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
         try:
             with os.fdopen(fd, "wb") as f:
@@ -341,7 +391,7 @@ class LocalStore:
         """Move an object or a whole prefix (a rename on one file system)."""
         _count("move", src, self.uri)
         target = self._path(dst)
-        target.parent.mkdir(parents=True, exist_ok=True)
+        self._make_parent(target)
         os.rename(self._path(src), target)
 
     def delete(self, key: str) -> None:
@@ -564,7 +614,7 @@ _TRANSIENT_GCS = frozenset(
 def is_transient(e: BaseException) -> bool:
     """Is ``e`` a store failing for now (unreachable, slow, overloaded), not one that will keep failing?"""
     if isinstance(e, OSError):
-        return e.errno not in LASTING_WRITE_ERRORS
+        return e.errno not in LASTING_WRITE_ERRORS and not isinstance(e, RootGone)
     return any(c.__module__.startswith("google.") and c.__name__ in _TRANSIENT_GCS for c in type(e).__mro__)
 
 

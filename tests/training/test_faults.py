@@ -156,24 +156,101 @@ def _fill(mnt: Path) -> Path:
     return filler
 
 
-@pytest.mark.parametrize(
-    ("checkpoint_format", "failure"), [("lean", "full"), ("ocdbt", "full"), ("ocdbt", "read-only")]
-)
+def test_a_job_s_writes_under_a_vanished_run_root_raise_root_gone_and_make_nothing(tmp_path: Path) -> None:
+    """A process that works in a run root (``expect_root``) never makes it anew once it is gone, nor writes on the
+    directory now in its place; the error is a lasting one that names the root."""
+    from training.storage import RootGone, expect_root, is_transient
+
+    run = tmp_path / "run"
+    store = open_store(str(run))
+    store.put("status.json", b"{}")
+    expect_root(str(run))
+    step = open_store(str(run / "checkpoints" / "5"))  # a store of a step, below the root
+    step.put("meta", b"x")
+    run.rename(tmp_path / "away")
+    for write in (lambda: store.put("status.json", b"{}"), lambda: step.put("meta", b"y")):
+        with pytest.raises(RootGone, match=f"the run root {run} is gone \\(No such file or directory\\)") as gone:
+            write()
+        assert not is_transient(gone.value)
+    assert not run.exists(), "nothing was made anew"
+    run.mkdir()  # another directory in its place (a volume unmounted leaves its mount point)
+    with pytest.raises(RootGone, match="another directory is in its place"):
+        store.create("lock/000000000001.json", b"{}")
+    assert not list(run.iterdir())
+    expect_root(str(run))  # a process that begins a job on the new directory expects that one
+    store.put("status.json", b"{}")
+
+
+class Broken:
+    """One storage failure of a running job's run root: how it is done, what the job's end must name, how it is undone."""
+
+    def __init__(self, failure: str, mnt: Path, run: Path) -> None:
+        self.failure, self.mnt, self.run = failure, mnt, run
+        self.filler: Path | None = None
+        self.volume = mnt / "volume"  # the vanishing root's own volume (a bind mount stands for it)
+        # Where nothing can be written (status, lease, events), the job's end is known only to the launcher.
+        self.writable = failure in ("full", "checkpoints-read-only")
+        if failure == "vanished":
+            self.volume.mkdir()
+            run.mkdir(parents=True)
+            assert _mount("--bind", str(self.volume), str(run))
+
+    def do(self) -> str:
+        """Break the storage; the words the job's end reason must hold."""
+        if self.failure == "full":
+            self.filler = _fill(self.mnt)
+            return f"no space left on {self.run} (No space left on device"
+        if self.failure == "vanished":
+            # Its volume unmounted: files open already go on; by path, the empty directory under it is all there is.
+            assert subprocess.run(["umount", "-l", str(self.run)]).returncode == 0
+            return f"the run root {self.run} is gone (another directory is in its place"
+        ro = self.run / "checkpoints" if self.failure == "checkpoints-read-only" else self.run
+        # A read-only mount over it: files open already (the logs) write on; every new write is refused.
+        assert _mount("--bind", str(ro), str(ro)) and _mount("-o", "remount,bind,ro", str(ro))
+        return f"the run root {self.run} refuses writes (Read-only file system"
+
+    def undo(self) -> None:
+        if self.filler is not None:
+            self.filler.unlink()
+        elif self.failure == "vanished":
+            assert _mount("--bind", str(self.volume), str(self.run))
+        else:
+            ro = self.run / "checkpoints" if self.failure == "checkpoints-read-only" else self.run
+            subprocess.run(["umount", "-l", str(ro)], capture_output=True)
+
+
+STORAGE_FAILURES = ("full", "checkpoints-read-only", "root-read-only", "vanished")
+
+
+@pytest.mark.parametrize("failure", STORAGE_FAILURES)
+@pytest.mark.parametrize("checkpoint_format", ["auto", "lean"])
 def test_a_storage_failure_ends_the_job_naming_it_and_a_rerun_resumes(
     tmp_path: Path, tiny_dataset: str, jax_cache: str, checkpoint_format: str, failure: str
 ) -> None:
-    """A full disk under the run root, or its checkpoint root gone read-only, in either format (Orbax's background
-    commit failing too) ends the job soon, naming the error; no process is left, the lease is given back, and
-    with the storage back a rerun resumes from a committed step."""
+    """A storage failure under a running job, in either format (Orbax's background commit failing too), ends the
+    job soon with one line naming the run root and the error; no process is left, and with the storage back a
+    rerun resumes from a committed step.
+
+    The failures: a full disk; the checkpoint root gone read-only; the whole run root gone read-only; the run
+    root vanished (its volume unmounted: by path, only the empty directory under it is left).
+    Where the root still takes writes, the job records its end there and gives the lease back.  Where it takes
+    none (read-only or vanished: the status and the lease live in it), the launcher still ends, failed, with
+    the reason (``api.job_state`` of its handle: the end is kept on this machine), and the job writes none of
+    its records on whatever directory is in a vanished root's place.  Its lease then lapses; with the root
+    back, a status check records the job failed with that reason (never a live job) and the rerun takes the
+    run over.
+    """
     import psutil
 
     from training.checkpoint.lock import RunLock
+    from training.events import ALIVE_STATES
 
     mnt = tmp_path / "small-disk"
     mnt.mkdir()
     if not _mount("-t", "tmpfs", "-o", "size=40m", "tmpfs", str(mnt)):
         pytest.skip("needs a tmpfs mount (root) to make a disk that fills up")
-    ckpts = mnt / "runs" / "broken" / "checkpoints"
+    run = mnt / "runs" / "broken"
+    broken = Broken(failure, mnt, run)
     try:
         cfg = job_config(
             str(mnt / "runs"),
@@ -190,29 +267,24 @@ def test_a_storage_failure_ends_the_job_naming_it_and_a_rerun_resumes(
         handle = start_job(cfg)
         wait_for(lambda: ((api.status(cfg.run_uri) or {}).get("latest_committed") or 0) >= 5, 240, "a checkpoint")
         t = time.time()
-        if failure == "full":
-            filler = _fill(mnt)
-            named = f"no space left on {cfg.run_uri} (No space left on device"
-        else:  # the checkpoint root alone: the run's status and lease stay writable
-            assert _mount("--bind", str(ckpts), str(ckpts)) and _mount("-o", "remount,bind,ro", str(ckpts))
-            named = "Read-only file system"
-        st = wait_finished(handle, timeout=300)
+        named = broken.do()
+        st = wait_finished(handle, timeout=150)
         took = time.time() - t
-        print(
-            f"{checkpoint_format} {failure}: the job ended {took:.1f} s after the storage failed: {st['reason'][:200]}"
-        )
-        assert st["state"] == "failed" and named in st["reason"], st
-        assert took < 120, f"the job went on {took:.0f} s after its checkpoint storage failed"
+        look = api.job_state(handle)
+        print(f"{checkpoint_format} {failure}: the job ended {took:.1f} s after the storage failed: {look['reason']}")
+        assert look["state"] == "failed" and named in look["reason"] and "\n" not in look["reason"], look
+        assert took < 120, f"the job went on {took:.0f} s after its storage failed"
         procs = [p for p in psutil.process_iter(["cmdline"]) if cfg.run_uri in " ".join(p.info["cmdline"] or [])]
         assert not [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], procs
-        assert api.job_state(handle)["state"] == "failed"
-        assert RunLock(open_store(cfg.run_uri), owner="test").held_by() is None, "the lease is given back"
+        if broken.writable:
+            assert st["state"] == "failed" and named in st["reason"], st
+            assert RunLock(open_store(cfg.run_uri), owner="test").held_by() is None, "the lease is given back"
+        elif failure == "vanished":
+            assert not (run / "status.json").exists(), "the job wrote on the directory in its root's place"
+        broken.undo()
+        assert (api.repair_status(cfg.run_uri) or {}).get("state") not in ALIVE_STATES, "no live job is shown"
         committed = api.committed_steps(cfg.run_uri)
         assert committed and min(committed) >= 5, committed
-        if failure == "full":
-            filler.unlink()
-        else:
-            subprocess.run(["umount", "-l", str(ckpts)], capture_output=True)
         assert run_job(cfg) == 0, worker_logs(cfg.run_uri)
         restored = [e["step"] for e in api.events(cfg.run_uri, ("restore",))]
         assert restored and restored[-1] in committed, (restored, committed)
@@ -221,6 +293,7 @@ def test_a_storage_failure_ends_the_job_naming_it_and_a_rerun_resumes(
         for p in psutil.process_iter(["cmdline"]):
             if str(mnt) in " ".join(p.info["cmdline"] or []):
                 p.kill()
-        subprocess.run(["umount", "-l", str(ckpts)], capture_output=True)
+        for ro in (run / "checkpoints", run):
+            subprocess.run(["umount", "-l", str(ro)], capture_output=True)
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
         os.sync()

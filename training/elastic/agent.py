@@ -56,7 +56,7 @@ from training.elastic.workerproc import ForkServer
 from training.elastic.writer import Writer
 from training.events import EventLog
 from training.layout import CONFIG, logs_base
-from training.storage import Store, is_transient, open_store, scheme
+from training.storage import Store, expect_root, is_transient, open_store, scheme
 
 log = logging.getLogger("rtrain.agent")
 # The job is over for every host: the local copies it kept are of no use to any later job.  (A host
@@ -87,6 +87,7 @@ class HostAgent:
         self.run_uri = run
         self.job = job
         self.host = host
+        expect_root(run)  # a run root that vanishes is not made anew by this host's writes
         self.store: Store = open_store(run)
         self.cfg: Config = config_from_json(self.store.get(CONFIG).decode())
         self.events = EventLog(self.store, source=f"agent-{host}")

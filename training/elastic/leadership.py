@@ -22,7 +22,8 @@ from training.elastic.hostctx import HostContext
 from training.elastic.hostwatch import HostWatch
 from training.elastic.jobstatus import Phase
 from training.elastic.leader import Leader
-from training.storage import LASTING_WRITE_ERRORS, is_transient
+from training.elastic.status import keep_end_here
+from training.storage import LASTING_WRITE_ERRORS, RootGone, is_transient
 
 log = logging.getLogger("rtrain.agent")
 
@@ -112,7 +113,11 @@ class Leadership:
             return None
         except OSError as e:
             log.warning("[%s] cannot take the lease: %s", self.host, e)
+            seen = self.store_failure
             self.store_error(e)
+            if seen and self.store_failure:  # refused again (after any room was made): nobody can lead the job
+                keep_end_here(self.lock.store, self.job, self.store_failure, self.heart.record.step)
+                return AgentExit.FAILED
             return None
         self.keeper = LeaseKeeper(
             self.lock, on_lost=lambda why: log.warning("[%s] %s", self.host, why), on_error=self.store_error
@@ -173,10 +178,14 @@ class Leadership:
         log.error("[%s] leading the job failed", self.host, exc_info=e)
         self.store_error(e)
         why = self.store_failure or f"the leader ({self.host}) failed: {type(e).__name__}: {e}"
+        recorded = not self.store_failure  # a failing run root may have cut the end's records short already
         try:
             leader.fail(why)
-        except Exception:  # noqa: BLE001 - nothing more to do here; whoever looks next records it
+        except Exception:  # noqa: BLE001 - nothing more to do there; whoever looks next records it
             log.exception("[%s] could not record the job's end", self.host)
+            recorded = False
+        if not recorded:  # kept on this machine: the launcher and readers here see it, a later look records it
+            keep_end_here(self.lock.store, self.job, why, leader.status.step)
         return AgentExit.FAILED
 
     def _step_down(self, why: str) -> None:
@@ -224,6 +233,8 @@ class Leadership:
 
 def store_failure(e: Exception, run_uri: str) -> str:
     """The job's end reason for a write error the run root will keep giving ('' for any other error)."""
+    if isinstance(e, RootGone):
+        return str(e.strerror)  # the run root, and how it is gone
     if not isinstance(e, OSError) or e.errno not in LASTING_WRITE_ERRORS:
         return ""
     writing = f", writing {e.filename}" if e.filename else ""

@@ -35,14 +35,15 @@ from training.checkpoint.lock import LeaseKeeper, LockHeld, LockLost, RunLock
 from training.config import Config, config_from_json
 from training.elastic.capacity import LocalCapacity
 from training.elastic.codes import AgentExit
+from training.elastic.leadership import store_failure
 from training.elastic.rendezvous import Rendezvous, Round
-from training.elastic.status import repair_status
+from training.elastic.status import keep_end_here, kept_end, repair_status
 from training.elastic.template import Template
 from training.elastic.workerproc import cpu_slice_env
 from training.events import FINAL_STATES, EventLog, RunState, RunStatus, describe, read_status, write_status
 from training.layout import CONFIG, CONTROL, logs_base
 from training.procctl import start_detached
-from training.storage import NotFound, Store, open_store
+from training.storage import NotFound, RootGone, Store, check_root, expect_root, open_store
 
 log = logging.getLogger("rtrain.local_slice")
 
@@ -206,8 +207,31 @@ class LocalSlice:
             if len(running) >= want:
                 break
             if host not in self.agents and host not in leaving:
-                self._spawn(host)
+                try:
+                    self._spawn(host)
+                except OSError as e:  # its log cannot be opened: the run root (where the logs are) refuses it
+                    self._cannot_spawn(host, e)
+                    return
                 running.append(host)
+
+    def _cannot_spawn(self, host: str, e: OSError) -> None:
+        """A host's agent cannot start: where the run root keeps refusing (read-only, gone), the job ends here."""
+        why = store_failure(e, self.cfg.run_uri)
+        try:
+            check_root(self.cfg.run_uri)
+        except RootGone as gone:  # its log's directory is missing because the whole run root is
+            why = store_failure(gone, self.cfg.run_uri)
+        log.warning("the agent of %s cannot start: %s", host, e)
+        if why:
+            self._ended_here(why)
+
+    def _ended_here(self, why: str) -> None:
+        """The run root refuses the job's records for good: its end as its leader kept it here, else with ``why``."""
+        with contextlib.suppress(Exception):
+            self._final = kept_end(self.store, read_status(self.store))
+        if self._final is None:
+            step = self._held_status.get("step")
+            self._final = keep_end_here(self.store, self.job, f"{why}: the job cannot go on", step)
 
     def _kill(self, host: str) -> None:
         proc = self.agents.pop(host, None)
@@ -252,6 +276,9 @@ class LocalSlice:
                 return  # else: the last leader's lease has not lapsed yet; look again
             except OSError as e:
                 log.warning("cannot take the run lock to hold it for job %s: %s", self.job, e)
+                why = store_failure(e, self.cfg.run_uri)
+                if why:  # the run root keeps refusing: nobody can hold the run, the job ends here
+                    self._ended_here(why)
                 return
             self._hold, self._taker = lock, None
             self._keeper = LeaseKeeper(lock, on_lost=lambda why: log.warning("holding the run: %s", why)).start()
@@ -366,6 +393,7 @@ class LocalSlice:
 
     def _look(self) -> RunStatus | None:
         st = read_status(self.store)
+        st = kept_end(self.store, st) or st  # the end its leader kept here: the run root refused it
         if st is None or st.get("job") != self.job:
             return None
         if self.on_status is not None:
@@ -380,14 +408,16 @@ class LocalSlice:
     def run(self) -> int:
         """Run the job to its end; 0 when it finished."""
         stop_deadline: float | None = None
+        grace: float | None = None  # once the job has ended: how long its agents have to go
         try:
             while True:
                 self._reconcile()
                 st = self._look()
                 if st is not None and st.get("state") in FINAL_STATES and self._final is None:
                     self._final = st
+                if self._final is not None and grace is None:
                     grace = time.monotonic() + 10.0
-                if self._final is not None and (not self.agents or time.monotonic() > grace):
+                if grace is not None and (not self.agents or time.monotonic() > grace):
                     break
                 if self._stopping:
                     stop_deadline = stop_deadline or time.monotonic() + 3 * self.cfg.lease_s + 5
@@ -421,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--job", required=True)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    expect_root(args.run)  # the job began there: a run root that vanishes is not made anew by this process
     cfg = config_from_json(open_store(args.run).get(CONFIG).decode())
     slice_ = LocalSlice(cfg, args.job, on_line=lambda line: print(line, flush=True))
     signal.signal(signal.SIGTERM, lambda *_: slice_.stop("SIGTERM to the local slice"))

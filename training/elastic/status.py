@@ -12,20 +12,32 @@ it (nor an agent of it running on this machine, cut off from the run root for a
 while), and no job holding the run lock (its lease lapsed, by the reader's own
 clock too) belongs to a job that is gone.  The reader then takes the lock and records the final state with the
 reason, as an event too.
+
+A job whose run root takes no write at all (read-only, or vanished) cannot record its own end there: its
+leader (or its local slice) keeps the end on this machine instead (``keep_end_here``).  Readers here see
+that end (``repair_status``), and the first look after the root takes writes again records it there.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import logging
+import os
 import socket
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from training.checkpoint.lock import LockHeld, RunLock
 from training.elastic.rendezvous import Rendezvous
 from training.events import ALIVE_STATES, EventLog, RunState, RunStatus, read_status, write_status
 from training.layout import CONFIG
-from training.storage import NotFound, Store, open_store
+from training.storage import NotFound, Store, open_store, scheme
+
+log = logging.getLogger("rtrain.status")
 
 # How long a status may go unwritten before a job with no lease holder counts as gone, when the run's
 # config cannot be read (else its heartbeat_timeout_s: a live holder writes the status every second).
@@ -108,10 +120,80 @@ def status(run_uri: str) -> RunStatus | None:
     return read_status(open_store(run_uri))
 
 
+def _kept_path(store: Store) -> Path:
+    """Where this machine keeps the end of the run's newest job that its run root refused (one file a run)."""
+    digest = hashlib.sha256(store.uri.encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / "rtrain-job-ends" / f"{digest}.json"
+
+
+def keep_end_here(store: Store, job: str, reason: str, step: Any = None) -> RunStatus:
+    """Keep ``job``'s failed end on this machine, its run root refusing it (read-only, gone); the status it shows.
+
+    The first end kept for a job stands (its leader's, before the other hosts' that found no one to lead)."""
+    with contextlib.suppress(OSError, ValueError):
+        kept: RunStatus = json.loads(_kept_path(store).read_text())
+        if kept.get("job") == job:
+            return kept
+    doc = RunStatus(state=RunState.FAILED.value, reason=reason, job=job, run_uri=store.uri, updated_at=time.time())
+    if step is not None:
+        doc["step"] = int(step)
+    path = _kept_path(store)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("could not keep the end of job %s on this machine either: %s", job, e)
+    return doc
+
+
+def kept_end(store: Store, st: RunStatus | None) -> RunStatus | None:
+    """The end kept here of the job that ``st`` (the run root's status) shows alive, or of any job where the root
+    shows none (gone); None when the root shows that job's end, another job, or a status written after it."""
+    try:
+        kept: RunStatus = json.loads(_kept_path(store).read_text())
+    except (OSError, ValueError):
+        return None
+    if st is None:
+        return kept
+    if st.get("job") != kept.get("job") or st.get("state") not in ALIVE_STATES:
+        _kept_path(store).unlink(missing_ok=True)  # recorded, or the run went on with another job
+        return None
+    return kept if float(st.get("updated_at", 0)) <= float(kept.get("updated_at", 0)) else None
+
+
+def _record_kept(store: Store, st: RunStatus | None, kept: RunStatus) -> RunStatus:
+    """Record a kept end in the run root if it takes writes now (then forget it here); what readers see."""
+    if st is None or (scheme(store.uri).filesystem and not os.access(store.uri, os.W_OK)):
+        return kept  # gone, or read-only still
+    lock = RunLock(store, owner="status check", lease_s=10.0)
+    try:
+        _gen, holder = lock.newest()  # the job's last lease: its leader could not give it back
+        if holder is not None and lock.lapses_in(holder) <= REPAIR_WAIT_S:
+            lock.wait_lapse(holder)  # lapsed by this reader's clock too
+        lock.acquire()
+    except (LockHeld, OSError):
+        return kept
+    try:
+        EventLog(store, source="status-check").failed(str(kept.get("reason")), step=kept.get("step"))
+        st = write_status(store, **{**st, "state": RunState.FAILED.value, "reason": kept.get("reason")})
+    except OSError:
+        return kept
+    finally:
+        with contextlib.suppress(Exception):
+            lock.release()
+    _kept_path(store).unlink(missing_ok=True)
+    return st
+
+
 def repair_status(run_uri: str) -> RunStatus | None:
     """The run's status, after recording the job failed when it is gone (the checks above; this may write)."""
     store = open_store(run_uri)
     st = read_status(store)
+    kept = kept_end(store, st)
+    if kept is not None:
+        return _record_kept(store, st, kept)
     if st is None or st.get("state") not in ALIVE_STATES:
         return st
     now = time.time()

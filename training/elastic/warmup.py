@@ -52,9 +52,10 @@ def warm_up(run: str, warm: Warm) -> None:
     from training.config import config_from_json
     from training.elastic.taskbuild import build_in_standby, fence_backend
     from training.layout import CONFIG
-    from training.storage import open_store
+    from training.storage import expect_root, open_store
 
     fence_backend()  # in every thread of this process; lifted in set_up, once the round has joined
+    expect_root(run)  # a run root that vanishes is not made anew by this worker's writes
     warm.store = open_store(run)
     cfg = warm.cfg = config_from_json(warm.store.get(CONFIG).decode())
     # The persistent compilation cache makes a relaunch on a mesh seen before skip XLA compilation.
