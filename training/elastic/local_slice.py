@@ -209,29 +209,9 @@ class LocalSlice:
             if host not in self.agents and host not in leaving:
                 try:
                     self._spawn(host)
-                except OSError as e:  # its log cannot be opened: the run root (where the logs are) refuses it
-                    self._cannot_spawn(host, e)
-                    return
+                except OSError as e:  # its log cannot be opened: the run root (where the logs are) may refuse it
+                    return keep_lasting_end(self.store, self.job, e, self._held_status.get("step"))
                 running.append(host)
-
-    def _cannot_spawn(self, host: str, e: OSError) -> None:
-        """A host's agent cannot start: where the run root keeps refusing (read-only, gone), the job ends here."""
-        why = store_failure(e, self.cfg.run_uri)
-        try:
-            check_root(self.cfg.run_uri)
-        except RootGone as gone:  # its log's directory is missing because the whole run root is
-            why = store_failure(gone, self.cfg.run_uri)
-        log.warning("the agent of %s cannot start: %s", host, e)
-        if why:
-            self._ended_here(why)
-
-    def _ended_here(self, why: str) -> None:
-        """The run root refuses the job's records for good: its end as its leader kept it here, else with ``why``."""
-        with contextlib.suppress(Exception):
-            self._final = kept_end(self.store, read_status(self.store))
-        if self._final is None:
-            step = self._held_status.get("step")
-            self._final = keep_end_here(self.store, self.job, f"{why}: the job cannot go on", step)
 
     def _kill(self, host: str) -> None:
         proc = self.agents.pop(host, None)
@@ -276,10 +256,7 @@ class LocalSlice:
                 return  # else: the last leader's lease has not lapsed yet; look again
             except OSError as e:
                 log.warning("cannot take the run lock to hold it for job %s: %s", self.job, e)
-                why = store_failure(e, self.cfg.run_uri)
-                if why:  # the run root keeps refusing: nobody can hold the run, the job ends here
-                    self._ended_here(why)
-                return
+                return keep_lasting_end(self.store, self.job, e, self._held_status.get("step"))
             self._hold, self._taker = lock, None
             self._keeper = LeaseKeeper(lock, on_lost=lambda why: log.warning("holding the run: %s", why)).start()
             st = read_status(self.store) or RunStatus()
@@ -408,16 +385,14 @@ class LocalSlice:
     def run(self) -> int:
         """Run the job to its end; 0 when it finished."""
         stop_deadline: float | None = None
-        grace: float | None = None  # once the job has ended: how long its agents have to go
         try:
             while True:
                 self._reconcile()
                 st = self._look()
                 if st is not None and st.get("state") in FINAL_STATES and self._final is None:
                     self._final = st
-                if self._final is not None and grace is None:
                     grace = time.monotonic() + 10.0
-                if grace is not None and (not self.agents or time.monotonic() > grace):
+                if self._final is not None and (not self.agents or time.monotonic() > grace):
                     break
                 if self._stopping:
                     stop_deadline = stop_deadline or time.monotonic() + 3 * self.cfg.lease_s + 5
@@ -437,6 +412,19 @@ class LocalSlice:
         if st.get("state") not in FINAL_STATES:
             st = repair_status(self.cfg.run_uri) or {}  # records the final state of a job nobody leads any more
         return {"finished": 0, "stopped": int(AgentExit.STOPPED)}.get(str(st.get("state")), 1)
+
+
+def keep_lasting_end(store: Store, job: str, e: OSError, step: Any) -> None:
+    """Where ``e`` says the run root refuses the job's records for good (read-only, gone), the job ends: its end is
+    kept on this machine (its leader's, if it kept one first), for the slice's next look and every reader here."""
+    log.warning("job %s: %s", job, e)
+    why = store_failure(e, store.uri)
+    try:
+        check_root(store.uri)
+    except RootGone as gone:  # a log's directory is missing because the whole run root is
+        why = store_failure(gone, store.uri)
+    if why:
+        keep_end_here(store, job, f"{why}: the job cannot go on", step)
 
 
 def spawn(cfg: Config, job: str) -> int:
