@@ -56,7 +56,7 @@ def follow(local: LocalSliceBackend, handle: LocalHandle, cfg: Config, progress:
 
     last: Look | None = None
     with CtrlC(local, handle, progress):
-        for item in watch(local, handle, timeouts(cfg), events_after=handle["events_after"], poll_s=POLL_S):
+        for item in watch(local, handle, timeouts(cfg.elastic), events_after=handle["events_after"], poll_s=POLL_S):
             if isinstance(item, Unreadable):
                 progress.line(f"reading the run failed ({item.error}); looking again")
                 continue

@@ -263,12 +263,12 @@ def formula_applies(cfg: Config) -> bool:
     return cfg.task == "lm"
 
 
-def fit_hints(cfg: Config) -> str:
+def fit_hints(model: ModelSection) -> str:
     """What a config that does not fit may change: the remat policy among them unless it is ``full`` already."""
     remat = {
         "none": "set remat (full keeps the least; dots, qkv_proj, attn, attn_mlp keep more)",
         "full": "",
-    }.get(cfg.model.remat, f"set remat: full (it keeps the least; {cfg.model.remat} keeps more)")
+    }.get(model.remat, f"set remat: full (it keeps the least; {model.remat} keeps more)")
     changes = ["raise min_workers", "shard more (ici_fsdp / ici_tensor)", *([remat] if remat else [])]
     return ", ".join(changes) + ", or lower global_batch / seq_len"
 
@@ -290,7 +290,7 @@ def _fit(
         raise PlanError(
             f"the model does not fit at {where}, {est.params / 1e9:.2f}B parameters, per-device batch "
             f"{cfg.optimizer.global_batch // plan.batch_shards}):\n{est.table()}\n"
-            f"{fit_hints(cfg)}"
+            f"{fit_hints(cfg.model)}"
         )
     if not (compiled or est is None):
         return plan, est, None
@@ -306,7 +306,7 @@ def _fit(
             f"the model does not fit at {where}, {got.params / 1e9:.2f}B parameters, per-device batch "
             f"{cfg.optimizer.global_batch // plan.batch_shards}) by the compiled step (CPU backend, XLA's buffer "
             f"assignment):\n{got.table()}\n  {'device memory (90% usable)':<28} {usable / 2**30:10.2f} GiB\n"
-            f"{fit_hints(cfg)}"
+            f"{fit_hints(cfg.model)}"
         )
     return plan, est, got
 

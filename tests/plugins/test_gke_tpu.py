@@ -501,7 +501,7 @@ def test_the_gke_conf_in_docs_gke_md_triggers_the_shipped_dag() -> None:
     cfg, tpu = config_from_dict(spec["config"]), TPUSlice(gke["machine_type"], gke["tpu_topology"])
     check_config(cfg, tpu)
     assert feasible_slices(cfg, tpu) == [1, 2, 4]
-    assert len(gke["node_pools"]) == slice_bounds(cfg, tpu)[1]  # one pool per slice the job may use
+    assert len(gke["node_pools"]) == slice_bounds(cfg.elastic, tpu)[1]  # one pool per slice the job may use
     check_fit(cfg)
     # The REST call and the CLI both send this file.
     assert "/api/v2/dags/resilient_training/dagRuns" in text and '"conf\\": $(cat conf.json)' in text

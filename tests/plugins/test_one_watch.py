@@ -67,7 +67,7 @@ def test_the_cli_the_trigger_and_the_sensor_tell_one_job_s_events_alike(finished
     handle |= {"launched_at": time.time(), "events_after": None}
 
     # The engine's watch of the job that is over: one look, every event of the run, success.
-    looks = list(watch(LocalSliceBackend(), handle, timeouts(cfg), poll_s=0.1))  # type: ignore[arg-type]
+    looks = list(watch(LocalSliceBackend(), handle, timeouts(cfg.elastic), poll_s=0.1))  # type: ignore[arg-type]
     assert len(looks) == 1 and isinstance(looks[0], Look), looks
     final = looks[0]
     assert (final.state, final.outcome) == ("finished", "success")
@@ -115,7 +115,7 @@ def test_a_watch_of_a_job_never_started_fails_it_after_the_start_timeout(tmp_pat
     write_status(open_store(cfg.run_uri), state="pending", job="an-earlier-job")
     handle = {"backend": "local", "run_uri": cfg.run_uri, "job": "j1", "attached": False}
     handle |= {"launched_at": time.time() - 120, "events_after": None}
-    looks = list(watch(LocalSliceBackend(), handle, timeouts(cfg, start_timeout_s=60), poll_s=0.01))  # type: ignore[arg-type]
+    looks = list(watch(LocalSliceBackend(), handle, timeouts(cfg.elastic, start_timeout_s=60), poll_s=0.01))  # type: ignore[arg-type]
     assert [(look.state, look.outcome) for look in looks if isinstance(look, Look)] == [("failed", "failed")]
     assert "did not start" in looks[-1].reason  # type: ignore[union-attr]
     assert JobSpec.local(cfg).placement.kind == "local"

@@ -189,7 +189,7 @@ def test_slice_bounds_keep_hosts_within_min_max_workers(
 ) -> None:
     tpu = TPUSlice(machine_type, topology)
     cfg = gke_config(min_workers=min_w, max_workers=max_w, devices_per_worker=tpu.chips_per_host, hosts_per_slice=1)
-    assert slice_bounds(cfg, tpu) == bounds
+    assert slice_bounds(cfg.elastic, tpu) == bounds
     k_min, k_max = bounds
     assert min_w <= k_min * tpu.hosts and k_max * tpu.hosts <= max_w
 
@@ -197,7 +197,7 @@ def test_slice_bounds_keep_hosts_within_min_max_workers(
 def test_slice_bounds_refuse_a_range_no_whole_slice_fits() -> None:
     cfg = gke_config(min_workers=5, max_workers=7, hosts_per_slice=1)
     with pytest.raises(GKEConfigError, match="min_workers/max_workers"):
-        slice_bounds(cfg, TPUSlice("ct6e-standard-4t", "4x4"))
+        slice_bounds(cfg.elastic, TPUSlice("ct6e-standard-4t", "4x4"))
 
 
 def test_feasible_slices_are_only_slice_counts_the_batch_splits_over() -> None:
@@ -719,7 +719,6 @@ def test_the_agent_gives_its_worker_only_this_rounds_tpu_values(
 ) -> None:
     """The agent's worker supervisor: the child process starts without the webhook's values, and the round's env
     brings its own."""
-    from types import SimpleNamespace
 
     from training.elastic.rendezvous import Round
     from training.elastic.supervisor import WorkerSupervisor
@@ -734,7 +733,7 @@ def test_the_agent_gives_its_worker_only_this_rounds_tpu_values(
             seen["env"] = env
 
     monkeypatch.setattr("subprocess.Popen", FakePopen)
-    cfg = SimpleNamespace(backend="gke", hosts_per_slice=4, devices_per_worker=4)
+    cfg = gke_config()  # backend gke, 4 hosts a slice, 4 devices a host
     workers = WorkerSupervisor(
         cfg, "gs://b/runs/r", "s1-h3", "j1", tmp_path, coordinator_host="127.0.0.1", coordinator_port=0, bind_host=""
     )
@@ -1076,9 +1075,9 @@ def test_compiling_ahead_across_slice_counts_is_off_on_tpu_unless_asked() -> Non
     from training.elastic import ahead
 
     assert gke_config().compile_ahead is None
-    assert ahead.enabled(gke_config(), "cpu") and not ahead.enabled(gke_config(), "tpu")
-    assert ahead.enabled(gke_config(compile_ahead=True), "tpu")
-    assert not ahead.enabled(gke_config(compile_ahead=False), "cpu")
+    assert ahead.enabled(gke_config().placement, "cpu") and not ahead.enabled(gke_config().placement, "tpu")
+    assert ahead.enabled(gke_config(compile_ahead=True).placement, "tpu")
+    assert not ahead.enabled(gke_config(compile_ahead=False).placement, "cpu")
 
 
 def test_gke_config_errors_are_no_value_errors_a_launch_would_retry() -> None:

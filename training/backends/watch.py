@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from training import api
-from training.api import Config, Event, JobLook, RunStatus
+from training.api import Event, JobLook, RunStatus
 from training.backends.base import Backend, JobHandle, Timeouts
+from training.sections import ElasticSection
 
 # A live job whose status is not written for this long past two hang timeouts is failed by a watch
 # (the agents' own hang detection fires first: this catches a job whose leader is gone unseen).
@@ -35,9 +36,9 @@ def stale_after_s(hang_timeout_s: float) -> float:
     return float(hang_timeout_s) * 2 + STALE_MARGIN_S
 
 
-def timeouts(cfg: Config, start_timeout_s: float = START_TIMEOUT_S) -> Timeouts:
-    """The watch's timeouts for a run of ``cfg``."""
-    return Timeouts(start_timeout_s=float(start_timeout_s), stale_after_s=stale_after_s(cfg.elastic.hang_timeout_s))
+def timeouts(elastic: ElasticSection, start_timeout_s: float = START_TIMEOUT_S) -> Timeouts:
+    """The watch's timeouts for a run whose elastic section is ``elastic``."""
+    return Timeouts(start_timeout_s=float(start_timeout_s), stale_after_s=stale_after_s(elastic.hang_timeout_s))
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from training.config import Config
 from training.elastic import compile_once
 from training.layout import COMPILED
 from training.mesh import build_mesh, feasible_sizes, plan_mesh
+from training.sections import PlacementSection
 from training.storage import NotFound, Store
 
 log = logging.getLogger(__name__)
@@ -139,13 +140,13 @@ def compile_smaller(cfg: Config, task: Any, workers: int, own_key: str | None, t
 OFF_BY_DEFAULT_ON = frozenset({"tpu"})
 
 
-def enabled(cfg: Config, platform: str | None = None) -> bool:
+def enabled(placement: PlacementSection, platform: str | None = None) -> bool:
     """Whether this job compiles ahead and loads kept steps: ``compile_ahead`` when set, else not on TPU.
 
     ``platform``: JAX's backend (``cpu``, ``tpu``, ...); by default this process's.
     """
-    if cfg.placement.compile_ahead is not None:
-        return cfg.placement.compile_ahead
+    if placement.compile_ahead is not None:
+        return placement.compile_ahead
     if platform is None:
         import jax
 
@@ -159,7 +160,7 @@ def start(
     """In a daemon thread (None when it is off): keep the round's own step (``own``, compiled for ``workers``;
     None when it was loaded as kept or passed on by process 0) whole, then compile ahead for each smaller size
     and keep those too (``own_key``: the key of the round's own step's program)."""
-    if not enabled(cfg):
+    if not enabled(cfg.placement):
         return None
 
     def run() -> None:

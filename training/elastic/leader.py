@@ -247,7 +247,7 @@ class Leader:
 
     def _resume_for(self, members: list[str] | None) -> tuple[str, int | None]:
         """The next round's ``resume`` (local candidates, else ``latest``) and the step it will start from."""
-        return resume_for(self.cfg, self.agent.ledger.states(), self.view.hosts, members, self.local_floor)
+        return resume_for(self.cfg.checkpoint, self.agent.ledger.states(), self.view.hosts, members, self.local_floor)
 
     def _start_waiting(self, now: float) -> None:
         n = len(self.view.fresh())

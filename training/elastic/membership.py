@@ -16,9 +16,12 @@ from training.checkpoint.retention import USABLE_STATES
 from training.config import Config
 from training.elastic.rendezvous import HostRecord
 from training.mesh import feasible_sizes
+from training.sections import CheckpointSection, PlacementSection
 
 
-def complete_slices(cfg: Config, hosts: Mapping[str, HostRecord], alive: Collection[str]) -> dict[int, list[str]]:
+def complete_slices(
+    placement: PlacementSection, hosts: Mapping[str, HostRecord], alive: Collection[str]
+) -> dict[int, list[str]]:
     """Slice index -> its hosts in index order, for the slices whose every host is alive."""
     by_slice: dict[int, dict[int, str]] = {}
     for name in alive:
@@ -26,9 +29,9 @@ def complete_slices(cfg: Config, hosts: Mapping[str, HostRecord], alive: Collect
         if rec is not None:
             by_slice.setdefault(rec.slice, {})[rec.index] = name
     return {
-        s: [members[i] for i in range(cfg.placement.hosts_per_slice)]
+        s: [members[i] for i in range(placement.hosts_per_slice)]
         for s, members in sorted(by_slice.items())
-        if all(i in members for i in range(cfg.placement.hosts_per_slice))
+        if all(i in members for i in range(placement.hosts_per_slice))
     }
 
 
@@ -40,7 +43,7 @@ def choose_members(
     Slices holding hosts of ``prefer`` (the current members) come first, so a
     resize keeps as many processes in place as it can.
     """
-    slices = complete_slices(cfg, hosts, alive)
+    slices = complete_slices(cfg.placement, hosts, alive)
     sizes = [n for n in feasible_sizes(cfg) if n <= len(slices) * cfg.placement.hosts_per_slice]
     if not sizes:
         return None
@@ -64,7 +67,7 @@ def newest_persistent(states: Mapping[int, Mapping[str, object]]) -> int | None:
 
 
 def resume_for(
-    cfg: Config,
+    checkpoint: CheckpointSection,
     states: Mapping[int, Mapping[str, object]],
     hosts: Mapping[str, HostRecord],
     members: list[str] | None,
@@ -77,7 +80,7 @@ def resume_for(
     """
     newest = newest_persistent(states)
     local: list[int] = []
-    if members and cfg.checkpoint.local_checkpoint_every:
+    if members and checkpoint.local_checkpoint_every:
         common: set[int] | None = None
         for h in members:
             rec = hosts.get(h)

@@ -17,6 +17,7 @@ from training.elastic.worker_link import Assignment
 
 if TYPE_CHECKING:
     from training.config import Config
+    from training.sections import PlacementSection
 
 # This process's hits in JAX's persistent compilation cache, by the thread that compiled (JAX reports a hit
 # in the thread that looked it up): the step, a new model's init and the steps compiled ahead run side by side.
@@ -80,9 +81,9 @@ def make_step(cfg: Config, trainer: Any, store: Any, a: Assignment) -> StepMade:
     """Load the round's step as this job kept it (``compile_ahead``), else compile it (once in the round, on one
     machine: :mod:`training.elastic.compile_once`); run beside the restore."""
     t0, hits = time.time(), cache_hits()
-    kept = load_kept(store, a, trainer) if ahead.enabled(cfg) else None
+    kept = load_kept(store, a, trainer) if ahead.enabled(cfg.placement) else None
     loaded, key, compiled = kept is not None, kept.key if kept is not None else None, None
-    if share_compiles(cfg, a):
+    if share_compiles(cfg.placement, a):
         if a.rank == 0:
             compile_once.forget_earlier_rounds(store, a.job, a.round)
         if a.rank == 0 or not loaded:
@@ -98,9 +99,9 @@ def make_step(cfg: Config, trainer: Any, store: Any, a: Assignment) -> StepMade:
     return StepMade(loaded, loaded or cache_hits() > hits, time.time() - t0, key, compiled)
 
 
-def share_compiles(cfg: Config, a: Assignment) -> bool:
+def share_compiles(placement: PlacementSection, a: Assignment) -> bool:
     """Whether the round's programs are compiled once, by process 0 (:mod:`training.elastic.compile_once`)."""
-    return compile_once.enabled(cfg.placement.backend, a.processes) and bool(a.job)
+    return compile_once.enabled(placement.backend, a.processes) and bool(a.job)
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ def compile_shared(
 
 def init_once(cfg: Config, trainer: Any, store: Any, a: Assignment) -> Any:
     """A new model's state: its initialisation compiled once in the round (:mod:`training.elastic.compile_once`)."""
-    if share_compiles(cfg, a):
+    if share_compiles(cfg.placement, a):
         shared = compile_shared(cfg, store, a, "init", trainer.lower_init, trainer.init_compiler_options())
         trainer.load_init(shared.compiled)
     state = trainer.init()

@@ -20,12 +20,12 @@ from typing import Any
 from training.checkpoint.ledger import CheckpointRecord, ResumeHow
 from training.checkpoint.lifecycle import quarantine
 from training.checkpoint.retention import USABLE_STATES
-from training.config import Config
 from training.elastic.codes import WorkerExit
 from training.elastic.hostview import HostView
 from training.elastic.rendezvous import Outcome, Report, Round
 from training.elastic.rounds import LeaderRecords
 from training.faults import KINDS
+from training.sections import CheckpointSection
 from training.storage import NotFound
 
 log = logging.getLogger("rtrain.leader")
@@ -144,7 +144,7 @@ def explain_failure(lost: list[str], ended: list[str], why: str, reports: list[R
 
 
 def decide_guard(
-    g: dict[str, Any], states: Mapping[int, CheckpointRecord], guards: int, cfg: Config
+    g: dict[str, Any], states: Mapping[int, CheckpointRecord], guards: int, checkpoint: CheckpointSection
 ) -> GuardRollback | JobFails:
     """The guard's report -> a rollback to the newest good checkpoint before the bad loss, or the job's end.
 
@@ -159,16 +159,16 @@ def decide_guard(
         # The bad loss came right after restoring that step: never roll back to it again.
         suspect = [s for s in good if s >= int(restored)]
         good = [s for s in good if s < int(restored)]
-    if guards > cfg.checkpoint.max_guard_rollbacks or not good:
-        if guards > cfg.checkpoint.max_guard_rollbacks:
-            why = f"{guards - 1} rollback(s) did not help (max_guard_rollbacks={cfg.checkpoint.max_guard_rollbacks})"
+    if guards > checkpoint.max_guard_rollbacks or not good:
+        if guards > checkpoint.max_guard_rollbacks:
+            why = f"{guards - 1} rollback(s) did not help (max_guard_rollbacks={checkpoint.max_guard_rollbacks})"
         elif suspect:
             why = f"no checkpoint before step {suspect[0]}, which gave this loss right after it was restored"
         else:
             why = "no committed checkpoint before it to roll back to"
         return JobFails(f"in-training guard: {reason} at step {step} (metric {g.get('metric', 'loss')}); {why}")
-    how = ResumeHow(lr_scale=cfg.checkpoint.rollback_lr_scale)
-    if cfg.checkpoint.rollback_skip_data and g.get("next_batch") is not None:
+    how = ResumeHow(lr_scale=checkpoint.rollback_lr_scale)
+    if checkpoint.rollback_skip_data and g.get("next_batch") is not None:
         how["skip_to_batch"] = int(g["next_batch"])
     return GuardRollback(step=step, reason=reason, target=good[-1], suspect=suspect, resume=how)
 
@@ -262,7 +262,7 @@ class RoundEnds:
         g = rep.guard or {}
         states = self.ledger.states()  # read before counting: a tick the store failed comes back here
         self.guards += 1
-        d = decide_guard(g, states, self.guards, self.cfg)
+        d = decide_guard(g, states, self.guards, self.cfg.checkpoint)
         if isinstance(d, JobFails):
             return d
         self.fence()

@@ -26,19 +26,22 @@ from training.ready import wait_ready
 
 if TYPE_CHECKING:
     from training.config import Config
+    from training.sections import OptimizerSection
 
 # This process's CPU time (all its threads) when it was assigned its round.
 CPU_AT_ASSIGNMENT = [0.0]
 
 
-def train_batches(cfg: Config, a: Assignment, task_data: Any, next_batch: int) -> Iterator[dict[str, Any]]:
+def train_batches(
+    optimizer: OptimizerSection, a: Assignment, task_data: Any, next_batch: int
+) -> Iterator[dict[str, Any]]:
     """This process's training batches from global batch ``next_batch`` on (the exact data position)."""
     from training.data import pipeline
 
     return pipeline.batches(
         task_data.train,
-        seed=cfg.optimizer.seed,
-        global_batch=cfg.optimizer.global_batch,
+        seed=optimizer.seed,
+        global_batch=optimizer.global_batch,
         process_index=a.rank,
         process_count=a.processes,
         start_batch=next_batch,

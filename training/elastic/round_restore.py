@@ -19,6 +19,7 @@ from training.elastic.worker_link import Assignment, Reporter, leave
 
 if TYPE_CHECKING:
     from training.config import Config
+    from training.sections import DataSection
 
 
 @dataclass
@@ -106,7 +107,7 @@ def restore(
             state, pos = init_once(cfg, trainer, pins.store, a), DataPosition(next_batch=0)
             rep.send(ReportType.INIT, step=0, mesh=shape, workers=a.processes, seconds=time.time() - t0)
     if step0 is not None and pos.get("dataset") not in (None, dataset):
-        pos = data_changed(cfg, step0, pos, dataset, rep)
+        pos = data_changed(cfg.data, step0, pos, dataset, rep)
     if on:
         tier.forget_after(step0)  # type: ignore[union-attr]
     start = Start(
@@ -139,9 +140,9 @@ def follow_hint(start: Start, hint: Any, rep: Reporter) -> None:
     )
 
 
-def data_changed(cfg: Config, step: int, pos: DataPosition, dataset: str, rep: Reporter) -> DataPosition:
+def data_changed(data: DataSection, step: int, pos: DataPosition, dataset: str, rep: Reporter) -> DataPosition:
     """The data position to go on from when checkpoint ``step`` was trained on another dataset (or leave)."""
-    if cfg.data.on_dataset_change != "restart":
+    if data.on_dataset_change != "restart":
         leave(
             rep,
             WorkerExit.ERROR,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 
-from training.config import Config
 from training.elastic.hostview import HostView
 from training.elastic.jobstatus import JobStatus
 from training.elastic.membership import choose_members
@@ -13,21 +12,22 @@ from training.elastic.rendezvous import Outcome, Report, Round
 from training.elastic.round_end import RoundFailed
 from training.elastic.rounds import LeaderRecords
 from training.layout import CONTROL
+from training.sections import ElasticSection
 
 log = logging.getLogger("rtrain.leader")
 
 
-def round_broken(rnd: Round, reps: dict[str, Report], view: HostView, cfg: Config, now: float) -> RoundFailed | None:
+def round_broken(
+    rnd: Round, reps: dict[str, Report], view: HostView, elastic: ElasticSection, now: float
+) -> RoundFailed | None:
     """A round not every member has ended: has it failed (a worker, a lapsed heartbeat, a straggler)?"""
     failed = [r for r in reps.values() if r.outcome == Outcome.FAILED]
     lapsed = [
-        h
-        for h in rnd.members
-        if h not in reps and (view.age(h) >= cfg.elastic.heartbeat_timeout_s or view.known_gone(h))
+        h for h in rnd.members if h not in reps and (view.age(h) >= elastic.heartbeat_timeout_s or view.known_gone(h))
     ]
     if failed or lapsed:
         return RoundFailed(failed, lapsed=lapsed)
-    if reps and now - min(r.time for r in reps.values()) > max(2 * cfg.elastic.heartbeat_timeout_s, 10.0):
+    if reps and now - min(r.time for r in reps.values()) > max(2 * elastic.heartbeat_timeout_s, 10.0):
         missing = sorted(set(rnd.members) - set(reps))
         return RoundFailed([], f"hosts {missing} did not end round {rnd.round} with the others")
     return None
@@ -51,7 +51,7 @@ class RoundWatch:
         reps = self.rdv.reports(rnd.round)
         if set(rnd.members) <= set(reps):
             return reps
-        broken = round_broken(rnd, reps, self.view, self.cfg, now)
+        broken = round_broken(rnd, reps, self.view, self.cfg.elastic, now)
         if broken is not None:
             return broken
         self.status.follow(self.view.hosts.get(rnd.members[0]), rnd.round, now)

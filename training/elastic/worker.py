@@ -106,7 +106,8 @@ def train(cfg: Config, run: str, store: Any, a: Assignment, rep: Reporter, built
     with ThreadPoolExecutor(1, thread_name_prefix="rtrain-step") as pool:
         making = pool.submit(make_step, cfg, trainer, store, a)  # while the state is restored
         start = restore(cfg, run, a, rep, trainer, mngr, ledger, task_data.fingerprint, pins)
-        batches = FirstAhead(train_batches(cfg, a, task_data, start.next_batch))  # read while the step compiles
+        # read while the step compiles
+        batches = FirstAhead(train_batches(cfg.optimizer, a, task_data, start.next_batch))
         t0 = time.time()
         step = making.result()
     rep.send(

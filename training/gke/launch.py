@@ -31,6 +31,7 @@ from training.priorities import PriorityError, priority_value
 
 if TYPE_CHECKING:
     from training.config import Config
+    from training.sections import CheckpointSection, DataSection
 
 
 # --- launch options and the run config --------------------------------------------------
@@ -287,24 +288,24 @@ def check_config(cfg: Config, tpu: TPUSlice) -> None:
             f"hosts_per_slice: a {tpu.machine_type} {tpu.topology} slice has {tpu.hosts} host(s), "
             f"but hosts_per_slice={cfg.placement.hosts_per_slice} (a slice is lost and gained whole)"
         )
-    slice_bounds(cfg, tpu)
+    slice_bounds(cfg.elastic, tpu)
 
 
-def dataset_bucket(cfg: Config) -> str:
+def dataset_bucket(data: DataSection) -> str:
     """The bucket of the run's dataset (GCS FUSE mounts it); the dataset must be on gs://."""
-    if not cfg.data.dataset.startswith("gs://"):
-        raise GKEConfigError(f"gcs_fuse: mounts the dataset's bucket, but dataset={cfg.data.dataset!r} is not on gs://")
-    return cfg.data.dataset[len("gs://") :].split("/", 1)[0]
+    if not data.dataset.startswith("gs://"):
+        raise GKEConfigError(f"gcs_fuse: mounts the dataset's bucket, but dataset={data.dataset!r} is not on gs://")
+    return data.dataset[len("gs://") :].split("/", 1)[0]
 
 
-def check_grace(cfg: Config, launch: GKELaunch) -> None:
+def check_grace(checkpoint: CheckpointSection, launch: GKELaunch) -> None:
     """The job's stop-and-commit after a notice (``preemption_grace_s``) must fit in the pods' grace, with a margin.
 
     On Spot the pods have what the node's shutdown gives them (``spot_grace_s``, 15 s by default), whatever
     their own ``terminationGracePeriodSeconds`` says.
     """
     window = launch.preemption_window_s
-    if cfg.checkpoint.preemption_grace_s + GRACE_MARGIN_S > window:
+    if checkpoint.preemption_grace_s + GRACE_MARGIN_S > window:
         if launch.spot and window == launch.spot_grace_s:
             where = (
                 f"a Spot preemption gives the pods {window}s (GKE's default is {SPOT_POD_GRACE_S}s; 105s with "
@@ -313,7 +314,7 @@ def check_grace(cfg: Config, launch: GKELaunch) -> None:
         else:
             where = f"the pods get termination_grace_period_s={window}s"
         raise GKEConfigError(
-            f"preemption_grace_s: {cfg.checkpoint.preemption_grace_s:g}s (the job's stop-and-commit after a preemption "
+            f"preemption_grace_s: {checkpoint.preemption_grace_s:g}s (the job's stop-and-commit after a preemption "
             f"notice) does not fit: {where}, minus a {GRACE_MARGIN_S}s margin; lower preemption_grace_s to at most "
             f"{window - GRACE_MARGIN_S}s or give the pods more (termination_grace_period_s)"
         )
@@ -322,8 +323,8 @@ def check_grace(cfg: Config, launch: GKELaunch) -> None:
 def check_slices(cfg: Config, tpu: TPUSlice, launch: GKELaunch, num_slices: int | None) -> int:
     """The number of slices to render (the most the job may use by default), checked against the config."""
     check_config(cfg, tpu)
-    check_grace(cfg, launch)
-    k_min, k_max = slice_bounds(cfg, tpu)
+    check_grace(cfg.checkpoint, launch)
+    k_min, k_max = slice_bounds(cfg.elastic, tpu)
     num_slices = k_max if num_slices is None else num_slices
     if not k_min <= num_slices <= k_max:
         raise GKEConfigError(

@@ -191,7 +191,7 @@ def _volumes(cfg: Config, launch: GKELaunch, container: dict[str, Any]) -> tuple
         mounts.append({"name": LOCAL_TIER_VOLUME, "mountPath": LOCAL_TIER_PATH})
         env.append(_env("RTRAIN_LOCAL_CHECKPOINT_DIR", LOCAL_TIER_PATH))
     if launch.gcs_fuse:
-        bucket = dataset_bucket(cfg)
+        bucket = dataset_bucket(cfg.data)
         volumes.append(
             {
                 "name": GCS_FUSE_VOLUME,

@@ -12,6 +12,7 @@ from training.gke.names import GKEConfigError
 
 if TYPE_CHECKING:
     from training.config import Config
+    from training.sections import ElasticSection
 
 
 # --- TPU machine types -------------------------------------------------------------
@@ -115,20 +116,20 @@ class TPUSlice:
         return self.hosts > 1
 
 
-def slice_bounds(cfg: Config, tpu: TPUSlice) -> tuple[int, int]:
+def slice_bounds(elastic: ElasticSection, tpu: TPUSlice) -> tuple[int, int]:
     """The numbers of slices ``k`` whose hosts ``k * hosts`` lie in ``min_workers..max_workers``.
 
     A single-host slice cannot join others (GKE Multislice needs multi-host
     slices), so with one host per slice ``k`` is 1.
     """
-    k_min = max(1, math.ceil(cfg.elastic.min_workers / tpu.hosts))
-    k_max = cfg.elastic.max_workers // tpu.hosts
+    k_min = max(1, math.ceil(elastic.min_workers / tpu.hosts))
+    k_max = elastic.max_workers // tpu.hosts
     if not tpu.multi_host:
         k_max = min(k_max, 1)
     if k_min > k_max:
         raise GKEConfigError(
             f"min_workers/max_workers: a {tpu.machine_type} {tpu.topology} slice has {tpu.hosts} host(s); "
-            f"no number of slices gives {cfg.elastic.min_workers}..{cfg.elastic.max_workers} workers"
+            f"no number of slices gives {elastic.min_workers}..{elastic.max_workers} workers"
             + ("" if tpu.multi_host else " (single-host slices cannot form a multislice: k is 1)")
         )
     return k_min, k_max
@@ -138,6 +139,6 @@ def feasible_slices(cfg: Config, tpu: TPUSlice) -> list[int]:
     """The slice counts in :func:`slice_bounds` whose hosts the mesh and the global batch split over."""
     from training.mesh import feasible_sizes  # arithmetic only, no JAX
 
-    k_min, k_max = slice_bounds(cfg, tpu)
+    k_min, k_max = slice_bounds(cfg.elastic, tpu)
     sizes = set(feasible_sizes(cfg))
     return [k for k in range(k_min, k_max + 1) if k * tpu.hosts in sizes]

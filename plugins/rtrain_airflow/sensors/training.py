@@ -182,7 +182,7 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
             current = (self.hook.status(cfg.run_uri) or {}).get("job")
             if current and current != handle.get("job"):
                 handle = {**handle, "job": str(current), "attached": True, "launched_at": time.time()}
-            look = backend.poll(handle, timeouts(cfg, self.start_timeout_s))
+            look = backend.poll(handle, timeouts(cfg.elastic, self.start_timeout_s))
             if look["state"] == "failed":
                 self.log.warning(
                     "[rtrain] try %d: the job is gone (%s); relaunching from the newest committed checkpoint",
@@ -224,7 +224,7 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
             self._job_watch = JobWatch(
                 lambda: self.hook.backend_for(spec),
                 handle,
-                timeouts(cfg, self.start_timeout_s),
+                timeouts(cfg.elastic, self.start_timeout_s),
                 handle.get("events_after"),
             )
         return self._job_watch

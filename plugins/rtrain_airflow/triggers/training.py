@@ -266,7 +266,7 @@ class RTrainTrainingJobTrigger(BaseTrigger):
         progress_every_s: float = PROGRESS_EVERY_S,
     ) -> RTrainTrainingJobTrigger:
         """The trigger that watches the job of ``handle``, a job of a run of ``cfg`` (the engine's timeouts)."""
-        limits = timeouts(cfg, start_timeout_s)
+        limits = timeouts(cfg.elastic, start_timeout_s)
         return cls(
             run_uri=cfg.run_uri,
             handle=dict(handle),
