@@ -11,7 +11,7 @@ the holder counts it lost ``lease_s`` after it began its last good refresh, befo
 it.  The one exception: a generation whose holder's process is known to have exited (a connection
 to its record's ``contact`` closed) may be taken at once (``acquire(holder_exited=gen)``).
 It needs a store whose ``create`` is exclusive: GCS's ``ifGenerationMatch=0`` (the test emulator is
-patched to honour it: ``training.emulator``), or a local file created with ``O_EXCL``.
+patched to honour it: ``training.emulator``), or a local file linked into place (``link(2)`` fails where it exists).
 """
 
 from __future__ import annotations
