@@ -160,9 +160,8 @@ class Leader:
         # Local copies saved before this round number are of another lineage (a guard rollback since).
         self.local_floor = self.round.local_floor if self.round else 0
         self.recovery: Recovery | None = None  # what the next round recovers from (its `recovered` event)
-        self.stop = PersonStop(
-            agent, self.cfg.checkpoint.preemption_grace_s
-        )  # a person's stop: at the next step, committed
+        # a person's stop: at the next step, committed
+        self.stop = PersonStop(agent, self.cfg.checkpoint.preemption_grace_s)
         self.cadence = agent.cadence
         self._control_at = 0.0
         self.agent.emit(

@@ -55,12 +55,9 @@ def restore(
 
     t0 = time.time()
     shape = trainer.mesh.shape
-    local_dir = host_dir(cfg.checkpoint.local_checkpoint_dir, run, a.job, os.environ["RTRAIN_HOST"])
-    tier = (
-        LocalTier(local_dir, cfg.checkpoint.local_keep, trainer.mesh, trainer.abstract)
-        if cfg.checkpoint.local_checkpoint_every
-        else None
-    )
+    ck = cfg.checkpoint
+    local_dir = host_dir(ck.local_checkpoint_dir, run, a.job, os.environ["RTRAIN_HOST"])
+    tier = LocalTier(local_dir, ck.local_keep, trainer.mesh, trainer.abstract) if ck.local_checkpoint_every else None
     worker_link.hold_tier(tier)
     on = tier is not None and tier.enabled
     chaos = WorkerChaos(
