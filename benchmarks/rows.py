@@ -255,7 +255,7 @@ def _cold_service_row(cold: Result | None) -> list[Row]:
     return [
         row(
             "eta_cold",
-            "  ETA error, first run (empty compile cache)",
+            "  ETA error, first run (fills the compile cache)",
             f"predicted {cold['eta_predicted_s']:.1f} s vs actual {cold['eta_actual_s']:.1f} s",
             [cold["eta_error"]],
             "(not counted)",

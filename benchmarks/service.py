@@ -17,8 +17,8 @@ from benchmarks.jobs import (
 def bench_service(ws: Path, repeats: int) -> dict[str, Any]:
     """The service's figures, once a repeat (:func:`service_once`), after a first run that is not counted.
 
-    The first run fills the compile cache; its figures are kept apart (``cold``).  There, the low job's
-    pace at the change is measured while each host's standby compiles the other sizes beside its steps,
+    The first run fills the compile cache; its figures are kept apart (``cold``).  On an empty cache the low
+    job's pace at the change is measured while each host's standby compiles the other sizes beside its steps,
     and its ETA came out 0.53 too long.
     """
     cold = service_once(ws, "cold")
