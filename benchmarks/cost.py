@@ -22,7 +22,7 @@ from benchmarks.jobs import (
 )
 from training.config import Config, load_config
 from training.cpu_devices import cpu_xla_flags
-from training.sections import ModelSection
+from training.sections import ModelSection, OptimizerSection
 
 
 def plain_loop() -> int:
@@ -89,14 +89,14 @@ def plain_loop() -> int:
         process_index=pid,
         process_count=n,
     )
-    times = _timed_steps(cfg, jstep, (params, opt_state), batches, batch_sh, fields)
+    times = _timed_steps(cfg.optimizer, jstep, (params, opt_state), batches, batch_sh, fields)
     if pid == 0:
         print(json.dumps({"times": times}), flush=True)
     return 0
 
 
 def _timed_steps(
-    cfg: Config, jstep: Any, state: tuple[Any, Any], batches: Any, batch_sh: Any, fields: list[str]
+    optimizer: OptimizerSection, jstep: Any, state: tuple[Any, Any], batches: Any, batch_sh: Any, fields: list[str]
 ) -> list[float]:
     """The plain loop's steps: each step's end time (the device waited for only at the window's ends)."""
     import jax
@@ -104,18 +104,16 @@ def _timed_steps(
     from training.ready import wait_ready
 
     params, opt_state = state
-    key = jax.random.key(cfg.optimizer.seed + 1)
+    key = jax.random.key(optimizer.seed + 1)
     # No host sync per step (the engine reads each step's metrics one step late, so the device runs
     # ahead): the loop waits for the device only at the window's two ends, where it is timed.
     window = {int(x) for x in os.environ["BENCH_WINDOW"].split(",")}
     poll = os.environ.get("BENCH_POLL") == "1"  # wait for each step as the engine does (training.ready)
     times, before = [], None
-    for i in range(1, cfg.optimizer.steps + 1):
+    for i in range(1, optimizer.steps + 1):
         local = next(batches)
         batch = {
-            k: jax.make_array_from_process_local_data(
-                batch_sh, local[k], (cfg.optimizer.global_batch, *local[k].shape[1:])
-            )
+            k: jax.make_array_from_process_local_data(batch_sh, local[k], (optimizer.global_batch, *local[k].shape[1:]))
             for k in fields
         }
         params, opt_state, loss = jstep(params, opt_state, batch, key)

@@ -16,6 +16,7 @@ from typing import Any, Literal, TypedDict
 from training.checkpoint.ledger import Ledger
 from training.checkpoint.steps import committed_steps
 from training.config import Config
+from training.sections import DataSection
 from training.storage import is_gcs, join, open_store
 
 FORMATS = ("hf", "orbax")
@@ -56,12 +57,12 @@ def _empty_target(output: str) -> None:
         raise ExportError(f"--output {output} exists and is not an empty directory")
 
 
-def tokenizer_file(cfg: Config) -> bytes | None:
+def tokenizer_file(data: DataSection) -> bytes | None:
     """The run's Hugging Face tokenizer.json, from its dataset (None: the dataset's tokenizer has none)."""
     from training.data.tokens import load_tokenizer
 
     try:
-        tok = load_tokenizer(cfg.data.dataset)
+        tok = load_tokenizer(data.dataset)
     except Exception:  # noqa: BLE001 - a run whose dataset is gone still exports its weights
         return None
     return tok.definition() if tok.kind in ("huggingface", "bpe") else None
@@ -91,7 +92,7 @@ def export(cfg: Config, output: str, fmt: Literal["hf", "orbax"] = "hf", step: i
     config = hf.hf_config(model, cfg.model.param_dtype)
     with tempfile.TemporaryDirectory() as tmp:
         local = Path(tmp) / "hf" if is_gcs(output) else Path(output)
-        files = hf.write_checkpoint(local, tensors, config, tokenizer_file(cfg))
+        files = hf.write_checkpoint(local, tensors, config, tokenizer_file(cfg.data))
         if is_gcs(output):
             store = open_store(output)
             for name in files:

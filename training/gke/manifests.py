@@ -63,6 +63,7 @@ from training.storage import GCS_MOUNTS_ENV
 
 if TYPE_CHECKING:
     from training.config import Config
+    from training.sections import ElasticSection
 
 
 # --- manifests -------------------------------------------------------------------------
@@ -127,7 +128,9 @@ def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, job: str, num_slices: 
     container = _container(cfg, tpu, launch, job, name)
     volumes, pod_annotations = _volumes(cfg, launch, container)
     pod_spec = _pod_spec(tpu, launch, container, volumes)
-    job_template = _job_template(cfg, tpu.hosts, labels, annotations, {**annotations, **pod_annotations}, pod_spec)
+    job_template = _job_template(
+        cfg.elastic, tpu.hosts, labels, annotations, {**annotations, **pod_annotations}, pod_spec
+    )
     return GKEManifests(
         name=name,
         namespace=launch.namespace,
@@ -253,7 +256,7 @@ def _pod_spec(
 
 
 def _job_template(
-    cfg: Config,
+    elastic: ElasticSection,
     hosts: int,
     labels: dict[str, str],
     annotations: dict[str, str],
@@ -269,7 +272,7 @@ def _job_template(
             "completionMode": "Indexed",
             # A host's pod is recreated when it fails (its agent rejoins); preemptions and evictions
             # do not count, and a job that has failed for good fails the Job at once.
-            "backoffLimitPerIndex": max(cfg.elastic.max_failures, 1),
+            "backoffLimitPerIndex": max(elastic.max_failures, 1),
             # A replacement only once the old pod has failed (the only value podFailurePolicy allows): a
             # terminating leader and its successor never exist together; the failed one is removed by
             # training.gke.reaper before JobSet's webhook counts it (docs/gke.md, "Failed pods").
