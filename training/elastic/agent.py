@@ -98,7 +98,7 @@ class HostAgent:
         # Its connections (to the leader, or from it to every host) end with this process: a loss is known at once.
         self.watch_listener = Listener(bind_host, coordinator_host, host_watch_port(coordinator_port))
         # The local slice's pool (a preempted host leaves it); on GKE the node pools are the capacity.
-        self.capacity = LocalCapacity(self.store, default=self.cfg.max_workers) if local_capacity else None
+        self.capacity = LocalCapacity(self.store, default=self.cfg.elastic.max_workers) if local_capacity else None
         base = log_dir or logs_base(run, self.cfg.run_name)
         self.workers = WorkerSupervisor(
             self.cfg,
@@ -112,17 +112,21 @@ class HostAgent:
             server=fork_server,
         )
         address = self.workers.coordinator_address()
-        record = first_record(host, job, self.cfg.hosts_per_slice, address, started, self.watch_listener.address)
-        self.heart = Heartbeat(self.rdv, record, self.cfg.heartbeat_s)
+        record = first_record(
+            host, job, self.cfg.placement.hosts_per_slice, address, started, self.watch_listener.address
+        )
+        self.heart = Heartbeat(self.rdv, record, self.cfg.elastic.heartbeat_s)
         self.writer = Writer(host)
-        self.cadence = cadence(self.cfg.max_workers, scheme(run).requests, self.cfg.heartbeat_s, self.cfg.lease_s)
+        self.cadence = cadence(
+            self.cfg.elastic.max_workers, scheme(run).requests, self.cfg.elastic.heartbeat_s, self.cfg.elastic.lease_s
+        )
         ctx = HostContext(
             self.cfg, run, job, host, self.store, self.rdv, ledger, self.events, self.heart, self.emit, self.capacity
         )
         self.lead = Leadership(ctx, cadence=self.cadence, stop_worker_at_step=self._stop_worker_at_step)
         self.reports = ReportHandler(
             ctx,
-            local_dir=local_tier.host_dir(self.cfg.local_checkpoint_dir, run, job, host),
+            local_dir=local_tier.host_dir(self.cfg.checkpoint.local_checkpoint_dir, run, job, host),
             step_beat_s=self.cadence.step_beat_s,
             writer=self.writer,
             leaving_at=lambda: self.leaving["at"] if self.leaving is not None else None,
@@ -164,8 +168,8 @@ class HostAgent:
                 self.reports.report(newest.round, newest.rank(self.host), Outcome.FAILED, reason="host agent restarted")
             if newest.action == "stop":
                 return int(AgentExit.of_final(newest.final))
-        if self.cfg.local_checkpoint_every:
-            local_tier.forget_other_jobs(self.cfg.local_checkpoint_dir, self.run_uri, self.job)
+        if self.cfg.checkpoint.local_checkpoint_every:
+            local_tier.forget_other_jobs(self.cfg.checkpoint.local_checkpoint_dir, self.run_uri, self.job)
             self.reports.advertise_local(local_tier.read_manifests(self.reports.local_dir))
         self.heart.start()
         self.writer.start()
@@ -186,8 +190,8 @@ class HostAgent:
                 time.sleep(self.cadence.poll_s)
         finally:
             self._shutdown()
-        if self.exit_code in JOB_OVER and self.cfg.local_checkpoint_every:
-            local_tier.forget_job(self.cfg.local_checkpoint_dir, self.run_uri, self.job)
+        if self.exit_code in JOB_OVER and self.cfg.checkpoint.local_checkpoint_every:
+            local_tier.forget_job(self.cfg.checkpoint.local_checkpoint_dir, self.run_uri, self.job)
         return int(self.exit_code if self.exit_code is not None else AgentExit.INTERRUPTED)
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
@@ -216,8 +220,12 @@ class HostAgent:
         """
         name = signal.Signals(signum).name
         now = time.time()
-        self.leaving = {"at": now, "why": f"{name} (preemption notice)", "deadline": now + self.cfg.preemption_grace_s}
-        log.warning("[%s] %s: leaving within %.0fs", self.host, name, self.cfg.preemption_grace_s)
+        self.leaving = {
+            "at": now,
+            "why": f"{name} (preemption notice)",
+            "deadline": now + self.cfg.checkpoint.preemption_grace_s,
+        }
+        log.warning("[%s] %s: leaving within %.0fs", self.host, name, self.cfg.checkpoint.preemption_grace_s)
         self.heart.update(state="leaving")
         if self.capacity is not None:
             with contextlib.suppress(Exception):
@@ -244,7 +252,7 @@ class HostAgent:
             w = self.workers.stop_worker()
             if w is not None:
                 why = (
-                    f"preemption notice: the grace period ({self.cfg.preemption_grace_s:.0f}s) ran out before "
+                    f"preemption notice: the grace period ({self.cfg.checkpoint.preemption_grace_s:.0f}s) ran out before "
                     f"the worker stopped"
                 )
                 log.warning("[%s] %s", self.host, why)

@@ -56,7 +56,7 @@ class Leadership:
         self.lock = RunLock(
             store,
             owner=f"agent {host} of job {job}",
-            lease_s=cfg.lease_s,
+            lease_s=cfg.elastic.lease_s,
             job=job,
             on_event=emit,
             contact={"host": host, "started": rec.started, "watch": rec.watch},
@@ -93,7 +93,7 @@ class Leadership:
         now = time.monotonic()
         if self.leader is not None or now < self._next_try:
             return None
-        self._next_try = now + self.cfg.heartbeat_s
+        self._next_try = now + self.cfg.elastic.heartbeat_s
         try:
             holder = self.lock.held_by()
         except Exception as e:  # noqa: BLE001 - try again at the next beat
@@ -163,7 +163,7 @@ class Leadership:
             self._step_down(str(e))
         except Exception as e:  # noqa: BLE001 - leading failed: the job still ends with the reason
             now = time.monotonic()
-            if not is_transient(e) or now - (self._failing_since or now) > self.cfg.heartbeat_timeout_s * 3:
+            if not is_transient(e) or now - (self._failing_since or now) > self.cfg.elastic.heartbeat_timeout_s * 3:
                 return LeadTick(exit=self._failed(leader, e))
             # The run root fails for now: lead on at the next tick (a lease that lapses meanwhile is lost).
             self._failing_since = self._failing_since or now

@@ -128,7 +128,7 @@ class LocalSlice:
         self.cfg = cfg
         self.job = job
         self.store = open_store(cfg.run_uri)
-        self.capacity = LocalCapacity(self.store, default=cfg.max_workers)
+        self.capacity = LocalCapacity(self.store, default=cfg.elastic.max_workers)
         self.events = EventLog(self.store)
         self.own_events = EventLog(self.store, source="local-slice")  # what it does while it holds the run
         self.on_line = on_line
@@ -153,7 +153,7 @@ class LocalSlice:
     # --- agents ---------------------------------------------------------------------------------
 
     def _host(self, i: int) -> str:
-        h = self.cfg.hosts_per_slice
+        h = self.cfg.placement.hosts_per_slice
         return f"h{i}" if h == 1 else f"s{i // h}-h{i % h}"
 
     def _spawn(self, host: str) -> None:
@@ -192,9 +192,9 @@ class LocalSlice:
                 self._noticed.discard(host)
         if self._final is not None or self._stopping or self._hold is not None:
             return
-        want = min(self.capacity.available(), self.cfg.max_workers)
+        want = min(self.capacity.available(), self.cfg.elastic.max_workers)
         leaving = set(self.capacity.leaving())  # told to go: they leave by themselves, and come back as new hosts
-        hosts = [self._host(i) for i in range(self.cfg.max_workers)]
+        hosts = [self._host(i) for i in range(self.cfg.elastic.max_workers)]
         running = [h for h in hosts if h in self.agents and h not in leaving and h not in self._noticed]
         notice = self.capacity.assigned()  # a scheduler moves hosts: each goes with a notice, losing no step
         for host in reversed(running[want:]):  # the pool shrank: its newest hosts go
@@ -241,7 +241,7 @@ class LocalSlice:
                 self._taker = RunLock(
                     self.store,
                     owner=f"local slice of job {self.job} (no host left)",
-                    lease_s=self.cfg.lease_s,
+                    lease_s=self.cfg.elastic.lease_s,
                     job=self.job,
                     on_event=lambda type_, **f: self.own_events.emit(type_, **f),
                 )
@@ -273,7 +273,7 @@ class LocalSlice:
             self.own_events.emit(
                 "waiting_for_capacity",
                 available=self.capacity.available(),
-                min_workers=self.cfg.min_workers,
+                min_workers=self.cfg.elastic.min_workers,
                 queued=queued,
                 reason="a scheduler gave the job's hosts to a higher-priority run: queued until hosts free up"
                 if queued
@@ -295,9 +295,9 @@ class LocalSlice:
             self._hold.handoff(self.job, HANDOFF_S)  # the new agents claim it; their leader waits on
             self._hold, self._keeper = None, None
             log.info("capacity returned: the run is handed back to job %s", self.job)
-        elif time.time() - self._waiting_since >= self.cfg.capacity_timeout_s and not self.capacity.assigned():
+        elif time.time() - self._waiting_since >= self.cfg.elastic.capacity_timeout_s and not self.capacity.assigned():
             self._end_held(
-                f"capacity stayed below min_workers={self.cfg.min_workers} for {self.cfg.capacity_timeout_s:.0f}s "
+                f"capacity stayed below min_workers={self.cfg.elastic.min_workers} for {self.cfg.elastic.capacity_timeout_s:.0f}s "
                 "(available: 0 hosts; no host of the job was left)"
             )
         else:
@@ -395,7 +395,7 @@ class LocalSlice:
                 if self._final is not None and (not self.agents or time.monotonic() > grace):
                     break
                 if self._stopping:
-                    stop_deadline = stop_deadline or time.monotonic() + 3 * self.cfg.lease_s + 5
+                    stop_deadline = stop_deadline or time.monotonic() + 3 * self.cfg.elastic.lease_s + 5
                     if time.monotonic() > stop_deadline:
                         break
                 if not self.agents and self._final is None and (self._hold is not None or not self._stopping):

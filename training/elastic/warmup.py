@@ -59,7 +59,7 @@ def warm_up(run: str, warm: Warm) -> None:
     warm.store = open_store(run)
     cfg = warm.cfg = config_from_json(warm.store.get(CONFIG).decode())
     # The persistent compilation cache makes a relaunch on a mesh seen before skip XLA compilation.
-    jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache)
+    jax.config.update("jax_compilation_cache_dir", cfg.placement.compilation_cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     share_cpu_compilation_cache()
