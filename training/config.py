@@ -45,8 +45,6 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 # A run name is one directory name: no "/", no "..", not hidden.  (The DAG's param schema uses the same pattern.)
 RUN_NAME_PATTERN = r"^(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 RUN_NAME_RE = re.compile(RUN_NAME_PATTERN)
-# Config keys that name local paths: made absolute once, when the config is resolved.
-PATH_KEYS = ("root", "dataset", "compilation_cache", "local_checkpoint_dir", "init_from")
 BUILTIN_TOKENIZERS = ("bytes", "bpe")
 TOKEN_TASKS = ("lm", "maxtext")  # the built-in tasks that train on a prepared token dataset (`dataset`)
 DEFAULT_DATASET = "var/data/stdlib-seq{seq_len}"  # byte-level; another tokenizer adds its name
@@ -250,14 +248,22 @@ class Config(_FlatKeys, RunKeys):
         return run_uri(self.root, self.run_name)
 
     def with_absolute_paths(self, base: str | Path | None = None) -> Config:
-        """Local paths made absolute against ``base`` (default: the current directory); gs:// kept."""
-        update = {k: absolute(getattr(self, k), base) for k in PATH_KEYS}
+        """A copy whose local paths are made absolute against ``base`` (default: the current directory); gs:// kept.
+
+        Each path key is read and set through its section, so that a key moved to another section is a type
+        error here rather than a path left relative."""
+        out = self.model_copy()  # each section copied: setting the copy's keys leaves this config as it is
+        out.root = absolute(self.root, base)
+        out.data.dataset = absolute(self.data.dataset, base)
         if self.data.tokenizer not in BUILTIN_TOKENIZERS:
-            update["tokenizer"] = absolute(self.data.tokenizer, base)
+            out.data.tokenizer = absolute(self.data.tokenizer, base)
+        out.placement.compilation_cache = absolute(self.placement.compilation_cache, base)
+        out.checkpoint.local_checkpoint_dir = absolute(self.checkpoint.local_checkpoint_dir, base)
+        out.model.init_from = absolute(self.model.init_from, base)
         file, sep, factory = self.task.rpartition(":")
         if sep and file.endswith(".py"):
-            update["task"] = f"{absolute(file, base)}:{factory}"
-        return self.model_copy(update=update)
+            out.task = f"{absolute(file, base)}:{factory}"
+        return out
 
     def flat(self) -> dict[str, Any]:
         """Every key as ``section.key`` (the run's own keys bare) -> its JSON value, in the document's order."""

@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from training.config import ConfigError, config_from_json, describe_keys, format_config, key_schema, load_config
+from training.config import (
+    ConfigError,
+    config_from_json,
+    describe_keys,
+    format_config,
+    key_schema,
+    load_config,
+    validate_dict,
+)
 from training.sections import FLAT, SECTIONS, ModelSection, OptimizerSection
 
 DATA = Path(__file__).parent / "data"
@@ -84,6 +92,43 @@ def test_a_copy_with_flat_or_section_keys_leaves_the_original_as_it_was() -> Non
     assert (cfg.optimizer.steps, cfg.model.d_model, cfg.learning_rate, cfg.seed) == (40, 64, 3e-3, 0)
     with pytest.raises(ValueError, match="steps"):
         copy.steps = "many"  # type: ignore[assignment]
+
+
+def test_local_paths_are_made_absolute_in_their_sections_and_the_original_is_kept(tmp_path: Path) -> None:
+    relative = {
+        "root": "runs",
+        "data": {"dataset": "toks", "tokenizer": "tok/tokenizer.json"},
+        "placement": {"compilation_cache": "cache"},
+        "checkpoint": {"local_checkpoint_dir": "local"},
+        "model": {"init_from": "hf/llama"},
+    }
+    cfg = validate_dict(relative)
+    out = cfg.with_absolute_paths(tmp_path)
+    got = (
+        out.root,
+        out.data.dataset,
+        out.data.tokenizer,
+        out.placement.compilation_cache,
+        out.checkpoint.local_checkpoint_dir,
+        out.model.init_from,
+    )
+    assert got == tuple(str(tmp_path / p) for p in ("runs", "toks", "tok/tokenizer.json", "cache", "local", "hf/llama"))
+    assert (cfg.root, cfg.data.dataset, cfg.placement.compilation_cache, cfg.model.init_from) == (
+        "runs",
+        "toks",
+        "cache",
+        "hf/llama",
+    )
+    task = validate_dict({"task": "mine/task.py:make"}).with_absolute_paths(tmp_path).task
+    assert task == f"{tmp_path / 'mine/task.py'}:make"
+    kept = validate_dict({"root": "gs://b/runs", "data": {"tokenizer": "bpe", "dataset": "gs://b/toks"}})
+    kept = kept.with_absolute_paths(tmp_path)
+    assert (kept.root, kept.data.tokenizer, kept.data.dataset, kept.checkpoint.local_checkpoint_dir) == (
+        "gs://b/runs",
+        "bpe",
+        "gs://b/toks",
+        "",
+    )
 
 
 def test_the_stored_form_is_in_sections_and_reads_back_equal() -> None:
