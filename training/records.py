@@ -15,7 +15,10 @@ import threading
 import time
 import uuid
 from datetime import UTC, datetime
-from typing import TypedDict
+from typing import Any, TypedDict
+
+# A record's JSON object as read back, before its fields are checked (or a free-form one).
+JSONObject = dict[str, Any]
 
 _clock_lock = threading.Lock()
 _last_ns = 0

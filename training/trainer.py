@@ -25,13 +25,15 @@ from jax.sharding import PartitionSpec as P
 from training.mesh import LOGICAL_RULES
 from training.optim import make_optimizer, make_schedule
 from training.sections import OptimizerSection
-from training.tasks import Task, on_mesh
+from training.tasks import Metrics, Task, on_mesh
 
 State = dict[str, Any]
 # The most elements a state may have for its initialisation to be compiled without optimisation on CPU:
 # beyond about 500M, the slower run costs more than the faster compile saves.
 UNOPTIMISED_INIT_MAX = 100_000_000
 Batch = dict[str, jax.Array]
+# A step's metrics by name (the task's own, loss, grad_norm, lr, notice): replicated scalars, on the device.
+StepMetrics = dict[str, jax.Array]
 
 
 def logical_rules(task: Task) -> tuple[tuple[str, Any], ...]:
@@ -155,7 +157,7 @@ class Trainer:
         with self.tracing():
             return self._init.lower()
 
-    def init_compiler_options(self) -> dict[str, Any] | None:
+    def init_compiler_options(self) -> dict[str, int] | None:
         """The XLA options the initialisation is compiled with (None: the defaults).
 
         It runs once.  On CPU, a state of up to ``UNOPTIMISED_INIT_MAX`` elements is compiled without
@@ -177,7 +179,7 @@ class Trainer:
         self._init_compiled = compiled
 
     # --- the step ------------------------------------------------------------------
-    def _grads(self, params: Any, batch: Batch, rng: jax.Array) -> tuple[jax.Array, Any, dict[str, Any]]:
+    def _grads(self, params: Any, batch: Batch, rng: jax.Array) -> tuple[jax.Array, Any, Metrics]:
         """Loss, gradients and metrics of a batch, over ``grad_accum`` micro-batches when asked."""
         grad_fn = jax.value_and_grad(self.task.loss, has_aux=True)
         m = self.opt.grad_accum
@@ -201,7 +203,7 @@ class Trainer:
 
     def _train_step(
         self, state: State, batch: Batch, lr_scale: jax.Array, flags: jax.Array
-    ) -> tuple[State, dict[str, Any]]:
+    ) -> tuple[State, StepMetrics]:
         rng, step_rng = jax.random.split(jax.random.wrap_key_data(state["rng"]))
         loss, grads, aux = self._grads(state["params"], batch, step_rng)
         grad_norm = optax.tree.norm(grads)  # the metric, and the clip's (computed once: see optim.clip_by_global_norm)
@@ -235,7 +237,7 @@ class Trainer:
 
     def step(
         self, state: State, batch: Batch, lr_scale: float = 1.0, notice: bool = False
-    ) -> tuple[State, dict[str, Any]]:
+    ) -> tuple[State, StepMetrics]:
         """Dispatch one step (asynchronously: nothing here waits for the device).
 
         ``notice``: this process was told to stop (a preemption notice); the step's
@@ -257,8 +259,8 @@ class Trainer:
             )
         if self._compiled is None:
             with self.tracing():
-                return cast(tuple[State, dict[str, Any]], fn(state, batch, self._scales[lr_scale], self._flags[flag]))
-        return cast(tuple[State, dict[str, Any]], fn(state, batch, self._scales[lr_scale], self._flags[flag]))
+                return cast(tuple[State, StepMetrics], fn(state, batch, self._scales[lr_scale], self._flags[flag]))
+        return cast(tuple[State, StepMetrics], fn(state, batch, self._scales[lr_scale], self._flags[flag]))
 
     def evaluate(self, params: Any, batch: Batch) -> dict[str, jax.Array]:
         """The task's evaluation metrics of one global batch on this mesh (replicated scalars)."""

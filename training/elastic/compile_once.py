@@ -38,7 +38,7 @@ import os
 import pickle
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 from training.layout import COMPILED
@@ -51,6 +51,8 @@ POLL_S = 0.05
 # In the persistent cache's directory: one empty object per program compiled into it.  JAX's own cache
 # reads only its "*-cache" entries there, so it neither counts nor evicts these.
 NOTES = "rtrain-compiled/"
+# The XLA options a program is compiled with (``compiler_options``), by name.
+XlaOptions = Mapping[str, str | bool | int | float]
 
 
 def enabled(backend: str, processes: int) -> bool:
@@ -187,7 +189,7 @@ class Compiled:
         return self._whole[0]
 
 
-def compile_here(lowered: Any, options: dict[str, Any] | None, hit_count: Callable[[], int]) -> Compiled:
+def compile_here(lowered: Any, options: XlaOptions | None, hit_count: Callable[[], int]) -> Compiled:
     """Compile ``lowered`` with the XLA ``options`` (``hit_count``: the calling thread's count of persistent-cache
     hits, JAX's own), noting the cache key it was loaded under on a hit (:func:`watch_cache_hits`)."""
     hits_here()  # keys left from before: not this program's
@@ -242,7 +244,7 @@ def forget_earlier_rounds(store: Store, job: str, round_: int) -> None:
                 store.delete(key)
 
 
-def program_key(lowered: Any, options: dict[str, Any] | None = None) -> str:
+def program_key(lowered: Any, options: XlaOptions | None = None) -> str:
     """A lowered program's key: the same program (and JAX, XLA flags and the XLA ``options`` it is compiled with)
     in any process."""
     import jax

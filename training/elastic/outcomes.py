@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from training.elastic.codes import WorkerExit
-from training.elastic.rendezvous import Outcome
+from training.elastic.rendezvous import Outcome, RecoveryRecord
 
 
 def worker_outcome(seen: Mapping[str, Any], code: int, rank: int, host: str) -> tuple[Outcome, str]:
@@ -77,7 +77,7 @@ class RecoveryCost:
     compile_cached: bool | None  # the compiled step came from the cache
 
 
-def recovery_cost(recovery: Mapping[str, Any], seen: Mapping[str, Any], resumed_at: float) -> RecoveryCost:
+def recovery_cost(recovery: RecoveryRecord, seen: Mapping[str, Any], resumed_at: float) -> RecoveryCost:
     """What a recovery cost: the leader's record of it (``recovery``, from the round) and what the first
     worker of the new round said on its way to the step it resumed at (``resumed_at``, wall time)."""
     restore = seen.get("restore") or {}

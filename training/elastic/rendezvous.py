@@ -26,9 +26,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypedDict
 
+from training.elastic.wire import CorruptReport, GuardReport, NoticeReport
 from training.layout import RDV_HOSTS, RDV_REPORTS, RDV_RESERVE, RDV_ROUNDS, RDV_ROUNDS_BEFORE, RENDEZVOUS
+from training.records import JSONObject
 from training.storage import AlreadyExists, NotFound, Store
 
 PARALLEL_READS = 10  # host records read at once by a scan of many (a storage client keeps 10 connections)
@@ -74,9 +76,22 @@ class HostRecord:
     standby_pid: int | None = None  # its standby worker's process, while one warms up or waits
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> HostRecord:
+    def from_json(cls, data: JSONObject) -> HostRecord:
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+class RecoveryRecord(TypedDict, total=False):
+    """What a round recovers from, as its leader wrote it into the round (empty: nothing): the cause, its kind
+    (failure | guard | notice), when it struck and was detected, the steps it lost, the step resumed, the step time."""
+
+    cause: str
+    kind: str
+    fault_at: float | None
+    detected_at: float
+    steps_lost: int
+    resume_step: int | None
+    step_s: float
 
 
 @dataclass
@@ -101,7 +116,7 @@ class Round:
     # Local copies saved in rounds before this one are of another lineage (a guard rollback came since).
     local_floor: int = 0
     # When the round follows a failure or a notice: what was lost (steps, when), for the `recovered` event.
-    recovery: dict[str, Any] = field(default_factory=dict)
+    recovery: RecoveryRecord = field(default_factory=lambda: RecoveryRecord())
 
     @property
     def workers(self) -> int:
@@ -111,7 +126,7 @@ class Round:
         return self.members.index(host) if host in self.members else -1
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Round:
+    def from_json(cls, data: JSONObject) -> Round:
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in data.items() if k in known})
 
@@ -129,15 +144,15 @@ class Report:
     error: str = ""  # the worker's own last error line
     log: str = ""  # where its log is
     step: int | None = None
-    guard: dict[str, Any] | None = None
-    corrupt: dict[str, Any] | None = None
+    guard: GuardReport | None = None
+    corrupt: CorruptReport | None = None
     fault_at: float | None = None
-    notice: dict[str, Any] | None = None  # NOTICE: the stop's step, and whether this host was the one told
+    notice: NoticeReport | None = None  # NOTICE: the stop's step, and whether this host was the one told
     peer_lost: int | None = None  # FAILED as a bystander: the rank of the process that went first
     time: float = 0.0
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Report:
+    def from_json(cls, data: JSONObject) -> Report:
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in data.items() if k in known})
 

@@ -21,8 +21,8 @@ from training.checkpoint import local as local_tier
 from training.checkpoint.steps import file_checksums, recorded_checksums
 from training.elastic.hostctx import HostContext
 from training.elastic.outcomes import last_error, recovery_cost, worker_outcome
-from training.elastic.rendezvous import Outcome, Report
-from training.elastic.wire import ReportType, WorkerReport
+from training.elastic.rendezvous import Outcome, RecoveryRecord, Report
+from training.elastic.wire import ReportFields, ReportType, WorkerReport
 from training.elastic.workerproc import WorkerProc
 from training.elastic.writer import Writer
 from training.faults import KINDS, Fault, parse_chaos
@@ -127,7 +127,7 @@ class ReportHandler:
             self.warm()
         self._event(t, msg)
 
-    def _metrics(self, w: WorkerProc, msg: dict[str, Any]) -> None:
+    def _metrics(self, w: WorkerProc, msg: ReportFields) -> None:
         """Every step (rank 0): the heartbeat's step and loss, and the TensorBoard scalars."""
         # Rank 0's step is what the status shows: beat soon after it moves, at most every step_beat_s.
         soon = w.rank == 0 and time.monotonic() - self._step_beat_at >= self.step_beat_s
@@ -143,7 +143,7 @@ class ReportHandler:
             self.scalars.restart(int(msg["step"]))  # what an earlier round wrote from here on is superseded
         self.scalars.add(int(msg["step"]), values, wall_time=msg.get("time"))
 
-    def _preempted(self, w: WorkerProc, msg: dict[str, Any]) -> None:
+    def _preempted(self, w: WorkerProc, msg: ReportFields) -> None:
         w.seen["notice"] = msg
         if msg.get("noticed") and not self.stopping:
             at = self.leaving_at()
@@ -158,7 +158,7 @@ class ReportHandler:
                 round=w.round,
             )
 
-    def _event(self, t: str, msg: dict[str, Any]) -> None:
+    def _event(self, t: str, msg: ReportFields) -> None:
         """The reports the run keeps become events; a host or storage fault is carried out once on record."""
         kind = KINDS.get(str(msg.get("action"))) if t == "chaos" else None
         by_agent = kind is not None and bool(kind.by_agent)  # carried out by this agent: on the host, or its storage
@@ -176,7 +176,7 @@ class ReportHandler:
             log.warning("[%s] chaos %s: carried out by this host's agent (%s)", self.host, fault.spec, kind.by_agent)
             kind.on_agent(fault, self)
 
-    def _committed(self, step: int, msg: dict[str, Any]) -> None:
+    def _committed(self, step: int, msg: ReportFields) -> None:
         """Rank 0's agent records a commit (writer thread): the step's file checksums go into the ledger.
 
         They are the record written into the step as it committed; a step without one is summed now.
@@ -272,9 +272,9 @@ class ReportHandler:
             if self.scalars.pending:
                 self.writer.put(self.scalars.flush)
 
-    def _recovered(self, w: WorkerProc, resumed: dict[str, Any]) -> None:
+    def _recovered(self, w: WorkerProc, resumed: ReportFields) -> None:
         """Rank 0's first step after a failure or a notice: what the recovery cost, phase by phase."""
-        recovery = dict(w.plan.recovery) if w.plan is not None else {}
+        recovery: RecoveryRecord = w.plan.recovery if w.plan is not None else {}
         if not recovery:
             return
         cost = recovery_cost(recovery, w.seen, float(resumed.get("time") or time.time()))

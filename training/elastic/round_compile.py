@@ -120,7 +120,7 @@ def compile_shared(
     a: Assignment,
     name: str,
     lower: Callable[[], Any] | None,
-    options: dict[str, Any] | None = None,
+    options: compile_once.XlaOptions | None = None,
 ) -> Shared:
     """Program ``name`` of the round, compiled once (:mod:`training.elastic.compile_once`) with the XLA ``options``.
 

@@ -14,16 +14,16 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
 
 from training.checkpoint.ledger import CheckpointRecord, ResumeHow
 from training.checkpoint.lifecycle import quarantine
 from training.checkpoint.retention import USABLE_STATES
 from training.elastic.codes import WorkerExit
 from training.elastic.hostview import HostView
-from training.elastic.rendezvous import Outcome, Report, Round
+from training.elastic.rendezvous import Outcome, RecoveryRecord, Report, Round
 from training.elastic.rounds import LeaderRecords
+from training.elastic.wire import GuardReport
 from training.faults import KINDS
 from training.sections import CheckpointSection
 from training.storage import NotFound
@@ -43,8 +43,16 @@ class Recovery:
     resume_step: int | None
     step_s: float  # rank 0's step time before it
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def as_dict(self) -> RecoveryRecord:
+        return RecoveryRecord(
+            cause=self.cause,
+            kind=self.kind,
+            fault_at=self.fault_at,
+            detected_at=self.detected_at,
+            steps_lost=self.steps_lost,
+            resume_step=self.resume_step,
+            step_s=self.step_s,
+        )
 
 
 @dataclass(frozen=True)
@@ -144,7 +152,7 @@ def explain_failure(lost: list[str], ended: list[str], why: str, reports: list[R
 
 
 def decide_guard(
-    g: dict[str, Any], states: Mapping[int, CheckpointRecord], guards: int, checkpoint: CheckpointSection
+    g: GuardReport, states: Mapping[int, CheckpointRecord], guards: int, checkpoint: CheckpointSection
 ) -> GuardRollback | JobFails:
     """The guard's report -> a rollback to the newest good checkpoint before the bad loss, or the job's end.
 
@@ -192,8 +200,8 @@ def decide_notice(reps: list[Report], step_s: float, now: float) -> NoticeStop:
     notices = [r.notice or {} for r in reps]
     step = max(int(n.get("step") or 0) for n in notices) if notices else None
     hosts = ", ".join(sorted(r.host for r in told)) or "?"
-    at = [float(n["notice_at"]) for n in notices if n.get("notice_at")]
-    done = [float(n["committed_at"]) for n in notices if n.get("committed_at")]
+    at = [float(a) for n in notices if (a := n.get("notice_at"))]
+    done = [float(d) for n in notices if (d := n.get("committed_at"))]
     recovery = Recovery(
         cause=f"preemption notice to host {hosts}",
         kind="notice",

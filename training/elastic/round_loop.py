@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypedDict, cast
 
 from training.checkpoint.resume import DataPosition
 from training.elastic import ahead, compile_once
@@ -20,21 +20,21 @@ from training.elastic.codes import WorkerExit
 from training.elastic.round_compile import StepMade, cache_hits
 from training.elastic.round_restore import Start, settle_local
 from training.elastic.round_saves import Saver, StopVote, stop_requested
-from training.elastic.wire import ReportType
+from training.elastic.wire import GuardFinding, ReportType
 from training.elastic.worker_link import Assignment, Reporter, leave
 from training.ready import wait_ready
 
 if TYPE_CHECKING:
     from training.config import Config
+    from training.data.pipeline import Example
     from training.sections import OptimizerSection
+    from training.trainer import StepMetrics
 
 # This process's CPU time (all its threads) when it was assigned its round.
 CPU_AT_ASSIGNMENT = [0.0]
 
 
-def train_batches(
-    optimizer: OptimizerSection, a: Assignment, task_data: Any, next_batch: int
-) -> Iterator[dict[str, Any]]:
+def train_batches(optimizer: OptimizerSection, a: Assignment, task_data: Any, next_batch: int) -> Iterator[Example]:
     """This process's training batches from global batch ``next_batch`` on (the exact data position)."""
     from training.data import pipeline
 
@@ -52,9 +52,9 @@ class FirstAhead:
     """An iterator whose first item is read by a thread of its own at once: the input pipeline starts (its
     threads, its first reads) while the step compiles, not in the round's first step."""
 
-    def __init__(self, it: Iterator[dict[str, Any]]) -> None:
+    def __init__(self, it: Iterator[Example]) -> None:
         self.it = it
-        self.first: list[dict[str, Any]] = []
+        self.first: list[Example] = []
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = threading.Thread(target=self._read, name="first-batch", daemon=True)
         self.thread.start()
@@ -68,7 +68,7 @@ class FirstAhead:
     def __iter__(self) -> FirstAhead:
         return self
 
-    def __next__(self) -> dict[str, Any]:
+    def __next__(self) -> Example:
         if self.thread is not None:
             self.thread.join()
             self.thread = None
@@ -127,7 +127,7 @@ class RoundLoop:
             skipped=self.skipped,
         )
 
-    def run(self, task_data: Any, batches: Iterator[dict[str, Any]]) -> int:
+    def run(self, task_data: Any, batches: Iterator[Example]) -> int:
         """Train to the last step (0), or leave: a notice, a guard verdict, a stop request at a checkpoint."""
         cfg, a = self.cfg, self.a
         self.validation = task_data.validation
@@ -232,7 +232,7 @@ class RoundLoop:
         """The tier could help on this round's mesh (the same in every process)."""
         return self.tier is not None and not self.tier.off_for_mesh
 
-    def one_step(self, batches: Iterator[dict[str, Any]]) -> None:
+    def one_step(self, batches: Iterator[Example]) -> None:
         """Dispatch the next step (its metrics are read later), with its faults and its data ids traced if asked."""
         from training.layout import TRACE
 
@@ -250,7 +250,7 @@ class RoundLoop:
         self.next_batch += 1
         self.loop.dispatched(self.step, metrics, self.next_batch)
 
-    def check(self, bad: dict[str, Any] | None) -> None:
+    def check(self, bad: GuardFinding | None) -> None:
         """A step the guard rejected: fail loudly with the step and the metric (the leader rolls back).
 
         A save still in flight holds a state from before the bad step: it is let commit first.
@@ -353,9 +353,18 @@ class Notice:
 NOTICE = Notice
 
 
+class Headline(TypedDict, total=False):
+    """A progress report's headline metrics: those of them the step has."""
+
+    loss: float
+    grad_norm: float
+    accuracy: float
+    lr: float
+
+
 @dataclass
 class Verdict:
-    bad: dict[str, Any] | None = None  # the guard's finding: step, metric, value, reason, next_batch
+    bad: GuardFinding | None = None  # the guard's finding
     notice: bool = False  # some process of the group was told to stop
 
 
@@ -366,18 +375,18 @@ class Loop:
         self.cfg = cfg
         self.rep = rep
         self.t_assigned = t_assigned
-        self.inflight: list[tuple[int, dict[str, Any], int]] = []
+        self.inflight: list[tuple[int, StepMetrics, int]] = []
         self.recent: list[float] = []  # read losses, for the spike guard's running median
         self.first = True
         self.t_last = time.time()
         self.since = 0  # steps read since the last progress report
         self.tokens_per_step = cfg.optimizer.global_batch * tokens_per_example
-        self.bad: dict[str, Any] | None = None
+        self.bad: GuardFinding | None = None
         self.passed: int | None = None  # the newest step read that the guard passed
         self.notice = False
         self.local_saves: list[float] = []
 
-    def dispatched(self, step: int, metrics: dict[str, Any], next_batch: int) -> None:
+    def dispatched(self, step: int, metrics: StepMetrics, next_batch: int) -> None:
         self.inflight.append((step, metrics, next_batch))
 
     def reset_clock(self) -> None:
@@ -396,7 +405,7 @@ class Loop:
             loss = m["loss"]
             why = guard_verdict(loss, self.recent, self.cfg.checkpoint.spike_factor, self.cfg.checkpoint.spike_window)
             if why:
-                self.bad = {"step": step, "metric": "loss", "value": loss, "reason": why, "next_batch": next_batch}
+                self.bad = GuardFinding(step=step, metric="loss", value=loss, reason=why, next_batch=next_batch)
                 break
             self.passed = step
             self.recent.append(loss)
@@ -406,7 +415,7 @@ class Loop:
             step_time = (now - self.t_last) / self.since
             values = {k: v for k, v in m.items() if k != "notice"}  # the engine's and the task's own metrics
             self.rep.send(ReportType.METRICS, step=step, step_time=step_time, loss=loss, values=values)
-            common: dict[str, Any] = {k: values[k] for k in ("loss", "grad_norm", "accuracy", "lr") if k in values}
+            common = cast(Headline, {k: values[k] for k in Headline.__annotations__ if k in values})
             if step % self.cfg.observability.log_every == 0 or step == self.cfg.optimizer.steps or self.first:
                 self.rep.send(
                     ReportType.PROGRESS,

@@ -6,12 +6,11 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from training.checkpoint.ledger import Ledger
 from training.checkpoint.lock import LockLost
 from training.config import Config
-from training.elastic.rendezvous import Rendezvous, Round
+from training.elastic.rendezvous import RecoveryRecord, Rendezvous, Round
 from training.events import EventLog, RunState
 from training.layout import CONTROL
 from training.mesh import MeshPlan, plan_mesh
@@ -44,7 +43,7 @@ class Carried:
     failures: int
     guards: int
     local_floor: int = 0
-    recovery: dict[str, Any] = field(default_factory=dict)
+    recovery: RecoveryRecord = field(default_factory=lambda: RecoveryRecord())
 
 
 class RoundWriter:

@@ -6,7 +6,7 @@ import json
 import time
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypedDict
 
 
 class ReportType(StrEnum):
@@ -63,7 +63,61 @@ REQUIRED: dict[ReportType, tuple[str, ...]] = {
 }
 
 
-def _check(kind: ReportType, fields: dict[str, Any]) -> None:
+# A report's fields: its type's own (``REQUIRED``) and every report's ``time``, ``attempt`` and ``process_id``;
+# a JSON object whose keys depend on the type.
+ReportFields = dict[str, Any]
+
+
+class GuardFinding(TypedDict):
+    """The in-training guard's finding: the step it rejected, by which metric, its value, why, and the batch after it."""
+
+    step: int
+    metric: str
+    value: float
+    reason: str
+    next_batch: int
+
+
+class GuardReport(TypedDict, total=False):
+    """A ``guard`` report as its host's agent keeps it: the finding, where the round restored from, and the stamp."""
+
+    step: int
+    metric: str
+    value: float
+    reason: str
+    next_batch: int
+    restored_from: int | None  # the step the round restored (None: it started fresh)
+    committed_since_restore: bool
+    time: float
+    attempt: int
+    process_id: int
+
+
+class CorruptReport(TypedDict, total=False):
+    """A ``corrupt`` report: the checkpoint step that failed its checks or its restore, and why."""
+
+    step: int
+    reason: str
+    time: float
+    attempt: int
+    process_id: int
+
+
+class NoticeReport(TypedDict, total=False):
+    """A ``preempted`` report: the step the group stopped at and committed for a preemption notice."""
+
+    step: int
+    noticed: bool  # this process was the one told
+    notice_at: float | None  # when it was told
+    committed_at: float
+    stop_s: float
+    reason: str
+    time: float
+    attempt: int
+    process_id: int
+
+
+def _check(kind: ReportType, fields: ReportFields) -> None:
     missing = [f for f in REQUIRED[kind] if f not in fields]
     if missing:
         raise ValueError(f"a {kind.value} report lacks {', '.join(missing)}")
@@ -74,7 +128,7 @@ class WorkerReport:
     """One report: its type and its fields (``time``, ``attempt``: the round, ``process_id``: the rank, and the type's own)."""
 
     type: ReportType
-    fields: dict[str, Any]
+    fields: ReportFields
 
     def line(self) -> str:
         return json.dumps({"type": self.type.value, **self.fields}, default=str) + "\n"
