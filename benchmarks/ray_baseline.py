@@ -205,7 +205,7 @@ def _train_loop(config: dict[str, Any]) -> None:
     cfg = load_config("tiny", None, config["overrides"])
     _start_jax(cfg.placement.compilation_cache, shared["coordinator"], world, rank)
     plan = plan_mesh(cfg.placement, world)
-    check_batch(cfg, plan)
+    check_batch(cfg.optimizer, cfg.checkpoint, plan)
     trainer = Trainer(cfg.optimizer, build_mesh(plan), load_task(cfg))
 
     checkpoint = ray.train.get_checkpoint()
@@ -392,7 +392,7 @@ def _settings(workdir: Path, dataset: str, hosts: int, devices_per_host: int, **
     }
     cfg = load_config("tiny", None, overrides)
     for n in sorted({hosts, survivors}):
-        check_batch(cfg, plan_mesh(cfg.placement, n))  # the PlanError names the numbers
+        check_batch(cfg.optimizer, cfg.checkpoint, plan_mesh(cfg.placement, n))  # the PlanError names the numbers
     for sub in (PROGRESS_DIR, "ray_results"):
         shutil.rmtree(workdir / sub, ignore_errors=True)
     (workdir / PROGRESS_DIR).mkdir(parents=True)

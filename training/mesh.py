@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal, NotRequired, Protocol, TypedDict
 
 from training.config import Config
-from training.sections import ModelSection, PlacementSection
+from training.sections import CheckpointSection, ModelSection, OptimizerSection, PlacementSection
 
 AXES = ("data", "fsdp", "tensor")
 # Logical parameter/activation axes -> mesh axes.
@@ -136,24 +136,23 @@ def plan_mesh(placement: PlacementSection, workers: int) -> MeshPlan:
     return MeshPlan(workers, placement.devices_per_worker, tuple(ici), tuple(dcn), h)  # type: ignore[arg-type]
 
 
-def check_batch(cfg: Config, plan: MeshPlan) -> int:
-    """Per-device batch for a plan; refuses a global batch that does not split."""
+def check_batch(optimizer: OptimizerSection, checkpoint: CheckpointSection, plan: MeshPlan) -> int:
+    """Per-device batch for a plan; refuses a global batch (or, validated on the slice, a val_batch) that does not
+    split."""
     shards = plan.batch_shards
-    if cfg.optimizer.global_batch % shards or cfg.optimizer.global_batch % plan.workers:
+    if optimizer.global_batch % shards or optimizer.global_batch % plan.workers:
         raise PlanError(
-            f"global_batch={cfg.optimizer.global_batch} cannot be split over {plan.workers} workers x "
+            f"global_batch={optimizer.global_batch} cannot be split over {plan.workers} workers x "
             f"{plan.devices_per_worker} devices (batch shards: {shards}); choose a global batch divisible by "
             f"{math.lcm(shards, plan.workers)} or another worker range"
         )
-    if cfg.checkpoint.validate_on == "slice" and (
-        cfg.checkpoint.val_batch % shards or cfg.checkpoint.val_batch % plan.workers
-    ):
+    if checkpoint.validate_on == "slice" and (checkpoint.val_batch % shards or checkpoint.val_batch % plan.workers):
         raise PlanError(
-            f"val_batch={cfg.checkpoint.val_batch} cannot be split over {plan.workers} workers x {plan.devices_per_worker} "
+            f"val_batch={checkpoint.val_batch} cannot be split over {plan.workers} workers x {plan.devices_per_worker} "
             f"devices (validate_on: slice evaluates on the job's mesh); choose a val_batch divisible by "
             f"{math.lcm(shards, plan.workers)}"
         )
-    return cfg.optimizer.global_batch // shards
+    return optimizer.global_batch // shards
 
 
 def feasible_sizes(cfg: Config) -> list[int]:
@@ -161,7 +160,7 @@ def feasible_sizes(cfg: Config) -> list[int]:
     out = []
     for n in range(cfg.elastic.min_workers, cfg.elastic.max_workers + 1, cfg.placement.hosts_per_slice):
         try:
-            check_batch(cfg, plan_mesh(cfg.placement, n))
+            check_batch(cfg.optimizer, cfg.checkpoint, plan_mesh(cfg.placement, n))
         except PlanError:
             continue
         out.append(n)
@@ -205,7 +204,9 @@ def param_count(model: ModelSection) -> int:
     return v * h + model.n_layers * per_layer + h + (0 if model.tie_embeddings else h * v)
 
 
-def estimate_memory(cfg: Config, plan: MeshPlan) -> MemoryEstimate:
+def estimate_memory(
+    model: ModelSection, optimizer: OptimizerSection, placement: PlacementSection, plan: MeshPlan
+) -> MemoryEstimate:
     """Per-device bytes of training state and activations on ``plan``.
 
     Parameters, gradients and AdamW moments are sharded over fsdp x tensor.
@@ -214,20 +215,20 @@ def estimate_memory(cfg: Config, plan: MeshPlan) -> MemoryEstimate:
     recomputed by fused attention kernels on accelerators); with activation
     checkpointing only each block's input is kept, plus one block at a time.
     """
-    n = param_count(cfg.model)
+    n = param_count(model)
     shards = plan.param_shards
-    pbytes = BYTES[cfg.model.param_dtype]
-    abytes = BYTES[cfg.model.dtype]
-    b_dev = cfg.optimizer.global_batch / plan.batch_shards
-    tokens = b_dev * cfg.model.seq_len
+    pbytes = BYTES[model.param_dtype]
+    abytes = BYTES[model.dtype]
+    b_dev = optimizer.global_batch / plan.batch_shards
+    tokens = b_dev * model.seq_len
     t = plan.shape["tensor"]
-    h, ff, kv = cfg.model.d_model, cfg.model.d_ff, cfg.model.kv_heads * cfg.model.head_dim
+    h, ff, kv = model.d_model, model.d_ff, model.kv_heads * model.head_dim
     per_layer_full = tokens * (6 * h + 2 * kv + 3 * ff) * abytes / t
-    if cfg.model.activation_checkpointing:
-        acts = cfg.model.n_layers * tokens * h * abytes + per_layer_full
+    if model.activation_checkpointing:
+        acts = model.n_layers * tokens * h * abytes + per_layer_full
     else:
-        acts = cfg.model.n_layers * per_layer_full
-    logits = tokens * cfg.model.vocab_size * 4 * 2 / t  # fp32 logits and their gradient
+        acts = model.n_layers * per_layer_full
+    logits = tokens * model.vocab_size * 4 * 2 / t  # fp32 logits and their gradient
     return MemoryEstimate(
         params=n,
         bytes_params=n * pbytes / shards,
@@ -235,7 +236,7 @@ def estimate_memory(cfg: Config, plan: MeshPlan) -> MemoryEstimate:
         bytes_optimizer=2 * n * pbytes / shards,
         bytes_activations=acts,
         bytes_logits=logits,
-        device_bytes=cfg.placement.device_memory_gib * 2**30,
+        device_bytes=placement.device_memory_gib * 2**30,
     )
 
 
@@ -279,13 +280,13 @@ def _fit(
     sizes = feasible_sizes(cfg)
     if not sizes:
         # Explain with the smallest size's own error.
-        check_batch(cfg, plan_mesh(cfg.placement, cfg.elastic.min_workers))
+        check_batch(cfg.optimizer, cfg.checkpoint, plan_mesh(cfg.placement, cfg.elastic.min_workers))
         raise PlanError(
             f"no worker count in {cfg.elastic.min_workers}..{cfg.elastic.max_workers} splits the global batch"
         )
     plan = plan_mesh(cfg.placement, sizes[0])
     where = f"the minimum topology ({plan.workers} workers x {plan.devices_per_worker} devices, mesh {plan.shape}"
-    est = estimate_memory(cfg, plan) if formula_applies(cfg) else None
+    est = estimate_memory(cfg.model, cfg.optimizer, cfg.placement, plan) if formula_applies(cfg) else None
     if est is not None and est.total > 0.9 * est.device_bytes:
         raise PlanError(
             f"the model does not fit at {where}, {est.params / 1e9:.2f}B parameters, per-device batch "

@@ -48,7 +48,7 @@ def test_the_mesh_is_planned_from_hosts_and_knobs(workers, devices, knobs, shape
 
 def test_the_global_batch_stays_constant_and_the_per_device_batch_adapts():
     cfg = load_config("tiny", None, {"global_batch": 16, "min_workers": 1, "max_workers": 4})
-    assert [check_batch(cfg, plan_mesh(cfg.placement, n)) for n in (1, 2, 4)] == [8, 4, 2]
+    assert [check_batch(cfg.optimizer, cfg.checkpoint, plan_mesh(cfg.placement, n)) for n in (1, 2, 4)] == [8, 4, 2]
     assert feasible_sizes(cfg) == [1, 2, 4]  # 3 hosts x 2 devices cannot split 16 sequences
 
 
@@ -80,8 +80,9 @@ def test_indivisible_global_batch_is_refused_before_launch(tmp_path, capsys):
     assert rc == 3
     assert "global_batch=6 cannot be split over 4 workers x 2 devices" in capsys.readouterr().err
     assert not (tmp_path / "odd").exists()
+    cfg = load_config("tiny", None, {"global_batch": 6})
     with pytest.raises(PlanError):
-        check_batch(load_config("tiny", None, {"global_batch": 6}), plan_mesh(load_config("tiny").placement, 4))
+        check_batch(cfg.optimizer, cfg.checkpoint, plan_mesh(cfg.placement, 4))
 
 
 def test_real_model_presets_fit_at_their_minimum_topology(capsys):

@@ -90,7 +90,7 @@ def set_up(cfg: Config, run: str, a: Assignment, rep: Reporter, built: Any, t_as
         runtime_env={k: v for k, v in sorted(os.environ.items()) if is_round_env(k)},
     )
     plan = plan_mesh(cfg.placement, a.processes)
-    check_batch(cfg, plan)
+    check_batch(cfg.optimizer, cfg.checkpoint, plan)
     mesh = build_mesh(plan)
     if transport is not None and mesh.devices.flat[0].platform == "cpu":  # another platform's threads are its own
         transport.lower()

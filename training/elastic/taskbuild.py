@@ -98,7 +98,7 @@ def build(cfg: Config) -> Built:
     method and the error if its code raises)."""
     from training.tasks import load_task, named
 
-    task = named(load_task(cfg), cfg)
+    task = named(load_task(cfg), cfg.task)
     return Built(task, task.data())  # opened, and checked (a prepared dataset: against its manifest's sha256)
 
 

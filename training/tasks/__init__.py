@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from training.config import Config
 
 Batch = Mapping[str, Any]  # field -> array with the batch as its leading axis
-Metrics = dict[str, Any]  # name -> scalar array
+Metrics = dict[str, "jax.Array"]  # name -> scalar array
 
 BUILTIN: dict[str, str] = {"lm": "training.tasks.lm:make_task", "maxtext": "training.tasks.maxtext:make_task"}
 
@@ -176,12 +176,12 @@ class NamedTask:
         return call
 
 
-def named(task: Task, cfg: Config) -> Task:
-    """``task`` whose methods' exceptions name it and the method; a built-in task as it is (its errors are the
-    engine's own, e.g. a dataset's)."""
-    if cfg.task in BUILTIN:
+def named(task: Task, name: str) -> Task:
+    """``task`` (the config's ``task`` is its ``name``) whose methods' exceptions name it and the method; a
+    built-in task as it is (its errors are the engine's own, e.g. a dataset's)."""
+    if name in BUILTIN:
         return task
-    return NamedTask(task, cfg.task)  # the same methods, by delegation (its __getattr__)
+    return NamedTask(task, name)  # the same methods, by delegation (its __getattr__)
 
 
 def _factory(name: str) -> Callable[[Config, dict[str, Any]], Task]:
