@@ -21,13 +21,16 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from enum import StrEnum
-from typing import Any, Required, TypedDict, cast
+from typing import TYPE_CHECKING, Any, Required, TypedDict, cast
 
 from training.layout import EVENTS, RDV_EVENT_RESERVE, STATUS
-from training.records import nonce, stamp
+from training.records import RecordedMetrics, nonce, stamp
 from training.storage import NotFound, Store, open_store
+
+if TYPE_CHECKING:
+    from training.checkpoint.ledger import ResumeHow
 
 log = logging.getLogger(__name__)
 
@@ -170,10 +173,10 @@ class Event(TypedDict, total=False):
     new_workers: int
     min_workers: int
     available: int
-    mesh: dict[str, Any]
-    old_mesh: dict[str, Any]
-    new_mesh: dict[str, Any]
-    runtime_env: dict[str, Any]
+    mesh: dict[str, int]  # axis -> size
+    old_mesh: dict[str, int]
+    new_mesh: dict[str, int]
+    runtime_env: dict[str, str]  # the round's environment variables
     # progress and metrics
     loss: float
     accuracy: float
@@ -182,7 +185,7 @@ class Event(TypedDict, total=False):
     lr_scale: float
     step_time: float
     tokens_per_s: float
-    metrics: dict[str, Any]
+    metrics: RecordedMetrics
     metric: str
     value: float
     next_batch: int
@@ -219,7 +222,7 @@ class Event(TypedDict, total=False):
     detected_by: str
     reached_step: int | None
     resume_step: int | None
-    resume: str | dict[str, Any]
+    resume: str | ResumeHow
     steps_lost: int
     lost_s: dict[str, float]
     lost: bool
@@ -259,6 +262,15 @@ class Event(TypedDict, total=False):
 
 
 EVENT_FIELDS: frozenset[str] = Event.__required_keys__ | Event.__optional_keys__
+
+
+class EndFields(TypedDict, total=False):
+    """The fields of a job's ``failed``, ``stopped`` or ``cancelled`` event."""
+
+    reason: Required[str]
+    step: int
+    host: str
+    lost: bool
 
 
 class EventError(ValueError):
@@ -316,7 +328,7 @@ class EventLog:
     ) -> None:
         """Write the event of the job's end by ``state`` (``failed``, ``stopped``, ``cancelled``), as ``failed`` does."""
         type_ = state.value
-        fields: dict[str, Any] = {"reason": reason}
+        fields = EndFields(reason=reason)
         if step is not None:
             fields["step"] = step
         if host is not None:
@@ -701,8 +713,10 @@ def _preemption_notice(g: Any) -> str:
     )
 
 
+# An event's sentence, made from its fields (given the event's ``get``).
+Sentence = Callable[[Callable[[str], Any]], str]
 # Every event type the engine writes (``EventType``), and the ones being added, with its sentence.
-SENTENCES: dict[str, Any] = {
+SENTENCES: dict[str, Sentence] = {
     "launch": _launch,
     "worker_started": _worker_started,
     "restore": _restore,

@@ -19,6 +19,8 @@ from typing import Any, TypedDict
 
 # A record's JSON object as read back, before its fields are checked (or a free-form one).
 JSONObject = dict[str, Any]
+# Metrics as a record keeps them, by name: a non-finite value as its text ("nan", "inf"), which JSON has no number for.
+RecordedMetrics = dict[str, float | str]
 
 _clock_lock = threading.Lock()
 _last_ns = 0

@@ -29,7 +29,7 @@ from typing import Any, Literal, Required, TypedDict, cast
 
 from training.checkpoint.retention import USABLE_STATES, VALIDATED_STATES
 from training.layout import LEDGER_PINS, LEDGER_POINTER, LEDGER_STEPS
-from training.records import nonce, stamp, whoami
+from training.records import RecordedMetrics, nonce, stamp, whoami
 from training.storage import Store
 
 # The states a checkpoint moves through.  "pruned" is written by prune() just
@@ -66,10 +66,10 @@ class CheckpointRecord(TypedDict, total=False):
     time: Required[float]
     host: str  # the writer
     pid: int
-    metrics: dict[str, Any]  # a validation's figures (carried forward by a promotion)
+    metrics: RecordedMetrics  # a validation's figures (carried forward by a promotion)
     reason: str  # why it was rejected, quarantined, corrupt, or recorded by someone else
     attempt: int | None  # the round that saved it
-    files: dict[str, Any]  # its files' sizes and checksums (the integrity record)
+    files: dict[str, list[int]]  # its files' [size, crc32c] by name (the integrity record)
     policy: str  # the retention policy that pruned it
     location: str  # where a quarantined or promoted step went
     history: list[str]  # every state it went through, oldest first (added when read)

@@ -40,7 +40,7 @@ class StepInfo:
 
     step: int
     state: str = "committed"
-    metrics: Mapping[str, float] | None = None
+    metrics: Mapping[str, float | str] | None = None  # as the ledger keeps them: a non-finite one as text
     since: float | None = None
 
 
