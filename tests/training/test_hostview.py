@@ -19,7 +19,7 @@ from training.storage import open_store
 def view(tmp_path: Path) -> Iterator[HostView]:
     cfg = load_config("tiny", None, {"root": str(tmp_path), "heartbeat_s": 0.5, "heartbeat_timeout_s": 40.0})
     watch = HostWatch()
-    yield HostView(cfg, Rendezvous(open_store(str(tmp_path))), "j", "h0", watch)
+    yield HostView(cfg.elastic, Rendezvous(open_store(str(tmp_path))), "j", "h0", watch)
     watch.close()
 
 

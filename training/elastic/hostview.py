@@ -11,10 +11,10 @@ import logging
 import time
 from dataclasses import dataclass
 
-from training.config import Config
 from training.elastic.clocks import HostClocks
 from training.elastic.hostwatch import HostWatch
 from training.elastic.rendezvous import HostRecord, Rendezvous
+from training.sections import ElasticSection
 
 log = logging.getLogger("rtrain.leader")
 
@@ -34,8 +34,8 @@ class Settle:
 class HostView:
     """The job's host records as the leader last read them, and what it makes of them."""
 
-    def __init__(self, cfg: Config, rdv: Rendezvous, job: str, me: str, watch: HostWatch) -> None:
-        self.cfg = cfg
+    def __init__(self, elastic: ElasticSection, rdv: Rendezvous, job: str, me: str, watch: HostWatch) -> None:
+        self.elastic = elastic  # its heartbeat_s and heartbeat_timeout_s
         self.rdv = rdv
         self.job = job
         self.me = me  # the leader's own host: alive, it is running this
@@ -96,7 +96,7 @@ class HostView:
             h
             for h, r in self.hosts.items()
             if r.state not in ("leaving", "gone")
-            and self.age(h) < self.cfg.elastic.heartbeat_timeout_s
+            and self.age(h) < self.elastic.heartbeat_timeout_s
             and not self.known_gone(h)
         }
 
@@ -110,7 +110,7 @@ class HostView:
             h
             for h, r in self.hosts.items()
             if r.state not in ("leaving", "gone")
-            and self.age(h) < 3 * self.cfg.elastic.heartbeat_s
+            and self.age(h) < 3 * self.elastic.heartbeat_s
             and not self.known_gone(h)
             and not (h in self.lost and self.lost[h] >= (r.started, r.seq))
         }

@@ -133,7 +133,7 @@ class Leader:
         rec = LeaderRecords(
             self.cfg, self.store, agent.rdv, agent.ledger, agent.events, agent.job, agent.host, agent.emit, self._fence
         )
-        self.view = HostView(self.cfg, agent.rdv, agent.job, agent.host, agent.host_watch)
+        self.view = HostView(self.cfg.elastic, agent.rdv, agent.job, agent.host, agent.host_watch)
         self.status = JobStatus(
             self.store,
             agent.cadence,

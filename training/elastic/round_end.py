@@ -232,7 +232,8 @@ class RoundEnds:
     """The leader's reading of a round's end: the verdict, its records, and the job's failure and rollback budgets."""
 
     def __init__(self, rec: LeaderRecords, prev: Round | None) -> None:
-        self.cfg = rec.cfg
+        self.checkpoint = rec.cfg.checkpoint  # the rollback guard's keys
+        self.elastic = rec.cfg.elastic  # the failure budget
         self.store = rec.store
         self.ledger = rec.ledger
         self.rdv = rec.rdv
@@ -270,7 +271,7 @@ class RoundEnds:
         g = rep.guard or {}
         states = self.ledger.states()  # read before counting: a tick the store failed comes back here
         self.guards += 1
-        d = decide_guard(g, states, self.guards, self.cfg.checkpoint)
+        d = decide_guard(g, states, self.guards, self.checkpoint)
         if isinstance(d, JobFails):
             return d
         self.fence()
@@ -376,10 +377,10 @@ class RoundEnds:
             detected_by=rec.detected_by,
             failures=self.failures,
         )
-        log.warning("[%s] failure %d/%d: %s", self.host, self.failures, self.cfg.elastic.max_failures, rec.reason)
-        if self.failures > self.cfg.elastic.max_failures:
+        log.warning("[%s] failure %d/%d: %s", self.host, self.failures, self.elastic.max_failures, rec.reason)
+        if self.failures > self.elastic.max_failures:
             return JobFails(
-                f"failure budget spent: {self.failures} failures > max_failures={self.cfg.elastic.max_failures}; "
+                f"failure budget spent: {self.failures} failures > max_failures={self.elastic.max_failures}; "
                 f"last: {rec.reason}"
             )
         return NextRound("recovery", recovery)

@@ -52,7 +52,7 @@ class RoundWriter:
     def __init__(
         self, rec: LeaderRecords, *, gen: Callable[[], int], faults: Callable[[], list[str]], prev: Round | None
     ) -> None:
-        self.cfg = rec.cfg
+        self.placement = rec.cfg.placement  # a round's mesh is planned on it
         self.rdv = rec.rdv
         self.store = rec.store
         self.job = rec.job
@@ -61,7 +61,7 @@ class RoundWriter:
         self.fence = rec.fence
         self.gen = gen  # the lease generation held
         self.faults = faults  # the worker faults a new round carries
-        self.prev_plan: MeshPlan | None = plan_mesh(rec.cfg.placement, prev.workers) if prev is not None else None
+        self.prev_plan: MeshPlan | None = plan_mesh(self.placement, prev.workers) if prev is not None else None
         self.number = 0  # the number the newest round opened was given (the rendezvous may have written it later)
 
     def _number(self, prev: Round | None) -> int:
@@ -71,7 +71,7 @@ class RoundWriter:
         self, prev: Round | None, members: list[str], coordinator: str, reason: str, resume: str, carried: Carried
     ) -> tuple[Round, MeshPlan]:
         """Open the next round on ``members`` (``coordinator``: rank 0's address); the round as written, its mesh."""
-        plan = plan_mesh(self.cfg.placement, len(members))
+        plan = plan_mesh(self.placement, len(members))
         faults = self.faults()
         number = self._number(prev)
         rnd = Round(
