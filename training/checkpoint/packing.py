@@ -18,14 +18,42 @@ mesh, and a packed one is at most :data:`PACK_MAX_BYTES`, so no restore gathers 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import jax
 import numpy as np
 
+if TYPE_CHECKING:
+    import orbax.checkpoint as ocp
+
 PACK_MAX_BYTES = 1 << 16  # a replicated array this small is packed with others of its kind
 _PACKABLE_KINDS = "fiub"  # plain numeric dtypes (an extended or custom dtype is saved on its own)
+
+
+# A saved tree: flat names to arrays (a large one on its mesh, a pack on the host).
+SavedTree = dict[str, jax.Array | np.ndarray]
+
+
+class EntryDoc(TypedDict):
+    """An :class:`Entry` as the layout's JSON holds it."""
+
+    path: str
+    keys: list[str | int]
+    shape: list[int]
+    dtype: str
+    name: str
+    group: str
+    offset: int
+
+
+class LayoutDoc(TypedDict):
+    """A :class:`Layout` as it is saved (the step's ``layout`` item)."""
+
+    version: int
+    entries: list[EntryDoc]
+    groups: dict[str, list[str | int]]  # pack name -> [dtype, elements]
 
 
 @dataclass(frozen=True)
@@ -52,7 +80,7 @@ class Layout:
     entries: tuple[Entry, ...]
     groups: dict[str, tuple[str, int]]  # pack name -> (dtype, elements)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> LayoutDoc:
         return {
             "version": 1,
             "entries": [
@@ -71,7 +99,7 @@ class Layout:
         }
 
     @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> Layout:
+    def from_json(cls, doc: LayoutDoc) -> Layout:
         entries = tuple(
             Entry(
                 path=str(e["path"]),
@@ -126,9 +154,9 @@ def _safe(path: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", path).strip("_")[:80]
 
 
-def pack(state: Any) -> tuple[dict[str, Any], Layout]:
+def pack(state: Any) -> tuple[SavedTree, Layout]:
     """(the tree to save: flat names to arrays, its layout).  Reads the small arrays to host memory."""
-    tree: dict[str, Any] = {}
+    tree: SavedTree = {}
     parts: dict[str, list[np.ndarray]] = {}
     sizes: dict[str, int] = {}
     entries = []
@@ -154,7 +182,9 @@ def pack(state: Any) -> tuple[dict[str, Any], Layout]:
     return tree, Layout(tuple(entries), groups)
 
 
-def targets(layout: Layout, abstract: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def targets(
+    layout: Layout, abstract: Any
+) -> tuple[dict[str, jax.ShapeDtypeStruct | np.ndarray], dict[str, ocp.RestoreArgs]]:
     """(the saved tree's restore target, its restore args) for a state shaped like ``abstract``.
 
     ``abstract`` is None for a restore onto this process's first device, every array whole.
@@ -165,8 +195,8 @@ def targets(layout: Layout, abstract: Any) -> tuple[dict[str, Any], dict[str, An
     if abstract is not None:
         _check_same_leaves(layout, set(wanted))
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    target: dict[str, Any] = {}
-    args: dict[str, Any] = {}
+    target: dict[str, jax.ShapeDtypeStruct | np.ndarray] = {}
+    args: dict[str, ocp.RestoreArgs] = {}
     for e in layout.entries:
         if not e.name:
             continue
@@ -181,7 +211,7 @@ def targets(layout: Layout, abstract: Any) -> tuple[dict[str, Any], dict[str, An
     return target, args
 
 
-def unpack(restored: dict[str, Any], layout: Layout, abstract: Any) -> Any:
+def unpack(restored: Mapping[str, jax.Array | np.ndarray], layout: Layout, abstract: Any) -> Any:
     """The state from a restored saved tree: ``abstract``'s tree and shardings (None: nested dicts, one device)."""
     if abstract is None:
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -206,7 +236,7 @@ def unpack(restored: dict[str, Any], layout: Layout, abstract: Any) -> Any:
     return jax.tree_util.tree_map_with_path(one, abstract)
 
 
-def _leaf(restored: dict[str, Any], e: Entry, sharding: Any, dtype: Any = None) -> Any:
+def _leaf(restored: Mapping[str, jax.Array | np.ndarray], e: Entry, sharding: Any, dtype: Any = None) -> Any:
     if e.name:
         return restored[e.name]
     host = np.asarray(restored[e.group])[e.offset : e.offset + e.size].reshape(e.shape)
