@@ -751,7 +751,7 @@ def prepare_dataset(
         validation_records=manifest["splits"]["validation"]["records"],
         seq_len=manifest["seq_len"],
         vocab_size=manifest.get("vocab_size", 256),
-        tokenizer=(manifest.get("tokenizer") or {}).get("kind", "bytes"),
+        tokenizer=tok["kind"] if (tok := manifest.get("tokenizer")) else "bytes",
     )
 
 

@@ -97,7 +97,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         progress=lambda line: print(f"[prepare] {line}", flush=True),
     )
     splits = manifest["splits"]
-    kind = (manifest.get("tokenizer") or {}).get("kind", "bytes")
+    tok = manifest.get("tokenizer")
+    kind = tok["kind"] if tok else "bytes"
     print(
         f"dataset {out}: {splits['train']['records']} train / {splits['validation']['records']} validation records "
         f"of {manifest['seq_len'] + 1} tokens, vocab {manifest.get('vocab_size', 256)} ({kind} tokenizer), "

@@ -30,16 +30,16 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Required, TypedDict, cast
 
 import numpy as np
 
 from training.data.errors import DatasetError as DatasetError
 from training.data.formats import Source, open_source
-from training.data.tokenizer import HF_FILE, SPM_FILE, BPETrainer, Tokenizer, resolve
+from training.data.tokenizer import HF_FILE, SPM_FILE, BPETrainer, Tokenizer, TokenizerEntry, resolve
 from training.storage import NotFound, Store, mounted_path, open_store, scheme
 
 FORMAT = 1  # Byte-level datasets (their fingerprint and manifest are unchanged since the first format).
@@ -64,6 +64,56 @@ log = logging.getLogger(__name__)
 
 class DatasetExistsError(DatasetError):
     """The output already holds a different prepared dataset."""
+
+
+class ShardEntry(TypedDict, total=False):
+    """One shard of a split in the manifest: its object's name, its records, its size and checksums."""
+
+    name: Required[str]
+    records: Required[int]
+    bytes: Required[int]
+    sha256: Required[str]
+    crc32c: int  # what GCS keeps of every object (absent from manifests written before it was kept)
+
+
+class SplitEntry(TypedDict):
+    """A split in the manifest: its records, and its shards in record order."""
+
+    records: int
+    shards: list[ShardEntry]
+
+
+class Manifest(TypedDict, total=False):
+    """A prepared dataset's ``manifest.json``: its format, shapes, tokenizer, fingerprint, source and splits.
+
+    A byte-level dataset (``FORMAT``) may lack the token dtype, eos id and tokenizer: readers default them.
+    """
+
+    format: Required[int]
+    seq_len: Required[int]
+    vocab_size: int
+    token_dtype: str
+    eos_id: int
+    tokenizer: TokenizerEntry
+    fingerprint: Required[str]
+    source: str
+    input_format: str
+    input_files: int
+    input_bytes: int
+    input_tokens: int
+    val_fraction: float
+    max_bytes: int | None
+    splits: Required[dict[str, SplitEntry]]
+    created_at: str
+
+
+class _Written(TypedDict):
+    """What writing a dataset counted: its input files, bytes and tokens, and its splits."""
+
+    input_files: int
+    input_bytes: int
+    input_tokens: int
+    splits: dict[str, SplitEntry]
 
 
 # ----------------------------------------------------------------------------
@@ -182,7 +232,7 @@ class _ShardedWriter:
         self.count = -(-records // per_shard)
         self.records = records
         self.written = 0
-        self.shards: list[dict[str, Any]] = []
+        self.shards: list[ShardEntry] = []
         self._writer: Any = None
         self._path = ""
         self._in_shard = 0
@@ -209,28 +259,28 @@ class _ShardedWriter:
         self.store.put(name, data)
         os.unlink(self._path)
         self.shards.append(
-            {
-                "name": name,
-                "records": self._in_shard,
-                "bytes": len(data),
-                "sha256": hashlib.sha256(data).hexdigest(),
-                "crc32c": google_crc32c.value(data),  # what GCS keeps of every object: checked without a read
-            }
+            ShardEntry(
+                name=name,
+                records=self._in_shard,
+                bytes=len(data),
+                sha256=hashlib.sha256(data).hexdigest(),
+                crc32c=google_crc32c.value(data),  # what GCS keeps of every object: checked without a read
+            )
         )
         self._in_shard = 0
         self.progress(
             f"{self.split}: wrote {name} ({self.written}/{self.records} records)",
         )
 
-    def finish(self) -> dict[str, Any]:
+    def finish(self) -> SplitEntry:
         if self._writer is not None:
             self._close_shard()
         if self.written != self.records or len(self.shards) != self.count:
             raise DatasetError(f"{self.split}: wrote {self.written} records, planned {self.records}")
-        return {"records": self.written, "shards": self.shards}
+        return SplitEntry(records=self.written, shards=self.shards)
 
 
-def _describe_tokenizer(entry: dict[str, Any] | None) -> str:
+def _describe_tokenizer(entry: TokenizerEntry | None) -> str:
     """A tokenizer as named in messages: its kind, vocabulary size and fingerprint."""
     if not entry or entry.get("kind") == "bytes":
         return "bytes"
@@ -294,7 +344,7 @@ def prepare(
     records_per_shard: int = 4096,
     progress: Callable[[str], None] | None = None,
     overwrite: bool = False,
-) -> dict[str, Any]:
+) -> Manifest:
     """Prepares a token dataset at ``output`` and returns its manifest.
 
     Args:
@@ -347,7 +397,7 @@ def prepare(
         _replace_existing(store, existing, output, fingerprint, _describe_spec(spec), overwrite)
 
     tok, files, lengths, splits = _write_shards(store, spec, src, files, val_fraction, seq_len, records_per_shard, say)
-    written = {"input_files": len(files), "input_bytes": used, "input_tokens": sum(lengths.values()), "splits": splits}
+    written = _Written(input_files=len(files), input_bytes=used, input_tokens=sum(lengths.values()), splits=splits)
     manifest = _manifest(spec, tok, src, fingerprint, seq_len, val_fraction, max_bytes, written)
     # Last: its presence is what makes the dataset exist.
     store.put(MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
@@ -374,8 +424,8 @@ def _manifest(
     seq_len: int,
     val_fraction: float,
     max_bytes: int | None,
-    written: dict[str, Any],
-) -> dict[str, Any]:
+    written: _Written,
+) -> Manifest:
     """A dataset's manifest: its format, tokenizer, fingerprint, source and what writing it counted (``written``)."""
     return {
         "format": FORMAT if spec.kind == "bytes" else TOKENIZED_FORMAT,
@@ -406,7 +456,7 @@ def _write_shards(
     seq_len: int,
     records_per_shard: int,
     say: _Progress,
-) -> tuple[Tokenizer, list[_File], dict[str, int], dict[str, Any]]:
+) -> tuple[Tokenizer, list[_File], dict[str, int], dict[str, SplitEntry]]:
     """Passes 2 and 3: train the tokenizer if asked, tokenize every document, settle the split on token counts,
     and pack each split's stream into shards.  Returns the tokenizer, the files (their splits settled), each
     file's token count and each split's entry of the manifest."""
@@ -434,7 +484,7 @@ def _fingerprint(
     spec: Tokenizer | BPETrainer, files: list[_File], seq_len: int, val_fraction: float, max_bytes: int | None
 ) -> str:
     """What makes two preparations the same dataset: its documents, their split, the tokenizer, the shapes."""
-    definition: dict[str, Any] = {
+    definition: dict[str, object] = {  # hashed as JSON
         "format": FORMAT,
         "seq_len": seq_len,
         "separator": SEPARATOR,
@@ -488,7 +538,7 @@ def _hash_documents(src: Source, max_bytes: int | None, say: _Progress) -> tuple
 
 
 def _replace_existing(
-    store: Store, existing: dict[str, Any], output: str, fingerprint: str, this_tokenizer: str, overwrite: bool
+    store: Store, existing: Manifest, output: str, fingerprint: str, this_tokenizer: str, overwrite: bool
 ) -> None:
     """Refuse to replace another dataset at ``output`` unless told to; then make it visibly incomplete."""
     if not overwrite:
@@ -542,7 +592,7 @@ def _pack(
     del stream
 
 
-def _read_manifest(store: Store) -> dict[str, Any] | None:
+def _read_manifest(store: Store) -> Manifest | None:
     try:
         raw = store.get(MANIFEST)
     except NotFound:
@@ -553,10 +603,10 @@ def _read_manifest(store: Store) -> dict[str, Any] | None:
         raise DatasetError(f"{store.child(MANIFEST)} is not valid JSON: {e}") from None
     if not isinstance(manifest, dict) or manifest.get("format") not in READABLE_FORMATS:
         raise DatasetError(f"{store.child(MANIFEST)}: unsupported manifest format {manifest.get('format')!r}")
-    return manifest
+    return cast(Manifest, manifest)  # a readable format's: the fields its readers default are optional
 
 
-def load_manifest(dataset_uri: str) -> dict[str, Any]:
+def load_manifest(dataset_uri: str) -> Manifest:
     """The manifest of a prepared dataset; an error if preparation never finished."""
     manifest = _read_manifest(open_store(dataset_uri))
     if manifest is None:
@@ -567,10 +617,11 @@ def load_manifest(dataset_uri: str) -> dict[str, Any]:
     return manifest
 
 
-def _split_info(manifest: dict[str, Any], dataset_uri: str, split: str) -> dict[str, Any]:
+def _split_info(manifest: Manifest, dataset_uri: str, split: str) -> SplitEntry:
     if split not in manifest["splits"]:
         raise DatasetError(f"{dataset_uri} has no split {split!r}; it has {sorted(manifest['splits'])}")
-    return dict(manifest["splits"][split])
+    entry = manifest["splits"][split]
+    return SplitEntry(records=entry["records"], shards=entry["shards"])
 
 
 def shard_paths(dataset_uri: str, split: str, cache_dir: str | None = None, reads: str = "auto") -> list[str]:
@@ -598,7 +649,7 @@ def shard_paths(dataset_uri: str, split: str, cache_dir: str | None = None, read
     return _in_place(dataset_uri, shards)
 
 
-def _in_place(dataset_uri: str, shards: list[dict[str, Any]]) -> list[str]:
+def _in_place(dataset_uri: str, shards: list[ShardEntry]) -> list[str]:
     """The ``gs://`` URIs of the shards, once each object is the manifest's (size and CRC32C, from a listing)."""
     held = open_store(dataset_uri).checksums()
     for s in shards:
@@ -663,7 +714,7 @@ def local_shards(dataset_uri: str, split: str, cache_dir: str | None = None) -> 
     return out
 
 
-def _cache_root(cache_dir: str | None, manifest: Mapping[str, Any]) -> Path:
+def _cache_root(cache_dir: str | None, manifest: Manifest) -> Path:
     return Path(cache_dir or Path.home() / ".cache" / "rtrain" / "datasets" / manifest["fingerprint"]).expanduser()
 
 
@@ -671,7 +722,7 @@ VERIFIED = ".verified.json"  # shard -> [size, mtime_ns] of the copy whose sha25
 _verified_here: dict[str, tuple[int, int]] = {}
 
 
-def _verify_local(root: Path, shards: list[dict[str, Any]], cache_path: Path | None = None) -> None:
+def _verify_local(root: Path, shards: list[ShardEntry], cache_path: Path | None = None) -> None:
     """Check each shard's size and sha256 against the manifest before it is trained on.
 
     A shard is hashed once per (size, mtime): the result is remembered in this

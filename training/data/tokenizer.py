@@ -23,12 +23,27 @@ import importlib
 import json
 import os
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Required, TypedDict
 
 import numpy as np
 
 from training.data.errors import DatasetError
 from training.storage import NotFound, Store, open_store
+
+if TYPE_CHECKING:
+    from training.data.preparation import Manifest
+
+
+class TokenizerEntry(TypedDict, total=False):
+    """The tokenizer a dataset was prepared with, as its manifest names it: kind, fingerprint, vocabulary, the file
+    stored beside the manifest, and a trained BPE's recipe (the fingerprint of what it was trained from)."""
+
+    kind: Required[str]
+    fingerprint: str
+    vocab_size: int
+    file: str | None
+    recipe: str
+
 
 BYTE_VOCAB = 256
 BYTE_EOS = 0  # The byte that ends every document of a byte-level dataset.
@@ -93,8 +108,8 @@ class Tokenizer:
     def token_dtype(self) -> str:
         return dtype_for(self.vocab_size)
 
-    def manifest_entry(self) -> dict[str, Any]:
-        return {"kind": self.kind, "fingerprint": self.fingerprint, "vocab_size": self.vocab_size, "file": self.file}
+    def manifest_entry(self) -> TokenizerEntry:
+        return TokenizerEntry(kind=self.kind, fingerprint=self.fingerprint, vocab_size=self.vocab_size, file=self.file)
 
 
 class ByteTokenizer(Tokenizer):
@@ -272,7 +287,7 @@ def resolve(spec: str, vocab_size: int | None = None) -> Tokenizer | BPETrainer:
     return HFTokenizer(raw, "huggingface", path)
 
 
-def from_manifest(manifest: dict[str, Any], store: Store) -> Tokenizer:
+def from_manifest(manifest: Manifest, store: Store) -> Tokenizer:
     """The tokenizer a dataset was prepared with, from its manifest and the file stored beside it."""
     entry = manifest.get("tokenizer")
     if not entry or entry.get("kind") == "bytes":

@@ -14,17 +14,17 @@ from typing import Any
 import numpy as np
 
 from training.data.errors import DatasetError
-from training.data.preparation import SEPARATOR, load_manifest, shard_paths
+from training.data.preparation import SEPARATOR, Manifest, load_manifest, shard_paths
 from training.data.tokenizer import Tokenizer, from_manifest
 from training.storage import open_store
 
 
-def token_dtype(manifest: dict[str, Any]) -> np.dtype[Any]:
+def token_dtype(manifest: Manifest) -> np.dtype[Any]:
     """The dtype of a dataset's token ids (bytes for the byte-level format)."""
     return np.dtype(str(manifest.get("token_dtype", "uint8")))
 
 
-def eos_id(manifest: dict[str, Any]) -> int:
+def eos_id(manifest: Manifest) -> int:
     """The token that ends every document of a dataset."""
     return int(manifest.get("eos_id", SEPARATOR))
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from training.config import Config
 from training.data import load_manifest
+from training.data.preparation import Manifest
 from training.data.tokens import lm_source
 from training.models.llama import Llama, LlamaConfig, cross_entropy
 from training.sections import DataSection, ModelSection
@@ -37,7 +38,7 @@ def llama_config(model: ModelSection) -> LlamaConfig:
     )
 
 
-def check_manifest(data: DataSection, seq_len: int, vocab_size: int) -> dict[str, Any]:
+def check_manifest(data: DataSection, seq_len: int, vocab_size: int) -> Manifest:
     """The prepared dataset's manifest, refused when it does not fit the data section, the sequence length or the
     model's vocabulary (nothing of the shards is read)."""
     manifest = load_manifest(data.dataset)
@@ -64,7 +65,7 @@ def token_data(data: DataSection, seq_len: int, vocab_size: int) -> TaskData:
     )
 
 
-def check_tokenizer(data: DataSection, manifest: dict[str, Any]) -> None:
+def check_tokenizer(data: DataSection, manifest: Manifest) -> None:
     """The data section's tokenizer is the one the dataset was prepared with (kind, and a file's own bytes)."""
     from training.data.tokenizer import resolve
 
@@ -109,7 +110,7 @@ class TokenTask:
     def example_spec(self) -> dict[str, ExampleSpec]:
         return {k: ExampleSpec((self.cfg.model.seq_len,), "int32") for k in self.FIELDS}
 
-    def check_manifest(self) -> dict[str, Any]:
+    def check_manifest(self) -> Manifest:
         """The dataset's manifest, refused when it does not fit the config (nothing of the shards is read)."""
         return check_manifest(self.cfg.data, self.cfg.model.seq_len, self.vocab_size)
 
