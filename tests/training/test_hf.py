@@ -29,7 +29,8 @@ TOLERANCE = 1e-4  # float32 logits of magnitude ~6; the two implementations agre
 
 
 def task_for(model_dir: Path | str, *overrides: str) -> LanguageModel:
-    return LanguageModel(load_config(None, None, [f"init_from={model_dir}", *overrides]))
+    cfg = load_config(None, None, [f"init_from={model_dir}", *overrides])
+    return LanguageModel(cfg.model, cfg.data)
 
 
 def abstract_params(task: LanguageModel) -> Any:
@@ -300,7 +301,7 @@ def test_a_checkpoint_on_gcs_loads_as_a_local_one(gcs_root: str) -> None:
     cfg = load_config(None, None, [f"init_from={gcs_root}/{name}"])
     assert cfg.tokenizer == f"{gcs_root}/{name}/tokenizer.json" and cfg.n_kv_heads == 2
     assert resolve(cfg.tokenizer).fingerprint == resolve(str(FIXTURES / name / "tokenizer.json")).fingerprint
-    task = LanguageModel(cfg)
+    task = LanguageModel(cfg.model, cfg.data)
     params = hf.to_params(hf.Checkpoint(cfg.init_from), abstract_params(task), task.model_cfg)
     ref = reference(name)
     assert np.abs(our_logits(task, params, ref["tokens"]) - ref["logits"]).max() < TOLERANCE

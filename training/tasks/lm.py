@@ -87,13 +87,15 @@ def check_tokenizer(data: DataSection, manifest: Manifest) -> None:
 class TokenTask:
     """Next-token prediction on a prepared token dataset: the data, the loss and the checks; the model is a subclass's.
 
-    A subclass sets ``vocab_size`` (its model's) and defines ``init`` and ``logits``.
+    A subclass passes the data section, the sequence length and ``vocab_size`` (its model's) and defines ``init``
+    and ``logits``.
     """
 
     FIELDS = ("inputs", "targets", "segment_ids", "positions")
 
-    def __init__(self, cfg: Config, vocab_size: int) -> None:
-        self.cfg = cfg
+    def __init__(self, data: DataSection, seq_len: int, vocab_size: int) -> None:
+        self.data_cfg = data  # where the prepared tokens are and how they are read
+        self.seq_len = seq_len
         self.vocab_size = vocab_size
 
     def logits(self, params: Any, batch: Batch) -> jax.Array:
@@ -108,36 +110,37 @@ class TokenTask:
         return {"loss": loss, "accuracy": accuracy}
 
     def example_spec(self) -> dict[str, ExampleSpec]:
-        return {k: ExampleSpec((self.cfg.model.seq_len,), "int32") for k in self.FIELDS}
+        return {k: ExampleSpec((self.seq_len,), "int32") for k in self.FIELDS}
 
     def check_manifest(self) -> Manifest:
         """The dataset's manifest, refused when it does not fit the config (nothing of the shards is read)."""
-        return check_manifest(self.cfg.data, self.cfg.model.seq_len, self.vocab_size)
+        return check_manifest(self.data_cfg, self.seq_len, self.vocab_size)
 
     def data(self) -> TaskData:
-        return token_data(self.cfg.data, self.cfg.model.seq_len, self.vocab_size)
+        return token_data(self.data_cfg, self.seq_len, self.vocab_size)
 
     def tokens_per_example(self) -> int:
-        return self.cfg.model.seq_len
+        return self.seq_len
 
 
 class LanguageModel(TokenTask):
     """The built-in Llama 3 on packed documents (segment ids keep them apart)."""
 
-    def __init__(self, cfg: Config) -> None:
-        super().__init__(cfg, cfg.model.vocab_size)
-        self.model_cfg = llama_config(cfg.model)
+    def __init__(self, model: ModelSection, data: DataSection) -> None:
+        super().__init__(data, model.seq_len, model.vocab_size)
+        self.init_from = model.init_from
+        self.model_cfg = llama_config(model)
         self.model = Llama(self.model_cfg)
 
     def init(self, rng: jax.Array) -> Any:
-        tokens = jnp.zeros((1, self.cfg.model.seq_len), jnp.int32)
+        tokens = jnp.zeros((1, self.seq_len), jnp.int32)
         return self.model.init(rng, tokens)["params"]
 
     def initial_params(self, abstract: Any) -> Any:
         """The parameters of ``init_from`` (a Hugging Face Llama), placed as ``abstract`` (shapes, shardings) says."""
         from training.hf import load_params
 
-        return load_params(self.cfg.model.init_from, abstract, self.model_cfg)
+        return load_params(self.init_from, abstract, self.model_cfg)
 
     def logits(self, params: Any, batch: Batch) -> jax.Array:
         return cast(
@@ -150,4 +153,4 @@ def make_task(cfg: Config, args: dict[str, Any]) -> LanguageModel:
     """The built-in ``lm`` task: its model is the config's own keys, so it takes no ``task_args``."""
     if args:
         raise TaskError(f"task 'lm' takes no task_args (its model is set by the config's keys), got {sorted(args)}")
-    return LanguageModel(cfg)
+    return LanguageModel(cfg.model, cfg.data)

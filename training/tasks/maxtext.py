@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 
 from training.config import Config
 from training.mesh import AXES
+from training.sections import DataSection, ModelSection
 from training.tasks import Batch, TaskError, current_mesh
 from training.tasks.lm import TokenTask
 
@@ -45,8 +46,8 @@ OWNED = {
 class MaxTextTask(TokenTask):
     """Next-token prediction with a MaxText model built for whichever mesh the engine traces it on."""
 
-    def __init__(self, cfg: Config, model_cfg: Any) -> None:
-        super().__init__(cfg, int(model_cfg.vocab_size))
+    def __init__(self, data: DataSection, seq_len: int, model_cfg: Any) -> None:
+        super().__init__(data, seq_len, int(model_cfg.vocab_size))
         self.model_cfg = model_cfg
         self._models: dict[Mesh, Any] = {}
 
@@ -66,9 +67,9 @@ class MaxTextTask(TokenTask):
         return self._models[mesh]
 
     def init(self, rng: jax.Array) -> Any:
-        shape = (1, self.cfg.model.seq_len)
+        shape = (1, self.seq_len)
         tokens = jnp.zeros(shape, jnp.int32)
-        positions = jnp.broadcast_to(jnp.arange(self.cfg.model.seq_len, dtype=jnp.int32), shape)
+        positions = jnp.broadcast_to(jnp.arange(self.seq_len, dtype=jnp.int32), shape)
         segments = jnp.ones(shape, jnp.int32)
         variables = self.model().init(
             {"params": rng, "dropout": rng}, tokens, positions, segments, enable_dropout=False
@@ -94,7 +95,7 @@ def _narrow(axes: Any) -> Any:
     return kept or None
 
 
-def model_config(cfg: Config, model_name: str, overrides: dict[str, Any]) -> Any:
+def model_config(model: ModelSection, model_name: str, overrides: dict[str, Any]) -> Any:
     """MaxText's configuration of the model: its base, the model's file, the overrides, then the keys owned here."""
     try:
         import maxtext
@@ -114,14 +115,14 @@ def model_config(cfg: Config, model_name: str, overrides: dict[str, Any]) -> Any
     ):
         raise TaskError(f"task 'maxtext': MaxText has no model {model_name!r} (its configs/models/*.yml)")
     keys: dict[str, Any] = {
-        "dtype": cfg.model.dtype,
-        "weight_dtype": cfg.model.param_dtype,
+        "dtype": model.dtype,
+        "weight_dtype": model.param_dtype,
         "attention": "dot_product",
         "per_device_batch_size": 1,
         **overrides,
         "model_name": model_name,
         "override_model_config": True,
-        "max_target_length": cfg.model.seq_len,
+        "max_target_length": model.seq_len,
         "skip_jax_distributed_system": True,
         "enable_checkpointing": False,
         "enable_dropout": False,
@@ -165,4 +166,4 @@ def make_task(cfg: Config, args: dict[str, Any]) -> MaxTextTask:
         raise TaskError(f"task 'maxtext': task_args.model_name must be a MaxText model name, got {model_name!r}")
     if not isinstance(overrides, dict):
         raise TaskError(f"task 'maxtext': task_args.overrides must be a mapping, got {type(overrides).__name__}")
-    return MaxTextTask(cfg, model_config(cfg, model_name, overrides))
+    return MaxTextTask(cfg.data, cfg.model.seq_len, model_config(cfg.model, model_name, overrides))
