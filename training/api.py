@@ -78,7 +78,7 @@ from training.gke.launch import GKESettings
 from training.layout import AIRFLOW, CAPACITY, CONFIG, CONFIG_HISTORY, CONTROL, RDV_EVENT_RESERVE, RDV_RESERVE
 from training.mesh import MemoryEstimate, MeshPlan, PlanEnd, PlanError, PlanReport, plan_report
 from training.mesh import check_fit as _check_fit
-from training.records import stamp
+from training.records import JSONObject, stamp
 from training.storage import AlreadyExists, NotFound, Store, open_store, scheme
 from training.tasks import TaskError
 
@@ -201,7 +201,7 @@ class DatasetSpec(TypedDict):
 class RunSpec(TypedDict, total=False):
     """A DAG run's resolved run: what the resolve task returns and every other task reads."""
 
-    config: dict[str, Any]  # Config.model_dump(mode="json"), paths absolute
+    config: JSONObject  # Config.model_dump(mode="json"), paths absolute
     run_uri: str
     run_name: str
     backend: str
@@ -558,7 +558,7 @@ class JobLook(TypedDict):
     reason: str
     status: RunStatus
     waiting: NotRequired[str]  # why the job's pods wait (a backend that can tell)
-    queue: NotRequired[dict[str, Any]]  # the job's row in the shared pool's queue (the pool's backend)
+    queue: NotRequired[dict[str, object]]  # the job's row in its shared pool's queue (a QueueRow, the pool's backend)
 
 
 def job_state(handle: Mapping[str, Any], start_timeout_s: float = 300.0) -> JobLook:

@@ -14,7 +14,7 @@ import contextlib
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from training import api
 from training.api import Event, JobLook, RunStatus
@@ -50,7 +50,7 @@ class Look:
     status: RunStatus
     events: list[Event] = field(default_factory=list)
     waiting: str = ""  # why the job's pods wait ("" none does; a backend that can tell)
-    queue: dict[str, Any] | None = None  # the job's row of its shared pool's queue
+    queue: dict[str, object] | None = None  # the job's row of its shared pool's queue (QueueRow.to_dict())
     cursor: str | None = None  # the newest event key read so far (where a later watch goes on from)
 
     @property

@@ -17,8 +17,8 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
 
+from training.records import JSONObject
 from training.service.policy import Demand, priority_value
 from training.storage import AlreadyExists, NotFound, Store, join, open_store
 
@@ -73,7 +73,7 @@ class Placement:
     controller_pid: int = 0  # the local slice of the job (its launcher), on the scheduler's machine
 
 
-def _known(cls: type, doc: dict[str, Any]) -> dict[str, Any]:
+def _known(cls: type, doc: JSONObject) -> JSONObject:
     """The fields of ``doc`` that ``cls`` has (a record written by a newer version may carry more)."""
     names = {f.name for f in fields(cls)}
     return {k: v for k, v in doc.items() if k in names}
