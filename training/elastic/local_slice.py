@@ -162,7 +162,7 @@ class LocalSlice:
         if self._template is None:
             try:
                 self._template = Template(
-                    self.cfg.run_uri, self.job, {**env, **cpu_slice_env(self.cfg)}, self.logs / "template.log"
+                    self.cfg.run_uri, self.job, {**env, **cpu_slice_env(self.cfg.placement)}, self.logs / "template.log"
                 )
             except OSError as e:
                 log.warning("no template process (%s): agents start as processes of their own", e)

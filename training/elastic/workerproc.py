@@ -27,6 +27,7 @@ from training.config import Config
 from training.cpu_devices import cpu_xla_flags
 from training.elastic.rendezvous import Round
 from training.elastic.wire import WorkerReport, decode
+from training.sections import PlacementSection
 
 log = logging.getLogger("rtrain.agent")
 ANSWER_S = 120.0  # the longest the fork server may take to answer (its first answer waits for its imports)
@@ -125,16 +126,16 @@ def worker_env(cfg: Config, run_uri: str, host: str, job: str) -> dict[str, str]
         "PYTHONUNBUFFERED": "1",
     }
     if cfg.placement.backend == "local":
-        env.update(cpu_slice_env(cfg))
+        env.update(cpu_slice_env(cfg.placement))
     return env
 
 
-def cpu_slice_env(cfg: Config) -> dict[str, str]:
+def cpu_slice_env(placement: PlacementSection) -> dict[str, str]:
     """JAX's settings on the local slice: each simulated host is a JAX process with D CPU devices, gloo collectives."""
     return {
         "JAX_PLATFORMS": "cpu",
         "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
-        "XLA_FLAGS": cpu_xla_flags(cfg.placement.devices_per_worker),
+        "XLA_FLAGS": cpu_xla_flags(placement.devices_per_worker),
     }
 
 
