@@ -68,7 +68,7 @@ class ReportHandler:
         leaving_at: Callable[[], float | None],
         warm: Callable[[], None],
     ) -> None:
-        self.cfg = ctx.cfg
+        self.local_tier = bool(ctx.cfg.checkpoint.local_checkpoint_every)  # this host saves local copies
         self.store = ctx.store
         self.rdv = ctx.rdv
         self.ledger = ctx.ledger
@@ -227,13 +227,13 @@ class ReportHandler:
             notice=seen.get("notice"),
             peer_lost=seen.get("error", {}).get("peer_lost"),
         )
-        if self.cfg.checkpoint.local_checkpoint_every:
+        if self.local_tier:
             # Local saves this worker finished but did not live to report, and the copies it pruned
             # since its last report: described now, before the report, so the leader forming the next
             # round (and this host's record) knows exactly what is on disk.
             self.describe_local(w.round)
         if outcome == Outcome.FAILED:
-            if self.cfg.checkpoint.local_checkpoint_every:
+            if self.local_tier:
                 self.heart.beat()  # the copies on record before the report: the leader forms the next round from both
             self.report(w.round, w.rank, outcome, **fields)  # at once: the survivors are waiting
         else:
