@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from typing import Any
 
 from training.layout import checkpoints_uri, step_uri
 from training.storage import NotFound, open_store
@@ -114,7 +113,7 @@ def recorded_checksums(run: str, step: int) -> dict[str, list[int]] | None:
         raise UnreadableRecord(f"the integrity record of checkpoint {step} is unreadable") from None
 
 
-def verify(run: str, step: int, expected: dict[str, Any] | None) -> str:
+def verify(run: str, step: int, expected: dict[str, list[int]] | None) -> str:
     """'' when the step's files match its integrity record, else what is wrong (naming the file).
 
     ``expected``: the ledger's record; without one (the step's agent died before it copied the

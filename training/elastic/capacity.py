@@ -10,7 +10,7 @@ ready TPU hosts (see ``training.gke.cluster_state``).
 from __future__ import annotations
 
 import json
-from typing import Any, Protocol
+from typing import Protocol, Required, TypedDict, cast
 
 from training.storage import NotFound, Store
 
@@ -25,6 +25,15 @@ class CapacitySource(Protocol):
         ...
 
 
+class CapacityDoc(TypedDict, total=False):
+    """``capacity.json``: the pool's hosts, why, whether a scheduler assigned the number, the hosts told to go."""
+
+    workers: Required[int]
+    reason: str
+    assigned: bool
+    leaving: list[str]
+
+
 class LocalCapacity:
     """A number of simulated hosts, kept at ``<run>/capacity.json``."""
 
@@ -34,11 +43,11 @@ class LocalCapacity:
         self.store = store
         self.default = default
 
-    def _doc(self) -> dict[str, Any]:
+    def _doc(self) -> CapacityDoc:
         try:
-            return dict(json.loads(self.store.get(self.KEY)))
+            return cast(CapacityDoc, dict(json.loads(self.store.get(self.KEY))))
         except NotFound:
-            return {"workers": self.default}
+            return CapacityDoc(workers=self.default)
 
     def available(self) -> int:
         return int(self._doc()["workers"])
@@ -55,13 +64,13 @@ class LocalCapacity:
         """The pool has ``workers`` hosts now (hosts that come back are new ones: nobody is leaving)."""
         if workers < 0:
             raise ValueError("capacity cannot be negative")
-        self.store.put(self.KEY, json.dumps({"workers": workers, "reason": reason}).encode())
+        self.store.put(self.KEY, json.dumps(CapacityDoc(workers=workers, reason=reason)).encode())
 
     def assign(self, workers: int, reason: str) -> None:
         """A scheduler gives the run ``workers`` hosts: hosts beyond it get a notice; none holds the run queued."""
         if workers < 0:
             raise ValueError("capacity cannot be negative")
-        doc = {"workers": workers, "reason": reason, "assigned": True}  # hosts that come back are new ones
+        doc = CapacityDoc(workers=workers, reason=reason, assigned=True)  # hosts that come back are new ones
         self.store.put(self.KEY, json.dumps(doc).encode())
 
     def leave(self, host: str, reason: str = "") -> None:
@@ -74,5 +83,5 @@ class LocalCapacity:
             return
         leaving = sorted({*(doc.get("leaving") or []), host})
         workers = int(doc["workers"]) if doc.get("assigned") else max(int(doc["workers"]) - 1, 0)
-        new = {**doc, "workers": workers, "reason": reason or doc.get("reason", ""), "leaving": leaving}
+        new: CapacityDoc = {**doc, "workers": workers, "reason": reason or doc.get("reason", ""), "leaving": leaving}
         self.store.put(self.KEY, json.dumps(new).encode())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,7 @@ from training.elastic.wire import ReportType
 from training.elastic.worker_link import Assignment, Reporter, leave
 
 if TYPE_CHECKING:
+    from training.checkpoint.ledger import CheckpointRecord
     from training.config import Config
     from training.sections import DataSection
 
@@ -159,7 +161,7 @@ def restore_persistent(
     trainer: Any,
     mngr: Any,
     ledger: Any,
-    states: dict[int, dict[str, Any]],
+    states: Mapping[int, CheckpointRecord],
     pins: Pins,
 ) -> tuple[Any, DataPosition]:
     """Committed checkpoint ``step``, checked and resharded onto this round's mesh, and its data position.
@@ -180,7 +182,8 @@ def restore_persistent(
             leave(rep, WorkerExit.CORRUPT)
         raise
     pins.unpin(step)
-    if a.rank == 0 and str(states.get(step, {}).get("state", "committed")) not in USABLE_STATES:
+    record = states.get(step)
+    if a.rank == 0 and (record["state"] if record else "committed") not in USABLE_STATES:
         # A later save of a step whose unusable one was moved out: its commit is on record from now on.
         ledger.record(step, "committed", reason="committed by Orbax; its writer did not live to record it")
     return state, pos

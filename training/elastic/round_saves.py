@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from training.checkpoint.resume import DataPosition
 from training.checkpoint.steps import is_committed
@@ -39,6 +39,19 @@ class Pins:
 
         if step in self.keys:
             unpin(self.store, self.keys.pop(step))
+
+
+class SaveCost(TypedDict, total=False):
+    """What a persistent save cost, reported with its commit: when it started (``t0``, dropped then), its bytes, the
+    host copy's bound at this machine's bandwidth, the loop's pause, the save thread's and the write's seconds."""
+
+    t0: float
+    bytes: int
+    copy_bound_s: float
+    copy_GBps: float
+    blocking_s: float
+    save_s: float
+    write_s: float
 
 
 class Saver:
@@ -73,7 +86,7 @@ class Saver:
         self.bg = BackgroundSave(abstract, "rtrain-save", background=background, gather_small=packs_small(mngr))
         self.raise_failure, self.wait_saved = raise_failure, wait_saved  # a failed commit's error, seen every step
         self.nbytes: int | None = None
-        self.cost: dict[str, Any] = {}
+        self.cost: SaveCost = {}
 
     def _commit(self, step: int) -> None:
         # An async save that failed raises here; a step is reported committed only when finalised.
@@ -121,12 +134,9 @@ class Saver:
         if self.nbytes is None:
             self.nbytes = ckpt.local_bytes(state)  # the same at every save of this round's mesh
         nbytes, bandwidth = self.nbytes, ckpt.copy_bandwidth()
-        self.cost = {
-            "t0": t0,
-            "bytes": nbytes,
-            "copy_bound_s": round(nbytes / bandwidth, 6),
-            "copy_GBps": round(bandwidth / 1e9, 2),
-        }
+        self.cost = SaveCost(
+            t0=t0, bytes=nbytes, copy_bound_s=round(nbytes / bandwidth, 6), copy_GBps=round(bandwidth / 1e9, 2)
+        )
 
         def start(state: Any) -> None:
             self.pins.pin(step, "save")

@@ -14,6 +14,7 @@ The attention kernel is :func:`training.models.attention.attention`'s ``impl``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -29,7 +30,7 @@ __all__ = ["Llama", "LlamaConfig", "attention_mask", "cross_entropy", "reference
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _save = jax.checkpoint_policies.save_only_these_names
 # What each block keeps for the backward pass; the rest is recomputed ("none": no rematerialisation).
-REMAT_POLICIES: dict[str, Any] = {
+REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,  # only the block's input
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # every projection's output
