@@ -29,6 +29,7 @@ from training.gke import (
     GKECapacity,
     GKELaunch,
     GKEManifests,
+    K8sObject,
     TPUSlice,
     check_config,
     describe_waiting,
@@ -52,7 +53,7 @@ class KubeJobSets:
         self.custom = k8s.CustomObjectsApi(api_client)
         self.core = k8s.CoreV1Api(api_client)
 
-    def create(self, manifests: GKEManifests) -> dict[str, Any]:
+    def create(self, manifests: GKEManifests) -> K8sObject:
         """Create the JobSet and its headless Service; a JobSet of the same name is re-attached to.
 
         The Service is owned by the JobSet (``ownerReferences``), so deleting the JobSet, by us or
@@ -119,7 +120,7 @@ class KubeJobSets:
             events_after=after,
         )
 
-    def get(self, name: str, namespace: str) -> dict[str, Any] | None:
+    def get(self, name: str, namespace: str) -> K8sObject | None:
         try:
             return dict(
                 self.custom.get_namespaced_custom_object(JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL, name)

@@ -28,6 +28,7 @@ from training.gke.names import (
     JOBSET_VERSION,
     NODEPOOL_LABEL,
     GKEConfigError,
+    K8sObject,
 )
 from training.gke.reaper import replaced_leaders
 from training.gke.tpu import TPUSlice
@@ -45,6 +46,7 @@ __all__ = [
     "GKELaunch",
     "GKEManifests",
     "GKESettings",
+    "K8sObject",
     "TPUSlice",
     "check_config",
     "check_launch",

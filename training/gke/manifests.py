@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from training.gke.launch import GKELaunch, check_slices, dataset_bucket
 from training.gke.names import (
@@ -53,6 +53,7 @@ from training.gke.names import (
     TOPOLOGY_LABEL,
     TPU_RESOURCE,
     TPU_RUNTIME_PORT,
+    K8sObject,
     coordinator_address,
     jobset_name,
     label_value,
@@ -75,22 +76,22 @@ class GKEManifests:
 
     name: str
     namespace: str
-    service: dict[str, Any]
-    jobset: dict[str, Any]
+    service: K8sObject
+    jobset: K8sObject
     num_slices: int
     num_processes: int
     coordinator: str
 
 
-def _env(name: str, value: str | int) -> dict[str, Any]:
+def _env(name: str, value: str | int) -> K8sObject:
     return {"name": name, "value": str(value)}
 
 
-def _env_field(name: str, path: str) -> dict[str, Any]:
+def _env_field(name: str, path: str) -> K8sObject:
     return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
 
 
-def render_service(name: str, namespace: str, labels: Mapping[str, str]) -> dict[str, Any]:
+def render_service(name: str, namespace: str, labels: Mapping[str, str]) -> K8sObject:
     """The headless Service that gives every pod of the JobSet a DNS name before it is ready.
 
     The JobSet controller uses an existing Service named like the subdomain
@@ -142,7 +143,7 @@ def render(cfg: Config, tpu: TPUSlice, launch: GKELaunch, job: str, num_slices: 
     )
 
 
-def _container(cfg: Config, tpu: TPUSlice, launch: GKELaunch, job: str, name: str) -> dict[str, Any]:
+def _container(cfg: Config, tpu: TPUSlice, launch: GKELaunch, job: str, name: str) -> K8sObject:
     """The agent's container: the entrypoint, its environment, its ports and the host's TPU chips."""
     env = [
         _env("RTRAIN_JOB", job),
@@ -179,10 +180,10 @@ def _container(cfg: Config, tpu: TPUSlice, launch: GKELaunch, job: str, name: st
     }
 
 
-def _volumes(cfg: Config, launch: GKELaunch, container: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, str]]:
+def _volumes(cfg: Config, launch: GKELaunch, container: K8sObject) -> tuple[list[K8sObject], dict[str, str]]:
     """(the pod's volumes, the pod annotations they need); mounts them in ``container`` and adds their env."""
-    volumes: list[dict[str, Any]] = []
-    mounts: list[dict[str, Any]] = []
+    volumes: list[K8sObject] = []
+    mounts: list[K8sObject] = []
     pod_annotations: dict[str, str] = {}
     env = container["env"]
     if cfg.checkpoint.local_checkpoint_every:
@@ -220,14 +221,12 @@ def _volumes(cfg: Config, launch: GKELaunch, container: dict[str, Any]) -> tuple
     return volumes, pod_annotations
 
 
-def _pod_spec(
-    tpu: TPUSlice, launch: GKELaunch, container: dict[str, Any], volumes: list[dict[str, Any]]
-) -> dict[str, Any]:
+def _pod_spec(tpu: TPUSlice, launch: GKELaunch, container: K8sObject, volumes: list[K8sObject]) -> K8sObject:
     """One host's pod: on a node of the slice's shape (and pools), never restarted in place."""
     node_selector = {ACCELERATOR_LABEL: tpu.accelerator, TOPOLOGY_LABEL: tpu.topology}
     if launch.spot:
         node_selector[SPOT_LABEL] = "true"
-    pod_spec: dict[str, Any] = {
+    pod_spec: K8sObject = {
         "restartPolicy": "Never",  # the Job recreates a failed pod (podFailurePolicy needs Never)
         "terminationGracePeriodSeconds": launch.pod_grace_s,
         "nodeSelector": node_selector,
@@ -261,8 +260,8 @@ def _job_template(
     labels: dict[str, str],
     annotations: dict[str, str],
     pod_annotations: dict[str, str],
-    pod_spec: dict[str, Any],
-) -> dict[str, Any]:
+    pod_spec: K8sObject,
+) -> K8sObject:
     """The Job of one slice: an indexed pod per host, recreated when it fails."""
     return {
         "metadata": {"labels": dict(labels), "annotations": dict(annotations)},
@@ -304,9 +303,9 @@ def _jobset(
     launch: GKELaunch,
     labels: dict[str, str],
     annotations: dict[str, str],
-    job_template: dict[str, Any],
+    job_template: K8sObject,
     num_slices: int,
-) -> dict[str, Any]:
+) -> K8sObject:
     """The JobSet: ``num_slices`` copies of the slice's Job, one slice per node pool, admitted whole by Kueue."""
     jobset_annotations = dict(annotations)
     jobset_labels = dict(labels)
@@ -342,7 +341,7 @@ def priority_class_name(priority: str) -> str:
     return f"rtrain-{priority}"
 
 
-def workload_priority_classes() -> list[dict[str, Any]]:
+def workload_priority_classes() -> list[K8sObject]:
     """Kueue's WorkloadPriorityClass for each priority level (applied once per cluster)."""
     return [
         {

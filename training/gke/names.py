@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import re
+from typing import Any
+
+# A Kubernetes object, or a part of one (a pod spec, a container, a volume), as its API's JSON: free-form.
+K8sObject = dict[str, Any]
 
 # --- GKE / JobSet names we rely on -------------------------------------------
 JOBSET_GROUP = "jobset.x-k8s.io"

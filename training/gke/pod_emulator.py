@@ -33,7 +33,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from training.cpu_devices import cpu_xla_flags
 from training.gke.manifests import GKEManifests
@@ -42,6 +41,7 @@ from training.gke.names import (
     NODEPOOL_LABEL,
     SPOT_SHUTDOWN_GRACE_S,
     TPU_RESOURCE,
+    K8sObject,
 )
 from training.gke.pod_specs import (
     Node,
@@ -90,8 +90,8 @@ class _Index:
 class _Kubelet:
     """The node side of the emulated cluster: nodes, placing and starting pods, ending them."""
 
-    jobset: dict[str, Any]
-    job_spec: dict[str, Any]
+    jobset: K8sObject
+    job_spec: K8sObject
     slices: int
     hosts: int
     workdir: Path
@@ -296,7 +296,7 @@ class EmulatedJobSet(_Kubelet):
         """The slices whose nodes are all ready."""
         return {j for j in range(self.slices) if all(n.ready for n in self.nodes.values() if n.slice == j)}
 
-    def objects(self) -> list[dict[str, Any]]:
+    def objects(self) -> list[K8sObject]:
         """The pods as API objects (with status), as ``kubectl get pods -o json`` lists them."""
         self._check()
         with self._lock:
@@ -307,7 +307,7 @@ class EmulatedJobSet(_Kubelet):
             container = job_container(self.job_spec)["name"]
             return [pod_object(p, container, pending) for p in self._pods() if not p.removed]
 
-    def object(self) -> dict[str, Any]:
+    def object(self) -> K8sObject:
         """The JobSet as an API object, with its terminal condition once it has one."""
         self._check()
         conditions = []

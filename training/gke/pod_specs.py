@@ -18,6 +18,7 @@ from training.gke.names import (
     EXCLUSIVE_TOPOLOGY_ANNOTATION,
     JOB_INDEX_LABEL,
     JOBSET_NAME_LABEL,
+    K8sObject,
 )
 
 REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
@@ -34,7 +35,7 @@ class Pod:
     name: str
     slice: int
     index: int
-    obj: dict[str, Any]
+    obj: K8sObject
     created: float = field(default_factory=time.time)
     ip: str = ""
     node: str = ""
@@ -78,7 +79,7 @@ def pod_ip(n: int, net: int = 1) -> str:
     return f"127.{net}.{n // 250}.{n % 250 + 2}"
 
 
-def expand_pod(jobset: Mapping[str, Any], slice_: int, index: int, suffix: str) -> dict[str, Any]:
+def expand_pod(jobset: Mapping[str, Any], slice_: int, index: int, suffix: str) -> K8sObject:
     """The pod the JobSet (its Job ``slice_``) and the Job controller (index ``index``) make of the template.
 
     The JobSet's exclusive-topology annotation reaches the pod as JobSet v0.12.0 puts it there
@@ -137,7 +138,7 @@ def admit(pod: Pod, pods: list[Pod], nodes: Mapping[str, Node]) -> str:
     return ""
 
 
-def expand_pods(jobset: Mapping[str, Any]) -> list[dict[str, Any]]:
+def expand_pods(jobset: Mapping[str, Any]) -> list[K8sObject]:
     """Every pod of a JobSet, as the controllers first make them (slice-major)."""
     (rjob,) = jobset["spec"]["replicatedJobs"]
     hosts = rjob["template"]["spec"]["completions"]
@@ -216,13 +217,13 @@ def kubelet_env(pod: Pod, container: Mapping[str, Any], volumes: Mapping[str, Pa
     return {**env, "HOSTNAME": hostname, "KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": "443"}
 
 
-def pod_object(pod: Pod, container: str, pending: str) -> dict[str, Any]:
+def pod_object(pod: Pod, container: str, pending: str) -> K8sObject:
     """The pod as an API object with its status (``pending``: why a pod not yet placed waits)."""
     obj = {**pod.obj, "metadata": dict(pod.obj["metadata"])}
     if pod.deleting_since is not None and pod.exit_code is None and not pod.disruption:
         # Deleted through the API; a node's shutdown (a Spot reclaim) ends the pod without one.
         obj["metadata"]["deletionTimestamp"] = rfc3339(pod.deleting_since)
-    status: dict[str, Any] = {"phase": pod.phase}
+    status: K8sObject = {"phase": pod.phase}
     conditions = []
     if pod.disruption:
         disrupted = {"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet"}
@@ -231,7 +232,7 @@ def pod_object(pod: Pod, container: str, pending: str) -> dict[str, Any]:
         conditions.append({"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": pending})
     else:
         status["podIP"] = pod.ip
-        state: dict[str, Any] = {"running": {}}
+        state: K8sObject = {"running": {}}
         if pod.exit_code is not None:
             reason = "Completed" if not pod.exit_code else "Error"
             state = {"terminated": {"exitCode": pod.exit_code, "reason": reason}}
@@ -254,7 +255,7 @@ def hosts_text(jobset: Mapping[str, Any], pods: list[Pod]) -> bytes:
     return ("\n".join(lines) + "\n").encode()
 
 
-def job_container(job_spec: Mapping[str, Any]) -> dict[str, Any]:
+def job_container(job_spec: Mapping[str, Any]) -> K8sObject:
     (container,) = job_spec["template"]["spec"]["containers"]
     return dict(container)
 
