@@ -15,7 +15,7 @@ import json
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import ml_dtypes
 import numpy as np
@@ -28,13 +28,33 @@ TOKENIZER_FILE = "tokenizer.json"
 ARCHITECTURE = "LlamaForCausalLM"
 LLAMA3_BANDS = (1.0, 4.0)  # Llama 3's RoPE scaling: low_freq_factor and high_freq_factor (as our Llama has them)
 SHARD_BYTES = 4 << 30  # an exported file holds at most this much (Hugging Face's own default is 5 GB)
-DTYPES: dict[str, Any] = {
+DTYPES: dict[str, np.dtype[Any]] = {
     "F64": np.dtype(np.float64),
     "F32": np.dtype(np.float32),
     "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16),
 }
 NAMES = {v: k for k, v in DTYPES.items()}
+# A Hugging Face ``config.json``: another project's document, free-form.
+HFConfig = dict[str, Any]
+
+
+class LlamaKeys(TypedDict, total=False):
+    """The model section's keys a Llama ``config.json`` sets (the RoPE scaling's context only when it scales)."""
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    norm_eps: float
+    tie_embeddings: bool
+    rope_theta: float
+    rope_scaling: float
+    rope_original_context: int
+
+
 # The config's model keys that a Hugging Face config.json sets.
 MODEL_KEYS = (
     "vocab_size",
@@ -114,7 +134,7 @@ def read_tensor(store: Store, info: TensorInfo) -> np.ndarray:
 
 def write_safetensors(path: Path, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> None:
     """Write ``tensors`` as one safetensors file (header padded to 8 bytes, data in the header's order)."""
-    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    header: dict[str, object] = {"__metadata__": dict(metadata)}  # the file's JSON header
     offset = 0
     for name, arr in tensors.items():
         header[name] = {
@@ -167,7 +187,7 @@ class Checkpoint:
         return read_tensor(self.store, info)
 
 
-def read_config(store: Store) -> dict[str, Any]:
+def read_config(store: Store) -> HFConfig:
     """A checkpoint's ``config.json``."""
     try:
         raw = store.get(CONFIG_FILE)
@@ -182,7 +202,7 @@ def read_config(store: Store) -> dict[str, Any]:
     return data
 
 
-def model_keys(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
+def model_keys(hf: Mapping[str, Any], where: str) -> LlamaKeys:
     """The config's model keys a Llama ``config.json`` sets; anything this Llama cannot be is refused by name."""
     archs = hf.get("architectures") or []
     if ARCHITECTURE not in archs and not (not archs and hf.get("model_type") == "llama"):
@@ -198,16 +218,16 @@ def model_keys(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
             raise HFError(f"{where}: {key} is {got!r}; this Llama has {want!r} only")
     try:
         d_model, n_heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-        keys: dict[str, Any] = {
-            "vocab_size": int(hf["vocab_size"]),
-            "d_model": d_model,
-            "n_layers": int(hf["num_hidden_layers"]),
-            "n_heads": n_heads,
-            "n_kv_heads": int(hf.get("num_key_value_heads") or n_heads),
-            "d_ff": int(hf["intermediate_size"]),
-            "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        }
+        keys = LlamaKeys(
+            vocab_size=int(hf["vocab_size"]),
+            d_model=d_model,
+            n_layers=int(hf["num_hidden_layers"]),
+            n_heads=n_heads,
+            n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+            d_ff=int(hf["intermediate_size"]),
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        )
     except KeyError as e:
         raise HFError(f"{where}: no {e.args[0]}") from None
     head_dim = hf.get("head_dim")
@@ -216,22 +236,22 @@ def model_keys(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
     return keys | rope_keys(hf, where)
 
 
-def rope_keys(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
+def rope_keys(hf: Mapping[str, Any], where: str) -> LlamaKeys:
     """The RoPE keys: ``rope_parameters`` (transformers 5) or ``rope_theta`` with ``rope_scaling`` (before)."""
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     kind = rope.get("rope_type", rope.get("type", "default"))
     theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     if kind == "default":
-        return {"rope_theta": theta, "rope_scaling": 0.0}
+        return LlamaKeys(rope_theta=theta, rope_scaling=0.0)
     if kind != "llama3":
         raise HFError(f"{where}: rope type {kind!r}; this Llama has plain RoPE or Llama 3's (rope_type llama3)")
     try:
         bands = (float(rope["low_freq_factor"]), float(rope["high_freq_factor"]))
-        keys = {
-            "rope_theta": theta,
-            "rope_scaling": float(rope["factor"]),
-            "rope_original_context": int(rope["original_max_position_embeddings"]),
-        }
+        keys = LlamaKeys(
+            rope_theta=theta,
+            rope_scaling=float(rope["factor"]),
+            rope_original_context=int(rope["original_max_position_embeddings"]),
+        )
     except KeyError as e:
         raise HFError(f"{where}: rope_scaling has no {e.args[0]}") from None
     if bands != LLAMA3_BANDS:
@@ -242,9 +262,9 @@ def rope_keys(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
     return keys
 
 
-def hf_config(model: Any, dtype: str) -> dict[str, Any]:
+def hf_config(model: Any, dtype: str) -> HFConfig:
     """A ``config.json`` for a Llama of config ``model`` (a ``LlamaConfig``), weights stored as ``dtype``."""
-    out: dict[str, Any] = {
+    out: HFConfig = {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
         "vocab_size": model.vocab_size,
@@ -405,7 +425,7 @@ def write_checkpoint(
 class CheckpointKeys:
     """What a checkpoint sets in a run's config: the model's keys, and its tokenizer.json (None: it has none)."""
 
-    model: dict[str, Any]
+    model: LlamaKeys
     tokenizer: str | None
 
 
