@@ -16,6 +16,7 @@ from array_record.python.array_record_module import ArrayRecordReader
 
 from training import data
 from training.data import preparation
+from training.data.preparation import Manifest
 from training.storage import open_store
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,7 +34,7 @@ def write_corpus(root: Path, n_files: int = 12) -> dict[str, bytes]:
     return files
 
 
-def tiny_prepare(source: str, out: Path | str, **kw) -> dict:
+def tiny_prepare(source: str, out: Path | str, **kw) -> Manifest:
     kw = {"val_fraction": 0.2, "records_per_shard": 16, **kw}
     return data.prepare(source, str(out), SEQ_LEN, **kw)
 

@@ -15,6 +15,7 @@ from array_record.python.array_record_module import ArrayRecordReader
 
 from training import data
 from training.data import formats, tokenizer
+from training.data.preparation import Manifest
 from training.data.tokens import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,7 +62,7 @@ def write_hf(root: Path, docs: list[str]) -> str:
     return str(root)
 
 
-def prep(source: str, out: Path, **kw: object) -> dict:
+def prep(source: str, out: Path, **kw: object) -> Manifest:
     kw = {"val_fraction": 0.2, "records_per_shard": 16, **kw}
     return data.prepare(source, str(out), SEQ_LEN, **kw)  # type: ignore[arg-type]
 
