@@ -158,3 +158,30 @@ def test_an_injected_outage_fails_only_the_stores_under_its_root_as_their_kind_f
     finally:
         storage.disturb("", 0)
     gcs.put("status.json", b"{}")
+
+
+def test_a_gs_root_whose_bucket_is_deleted_raises_root_gone_on_writes_and_listings(gcs_emulator) -> None:
+    """Once its bucket is deleted, a gs:// root's writes and listings fail for good, naming the root and the bucket;
+    a read of one object is still just "not found"."""
+    import uuid
+
+    from training.storage import RootGone, gcs_client, is_transient
+
+    name = f"gone-{uuid.uuid4().hex[:8]}"
+    bucket = gcs_client().create_bucket(name)  # type: ignore[attr-defined]
+    store = open_store(f"gs://{name}/runs/r")
+    store.put("status.json", b"{}")
+    store.delete("status.json")
+    bucket.delete()
+    said = f"the run root gs://{name}/runs/r is gone \\(bucket {name} not found\\)"
+    for call in (
+        lambda: store.put("status.json", b"{}"),
+        lambda: store.create("lock/000000000001.json", b"{}"),
+        lambda: store.put_parts("shards.bin", [memoryview(b"ab")]),
+        lambda: store.list("lock/"),
+    ):
+        with pytest.raises(RootGone, match=said) as gone:
+            call()
+        assert not is_transient(gone.value)
+    with pytest.raises(NotFound):
+        store.get("status.json")

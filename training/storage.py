@@ -27,7 +27,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -42,9 +42,9 @@ class NotFound(Exception):
 
 
 class RootGone(FileNotFoundError):
-    """A local store's root directory, there before, is gone (renamed, deleted, its volume unmounted): a lasting failure."""
+    """A store's root, there before, is gone (a directory renamed, deleted or unmounted; a bucket deleted): a lasting failure."""
 
-    def __init__(self, root: Path, why: str = "No such file or directory") -> None:
+    def __init__(self, root: Path | str, why: str = "No such file or directory") -> None:
         super().__init__(errno.ENOENT, f"the run root {root} is gone ({why})", str(root))
 
 
@@ -438,18 +438,32 @@ class GCSStore:
     def child(self, key: str) -> str:
         return "gs://" + self.bucket_name + "/" + self._name(key)
 
+    @contextlib.contextmanager
+    def _bucket_there(self) -> Iterator[None]:
+        """RootGone for a write or listing answered "not found": only a bucket that is gone answers them so."""
+        from google.api_core import exceptions
+        from google.cloud.storage.exceptions import InvalidResponse  # a resumable upload's
+
+        try:
+            yield
+        except (exceptions.NotFound, InvalidResponse) as e:
+            if isinstance(e, InvalidResponse) and getattr(e.response, "status_code", None) != 404:
+                raise
+            raise RootGone(self.uri, f"bucket {self.bucket_name} not found") from None
+
     def put(self, key: str, data: bytes) -> None:
         _count("put", key, self.uri)
         from google.cloud.storage.retry import DEFAULT_RETRY
 
-        self.bucket.blob(self._name(key)).upload_from_string(data, retry=DEFAULT_RETRY)
+        with self._bucket_there():
+            self.bucket.blob(self._name(key)).upload_from_string(data, retry=DEFAULT_RETRY)
 
     def put_parts(self, key: str, parts: Iterable[memoryview]) -> None:
         """Upload an object from its parts as a stream (a resumable upload), without joining them in memory."""
         _count("put", key, self.uri)
         from google.cloud.storage.retry import DEFAULT_RETRY
 
-        with self.bucket.blob(self._name(key)).open("wb", retry=DEFAULT_RETRY) as f:
+        with self._bucket_there(), self.bucket.blob(self._name(key)).open("wb", retry=DEFAULT_RETRY) as f:
             for part in parts:
                 f.write(part)
 
@@ -463,7 +477,8 @@ class GCSStore:
         if blob.exists(retry=DEFAULT_RETRY):
             raise AlreadyExists(self.child(key))
         try:
-            blob.upload_from_string(data, if_generation_match=0, retry=DEFAULT_RETRY)
+            with self._bucket_there():
+                blob.upload_from_string(data, if_generation_match=0, retry=DEFAULT_RETRY)
         except exceptions.PreconditionFailed:
             raise AlreadyExists(self.child(key)) from None
 
@@ -503,10 +518,11 @@ class GCSStore:
 
         full = self._name(prefix) if prefix else (self.prefix + "/" if self.prefix else "")
         strip = len(self.prefix) + 1 if self.prefix else 0
-        names = [
-            b.name[strip:]
-            for b in self.client.list_blobs(self.bucket_name, prefix=full, retry=DEFAULT_RETRY)  # type: ignore[attr-defined]
-        ]
+        with self._bucket_there():
+            names = [
+                b.name[strip:]
+                for b in self.client.list_blobs(self.bucket_name, prefix=full, retry=DEFAULT_RETRY)  # type: ignore[attr-defined]
+            ]
         return sorted(names)
 
     def checksums(self, prefix: str = "") -> dict[str, builtins.list[int]]:
