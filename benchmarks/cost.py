@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.checkpoints import CKPT_PRESET, REALISTIC_STEP_S, preset_dataset
 from benchmarks.jobs import (
     FIRST_STEPS,
     LOG_EVERY,
@@ -38,7 +39,7 @@ def plain_loop() -> int:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    cfg = load_config("tiny", None, json.loads(os.environ["BENCH_CFG"]))
+    cfg = load_config(os.environ.get("BENCH_PRESET", "tiny"), None, json.loads(os.environ["BENCH_CFG"]))
     n, pid = int(os.environ["BENCH_N"]), int(os.environ["BENCH_PID"])
     jax.config.update("jax_compilation_cache_dir", os.path.abspath(cfg.placement.compilation_cache))
     jax.distributed.initialize(os.environ["BENCH_COORD"], n, pid)
@@ -170,6 +171,7 @@ def _plain_times(cfg: Config, window: tuple[int, ...], lower: bool, poll: bool =
         env = {
             **os.environ,
             "BENCH_CFG": json.dumps(over),
+            "BENCH_PRESET": cfg.preset,
             "BENCH_N": str(WORKERS),
             "BENCH_PID": str(pid),
             "BENCH_COORD": f"127.0.0.1:{port}",
@@ -195,8 +197,10 @@ def _plain_times(cfg: Config, window: tuple[int, ...], lower: bool, poll: bool =
 
 def bench_cost(ws: Path, repeats: int) -> dict[str, Any]:
     """Tokens/s of the engine against a hand-written ``jit`` loop (same model, loss, optimizer, data and mesh;
-    no agent, no checkpoints, no events) in steady state; a round's first steps (each host's next standby
-    warming up on the same cores) reported apart; and MFU against a large matmul's FLOP/s here.
+    no agent, no checkpoints, no events) in steady state, at a realistic step (the ``small`` preset, as the
+    checkpoint rows); a round's first steps (each host's next standby warming up on the same cores) reported
+    apart; the same pair on the tiny model, whose steps are shorter than a save's fixed CPU; and MFU against a
+    large matmul's FLOP/s here.
 
     The figure's plain loop waits for each step as the engine does (sleeping between looks,
     ``training.ready``) and lowers its collectives' transport threads as the engine does: the ratio
@@ -207,27 +211,40 @@ def bench_cost(ws: Path, repeats: int) -> dict[str, Any]:
     are multiples of it), not the other figures' 1: an event and a status write per step cost its
     agents and the local slice 3.6 ms of CPU a step more on these two cores, which the steps share."""
     steps, (lo, hi), (flo, fhi) = STEADY_STEPS, STEADY, FIRST_STEPS
-    tok = 16 * 64
+    realistic = {"preset": CKPT_PRESET, "dataset": preset_dataset(ws, CKPT_PRESET)}
+    cfg = bench_cfg(ws, "cost-0", **realistic)
+    tok = cfg.optimizer.global_batch * cfg.model.seq_len
 
-    def rate(times: list[float], a: int, b: int) -> float:  # times[i] ends step i+1, as the progress event i+1
-        return tok / ((times[b - 1] - times[a - 1]) / (b - a))
+    def rate(times: list[float], a: int, b: int, per_step: int = tok) -> float:  # times[i] ends step i+1
+        return per_step / ((times[b - 1] - times[a - 1]) / (b - a))
 
-    engine, unsaved, plain, as_is, polled, engine_first, plain_first = [], [], [], [], [], [], []
+    engine, unsaved, plain, as_is, polled, engine_first, plain_first, step_s = [], [], [], [], [], [], [], []
+    tiny_engine, tiny_polled = [], []
     for r in range(repeats):
-        cfg = bench_cfg(ws, f"cost-{r}", steps=steps, checkpoint_every=10, log_every=LOG_EVERY)
+        cfg = bench_cfg(ws, f"cost-{r}", **realistic, steps=steps, checkpoint_every=10, log_every=LOG_EVERY)
         evs = run_job(cfg)
-        engine.append(tok / window_step_time(evs, lo, hi))
+        step_s.append(window_step_time(evs, lo, hi))
+        engine.append(tok / step_s[-1])
         engine_first.append(tok / window_step_time(evs, flo, fhi))
         # The same engine with no save in the window: what the engine's own machinery costs.
-        quiet = bench_cfg(ws, f"cost-unsaved-{r}", steps=steps, checkpoint_every=steps, log_every=LOG_EVERY)
+        quiet = bench_cfg(
+            ws, f"cost-unsaved-{r}", **realistic, steps=steps, checkpoint_every=steps, log_every=LOG_EVERY
+        )
         unsaved.append(tok / window_step_time(run_job(quiet), lo, hi))
         times = _plain_times(cfg, (flo, fhi, lo, hi), lower=True, poll=True)
         polled.append(rate(times, lo, hi))
         plain_first.append(rate(times, flo, fhi))
         plain.append(rate(_plain_times(cfg, (lo, hi), lower=True), lo, hi))
         as_is.append(rate(_plain_times(cfg, (lo, hi), lower=False), lo, hi))
-    cfg = bench_cfg(ws, "cost-0")
+        # The tiny model at the same cadence: its ~65 ms steps are shorter than Orbax's fixed CPU per save.
+        tiny = bench_cfg(ws, f"cost-tiny-{r}", steps=steps, checkpoint_every=10, log_every=LOG_EVERY)
+        tiny_tok = tiny.optimizer.global_batch * tiny.model.seq_len
+        tiny_engine.append(tiny_tok / window_step_time(run_job(tiny), lo, hi))
+        tiny_polled.append(rate(_plain_times(tiny, (lo, hi), lower=True, poll=True), lo, hi, tiny_tok))
     return {
+        "preset": CKPT_PRESET,
+        "step_s": step_s,
+        "realistic_step_s": REALISTIC_STEP_S,
         "devices": WORKERS * cfg.placement.devices_per_worker,
         "model_flops_per_token": model_flops_per_token(cfg.model),
         "matmul_flops_per_s": matmul_flops_per_s(),
@@ -241,6 +258,9 @@ def bench_cost(ws: Path, repeats: int) -> dict[str, Any]:
         # The round's first steps, while the standbys warm up beside them: a cost paid once a round.
         "engine_first_steps_tokens_per_s": engine_first,
         "plain_first_steps_tokens_per_s": plain_first,
+        # The tiny model, engine and plain loop given the same wait: the same cadence at a step too short.
+        "tiny_engine_tokens_per_s": tiny_engine,
+        "tiny_plain_polled_tokens_per_s": tiny_polled,
         "windows": {"steady": list(STEADY), "first_steps": list(FIRST_STEPS)},
     }
 

@@ -155,8 +155,34 @@ def cost_rows(k: Result) -> list[Row]:
 
     flops, peak = k["model_flops_per_token"], k["matmul_flops_per_s"]
     devices = k["devices"]
+    judged = (
+        [
+            note(
+                "judged_at",
+                "  judged at",
+                f"the {k['preset']} preset: {statistics.median(k['step_s']) * 1e3:.0f} ms/step "
+                f"(>= {k['realistic_step_s'] * 1e3:.0f} ms), a save every 10",
+            )
+        ]
+        if k.get("step_s")
+        else []
+    )
+    tiny = (
+        [
+            against(
+                "tiny",
+                "  the tiny model (~65 ms steps)",
+                k["tiny_engine_tokens_per_s"],
+                k["tiny_plain_polled_tokens_per_s"],
+            )
+        ]
+        if k.get("tiny_engine_tokens_per_s")
+        else []
+    )
     return [
         against("cost", "cost of resilience", engine, polled, ">= 0.95"),
+        *judged,
+        *tiny,
         against("without_saves", "  engine without saves", k["engine_without_saves_tokens_per_s"], polled),
         against(
             "first_steps",
