@@ -46,29 +46,22 @@ def preset_dataset(ws: Path, preset: str) -> str:
     return str(path)
 
 
-def formats_to_compare() -> tuple[str, str]:
-    """The engine's default persistent format, and the other one measured beside it (lean against Orbax's)."""
-    from training.config import load_config
-
-    default = load_config(CKPT_PRESET, None, {}).checkpoint.checkpoint_format
-    return default, ("ocdbt" if default == "lean" else "lean")
-
-
 def bench_checkpoint_overhead(
     ws: Path, repeats: int, ks: tuple[int, ...] = (5, 20), quick: bool = False
 ) -> dict[str, Any]:
-    """Interleaved runs of the small preset: every K in ``ks`` in the default format, every ``ks[0]`` in the
-    other, and a run that saves only at its end; and each format's fixed cost per save (a tiny state's)."""
+    """Interleaved runs of the small preset: every K in ``ks`` in the default format and a run that saves only at
+    its end; and Orbax's fixed cost per save against lean's (a tiny state's: the formats themselves are compared
+    by the format row, ``benchmarks/formats.py``)."""
     from benchmarks.formats import bench_fixed
     from training.checkpoint.lifecycle import save_costs
+    from training.config import load_config
 
     steps, (lo, hi) = (CKPT_QUICK_STEPS, CKPT_QUICK_WINDOW) if quick else (CKPT_STEPS, CKPT_WINDOW)
-    default, other = formats_to_compare()
+    default = load_config(CKPT_PRESET, None, {}).checkpoint.checkpoint_format
     common: dict[str, Any] = {"steps": steps, "dataset": preset_dataset(ws, CKPT_PRESET), "preset": CKPT_PRESET}
     runs: dict[str, dict[str, Any]] = {
-        **{str(k): {"checkpoint_every": k, "checkpoint_format": default} for k in ks},
-        "other": {"checkpoint_every": ks[0], "checkpoint_format": other},
-        "none": {"checkpoint_every": 10_000, "checkpoint_format": default},
+        **{str(k): {"checkpoint_every": k} for k in ks},
+        "none": {"checkpoint_every": 10_000},
     }
     times: dict[str, list[float]] = {name: [] for name in runs}
     pauses, bounds = [], []
@@ -92,8 +85,6 @@ def bench_checkpoint_overhead(
         "save_pause_s": pauses,
         "copy_bound_s": bounds,
         "per_k": {str(k): {"step_s": times[str(k)]} for k in sorted(ks, reverse=True)},  # the figure first
-        # The same cadence as ks[0] in the other format.
-        "other": {"format": other, "every": ks[0], "step_s": times["other"]},
         # Each format's fixed cost per save: a state of 65 arrays of a few KiB saved alone (formats.py).
         "fixed": fixed,
         "fixed_error": error,
@@ -167,48 +158,36 @@ def _timed_read(script: str, step: Path, *args: str) -> Any:
 
 
 def bench_restore(ws: Path, repeats: int) -> dict[str, Any]:
-    """Restore throughput against a raw sequential read of the same files, for each checkpoint format.
+    """Restore throughput of the default format (Orbax's OCDBT) against a raw sequential read of the same files.
 
-    The figure reads the default (lean) format's step whole onto one device, as audits and
-    validation do.  Beside it: a worker's restore of the same step onto the trainer's own layout,
-    Orbax's format, and tensorstore alone reading its arrays, on the same state.
+    The figure reads the step whole onto one device, as audits and validation do.  Beside it: a
+    worker's restore of the same step onto the trainer's own layout, and tensorstore alone reading
+    its arrays.  (Before lean's retirement the figure read a lean step, Orbax's beside it.)
     """
     shape: dict[str, Any] = {"d_model": 512, "n_layers": 4, "d_ff": 2048, "n_heads": 8}
     one: dict[str, Any] = {"min_workers": 1, "max_workers": 1, "devices_per_worker": 1}
-    steps: dict[str, Path] = {}
-    for fmt in ("lean", "ocdbt"):
-        cfg = bench_cfg(ws, f"restore-{fmt}", steps=1, checkpoint_every=1, checkpoint_format=fmt, **shape, **one)
-        run_job(cfg)
-        steps[fmt] = Path(cfg.run_uri) / "checkpoints" / "1"
-    files = {fmt: [p for p in d.rglob("*") if p.is_file()] for fmt, d in steps.items()}
-    nbytes = {fmt: sum(p.stat().st_size for p in fs) for fmt, fs in files.items()}
-    mbps: dict[str, list[float]] = {k: [] for k in ("lean", "raw", "worker", "orbax", "orbax_raw", "ts_alone")}
+    cfg = bench_cfg(ws, "restore-default", steps=1, checkpoint_every=1, **shape, **one)
+    run_job(cfg)
+    step, run = Path(cfg.run_uri) / "checkpoints" / "1", cfg.run_uri
+    nbytes = sum(p.stat().st_size for p in step.rglob("*") if p.is_file())
+    mbps: dict[str, list[float]] = {k: [] for k in ("restore", "raw", "worker", "ts_alone")}
     for _ in range(repeats):
-        for fmt, key in (("lean", "lean"), ("ocdbt", "orbax")):
-            mbps[key].append(
-                nbytes[fmt] / _timed_read(RESTORE_ONE_DEVICE, steps[fmt], str(steps[fmt].parents[1])) / 1e6
-            )
-            mbps["raw" if fmt == "lean" else "orbax_raw"].append(
-                nbytes[fmt] / _timed_read(RESTORE_RAW, steps[fmt]) / 1e6
-            )
-        mbps["worker"].append(
-            nbytes["lean"] / _timed_read(RESTORE_WORKER, steps["lean"], str(steps["lean"].parents[1])) / 1e6
-        )
-        seconds, read = _timed_read(RESTORE_TS_ALONE, steps["ocdbt"], str(steps["ocdbt"] / "state"))
-        if read < 0.95 * nbytes["ocdbt"]:  # it must have read the arrays, all of them
-            raise RuntimeError(f"tensorstore read {read} bytes of a {nbytes['ocdbt']}-byte checkpoint")
-        mbps["ts_alone"].append(nbytes["ocdbt"] / seconds / 1e6)
+        mbps["restore"].append(nbytes / _timed_read(RESTORE_ONE_DEVICE, step, run) / 1e6)
+        mbps["raw"].append(nbytes / _timed_read(RESTORE_RAW, step) / 1e6)
+        mbps["worker"].append(nbytes / _timed_read(RESTORE_WORKER, step, run) / 1e6)
+        seconds, read = _timed_read(RESTORE_TS_ALONE, step, str(step / "state"))
+        if read < 0.95 * nbytes:  # it must have read the arrays, all of them
+            raise RuntimeError(f"tensorstore read {read} bytes of a {nbytes}-byte checkpoint")
+        mbps["ts_alone"].append(nbytes / seconds / 1e6)
     return {
-        "bytes": nbytes["lean"],
-        "restore_MBps": mbps["lean"],
+        "format": cfg.checkpoint.checkpoint_format,
+        "bytes": nbytes,
+        "restore_MBps": mbps["restore"],
         "raw_read_MBps": mbps["raw"],
         "worker_restore_MBps": mbps["worker"],
-        "orbax_bytes": nbytes["ocdbt"],
-        "orbax_restore_MBps": mbps["orbax"],
-        "orbax_raw_read_MBps": mbps["orbax_raw"],
         "tensorstore_alone_MBps": mbps["ts_alone"],
         "target": ">= 0.5",
-        "note": "same state in each format, same disk; each read is timed in a fresh process, its files evicted",
+        "note": "the default format's step; each read is timed in a fresh process, its files evicted",
     }
 
 

@@ -98,8 +98,8 @@ BREAKDOWN = {
 
 
 def checkpoint_rows(c: Result) -> list[Row]:
-    """Step time with saves every K against none (the default format; the other beside it); a save's pause
-    against its copy's bound; each format's fixed cost per save."""
+    """Step time with saves every K against none (the default format; in results from before lean's retirement,
+    the other format beside it); a save's pause against its copy's bound; each format's fixed cost per save."""
     base, fmt = c["step_s_without"], c.get("format", "lean")
     at = f"{c.get('preset', 'tiny')}, {over(base, 1e3, 0)} ms/step"
     rows = [
@@ -112,16 +112,17 @@ def checkpoint_rows(c: Result) -> list[Row]:
         )
         for every, v in c["per_k"].items()
     ]
-    o = c.get("other") or {**c["orbax"], "format": "ocdbt"}  # (results written before the format was named)
-    rows.append(
-        row(
-            "other_format",
-            f"  every {o['every']} in {o['format']} / none",
-            f"{over(o['step_s'], 1e3)} vs {over(base, 1e3)} ms/step",
-            ratios(o["step_s"], base),
-            "(reported)",
+    o = c.get("other") or ({**c["orbax"], "format": "ocdbt"} if c.get("orbax") else None)  # (earlier results)
+    if o:
+        rows.append(
+            row(
+                "other_format",
+                f"  every {o['every']} in {o['format']} / none",
+                f"{over(o['step_s'], 1e3)} vs {over(base, 1e3)} ms/step",
+                ratios(o["step_s"], base),
+                "(reported)",
+            )
         )
-    )
     if min(base) < c.get("realistic_step_s", 0.0):
         rows.append(
             note("short_step", "  step time", f"{over(base, 1e3, 0)} ms: below {c['realistic_step_s'] * 1e3:.0f} ms")
@@ -210,14 +211,20 @@ def cost_rows(k: Result) -> list[Row]:
 
 
 def restore_rows(s: Result) -> list[Row]:
-    """Restore against a raw read of the same files: onto one device, a worker's, Orbax's, tensorstore alone."""
-    raw, oraw = s["raw_read_MBps"], s["orbax_raw_read_MBps"]
-    pairs = (
+    """Restore against a raw read of the same files: onto one device, a worker's, tensorstore alone (in results from
+    before lean's retirement the figure is lean's, Orbax's format beside it)."""
+    raw = s["raw_read_MBps"]
+    pairs = [
         ("restore", "restore / raw read", s["restore_MBps"], raw, s["target"]),
         ("worker", "  a worker's restore / raw", s["worker_restore_MBps"], raw, "(reported)"),
-        ("orbax", "  Orbax's format: restore / raw", s["orbax_restore_MBps"], oraw, "(reported)"),
-        ("tensorstore", "  Orbax's format: tensorstore alone / raw", s["tensorstore_alone_MBps"], oraw, "(reported)"),
-    )
+    ]
+    ts = s["tensorstore_alone_MBps"]
+    if "orbax_restore_MBps" in s:
+        oraw = s["orbax_raw_read_MBps"]
+        pairs.append(("orbax", "  Orbax's format: restore / raw", s["orbax_restore_MBps"], oraw, "(reported)"))
+        pairs.append(("tensorstore", "  Orbax's format: tensorstore alone / raw", ts, oraw, "(reported)"))
+    else:
+        pairs.append(("tensorstore", "  tensorstore alone / raw", ts, raw, "(reported)"))
     return [row(key, fig, f"{over(a)} vs {over(b)} MB/s", ratios(a, b), t) for key, fig, a, b, t in pairs]
 
 

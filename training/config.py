@@ -185,11 +185,6 @@ class Config(_FlatKeys, RunKeys):
             )
         if self.data.tokenizer == "bytes" and self.task == "lm" and self.model.vocab_size < 256:
             raise ValueError(f"vocab_size ({self.model.vocab_size}) is below the byte tokenizer's 256")
-        if self.checkpoint.checkpoint_compression and self.checkpoint.checkpoint_format == "lean":
-            raise ValueError(
-                "checkpoint_compression applies to Orbax's formats (checkpoint_format ocdbt, zarr or auto); "
-                "the lean format is stored uncompressed"
-            )
         if self.model.init_from and self.task != "lm":
             raise ValueError(f"init_from loads a Hugging Face Llama into the built-in lm task, not task {self.task!r}")
         if self.checkpoint.resume_from not in ("latest", "none") and not self.checkpoint.resume_from.isdigit():

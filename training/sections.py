@@ -8,9 +8,17 @@ pipeline ``cfg.data``).  ``training.config.Config`` holds them in one document w
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+log = logging.getLogger("training.config")  # the config's notes (flat keys, retired values) share one logger
+_NOTED: set[str] = set()
+LEAN_RETIRED = (
+    "config: checkpoint_format lean is retired and read as auto (Orbax's OCDBT commits and restores faster: "
+    "rtrain bench --only formats); steps saved in lean still restore"
+)
 
 
 class Section(BaseModel):
@@ -188,18 +196,30 @@ class CheckpointSection(Section):
         "commit a checkpoint of it (keep below the platform's grace period: 30 s for a GKE pod by default, 15 s for "
         "a Spot preemption; a GKE Spot job is refused unless this plus 5 s fits).",
     )
-    checkpoint_format: Literal["lean", "auto", "ocdbt", "zarr"] = Field(
+    checkpoint_format: Literal["auto", "ocdbt", "zarr"] = Field(
         "auto",
-        description="How persistent checkpoints are written. ocdbt or zarr: Orbax's formats, the state's own tree "
-        "by name (a plain orbax.checkpoint restore reads a step); auto = OCDBT (on every root). "
-        "lean: each process writes the shards it is the writer of once, with an index (a tenth of Orbax's "
-        "CPU per save; only this project reads it). Steps of any format restore whatever this says.",
+        description="How persistent checkpoints are written: Orbax's formats, the state's own tree by name (a plain "
+        "orbax.checkpoint restore reads a step); auto = OCDBT (on every root), zarr = plain zarr. `lean`, this "
+        "project's own format, is retired (OCDBT commits and restores faster: `rtrain bench --only formats`) and "
+        "read as auto; steps saved in it, or in any format, restore whatever this says.",
     )
     checkpoint_compression: bool = Field(
         False,
         description="Compress checkpoint arrays with zstd, in Orbax's formats (Orbax's default). Trained weights "
         "barely compress (about 7% here) and zstd costs CPU in every save and restore, so it is off.",
     )
+
+    @field_validator("checkpoint_format", mode="before")
+    @classmethod
+    def _lean_retired(cls, v: Any) -> Any:
+        """``lean`` (retired) read as ``auto``, with a note once per process."""
+        if v != "lean":
+            return v
+        if LEAN_RETIRED not in _NOTED:
+            _NOTED.add(LEAN_RETIRED)
+            log.warning("%s", LEAN_RETIRED)
+        return "auto"
+
     val_batches: int = Field(4, ge=1, description="Evaluation batches of the held-out split per validation.")
     val_batch: int = Field(16, ge=1, description="Sequences per evaluation batch.")
     validate_on: Literal["host", "slice"] = Field(

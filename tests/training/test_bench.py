@@ -9,6 +9,7 @@ the table prints it.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -156,27 +157,23 @@ def _check(figure: dict[str, Any], key: str, a: list[float], b: list[float], tab
 
 
 @pytest.mark.slow
-def test_checkpoint_overhead_runs_the_small_preset_in_the_default_format_beside_the_other(tmp_path: Path) -> None:
-    from benchmarks.checkpoints import formats_to_compare
-
+def test_checkpoint_overhead_runs_the_small_preset_in_the_default_format(tmp_path: Path) -> None:
     proc, r = _bench(tmp_path, "--quick", "--only", "checkpoint_overhead")
     assert proc.returncode == 0, proc.stderr[-3000:]
     c, table = r["checkpoint_overhead"], proc.stdout
     base = c["step_s_without"]
     assert _check(c, "every_20", c["per_k"]["20"]["step_s"], base, table, "<= 1.03") == c["ratio"]["median"]
     _check(c, "every_5", c["per_k"]["5"]["step_s"], base, table, "<= 1.10")
-    default, other = formats_to_compare()
-    assert c["preset"] == "small" and c["format"] == default and c["other"]["format"] == other
-    _check(c, "other_format", c["other"]["step_s"], base, table, "(reported)")
+    assert c["preset"] == "small" and c["format"] == "auto"
+    # Lean is retired: no run in another format (the format row compares them); its fixed cost still reported.
+    assert "other" not in c and "other_format" not in [x["key"] for x in c["table_rows"]]
     fixed = [run["ocdbt"]["commit_s"] / run["lean"]["commit_s"] for run in c["fixed"]]
     assert len(fixed) == 1 and _row(c, "orbax_fixed")["ratio"]["values"] == pytest.approx(fixed)
-    # The figure's runs saved in the default format, the other run in the other one; the model is the small preset.
+    # The figure's runs saved in Orbax's format; the model is the small preset.
     runs = tmp_path / "var" / "bench" / "runs"
-    lean_run = "ckpt-5-0" if default == "lean" else "ckpt-other-0"
-    orbax_run = "ckpt-other-0" if default == "lean" else "ckpt-5-0"
-    assert list((runs / lean_run / "checkpoints").glob("*/lean.json"))
-    assert not list((runs / orbax_run / "checkpoints").glob("*/lean.json"))
-    assert list((runs / orbax_run / "checkpoints").glob("*/state"))
+    assert sorted(p.name for p in runs.glob("ckpt-*")) == ["ckpt-20-0", "ckpt-5-0", "ckpt-none-0"]
+    assert list((runs / "ckpt-5-0" / "checkpoints").glob("*/state"))
+    assert not list((runs / "ckpt-5-0" / "checkpoints").glob("*/lean.json"))
     saved = json.loads((runs / "ckpt-none-0" / "config.json").read_text())
     assert json.dumps(saved).count('"d_model": 128') == 1 and json.dumps(saved).count('"seq_len": 128') == 1
 
@@ -199,9 +196,11 @@ def test_the_checkpoint_rows_name_the_formats_and_report_orbax_s_fixed_cost_apar
     rows = r["table_rows"]
     assert find(rows, "every_5")["figure"] == "checkpoint every 5 (ocdbt) / none"
     assert "small, 350 [300..400] ms/step" in find(rows, "every_5")["measured"]
-    assert find(rows, "other_format")["figure"].strip() == "every 5 in lean / none"
+    assert find(rows, "other_format")["figure"].strip() == "every 5 in lean / none"  # a result from before
     assert _ratio(rows, "orbax_fixed")["values"] == pytest.approx([12.0, 12.0])
     assert "short_step" not in [x["key"] for x in rows]
+    now = bench.summarise("checkpoint_overhead", {k: v for k, v in c.items() if k != "other"}, None)
+    assert "other_format" not in [x["key"] for x in now["table_rows"]]  # lean retired: no other format run
     short = bench.summarise("checkpoint_overhead", {**c, "step_s_without": [0.06, 0.07]}, None)
     assert "below 250 ms" in find(short["table_rows"], "short_step")["measured"]
 
@@ -212,13 +211,13 @@ def test_restore_throughput_against_the_raw_read_and_tensorstore_alone(tmp_path:
     assert proc.returncode == 0, proc.stderr[-3000:]
     s, table = r["restore_throughput"], proc.stdout
     assert r["repeats"] == 2 and s["bytes"] > 100e6  # the bench's model is ~200 MB with its optimiser state
-    raw, oraw = s["raw_read_MBps"], s["orbax_raw_read_MBps"]
+    raw = s["raw_read_MBps"]
     assert len(raw) == 2 and _check(s, "restore", s["restore_MBps"], raw, table, ">= 0.5") == s["ratio"]["median"]
     _check(s, "worker", s["worker_restore_MBps"], raw, table, "(reported)")
-    # Orbax's format beside it, on the same state: its restore and tensorstore alone, each against its own files.
-    _check(s, "orbax", s["orbax_restore_MBps"], oraw, table, "(reported)")
-    _check(s, "tensorstore", s["tensorstore_alone_MBps"], oraw, table, "(reported)")
-    assert 0.8 < s["orbax_bytes"] / s["bytes"] < 1.25, s  # the same arrays, whatever the format's overhead
+    _check(s, "tensorstore", s["tensorstore_alone_MBps"], raw, table, "(reported)")
+    # The default format's step (Orbax's OCDBT), lean retired: no lean step is written or read.
+    step = tmp_path / "var" / "bench" / "runs" / "restore-default" / "checkpoints" / "1"
+    assert s["format"] == "auto" and (step / "state" / "manifest.ocdbt").exists() and not (step / "lean.json").exists()
     assert all(x > 0 for x in s["restore_MBps"] + raw + s["worker_restore_MBps"] + s["tensorstore_alone_MBps"])
     # The share of CPU time the machine's host gave to others while the figure was measured (Linux reports it).
     assert 0 <= s["cpu_steal"] < 1 and f"restore_throughput {s['cpu_steal']:.0%}" in table
@@ -450,6 +449,35 @@ def test_the_formats_figure_runs_a_size_only_where_it_fits_in_memory() -> None:
     fit, skipped = formats.media_that_fit(4096, 20 * gib)
     assert fit == ["local"] and skipped["gcs"] == "needs about 24.0 GiB of memory, 20.0 GiB available"
     assert formats.media_that_fit(4096, gib)[0] == []
+
+
+LEAN_SAVE = """
+import json, sys
+from benchmarks import formats
+from training.checkpoint import lean, manager as ckpt
+from training.config import load_config
+from training.layout import step_uri
+
+cfg = load_config("tiny", None, {"root": sys.argv[1], "run_name": "fmt-lean"})
+state = formats._state(0, formats.TINY_BYTES)
+mngr, write = formats._saver(cfg, "lean", 1)
+write(state)
+back, pos = ckpt.restore(ckpt.checkpoint_manager(cfg, cfg.run_uri), 1, state)
+print(json.dumps({"lean": lean.is_lean(step_uri(cfg.run_uri, 1)), "pos": pos}))
+"""
+
+
+def test_the_formats_figure_still_writes_lean_steps_though_no_config_chooses_lean(tmp_path: Path) -> None:
+    # The format row is the evidence lean was retired on: its lean side must be lean, not what lean now reads as.
+    out = subprocess.run(
+        [sys.executable, "-c", LEAN_SAVE, str(tmp_path / "runs")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"lean": True, "pos": {"next_batch": 1}}
 
 
 @pytest.mark.slow

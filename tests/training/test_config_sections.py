@@ -145,9 +145,10 @@ def test_an_old_flat_config_json_reads_into_the_same_sections(caplog: pytest.Log
         cfg = config_from_json(text)
         config_from_json(text)
     for key, (section, name) in FLAT.items():
-        if key in old and key not in ("attention", "activation_checkpointing"):
+        if key in old and key not in ("attention", "activation_checkpointing", "checkpoint_format"):
             assert getattr(getattr(cfg, section), name) == old[key], key
     assert (cfg.optimizer.name, cfg.model.attention, cfg.model.remat) == (old["optimizer"], "xla", "none")
+    assert (old["checkpoint_format"], cfg.checkpoint.checkpoint_format) == ("lean", "auto")  # lean is retired
     assert len([r for r in caplog.records if "config.json of an earlier version" in r.getMessage()]) <= 1
 
 

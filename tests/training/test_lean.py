@@ -1,6 +1,7 @@
-"""The lean persistent checkpoint format: written by two real processes, read back on other meshes.
+"""The lean checkpoint format, retired for new saves: steps older runs wrote in it still restore.
 
-The save runs in two processes joined by JAX's coordination service (gloo collectives, 2 CPU
+A step is written by two real processes through ``LeanManager``, as a run with ``checkpoint_format: lean``
+wrote it, and read back through today's checkpoint manager on other meshes.  The save runs in two processes joined by JAX's coordination service (gloo collectives, 2 CPU
 devices each), so its barriers and the split of the writing among replicas are the real ones.
 The reads run in a fresh process of another device count.
 """
@@ -31,21 +32,22 @@ from jax.experimental import multihost_utils
 
 root, dataset, coord, pid, out = sys.argv[1:6]
 jax.distributed.initialize(coord, 2, int(pid))
+from training.checkpoint import lean
 cfg = load_config("tiny", None, {"root": root, "dataset": dataset, "run_name": "lean",
-                                 "checkpoint_format": "lean", "min_workers": 1, "max_workers": 2})
+                                 "min_workers": 1, "max_workers": 2})
 trainer = Trainer(cfg.optimizer, build_mesh(plan_mesh(cfg.placement, 2)), load_task(cfg))
 state = trainer.init()
 state = jax.tree.map(lambda x: x + 1 if x.dtype == np.float32 else x, state)  # not the init a reader makes
-m = ckpt.checkpoint_manager(cfg, cfg.run_uri)
-snap = ckpt.HostSnapshot(trainer.abstract, gather_small=ckpt.packs_small(m))(state)  # as the worker makes it
-ckpt.save(m, 3, snap, {"next_batch": 7}, cfg)
-ckpt.save(m, 6, snap, {"next_batch": 14}, cfg)
-back, pos = ckpt.restore(m, 6, trainer.abstract)
+m = lean.LeanManager(cfg.run_uri, 2, int(pid), cfg.model_dump(mode="json"))  # as a run saving in lean did
+snap = ckpt.HostSnapshot(trainer.abstract)(state)  # as the worker makes it
+m.save(3, snap, {"next_batch": 7})
+m.save(6, snap, {"next_batch": 14})
+today = ckpt.checkpoint_manager(cfg, cfg.run_uri)
+back, pos = ckpt.restore(today, 6, trainer.abstract)
 gather = lambda tree: [np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in jax.tree.leaves(tree)]
 whole, again = gather(state), gather(back)
 
 # Onto a mesh that splits the state across the two processes: each reads the boxes it needs, not every file.
-from training.checkpoint import lean
 fetched = []
 class Spy(lean._Blobs):
     MERGE_GAP = 0  # this state is small: with the default gap, a process's needed ranges make one request
@@ -56,7 +58,7 @@ class Spy(lean._Blobs):
 lean._Blobs = Spy
 split = cfg.model_copy(update={"dcn_data": 1, "dcn_fsdp": 2})
 sharded = Trainer(split.optimizer, build_mesh(plan_mesh(split.placement, 2)), load_task(split))
-moved, _ = ckpt.restore(m, 6, sharded.abstract)
+moved, _ = ckpt.restore(today, 6, sharded.abstract)
 across = gather(moved)
 
 # A write that fails in one process (its file's name taken by a directory): neither waits for the other.
@@ -65,7 +67,7 @@ if pid == "1" and not root.startswith("gs://"):
     os.makedirs(os.path.join(cfg.run_uri, "checkpoints", "9" + lean.TMP_SUFFIX, "lean", "1.bin"))
 t = time.time()
 try:
-    ckpt.save(m, 9, snap, {"next_batch": 18}, cfg)
+    m.save(9, snap, {"next_batch": 18})
     failed = ""
 except Exception as e:
     failed = f"{type(e).__name__}: {e}"
@@ -88,7 +90,7 @@ from training.trainer import Trainer
 from training.checkpoint import manager as ckpt
 
 root, dataset, saved = sys.argv[1:4]
-cfg = load_config("tiny", None, {"root": root, "dataset": dataset, "run_name": "lean", "checkpoint_format": "lean",
+cfg = load_config("tiny", None, {"root": root, "dataset": dataset, "run_name": "lean",
                                  "devices_per_worker": jax.device_count()})
 trainer = Trainer(cfg.optimizer, build_mesh(plan_mesh(cfg.placement, 1)), load_task(cfg))
 m = ckpt.checkpoint_manager(cfg, cfg.run_uri)

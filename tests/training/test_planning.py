@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import pytest
 
+from training import sections
 from training.cli import main
-from training.config import ConfigError, load_config
+from training.config import ConfigError, config_from_json, load_config
 from training.faults import ChaosError, parse_chaos
 from training.mesh import PlanError, check_batch, check_fit, feasible_sizes, plan_mesh
 
@@ -201,8 +205,23 @@ def test_paths_are_made_absolute_against_the_directory_the_command_runs_in(tmp_p
     assert cfg.run_uri == str(tmp_path / "runs" / "demo")
 
 
-def test_orbax_s_format_is_the_default_and_compression_is_refused_with_lean() -> None:
-    assert load_config("tiny", None, {}).checkpoint_format == "auto"
-    with pytest.raises(ConfigError, match="checkpoint_compression applies to Orbax's formats"):
-        load_config("tiny", None, ["checkpoint_format=lean", "checkpoint_compression=true"])
-    assert load_config("tiny", None, ["checkpoint_compression=true"]).checkpoint_compression
+def test_the_retired_lean_format_is_read_as_auto_with_one_note(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert load_config("tiny", None, {}).checkpoint.checkpoint_format == "auto"
+    monkeypatch.setattr(sections, "_NOTED", set())  # noted once per process: earlier tests may have noted it
+    (tmp_path / "old.yml").write_text("checkpoint:\n  checkpoint_format: lean\n")
+    with caplog.at_level(logging.WARNING, logger="training.config"):
+        from_file = load_config("tiny", [str(tmp_path / "old.yml")])
+        # Compression was refused with lean; lean is auto now, so it is Orbax's to apply.
+        from_override = load_config("tiny", None, ["checkpoint_format=lean", "checkpoint_compression=true"])
+        # A config.json an older run stored, which says lean.
+        from_json = config_from_json((Path(__file__).parent / "data" / "config-0.1-tiny.json").read_text())
+    assert [c.checkpoint.checkpoint_format for c in (from_file, from_override, from_json)] == ["auto"] * 3
+    assert from_override.checkpoint.checkpoint_compression
+    notes = [r.getMessage() for r in caplog.records if "lean" in r.getMessage()]
+    assert notes == [sections.LEAN_RETIRED], notes
+    assert "OCDBT commits and restores faster" in notes[0] and "rtrain bench --only formats" in notes[0]
+    assert "steps saved in lean still restore" in notes[0]
+    with pytest.raises(ConfigError, match="checkpoint_format"):
+        load_config("tiny", None, ["checkpoint_format=leaner"])

@@ -261,9 +261,8 @@ def test_a_process_sees_the_steps_another_host_committed_on_gs(gcs_root: str, tm
     assert proc.wait(timeout=60) == 0
 
 
-@pytest.mark.parametrize("fmt", ["lean", "auto"])
-def test_a_step_carries_the_integrity_record_of_what_was_written_before_it_committed(tmp_path, tiny_dataset, fmt):
-    """The record is written into the step by its commit, in either format: damage right after it is found."""
+def test_a_step_carries_the_integrity_record_of_what_was_written_before_it_committed(tmp_path, tiny_dataset):
+    """The record is written into the step by its commit: damage right after it is found."""
     res = _run(
         """
         from training.checkpoint.steps import INTEGRITY, UNRECORDED, file_checksums, recorded_checksums, verify
@@ -291,7 +290,6 @@ def test_a_step_carries_the_integrity_record_of_what_was_written_before_it_commi
         """,
         tmp_path,
         tiny_dataset,
-        {"checkpoint_format": fmt},
     )
     assert res["same"] and int(str(res["files"])) >= 3 and res["clean"] == "", res
     assert res["records"] == ["checkpoints/4/integrity.json"] and res["position"] == {"next_batch": 4}, res
@@ -427,33 +425,37 @@ def test_an_orbax_step_holds_the_named_tree_restores_onto_another_mesh_and_a_pac
         assert got["cast"], "a state of another float dtype gets the saved values cast to it"
 
 
-def test_a_run_now_saving_lean_resumes_from_a_step_orbax_saved_and_names_an_incomplete_one(tmp_path, tiny_dataset):
-    """The format a run saves in may change between launches: the newest step restores whichever wrote it."""
+def test_a_step_an_older_run_saved_in_lean_restores_and_an_incomplete_one_is_named(tmp_path, tiny_dataset):
+    """Lean is retired as a format to save in; a step an older run saved in it restores through today's manager."""
     res = _run(
         """
         import shutil
+        from training.checkpoint import lean
+        from training.checkpoint.steps import committed_steps
         from training.layout import step_uri
 
         run = cfg.run_uri
-        orbax = ckpt.checkpoint_manager(cfg.model_copy(update={"checkpoint_format": "ocdbt"}), run)
-        ckpt.save(orbax, 2, state, {"next_batch": 2}, cfg)
-        orbax.wait_until_finished()
-        m = ckpt.checkpoint_manager(cfg.model_copy(update={"checkpoint_format": "lean"}), run)
+        older = lean.LeanManager(run, jax.process_count(), jax.process_index(), cfg.model_dump(mode="json"))
+        older.save(2, state, {"next_batch": 2})  # as a run with checkpoint_format: lean saved it
+        m = ckpt.checkpoint_manager(cfg, run)
         back, pos = ckpt.restore(m, 2, abstract)
-        ckpt.save(m, 4, ckpt.HostSnapshot(abstract)(state), {"next_batch": 4}, cfg)
-        shutil.copytree(step_uri(run, 4), step_uri(run, 6))
+        ckpt.save(m, 4, state, {"next_batch": 4}, cfg)
+        ckpt.wait_saved(m)
+        shutil.copytree(step_uri(run, 2), step_uri(run, 6))
         os.remove(os.path.join(step_uri(run, 6), "lean.json"))
         try:
             ckpt.restore(m, 6, abstract)
             incomplete = ""
         except ValueError as e:
             incomplete = str(e)
-        print(json.dumps({"lean": type(m).__name__, "same": same(host(state), host(back)), "pos": pos,
-                          "steps": m.all_steps(), "incomplete": incomplete}))
+        print(json.dumps({"manager": type(m).__name__, "lean": [lean.is_lean(step_uri(run, s)) for s in (2, 4)],
+                          "same": same(host(state), host(back)), "pos": pos, "steps": committed_steps(run),
+                          "incomplete": incomplete}))
         """,
         tmp_path,
         tiny_dataset,
     )
-    assert res["lean"] == "LeanManager" and res["same"] and res["pos"] == {"next_batch": 2}, res
+    assert res["manager"] == "FailFastManager" and res["lean"] == [True, False], res  # today's saves are Orbax's
+    assert res["same"] and res["pos"] == {"next_batch": 2}, res
     assert res["steps"] == [2, 4, 6], res
     assert res["incomplete"] == "checkpoint 6 has neither lean.json nor Orbax's metadata: it is incomplete", res

@@ -1,8 +1,14 @@
-"""The lean persistent checkpoint format: each process writes its shards once, with an index.
+"""The lean checkpoint format: each process writes its shards once, with an index.
 
-A step saved this way (``checkpoint_format: lean``) is one directory, like an Orbax step, and
-commits by Orbax's rule for its root (a rename locally, ``commit_success.txt`` on gs://), so the
-steps, their integrity records, pruning and the ledger treat both formats alike::
+Retired for persistent steps: Orbax's OCDBT commits and restores faster at 1 GiB a process, on a
+local disk and on gs:// (``rtrain bench --only formats``); lean won only the fixed cost per save.
+``checkpoint_format: lean`` now reads as ``auto``.  Steps older runs saved in it still restore
+(:func:`restore`, through :func:`training.checkpoint.manager.restore`), and the local tier
+(:mod:`training.checkpoint.local`) writes its copies as lean steps of one process.
+
+A step saved this way is one directory, like an Orbax step, and commits by Orbax's rule for its
+root (a rename locally, ``commit_success.txt`` on gs://), so the steps, their integrity records,
+pruning and the ledger treat both formats alike::
 
     <step>/lean/<p>.bin    the shards process p wrote, one after another
     <step>/lean/<p>.json   where each of them is (the leaf's path, its box, offset and bytes), and
@@ -174,7 +180,8 @@ def write_shards(state: Any, step_dir: str, process: int, p: Plan) -> dict[str, 
 
 @dataclass
 class LeanManager:
-    """The persistent checkpoints of a run in the lean format: what the worker's saver asks of a manager.
+    """The persistent checkpoints of a run in the lean format, written only by the formats bench
+    (``benchmarks/formats.py``, the evidence for lean's retirement) and to test that old steps restore.
 
     :meth:`save` writes, commits and returns on every process (a save thread calls it); nothing of
     it runs later, so a save is never in progress once it has returned.  Each process records the

@@ -3,15 +3,15 @@
 Everything the run needs to resume is one checkpoint per step: the state
 (parameters, optimizer state, step, RNG), the global data position and the
 resolved config.  The default (``checkpoint_format: auto``) is Orbax's OCDBT on
-every root; :mod:`training.checkpoint.lean` is an option.  With ``checkpoint_format``
-auto, ocdbt or zarr a step is a plain Orbax checkpoint with three items: ``state``
+every root.  A step is a plain Orbax checkpoint (OCDBT, or zarr) with three items: ``state``
 (the state's own tree, by name: ``params``, ``opt_state``, ``step``, ``rng``),
 ``data`` and ``config``, so a plain
 ``orbax.checkpoint`` restore of ``state`` gives the named trees.  Steps saved by
 earlier versions with their small arrays packed (a fourth item, ``layout``,
 :mod:`training.checkpoint.packing`) still restore.  Restores are given abstract targets
 carrying the *current* mesh's shardings, so a checkpoint written on any other
-mesh is resharded, and a step of either format is read whatever the run saves in now.
+mesh is resharded.  Steps saved in :mod:`training.checkpoint.lean`, retired as a format
+to save in, still restore.
 
 The vocabulary is small: :func:`checkpoint_manager`, :func:`save`, :func:`restore`;
 which steps exist is :func:`training.checkpoint.steps.committed_steps`.
@@ -38,7 +38,7 @@ from training.config import Config
 from training.layout import checkpoints_uri, step_uri
 from training.ready import wait_ready
 from training.sections import CheckpointSection
-from training.storage import join, open_store, scheme
+from training.storage import join, scheme
 
 State = dict[str, Any]
 
@@ -122,20 +122,14 @@ def wait_saved(mngr: Any, poll_s: float = 0.05) -> None:
 MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL = 1 << 20
 
 
-def checkpoint_manager(
-    cfg: Config, run: str, *, async_save: bool | None = None
-) -> ocp.CheckpointManager | lean.LeanManager:
-    """The run's persistent checkpoint manager (``manager_for`` its checkpoint section, the config written along)."""
-    return manager_for(cfg.checkpoint, run, config=cfg.model_dump(mode="json"), async_save=async_save)
+def checkpoint_manager(cfg: Config, run: str, *, async_save: bool | None = None) -> ocp.CheckpointManager:
+    """The run's persistent checkpoint manager (``manager_for`` its checkpoint section)."""
+    return manager_for(cfg.checkpoint, run, async_save=async_save)
 
 
-def manager_for(
-    section: CheckpointSection, run: str, *, config: dict[str, Any], async_save: bool | None = None
-) -> ocp.CheckpointManager | lean.LeanManager:
-    """The run's persistent checkpoint manager, shared by every process of the job, as the checkpoint section says;
-    ``config`` is the run's config in its JSON form (the lean format's index carries it).
-
-    ``checkpoint_format: lean`` gets :class:`~training.checkpoint.lean.LeanManager`; the rest Orbax's.
+def manager_for(section: CheckpointSection, run: str, *, async_save: bool | None = None) -> ocp.CheckpointManager:
+    """The run's persistent checkpoint manager (Orbax's), shared by every process of the job, as the checkpoint
+    section says.
 
     Two Orbax options keep a save's blocking part short:
 
@@ -146,8 +140,6 @@ def manager_for(
     - Replicated shards are split among replicas only above :data:`MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL`
       (a device slice per small array halved the blocking time of a small model's save).
     """
-    if section.checkpoint_format == "lean":
-        return lean.LeanManager(run, jax.process_count(), jax.process_index(), config)
     from etils import epath
 
     mp = ocp.options.MultiprocessingOptions(primary_host=0, active_processes=set(range(jax.process_count())))
@@ -189,12 +181,8 @@ def manager_for(
     return FailFastManager(root, options=options, item_handlers=handlers)
 
 
-def save(
-    mngr: ocp.CheckpointManager | lean.LeanManager, step: int, state: State, data: DataPosition, cfg: Config
-) -> bool:
-    """Save ``state`` as step ``step`` in the manager's format (in Orbax's, the state's own tree, unpacked)."""
-    if isinstance(mngr, lean.LeanManager):
-        return mngr.save(step, state, data)
+def save(mngr: ocp.CheckpointManager, step: int, state: State, data: DataPosition, cfg: Config) -> bool:
+    """Save ``state`` as step ``step`` in the manager's format: the state's own tree, unpacked."""
     return bool(
         mngr.save(
             step,
@@ -208,7 +196,7 @@ def save(
     )
 
 
-def packs_small(mngr: ocp.CheckpointManager | lean.LeanManager) -> bool:
+def packs_small(mngr: ocp.CheckpointManager) -> bool:
     """Whether a save packs the small arrays, so its host copy gathers them: no persistent format does now.
 
     Orbax's steps hold the state's own tree, so any tool reads a leaf by its name.
@@ -217,20 +205,17 @@ def packs_small(mngr: ocp.CheckpointManager | lean.LeanManager) -> bool:
     return False
 
 
-def restore(mngr: ocp.CheckpointManager | lean.LeanManager, step: int, abstract: State) -> tuple[State, DataPosition]:
+def restore(mngr: ocp.CheckpointManager, step: int, abstract: State) -> tuple[State, DataPosition]:
     """Step ``step`` as ``abstract``'s arrays (its shapes and the current mesh's shardings), and its data position.
 
-    A step of either format is read, whichever format the run saves in now.
+    A step saved in the retired lean format (by an earlier run) is read too.
     """
     step_dir = join(str(mngr.directory), str(step))
     if lean.is_lean(step_dir):
         return lean.restore(step_dir, abstract)
-    if isinstance(mngr, lean.LeanManager):  # a step saved in Orbax's format before the run's format changed
-        if not open_store(step_dir).exists("_CHECKPOINT_METADATA"):
-            raise ValueError(f"checkpoint {step} has neither lean.json nor Orbax's metadata: it is incomplete")
-        cfg = Config.model_validate({**mngr.config, "checkpoint_format": "auto"})
-        return restore(checkpoint_manager(cfg, mngr.run, async_save=False), step, abstract)
     items = mngr.item_metadata(step)
+    if "data" not in items:  # every Orbax step of this project has its data position
+        raise ValueError(f"checkpoint {step} has neither lean.json nor Orbax's metadata: it is incomplete")
     if "layout" not in items:  # the state's own tree (saved unpacked)
         saved = getattr(items["state"], "tree", items["state"]) if items.get("state") is not None else None
         if saved is not None:
