@@ -32,6 +32,7 @@ from orbax.checkpoint._src.path import atomicity
 
 from training.background import lower_this_thread
 from training.checkpoint import lean, packing
+from training.checkpoint.orbax_cost import OneWriteShardings, read_flag_once, target_size, with_target_size
 from training.checkpoint.resume import DataPosition, data_position
 from training.checkpoint.steps import fresh_gcs_listings, record_integrity
 from training.config import Config
@@ -44,6 +45,7 @@ State = dict[str, Any]
 
 
 fresh_gcs_listings()  # before Orbax lists a gs:// root in this process
+read_flag_once()  # Orbax's absl flag, read ~400 times a save: each read then a lookup, not an exception
 
 
 def use_ocdbt(cfg: Config) -> bool:
@@ -88,6 +90,13 @@ class FailFastManager(ocp.CheckpointManager):  # type: ignore[misc]
     """
 
     failure: BaseException | None = None
+    # The OCDBT data file size Orbax picks for the root, given with each save (``with_target_size``).
+    target_size: int | None = None
+
+    def save(self, step: int, *args: Any, **kwargs: Any) -> bool:
+        if self.target_size is not None and kwargs.get("args") is not None:
+            kwargs["args"] = with_target_size(kwargs["args"], self.target_size)
+        return bool(super().save(step, *args, **kwargs))
 
     def _wait_for_checkpointers(self) -> None:
         try:
@@ -159,11 +168,9 @@ def manager_for(section: CheckpointSection, run: str, *, async_save: bool | None
     registry = type_handlers.create_type_handler_registry(
         (
             jax.Array,
-            type_handlers.ArrayHandler(
-                min_slice_bytes_for_replica_parallel=MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL,
-                # Orbax's own record of each array's sharding: a plain restore with no target needs it.
-                enable_write_sharding_file=True,
-            ),
+            # Orbax's handler, with its record of each array's sharding (a plain restore with no target
+            # needs it) written in one write, not one per array.
+            OneWriteShardings(min_slice_bytes_for_replica_parallel=MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL),
         ),
         (np.ndarray, type_handlers.NumpyHandler()),  # the packs of small arrays (steps of earlier versions)
     )
@@ -178,7 +185,10 @@ def manager_for(section: CheckpointSection, run: str, *, async_save: bool | None
         "config": ocp.JsonCheckpointHandler(multiprocessing_options=mp),
         "layout": ocp.JsonCheckpointHandler(multiprocessing_options=mp),
     }
-    return FailFastManager(root, options=options, item_handlers=handlers)
+    mngr = FailFastManager(root, options=options, item_handlers=handlers)
+    if ocdbt_for(section):
+        mngr.target_size = target_size(str(root))
+    return mngr
 
 
 def save(mngr: ocp.CheckpointManager, step: int, state: State, data: DataPosition, cfg: Config) -> bool:
