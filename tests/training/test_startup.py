@@ -13,6 +13,7 @@ import pytest
 from jobs import hosts, job_config, kill_host, run_job, start_job, wait_finished, wait_for, worker_logs
 
 from training import api
+from training.background import BACKGROUND_NICE
 from training.elastic.warmup import WARM_UP_THREAD
 
 pytestmark = pytest.mark.slow
@@ -120,6 +121,11 @@ def _agents(run_uri: str) -> list[int]:
     return sorted(pids)
 
 
+def _nice(tid: int) -> int:
+    with open(f"/proc/{tid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])  # field 19 of stat: the thread's niceness
+
+
 def test_standbys_started_beside_a_round_warm_up_in_the_idle_class_and_the_hosts_share_a_session(
     tmp_path, tiny_dataset, jax_cache
 ):
@@ -131,6 +137,8 @@ def test_standbys_started_beside_a_round_warm_up_in_the_idle_class_and_the_hosts
     for pid in agents:
         assert os.getpgid(pid) == pid, "each host is its own process group (killed whole)"
         assert os.getsid(pid) == os.getsid(int(handle["controller_pid"]))
+        # An agent takes the CPU the steps leave: each of its threads lowered (it forked its fork server first).
+        assert {_nice(tid) for tid, _, _ in _threads(pid)} == {BACKGROUND_NICE}
 
     def idle_standby() -> tuple[int, list[tuple[int, int, str]]] | None:
         for pid in _processes(cfg.run_uri):
@@ -146,6 +154,7 @@ def test_standbys_started_beside_a_round_warm_up_in_the_idle_class_and_the_hosts
     assert {tid: policy for tid, policy, _ in threads}[pid] == 0, (
         "its main thread, which runs the round, keeps its class"
     )
+    assert _nice(pid) == 0, "and its priority: a worker is forked by its host's fork server, not by the agent"
     st = wait_finished(handle)
     assert st["state"] == "finished" and st["step"] == 40, worker_logs(cfg.run_uri)
 

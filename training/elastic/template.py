@@ -34,6 +34,7 @@ import warnings
 from pathlib import Path
 
 from training import procctl
+from training.background import lower_this_thread
 from training.elastic.forkserver import adopt, start_server, stop_server
 
 FD_ENV = "RTRAIN_TEMPLATE_FD"  # the template's end of its socket to the local slice
@@ -129,6 +130,11 @@ def run_agent(argv: list[str]) -> int:
     args = agent.parser().parse_args(argv)
     procctl.set_title(agent.title(args), name="rtrain-agent")  # its fork server's until that names itself
     server = ForkServer.fork_here(procctl.job_title("forkserver", args.run, args.job, args.host))
+    # The slice's hosts share this machine's cores: the agent's loop, beats and writes (a few ms of CPU a step)
+    # take what the steps leave, not a core from under them.  After the fork: the fork server and the workers
+    # it forks keep their priority; the agent's threads, all started from here, inherit the lower one (as would
+    # a worker the agent started itself, its fork server gone: that host's steps then wait for CPU first).
+    lower_this_thread()
     return agent.main(argv, fork_server=server)
 
 
