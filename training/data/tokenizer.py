@@ -23,15 +23,12 @@ import importlib
 import json
 import os
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Required, TypedDict
+from typing import Any, Required, TypedDict
 
 import numpy as np
 
 from training.data.errors import DatasetError
 from training.storage import NotFound, Store, open_store
-
-if TYPE_CHECKING:
-    from training.data.preparation import Manifest
 
 
 class TokenizerEntry(TypedDict, total=False):
@@ -287,9 +284,9 @@ def resolve(spec: str, vocab_size: int | None = None) -> Tokenizer | BPETrainer:
     return HFTokenizer(raw, "huggingface", path)
 
 
-def from_manifest(manifest: Manifest, store: Store) -> Tokenizer:
-    """The tokenizer a dataset was prepared with, from its manifest and the file stored beside it."""
-    entry = manifest.get("tokenizer")
+def from_manifest(entry: TokenizerEntry | None, store: Store, eos_id: int | None = None) -> Tokenizer:
+    """The tokenizer a dataset was prepared with, from its manifest's entry (``tokenizer``) and the file stored
+    beside it; ``eos_id``, the manifest's, is checked against it."""
     if not entry or entry.get("kind") == "bytes":
         return ByteTokenizer()
     name = str(entry.get("file") or HF_FILE)
@@ -308,6 +305,6 @@ def from_manifest(manifest: Manifest, store: Store) -> Tokenizer:
         return SentencePieceTokenizer(raw, what)
     eos_token = BPE_EOS if kind == "bpe" else None
     tok = HFTokenizer(raw, kind, what, eos_token=eos_token)
-    if "eos_id" in manifest and tok.eos_id != int(manifest["eos_id"]):
-        raise DatasetError(f"{what}: eos id {tok.eos_id}, the manifest says {manifest['eos_id']}")
+    if eos_id is not None and tok.eos_id != int(eos_id):
+        raise DatasetError(f"{what}: eos id {tok.eos_id}, the manifest says {eos_id}")
     return tok

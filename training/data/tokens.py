@@ -73,4 +73,5 @@ def lm_source(dataset_uri: str, split: str, cache_dir: str | None = None, reads:
 
 def load_tokenizer(dataset_uri: str) -> Tokenizer:
     """The tokenizer of a prepared dataset (bytes for a byte-level one), to decode its ids."""
-    return from_manifest(load_manifest(dataset_uri), open_store(dataset_uri))
+    manifest = load_manifest(dataset_uri)
+    return from_manifest(manifest.get("tokenizer"), open_store(dataset_uri), manifest.get("eos_id"))
