@@ -34,7 +34,7 @@ def _free_port() -> int:
 # So, as on GCS: a download answers with the object's generation and metageneration headers; each
 # ``if(Meta)generation(Not)Match`` on an upload, a read, a delete or a patch is checked, and one that fails gets
 # 412 (304 for a read's ``...NotMatch``).  An upload counts a missing object as generation 0; a read, delete or patch
-# of one gets the handler's 404.  The emulator serves one request at a time, so the check and the write are one.
+# of one gets the handler's 404.  Requests are handled one at a time (below), so the check and the write are one.
 PRECONDITIONS = """
 from http import HTTPStatus as _Status
 from gcp_storage_emulator import server as _server
@@ -105,9 +105,49 @@ for _regex, _methods in _server.HANDLERS:
 # ``download`` by name, already checked.
 _objects.insert, _objects.upload_partial = _uploads[_objects.insert], _uploads[_objects.upload_partial]
 """
-# The emulator serves one request at a time from a listen queue of 5 (http.server's default): a job's
-# many clients overflow it, and each dropped connection waits out TCP's SYN retries (1 s, 3 s, 7 s, ...).
-# A queue of 1024 keeps them waiting in line instead.
+# The emulator serves one connection at a time, from reading its request to sending its answer: one client stalled
+# mid-request (a job's process stopped by SIGSTOP, or one that died between its headers and its body) held up every
+# other client until its socket timed out.  So each connection gets a thread that reads the whole request and sends
+# the answer on its own, and only the handling between them (the storage's check and write) goes one at a time.
+CONCURRENT = """
+import io as _io
+import threading as _threading
+from functools import partial as _partial
+from http.server import ThreadingHTTPServer as _ThreadingHTTPServer
+from gcp_storage_emulator import server as _srv
+
+_one_at_a_time = _threading.Lock()
+_read_body = _srv._read_raw_data
+_srv._read_raw_data = lambda handler: handler.body
+
+def _handled_alone(do):
+    def served(self):
+        self.body = _read_body(self)
+        sock, self.wfile = self.wfile, _io.BytesIO()
+        try:
+            with _one_at_a_time:
+                do(self)
+        finally:
+            answer, self.wfile = self.wfile.getvalue(), sock
+        sock.write(answer)
+    return served
+
+for _name in ("do_GET", "do_POST", "do_PUT", "do_PATCH", "do_DELETE"):
+    setattr(_srv.RequestHandler, _name, _handled_alone(getattr(_srv.RequestHandler, _name)))
+_srv.RequestHandler.timeout = 600  # a client gone mid-request frees its thread
+
+class _Server(_ThreadingHTTPServer):
+    daemon_threads = True
+
+def _run(self):
+    self._httpd = _Server((self._host, self._port), _partial(_srv.RequestHandler, self._storage))
+    self.is_running.set()
+    self._httpd.serve_forever()
+
+_srv.APIThread.run = _run
+"""
+# The listen queue is 5 by default (http.server's): a job's many clients overflowed it, and each dropped connection
+# waited out TCP's SYN retries (1 s, 3 s, 7 s, ...).  A queue of 1024 keeps them waiting in line instead.
 # Each change of an object also writes the metadata of every object it holds to a file (.meta) as indented JSON:
 # in memory, where nothing reads that back, it is skipped.  Otherwise a write's cost grows with the objects held
 # (17 ms a write at 500, 190 ms at 2,000), and Orbax's many-object saves queue a lease's refresh for tens of seconds.
@@ -116,7 +156,9 @@ QUICKER = (
     "socketserver.TCPServer.request_queue_size = 1024\n"
     "from gcp_storage_emulator.storage import Storage\n"
     "_meta = Storage._write_config_to_file\n"
-    "Storage._write_config_to_file = lambda self: None if self._use_memory_fs else _meta(self)\n" + PRECONDITIONS
+    "Storage._write_config_to_file = lambda self: None if self._use_memory_fs else _meta(self)\n"
+    + PRECONDITIONS
+    + CONCURRENT
 )
 _LAUNCH = QUICKER + "import sys\nfrom gcp_storage_emulator.__main__ import main\nsys.exit(main(sys.argv[1:]))\n"
 

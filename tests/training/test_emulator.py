@@ -90,6 +90,39 @@ def test_of_racing_creates_of_one_object_exactly_one_wins(gcs_root: str) -> None
         open_store(gcs_root).delete("lock/000000000001.json")
 
 
+def test_a_client_stalled_mid_request_holds_up_no_other(gcs_root: str) -> None:
+    """A client stopped between its headers and its body (a job's process suspended, or one that died), and one
+    connected that sent nothing: everyone else is still answered at once, and the stalled upload, once finished,
+    lands whole."""
+    import json
+    import os
+    import socket
+    import urllib.request
+    from urllib.parse import urlparse
+
+    url = os.environ["STORAGE_EMULATOR_HOST"]
+    bucket, _, prefix = gcs_root.removeprefix("gs://").partition("/")
+    name = f"{prefix}/late"
+    body = b"x" * 1000
+    head = (
+        f"POST /upload/storage/v1/b/{bucket}/o?uploadType=media&name={name} HTTP/1.1\r\n"
+        f"Host: {urlparse(url).netloc}\r\nContent-Type: application/octet-stream\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    address = (urlparse(url).hostname, urlparse(url).port)
+    with socket.create_connection(address) as silent, socket.create_connection(address) as stalled:
+        stalled.sendall(head + body[:10])
+        for _ in range(3):
+            with urllib.request.urlopen(f"{url}/storage/v1/b/{bucket}/o?prefix={prefix}/", timeout=10) as answer:
+                assert json.load(answer).get("items", []) == []
+        stalled.sendall(body[10:])
+        stalled.settimeout(10)
+        assert stalled.recv(4096).startswith(b"HTTP/1.0 200"), "the stalled upload is answered once its body is in"
+        silent.close()
+    with urllib.request.urlopen(f"{url}/storage/v1/b/{bucket}/o?prefix={prefix}/", timeout=10) as answer:
+        assert [(o["name"], o["size"]) for o in json.load(answer)["items"]] == [(name, str(len(body)))]
+
+
 def _kvstore(gcs_root: str) -> tuple[Any, str]:
     """A tensorstore GCS kvstore on the emulator's bucket (as Orbax opens one), and the root's prefix in it."""
     import tensorstore as ts
