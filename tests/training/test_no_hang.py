@@ -178,6 +178,31 @@ def test_every_agent_gone_is_recorded_lost_by_the_next_reader_within_the_heartbe
     assert [e for e in api.events(uri, ("failed",)) if e.get("lost")]
 
 
+def test_a_job_whose_hosts_all_die_after_a_person_asked_it_to_stop_ends_stopped_not_failed(
+    tmp_path: Any, tiny_dataset: str, jax_cache: str
+) -> None:
+    """A stop asked (``rtrain stop``, a cancel), and every host gone before the job recorded it (the local slice
+    kills the agents of a stop that runs past its deadline; a node pool deleted under a teardown): the next reader
+    ends the run as the person asked, ``stopped`` and resumable, saying the hosts were gone, not ``failed``."""
+    from training import api
+
+    cfg = job_config(
+        str(tmp_path), tiny_dataset, jax_cache, run_name="stopgone", min_workers=2, max_workers=2, steps=200, **QUICK
+    )
+    handle = start_job(cfg)
+    uri, job = cfg.run_uri, handle["job"]
+    wait_for(lambda: _state_is(uri, job, "running"), 90, "running")
+    _kill_everything(handle)
+    api.stop_job(uri, "stopped with rtrain stop")
+    st = wait_for(
+        lambda: (s := api.repair_status(uri)) and s["state"] != "running" and s, 30, "the reader to record it"
+    )
+    assert st["state"] == "stopped", st
+    assert st["reason"].startswith("stopped with rtrain stop (its hosts ended before the job recorded the stop: ")
+    assert f"job {job} is gone" in st["reason"], st
+    assert [e for e in api.events(uri, ("stopped",)) if e.get("lost")] and not api.events(uri, ("failed",))
+
+
 def test_a_launch_right_after_every_agent_was_killed_waits_out_the_lapsing_lease_and_takes_over(
     tmp_path: Any, tiny_dataset: str, jax_cache: str
 ) -> None:

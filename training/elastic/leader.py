@@ -23,7 +23,6 @@ change.  The leader alone writes ``status.json`` and the lifecycle events, each 
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import time
 from typing import Any, Protocol
@@ -42,9 +41,10 @@ from training.elastic.rendezvous import Outcome, Rendezvous, Report, Round
 from training.elastic.round_end import JobFails, PendingFailure, Recovery, RoundEnds, RoundFailed, Verdict
 from training.elastic.rounds import Carried, LeaderRecords, RoundWriter
 from training.elastic.roundwatch import RoundWatch
+from training.elastic.status import stop_asked
 from training.events import EventLog, RunState
-from training.layout import CONTROL, RDV_RESERVE
-from training.storage import NotFound, Store
+from training.layout import RDV_RESERVE
+from training.storage import Store
 
 log = logging.getLogger("rtrain.leader")
 
@@ -88,15 +88,6 @@ class PersonStop:
         self.grace_s = grace_s
         self.reason = ""
         self.deadline: float | None = None  # while the round stops at a step
-
-    @staticmethod
-    def requested(store: Store) -> str | None:
-        """The reason of a stop of the job asked for on the run root's control object; None when none is."""
-        try:
-            req = json.loads(store.get(CONTROL))
-        except (NotFound, ValueError):
-            return None
-        return str(req.get("reason") or "asked to stop") if req.get("action") == "stop_job" else None
 
     def now(self, reason: str, rnd: Round | None, running: bool) -> str:
         """The reason to end the job with now; '' while the running round stops at a step."""
@@ -410,7 +401,7 @@ class Leader:
     # --- requests, status -----------------------------------------------------------------------
 
     def _control(self) -> None:
-        reason = self.stop.requested(self.store) if self.phase != Phase.DONE else None
+        reason = stop_asked(self.store) if self.phase != Phase.DONE else None
         if reason is not None and (why := self.stop.now(reason, self.round, self.phase == Phase.RUNNING)):
             self._fail(why, RunState.STOPPED)
 

@@ -37,13 +37,13 @@ from training.elastic.capacity import LocalCapacity
 from training.elastic.codes import AgentExit
 from training.elastic.leadership import store_failure
 from training.elastic.rendezvous import Rendezvous, Round
-from training.elastic.status import keep_end_here, kept_end, repair_status
+from training.elastic.status import keep_end_here, kept_end, repair_status, stop_asked
 from training.elastic.template import Template
 from training.elastic.workerproc import cpu_slice_env
 from training.events import FINAL_STATES, EventLog, RunState, RunStatus, describe, read_status, write_status
 from training.layout import CONFIG, CONTROL, logs_base
 from training.procctl import start_detached
-from training.storage import NotFound, RootGone, Store, check_root, expect_root, open_store
+from training.storage import RootGone, Store, check_root, expect_root, open_store
 
 log = logging.getLogger("rtrain.local_slice")
 
@@ -69,17 +69,6 @@ SHOWN = frozenset(
         "guard",
     }
 )
-
-
-def stop_asked(store: Store) -> str | None:
-    """The reason of the stop a person asked of the run's job (``rtrain stop``, a cancel), None if none."""
-    try:
-        req = json.loads(store.get(CONTROL))
-    except (NotFound, ValueError):
-        return None
-    return (
-        str(req.get("reason") or "asked to stop") if isinstance(req, dict) and req.get("action") == "stop_job" else None
-    )
 
 
 class AgentProcess(Protocol):

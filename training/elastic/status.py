@@ -34,7 +34,7 @@ from typing import Any
 from training.checkpoint.lock import LockHeld, RunLock
 from training.elastic.rendezvous import Rendezvous
 from training.events import ALIVE_STATES, EventLog, RunState, RunStatus, read_status, write_status
-from training.layout import CONFIG
+from training.layout import CONFIG, CONTROL
 from training.storage import NotFound, Store, open_store, scheme
 
 log = logging.getLogger("rtrain.status")
@@ -187,6 +187,20 @@ def _record_kept(store: Store, st: RunStatus | None, kept: RunStatus) -> RunStat
     return st
 
 
+def stop_asked(store: Store) -> str | None:
+    """The reason of the stop a person asked of the run's job (``rtrain stop``, a cancel), None if none.
+
+    The request lives on the run root's control object until the run's next launch clears it.
+    """
+    try:
+        req = json.loads(store.get(CONTROL))
+    except (NotFound, ValueError):
+        return None
+    return (
+        str(req.get("reason") or "asked to stop") if isinstance(req, dict) and req.get("action") == "stop_job" else None
+    )
+
+
 def repair_status(run_uri: str) -> RunStatus | None:
     """The run's status, after recording the job failed when it is gone (the checks above; this may write)."""
     store = open_store(run_uri)
@@ -233,8 +247,13 @@ def repair_status(run_uri: str) -> RunStatus | None:
                     f"within capacity_timeout_s (status last written {age:.0f}s ago). Launch again to resume "
                     "from the newest committed checkpoint."
                 )
-            events.failed(reason, step=st.get("step"), lost=True)
-            st = write_status(store, **{**st, "state": RunState.FAILED.value, "reason": reason})
+            end = RunState.FAILED
+            asked = stop_asked(store)
+            if asked is not None:  # a person's stop, its agents gone (killed) before the job recorded it
+                end = RunState.STOPPED
+                reason = f"{asked} (its hosts ended before the job recorded the stop: {reason})"
+            events.ended(end, reason, step=st.get("step"), lost=True)
+            st = write_status(store, **{**st, "state": end.value, "reason": reason})
     finally:
         lock.release()
     return st
