@@ -75,7 +75,7 @@ from training.events import (
 from training.faults import ACTIONS as CHAOS_ACTIONS
 from training.faults import ChaosError, parse_chaos, spec_pattern
 from training.gke.launch import GKESettings
-from training.layout import AIRFLOW, CAPACITY, CONFIG, CONFIG_HISTORY, CONTROL, RDV_EVENT_RESERVE, RDV_RESERVE
+from training.layout import AIRFLOW, CAPACITY, CONFIG, CONFIG_HISTORY, CONTROL, RDV_EVENT_RESERVE, RDV_RESERVE, STOP
 from training.mesh import MemoryEstimate, MeshPlan, PlanEnd, PlanError, PlanReport, plan_report
 from training.mesh import check_fit as _check_fit
 from training.records import JSONObject, stamp
@@ -385,6 +385,7 @@ def begin_job(
             store.put(RDV_RESERVE, bytes(RESERVE_BYTES))
             store.put(RDV_EVENT_RESERVE, bytes(EVENT_RESERVE_BYTES))
         store.delete(CONTROL)
+        store.delete(STOP)
         if backend == "local" and provision:
             LocalCapacity(store, default=cfg.elastic.max_workers).set(
                 cfg.elastic.max_workers, reason=f"job {job} launched"
@@ -507,7 +508,7 @@ def _lease_lapses(store: Store) -> bool:
 
 def stop_job(run_uri: str, reason: str = "asked to stop") -> None:
     """Ask the run's job to stop: its leader ends it as ``stopped`` with ``reason``; a later launch resumes it."""
-    open_store(run_uri).put(CONTROL, json.dumps({"action": "stop_job", "reason": reason}).encode())
+    open_store(run_uri).put(STOP, json.dumps({"action": "stop_job", "reason": reason}).encode())
 
 
 # --- watching ----------------------------------------------------------------------------------------

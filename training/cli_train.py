@@ -73,7 +73,7 @@ def follow(local: LocalSliceBackend, handle: LocalHandle, cfg: Config, progress:
 def settle(local: LocalSliceBackend, handle: LocalHandle, cfg: Config) -> None:
     """Wait for the job's slice process to have stopped its agents and gone; what is left after that is killed."""
     pid = int(handle.get("controller_pid") or 0)
-    deadline = time.monotonic() + 3 * cfg.elastic.lease_s + 15
+    deadline = time.monotonic() + cfg.stop_allowance_s + 10  # the slice's own wait, and its last look
     while pid and pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     if pid and pid_alive(pid):

@@ -242,6 +242,12 @@ class Config(_FlatKeys, RunKeys):
     def run_uri(self) -> str:
         return run_uri(self.root, self.run_name)
 
+    @property
+    def stop_allowance_s(self) -> float:
+        """Seconds a stop of the job may take before what is left of it is killed: the job's own limit (the round
+        stops at a step and commits it within the grace period, else its leader ends it) and a leader change."""
+        return self.checkpoint.preemption_grace_s + 3 * self.elastic.lease_s + 5
+
     def with_absolute_paths(self, base: str | Path | None = None) -> Config:
         """A copy whose local paths are made absolute against ``base`` (default: the current directory); gs:// kept.
 

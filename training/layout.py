@@ -31,6 +31,7 @@ RDV_RESERVE = RENDEZVOUS + "reserve"  # local roots: space held back for a job's
 RDV_EVENT_RESERVE = RENDEZVOUS + "reserve-event"  # local roots: the blocks a full disk's final event is written in
 CAPACITY = "capacity.json"  # the local slice's host count (the stand-in for a node pool's size)
 CONTROL = "control.json"  # the leader's request to the workers: stop at the next checkpoint
+STOP = "stop.json"  # a person's stop of the job (rtrain stop, a cancel, a teardown): its reason, until the next launch
 TRACE = "trace/"  # per-step example ids (trace_data_ids=true)
 COMPILED = "compiled/"  # <job>/step-<workers>.bin: a job's compiled steps, loaded by its later rounds of that size
 AIRFLOW = "airflow/"  # what each DAG run's first launch did

@@ -15,7 +15,7 @@ DAG runs: the run's job ends ``stopped`` (a run of a shared pool is cancelled: `
 ``POST /rtrain/queue/{run}/priority?priority=P`` and ``.../cancel`` (a queued run ends ``cancelled``, a running
 one ``stopped``) with edit access to them (a bad request is 400).  An unknown run is 404, a storage
 error 503, each with one line.  Nothing writes to a run (no stale-job repair); the POSTs write only
-the service's submissions and a run's stop request (``control.json``, as ``rtrain stop``).  FastAPI is imported when the app is built.
+the service's submissions and a run's stop request (``stop.json``, as ``rtrain stop``).  FastAPI is imported when the app is built.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the annotations of the routes at run time, and

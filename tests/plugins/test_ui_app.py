@@ -496,7 +496,7 @@ def test_the_views_stop_ends_a_live_run_stopped_for_editors_only(client: Any, pr
     from rtrain_airflow import webapp
 
     from training.events import EventLog, RunState, write_status
-    from training.layout import CONTROL
+    from training.layout import STOP
     from training.service.queue import Queue
     from training.storage import open_store
 
@@ -513,7 +513,7 @@ def test_the_views_stop_ends_a_live_run_stopped_for_editors_only(client: Any, pr
     with TestClient(webapp.create_app(), headers={"Authorization": f"Bearer {admin}"}) as editor:
         r = editor.post("/runs/live/stop")
         assert r.status_code == 200 and r.json() == {"run": "live", "asked": "stop", "state": "running"}, r.text
-        assert json.loads(open_store(live).get(CONTROL)) == {
+        assert json.loads(open_store(live).get(STOP)) == {
             "action": "stop_job",
             "reason": "stopped in the Training view",
         }

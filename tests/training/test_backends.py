@@ -103,13 +103,13 @@ def test_rtrain_train_detach_provisions_and_launches_through_the_local_backend(
 
 
 def test_stop_asks_the_job_s_leader_to_end_it_on_every_backend_that_runs_agents(tmp_path: Path) -> None:
-    from training.layout import CONTROL
+    from training.layout import STOP
     from training.storage import open_store
 
     for name, backend in (("local", backends.backend("local")), ("gke", backends.backend("gke", gke=GKE))):
         run_uri = str(tmp_path / name)
         backend.stop({"run_uri": run_uri, "job": "j1"}, f"stopped from {name}")
-        control = json.loads(open_store(run_uri).get(CONTROL))
+        control = json.loads(open_store(run_uri).get(STOP))
         assert control == {"action": "stop_job", "reason": f"stopped from {name}"}
 
 

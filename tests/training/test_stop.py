@@ -33,7 +33,7 @@ from training.events import (
     make_event,
     write_status,
 )
-from training.layout import CONTROL
+from training.layout import CONTROL, STOP
 from training.service import commands
 from training.service.queue import Placement, Queue, Submission
 from training.service.scheduler import Scheduler
@@ -80,11 +80,15 @@ def test_every_agent_of_a_stopped_job_exits_stopped_and_a_new_leader_keeps_the_e
     assert run_state(Phase.DONE, status.ending, True, stop) == RunState.STOPPED
 
 
-def test_a_stop_of_the_job_outlives_a_round_that_opens_before_the_leader_reads_it(tmp_path: Path) -> None:
-    """A round's opening drops a request of the rounds before (stop at a checkpoint), never a person's stop."""
+def test_a_stop_of_the_job_outlives_the_leader_s_own_requests_to_its_workers(tmp_path: Path) -> None:
+    """A person's stop stays until the job reads it, whatever the leader asks of its workers meanwhile: a round's
+    opening drops a request of the rounds before (stop at a checkpoint), and the leader's ask to grow at the next
+    checkpoint, written just after a person's stop (a cancel as hosts came back), once wrote over it: the job
+    trained on and its launcher killed it at the stop's deadline, recorded failed."""
     from training.checkpoint.ledger import Ledger
     from training.elastic.rendezvous import Rendezvous
     from training.elastic.rounds import Carried, LeaderRecords, RoundWriter
+    from training.elastic.status import stop_asked
 
     cfg = api.load_config("tiny", None, {"root": str(tmp_path), "run_name": "r", "min_workers": 1})
     store = open_store(cfg.run_uri)
@@ -105,8 +109,10 @@ def test_a_stop_of_the_job_outlives_a_round_that_opens_before_the_leader_reads_i
     rnd, _ = writer.open(None, ["h0"], "127.0.0.1:1", "start", "latest", Carried(0, 0))
     assert not store.exists(CONTROL), "a request of the round before is forgotten"
     api.stop_job(cfg.run_uri, "stopped with rtrain stop")
+    store.put(CONTROL, json.dumps({"action": "stop_at_checkpoint", "round": 1}).encode())  # as RoundWatch grows
     writer.open(rnd, ["h0"], "127.0.0.1:1", "recover", "latest", Carried(0, 0))
-    assert json.loads(store.get(CONTROL)) == {"action": "stop_job", "reason": "stopped with rtrain stop"}
+    assert json.loads(store.get(STOP)) == {"action": "stop_job", "reason": "stopped with rtrain stop"}
+    assert stop_asked(store) == "stopped with rtrain stop" and not store.exists(CONTROL)
 
 
 def _queued(root: Path, run: str, **placement: object) -> tuple[Queue, str]:

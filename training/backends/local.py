@@ -187,7 +187,7 @@ class LocalSliceBackend:
         live = [j for j in {str(h["job"]) for h in handles if h.get("job")} if running(j)]
         for j in live:
             api.stop_job(cfg.run_uri, f"stopped by the {self.by} teardown (job {j})")
-        deadline = time.time() + 3 * cfg.elastic.lease_s + 5
+        deadline = time.time() + cfg.stop_allowance_s
         while live and time.time() < deadline:
             live = [j for j in live if running(j)]
             time.sleep(0.5)

@@ -41,7 +41,7 @@ from training.elastic.status import keep_end_here, kept_end, repair_status, stop
 from training.elastic.template import Template
 from training.elastic.workerproc import cpu_slice_env
 from training.events import FINAL_STATES, EventLog, RunState, RunStatus, describe, read_status, write_status
-from training.layout import CONFIG, CONTROL, logs_base
+from training.layout import CONFIG, STOP, logs_base
 from training.procctl import start_detached
 from training.storage import RootGone, Store, check_root, expect_root, open_store
 
@@ -187,6 +187,7 @@ class LocalSlice:
         running = [h for h in hosts if h in self.agents and h not in leaving and h not in self._noticed]
         notice = self.capacity.assigned()  # a scheduler moves hosts: each goes with a notice, losing no step
         for host in reversed(running[want:]):  # the pool shrank: its newest hosts go
+            log.info("the pool has %d host(s): host %s goes (%s)", want, host, "a notice" if notice else "killed")
             if notice:
                 self._notice(host)
             else:
@@ -355,7 +356,7 @@ class LocalSlice:
         self._stop_reason = reason
         with contextlib.suppress(Exception):
             if stop_asked(self.store) is None:
-                self.store.put(CONTROL, json.dumps({"action": "stop_job", "reason": reason}).encode())
+                self.store.put(STOP, json.dumps({"action": "stop_job", "reason": reason}).encode())
 
     def _look(self) -> RunStatus | None:
         st = read_status(self.store)
@@ -382,10 +383,19 @@ class LocalSlice:
                     self._final = st
                     grace = time.monotonic() + 10.0
                 if self._final is not None and (not self.agents or time.monotonic() > grace):
+                    if self.agents:
+                        log.warning(
+                            "job %s ended %s; its agents still running are killed", self.job, self._final.get("state")
+                        )
                     break
                 if self._stopping:
-                    stop_deadline = stop_deadline or time.monotonic() + 3 * self.cfg.elastic.lease_s + 5
+                    stop_deadline = stop_deadline or time.monotonic() + self.cfg.stop_allowance_s
                     if time.monotonic() > stop_deadline:
+                        log.warning(
+                            "job %s did not stop within %.0fs of the stop asked: its agents are killed",
+                            self.job,
+                            self.cfg.stop_allowance_s,
+                        )
                         break
                 if not self.agents and self._final is None and (self._hold is not None or not self._stopping):
                     self._no_host_left()  # may hand the run back: the agents start at the next look

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,7 +13,7 @@ from training.elastic.rendezvous import RecoveryRecord, Rendezvous, Round
 from training.events import EventLog, RunState
 from training.layout import CONTROL
 from training.mesh import MeshPlan, plan_mesh
-from training.storage import AlreadyExists, NotFound, Store
+from training.storage import AlreadyExists, Store
 
 log = logging.getLogger("rtrain.leader")
 
@@ -122,13 +121,8 @@ class RoundWriter:
         return rnd, plan
 
     def _forget_requests(self) -> None:
-        """Drop a request made of the rounds before (stop at a checkpoint); a person's stop of the job stays."""
-        try:
-            req = json.loads(self.store.get(CONTROL))
-        except (NotFound, ValueError):
-            return
-        if not (isinstance(req, dict) and req.get("action") == "stop_job"):
-            self.store.delete(CONTROL)
+        """Drop a request made of the rounds before (stop at a checkpoint); a person's stop of the job is elsewhere."""
+        self.store.delete(CONTROL)
 
     def forget_old(self) -> None:
         """Drop the rounds (and their reports) older than the last KEEP_ROUNDS before the one just opened."""

@@ -34,7 +34,7 @@ from typing import Any
 from training.checkpoint.lock import LockHeld, RunLock
 from training.elastic.rendezvous import Rendezvous
 from training.events import ALIVE_STATES, EventLog, RunState, RunStatus, read_status, write_status
-from training.layout import CONFIG, CONTROL
+from training.layout import CONFIG, STOP
 from training.storage import NotFound, Store, open_store, scheme
 
 log = logging.getLogger("rtrain.status")
@@ -190,10 +190,11 @@ def _record_kept(store: Store, st: RunStatus | None, kept: RunStatus) -> RunStat
 def stop_asked(store: Store) -> str | None:
     """The reason of the stop a person asked of the run's job (``rtrain stop``, a cancel), None if none.
 
-    The request lives on the run root's control object until the run's next launch clears it.
+    The request has an object of its own, which the run's next launch clears: the leader's requests to its
+    workers (the control object) are rewritten every round, and one written over a stop lost it.
     """
     try:
-        req = json.loads(store.get(CONTROL))
+        req = json.loads(store.get(STOP))
     except (NotFound, ValueError):
         return None
     return (
