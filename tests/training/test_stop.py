@@ -286,8 +286,8 @@ def test_a_job_held_with_no_host_left_ends_stopped_when_asked(
 @pytest.mark.slow
 def test_a_stop_commits_the_step_the_job_stopped_at(tmp_path: Path, tiny_dataset: str, jax_cache: str) -> None:
     """``rtrain stop`` of a job that trains: its 2 hosts stop together at the next step and commit it, as for a
-    preemption notice, though no checkpoint was due (every 1000 steps); the job ends stopped at that step, and no
-    preemption notice is on record."""
+    preemption notice, though no checkpoint was due (every 1000 steps); the job ends stopped at that step (its
+    status names it as the newest committed), and no preemption notice is on record."""
     cfg = job_config(
         str(tmp_path), tiny_dataset, jax_cache, run_name="at-step", min_workers=2, max_workers=2, steps=2000,
         checkpoint_every=1000, local_checkpoint_every=0,
@@ -302,6 +302,6 @@ def test_a_stop_commits_the_step_the_job_stopped_at(tmp_path: Path, tiny_dataset
     step = int(stopped["step"])
     assert 3 <= step < 1000, stopped
     assert api.committed_steps(uri) == [step], "the step it stopped at is committed, and no other"
-    assert st["step"] == step
+    assert st["step"] == st["latest_committed"] == step, "the status names the step the stop committed"
     assert not api.events(uri, ("preemption_notice",)), "a person's stop is not a preemption notice"
     assert not api.events(uri, ("failed",)) and not api.events(uri, ("failure",))
