@@ -135,10 +135,11 @@ class JobStatus:
         for key in ("step", "latest_committed"):
             self.fields[key] = max(int(self.fields.get(key) or 0), self.steps)
 
-    def stopped_at(self, step: int) -> None:
-        """The round stopped at ``step`` (a person's stop, as for a notice) and committed it."""
-        self.fields["step"] = step
-        self._committed(step)
+    def stopped_at(self, step: int | None) -> None:
+        """The round stopped at ``step`` (a person's stop, as for a notice) and committed it; None: no step known."""
+        if step is not None:
+            self.fields["step"] = step
+            self._committed(step)
 
     def _committed(self, step: int) -> None:
         self.fields["latest_committed"] = max(step, int(self.fields.get("latest_committed") or 0))

@@ -287,9 +287,7 @@ class Leader:
         assert rnd is not None
         seen = self.watch.look(rnd, now)
         if self.stop.deadline is not None and seen is not None:  # the round stopped for a person's stop
-            step = stopped_step(seen)
-            if step is not None:
-                self.status.stopped_at(step)
+            self.status.stopped_at(stopped_step(seen))
             self._fail(self.stop.reason, RunState.STOPPED)
         elif isinstance(seen, RoundFailed):
             self._failed(rnd, seen, now)

@@ -188,10 +188,7 @@ class LocalSlice:
         notice = self.capacity.assigned()  # a scheduler moves hosts: each goes with a notice, losing no step
         for host in reversed(running[want:]):  # the pool shrank: its newest hosts go
             log.info("the pool has %d host(s): host %s goes (%s)", want, host, "a notice" if notice else "killed")
-            if notice:
-                self._notice(host)
-            else:
-                self._kill(host)
+            (self._notice if notice else self._kill)(host)
             running.remove(host)
         for host in hosts:
             if len(running) >= want:
@@ -375,6 +372,7 @@ class LocalSlice:
     def run(self) -> int:
         """Run the job to its end; 0 when it finished."""
         stop_deadline: float | None = None
+        allowance_s = self.cfg.stop_allowance_s
         try:
             while True:
                 self._reconcile()
@@ -383,19 +381,11 @@ class LocalSlice:
                     self._final = st
                     grace = time.monotonic() + 10.0
                 if self._final is not None and (not self.agents or time.monotonic() > grace):
-                    if self.agents:
-                        log.warning(
-                            "job %s ended %s; its agents still running are killed", self.job, self._final.get("state")
-                        )
                     break
                 if self._stopping:
-                    stop_deadline = stop_deadline or time.monotonic() + self.cfg.stop_allowance_s
+                    stop_deadline = stop_deadline or time.monotonic() + allowance_s
                     if time.monotonic() > stop_deadline:
-                        log.warning(
-                            "job %s did not stop within %.0fs of the stop asked: its agents are killed",
-                            self.job,
-                            self.cfg.stop_allowance_s,
-                        )
+                        log.warning("job %s not stopped %.0fs after the stop asked: killed", self.job, allowance_s)
                         break
                 if not self.agents and self._final is None and (self._hold is not None or not self._stopping):
                     self._no_host_left()  # may hand the run back: the agents start at the next look
