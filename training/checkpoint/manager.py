@@ -30,7 +30,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import type_handlers
 from orbax.checkpoint._src.path import atomicity
 
-from training.background import lower_this_thread
+from training.background import idle_this_thread
 from training.checkpoint import lean, packing
 from training.checkpoint.orbax_cost import OneWriteShardings, read_flag_once, target_size, with_target_size
 from training.checkpoint.resume import DataPosition, data_position
@@ -315,9 +315,11 @@ class BackgroundSave:
         from concurrent.futures import ThreadPoolExecutor
 
         self.snapshot = HostSnapshot(abstract, gather_small=gather_small)
-        # The save thread (and the checkpoint library's threads it starts) takes the CPU the loop leaves.
+        # The save thread (and the checkpoint library's threads it starts) runs only on cores the loop leaves
+        # idle: a lowered niceness still takes about a tenth of a busy core from the step, and the step after
+        # each save paid for it (issue 51: ~130 ms of wall time a save at nice 10, ~80 ms in the idle class).
         self.thread = (
-            ThreadPoolExecutor(1, thread_name_prefix=name, initializer=lower_this_thread) if background else None
+            ThreadPoolExecutor(1, thread_name_prefix=name, initializer=idle_this_thread) if background else None
         )
         self.prepared = False  # the copy's compile was handed to the thread (prepare_ahead)
         self.starting: Any = None  # a Future: the seconds the thread's part of the newest save took
@@ -326,7 +328,7 @@ class BackgroundSave:
         """Compile the copy in the save thread, once: call it after a round's first steps.
 
         A round's start is CPU-bound on a busy host (every process sets up at once); the steady
-        steps leave CPU idle, which the save thread's lowered priority takes.  A save that comes
+        steps leave CPU idle, which the save thread (in the idle class) takes.  A save that comes
         first compiles the copy itself.
         """
         if self.thread is not None and not self.prepared:
