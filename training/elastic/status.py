@@ -203,7 +203,8 @@ def stop_asked(store: Store) -> str | None:
 
 
 def repair_status(run_uri: str) -> RunStatus | None:
-    """The run's status, after recording the job failed when it is gone (the checks above; this may write)."""
+    """The run's status, after recording the job's end when it is gone (the checks above; this may write): failed,
+    or stopped when a person had asked it to stop."""
     store = open_store(run_uri)
     st = read_status(store)
     kept = kept_end(store, st)
