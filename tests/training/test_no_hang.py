@@ -62,6 +62,15 @@ def _kill_everything(handle: dict[str, Any]) -> None:
             pass
 
 
+def _all_killed_while_running(root: str, dataset: str, cache: str, name: str) -> tuple[Any, str]:
+    """A 2-host job started and training, then every process of it killed at once: its config and job id."""
+    cfg = job_config(root, dataset, cache, run_name=name, min_workers=2, max_workers=2, steps=200, **QUICK)
+    handle = start_job(cfg)
+    wait_for(lambda: _state_is(cfg.run_uri, handle["job"], "running"), 90, "running")
+    _kill_everything(handle)
+    return cfg, str(handle["job"])
+
+
 def test_no_host_left_the_job_waits_for_capacity_resumes_when_it_returns_and_fails_after_the_timeout(
     tmp_path: Any, tiny_dataset: str, jax_cache: str
 ) -> None:
@@ -161,13 +170,8 @@ def test_every_agent_gone_is_recorded_lost_by_the_next_reader_within_the_heartbe
 ) -> None:
     from training import api
 
-    cfg = job_config(
-        str(tmp_path), tiny_dataset, jax_cache, run_name="gone", min_workers=2, max_workers=2, steps=200, **QUICK
-    )
-    handle = start_job(cfg)
-    uri, job = cfg.run_uri, handle["job"]
-    wait_for(lambda: _state_is(uri, job, "running"), 90, "running")
-    _kill_everything(handle)
+    cfg, job = _all_killed_while_running(str(tmp_path), tiny_dataset, jax_cache, "gone")
+    uri = cfg.run_uri
     t0 = time.monotonic()
     assert api.status(uri)["state"] == "running", "a read records nothing"
     st = wait_for(lambda: (s := api.repair_status(uri)) and s["state"] == "failed" and s, 30, "the reader to record it")
@@ -186,13 +190,8 @@ def test_a_job_whose_hosts_all_die_after_a_person_asked_it_to_stop_ends_stopped_
     ends the run as the person asked, ``stopped`` and resumable, saying the hosts were gone, not ``failed``."""
     from training import api
 
-    cfg = job_config(
-        str(tmp_path), tiny_dataset, jax_cache, run_name="stopgone", min_workers=2, max_workers=2, steps=200, **QUICK
-    )
-    handle = start_job(cfg)
-    uri, job = cfg.run_uri, handle["job"]
-    wait_for(lambda: _state_is(uri, job, "running"), 90, "running")
-    _kill_everything(handle)
+    cfg, job = _all_killed_while_running(str(tmp_path), tiny_dataset, jax_cache, "stopgone")
+    uri = cfg.run_uri
     api.stop_job(uri, "stopped with rtrain stop")
     st = wait_for(
         lambda: (s := api.repair_status(uri)) and s["state"] != "running" and s, 30, "the reader to record it"

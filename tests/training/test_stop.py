@@ -83,8 +83,8 @@ def test_every_agent_of_a_stopped_job_exits_stopped_and_a_new_leader_keeps_the_e
 def test_a_stop_of_the_job_outlives_the_leader_s_own_requests_to_its_workers(tmp_path: Path) -> None:
     """A person's stop stays until the job reads it, whatever the leader asks of its workers meanwhile: a round's
     opening drops a request of the rounds before (stop at a checkpoint), and the leader's ask to grow at the next
-    checkpoint, written just after a person's stop (a cancel as hosts came back), once wrote over it: the job
-    trained on and its launcher killed it at the stop's deadline, recorded failed."""
+    checkpoint, written just after a person's stop (a cancel as hosts came back), could write over it while they
+    shared one object: the job trained on, and its launcher killed it at the stop's deadline, recorded failed."""
     from training.checkpoint.ledger import Ledger
     from training.elastic.rendezvous import Rendezvous
     from training.elastic.rounds import Carried, LeaderRecords, RoundWriter
