@@ -62,7 +62,7 @@ class ModelSection(Section):
         "auto",
         description="Attention kernel: `splash` (Pallas's TPU splash kernel; interpreted, slowly, elsewhere), `xla` "
         "(jax.nn.dot_product_attention: cuDNN on a GPU, einsums on TPU and CPU), `reference` (plain einsums, for "
-        "checking); `auto`: splash on a TPU when sequence and head width are multiples of 128, else xla.",
+        "checking); `auto`: splash on a TPU when the sequence is a multiple of 128 and the head width of 64, else xla.",
     )
     remat: Literal["none", "full", "dots", "qkv_proj", "attn", "attn_mlp"] = Field(
         "none",

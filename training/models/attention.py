@@ -12,8 +12,15 @@ earlier tokens of its own segment (document) only.
 - ``xla``: ``jax.nn.dot_product_attention`` with the mask (cuDNN's fused kernel on a GPU; on TPU
   and CPU, XLA's einsums and softmax, which keep batch x heads x seq x seq scores).
 - ``reference``: plain einsums with fp32 scores, for checking the others.
-- ``auto``: ``splash`` on a TPU when the shapes suit its tiles (sequence and head width multiples
-  of 128), ``xla`` otherwise.
+- ``auto``: ``splash`` on a TPU when the sequence is whole 128-token tiles and the head width a
+  multiple of 64, ``xla`` otherwise.
+
+The kernel takes a head of any width whole: its blocks span the head (``(block, head_dim)``), and
+its softmax statistics and output scratch are widened to the 128 lanes and cut back to the head
+(``head_dim_v_repeats = cdiv(head_dim_v, NUM_LANES)`` in ``splash_attention_kernel.py``).  Only the
+sequence blocks must be multiples of 128.  So a head of width 64 (Llama 3.2 1B's) goes to the kernel
+as it is, with no padding: on one TPU v5e that model trained at 48.8% MFU with splash against 34.4%
+with XLA's einsums (issue 59).
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ import numpy as np
 
 Impl = Literal["auto", "splash", "xla", "reference"]
 IMPLS: tuple[str, ...] = ("auto", "splash", "xla", "reference")
-TILE = 128  # the splash kernel's lane width: sequence and head width must be multiples of it on a TPU
+TILE = 128  # the splash kernel's lane width: its sequence blocks are multiples of it
+HEAD_WIDTH = 64  # auto picks splash for head widths that are multiples of this (measured on a TPU at 64 and 128)
 
 
 class AttentionError(ValueError):
@@ -61,7 +69,7 @@ def resolve(impl: str, seq_len: int, head_dim: int, platform: str | None = None)
     if impl != "auto":
         return impl
     platform = platform or jax.default_backend()
-    fits = seq_len % TILE == 0 and head_dim % TILE == 0
+    fits = seq_len % TILE == 0 and head_dim % HEAD_WIDTH == 0
     return "splash" if platform == "tpu" and fits else "xla"
 
 
