@@ -44,7 +44,16 @@ from rtrain_airflow.operators.training import (
 )
 from rtrain_airflow.sensors.training import RTrainTrainingJobSensor
 
-PRESETS = ["tiny", "small", "llama3-8b", "llama3-70b"]  # training/configs/*.yml (checked by the integrity test)
+PRESETS = [
+    "tiny",
+    "small",
+    "llama3.2-1b",
+    "llama3.2-3b",
+    "llama3.1-8b",
+    "llama3.1-70b",
+    "llama3-8b",
+    "llama3-70b",
+]  # training/configs/*.yml (checked by the integrity test)
 # Seconds between a failed try of a training task and its retry (the relaunch).
 RETRY_DELAY = timedelta(seconds=float(os.environ.get("RTRAIN_RETRY_DELAY_S", "30")))
 TRAINING_RETRIES = 2
@@ -165,9 +174,10 @@ def _run_params(continual: bool) -> dict[str, Param]:
             title="Preset",
             section="Run",
             **text(
-                "Model and run preset (`training/configs/<preset>.yml`): `tiny` and `small` run on CPU; the llama3 "
-                "presets are for TPU slices (and show the memory-fit refusal locally). The fields left empty below "
-                "take its values."
+                "Model and run preset (`training/configs/<preset>.yml`): `tiny` and `small` run on CPU; the Llama "
+                "presets are the published models (Llama 3.2 1B and 3B, Llama 3.1 8B and 70B, Llama 3 8B and 70B) "
+                "for TPU slices (and show the memory-fit refusal locally). The fields left empty below take its "
+                "values."
             ),
         ),
     }

@@ -118,7 +118,11 @@ Subcommands = argparse._SubParsersAction  # the parser's subcommands (argparse h
 
 
 def config_args(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("--preset", default=None, help="tiny | small | llama3-8b | llama3-70b (default: tiny)")
+    sp.add_argument(
+        "--preset",
+        default=None,
+        help="tiny | small | llama3.2-1b | llama3.2-3b | llama3.1-8b | llama3.1-70b | llama3-8b | llama3-70b (default: tiny)",
+    )
     sp.add_argument("--config", action="append", default=[], metavar="FILE", help="a YAML file of keys (repeatable)")
     sp.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (see `rtrain config`)")
 

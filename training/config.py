@@ -3,7 +3,7 @@
 A config is built in layers:
 
 1. ``configs/base.yml``           every key with its default;
-2. ``configs/<preset>.yml``       a model/run preset (``tiny``, ``small``, ``llama3-8b`` ...);
+2. ``configs/<preset>.yml``       a model/run preset (``tiny``, ``small``, ``llama3.2-1b`` ...);
 3. ``--config FILE`` YAML files   the user's own;
 4. ``key=value`` overrides        from the command line, Airflow params, reruns.
 
