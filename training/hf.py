@@ -7,11 +7,16 @@ together, as Hugging Face's ``LlamaForCausalLM`` does, so the q and k weights ma
 without a permutation; every projection is the transpose of its ``nn.Linear``
 weight.  Safetensors are read and written here with numpy (and ``ml_dtypes`` for
 bfloat16): the format is an 8-byte header length, a JSON header and the raw bytes.
+
+A checkpoint is checked from its headers alone when a config names it (:func:`checkpoint_keys`):
+every file there, every tensor the model reads present with its shape and a dtype we read, and
+every file as long as its header says, before a job starts and reads the weights.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +40,9 @@ DTYPES: dict[str, np.dtype[Any]] = {
     "BF16": np.dtype(ml_dtypes.bfloat16),
 }
 NAMES = {v: k for k, v in DTYPES.items()}
+# Bytes an element of each safetensors dtype takes (the format's list): a header's offsets are checked against them.
+ITEMSIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2}
+ITEMSIZES |= {"I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 # A Hugging Face ``config.json``: another project's document, free-form.
 HFConfig = dict[str, Any]
 
@@ -95,33 +103,92 @@ class TensorInfo:
     """Where one tensor lies in a safetensors file."""
 
     file: str
-    dtype: np.dtype[Any]
+    kind: str  # its safetensors dtype: F32, BF16, ...
     shape: tuple[int, ...]
     start: int  # absolute byte offset in the file
     size: int
 
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        """Its numpy dtype (KeyError for a kind this reader does not load; :func:`check_weights` refuses those)."""
+        return DTYPES[self.kind]
+
 
 def read_header(store: Store, name: str) -> dict[str, TensorInfo]:
-    """The tensors of safetensors file ``name`` in ``store``: dtype, shape and where their bytes are."""
+    """The tensors of safetensors file ``name`` in ``store``: dtype, shape and where their bytes are.
+
+    An entry whose byte range does not hold its shape in its dtype is refused; nothing but the header is read.
+    """
     where = store.child(name)
     head = store.get_range(name, 0, 8)
     if len(head) < 8:
         raise HFError(f"{where}: not a safetensors file (shorter than its 8-byte header length)")
     n = int.from_bytes(head, "little")
     raw = store.get_range(name, 8, n)
+    if len(raw) < n:
+        raise HFError(f"{where}: truncated: its header of {n} bytes ends past the file's {8 + len(raw)} bytes")
     try:
         header = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise HFError(f"{where}: not a safetensors file (its header is not JSON)") from None
-    out = {}
-    for key, entry in header.items():
-        if key == "__metadata__":
-            continue
-        if entry["dtype"] not in DTYPES:
-            raise HFError(f"{where}: tensor {key} is {entry['dtype']}, not one of {', '.join(DTYPES)}")
-        begin, end = entry["data_offsets"]
-        out[key] = TensorInfo(name, DTYPES[entry["dtype"]], tuple(entry["shape"]), 8 + n + begin, end - begin)
-    return out
+    if not isinstance(header, dict):
+        raise HFError(f"{where}: not a safetensors file (its header is not a JSON object)")
+    return {key: _entry(where, name, 8 + n, key, entry) for key, entry in header.items() if key != "__metadata__"}
+
+
+def _entry(where: str, name: str, data_start: int, key: str, entry: Any) -> TensorInfo:
+    """One header entry as a TensorInfo, refused in one line when it is not one."""
+    try:
+        kind, shape = str(entry["dtype"]), tuple(int(d) for d in entry["shape"])
+        begin, end = (int(x) for x in entry["data_offsets"])
+    except (KeyError, TypeError, ValueError):
+        raise HFError(f"{where}: tensor {key}'s header entry is not dtype, shape and data_offsets") from None
+    want = math.prod(shape) * ITEMSIZES[kind] if kind in ITEMSIZES else end - begin
+    if begin < 0 or end - begin != want:
+        raise HFError(
+            f"{where}: tensor {key}'s data_offsets [{begin}, {end}] do not hold its shape {list(shape)} of {kind} "
+            f"({want} bytes)"
+        )
+    return TensorInfo(name, kind, shape, data_start + begin, end - begin)
+
+
+def check_length(store: Store, name: str, tensors: Mapping[str, TensorInfo]) -> None:
+    """Refuse file ``name`` when it ends before the last byte its header places (a truncated download or copy),
+    naming the first tensor cut short: one ranged read of a byte when the file is whole, a bisection when not."""
+    by_end = sorted((t for t in tensors.items() if t[1].size), key=lambda t: t[1].start + t[1].size)
+    if not by_end or _has_byte(store, name, by_end[-1][1].start + by_end[-1][1].size - 1):
+        return
+    lo, hi = 0, len(by_end) - 1  # the first tensor whose last byte is missing is one of by_end[lo..hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _has_byte(store, name, by_end[mid][1].start + by_end[mid][1].size - 1):
+            lo = mid + 1
+        else:
+            hi = mid
+    key, cut = by_end[lo]
+    raise HFError(
+        f"{store.child(name)}: truncated: tensor {key} (bytes {cut.start} to {cut.start + cut.size}) ends past "
+        "the end of the file"
+    )
+
+
+def _has_byte(store: Store, name: str, offset: int) -> bool:
+    """Whether the object ``name`` is longer than ``offset`` bytes (one ranged read of its byte there)."""
+    try:
+        return len(store.get_range(name, offset, 1)) == 1
+    except Exception as e:
+        if _range_past_the_end(e):
+            return False
+        raise
+
+
+def _range_past_the_end(error: Exception) -> bool:
+    """Whether ``error`` is GCS answering a range that starts past an object's end (HTTP 416)."""
+    try:
+        from google.api_core import exceptions
+    except ImportError:
+        return False
+    return isinstance(error, exceptions.RequestRangeNotSatisfiable)
 
 
 def read_tensor(store: Store, info: TensorInfo) -> np.ndarray:
@@ -155,6 +222,90 @@ def write_safetensors(path: Path, tensors: Mapping[str, np.ndarray], metadata: M
 # --- the checkpoint -------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Weights:
+    """A checkpoint's tensors by name, from its safetensors' headers, and where a tensor it lacks should have been
+    (its one file, its index, or the directory)."""
+
+    tensors: dict[str, TensorInfo]
+    home: str
+
+
+def scan(store: Store) -> Weights:
+    """Every tensor of the checkpoint in ``store`` from its files' headers (and index): a missing or truncated file,
+    an index entry its file does not hold, or a PyTorch ``.bin``-only checkpoint, refused in one line naming it."""
+    try:
+        index = json.loads(store.get(INDEX_FILE))
+        weight_map = {str(t): str(f) for t, f in index["weight_map"].items()}
+    except NotFound:
+        weight_map = {}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise HFError(f"{store.child(INDEX_FILE)}: not an index (a JSON object with a weight_map)") from None
+    top = [] if weight_map else [k for k in store.list() if "/" not in k]
+    files = sorted(set(weight_map.values())) if weight_map else [k for k in top if k.endswith(".safetensors")]
+    if not files:
+        pickles = [k for k in top if k.endswith(".bin")]
+        if pickles:
+            raise HFError(
+                f"{store.child(pickles[0])}: a PyTorch .bin checkpoint; init_from reads safetensors only "
+                "(transformers writes them: save_pretrained(DIR, safe_serialization=True))"
+            )
+        raise HFError(f"{store.uri}: no *.safetensors file (a Hugging Face checkpoint holds its weights in them)")
+    tensors: dict[str, TensorInfo] = {}
+    for name in files:
+        try:
+            found = read_header(store, name)
+        except NotFound:
+            raise HFError(f"{store.child(name)}: missing (named by {INDEX_FILE})") from None
+        check_length(store, name, found)
+        tensors |= found
+    for t, f in weight_map.items():
+        if t not in tensors or tensors[t].file != f:
+            raise HFError(f"{store.child(f)}: no tensor {t} ({INDEX_FILE} puts it in this file)")
+    home = INDEX_FILE if weight_map else files[0] if len(files) == 1 else ""
+    return Weights(tensors, store.child(home) if home else store.uri)
+
+
+def hf_shapes(keys: LlamaKeys) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Llama of these config keys reads from a checkpoint, by its name there, with its shape."""
+    d, ff, v = keys["d_model"], keys["d_ff"], keys["vocab_size"]
+    kv = keys["n_kv_heads"] * (d // keys["n_heads"])  # heads x head width is the model's width
+    layer: dict[str, tuple[int, ...]] = {
+        "self_attn.q_proj.weight": (d, d),
+        "self_attn.k_proj.weight": (kv, d),
+        "self_attn.v_proj.weight": (kv, d),
+        "self_attn.o_proj.weight": (d, d),
+        "mlp.gate_proj.weight": (ff, d),
+        "mlp.up_proj.weight": (ff, d),
+        "mlp.down_proj.weight": (d, ff),
+        "input_layernorm.weight": (d,),
+        "post_attention_layernorm.weight": (d,),
+    }
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d)}
+    for i in range(keys["n_layers"]):
+        out |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+    out["model.norm.weight"] = (d,)
+    if not keys.get("tie_embeddings"):
+        out["lm_head.weight"] = (v, d)
+    return out
+
+
+def check_weights(store: Store, weights: Weights, keys: LlamaKeys) -> None:
+    """Refuse a checkpoint short of a tensor the model of ``keys`` reads, or holding one of another shape or of a
+    dtype this reader does not load: one line naming the file and the tensor."""
+    for name, shape in hf_shapes(keys).items():
+        info = weights.tensors.get(name)
+        if info is None:
+            raise HFError(f"{weights.home}: no tensor {name} (its config.json's model reads one)")
+        where = store.child(info.file)
+        if info.kind not in DTYPES:
+            raise HFError(f"{where}: tensor {name} is {info.kind}, not one of {', '.join(DTYPES)}")
+        if info.shape != shape:
+            raise HFError(
+                f"{where}: tensor {name} has shape {list(info.shape)}, its config.json's model needs {list(shape)}"
+            )
+
+
 class Checkpoint:
     """A Hugging Face Llama checkpoint at a URI: its config and its tensors by name (read when asked)."""
 
@@ -162,23 +313,7 @@ class Checkpoint:
         self.uri = uri.rstrip("/")
         self.store = open_store(self.uri)
         self.config = read_config(self.store)
-        self.tensors = self._index()
-
-    def _index(self) -> dict[str, TensorInfo]:
-        try:
-            weight_map = json.loads(self.store.get(INDEX_FILE))["weight_map"]
-            files = sorted(set(weight_map.values()))
-        except NotFound:
-            files = [k for k in self.store.list() if k.endswith(".safetensors") and "/" not in k]
-        if not files:
-            raise HFError(f"{self.uri}: no *.safetensors file (a Hugging Face checkpoint holds its weights in them)")
-        tensors: dict[str, TensorInfo] = {}
-        for name in files:
-            try:
-                tensors |= read_header(self.store, name)
-            except NotFound:
-                raise HFError(f"{self.store.child(name)}: missing (named by {INDEX_FILE})") from None
-        return tensors
+        self.tensors = scan(self.store).tensors
 
     def get(self, name: str) -> np.ndarray:
         info = self.tensors.get(name)
@@ -430,9 +565,16 @@ class CheckpointKeys:
 
 
 def checkpoint_keys(uri: str) -> CheckpointKeys:
-    """The config keys of the Hugging Face Llama checkpoint at ``uri`` (only its config.json is read)."""
+    """The config keys of the Hugging Face Llama checkpoint at ``uri``, its weights checked from their headers.
+
+    Only config.json and each safetensors file's header (and a byte at its end) are read: a checkpoint that is
+    not there, or whose weights the model could not load, is refused here, before a job starts.
+    """
     store = open_store(uri)
+    if not store.list():
+        raise HFError(f"{store.uri}: no such directory (or nothing in it)")
     model = model_keys(read_config(store), store.child(CONFIG_FILE))
+    check_weights(store, scan(store), model)
     tokenizer = join(uri, TOKENIZER_FILE) if store.exists(TOKENIZER_FILE) else None
     return CheckpointKeys(model, tokenizer)
 

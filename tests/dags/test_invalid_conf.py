@@ -84,3 +84,22 @@ def test_a_runs_priority_orders_its_training_tasks_in_airflow(dagbag: Any, tmp_p
         assert plain[task] < 1000, plain
         assert low[task] == 1000 + plain[task] and urgent[task] == 4000 + plain[task], (low, urgent)
     assert urgent["training.watch_job"] > low["training.launch_job"] > plain["resolve_config"]
+
+
+def test_init_from_weights_that_would_not_load_fail_resolve_config_in_one_line(dagbag: Any, tmp_path: Path) -> None:
+    """A truncated safetensors file is found from its header when the config is resolved, not by the job."""
+    import os
+    import shutil
+
+    from airflow.sdk.exceptions import AirflowFailException
+
+    ckpt = tmp_path / "llama3-tied"
+    shutil.copytree(Path(__file__).parents[1] / "training" / "data" / "hf" / "llama3-tied", ckpt)
+    os.truncate(ckpt / "model.safetensors", (ckpt / "model.safetensors").stat().st_size - 1000)
+    dag = dagbag.dags["resilient_training"]
+    params = {k: dag.params[k] for k in dag.params} | {"storage_root": str(tmp_path / "runs"), "init_from": str(ckpt)}
+    with pytest.raises(AirflowFailException) as failed:
+        dag.get_task("resolve_config").execute({"params": params})
+    message = str(failed.value)
+    assert message.startswith(f"invalid conf: init_from: {ckpt}/model.safetensors: truncated: tensor "), message
+    assert "\n" not in message and not (tmp_path / "runs").exists()

@@ -111,9 +111,11 @@ def test_a_bad_checkpoint_is_one_line_naming_it(tmp_path: Path, damage: Any, mes
 
 
 def test_missing_weights_and_a_shape_mismatch_are_one_line_naming_them(tmp_path: Path) -> None:
+    """The worker's own reading refuses them too (a config names them first: test_hf_checks.py)."""
     d = _copy(tmp_path)
-    _edit_config(d, intermediate_size=64)
-    task = task_for(d)
+    keys = dict(hf.checkpoint_keys(str(d)).model) | {"d_ff": 64}
+    cfg = load_config(None, None, {f"model.{k}": v for k, v in keys.items()})
+    task = LanguageModel(cfg.model, cfg.data)
     with pytest.raises(
         hf.HFError, match=r"model.layers.0.mlp.gate_proj.weight has shape \[48, 32\], .* needs \[64, 32\]"
     ):
