@@ -131,11 +131,15 @@ def _timed_steps(
 
 def model_flops_per_token(model: ModelSection) -> float:
     """Training FLOPs per token of the built-in model: 6 x parameters (matmuls, forward and backward)
-    plus the attention scores' 12 x layers x width x sequence length."""
+    plus the attention scores' 12 x layers x width x sequence length.
+
+    The embedding lookup is no matmul, but the output head is one: an untied model's embedding is left out
+    of the parameters; a tied model's one matrix is the head's matmul too, so it stays in.
+    """
     from training.mesh import param_count
 
-    n = param_count(model) - model.vocab_size * model.d_model  # the embedding lookup is no matmul
-    return 6.0 * n + 12.0 * model.n_layers * model.d_model * model.seq_len
+    lookup = 0 if model.tie_embeddings else model.vocab_size * model.d_model
+    return 6.0 * (param_count(model) - lookup) + 12.0 * model.n_layers * model.d_model * model.seq_len
 
 
 def matmul_flops_per_s() -> float:
