@@ -1,23 +1,35 @@
 """``rtrain export``: a committed step's parameters as a Hugging Face directory or a plain Orbax checkpoint.
 
 The step is the newest validated one unless one is named.  ``hf`` writes ``config.json``, safetensors
-(sharded past 4 GiB a file) and the dataset's ``tokenizer.json`` (when it was prepared with one), which
-transformers' ``LlamaForCausalLM`` loads; ``orbax`` writes the named parameter tree alone with Orbax's
-``StandardCheckpointer``, restorable by any Orbax user.
+(sharded past 4 GiB a file), the dataset's ``tokenizer.json`` (when it was prepared with one) and a
+``generation_config.json``, which transformers' ``LlamaForCausalLM`` loads and ``generate()`` stops at the
+end of a text by; ``orbax`` writes the named parameter tree alone with Orbax's ``StandardCheckpointer``,
+restorable by any Orbax user.
+
+Where a text begins and ends (``bos_token_id``, ``eos_token_id``, in config.json and
+generation_config.json) comes from the checkpoint the run started from (``init_from``) when the run
+tokenizes with that checkpoint's own tokenizer, its generation_config.json copied whole; else from the
+run's tokenizer: its end-of-document id, and its beginning-of-text token where it has one, else the
+end-of-document id again (in the packed training data a text begins after one).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 from training.checkpoint.ledger import Ledger
 from training.checkpoint.steps import committed_steps
 from training.config import Config
 from training.sections import DataSection
-from training.storage import is_gcs, join, open_store
+from training.storage import NotFound, is_gcs, join, open_store
+
+if TYPE_CHECKING:
+    from training.data.tokenizer import Tokenizer
 
 FORMATS = ("hf", "orbax")
 
@@ -57,21 +69,67 @@ def _empty_target(output: str) -> None:
         raise ExportError(f"--output {output} exists and is not an empty directory")
 
 
-def tokenizer_file(data: DataSection) -> bytes | None:
-    """The run's Hugging Face tokenizer.json, from its dataset (None: the dataset's tokenizer has none)."""
+def run_tokenizer(data: DataSection) -> Tokenizer | None:
+    """The run's tokenizer: its dataset's, else the data section's own where it needs no dataset (None: neither)."""
+    from training.data.tokenizer import Tokenizer, resolve
     from training.data.tokens import load_tokenizer
 
     try:
-        tok = load_tokenizer(data.dataset)
+        return load_tokenizer(data.dataset)
     except Exception:  # noqa: BLE001 - a run whose dataset is gone still exports its weights
+        pass
+    try:
+        tok = resolve(data.tokenizer) if data.tokenizer != "bpe" else None  # a bpe is trained with its dataset
+    except Exception:  # noqa: BLE001 - nor does a tokenizer file that is gone stop an export
         return None
-    return tok.definition() if tok.kind in ("huggingface", "bpe") else None
+    return tok if isinstance(tok, Tokenizer) else None
+
+
+def tokenizer_file(data: DataSection) -> bytes | None:
+    """The run's Hugging Face tokenizer.json (None: its tokenizer has none)."""
+    tok = run_tokenizer(data)
+    return tok.definition() if tok is not None and tok.kind in ("huggingface", "bpe") else None
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Where an exported model's texts begin and end: config.json's ``bos_token_id``/``eos_token_id`` and the
+    generation_config.json that transformers' ``generate()`` reads, with where they came from."""
+
+    ids: dict[str, Any]  # bos_token_id, eos_token_id (an id or a list of them)
+    config: dict[str, Any]  # generation_config.json
+    source: str
+
+
+def generation(cfg: Config) -> Generation | None:
+    """The export's generation settings: the source checkpoint's when the run uses its tokenizer, else the run
+    tokenizer's (None: the run's tokenizer cannot be read any more)."""
+    from training.hf import GENERATION_FILE, TOKENIZER_FILE, HFError, read_config
+
+    source = cfg.model.init_from
+    if source and cfg.data.tokenizer == join(source, TOKENIZER_FILE):
+        store = open_store(source)
+        try:
+            model = read_config(store)
+            gen = json.loads(store.get(GENERATION_FILE))
+        except NotFound:
+            gen = {}
+        except (HFError, ValueError):  # gone or unreadable since the run began: the tokenizer tells
+            gen = None
+        if isinstance(gen, dict):
+            ids = {k: gen.get(k, model.get(k)) for k in ("bos_token_id", "eos_token_id")}
+            if ids["eos_token_id"] is not None:
+                ids = {k: v for k, v in ids.items() if v is not None}
+                return Generation(ids, gen | ids, f"{source} ({GENERATION_FILE if gen else 'config.json'})")
+    tok = run_tokenizer(cfg.data)
+    if tok is None:
+        return None
+    ids = {"bos_token_id": tok.eos_id if tok.bos_id is None else tok.bos_id, "eos_token_id": tok.eos_id}
+    return Generation(ids, dict(ids), f"the run's {tok.kind} tokenizer")
 
 
 def export(cfg: Config, output: str, fmt: Literal["hf", "orbax"] = "hf", step: int | None = None) -> Exported:
     """Write step ``step`` (default: the newest validated) of the run ``cfg`` names to ``output``."""
-    import numpy as np
-
     from training.checkpoint.manager import load_params_host
 
     if fmt not in FORMATS:
@@ -83,21 +141,31 @@ def export(cfg: Config, output: str, fmt: Literal["hf", "orbax"] = "hf", step: i
     params = load_params_host(cfg.run_uri, step)
     if fmt == "orbax":
         return _orbax(cfg, step, params, output)
-    from training import hf
-    from training.tasks.lm import llama_config
-
-    model = llama_config(cfg.model)
-    dtype = np.dtype(hf.DTYPES["BF16"]) if cfg.model.param_dtype == "bfloat16" else np.dtype(np.float32)
-    tensors = hf.from_params(params, model, dtype)
-    config = hf.hf_config(model, cfg.model.param_dtype)
     with tempfile.TemporaryDirectory() as tmp:
         local = Path(tmp) / "hf" if is_gcs(output) else Path(output)
-        files = hf.write_checkpoint(local, tensors, config, tokenizer_file(cfg.data))
+        files = write_hf(cfg, params, local)
         if is_gcs(output):
             store = open_store(output)
             for name in files:
                 store.put(name, (local / name).read_bytes())
     return Exported(run=cfg.run_uri, step=step, format=fmt, output=output, files=files)
+
+
+def write_hf(cfg: Config, params: Any, out: Path) -> list[str]:
+    """Run ``cfg``'s Llama parameters ``params`` (scanned or not) as a Hugging Face directory at ``out``: config.json
+    with the model's shapes and where texts begin and end, safetensors in the run's parameter dtype, tokenizer.json
+    and generation_config.json.  Returns the files written."""
+    import numpy as np
+
+    from training import hf
+    from training.tasks.lm import llama_config
+
+    model = llama_config(cfg.model)
+    dtype = np.dtype(hf.DTYPES["BF16"]) if cfg.model.param_dtype == "bfloat16" else np.dtype(np.float32)
+    gen = generation(cfg)
+    config = hf.hf_config(model, cfg.model.param_dtype) | (gen.ids if gen else {})
+    tensors = hf.from_params(params, model, dtype)
+    return hf.write_checkpoint(out, tensors, config, tokenizer_file(cfg.data), gen.config if gen else None)
 
 
 def _orbax(cfg: Config, step: int, params: Any, output: str) -> Exported:

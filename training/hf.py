@@ -30,6 +30,7 @@ from training.storage import NotFound, Store, join, open_store
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
+GENERATION_FILE = "generation_config.json"  # transformers' generate() reads its eos_token_id (where a text ends)
 ARCHITECTURE = "LlamaForCausalLM"
 LLAMA3_BANDS = (1.0, 4.0)  # Llama 3's RoPE scaling: low_freq_factor and high_freq_factor (as our Llama has them)
 SHARD_BYTES = 4 << 30  # an exported file holds at most this much (Hugging Face's own default is 5 GB)
@@ -521,9 +522,14 @@ def from_params(params: Mapping[str, Any], model: Any, dtype: np.dtype[Any]) -> 
 
 
 def write_checkpoint(
-    out: Path, tensors: Mapping[str, np.ndarray], config: Mapping[str, Any], tokenizer: bytes | None
+    out: Path,
+    tensors: Mapping[str, np.ndarray],
+    config: Mapping[str, Any],
+    tokenizer: bytes | None,
+    generation: Mapping[str, Any] | None = None,
 ) -> list[str]:
-    """Write a Hugging Face directory: config.json, safetensors (sharded past ``SHARD_BYTES``), tokenizer.json.
+    """Write a Hugging Face directory: config.json, safetensors (sharded past ``SHARD_BYTES``), tokenizer.json and
+    ``generation`` as generation_config.json (each of the last two when given).
 
     Returns the files written, by name.
     """
@@ -553,6 +559,9 @@ def write_checkpoint(
     if tokenizer is not None:
         (out / TOKENIZER_FILE).write_bytes(tokenizer)
         files.append(TOKENIZER_FILE)
+    if generation is not None:
+        (out / GENERATION_FILE).write_text(json.dumps(generation, indent=2) + "\n")
+        files.append(GENERATION_FILE)
     return files
 
 

@@ -260,6 +260,11 @@ def test_a_run_starts_from_init_from_and_exports_what_it_trained(tmp_path: Path,
     out = export(cfg.run_uri, str(tmp_path / "hf"), "hf")
     assert out["step"] == 2 and "tokenizer.json" in out["files"]
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (model / "tokenizer.json").read_bytes()
+    # Where texts begin and end, for generate(): the source checkpoint's generation_config.json, whole.
+    gen = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert gen == json.loads((model / "generation_config.json").read_text())
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (gen["bos_token_id"], gen["eos_token_id"])
     task = task_for(tmp_path / "hf", "seq_len=32")
     params = hf.to_params(hf.Checkpoint(str(tmp_path / "hf")), abstract_params(task), task.model_cfg)
     ref = reference(name)

@@ -47,6 +47,8 @@ BYTE_EOS = 0  # The byte that ends every document of a byte-level dataset.
 BPE_EOS = "<|eos|>"
 # End-of-document tokens looked for in a user's tokenizer.json, in this order.
 EOS_CANDIDATES = ("<|end_of_text|>", "<|eos|>", "</s>", "<|endoftext|>", "<eos>")
+# Beginning-of-text tokens looked for in a user's tokenizer.json (for an export's bos_token_id), in this order.
+BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
 HF_FILE = "tokenizer.json"
 SPM_FILE = "tokenizer.model"
 # How `bpe` is trained: part of its recipe fingerprint, so a change here is a new dataset.
@@ -74,7 +76,8 @@ class Tokenizer:
 
     ``kind``: bytes | bpe | huggingface | sentencepiece; ``fingerprint``: the
     sha256 of its definition; ``file``: the name its definition has inside a
-    dataset (None: nothing to store); ``eos_id``: the id that ends a document.
+    dataset (None: nothing to store); ``eos_id``: the id that ends a document; ``bos_id``: the id that
+    begins a text, where the vocabulary has one (None: it has none).
     """
 
     kind: str
@@ -82,6 +85,7 @@ class Tokenizer:
     eos_id: int
     fingerprint: str
     file: str | None = None
+    bos_id: int | None = None
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -162,6 +166,8 @@ class HFTokenizer(Tokenizer):
         eos = self._tok.token_to_id(found[0])
         assert eos is not None
         self.eos_id = int(eos)
+        bos = next((i for t in BOS_CANDIDATES if (i := self._tok.token_to_id(t)) is not None), None)
+        self.bos_id = None if bos is None else int(bos)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
@@ -195,6 +201,8 @@ class SentencePieceTokenizer(Tokenizer):
         if eos < 0:
             raise DatasetError(f"{what}: the SentencePiece model has no end-of-document (eos) piece")
         self.eos_id = eos
+        bos = int(self._sp.bos_id())
+        self.bos_id = bos if bos >= 0 else None
 
     def encode(self, text: str) -> list[int]:
         return [int(i) for i in self._sp.encode(text, out_type=int)]
