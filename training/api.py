@@ -219,17 +219,34 @@ def plan(cfg: Config, compiled: bool = False) -> PlanReport:
 
     ``compiled``: also measure the compiled step's per-device memory (seconds to a
     minute, in a child process); a task other than the built-in one is always measured.
+    With ``remat: auto`` and ``compiled``, the report's ``remat`` is the policy chosen
+    (:mod:`training.rematfit`) and its memory the chosen step's.
     """
     from training.memfit import compiled_memory
+    from training.rematfit import choose_remat
 
-    return plan_report(cfg, compiled, compiled_memory)
+    return plan_report(cfg, compiled, compiled_memory, choose_remat)
 
 
 def check_fit(cfg: Config, compiled: bool = False) -> tuple[MeshPlan, MemoryEstimate | None]:
     """Refuse a config that cannot run at its minimum topology; see :func:`plan` for ``compiled``."""
     from training.memfit import compiled_memory
+    from training.rematfit import choose_remat
 
-    return _check_fit(cfg, compiled, compiled_memory)
+    return _check_fit(cfg, compiled, compiled_memory, choose_remat)
+
+
+def resolve_remat(cfg: Config, on_line: Callable[[str], None] | None = None) -> Config:
+    """The config with ``remat: auto`` replaced by the policy the compiled steps choose (``on_line`` told why);
+    any other config as it is.  Raises PlanError when no policy fits."""
+    from training.mesh import remat_auto
+
+    if not remat_auto(cfg):
+        return cfg
+    choice = plan(cfg, compiled=True)["remat"]
+    if on_line is not None:
+        on_line(str(choice["reason"]))
+    return cfg.model_copy(update={"model.remat": choice["policy"]})
 
 
 def committed_steps(run_uri: str) -> list[int]:
@@ -366,6 +383,8 @@ def begin_job(
     """
     plan(cfg)  # a config that cannot run is refused before anything is written
     check_task(cfg)  # a task that cannot be built, or data it cannot open: refused the same way
+    # remat: auto becomes the policy the compiled steps choose, in the config the job's workers read
+    cfg = resolve_remat(cfg, on_line or (lambda line: print(line, file=sys.stderr, flush=True)))
     store = open_store(cfg.run_uri)
     job = new_job_id()
     who = by or f"{os.environ.get('USER', 'someone')}@{socket.gethostname()} pid {os.getpid()}"

@@ -138,6 +138,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if "cpu_estimate" in got:
             err = got["cpu_estimate"] / got["total"] - 1 if got["total"] else 0.0
             print(f"the CPU backend's estimate of the same step: {got['cpu_estimate']:.2f} GiB ({err:+.0%})")
+    if "remat" in report:
+        print(report["remat"]["reason"])
     return Exit.OK
 
 

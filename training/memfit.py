@@ -142,6 +142,21 @@ def out_of_memory(error: str) -> bool:
 
 
 def _child(cfg: Config, workers: int, timeout_s: float, device: bool) -> CompiledMemory:
+    return CompiledMemory(**run_child("training.memfit", cfg, workers, timeout_s, device, "argument_bytes"))
+
+
+def run_child(
+    module: str,
+    cfg: Config,
+    workers: int,
+    timeout_s: float,
+    device: bool,
+    key: str,
+    failed: str = "the compiled memory analysis failed: ",
+) -> dict[str, Any]:
+    """Run ``python -m module --workers N [--device]`` on the config (as JSON on its stdin), on fake CPU devices for
+    the plan unless ``device``, and return the one line of JSON it prints, which holds ``key``.  Its ``error``
+    is raised as a PlanError after ``failed`` (or as the task's TaskError)."""
     plan = plan_mesh(cfg.placement, workers)
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")).strip()
     env = dict(os.environ)
@@ -152,7 +167,7 @@ def _child(cfg: Config, workers: int, timeout_s: float, device: bool) -> Compile
             f"{flags} --xla_force_host_platform_device_count={plan.devices} "
             "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true".strip()
         )
-    cmd = [sys.executable, "-m", "training.memfit", "--workers", str(workers)] + ["--device"] * device
+    cmd = [sys.executable, "-m", module, "--workers", str(workers)] + ["--device"] * device
     try:
         proc = subprocess.run(
             cmd, input=cfg.to_json(), capture_output=True, text=True, env=env, timeout=timeout_s, check=False
@@ -169,15 +184,31 @@ def _child(cfg: Config, workers: int, timeout_s: float, device: bool) -> Compile
             from training.tasks import TaskError
 
             raise TaskError(out["error"])
-        raise PlanError(f"the compiled memory analysis failed: {out['error']}")
-    if proc.returncode or "argument_bytes" not in out:
+        raise PlanError(f"{failed}{out['error']}")
+    if proc.returncode or key not in out:
         tail = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
         raise PlanError(f"the compiled memory analysis failed (exit {proc.returncode}): {tail}")
-    return CompiledMemory(**out)
+    return out
 
 
-def analyse(cfg: Config, plan: MeshPlan, first: bool = False) -> CompiledMemory:
-    """Lower and compile the train step for ``plan`` over this process's devices (shapes only) and read its memory.
+@dataclass
+class LoweredStep:
+    """A train step lowered for a plan's mesh from shapes alone: its trainer, the lowered program, when it began."""
+
+    trainer: Any
+    lowered: Any
+    plan: MeshPlan
+    started: float  # time.perf_counter() before the trainer was built
+
+    def flops(self) -> float:
+        """The lowered program's FLOPs (XLA's cost analysis before optimisation; rematerialised work included)."""
+        cost = self.lowered.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        return float((cost or {}).get("flops", 0.0))
+
+
+def lower(cfg: Config, plan: MeshPlan, first: bool = False) -> LoweredStep:
+    """Lower the train step for ``plan`` over this process's devices, from shapes alone.
 
     This process must see exactly ``plan.devices`` devices (:func:`compiled_memory` arranges that), or at
     least that many with ``first`` (an accelerator's: the first ones are used).
@@ -198,10 +229,26 @@ def analyse(cfg: Config, plan: MeshPlan, first: bool = False) -> CompiledMemory:
     mesh = Mesh(mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True), AXES)
     t0 = time.perf_counter()
     trainer = Trainer(cfg.optimizer, mesh, load_task(cfg))  # never opens the task's data
-    stats = trainer.lower().compile().memory_analysis()
-    seconds = time.perf_counter() - t0
+    return LoweredStep(trainer, trainer.lower(), plan, t0)
+
+
+def analyse(cfg: Config, plan: MeshPlan, first: bool = False) -> CompiledMemory:
+    """Lower and compile the train step for ``plan`` over this process's devices (shapes only) and read its memory
+    (see :func:`lower` for the devices)."""
+    step = lower(cfg, plan, first)
+    return read_memory(step, step.lowered.compile())
+
+
+def read_memory(step: LoweredStep, compiled: Any) -> CompiledMemory:
+    """The per-device memory of ``compiled``, the lowered ``step`` compiled."""
+    import jax
+
+    stats = compiled.memory_analysis()
+    seconds = time.perf_counter() - step.started
     if stats is None:
         raise PlanError("this JAX backend reports no memory analysis for compiled programs")
+    trainer, plan = step.trainer, step.plan
+    devices = list(trainer.mesh.devices.flat)
     leaves = jax.tree.leaves(trainer.abstract)
     state = sum(_shard_bytes(x) for x in leaves)
     params = sum(int(x.size) for x in jax.tree.leaves(trainer.abstract["params"]))

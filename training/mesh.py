@@ -11,7 +11,8 @@ anything is provisioned) that the model fits at the *minimum* topology.
 Planning is plain arithmetic so the Airflow side can call it without
 importing JAX; ``build_mesh`` is the one function that touches devices.  The
 memory formula knows only the built-in Llama model; the compiled step's own
-figures (:mod:`training.memfit`, which needs JAX) are passed in as ``measure``.
+figures (:mod:`training.memfit`, which needs JAX) are passed in as ``measure``, and
+``remat: auto``'s choice from them (:mod:`training.rematfit`) as ``choose``.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ class PlanReport(TypedDict):
     memory_source: NotRequired[Literal["formula", "compiled"]]
     params: NotRequired[int]
     compiled_memory_gib: NotRequired[dict[str, float]]
+    remat: NotRequired[dict[str, Any]]  # remat auto: the policy chosen and why (``policy`` auto: not chosen yet)
 
 
 @dataclass(frozen=True)
@@ -254,9 +256,29 @@ class CompiledFigures(Protocol):
     def table(self) -> str: ...
 
 
+class RematFigures(Protocol):
+    """``remat: auto``'s choice (``training.rematfit.RematChoice``), as planning reads it."""
+
+    @property
+    def policy(self) -> str: ...
+
+    @property
+    def memory(self) -> CompiledFigures | None: ...
+
+    def reason(self) -> str: ...
+
+    def report(self) -> dict[str, Any]: ...
+
+
 # Measures the compiled step at a worker count (``training.memfit.compiled_memory``): passed in, so
 # this module stays plain arithmetic that the Airflow side can import without JAX.
 Measure = Callable[[Config, int], CompiledFigures]
+# Chooses remat auto's policy at a worker count from the compiled steps (``training.rematfit.choose_remat``).
+Choose = Callable[[Config, int], RematFigures]
+NOT_CHOSEN = (
+    "remat auto: chosen from the compiled step when a job is launched (rtrain plan --compiled shows the choice); "
+    "the formula counts full"
+)
 
 
 def formula_applies(cfg: Config) -> bool:
@@ -264,19 +286,25 @@ def formula_applies(cfg: Config) -> bool:
     return cfg.task == "lm"
 
 
+def remat_auto(cfg: Config) -> bool:
+    """Whether the config leaves its remat policy to the compiled step (``remat: auto``, the built-in Llama's)."""
+    return cfg.model.remat == "auto" and formula_applies(cfg)
+
+
 def fit_hints(model: ModelSection) -> str:
     """What a config that does not fit may change: the remat policy among them unless it is ``full`` already."""
     remat = {
         "none": "set remat (full keeps the least; dots, qkv_proj, attn, attn_mlp keep more)",
         "full": "",
+        "auto": "",  # auto tried full
     }.get(model.remat, f"set remat: full (it keeps the least; {model.remat} keeps more)")
     changes = ["raise min_workers", "shard more (ici_fsdp / ici_tensor)", *([remat] if remat else [])]
     return ", ".join(changes) + ", or lower global_batch / seq_len"
 
 
 def _fit(
-    cfg: Config, compiled: bool, measure: Measure | None
-) -> tuple[MeshPlan, MemoryEstimate | None, CompiledFigures | None]:
+    cfg: Config, compiled: bool, measure: Measure | None, choose: Choose | None = None
+) -> tuple[MeshPlan, MemoryEstimate | None, CompiledFigures | None, RematFigures | None]:
     sizes = feasible_sizes(cfg)
     if not sizes:
         # Explain with the smallest size's own error.
@@ -287,14 +315,19 @@ def _fit(
     plan = plan_mesh(cfg.placement, sizes[0])
     where = f"the minimum topology ({plan.workers} workers x {plan.devices_per_worker} devices, mesh {plan.shape}"
     est = estimate_memory(cfg.model, cfg.optimizer, cfg.placement, plan) if formula_applies(cfg) else None
-    if est is not None and est.total > 0.9 * est.device_bytes:
+    if remat_auto(cfg) and compiled:  # the compiled steps decide, not the formula (it counts full for auto)
+        if choose is None:
+            raise PlanError("remat auto is chosen from the compiled steps (training.api.plan, rtrain plan --compiled)")
+        choice = choose(cfg, plan.workers)
+        return plan, est, choice.memory, choice
+    if est is not None and est.total > 0.9 * est.device_bytes and not remat_auto(cfg):
         raise PlanError(
             f"the model does not fit at {where}, {est.params / 1e9:.2f}B parameters, per-device batch "
             f"{cfg.optimizer.global_batch // plan.batch_shards}):\n{est.table()}\n"
             f"{fit_hints(cfg.model)}"
         )
     if not (compiled or est is None):
-        return plan, est, None
+        return plan, est, None, None
     if measure is None:
         raise PlanError(
             f"task {cfg.task!r}: the memory formula knows only the built-in 'lm' task, so its fit can only be "
@@ -309,11 +342,11 @@ def _fit(
             f"assignment):\n{got.table()}\n  {'device memory (90% usable)':<28} {usable / 2**30:10.2f} GiB\n"
             f"{fit_hints(cfg.model)}"
         )
-    return plan, est, got
+    return plan, est, got, None
 
 
 def check_fit(
-    cfg: Config, compiled: bool = False, measure: Measure | None = None
+    cfg: Config, compiled: bool = False, measure: Measure | None = None, choose: Choose | None = None
 ) -> tuple[MeshPlan, MemoryEstimate | None]:
     """Refuse a config that cannot run at its minimum topology (before provisioning).
 
@@ -322,13 +355,16 @@ def check_fit(
     (a task the formula does not know, without ``measure``, is refused: nothing
     can estimate it here).  The estimate is ``None`` for such a task.
     """
-    plan, est, _ = _fit(cfg, compiled, measure)
+    plan, est, _, _ = _fit(cfg, compiled, measure, choose)
     return plan, est
 
 
-def plan_report(cfg: Config, compiled: bool = False, measure: Measure | None = None) -> PlanReport:
-    """Feasible sizes, both ends' meshes and the per-device memory at the minimum (see :func:`check_fit`)."""
-    plan, est, got = _fit(cfg, compiled, measure)
+def plan_report(
+    cfg: Config, compiled: bool = False, measure: Measure | None = None, choose: Choose | None = None
+) -> PlanReport:
+    """Feasible sizes, both ends' meshes and the per-device memory at the minimum (see :func:`check_fit`); for
+    ``remat: auto`` with ``compiled``, the policy ``choose`` picks (its compiled step's memory is the report's)."""
+    plan, est, got, choice = _fit(cfg, compiled, measure, choose)
     report: PlanReport = {
         "feasible_workers": feasible_sizes(cfg),
         "min_plan": plan.describe(),
@@ -346,6 +382,10 @@ def plan_report(cfg: Config, compiled: bool = False, measure: Measure | None = N
             report["memory_gib"] = got.gib()
             report["memory_source"] = "compiled"
             report["params"] = got.params
+    if choice is not None:
+        report["remat"] = choice.report()
+    elif remat_auto(cfg):
+        report["remat"] = {"policy": "auto", "reason": NOT_CHOSEN}
     return report
 
 

@@ -64,12 +64,14 @@ class ModelSection(Section):
         "(jax.nn.dot_product_attention: cuDNN on a GPU, einsums on TPU and CPU), `reference` (plain einsums, for "
         "checking); `auto`: splash on a TPU when the sequence is a multiple of 128 and the head width of 64, else xla.",
     )
-    remat: Literal["none", "full", "dots", "qkv_proj", "attn", "attn_mlp"] = Field(
+    remat: Literal["none", "full", "dots", "qkv_proj", "attn", "attn_mlp", "auto"] = Field(
         "none",
         description="What each block keeps for the backward pass (the rest is recomputed): `none` (no "
         "rematerialisation), `full` (only the block's input), `dots` (every projection's output), `qkv_proj` (the "
         "attention's q, k, v projections), `attn` (those and the attention's output), `attn_mlp` (and the MLP's "
-        "gated hidden). true means full, false none.",
+        "gated hidden); `auto`: the policy whose compiled step recomputes least among those that fit 90% of "
+        "device_memory_gib at the minimum topology, chosen when a job is launched (rtrain plan --compiled shows "
+        "it and why). true means full, false none.",
     )
     init_from: str = Field(
         "",

@@ -217,6 +217,11 @@ def test_plan_and_results_read_as_words() -> None:
     assert text.startswith("feasible worker counts 1, 2, 4; 1 worker: mesh data1 x fsdp2 (2 devices), ")
     assert "4 workers: mesh data4 x fsdp2 (8 devices); 1.31M parameters; memory per device" in text
     assert not PYTHON_REPR.search(text), text
+    auto = plan_text(hook.plan(hook.build_config({"preset": "small", "model.remat": "auto"})))
+    assert auto.endswith(
+        "; remat auto: chosen from the compiled step when a job is launched (rtrain plan --compiled "
+        "shows the choice); the formula counts full"
+    ), auto
     assert readable({"backend": "local", "stopped_pids": [7, 9], "released": True, "wall_s": 1.23456789}) == (
         "backend local; stopped pids 7, 9; released True; wall s 1.235"
     )

@@ -34,6 +34,17 @@ def test_init_from_the_published_checkpoint_needs_no_other_key(preset: str, tmp_
     assert loaded.model.init_from == str(ckpt)
 
 
+def test_each_preset_plans_at_its_minimum_topology_leaving_remat_to_the_compiled_step(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from training.cli import main
+
+    for preset in PRESETS:
+        assert main(["plan", "--preset", preset]) == 0, preset
+        out = capsys.readouterr().out
+        assert "by the formula" in out and "remat auto: chosen from the compiled step when a job is launched" in out
+
+
 def test_the_published_shapes_are_what_the_presets_say() -> None:
     """Head width, vocabulary, tied embeddings and RoPE scaling, as the model cards give them."""
     got = {

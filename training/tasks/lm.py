@@ -32,7 +32,9 @@ def llama_config(model: ModelSection) -> LlamaConfig:
         tie_embeddings=model.tie_embeddings,
         dtype=model.dtype,
         param_dtype=model.param_dtype,
-        remat=model.remat,
+        # auto is resolved when a job is launched (training.api.resolve_remat); a model built from a config that
+        # still says auto (a plan's formula, a parameter count) keeps the least: full.
+        remat="full" if model.remat == "auto" else model.remat,
         scan_layers=model.scan_layers,
         attention=model.attention,
     )

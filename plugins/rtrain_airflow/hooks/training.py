@@ -149,9 +149,11 @@ def plan_text(report: Mapping[str, Any]) -> str:
         n = plan.get("workers")
         return f"{n} worker{'' if n == 1 else 's'}: mesh {mesh_text(plan.get('shape'))} ({plan.get('devices')} devices)"
 
+    remat = report.get("remat") or {}  # remat auto: the policy chosen, or when it will be
     return (
         f"feasible worker counts {readable(report.get('feasible_workers'))}; {at(lo)}, {at(hi)}; {count}"
         f"memory per device at the minimum {size(mem.get('total'))} ({parts})"
+        + (f"; {remat['reason']}" if remat.get("reason") else "")
     )
 
 
