@@ -178,10 +178,13 @@ def test_the_fine_tuning_section_runs_as_written(project: Path) -> None:
     hf = project / "var" / "export" / "ft1"
     assert "step 20 of " in out[3] and sorted(p.name for p in hf.iterdir()) == [
         "config.json",
+        "generation_config.json",
         "model.safetensors",
         "tokenizer.json",
     ]
-    assert json.loads((hf / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    config = json.loads((hf / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["eos_token_id"] == 0  # <|end_of_text|>
+    assert json.loads((hf / "generation_config.json").read_text())["eos_token_id"] == 0
     assert (project / "var" / "export" / "ft1-orbax" / "_CHECKPOINT_METADATA").exists()
 
 

@@ -77,8 +77,9 @@ class ModelSection(Section):
         "",
         description="A Hugging Face Llama checkpoint a new run of the built-in `lm` task starts from: a directory "
         "(local or gs://) of `config.json` and `*.safetensors`. Its config.json sets the model's shapes (keys your "
-        "config or overrides also set must agree) and its `tokenizer.json` becomes the tokenizer; a run that "
-        "resumes from its own checkpoint ignores it. Empty: a random init.",
+        "config or overrides also set must agree) and its `tokenizer.json` becomes the tokenizer; its weights are "
+        "checked from the safetensors' headers when the config is resolved; a run that resumes from its own "
+        "checkpoint ignores it. Empty: a random init.",
     )
 
     @model_validator(mode="before")
