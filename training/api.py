@@ -166,6 +166,7 @@ __all__ = [
     "find_recoveries",
     "RecoveryRow",
     "load_run_config",
+    "resolve_remat",
     "local_job_pids",
     "release_capacity",
     "RunStatus",

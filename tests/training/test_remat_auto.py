@@ -105,3 +105,14 @@ def test_a_launched_job_s_config_holds_the_chosen_policy(tmp_path: Path, tiny_da
     stored = config_from_json((tmp_path / cfg.run_name / "config.json").read_text())
     assert stored.model.remat == "none" and cfg.model.remat == "auto"
     assert len(said) == 1 and said[0].startswith("remat auto: none, the fewest FLOPs a step")
+
+
+def test_the_dag_s_resolve_config_chooses_before_any_capacity_is_provisioned(tmp_path: Path) -> None:
+    """The run spec every later task reads (provision, launch) holds the chosen policy: a GKE run whose model no
+    policy fits is refused before a node pool exists."""
+    from rtrain_airflow.operators.training import RTrainResolveRunConfigOperator
+
+    params = {"run_name": "r", "preset": "tiny", "storage_root": str(tmp_path), "overrides": {"model.remat": "auto"}}
+    spec = RTrainResolveRunConfigOperator(task_id="resolve_config").execute({"params": params})  # type: ignore[arg-type]
+    assert spec["config"]["model"]["remat"] == "none"
+    assert not (tmp_path / "r").exists()

@@ -243,6 +243,14 @@ class RTrainHook(BaseHook):
         """Mesh plans and the memory-fit check; raises ``training.api.PlanError`` with the numbers."""
         return api.plan(cfg)
 
+    def resolve_remat(self, cfg: Config) -> Config:
+        """The config with ``remat: auto`` replaced by the policy the compiled steps choose, logged with why (the
+        steps compile in a child process: seconds to minutes); RTrainConfigError when no policy fits."""
+        try:
+            return api.resolve_remat(cfg, self.log.info)
+        except api.PlanError as e:
+            raise RTrainConfigError(str(e)) from None
+
     def prepare_dataset(
         self,
         source: str | None,

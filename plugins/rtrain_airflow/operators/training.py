@@ -174,6 +174,8 @@ class RTrainResolveRunConfigOperator(BaseOperator):
                 cfg = _check_gke_launch(cfg, gke, priority, "checkpoint.preemption_grace_s" in overrides)
             if cfg.task != "lm":  # it must import and build here (a token dataset is prepared next)
                 self.hook.check_task(cfg, data=not cfg.prepared_tokens)
+            # remat auto is chosen here, before any capacity is provisioned: a model no policy fits is refused now
+            cfg = self.hook.resolve_remat(cfg)
         except BackendError as e:  # RTrainConfigError too
             raise AirflowFailException(f"invalid conf: {e}") from None
         except Exception as e:
