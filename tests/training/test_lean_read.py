@@ -50,7 +50,7 @@ def test_a_wanted_box_reads_back_as_numpy_slices_it(
     whole = np.arange(16 * 6, dtype=np.float32).reshape(16, 6) * 1.5
     blobs, saved = _saved(tmp_path, whole, [8])
     try:
-        got = lean._assemble("w", whole.dtype, saved, want, blobs=blobs, shared=shared)
+        got = lean.assemble("w", whole.dtype, saved, want, blobs=blobs, shared=shared)
     finally:
         blobs.close()
     np.testing.assert_array_equal(got, whole[tuple(slice(lo, hi) for lo, hi in want)])
@@ -62,7 +62,7 @@ def test_a_box_the_saved_ones_do_not_cover_is_refused(tmp_path: Path) -> None:
     blobs, saved = _saved(tmp_path, whole, [2])
     try:
         with pytest.raises(ValueError, match="only part of w"):
-            lean._assemble("w", whole.dtype, saved[:1], ((1, 4), (0, 3)), blobs=blobs, shared=True)
+            lean.assemble("w", whole.dtype, saved[:1], ((1, 4), (0, 3)), blobs=blobs, shared=True)
     finally:
         blobs.close()
 
@@ -73,7 +73,7 @@ def test_a_file_shorter_than_its_index_is_an_error_not_a_short_array(tmp_path: P
     os.truncate(tmp_path / "lean" / "0.bin", 20)
     try:
         with pytest.raises(ValueError, match="ends before the box"):
-            lean._assemble("w", whole.dtype, saved, ((0, 4), (0, 3)), blobs=blobs, shared=True)
+            lean.assemble("w", whole.dtype, saved, ((0, 4), (0, 3)), blobs=blobs, shared=True)
     finally:
         blobs.close()
 

@@ -44,37 +44,53 @@ def test_finalised_steps_are_described_once_and_a_pruned_step_loses_its_manifest
     assert not (tmp_path / "2.manifest.json").exists()
 
 
+def _write_copy(directory: Path, step: int) -> dict:
+    """A real copy of a small state as local step ``step`` (described by its agent); the state."""
+    import jax.numpy as jnp
+
+    from training.checkpoint import lean
+
+    state = {"w": jnp.arange(4096, dtype=jnp.float32).reshape(64, 64), "b": jnp.ones((3,), jnp.bfloat16)}
+    local.write_step(
+        state, directory, step, {"next_batch": step, "global_batch": 16}, 2, lean.plan(state, every_held_box=True)
+    )
+    local.describe_new(directory, round_=1)
+    return state
+
+
 def test_verify_names_what_is_wrong_with_a_local_copy(tmp_path):
-    _fake_step(tmp_path, 8)
-    local.describe_new(tmp_path, round_=1)
+    _write_copy(tmp_path, 8)
     assert local.verify(tmp_path, 8) == ""
-    data = tmp_path / "8" / "state" / "data.bin"
-    data.write_bytes(b"x" * 400)
-    assert "400 bytes, 1000 when saved (truncated?)" in local.verify(tmp_path, 8)
-    data.write_bytes(b"y" * 1000)
-    assert "fails its CRC32C check" in local.verify(tmp_path, 8)
-    data.unlink()
-    assert "state/data.bin of local step 8 is missing" in local.verify(tmp_path, 8)
+    shards = tmp_path / "8" / local.SHARDS
+    data = shards.read_bytes()
+    shards.write_bytes(data[:400])
+    assert f"400 bytes, {len(data)} when saved (truncated?)" in local.verify(tmp_path, 8)
+    shards.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    assert "lean/0.bin fails its CRC32C check" in local.verify(tmp_path, 8)
+    shards.write_bytes(data)
+    assert local.verify(tmp_path, 8) == ""
+    (tmp_path / "8" / "lean.json").unlink()
+    assert "lean.json of local step 8 is missing" in local.verify(tmp_path, 8)
     assert local.verify(tmp_path, 10) == "no local copy of step 10 on this host"
 
 
 def test_a_copy_is_described_by_its_writers_sums_and_damage_after_the_write_is_caught(tmp_path):
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
-    from training.checkpoint import lean
+    from training.checkpoint import bulk
 
-    state = {"w": jnp.arange(4096, dtype=jnp.float32).reshape(64, 64), "b": jnp.ones((3,), jnp.bfloat16)}
-    plan = lean.plan(state, every_held_box=True)
-    local.write_step(state, tmp_path, 6, {"next_batch": 6, "global_batch": 16}, keep=2, plan=plan)
+    state = _write_copy(tmp_path, 6)
     shards = tmp_path / "6" / local.SHARDS
     index = json.loads((tmp_path / "6" / local.INDEX).read_bytes())
-    assert index["files"][local.SHARDS] == local._checksums(tmp_path / "6")[local.SHARDS]
-    # Damaged between the write and its description: the manifest holds what the writer wrote.
+    sums = bulk.Sums.from_json(index["chunks"])
+    assert index["files"][local.SHARDS] == [shards.stat().st_size, sums.digest()]
+    assert list(sums.crcs) == [bulk.crc32c(shards.read_bytes())], "one chunk: its sum is the file's"
+    # Damaged after the write: the manifest holds what the writer wrote.
     data = bytearray(shards.read_bytes())
     data[100] ^= 0xFF
     shards.write_bytes(bytes(data))
+    (tmp_path / "6.manifest.json").unlink()
     described = local.describe_new(tmp_path, round_=1)
     assert described[6].files[local.SHARDS] == index["files"][local.SHARDS]
     assert "fails its CRC32C check" in local.verify(tmp_path, 6)

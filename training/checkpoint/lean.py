@@ -33,7 +33,7 @@ import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from training.checkpoint.resume import DataPosition, data_position
 from training.checkpoint.steps import INTEGRITY, committed_steps
@@ -57,7 +57,7 @@ def is_lean(step_dir: str) -> bool:
 
 def saved_data_position(step_dir: str) -> DataPosition:
     """The data position saved with the step at ``step_dir`` (no JAX needed)."""
-    return data_position(_read_meta(step_dir)["data"])
+    return data_position(read_meta(step_dir)["data"])
 
 
 def _keys(path: Any) -> list[str | int]:
@@ -72,7 +72,8 @@ def _keys(path: Any) -> list[str | int]:
     return out
 
 
-def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+def box_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """A shard's index (slices) as its box: each dimension's (start, stop)."""
     return tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape, strict=True))
 
 
@@ -80,7 +81,7 @@ def _writers(name: str, x: Any) -> set[Any]:
     """The devices that write ``x``'s shards: for each distinct box, one of the devices holding it."""
     holders: dict[tuple[tuple[int, int], ...], list[Any]] = {}
     for dev, index in x.sharding.devices_indices_map(x.shape).items():
-        holders.setdefault(_box(index, x.shape), []).append(dev)
+        holders.setdefault(box_of(index, x.shape), []).append(dev)
     out = set()
     for box, devs in holders.items():
         devs.sort(key=lambda d: d.id)
@@ -120,7 +121,7 @@ def plan(state: Any, *, every_held_box: bool = False) -> Plan:
         writers = None if every_held_box else _writers(name, x)
         mine, seen = [], set()
         for i, shard in enumerate(x.addressable_shards):
-            box = _box(shard.index, x.shape)
+            box = box_of(shard.index, x.shape)
             if (writers is not None and shard.device not in writers) or box in seen:
                 continue
             seen.add(box)
@@ -396,7 +397,7 @@ def empty(shape: list[int], dtype: Any, *, shared: bool) -> Any:
     return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
-def _rows(want: tuple[tuple[int, int], ...], box: tuple[tuple[int, int], ...]) -> tuple[int, int] | None:
+def rows_in(want: tuple[tuple[int, int], ...], box: tuple[tuple[int, int], ...]) -> tuple[int, int] | None:
     """Where ``want`` lies in the saved ``box`` (first and last element, row-major), if it is one run; else None."""
     if not box:
         return (0, 1)  # a scalar: its one element
@@ -408,8 +409,15 @@ def _rows(want: tuple[tuple[int, int], ...], box: tuple[tuple[int, int], ...]) -
     return (want[0][0] - box[0][0]) * row, (want[0][1] - box[0][0]) * row
 
 
-def _assemble(
-    name: str, dtype: Any, saved: list[Saved], want: tuple[tuple[int, int], ...], *, blobs: _Blobs, shared: bool
+class Boxes(Protocol):
+    """Where a reader finds the bytes of saved boxes (:class:`_Blobs`; a local copy's mapping)."""
+
+    def __call__(self, s: Saved) -> Any: ...
+    def read_into(self, s: Saved, start: int, into: memoryview) -> None: ...
+
+
+def assemble(
+    name: str, dtype: Any, saved: list[Saved], want: tuple[tuple[int, int], ...], *, blobs: Boxes, shared: bool
 ) -> Any:
     """The box ``want`` of a leaf, put together from the saved boxes it overlaps.
 
@@ -420,7 +428,7 @@ def _assemble(
     """
     out = empty([hi - lo for lo, hi in want], dtype, shared=shared)
     for s in saved if shared else []:
-        span = _rows(want, s.box)
+        span = rows_in(want, s.box)
         if span is not None:
             blobs.read_into(s, span[0] * out.itemsize, memoryview(out.reshape(-1).view("uint8")))
             return out
@@ -442,7 +450,7 @@ def _assemble(
     return out
 
 
-def _read_meta(step_dir: str) -> dict[str, Any]:
+def read_meta(step_dir: str) -> dict[str, Any]:
     meta = json.loads(open_store(step_dir).get(META))
     if int(meta.get("format", 0)) != FORMAT:
         raise ValueError(f"{step_dir}: lean checkpoint format {meta.get('format')}, this version reads {FORMAT}")
@@ -460,7 +468,7 @@ def _read_parts(
 
     def read(job: tuple[str, Any, tuple[tuple[int, int], ...]]) -> Any:
         name, dtype, box = job
-        return _assemble(name, dtype, saved.get(name, []), box, blobs=blobs, shared=True)
+        return assemble(name, dtype, saved.get(name, []), box, blobs=blobs, shared=True)
 
     todo = sorted(jobs, key=lambda job: job[0])
     with ThreadPoolExecutor(READERS) as pool:
@@ -472,10 +480,10 @@ def restore(step_dir: str, abstract: Any) -> tuple[Any, DataPosition]:
     import jax
     import numpy as np
 
-    meta = _read_meta(step_dir)
+    meta = read_meta(step_dir)
     saved = _index(step_dir, meta)
     shapes = {leaf["path"]: leaf for leaf in meta["leaves"]}
-    _same_leaves(set(shapes), {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(abstract)})
+    same_leaves(set(shapes), {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(abstract)})
     needed: list[Saved] = []
     for path, a in jax.tree_util.tree_leaves_with_path(abstract):
         name = jax.tree_util.keystr(path)
@@ -483,7 +491,7 @@ def restore(step_dir: str, abstract: Any) -> tuple[Any, DataPosition]:
             raise ValueError(
                 f"the checkpoint's {name} has shape {shapes[name]['shape']}; the state wants {list(a.shape)}"
             )
-        boxes = {_box(ix, a.shape) for ix in a.sharding.addressable_devices_indices_map(a.shape).values()}
+        boxes = {box_of(ix, a.shape) for ix in a.sharding.addressable_devices_indices_map(a.shape).values()}
         needed += [s for s in saved.get(name, []) if any(_overlap(s.box, b) is not None for b in boxes)]
     blobs = _Blobs(step_dir, needed)
 
@@ -495,7 +503,7 @@ def restore(step_dir: str, abstract: Any) -> tuple[Any, DataPosition]:
         # buffer of its own, which a step that donates the state reuses; the host array goes at once,
         # and the next part takes its memory (already faulted in), not fresh pages.
         def part(ix: Any) -> Any:
-            return _assemble(name, dtype, parts, _box(ix, a.shape), blobs=blobs, shared=False).astype(
+            return assemble(name, dtype, parts, box_of(ix, a.shape), blobs=blobs, shared=False).astype(
                 a.dtype, copy=False
             )
 
@@ -507,7 +515,7 @@ def restore(step_dir: str, abstract: Any) -> tuple[Any, DataPosition]:
         blobs.close()
 
 
-def _same_leaves(saved: set[str], wanted: set[str]) -> None:
+def same_leaves(saved: set[str], wanted: set[str]) -> None:
     extra, missing = sorted(saved - wanted), sorted(wanted - saved)
     if extra or missing:
         parts = [f"not in this run's state: {', '.join(extra[:5])}"] if extra else []
@@ -520,7 +528,7 @@ def read_host(step_dir: str, top: str | None = None) -> dict[str, Any]:
     import jax
     import numpy as np
 
-    meta = _read_meta(step_dir)
+    meta = read_meta(step_dir)
     saved = _index(step_dir, meta)
     leaves = [leaf for leaf in meta["leaves"] if top is None or leaf["keys"][:1] == [top]]
     blobs = _Blobs(step_dir, [s for leaf in leaves for s in saved.get(leaf["path"], [])])

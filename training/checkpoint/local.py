@@ -3,14 +3,16 @@
 Every ``local_checkpoint_every`` steps each worker also saves in the background to a host-local
 tmpfs (an in-memory ``emptyDir`` on GKE).  After a lost host the leader resumes from the newest step
 every member of the next round holds (advertised in the agents' heartbeats), when it is newer than
-the newest persistent checkpoint.  A copy is a step of the lean format written by one process: the
-shards it holds, each once, with their index and the data position; it restores onto any mesh as a
-persistent step does.  Not Orbax, whose bookkeeping costs a small state ten times its bytes and
+the newest persistent checkpoint.  A copy (:mod:`training.checkpoint.local_copy`) is the shards one
+process holds, each once, in one file summed by chunk, with their index and the data position; it
+restores onto any mesh, straight from the file's memory.  Not Orbax, whose bookkeeping costs a small state ten times its bytes and
 whose emergency checkpointer needs two data-parallel replicas and the saved topology.  The tier
 needs every host to hold a whole replica (``dcn_fsdp=1``, the elastic default); else it is off, and
 says why.  A copy counts once it is of this job, finalised (renamed, its mark last) and described
 by its agent's manifest (``<step>.manifest.json``: the round, each file's size and CRC32C); a worker
-checks its copy against the manifest before restoring, and steps over one that fails.
+checks its copy against the manifest before restoring, and steps over one that fails.  A copy the
+tier drops leaves its shard file behind as the host's spare (``.spare.bin``), which the next copy
+is written over: its memory is not freed and taken again at every save.
 
 JAX is imported inside functions only: the agent imports this module.
 """
@@ -18,6 +20,7 @@ JAX is imported inside functions only: the agent imports this module.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -25,19 +28,19 @@ import re
 import shutil
 import tempfile
 import time
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from training.checkpoint import lean
+from training.background import idle_this_thread
+from training.checkpoint import bulk, lean, local_copy
+from training.checkpoint.local_copy import INDEX, SHARDS, STEP_MARK, CopyError, Mapped
 from training.checkpoint.resume import DataPosition
-from training.storage import open_store, write_parts
 
 MANIFEST = "{step}.manifest.json"
 _MANIFEST_RE = re.compile(r"^(\d+)\.manifest\.json$")
-STEP_MARK = "COMMITTED"  # written last into a copy, before its directory gets its name
-SHARDS = "lean/0.bin"  # the copy's bytes: every box this process holds, once
-INDEX = "lean/0.json"  # where each box is in SHARDS, and SHARDS' size and CRC32C as written
+SPARE = ".spare.bin"  # a dropped copy's shard file, written over by the next copy
 
 
 LOCAL_DIR_ENV = "RTRAIN_LOCAL_CHECKPOINT_DIR"  # a host's own setting (a pod's volume) wins over the config's
@@ -80,10 +83,6 @@ class LocalStep:
     files: dict[str, list[int]]
 
 
-def _checksums(directory: Path) -> dict[str, list[int]]:
-    return open_store(str(directory)).checksums()
-
-
 def finalised_steps(directory: Path) -> list[int]:
     """Steps finalised in ``directory`` (renamed from their temporary name, marked)."""
     if not directory.is_dir():
@@ -108,7 +107,8 @@ def _described(step_dir: Path) -> dict[str, list[int]]:
         if name in written:
             out[name] = [int(x) for x in written[name]]
         else:
-            out[name] = lean.sums([path.read_bytes()])
+            data = path.read_bytes()
+            out[name] = [len(data), bulk.crc32c(data)]
     return out
 
 
@@ -157,25 +157,57 @@ def describe_new(directory: Path, round_: int) -> dict[int, LocalStep]:
 
 def verify(directory: Path, step: int) -> str:
     """'' when this host's copy of ``step`` matches its manifest, else what is wrong (naming the file)."""
+    with ThreadPoolExecutor(bulk.THREADS, thread_name_prefix="rtrain-local-check") as pool:
+        problem, _ = open_checked(directory, step, pool)
+    return problem
+
+
+def open_checked(directory: Path, step: int, pool: Executor) -> tuple[str, Mapped | None]:
+    """This host's copy of ``step`` mapped, once every file matches its manifest: ('', copy), else (what is wrong, None).
+
+    The small files are summed whole; the shard file's bytes chunk by chunk in ``pool``'s threads
+    (which also brings the mapping's pages in for the restore that follows).
+    """
     path = directory / MANIFEST.format(step=step)
     try:
-        expected = json.loads(path.read_text())["files"]
+        expected = {name: (int(size), int(crc)) for name, (size, crc) in json.loads(path.read_text())["files"].items()}
     except FileNotFoundError:
-        return f"no local copy of step {step} on this host"
-    except (OSError, ValueError, KeyError) as e:
-        return f"the manifest of local step {step} is unreadable ({e})"
+        return f"no local copy of step {step} on this host", None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"the manifest of local step {step} is unreadable ({e})", None
+    step_dir = directory / str(step)
+    for name, (size, crc) in sorted(expected.items()):
+        if name != SHARDS:
+            problem = _check_small(step_dir / name, name, step, size, crc)
+            if problem:
+                return problem, None
+    if SHARDS not in expected:
+        return f"the manifest of local step {step} does not name {SHARDS}", None
     try:
-        found = _checksums(directory / str(step))
+        copy = local_copy.open_mapped(step_dir)
+    except CopyError as e:
+        return f"local step {step}: {e}", None
+    size = expected[SHARDS][0]
+    if copy.data.nbytes != size:
+        return f"file {SHARDS} of local step {step} has {copy.data.nbytes} bytes, {size} when saved (truncated?)", None
+    if (copy.chunks.size, copy.digest) != expected[SHARDS]:
+        return f"file {SHARDS} of local step {step} is not the one its manifest describes", None
+    problem = local_copy.check(copy, pool)
+    return (f"local step {step}: {problem}", None) if problem else ("", copy)
+
+
+def _check_small(path: Path, name: str, step: int, size: int, crc: int) -> str:
+    """'' when a copy's small file has the size and CRC32C its manifest gives, else what differs."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return f"file {name} of local step {step} is missing"
     except OSError as e:
         return f"local step {step} cannot be read ({e})"
-    for name, (size, crc) in sorted(expected.items()):
-        got = found.get(name)
-        if got is None:
-            return f"file {name} of local step {step} is missing"
-        if int(got[0]) != int(size):
-            return f"file {name} of local step {step} has {got[0]} bytes, {size} when saved (truncated?)"
-        if int(got[1]) != int(crc):
-            return f"file {name} of local step {step} fails its CRC32C check"
+    if len(data) != size:
+        return f"file {name} of local step {step} has {len(data)} bytes, {size} when saved (truncated?)"
+    if bulk.crc32c(data) != crc:
+        return f"file {name} of local step {step} fails its CRC32C check"
     return ""
 
 
@@ -236,6 +268,7 @@ class LocalTier:
         self.failure = ""  # why a save failed and turned the tier off (the loop reports it once)
         self.bg: Any = None
         self.writer = StepWriter()
+        self.checked: dict[int, Mapped] = {}  # copies checked whole (mapped), for the restore that follows
         if not self.enabled:
             return
         from training.checkpoint.manager import BackgroundSave
@@ -248,7 +281,7 @@ class LocalTier:
         """Drop local copies newer than the step this round starts from: they are of a lineage that ended."""
         for s in finalised_steps(self.directory):
             if step is None or s > step:
-                _remove_step(self.directory, s)
+                _remove_step(self.directory, s, spare=True)
 
     def save(self, step: int, state: Any, data: DataPosition) -> float | None:
         """Stage a save of ``step``: the seconds the loop was blocked, or None: not saved.
@@ -323,9 +356,25 @@ class LocalTier:
         now = time.time()
         return [(step, now - t0) for step, t0 in done]
 
+    def check(self, step: int) -> str:
+        """'' when this host's copy of ``step`` is whole and as written (kept mapped for :meth:`restore`), else why not."""
+        with ThreadPoolExecutor(bulk.THREADS, thread_name_prefix="rtrain-local-check") as pool:
+            problem, copy = open_checked(self.directory, step, pool)
+        if copy is not None:
+            self.checked[step] = copy
+        return problem
+
     def restore(self, step: int) -> tuple[Any, DataPosition]:
-        """This host's copy of ``step`` as the global state on the current mesh, and its data position."""
-        return read_step(self.directory, step, self.abstract)
+        """This host's copy of ``step`` as the global state on the current mesh, and its data position.
+
+        A copy :meth:`check` passed is read from the mapping it made (its pages are in already).
+        """
+        copy = self.checked.pop(step, None)
+        self.checked.clear()  # the other candidates' mappings
+        if copy is None:
+            return read_step(self.directory, step, self.abstract)
+        with ThreadPoolExecutor(bulk.THREADS, thread_name_prefix="rtrain-local-read") as pool:
+            return local_copy.restore(copy, self.abstract, pool)
 
     def finish_writing(self, timeout: float) -> None:
         """Let the write in flight finish, waiting at most ``timeout`` seconds (from any thread: the process is leaving).
@@ -352,12 +401,13 @@ class LocalTier:
             self.bg.close()
 
 
-# --- the format of one copy ------------------------------------------------------------------------
-#
-# A copy is a step of the lean format (:mod:`training.checkpoint.lean`) written by one process: each
-# distinct box this process's devices hold, once, in lean/0.bin with its index lean/0.json, and the
-# step's description lean.json (the leaves, the data position); COMMITTED is written last, before the
-# directory gets its name.
+# --- writing and reading copies ----------------------------------------------------------------------
+
+
+@functools.cache
+def _write_pool() -> ThreadPoolExecutor:
+    """The threads that write local copies: in the idle class, as the save thread that hands them the bytes."""
+    return ThreadPoolExecutor(bulk.THREADS, thread_name_prefix="rtrain-local-write", initializer=idle_this_thread)
 
 
 class StepWriter:
@@ -374,38 +424,43 @@ class StepWriter:
         write_step(state, directory, step, data, keep, self.plan)
 
 
-def write_step(state: Any, directory: Path, step: int, data: DataPosition, keep: int, plan: lean.Plan) -> None:
+def write_step(
+    state: Any, directory: Path, step: int, data: DataPosition, keep: int, plan: lean.Plan, pool: Executor | None = None
+) -> None:
     """Write this process's shards of ``state`` as local step ``step`` (atomically), then keep the newest ``keep``.
 
-    ``plan``: the state's :func:`~training.checkpoint.lean.plan` with every box held.
+    ``plan``: the state's :func:`~training.checkpoint.lean.plan` with every box held.  The host's
+    spare file, if it has one, becomes the new copy's shard file and is written over.
     """
     tmp = directory / f".{step}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "lean").mkdir(parents=True)
-    parts = lean.shard_bytes(state, plan)
-    write_parts(tmp / SHARDS, parts, sync=False)  # a tmpfs: nothing to sync
-    (tmp / INDEX).write_bytes(lean.index_json(plan, {SHARDS: lean.sums(parts)}))  # summed while in memory
-    (tmp / lean.META).write_bytes(lean.meta_json(plan, step, 1, data, {}))
-    (tmp / STEP_MARK).write_text(json.dumps({"step": step, "time": time.time()}))
+    with contextlib.suppress(FileNotFoundError):
+        os.rename(directory / SPARE, tmp / SHARDS)
+    local_copy.write(state, tmp, step, plan, data, pool or _write_pool())
     final = directory / str(step)
     if final.exists():
         _remove_step(directory, step)
     os.rename(tmp, final)
     for old in finalised_steps(directory)[:-keep] if keep > 0 else []:
-        _remove_step(directory, old)
+        _remove_step(directory, old, spare=True)
 
 
 def read_step(directory: Path, step: int, abstract: Any) -> tuple[Any, DataPosition]:
-    """Local step ``step`` as arrays of ``abstract``'s shapes and shardings, and its data position.
+    """Local step ``step`` as arrays of ``abstract``'s shapes and shardings, and its data position (not checked).
 
     The copy holds a whole replica of every array (:func:`why_not_local`): each of this process's
     devices gets its part of the current mesh from it, whatever the mesh it was saved on.
     """
-    return lean.restore(str(directory / str(step)), abstract)
+    with ThreadPoolExecutor(bulk.THREADS, thread_name_prefix="rtrain-local-read") as pool:
+        return local_copy.restore(local_copy.open_mapped(directory / str(step)), abstract, pool)
 
 
-def _remove_step(directory: Path, step: int) -> None:
-    """Remove a copy: out of the steps first (renamed), so that no reader meets it half deleted."""
+def _remove_step(directory: Path, step: int, spare: bool = False) -> None:
+    """Remove a copy: out of the steps first (renamed), so that no reader meets it half deleted.
+
+    ``spare``: its shard file becomes the host's spare, if it has none.
+    """
     (directory / MANIFEST.format(step=step)).unlink(missing_ok=True)
     doomed = directory / f".{step}.del-{os.getpid()}"
     shutil.rmtree(doomed, ignore_errors=True)  # (a removal of this step cut off before)
@@ -413,6 +468,9 @@ def _remove_step(directory: Path, step: int) -> None:
         os.rename(directory / str(step), doomed)
     except FileNotFoundError:
         return
+    if spare and not (directory / SPARE).exists():
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(doomed / SHARDS, directory / SPARE)
     shutil.rmtree(doomed, ignore_errors=True)
 
 

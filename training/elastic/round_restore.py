@@ -75,7 +75,7 @@ def restore(
             persistent = choose_resume("latest", committed_steps(run), ledger.states(), None).step
         except ResumeError:
             persistent = None
-        local_step = pick_local_step(parse_resume(a.resume), local_dir, a, rep, newer_than=persistent)
+        local_step = pick_local_step(parse_resume(a.resume), tier, a, rep, newer_than=persistent)
     decision = None
     if local_step is not None:
         assert tier is not None
@@ -197,34 +197,25 @@ def settle_local(tier: Any, rep: Reporter, a: Assignment) -> None:
 
 
 def pick_local_step(
-    candidates: list[int], directory: Any, a: Assignment, rep: Reporter, newer_than: int | None = None
+    candidates: list[int], tier: Any, a: Assignment, rep: Reporter, newer_than: int | None = None
 ) -> int | None:
     """The newest candidate whose local copy every process holds intact (or None: the persistent tier).
 
-    Each process checks its own copies against their manifests; the verdicts are
-    gathered, so every process takes the same decision.  A copy that fails is
-    stepped over, with an event naming it.  A candidate no newer than a committed
-    persistent step (``newer_than``, as any process sees it) is not taken: the
-    persistent tier has that state or a newer one.
+    Newest first, each process checks its own copy of a candidate (every byte against its sums,
+    which maps it for the restore) and the verdicts are gathered, so every process takes the same
+    decision; an older candidate is checked only when a newer one failed somewhere.  A copy that
+    fails is stepped over, with an event naming it.  A candidate no newer than a committed
+    persistent step (``newer_than``, as any process sees it) is not taken: the persistent tier
+    has that state or a newer one.
     """
-    import numpy as np
-
-    from training.checkpoint.local import verify
-
-    if not candidates:
-        return None
-    problems = [verify(directory, s) for s in candidates]
-    ok = np.array([0 if p else 1 for p in problems] + [-1 if newer_than is None else newer_than], np.int32)
-    if a.processes > 1:
-        from jax.experimental import multihost_utils
-
-        everyone = np.asarray(multihost_utils.process_allgather(ok)).reshape(a.processes, len(candidates) + 1)
-    else:
-        everyone = ok.reshape(1, -1)
-    floor = int(everyone[:, -1].max())  # the newest committed persistent step any process sees (-1: none)
-    chosen = next((s for i, s in enumerate(candidates) if s > floor and everyone[:, i].all()), None)
-    for s, problem in zip(candidates, problems, strict=True):
-        if problem and (chosen is None or s > chosen):  # stepped over (older candidates were not needed)
+    floor = int(_gathered(a, -1 if newer_than is None else newer_than).max())  # -1: no committed step
+    for s in candidates:
+        if s <= floor:
+            break
+        problem = tier.check(s)
+        if _gathered(a, 0 if problem else 1).all():
+            return s
+        if problem:  # stepped over
             rep.send(
                 ReportType.LOCAL_CHECKPOINT_SKIPPED,
                 everyone=True,
@@ -232,7 +223,19 @@ def pick_local_step(
                 host=os.environ.get("RTRAIN_HOST"),
                 reason=problem,
             )
-    return chosen
+    return None
+
+
+def _gathered(a: Assignment, value: int) -> Any:
+    """Every process's ``value`` (an array, one per process)."""
+    import numpy as np
+
+    mine = np.array([value], np.int32)
+    if a.processes == 1:
+        return mine
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(mine)).reshape(-1)
 
 
 def check_integrity(run: str, step: int, ledger: Any, a: Assignment, rep: Reporter) -> None:

@@ -1,0 +1,173 @@
+"""A local copy's data path: bytes written and summed by chunk in parallel, read back bit-exact onto any layout from
+the file's mapping, a damaged or torn copy refused, and nothing left behind by a writer killed mid-write."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from training.checkpoint import bulk, local
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def pool():
+    with ThreadPoolExecutor(4) as p:
+        yield p
+
+
+def test_parts_are_written_end_to_end_and_summed_per_chunk_whatever_their_boundaries(tmp_path, pool):
+    rng = np.random.default_rng(0)
+    parts = [rng.integers(0, 255, n, dtype=np.uint8) for n in (5, 0, 17, 64, 3, 40)]
+    sums = bulk.write(tmp_path / "f", parts, pool, chunk=16)
+    data = (tmp_path / "f").read_bytes()
+    assert data == b"".join(p.tobytes() for p in parts)
+    assert sums.size == 129 and sums.chunk == 16
+    assert list(sums.crcs) == [bulk.crc32c(data[i : i + 16]) for i in range(0, 129, 16)]
+    assert bulk.Sums.from_json(json.loads(json.dumps(sums.to_json()))) == sums
+    with pytest.raises(ValueError, match="do not describe"):
+        bulk.Sums.from_json({**sums.to_json(), "crcs": list(sums.crcs)[:-1]})
+
+
+def test_a_file_is_written_over_in_place_and_cut_to_its_new_size(tmp_path, pool):
+    path = tmp_path / "f"
+    bulk.write(path, [np.ones(100, np.uint8)], pool, chunk=16)
+    inode = path.stat().st_ino
+    sums = bulk.write(path, [np.full(40, 7, np.uint8)], pool, chunk=16)
+    assert path.stat().st_ino == inode, "the same file: its pages are reused"
+    assert path.read_bytes() == bytes([7] * 40) and sums.size == 40
+
+
+def test_the_first_chunk_that_differs_is_named(tmp_path, pool):
+    path = tmp_path / "f"
+    data = np.arange(100, dtype=np.uint8)
+    sums = bulk.write(path, [data], pool, chunk=16)
+    assert bulk.first_bad_chunk(bulk.map_file(path), sums, pool) is None
+    raw = bytearray(path.read_bytes())
+    raw[50] ^= 1  # chunk 3
+    path.write_bytes(bytes(raw))
+    assert bulk.first_bad_chunk(bulk.map_file(path), sums, pool) == 3
+    path.write_bytes(bytes(raw[:90]))
+    assert bulk.first_bad_chunk(bulk.map_file(path), sums, pool) == 0, "a short file fails at once"
+
+
+# Saves a state on 2 devices of 4 (fsdp), then restores it onto 4 devices in three layouts, and compares every array
+# bit for bit; a copy with one byte flipped in its second chunk is refused by the tier's check.
+ROUND_TRIP = """
+import json, sys
+from pathlib import Path
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from training.checkpoint import bulk, lean, local
+bulk.CHUNK = 4096  # many chunks in a small copy
+d = Path(sys.argv[1])
+two = Mesh(np.array(jax.devices()[:2]), ("fsdp",))
+rng = np.random.default_rng(1)
+host = {"w": rng.standard_normal((64, 48)).astype(np.float32), "e": rng.standard_normal((34, 8)).astype(jnp.bfloat16),
+        "n": np.arange(5, dtype=np.int32), "s": np.float32(3.5)}
+specs = {"w": P("fsdp"), "e": P(), "n": P(), "s": P()}
+state = {k: jax.device_put(v, NamedSharding(two, specs[k])) for k, v in host.items()}
+local.write_step(state, d, 7, {"next_batch": 7}, 2, lean.plan(state, every_held_box=True))
+local.describe_new(d, 1)
+four = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "fsdp"))
+out = {}
+for name, layout in {"same": specs, "rows": {**specs, "w": P(("data", "fsdp"))},
+                     "cols": {**specs, "w": P(None, "fsdp"), "e": P("data")}}.items():
+    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(four, layout[k])) for k, v in host.items()}
+    tier = local.LocalTier(d, 2, four, abstract)
+    assert tier.check(7) == "", tier.check(7)
+    got, pos = tier.restore(7)
+    out[name] = all(np.asarray(got[k]).tobytes() == np.asarray(host[k]).tobytes() for k in host) and pos == {"next_batch": 7}
+    out[name + "_sharding"] = str(got["w"].sharding.spec)
+shards = d / "7" / local.SHARDS
+raw = bytearray(shards.read_bytes()); raw[4096 + 10] ^= 0x20; shards.write_bytes(bytes(raw))
+out["damaged"] = tier.check(7)
+print(json.dumps(out))
+"""
+
+
+def _child(script: str, *args: str, devices: int = 4) -> subprocess.Popen[str]:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    return subprocess.Popen(
+        [sys.executable, "-c", script, *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_a_copy_restores_bit_exact_onto_any_layout_and_a_flipped_byte_is_refused(tmp_path):
+    proc = _child(ROUND_TRIP, str(tmp_path))
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["same"] and got["rows"] and got["cols"], got
+    assert got["rows_sharding"] == "P(('data', 'fsdp'),)" and got["cols_sharding"] == "P(None, 'fsdp')"
+    assert got["damaged"] == "local step 7: file lean/0.bin fails its CRC32C check (chunk 1, from byte 4096)"
+
+
+# Writes step 2, then step 4 over the spare left by ... (keep 1: step 2's file becomes the spare at step 4), stalling
+# inside step 4's write after its first chunk; the parent kills it there.
+KILLED_MID_WRITE = """
+import os, sys, time
+from pathlib import Path
+import jax.numpy as jnp
+from training.checkpoint import bulk, lean, local
+bulk.CHUNK = 1 << 16
+d = Path(sys.argv[1])
+state = {"w": jnp.arange(1 << 18, dtype=jnp.float32)}
+plan = lean.plan(state, every_held_box=True)
+for step in (1, 2):
+    local.write_step(state, d, step, {"next_batch": step}, 1, plan)
+pwrite, calls = os.pwrite, []
+def stalling(fd, data, offset):
+    calls.append(offset)
+    if len(calls) == 2:
+        (d.parent / "mid-write").touch()
+        time.sleep(600)
+    return pwrite(fd, data, offset)
+os.pwrite = stalling
+local.write_step({"w": state["w"] + 1}, d, 3, {"next_batch": 3}, 1, plan, pool=__import__("concurrent.futures").futures.ThreadPoolExecutor(1))
+"""
+
+
+def test_a_writer_killed_mid_write_leaves_no_copy_and_nothing_behind_once_the_next_one_starts(tmp_path):
+    import jax
+
+    d = tmp_path / "host"
+    d.mkdir()
+    proc = _child(KILLED_MID_WRITE, str(d), devices=1)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "mid-write").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.05)
+        torn = [p.name for p in d.iterdir() if ".tmp-" in p.name]
+        assert len(torn) == 1 and (d / torn[0] / local.SHARDS).exists(), sorted(p.name for p in d.iterdir())
+        assert not (d / local.SPARE).exists(), "step 1's file, the spare, is being written over"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+    assert local.finalised_steps(d) == [2], "the torn step is not a step"
+    local.describe_new(d, 1)
+    assert local.verify(d, 2) == ""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    abstract = {"w": jax.ShapeDtypeStruct((1 << 18,), np.float32, sharding=sharding)}
+    tier = local.LocalTier(d, 1, mesh, abstract)  # the next worker on this host
+    assert sorted(p.name for p in d.iterdir()) == ["2", "2.manifest.json"]
+    got, pos = tier.restore(2)
+    assert pos == {"next_batch": 2} and np.array_equal(np.asarray(got["w"]), np.arange(1 << 18, dtype=np.float32))
+    tier.close()
