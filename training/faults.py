@@ -16,7 +16,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from training.sections import (
@@ -184,9 +184,10 @@ class FaultKind:
 # Every fault kind by name (``@fault_kind`` adds one).
 KINDS: dict[str, FaultKind] = {}
 ACTIONS = KINDS  # the name earlier versions used
+_K = TypeVar("_K", bound=type[FaultKind])  # (a type parameter list needs Python 3.12)
 
 
-def fault_kind[K: type[FaultKind]](cls: K) -> K:
+def fault_kind(cls: _K) -> _K:
     """Register a fault kind (a class decorator): its ``name`` becomes a chaos action."""
     if cls.name in KINDS:
         raise ValueError(f"fault kind {cls.name!r} is registered twice")

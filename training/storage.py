@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, TypeVar
 
 
 class AlreadyExists(Exception):
@@ -104,9 +104,10 @@ class StorageScheme:
 
 # Every storage scheme by name (``@storage_scheme`` adds one).
 SCHEMES: dict[str, StorageScheme] = {}
+_S = TypeVar("_S", bound=type[StorageScheme])  # (a type parameter list needs Python 3.12)
 
 
-def storage_scheme[S: type[StorageScheme]](cls: S) -> S:
+def storage_scheme(cls: _S) -> _S:
     """Register a storage scheme (a class decorator)."""
     if cls.name in SCHEMES:
         raise ValueError(f"storage scheme {cls.name!r} is registered twice")
