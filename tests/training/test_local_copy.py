@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from training.checkpoint import bulk, local
+from training.checkpoint import bulk, local, local_copy
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -68,7 +68,7 @@ import json, sys
 from pathlib import Path
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from training.checkpoint import bulk, lean, local
+from training.checkpoint import bulk, lean, local, local_copy
 bulk.CHUNK = 4096  # many chunks in a small copy
 d = Path(sys.argv[1])
 two = Mesh(np.array(jax.devices()[:2]), ("fsdp",))
@@ -89,7 +89,7 @@ for name, layout in {"same": specs, "rows": {**specs, "w": P(("data", "fsdp"))},
     got, pos = tier.restore(7)
     out[name] = all(np.asarray(got[k]).tobytes() == np.asarray(host[k]).tobytes() for k in host) and pos == {"next_batch": 7}
     out[name + "_sharding"] = str(got["w"].sharding.spec)
-shards = d / "7" / local.SHARDS
+shards = d / "7" / local_copy.SHARDS
 raw = bytearray(shards.read_bytes()); raw[4096 + 10] ^= 0x20; shards.write_bytes(bytes(raw))
 out["damaged"] = tier.check(7)
 print(json.dumps(out))
@@ -124,7 +124,7 @@ KILLED_MID_WRITE = """
 import os, sys, time
 from pathlib import Path
 import jax.numpy as jnp
-from training.checkpoint import bulk, lean, local
+from training.checkpoint import bulk, lean, local, local_copy
 bulk.CHUNK = 1 << 16
 d = Path(sys.argv[1])
 state = {"w": jnp.arange(1 << 18, dtype=jnp.float32)}
@@ -155,7 +155,7 @@ def test_a_writer_killed_mid_write_leaves_no_copy_and_nothing_behind_once_the_ne
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
             time.sleep(0.05)
         torn = [p.name for p in d.iterdir() if ".tmp-" in p.name]
-        assert len(torn) == 1 and (d / torn[0] / local.SHARDS).exists(), sorted(p.name for p in d.iterdir())
+        assert len(torn) == 1 and (d / torn[0] / local_copy.SHARDS).exists(), sorted(p.name for p in d.iterdir())
         assert not (d / local.SPARE).exists(), "step 1's file, the spare, is being written over"
     finally:
         proc.send_signal(signal.SIGKILL)

@@ -14,7 +14,7 @@ import pytest
 from jobs import hosts, job_config, run_job, step_ids, worker_logs
 
 from training import api
-from training.checkpoint import local
+from training.checkpoint import local, local_copy
 from training.config import load_config
 from training.faults import parse_chaos
 from training.storage import open_store
@@ -25,7 +25,7 @@ def _fake_step(directory: Path, step: int, payload: bytes = b"x" * 1000) -> None
     d = directory / str(step)
     (d / "state").mkdir(parents=True)
     (d / "state" / "data.bin").write_bytes(payload)
-    (d / local.STEP_MARK).write_text("{}")
+    (d / local_copy.STEP_MARK).write_text("{}")
 
 
 def test_finalised_steps_are_described_once_and_a_pruned_step_loses_its_manifest(tmp_path):
@@ -61,7 +61,7 @@ def _write_copy(directory: Path, step: int) -> dict:
 def test_verify_names_what_is_wrong_with_a_local_copy(tmp_path):
     _write_copy(tmp_path, 8)
     assert local.verify(tmp_path, 8) == ""
-    shards = tmp_path / "8" / local.SHARDS
+    shards = tmp_path / "8" / local_copy.SHARDS
     data = shards.read_bytes()
     shards.write_bytes(data[:400])
     assert f"400 bytes, {len(data)} when saved (truncated?)" in local.verify(tmp_path, 8)
@@ -81,10 +81,10 @@ def test_a_copy_is_described_by_its_writers_sums_and_damage_after_the_write_is_c
     from training.checkpoint import bulk
 
     state = _write_copy(tmp_path, 6)
-    shards = tmp_path / "6" / local.SHARDS
-    index = json.loads((tmp_path / "6" / local.INDEX).read_bytes())
+    shards = tmp_path / "6" / local_copy.SHARDS
+    index = json.loads((tmp_path / "6" / local_copy.INDEX).read_bytes())
     sums = bulk.Sums.from_json(index["chunks"])
-    assert index["files"][local.SHARDS] == [shards.stat().st_size, sums.digest()]
+    assert index["files"][local_copy.SHARDS] == [shards.stat().st_size, sums.digest()]
     assert list(sums.crcs) == [bulk.crc32c(shards.read_bytes())], "one chunk: its sum is the file's"
     # Damaged after the write: the manifest holds what the writer wrote.
     data = bytearray(shards.read_bytes())
@@ -92,7 +92,7 @@ def test_a_copy_is_described_by_its_writers_sums_and_damage_after_the_write_is_c
     shards.write_bytes(bytes(data))
     (tmp_path / "6.manifest.json").unlink()
     described = local.describe_new(tmp_path, round_=1)
-    assert described[6].files[local.SHARDS] == index["files"][local.SHARDS]
+    assert described[6].files[local_copy.SHARDS] == index["files"][local_copy.SHARDS]
     assert "fails its CRC32C check" in local.verify(tmp_path, 6)
     data[100] ^= 0xFF  # mended: it verifies and restores as written
     shards.write_bytes(bytes(data))
