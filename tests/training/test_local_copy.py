@@ -171,3 +171,28 @@ def test_a_writer_killed_mid_write_leaves_no_copy_and_nothing_behind_once_the_ne
     got, pos = tier.restore(2)
     assert pos == {"next_batch": 2} and np.array_equal(np.asarray(got["w"]), np.arange(1 << 18, dtype=np.float32))
     tier.close()
+
+
+def test_the_copy_a_worker_restored_from_is_never_written_over_while_its_state_may_hold_its_pages(tmp_path):
+    """A CPU device takes the mapped copy's pages as its buffers: the tier deletes that copy's file, not reuses it."""
+    import jax
+    import jax.numpy as jnp
+
+    from training.checkpoint import lean
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    abstract = {"w": jax.ShapeDtypeStruct((1 << 16,), jnp.float32, sharding=sharding)}
+    saved = {s: {"w": jax.device_put(jnp.full((1 << 16,), float(s)), sharding)} for s in range(1, 7)}
+    plan = lean.plan(saved[1], every_held_box=True)
+    for s in (1, 2):
+        local.write_step(saved[s], tmp_path, s, {"next_batch": s}, 2, plan)
+    local.describe_new(tmp_path, 1)
+    tier = local.LocalTier(tmp_path, 2, mesh, abstract)
+    assert tier.check(2) == ""
+    restored, _ = tier.restore(2)
+    for s in (3, 4, 5, 6):  # each drops the oldest; dropped files are written over by later copies
+        tier.writer(saved[s], tmp_path, s, {"next_batch": s}, 2)
+    assert local.finalised_steps(tmp_path) == [5, 6]
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.full((1 << 16,), 2.0, np.float32))
+    tier.close()

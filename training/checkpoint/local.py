@@ -281,7 +281,7 @@ class LocalTier:
         """Drop local copies newer than the step this round starts from: they are of a lineage that ended."""
         for s in finalised_steps(self.directory):
             if step is None or s > step:
-                _remove_step(self.directory, s, spare=True)
+                _remove_step(self.directory, s, spare=s not in self.writer.adopted)
 
     def save(self, step: int, state: Any, data: DataPosition) -> float | None:
         """Stage a save of ``step``: the seconds the loop was blocked, or None: not saved.
@@ -371,6 +371,7 @@ class LocalTier:
         """
         copy = self.checked.pop(step, None)
         self.checked.clear()  # the other candidates' mappings
+        self.writer.adopted.add(step)  # a CPU device may hold the file's pages as its buffers: never written over
         if copy is None:
             return read_step(self.directory, step, self.abstract)
         with ThreadPoolExecutor(bulk.THREADS, thread_name_prefix="rtrain-local-read") as pool:
@@ -411,26 +412,41 @@ def _write_pool() -> ThreadPoolExecutor:
 
 
 class StepWriter:
-    """Writes local steps (the save thread calls it), with the plan of the first state it wrote."""
+    """Writes local steps (the save thread calls it), with the plan of the first state it wrote.
+
+    ``adopted``: the steps this process restored from; their files are deleted when dropped, never
+    kept as the spare (:func:`write_step`).
+    """
 
     def __init__(self) -> None:
         self.plan: lean.Plan | None = None
+        self.adopted: set[int] = set()
 
     def __call__(self, state: Any, directory: Path, step: int, data: DataPosition, keep: int) -> None:
         import jax
 
         if self.plan is None or self.plan.structure != jax.tree.structure(state):
             self.plan = lean.plan(state, every_held_box=True)
-        write_step(state, directory, step, data, keep, self.plan)
+        write_step(state, directory, step, data, keep, self.plan, adopted=frozenset(self.adopted))
 
 
 def write_step(
-    state: Any, directory: Path, step: int, data: DataPosition, keep: int, plan: lean.Plan, pool: Executor | None = None
+    state: Any,
+    directory: Path,
+    step: int,
+    data: DataPosition,
+    keep: int,
+    plan: lean.Plan,
+    pool: Executor | None = None,
+    adopted: frozenset[int] = frozenset(),
 ) -> None:
     """Write this process's shards of ``state`` as local step ``step`` (atomically), then keep the newest ``keep``.
 
     ``plan``: the state's :func:`~training.checkpoint.lean.plan` with every box held.  The host's
-    spare file, if it has one, becomes the new copy's shard file and is written over.
+    spare file, if it has one, becomes the new copy's shard file and is written over.  A dropped
+    copy's file becomes the spare unless the copy is ``adopted``: restored by this process, whose
+    CPU devices may have taken its mapped pages as their buffers (an unlinked file's pages stay
+    while they are mapped; a file written over changes under them).
     """
     tmp = directory / f".{step}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -443,7 +459,7 @@ def write_step(
         _remove_step(directory, step)
     os.rename(tmp, final)
     for old in finalised_steps(directory)[:-keep] if keep > 0 else []:
-        _remove_step(directory, old, spare=True)
+        _remove_step(directory, old, spare=old not in adopted)
 
 
 def read_step(directory: Path, step: int, abstract: Any) -> tuple[Any, DataPosition]:
