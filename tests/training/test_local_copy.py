@@ -26,10 +26,11 @@ def pool():
         yield p
 
 
-def test_parts_are_written_end_to_end_and_summed_per_chunk_whatever_their_boundaries(tmp_path, pool):
+def test_parts_are_written_end_to_end_and_summed_per_chunk_whatever_their_boundaries(tmp_path, monkeypatch):
+    monkeypatch.setattr(bulk, "PIECE", 5)  # pieces written one at a time, their sums carried on within a chunk
     rng = np.random.default_rng(0)
     parts = [rng.integers(0, 255, n, dtype=np.uint8) for n in (5, 0, 17, 64, 3, 40)]
-    sums = bulk.write(tmp_path / "f", parts, pool, chunk=16)
+    sums = bulk.write(tmp_path / "f", parts, chunk=16)
     data = (tmp_path / "f").read_bytes()
     assert data == b"".join(p.tobytes() for p in parts)
     assert sums.size == 129 and sums.chunk == 16
@@ -39,11 +40,11 @@ def test_parts_are_written_end_to_end_and_summed_per_chunk_whatever_their_bounda
         bulk.Sums.from_json({**sums.to_json(), "crcs": list(sums.crcs)[:-1]})
 
 
-def test_a_file_is_written_over_in_place_and_cut_to_its_new_size(tmp_path, pool):
+def test_a_file_is_written_over_in_place_and_cut_to_its_new_size(tmp_path):
     path = tmp_path / "f"
-    bulk.write(path, [np.ones(100, np.uint8)], pool, chunk=16)
+    bulk.write(path, [np.ones(100, np.uint8)], chunk=16)
     inode = path.stat().st_ino
-    sums = bulk.write(path, [np.full(40, 7, np.uint8)], pool, chunk=16)
+    sums = bulk.write(path, [np.full(40, 7, np.uint8)], chunk=16)
     assert path.stat().st_ino == inode, "the same file: its pages are reused"
     assert path.read_bytes() == bytes([7] * 40) and sums.size == 40
 
@@ -51,7 +52,7 @@ def test_a_file_is_written_over_in_place_and_cut_to_its_new_size(tmp_path, pool)
 def test_the_first_chunk_that_differs_is_named(tmp_path, pool):
     path = tmp_path / "f"
     data = np.arange(100, dtype=np.uint8)
-    sums = bulk.write(path, [data], pool, chunk=16)
+    sums = bulk.write(path, [data], chunk=16)
     assert bulk.first_bad_chunk(bulk.map_file(path), sums, pool) is None
     raw = bytearray(path.read_bytes())
     raw[50] ^= 1  # chunk 3
@@ -139,7 +140,7 @@ def stalling(fd, data, offset):
         time.sleep(600)
     return pwrite(fd, data, offset)
 os.pwrite = stalling
-local.write_step({"w": state["w"] + 1}, d, 3, {"next_batch": 3}, 1, plan, pool=__import__("concurrent.futures").futures.ThreadPoolExecutor(1))
+local.write_step({"w": state["w"] + 1}, d, 3, {"next_batch": 3}, 1, plan)
 """
 
 

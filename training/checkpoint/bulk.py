@@ -1,10 +1,13 @@
-"""Bulk bytes between host memory and a local file: chunks moved by several threads in C, each chunk's CRC32C.
+"""Bulk bytes between host memory and a local file: summed by chunk, written by one thread, checked by several.
 
 A host's copy of a large state (gigabytes) is written, checked and read here.  Every call that
-touches the bytes releases the interpreter lock (``os.pwrite``, ``os.preadv``, the ``crc32c``
-package's sum), so the threads run in parallel and a training loop's thread is not held up while
-they work.  A file is summed per fixed-size chunk (:class:`Sums`): the chunks are summed in
-parallel, and a reader checks each chunk where it reads it.
+touches the bytes releases the interpreter lock (``os.pwrite``, the ``crc32c`` package's sum), so
+a training loop's thread is not held up while they run.  A file is summed per fixed-size chunk
+(:class:`Sums`), so a reader checks its chunks in parallel.
+
+A write is one thread's: each piece is summed and written while it is in the core's cache, which
+costs the least CPU (0.27 s a GiB into a tmpfs file here, against 0.5 s for two threads, whose
+writes to one file take turns at its lock anyway).  The CPU a save takes is CPU a step does not get.
 
 Nothing here knows about JAX.
 """
@@ -21,8 +24,9 @@ from typing import Any
 
 import numpy as np
 
-CHUNK = 16 << 20  # bytes summed (and moved) as one piece: big enough for one system call, small enough to spread
-THREADS = max(1, min(8, os.cpu_count() or 1))  # threads that move or sum a host's copy
+CHUNK = 16 << 20  # bytes summed as one: a reader's unit of work
+PIECE = 1 << 20  # bytes a writer sums and writes at a time (they stay in the core's cache in between)
+THREADS = max(1, min(8, os.cpu_count() or 1))  # threads that check a host's copy
 
 
 def crc32c(data: Any, value: int = 0) -> int:
@@ -75,33 +79,32 @@ def _chunks(views: list[memoryview], chunk: int) -> list[list[tuple[int, memoryv
     return out
 
 
-def write(path: Path, parts: Sequence[Any], pool: Executor, chunk: int | None = None) -> Sums:
-    """Write ``parts`` (buffers) one after another as the file ``path``, a chunk per task in ``pool``; their sums.
+def write(path: Path, parts: Sequence[Any], chunk: int | None = None) -> Sums:
+    """Write ``parts`` (buffers) one after another as the file ``path``; their sums per ``chunk`` (:data:`CHUNK`) bytes.
 
     A file already at ``path`` is overwritten in place, not replaced: its pages (a tmpfs file's
     memory) are reused rather than freed and allocated again.  It is cut to the new size first.
-    ``chunk``: bytes a sum covers (:data:`CHUNK`).
     """
     chunk = chunk or CHUNK
     views = _views(parts)
     size = sum(v.nbytes for v in views)
+    crcs: list[int] = []
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         os.ftruncate(fd, size)
-
-        def one(pieces: list[tuple[int, memoryview]]) -> int:
+        for pieces in _chunks(views, chunk):
             crc = 0
             for offset, piece in pieces:
-                crc = crc32c(piece, crc)
-                done = 0
-                while done < piece.nbytes:
-                    done += os.pwrite(fd, piece[done:], offset + done)
-            return crc
-
-        crcs = tuple(pool.map(one, _chunks(views, chunk)))
+                for start in range(0, piece.nbytes, PIECE):
+                    bit = piece[start : start + PIECE]
+                    crc = crc32c(bit, crc)
+                    done = 0
+                    while done < bit.nbytes:
+                        done += os.pwrite(fd, bit[done:], offset + start + done)
+            crcs.append(crc)
     finally:
         os.close(fd)
-    return Sums(size, chunk, crcs)
+    return Sums(size, chunk, tuple(crcs))
 
 
 def map_file(path: Path) -> np.ndarray:

@@ -20,7 +20,6 @@ JAX is imported inside functions only: the agent imports this module.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import os
@@ -33,7 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from training.background import idle_this_thread
 from training.checkpoint import bulk, lean, local_copy
 from training.checkpoint.local_copy import INDEX, SHARDS, STEP_MARK, CopyError, Mapped
 from training.checkpoint.resume import DataPosition
@@ -405,12 +403,6 @@ class LocalTier:
 # --- writing and reading copies ----------------------------------------------------------------------
 
 
-@functools.cache
-def _write_pool() -> ThreadPoolExecutor:
-    """The threads that write local copies: in the idle class, as the save thread that hands them the bytes."""
-    return ThreadPoolExecutor(bulk.THREADS, thread_name_prefix="rtrain-local-write", initializer=idle_this_thread)
-
-
 class StepWriter:
     """Writes local steps (the save thread calls it), with the plan of the first state it wrote.
 
@@ -437,7 +429,6 @@ def write_step(
     data: DataPosition,
     keep: int,
     plan: lean.Plan,
-    pool: Executor | None = None,
     adopted: frozenset[int] = frozenset(),
 ) -> None:
     """Write this process's shards of ``state`` as local step ``step`` (atomically), then keep the newest ``keep``.
@@ -453,7 +444,7 @@ def write_step(
     (tmp / "lean").mkdir(parents=True)
     with contextlib.suppress(FileNotFoundError):
         os.rename(directory / SPARE, tmp / SHARDS)
-    local_copy.write(state, tmp, step, plan, data, pool or _write_pool())
+    local_copy.write(state, tmp, step, plan, data)
     final = directory / str(step)
     if final.exists():
         _remove_step(directory, step)

@@ -7,8 +7,8 @@ A copy is a directory (a step of the lean format, written by one process)::
     lean.json     every leaf's dtype and shape, and the data position
     COMMITTED     written last, before the directory gets its name
 
-The bytes move through :mod:`training.checkpoint.bulk`: several threads, the interpreter lock
-released.  A reader maps ``lean/0.bin`` (a tmpfs file is memory already: no read, no copy),
+The bytes move through :mod:`training.checkpoint.bulk`, the interpreter lock released: written by
+the save thread alone (the least CPU), checked by several threads.  A reader maps ``lean/0.bin`` (a tmpfs file is memory already: no read, no copy),
 checks every chunk's CRC32C in parallel, and hands each device its part straight from the
 mapping.  So a restore is one pass over the bytes to check them and one copy into the devices'
 own buffers, and nothing else.
@@ -37,7 +37,7 @@ class CopyError(ValueError):
     """A copy that cannot be read as written: a file missing, cut short, unreadable or of an earlier format."""
 
 
-def write(state: Any, tmp: Path, step: int, plan: lean.Plan, data: DataPosition, pool: Executor) -> None:
+def write(state: Any, tmp: Path, step: int, plan: lean.Plan, data: DataPosition) -> None:
     """Write this process's shards of ``state`` as copy ``step`` into the directory ``tmp``, its mark last.
 
     ``plan``: the state's :func:`~training.checkpoint.lean.plan` with every box held.  A file
@@ -45,7 +45,7 @@ def write(state: Any, tmp: Path, step: int, plan: lean.Plan, data: DataPosition,
     caller gives ``tmp`` the step's name once this returns.
     """
     (tmp / "lean").mkdir(parents=True, exist_ok=True)
-    sums = bulk.write(tmp / SHARDS, lean.shard_bytes(state, plan), pool)
+    sums = bulk.write(tmp / SHARDS, lean.shard_bytes(state, plan))
     files = {SHARDS: [sums.size, sums.digest()]}
     index = f'{{"files": {json.dumps(files)}, "chunks": {json.dumps(sums.to_json())}, "entries": {plan.index}}}'
     (tmp / INDEX).write_bytes(index.encode())
