@@ -12,9 +12,11 @@
 7. The control plane: storage requests per host per minute, against the cadence's model.
 8. The accelerator row: the built-in Llama through the Trainer on this JAX backend.
 9. The checkpoint formats: lean against Orbax's, at 1 and 4 GiB per process, locally and on gs://.
+10. Recovery at scale: a lost host at 1 GiB of state a process against a cold start and against its
+    floor (detect + read + transfer + a step); the steps while a local or persistent save is written.
 
 Each figure's measurement lives in a module of its own (``recovery``, ``checkpoints``, ``cost``,
-``service``, ``control_plane``, ``accelerator``, ``formats``; the jobs they run in ``jobs``); this
+``service``, ``control_plane``, ``accelerator``, ``formats``, ``at_scale``; the jobs they run in ``jobs``); this
 module runs the ones asked for and prints the table (``rows``, ``table``).  Timings come from the runs' own event records (process clocks), not log lines.  Each figure prints
 its repeats and their spread; then a table, and JSON.  Measurements, not tests: machines are noisy.
 """
@@ -29,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.at_scale import bench_at_scale
 from benchmarks.checkpoints import bench_checkpoint_overhead, bench_local_tier, bench_restore
 from benchmarks.control_plane import OPS_WINDOW_S, bench_control_plane
 from benchmarks.cost import bench_cost
@@ -48,6 +51,7 @@ FIGURES = (
     "control_plane",
     "accelerator",
     "formats",
+    "recovery_at_scale",
 )
 
 
@@ -85,6 +89,7 @@ def figure_runs(
         "control_plane": lambda: bench_control_plane(ws, repeats, 10.0 if quick else OPS_WINDOW_S),
         "accelerator": lambda: _accelerator(repeats, quick),
         "formats": lambda: _formats(repeats, quick, formats_mib),
+        "recovery_at_scale": lambda: bench_at_scale(ws, repeats, "ci" if quick else "gib"),
     }
 
 

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,22 +28,41 @@ from training.config import Config
 # after the first step), saving every SAVE_EVERY steps.  The warm-up runs have the same steps: the learning
 # rate schedule is part of the compiled step.
 LOSE_STEPS, SAVE_EVERY, STEADY_S = 300, 25, 8.0
+# A recovery's phases, as :func:`lose_host` measures them, with their names in the table.
+PHASES = {
+    "detect_s": "detect",
+    "form_round_s": "round",
+    "worker_init_s": "worker start",
+    "setup_s": "set-up",
+    "restore_s": "restore",
+    "compile_s": "compile",
+    "first_step_s": "first step",
+}
 
 
-def _lose_host(ws: Path, name: str, which: str, wait_ahead: bool = False, **kw: Any) -> dict[str, Any]:
+def lose_host(
+    ws: Path,
+    name: str,
+    which: str,
+    wait_ahead: bool = False,
+    ready: Callable[[Config], bool] | None = None,
+    steady_s: float = STEADY_S,
+    **kw: Any,
+) -> dict[str, Any]:
     """One job on 2 hosts in steady state; then the leader's host, or the other one, is lost (agent and worker).
 
-    ``wait_ahead``: and not before process 0 has compiled the 1-host step ahead.
+    ``wait_ahead``: and not before process 0 has compiled the 1-host step ahead.  ``ready``: lost once it
+    says so (default: once a persistent checkpoint was saved).
     """
     from training import api
     from training.elastic.capacity import LocalCapacity
     from training.elastic.rendezvous import Rendezvous
     from training.storage import open_store
 
-    cfg = bench_cfg(ws, name, steps=LOSE_STEPS, checkpoint_every=SAVE_EVERY, min_workers=1, **kw)
+    cfg = bench_cfg(ws, name, **{"steps": LOSE_STEPS, "checkpoint_every": SAVE_EVERY, "min_workers": 1, **kw})
     handle = start_job(cfg)
     first = wait_for(lambda: api.events(cfg.run_uri, ("resumed",)), 300, "the first step")[0]
-    wait_for(lambda: time.time() - first["time"] >= STEADY_S, 60, "steady state")
+    wait_for(lambda: time.time() - first["time"] >= steady_s, 60 + steady_s, "steady state")
     if wait_ahead:
         wait_for(
             lambda: (
@@ -53,7 +73,8 @@ def _lose_host(ws: Path, name: str, which: str, wait_ahead: bool = False, **kw: 
         )
         if not api.events(cfg.run_uri, ("compiled_ahead",)):
             raise RuntimeError(f"bench run {name}: the job ended before its 1-host step was compiled ahead")
-    st = wait_for(lambda: (s := api.status(cfg.run_uri)) and (s.get("step") or 0) >= SAVE_EVERY and s, 300, "a save")
+    wait_for(lambda: (ready or _saved)(cfg), 600, f"bench run {name} to be ready to lose a host")
+    st = wait_for(lambda: api.status(cfg.run_uri), 60, "the job's status")
     leader = st["leader"]
     records = Rendezvous(open_store(cfg.run_uri)).hosts()
     victim = leader if which == "leader" else next(h for h in records if h != leader)
@@ -76,6 +97,7 @@ def _lose_host(ws: Path, name: str, which: str, wait_ahead: bool = False, **kw: 
     return {
         "lost": which,
         "restored_step": restore["step"],
+        "restored_tier": restore.get("tier"),
         "total_s": resumed["time"] - t_kill,
         "detect_s": fail["detected_at"] - t_kill,
         "form_round_s": launch["time"] - fail["detected_at"],
@@ -91,6 +113,13 @@ def _lose_host(ws: Path, name: str, which: str, wait_ahead: bool = False, **kw: 
     }
 
 
+def _saved(cfg: Config) -> bool:
+    """The job has trained past its first persistent checkpoint."""
+    from training import api
+
+    return ((api.status(cfg.run_uri) or {}).get("step") or 0) >= SAVE_EVERY
+
+
 def bench_recovery(ws: Path, repeats: int, ray: bool = True) -> dict[str, Any]:
     """Lost follower host and lost leader host vs a cold start of the same job from the same checkpoint."""
     # Warm the persistent compilation cache for both meshes first (2 hosts, then 1): every measured
@@ -99,9 +128,9 @@ def bench_recovery(ws: Path, repeats: int, ray: bool = True) -> dict[str, Any]:
         run_job(bench_cfg(ws, f"warm-{n}", steps=LOSE_STEPS, checkpoint_every=LOSE_STEPS, min_workers=n, max_workers=n))
     follower, leader = [], []
     for i in range(repeats):  # interleaved: drift on the machine falls on both
-        follower.append(_lose_host(ws, f"lose-follower-{i}", "follower"))
-        leader.append(_lose_host(ws, f"lose-leader-{i}", "leader"))
-    colds = [_cold_start(ws, r.pop("bench_cfg"), r["restored_step"], i) for i, r in enumerate(follower)]
+        follower.append(lose_host(ws, f"lose-follower-{i}", "follower"))
+        leader.append(lose_host(ws, f"lose-leader-{i}", "leader"))
+    colds = [cold_start(ws, r.pop("bench_cfg"), r["restored_step"], i) for i, r in enumerate(follower)]
     for r in leader:
         r.pop("bench_cfg")
     out: dict[str, Any] = {"follower": follower, "leader": leader, "cold_starts_s": colds}
@@ -123,7 +152,7 @@ def bench_unseen_mesh(ws: Path) -> dict[str, Any]:
     for ahead in (True, False):
         cache = ws / f"jax-cache-unseen-{'ahead' if ahead else 'not'}"
         shutil.rmtree(cache, ignore_errors=True)
-        r = _lose_host(
+        r = lose_host(
             ws,
             f"unseen-{'ahead' if ahead else 'not'}",
             "follower",
@@ -147,7 +176,7 @@ def bench_ray(ws: Path, repeats: int) -> dict[str, Any]:
     return {"runs": runs}
 
 
-def _cold_start(ws: Path, src: Config, step: int, i: int) -> float:
+def cold_start(ws: Path, src: Config, step: int, i: int) -> float:
     """A fresh `rtrain train` process of the same job, from the same checkpoint, on the mesh the recovery ended on."""
     from training import api
 

@@ -6,7 +6,8 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks import accelerator, formats
+from benchmarks import accelerator, at_scale, formats
+from benchmarks.recovery import PHASES
 from benchmarks.table import Row, note, over, ratios, row
 
 Result = dict[str, Any]
@@ -33,12 +34,12 @@ def recovery_rows(rec: Result) -> list[Row]:
             "<= 1.5",
         ),
     ]
-    b = {k: statistics.median(r[k] for r in rec["follower"]) for k in BREAKDOWN}
+    b = {k: statistics.median(r[k] for r in rec["follower"]) for k in PHASES}
     rows.append(
         note(
             "breakdown",
             "  follower breakdown (median)",
-            ", ".join(f"{label} {b[k]:.2f}" for k, label in BREAKDOWN.items()) + " s",
+            ", ".join(f"{label} {b[k]:.2f}" for k, label in PHASES.items()) + " s",
         )
     )
     un = rec.get("unseen_mesh")
@@ -84,17 +85,6 @@ def recovery_rows(rec: Result) -> list[Row]:
             )
         )
     return rows
-
-
-BREAKDOWN = {
-    "detect_s": "detect",
-    "form_round_s": "round",
-    "worker_init_s": "worker start",
-    "setup_s": "set-up",
-    "restore_s": "restore",
-    "compile_s": "compile",
-    "first_step_s": "first step",
-}
 
 
 def checkpoint_rows(c: Result) -> list[Row]:
@@ -343,6 +333,7 @@ ROWS: dict[str, Callable[[Result], list[Row]]] = {
     "control_plane": control_plane_rows,
     "accelerator": accelerator.rows,
     "formats": formats.rows,
+    "recovery_at_scale": at_scale.rows,
 }
 
 

@@ -528,7 +528,9 @@ def _host_commands(sub: Subcommands[argparse.ArgumentParser]) -> None:
     sp.add_argument("--bind-host", default=None, help="the address the coordinator binds")
     sp.set_defaults(fn=cmd_agent)
 
-    sp = sub.add_parser("bench", help="recovery, checkpoint overhead, cost of resilience, restore throughput")
+    sp = sub.add_parser(
+        "bench", help="recovery (also at 1 GiB a process), checkpoint overhead, cost of resilience, restore throughput"
+    )
     sp.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
     sp.add_argument("--repeats", type=int, default=None, help="repeats of each measurement (default 3; 1 with --quick)")
     sp.add_argument("--out", default="var/bench/bench.json", help="where the JSON goes")

@@ -501,3 +501,23 @@ def test_the_formats_figure_saves_and_restores_both_formats_locally_and_on_the_e
         _line(proc.stdout, "verdict, local").split("verdict, local")[1].strip().startswith(("lean", "OCDBT", "mixed"))
     )
     assert "fixed cost per save" in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_recovery_at_scale_figure_in_its_ci_size_recovers_from_the_local_tier_and_times_its_saves(
+    tmp_path: Path,
+) -> None:
+    # --quick runs the figure's jobs at a few MB a process (the figure itself is at 1 GiB: `rtrain bench`).
+    proc, r = _bench(tmp_path, "--quick", "--only", "recovery_at_scale")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    f, table = r["recovery_at_scale"], proc.stdout
+    assert f["scale"] == "ci" and 1 << 20 < f["state_bytes"] < 64 << 20
+    [run] = f["runs"]
+    assert run["lost"] == "follower" and run["restored_tier"] == "local", run
+    floor = run["detect_s"] + run["read_s"] + run["h2d_s"] + run["steady_step_s"]
+    assert min(run[k] for k in ("read_s", "h2d_s", "steady_step_s", "total_s", "cold_start_s", "restore_s")) > 0
+    _check(f, "at_scale", [run["total_s"]], [run["cold_start_s"]], table, "<= 0.5")
+    _check(f, "at_scale_floor", [run["total_s"]], [floor], table, "<= 2")
+    _check(f, "save_local", [run["local_step_s"]], [run["local_none_step_s"]], table, "<= 1.05")
+    _check(f, "save_persistent", [run["persistent_step_s"]], [run["persistent_none_step_s"]], table, "<= 1.05")
+    assert run["persistent_steps"] > 0 and "breakdown (median)" in table and "floor: read" in table
