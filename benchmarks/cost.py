@@ -22,7 +22,7 @@ from benchmarks.jobs import (
     window_step_time,
 )
 from training.config import Config, load_config
-from training.cpu_devices import cpu_xla_flags
+from training.cpu_devices import cpu_process_env
 from training.sections import ModelSection, OptimizerSection
 
 
@@ -182,9 +182,7 @@ def _plain_times(cfg: Config, window: tuple[int, ...], lower: bool, poll: bool =
             "BENCH_WINDOW": ",".join(map(str, window)),
             "BENCH_LOWER": "1" if lower else "0",
             "BENCH_POLL": "1" if poll else "0",
-            "JAX_PLATFORMS": "cpu",
-            "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
-            "XLA_FLAGS": cpu_xla_flags(cfg.placement.devices_per_worker),
+            **cpu_process_env(cfg.placement.devices_per_worker),  # as the engine's workers: a fair baseline
         }
         procs.append(
             subprocess.Popen(

@@ -62,14 +62,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from training.cpu_devices import cpu_xla_flags
+from training.cpu_devices import cpu_process_env
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"  # the address every Ray node of the bench binds
 # Each simulated host is a JAX process with D CPU devices and gloo collectives, as on our local slice.
 WORKER_ENV = {
-    "JAX_PLATFORMS": "cpu",
-    "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
     "TF_CPP_MIN_LOG_LEVEL": "2",
     "PYTHONUNBUFFERED": "1",
 }
@@ -396,8 +394,7 @@ def _settings(workdir: Path, dataset: str, hosts: int, devices_per_host: int, **
     for sub in (PROGRESS_DIR, "ray_results"):
         shutil.rmtree(workdir / sub, ignore_errors=True)
     (workdir / PROGRESS_DIR).mkdir(parents=True)
-    worker_env = dict(WORKER_ENV)
-    worker_env["XLA_FLAGS"] = cpu_xla_flags(devices_per_host)
+    worker_env = {**WORKER_ENV, **cpu_process_env(devices_per_host)}  # as the engine's workers
     worker_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
     return RaySettings(
         workdir=workdir,

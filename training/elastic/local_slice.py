@@ -147,12 +147,11 @@ class LocalSlice:
 
     def _spawn(self, host: str) -> None:
         argv = [self.cfg.run_uri, "--job", self.job, "--host", host, "--local-capacity"]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # (Agents forked from the template have its environment; one started on its own gets the same.)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **cpu_slice_env(self.cfg.placement)}
         if self._template is None:
             try:
-                self._template = Template(
-                    self.cfg.run_uri, self.job, {**env, **cpu_slice_env(self.cfg.placement)}, self.logs / "template.log"
-                )
+                self._template = Template(self.cfg.run_uri, self.job, env, self.logs / "template.log")
             except OSError as e:
                 log.warning("no template process (%s): agents start as processes of their own", e)
         with open(self.logs / f"agent-{host}.log", "ab") as out:

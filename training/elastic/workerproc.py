@@ -24,7 +24,7 @@ from typing import IO, Any, Protocol
 
 from training import procctl
 from training.config import Config
-from training.cpu_devices import cpu_xla_flags
+from training.cpu_devices import cpu_process_env
 from training.elastic.rendezvous import Round
 from training.elastic.wire import WorkerReport, decode
 from training.sections import PlacementSection
@@ -132,11 +132,7 @@ def worker_env(cfg: Config, run_uri: str, host: str, job: str) -> dict[str, str]
 
 def cpu_slice_env(placement: PlacementSection) -> dict[str, str]:
     """JAX's settings on the local slice: each simulated host is a JAX process with D CPU devices, gloo collectives."""
-    return {
-        "JAX_PLATFORMS": "cpu",
-        "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
-        "XLA_FLAGS": cpu_xla_flags(placement.devices_per_worker),
-    }
+    return cpu_process_env(placement.devices_per_worker)
 
 
 def spawn_worker(

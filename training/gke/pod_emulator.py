@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from training.cpu_devices import cpu_xla_flags
+from training.cpu_devices import cpu_process_env
 from training.gke.manifests import GKEManifests
 from training.gke.names import (
     CRITICAL_PODS_GRACE_S,
@@ -554,9 +554,7 @@ def cpu_image_env(chips_per_host: int, extra: Mapping[str, str] | None = None) -
     """An image's environment for JAX on CPU: each pod's TPU chips become as many CPU devices, gloo between pods."""
     return {
         "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
-        "JAX_PLATFORMS": "cpu",
-        "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
-        "XLA_FLAGS": cpu_xla_flags(chips_per_host),
+        **cpu_process_env(chips_per_host, {}),
         "PYTHONUNBUFFERED": "1",
         **(extra or {}),
     }
