@@ -328,10 +328,11 @@ def _child(name: str, repeats: int, quick: bool, save: bool) -> dict[str, Any]:
 
 
 def bench_accelerator(
-    repeats: int, quick: bool = False, names: tuple[str, ...] = (), out: Path | None = None
+    repeats: int, quick: bool = False, names: tuple[str, ...] = (), out: Path | None = None, recovery: bool = True
 ) -> dict[str, Any]:
     """The bench's row: each shape measured in a process of its own (the device's default shapes when none
-    are named), the first one's save and restore too; written to ``out`` after each shape when given."""
+    are named), the first one's save and restore too, and (``recovery``) its recovery sequence; written to
+    ``out`` after each shape when given."""
     names = names or (TPU_DEFAULT if accelerator_present() else CPU_DEFAULT)
     result: dict[str, Any] = {"platform": "?", "device_kind": "?", "rows": [], "ratio": 0.0, "target": ""}
     for i, name in enumerate(names):
@@ -345,7 +346,21 @@ def bench_accelerator(
         result["target"] = f">= {MFU_TARGET:.2f} MFU on a TPU v5e" if on_tpu else "none off a TPU (a smoke run)"
         if out is not None:
             out.write_text(json.dumps(result, indent=2))
+    if recovery:
+        result["recovery"] = _recovery(names[0])
+        if out is not None:
+            out.write_text(json.dumps(result, indent=2))
     return result
+
+
+def _recovery(shape: str) -> dict[str, Any]:
+    """The recovery sequence (``benchmarks/chip_recovery.py``) on ``shape``; its error, where it failed."""
+    from benchmarks.chip_recovery import sequence
+
+    try:
+        return sequence(shape)
+    except Exception as e:  # noqa: BLE001 - out of memory, a failed child: the row says so
+        return {"shape": shape, "error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"}
 
 
 def check_kernel(seq_len: int = 1024, head_dim: int = 128) -> dict[str, float | str]:
@@ -403,6 +418,10 @@ def rows(result: dict[str, Any]) -> list[Row]:
         out.append(note(f"{key}:memory", "", text))
         if r.get("remat_reason"):
             out.append(note(f"{key}:remat", "", r["remat_reason"]))
+    if result.get("recovery"):
+        from benchmarks.chip_recovery import rows as recovery_rows
+
+        out += recovery_rows(result["recovery"])
     return out or [note("accelerator", "accelerator", "no shape measured")]
 
 
@@ -427,6 +446,10 @@ def table_lines(result: dict[str, Any]) -> list[str]:
         lines.append(line)
         if r.get("remat_reason"):
             lines.append(f"    {r['remat_reason']}")
+    if result.get("recovery"):
+        from benchmarks.chip_recovery import rows as recovery_rows
+
+        lines += [f"  {x['figure'].strip()}: {x['measured']}" for x in recovery_rows(result["recovery"])]
     return lines
 
 
@@ -439,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child", default="", choices=["", *sorted(SHAPES)], help=argparse.SUPPRESS)
     ap.add_argument("--save", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--check-kernel", action="store_true", help="compare the attention kernel with the reference")
+    ap.add_argument("--no-recovery", action="store_true", help="leave out the recovery sequence (chip_recovery)")
     args = ap.parse_args(argv)
     if args.check_kernel:  # Llama 3 8B's heads (128) and Llama 3.2 1B's (64)
         print(json.dumps([check_kernel(head_dim=d) for d in (128, 64)]), flush=True)
@@ -449,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
         steps = 3 if args.quick or jax.devices()[0].platform == "cpu" else 10
         print(json.dumps(asdict(measure(SHAPES[args.child], steps, args.repeats, args.save))), flush=True)
         return 0
-    result = bench_accelerator(args.repeats, args.quick, tuple(args.shape), Path(args.out) if args.out else None)
+    out = Path(args.out) if args.out else None
+    result = bench_accelerator(args.repeats, args.quick, tuple(args.shape), out, recovery=not args.no_recovery)
     print("\n".join(table_lines(result)), flush=True)
     return 0
 

@@ -355,6 +355,15 @@ def test_the_accelerator_row_on_cpu_runs_a_small_shape_and_says_it_is_cpu(tmp_pa
     med = statistics.median(r["step_s"])
     assert _row(acc, "accelerator:cpu-small")["ratio"]["values"] == pytest.approx([s / med for s in r["step_s"]])
     assert "(CPU: no MFU)" in _line(proc.stdout, "accelerator cpu-small")
+    # The recovery sequence on the first shape: the standby's restore against the floor, its resume, the save.
+    rec = acc["recovery"]
+    assert rec["shape"] == "cpu-small" and "error" not in rec, rec
+    floor = rec["train"]["read_s"] + rec["train"]["h2d_s"]
+    assert _row(acc, "accelerator:cpu-small:recovery:restore")["ratio"]["values"] == [
+        pytest.approx(rec["standby"]["restore_s"] / floor)
+    ]
+    assert _row(acc, "accelerator:cpu-small:recovery:standby")["target"] == "<= 5 s"
+    assert "a fresh process instead" in proc.stdout
 
 
 def test_the_local_tier_recovery_and_control_plane_rows_pair_each_repeat_s_own_measurements() -> None:
