@@ -197,3 +197,32 @@ def test_the_copy_a_worker_restored_from_is_never_written_over_while_its_state_m
     assert local.finalised_steps(tmp_path) == [5, 6]
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.full((1 << 16,), 2.0, np.float32))
     tier.close()
+
+
+def test_a_cpu_device_takes_every_part_of_a_restored_copy_from_its_mapping_without_a_copy(tmp_path):
+    """Each box starts 64-byte aligned in the file (a scalar before it included), so no part is copied on restore."""
+    import jax
+    import jax.numpy as jnp
+
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    state = {
+        "a_step": jax.device_put(jnp.int32(3), sharding),
+        "b": jax.device_put(jnp.ones((3, 5), jnp.bfloat16), sharding),
+        "c": jax.device_put(jnp.arange(1000, dtype=jnp.float32), sharding),
+    }
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    tier = local.LocalTier(tmp_path, 2, mesh, abstract)
+    tier.writer(state, tmp_path, 1, {"next_batch": 1}, 2)
+    local.describe_new(tmp_path, 1)
+    offsets = [e["offset"] for e in json.loads((tmp_path / "1" / local_copy.INDEX).read_bytes())["entries"]]
+    assert len(offsets) == 3 and all(o % 64 == 0 for o in offsets), offsets
+    assert tier.check(1) == ""
+    mapped = tier.checked[1].data
+    lo, hi = mapped.ctypes.data, mapped.ctypes.data + mapped.nbytes
+    got, _ = tier.restore(1)
+    for k, x in got.items():
+        assert lo <= x.addressable_data(0).unsafe_buffer_pointer() < hi, f"{k} was copied"
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(state[k]))
+    tier.close()

@@ -95,25 +95,28 @@ class Plan:
 
     ``picks``: per leaf, the positions among its addressable shards this process writes;
     ``leaves`` and ``index``: the JSON of every leaf's dtype and shape, and of where each written
-    shard goes in this process's file (its offsets follow from the shapes).
+    shard goes in this process's file (its offsets follow from the shapes); ``pads``: the zero
+    bytes before each written shard (none unless the plan aligns them).
     """
 
     structure: Any
     picks: tuple[tuple[int, ...], ...]
     leaves: str
     index: str
+    pads: tuple[int, ...] = ()
 
 
-def plan(state: Any, *, every_held_box: bool = False) -> Plan:
+def plan(state: Any, *, every_held_box: bool = False, align: int = 1) -> Plan:
     """This process's plan for saving ``state`` (its structure, shardings and shapes; not its values).
 
     A process writes the boxes it is the writer of (:func:`_writers`: together, the processes write
     every box once); with ``every_held_box``, each distinct box its devices hold (a host's own copy).
+    Each box starts at a multiple of ``align`` bytes of the file.
     """
     import jax
     import numpy as np
 
-    leaves, entries, picks = [], [], []
+    leaves, entries, picks, pads = [], [], [], []
     offset = 0
     for path, x in jax.tree_util.tree_leaves_with_path(state):
         name = jax.tree_util.keystr(path)
@@ -126,11 +129,13 @@ def plan(state: Any, *, every_held_box: bool = False) -> Plan:
                 continue
             seen.add(box)
             nbytes = int(np.prod([hi - lo for lo, hi in box], dtype=np.int64)) * np.dtype(x.dtype).itemsize
+            pads.append(-offset % align)
+            offset += pads[-1]
             entries.append({"path": name, "box": [list(b) for b in box], "offset": offset, "nbytes": nbytes})
             offset += nbytes
             mine.append(i)
         picks.append(tuple(mine))
-    return Plan(jax.tree.structure(state), tuple(picks), json.dumps(leaves), json.dumps(entries))
+    return Plan(jax.tree.structure(state), tuple(picks), json.dumps(leaves), json.dumps(entries), tuple(pads))
 
 
 def sums(parts: list[Any]) -> list[int]:
@@ -145,13 +150,18 @@ def sums(parts: list[Any]) -> list[int]:
 
 
 def shard_bytes(state: Any, p: Plan) -> list[Any]:
-    """The bytes of the shards ``p`` picks of ``state`` (flat uint8 arrays), in the order of its index."""
+    """The bytes of the shards ``p`` picks of ``state`` (flat uint8 arrays), in the order of its index, each after
+    the zero bytes that align it."""
     import jax
     import numpy as np
 
     parts = []
+    pads = iter(p.pads)
     for x, picks in zip(jax.tree.leaves(state), p.picks, strict=True):
         for i in picks:
+            pad = next(pads, 0)
+            if pad:
+                parts.append(np.zeros(pad, np.uint8))
             parts.append(np.ascontiguousarray(np.asarray(x.addressable_data(i))).reshape(-1).view(np.uint8))
     return parts
 

@@ -418,7 +418,7 @@ class StepWriter:
         import jax
 
         if self.plan is None or self.plan.structure != jax.tree.structure(state):
-            self.plan = lean.plan(state, every_held_box=True)
+            self.plan = lean.plan(state, every_held_box=True, align=lean.ALIGN)
         write_step(state, directory, step, data, keep, self.plan, adopted=frozenset(self.adopted))
 
 

@@ -136,11 +136,9 @@ def restore(m: Mapped, abstract: Any, pool: Executor) -> tuple[Any, DataPosition
             jobs.append((dev, _part(name, dtype, saved.get(name, []), want, blobs), a.dtype))
         per_leaf.append(len(places))
 
-    def put(job: tuple[Any, Any, Any]) -> Any:
-        dev, host, dtype = job
-        return jax.block_until_ready(jax.device_put(host.astype(dtype, copy=False), dev))
-
-    parts = list(pool.map(put, jobs))
+    parts = jax.block_until_ready(
+        jax.device_put([host.astype(dtype, copy=False) for _, host, dtype in jobs], [dev for dev, _, _ in jobs])
+    )
     out, i = [], 0
     for (_, a), n in zip(paths_abstract, per_leaf, strict=True):
         out.append(jax.make_array_from_single_device_arrays(a.shape, a.sharding, parts[i : i + n]))
