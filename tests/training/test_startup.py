@@ -15,6 +15,7 @@ from jobs import hosts, job_config, kill_host, run_job, start_job, wait_finished
 from training import api
 from training.background import BACKGROUND_NICE
 from training.elastic.warmup import WARM_UP_THREAD
+from training.storage import open_store
 
 pytestmark = pytest.mark.slow
 
@@ -62,9 +63,9 @@ def test_a_round_compiles_or_looks_up_its_programs_once_and_passes_them_on_whole
     assert warm_cpu[1] < 0.8 * warm_cpu[0], warm_cpu
 
 
-def test_a_size_compiled_ahead_once_is_not_compiled_again_for_the_same_program(tmp_path, tiny_dataset):
+def test_a_size_compiled_ahead_by_an_earlier_job_is_looked_up_and_kept_not_compiled_again(tmp_path, tiny_dataset):
     """The second job of the same program finds the 1-host step in the cache, noted by the first job's compile
-    ahead, and reports it so instead of tracing, lowering and looking it up again."""
+    ahead, and reports it so; it looks it up (no compile) and keeps it, so that a recovery loads it."""
     cache = str(tmp_path / "jax-cache")  # its own: the first job's compile ahead is a real one
     seen = []
     for name in ("first", "second"):
@@ -81,8 +82,10 @@ def test_a_size_compiled_ahead_once_is_not_compiled_again_for_the_same_program(t
     first, second = seen
     assert first["workers"] == second["workers"] == 1
     assert not first.get("already") and first["seconds"] > 0.5, first  # traced, lowered and compiled
-    assert second["already"] is True and second["seconds"] < 0.5, second
+    assert second["already"] is True, second  # traced, lowered and found in the cache
     assert "is in the compilation cache already" in api.describe(second)
+    kept = open_store(cfg.run_uri).list("compiled/")
+    assert any(k.endswith("/step-1.bin") for k in kept), f"kept for a recovery to load: {kept}"
 
 
 def _threads(pid: int) -> list[tuple[int, int, str]]:
