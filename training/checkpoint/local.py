@@ -372,8 +372,7 @@ class LocalTier:
         self.writer.adopted.add(step)  # a CPU device may hold the file's pages as its buffers: never written over
         if copy is None:
             return read_step(self.directory, step, self.abstract)
-        with ThreadPoolExecutor(bulk.THREADS, thread_name_prefix="rtrain-local-read") as pool:
-            return local_copy.restore(copy, self.abstract, pool)
+        return local_copy.restore(copy, self.abstract)
 
     def finish_writing(self, timeout: float) -> None:
         """Let the write in flight finish, waiting at most ``timeout`` seconds (from any thread: the process is leaving).
@@ -459,8 +458,7 @@ def read_step(directory: Path, step: int, abstract: Any) -> tuple[Any, DataPosit
     The copy holds a whole replica of every array (:func:`why_not_local`): each of this process's
     devices gets its part of the current mesh from it, whatever the mesh it was saved on.
     """
-    with ThreadPoolExecutor(bulk.THREADS, thread_name_prefix="rtrain-local-read") as pool:
-        return local_copy.restore(local_copy.open_mapped(directory / str(step)), abstract, pool)
+    return local_copy.restore(local_copy.open_mapped(directory / str(step)), abstract)
 
 
 def _remove_step(directory: Path, step: int, spare: bool = False) -> None:

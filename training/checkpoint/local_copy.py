@@ -103,12 +103,12 @@ def check(m: Mapped, pool: Executor) -> str:
     return ""
 
 
-def restore(m: Mapped, abstract: Any, pool: Executor) -> tuple[Any, DataPosition]:
+def restore(m: Mapped, abstract: Any) -> tuple[Any, DataPosition]:
     """The mapped copy as arrays of ``abstract``'s shapes and shardings, and its data position.
 
     Each device's part is a view of the mapping where one saved box holds it as one run of bytes
     (the mesh it was saved on had the same layout on this host), else put together from the
-    boxes it overlaps; the pool's threads put the parts on their devices.  An accelerator copies
+    boxes it overlaps; one call puts them all on their devices.  An accelerator copies
     each into its memory.  A CPU device takes a read-only view as its buffer without a copy, so
     the state then lives in the file's pages until the first step replaces it: such a file must
     not be written over while the state may hold it (the local tier deletes it instead).
