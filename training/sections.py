@@ -191,7 +191,12 @@ class CheckpointSection(Section):
         "/dev/shm/rtrain (a tmpfs) when it has 1 GiB free, else the system's temp directory. A host's "
         "RTRAIN_LOCAL_CHECKPOINT_DIR wins.",
     )
-    local_keep: int = Field(2, ge=1, description="Local tier: each host keeps its newest N local checkpoints.")
+    local_keep: int = Field(
+        2,
+        ge=1,
+        description="Local tier: each host keeps its newest N local checkpoints, and one more copy's memory "
+        "(the file the next copy is written over).",
+    )
     preemption_grace_s: float = Field(
         25.0,
         gt=0,
