@@ -204,7 +204,6 @@ def test_a_cpu_device_takes_every_part_of_a_restored_copy_from_its_mapping_witho
     import jax
     import jax.numpy as jnp
 
-
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     state = {
