@@ -48,7 +48,7 @@ def _setup(shape_name: str, cache: str) -> tuple[Any, Any, dict[str, float]]:
     import numpy as np
     from jax.sharding import Mesh
 
-    from benchmarks.accelerator import SHAPES, packed_batch
+    from benchmarks.shapes import SHAPES, packed_batch
     from training.checkpoint import local  # noqa: F401 - the restore's own
     from training.mesh import AXES
     from training.tasks import load_task
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.what == "sequence":
-        from benchmarks.accelerator import CPU_DEFAULT, TPU_DEFAULT
+        from benchmarks.shapes import CPU_DEFAULT, TPU_DEFAULT
         from training.memfit import accelerator_present
 
         shape = args.shape or (TPU_DEFAULT if accelerator_present() else CPU_DEFAULT)[0]

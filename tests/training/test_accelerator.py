@@ -17,7 +17,7 @@ def test_a_tied_head_is_counted_as_the_matmul_it_is() -> None:
 
 
 def test_the_rows_of_llama_3_2_1b_train_its_preset_at_their_sequence_and_batch_on_one_device() -> None:
-    from benchmarks.accelerator import CPU_DEFAULT, SHAPES, TPU_DEFAULT
+    from benchmarks.shapes import CPU_DEFAULT, SHAPES, TPU_DEFAULT
     from training.mesh import feasible_sizes
     from training.models.attention import resolve
 
