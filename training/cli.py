@@ -48,13 +48,19 @@ from training.cli_common import (
     dump,
     existing_run,
     mesh,
+    no_run,
     run_args,
     run_uri,
 )
 from training.cli_gke import gke_config, gke_exit, train_gke
 from training.cli_service import queue_row, service_commands
+from training.cloud_errors import Kind, cloud_error
 from training.config import ConfigError, describe_keys, format_config, load_config
 from training.events import duration
+
+# A cloud error's exit code: a setup to fix (credentials, project, permissions) is a config error; a missing bucket
+# is not found; a quota, a rate limit or no answer at all may pass.
+CLOUD_EXITS = {Kind.SETUP: Exit.CONFIG, Kind.MISSING: Exit.NOT_FOUND, Kind.LATER: Exit.ERROR}
 
 __all__ = ["Exit", "NotFoundError", "build_parser", "gke_exit", "main"]
 
@@ -176,7 +182,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     uri = run_uri(args.run, args.root)
     st = status(uri)
     if st is None:
-        raise NotFoundError(f"no status for run {args.run!r} at {uri} (never launched)")
+        raise no_run(args.run, uri, "no status: never launched")
     processes = host_processes(uri, st.get("job"))
     if args.json:
         dump({**st, "processes": processes})
@@ -551,27 +557,32 @@ def main(argv: list[str] | None = None) -> int:
     from training.service.policy import PriorityError
     from training.tasks import TaskError
 
-    def fail(code: Exit, e: BaseException) -> int:
+    def fail(code: Exit, e: BaseException, line: str | None = None) -> int:
         if args.debug:
             import traceback
 
             traceback.print_exc()
-        print(f"rtrain: error: {e}", file=sys.stderr)
+        print(f"rtrain: error: {line or e}", file=sys.stderr)
         return int(code)
 
     try:
         return int(args.fn(args))
-    except (ConfigError, PlanError, ResumeError, TaskError, PriorityError, BackendError) as e:
-        return fail(Exit.CONFIG, e)
-    except (NotFoundError, RunNotFound) as e:
-        return fail(Exit.NOT_FOUND, e)
-    except LaunchRefused as e:
-        return fail(Exit.REFUSED, e)
-    except (LaunchError, LifecycleError, DatasetError, ValueError, OSError) as e:
-        return fail(Exit.ERROR, e)
     except KeyboardInterrupt:
         print("rtrain: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        cloud = cloud_error(e)  # a Google Cloud or Kubernetes client's error: one line, whatever command met it
+        if cloud is not None:
+            return fail(CLOUD_EXITS[cloud.kind], e, cloud.line)
+        if isinstance(e, ConfigError | PlanError | ResumeError | TaskError | PriorityError | BackendError):
+            return fail(Exit.CONFIG, e)
+        if isinstance(e, NotFoundError | RunNotFound):
+            return fail(Exit.NOT_FOUND, e)
+        if isinstance(e, LaunchRefused):
+            return fail(Exit.REFUSED, e)
+        if isinstance(e, LaunchError | LifecycleError | DatasetError | ValueError | OSError):
+            return fail(Exit.ERROR, e)
+        raise
 
 
 if __name__ == "__main__":

@@ -52,8 +52,21 @@ def existing_run(args: argparse.Namespace) -> str:
 
     uri = run_uri(args.run, args.root)
     if not run_exists(uri):
-        raise NotFoundError(f"no run {args.run!r} at {uri} (nothing was ever launched there)")
+        raise no_run(args.run, uri, "nothing was ever launched there")
     return uri
+
+
+def no_run(run: str, uri: str, why: str) -> NotFoundError:
+    """The error of a run that is not at ``uri``; on ``gs://``, one whose bucket does not exist says so."""
+    from training.storage import RootGone, is_gcs, open_store
+
+    if is_gcs(uri):
+        try:
+            open_store(uri).list("config")  # a listing in a bucket that does not exist is answered 404
+        except RootGone:
+            bucket = uri[len("gs://") :].split("/", 1)[0]
+            return NotFoundError(f"no bucket gs://{bucket}: run {run!r} cannot be at {uri} (gcloud storage ls)")
+    return NotFoundError(f"no run {run!r} at {uri} ({why})")
 
 
 def dump(obj: Any) -> None:

@@ -608,7 +608,10 @@ def gcs_client() -> object:
         return storage.Client(
             project=os.environ.get("GOOGLE_CLOUD_PROJECT", "local"), credentials=AnonymousCredentials()
         )
-    return storage.Client()
+    try:
+        return storage.Client()
+    except OSError:  # credentials without a project: objects need none (only listing and making buckets do)
+        return storage.Client(project=None)
 
 
 # Write errors a run root keeps giving (a retry cannot help).
