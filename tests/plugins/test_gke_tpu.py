@@ -72,6 +72,7 @@ class FakeKubernetes:
         self.requests: list[tuple[str, str]] = []
         self.lock = threading.Lock()
         self.collected: set[str] = set()  # pods listed but gone (pod GC) by the time they are deleted
+        self.deleted_jobs: list[tuple[str, str | None]] = []  # (child Job, propagation policy)
         self.unavailable = 0  # the next requests answered 503, as an API server restarting does (-1: all of them)
 
     def handle(self, method: str, url: str, body: dict[str, Any] | None) -> tuple[int, dict[str, Any]]:
@@ -81,10 +82,8 @@ class FakeKubernetes:
             self.unavailable -= 1 if self.unavailable > 0 else 0
             return 503, status(503, "ServiceUnavailable", "the server is currently unable to handle the request")
         if path == "/api/v1/nodes" and method == "GET":
-            wanted = dict(kv.split("=", 1) for kv in query.get("labelSelector", [""])[0].split(",") if kv)
-            items = [
-                n for n in self.nodes if all(n["metadata"].get("labels", {}).get(k) == v for k, v in wanted.items())
-            ]
+            selector = [kv.split("=", 1) for kv in query.get("labelSelector", [""])[0].split(",") if kv]
+            items = [n for n in self.nodes if all(selects(n["metadata"].get("labels", {}), *kv) for kv in selector)]
             return 200, {"apiVersion": "v1", "kind": "NodeList", "metadata": {}, "items": items}
         one = re.fullmatch(r"/api/v1/namespaces/([^/]+)/pods/([^/]+)", path)
         if one and method == "DELETE":
@@ -94,6 +93,12 @@ class FakeKubernetes:
             if not found or one.group(2) in self.collected:
                 return 404, status(404, "NotFound", f'pods "{one.group(2)}" not found')
             return 200, found[0]
+        job = re.fullmatch(r"/apis/batch/v1/namespaces/([^/]+)/jobs/([^/]+)", path)
+        if job and method == "DELETE":
+            # DeleteOptions' policy: in the body, or the query string (the Python client sends it there)
+            policy = (body or {}).get("propagationPolicy") or query.get("propagationPolicy", [None])[0]
+            self.deleted_jobs.append((job.group(2), policy))
+            return 200, status(200, "", f'jobs "{job.group(2)}" deleted')
         pods = re.fullmatch(r"/api/v1/namespaces/([^/]+)/pods", path)
         if pods and method == "GET":
             wanted = dict(kv.split("=", 1) for kv in query.get("labelSelector", [""])[0].split(",") if kv)
@@ -130,6 +135,11 @@ class FakeKubernetes:
                 self.objects[key]["deleteOptions"] = body
                 return 200, self.objects.pop(key)
         return 405, status(405, "MethodNotAllowed", method)
+
+
+def selects(labels: dict[str, str], key: str, value: str | None = None) -> bool:
+    """One term of a label selector: ``key=value``, or ``key`` (the label exists)."""
+    return key in labels if value is None else labels.get(key) == value
 
 
 def status(code: int, reason: str, message: str) -> dict[str, Any]:
@@ -1179,3 +1189,63 @@ def test_the_form_and_docs_gke_md_say_init_from_must_be_gs_on_gke() -> None:
     doc = (REPO / "docs" / "gke.md").read_text()
     assert "| `init_from` | a Hugging Face Llama checkpoint to start from: on GKE a `gs://` directory" in doc
     assert "How much state that commits is\nan estimate, not a measurement" in doc
+
+
+def _slice_pod(slice_: int, index: int, status: dict[str, Any], **spec: Any) -> dict[str, Any]:
+    """A pod of JobSet ``js``'s slice Job ``slice_`` as the API lists it (exclusive placement on node pools)."""
+    p = pod(f"js-slice-{slice_}-{index}-{len(status)}", "js", status)
+    p["metadata"]["labels"]["jobset.sigs.k8s.io/job-index"] = str(slice_)
+    p["metadata"]["annotations"] = {
+        "alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool",
+        "batch.kubernetes.io/job-completion-index": str(index),
+        "batch.kubernetes.io/job-index-failure-count": "0",
+        "batch.kubernetes.io/job-index-ignored-failure-count": "3",
+    }
+    p["spec"].update(spec)
+    return p
+
+
+def test_the_watch_makes_a_reclaimed_slices_job_again_when_its_backoff_holds_it_back(
+    k8s: tuple[FakeKubernetes, str],
+) -> None:
+    """Slice 1's 4th reclaim, 2 s ago: its Job would wait 80 s before making its pods again; the watch deletes the
+    child Job (in the background: its pods go with it) so that JobSet makes a fresh one at once."""
+    api, url = k8s
+    hook = jobset_hook(url)
+    ended = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 2))
+    reclaimed = {
+        "phase": "Failed",
+        "conditions": [{"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet"}],
+        "containerStatuses": [
+            {
+                "name": "agent",
+                "ready": False,
+                "restartCount": 0,
+                "image": "img:1",
+                "imageID": "x",
+                "state": {"terminated": {"exitCode": 6, "reason": "Error", "finishedAt": ended}},
+            }
+        ],
+    }
+    api.pods = [_slice_pod(0, 0, RUNNING), _slice_pod(0, 1, RUNNING)]
+    api.pods += [_slice_pod(1, i, reclaimed) for i in (0, 1)]
+    hook.waiting("js", "training")
+    assert api.deleted_jobs == [("js-slice-1", "Background")]
+    api.pods[2:] = [_slice_pod(1, i, UNSCHEDULABLE) for i in (0, 1)]  # the fresh Job's pods wait for the nodes
+    hook.waiting("js", "training")
+    assert api.deleted_jobs == [("js-slice-1", "Background")]
+
+
+def test_the_watch_makes_a_split_slices_job_again(k8s: tuple[FakeKubernetes, str]) -> None:
+    """Slice 0's leader runs on pool b while its follower is pinned to pool a: the watch deletes slice 0's Job."""
+    api, url = k8s
+    hook = jobset_hook(url)
+    api.nodes = [tpu_node("n-a1", "pool-a"), tpu_node("n-b0", "pool-b"), tpu_node("n-b1", "pool-b")]
+    pinned = {"cloud.google.com/gke-nodepool": "pool-a"}
+    api.pods = [
+        _slice_pod(0, 0, RUNNING, nodeName="n-b0"),
+        _slice_pod(0, 1, RUNNING, nodeName="n-a1", nodeSelector=pinned),
+    ]
+    api.pods += [_slice_pod(1, 1, RUNNING, nodeName="n-b1", nodeSelector={"cloud.google.com/gke-nodepool": "pool-b"})]
+    hook.waiting("js", "training")
+    assert api.deleted_jobs == [("js-slice-0", "Background")]

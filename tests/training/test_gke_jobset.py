@@ -504,8 +504,8 @@ def test_a_lost_host_is_recreated_while_the_jobset_itself_never_restarts() -> No
         "cloud.google.com/gke-tpu-topology": "4x4",
     }
     (container,) = pod["containers"]
-    assert container["resources"]["limits"] == {"google.com/tpu": "4"}
-    assert container["resources"]["requests"]["google.com/tpu"] == "4"
+    assert container["resources"]["limits"]["google.com/tpu"] == "4"
+    assert container["resources"]["requests"] == container["resources"]["limits"]  # Guaranteed QoS
     assert m.jobset["metadata"]["annotations"][EXCLUSIVE_TOPOLOGY_ANNOTATION] == "cloud.google.com/gke-nodepool"
 
 

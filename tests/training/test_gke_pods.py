@@ -136,9 +136,14 @@ def test_a_2_slice_jobset_run_as_pods_rides_out_a_spot_reclaim_and_a_lost_host(
             # A Spot reclaim of slice 1: its pods get SIGTERM (a notice) and 15 s; the job commits and shrinks.
             js.preempt_slice(1)
             wait_for(lambda: len(events("launch")) >= 2, 300, "the round on slice 0", every=5)
-            # The Job made the slice's leader again; it waits for nodes, and says so (its follower is made once
-            # it is scheduled: JobSet's webhook).
-            waiting = wait_for(lambda: describe_waiting(pods_waiting(js.objects())), 30, "pods waiting")
+            # After the Job's first backoff (10 s: a reclaim counts for the backoff, not the budget) it made the
+            # slice's leader again; it waits for nodes, and says so (its follower is made once it is scheduled:
+            # JobSet's webhook).  Until then the failed pods are what shows.
+            waiting = wait_for(
+                lambda: w if "Unschedulable" in (w := describe_waiting(pods_waiting(js.objects()))) else "",
+                30,
+                "the leader made again, waiting",
+            )
             assert "Unschedulable" in waiting and "Insufficient google.com/tpu" in waiting
             # The workers of the 1-slice round have no Multislice value left from the JobSet's webhook.
             second = events("launch")[1]
@@ -261,11 +266,16 @@ def test_the_emulated_jobset_follows_the_jobs_failure_policy(tmp_path: Path, fin
         names = {p.name for p in js.running()}
         js.preempt_slice(1, grace_s=2)
         wait_for(lambda: len(js.running()) == 2, 20, "slice 1's pods gone")
-        # The leader is made again at once (a DisruptionTarget adds no backoff) and waits for nodes.  Its
-        # follower is made again too if it ended while the old leader still ran (JobSet's webhook admits it
-        # then: a node's shutdown sets no deletion timestamp); else the webhook refuses it until the new
-        # leader is scheduled, and the failed follower is what shows.
-        waiting = wait_for(lambda: [w.reason for w in pods_waiting(js.objects())], 10, "the leader made again")
+        # The leader is made again after the Job's first backoff (a DisruptionTarget is not counted against the
+        # budget, but the backoff counts it) and waits for nodes.  Its follower is made again too if it ended
+        # while the old leader still ran (JobSet's webhook admits it then: a node's shutdown sets no deletion
+        # timestamp); else the webhook refuses it until the new leader is scheduled, and the failed follower
+        # is what shows.
+        waiting = wait_for(
+            lambda: r if "Unschedulable" in (r := [w.reason for w in pods_waiting(js.objects())]) else None,
+            10,
+            "the leader made again",
+        )
         assert waiting in (["Unschedulable", "Failed"], ["Unschedulable", "Unschedulable"]), waiting
         js.return_slice(1)
         wait_for(lambda: len(js.running()) == 4, 30, "slice 1's pods made again")

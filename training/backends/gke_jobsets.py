@@ -32,8 +32,11 @@ from training.gke import (
     K8sObject,
     TPUSlice,
     check_config,
+    child_job_name,
     describe_waiting,
+    held_back_slices,
     jobset_state,
+    mispinned_slices,
     node_is_usable,
     pods_waiting,
     render,
@@ -52,6 +55,7 @@ class KubeJobSets:
         self.api_client = api_client
         self.custom = k8s.CustomObjectsApi(api_client)
         self.core = k8s.CoreV1Api(api_client)
+        self.batch = k8s.BatchV1Api(api_client)
 
     def create(self, manifests: GKEManifests) -> K8sObject:
         """Create the JobSet and its headless Service; a JobSet of the same name is re-attached to.
@@ -142,16 +146,33 @@ class KubeJobSets:
     def waiting(self, name: str, namespace: str) -> str:
         """Why the JobSet's pods that do not run wait (scheduling, the image, ...), in one line; "" when none does.
 
-        Deletes on the way each failed leader pod a newer pod replaces, which JobSet's webhook would count.
+        Deletes on the way each failed leader pod a newer pod replaces, which JobSet's webhook would count, and
+        the child Job of each reclaimed slice whose Job holds its pods back, or whose follower is pinned to another
+        node pool than its leader's (``training.gke.reaper``): JobSet makes it again at once.
         """
         pods = self.pods(name, namespace)
         for stale in replaced_leaders(pods):  # JobSet's webhook counts a failed leader: see training/gke/reaper.py
-            try:
-                self.core.delete_namespaced_pod(stale, namespace)
-            except ApiException as e:
-                if e.status != 404:  # gone meanwhile (pod GC, another watcher): the next one is deleted all the same
-                    raise
+            self._gone(self.core.delete_namespaced_pod, stale, namespace)
+        remake = set(held_back_slices(pods, time.time()))  # a reclaimed slice's grown backoff: a new Job at once
+        if any((p.get("spec") or {}).get("nodeSelector", {}).get(NODEPOOL_LABEL) for p in pods):
+            remake |= set(mispinned_slices(pods, self.node_pools()))  # a follower pinned to another pool
+        for j in sorted(remake):
+            self._gone(self.batch.delete_namespaced_job, child_job_name(name, j), namespace, "Background")
         return describe_waiting(pods_waiting(pods))
+
+    def node_pools(self) -> dict[str, str]:
+        """Each node's pool (its ``cloud.google.com/gke-nodepool`` label)."""
+        nodes = self.core.list_node(label_selector=NODEPOOL_LABEL).items
+        return {n.metadata.name: n.metadata.labels[NODEPOOL_LABEL] for n in nodes}
+
+    @staticmethod
+    def _gone(delete: Any, obj: str, namespace: str, propagation: str | None = None) -> None:
+        """Delete ``obj``; one already gone (pod GC, another watcher) is no matter: the next look goes on."""
+        try:
+            delete(obj, namespace, **({"propagation_policy": propagation} if propagation else {}))
+        except ApiException as e:
+            if e.status != 404:
+                raise
 
     def delete(self, name: str, namespace: str) -> bool:
         """Delete the JobSet (its Jobs and pods with it) and its Service; False if neither existed."""

@@ -29,8 +29,9 @@ from training.gke.names import (
     NODEPOOL_LABEL,
     GKEConfigError,
     K8sObject,
+    child_job_name,
 )
-from training.gke.reaper import replaced_leaders
+from training.gke.reaper import held_back_slices, mispinned_slices, replaced_leaders
 from training.gke.tpu import TPUSlice
 
 __all__ = [
@@ -51,9 +52,12 @@ __all__ = [
     "check_config",
     "check_launch",
     "check_spot_grace",
+    "child_job_name",
     "describe_waiting",
     "fit_grace",
+    "held_back_slices",
     "jobset_state",
+    "mispinned_slices",
     "node_is_usable",
     "pods_waiting",
     "render",

@@ -26,6 +26,7 @@ from training.gke.names import (
     WATCH_PORT_OFFSET,
     GKEConfigError,
 )
+from training.gke.resources import pod_resources
 from training.gke.tpu import TPUSlice, feasible_slices, slice_bounds
 from training.priorities import PriorityError, priority_value
 
@@ -73,7 +74,9 @@ class GKELaunch:
     node_pools: tuple[str, ...] = ()  # restrict the pods to these node pools (empty: any pool of the TPU shape)
     spot: bool = False  # select Spot VMs (node label cloud.google.com/gke-spot=true)
     host_network: bool = False  # pods on the host network: faster DCN between slices (needs identity="node")
-    cpu: str | None = None  # CPU / memory requests of the worker container (None: none)
+    # The agent container's CPU and memory, requests = limits (Guaranteed QoS); None: all the node leaves a pod
+    # (training.gke.resources.agent_share).
+    cpu: str | None = None
     memory: str | None = None
     # The pods' terminationGracePeriodSeconds; None: what a preemption gives them (Spot: spot_grace_s, else 30).
     termination_grace_period_s: int | None = None
@@ -269,6 +272,15 @@ def check_launch(cfg: Config, gke: GKESettings, priority: str | None = None) -> 
             f"gke.node_pools: {len(launch.node_pools)} pool(s) for up to {k_max} slices of {tpu.hosts} hosts "
             f"(max_workers={cfg.elastic.max_workers}): name one pool per slice"
         )
+    local_tier = launch.local_tier_size if cfg.checkpoint.local_checkpoint_every else None
+    pod_resources(  # the pod's CPU and memory fit the node (and hold the local tier)
+        tpu.machine_type,
+        tpu.chips_per_host,
+        cpu=launch.cpu,
+        memory=launch.memory,
+        gcs_fuse=launch.gcs_fuse,
+        local_tier=local_tier,
+    )
     return launch
 
 

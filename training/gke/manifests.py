@@ -58,6 +58,7 @@ from training.gke.names import (
     jobset_name,
     label_value,
 )
+from training.gke.resources import fuse_sidecar_annotations, pod_resources
 from training.gke.tpu import TPUSlice
 from training.priorities import PRIORITIES, priority_value
 from training.storage import GCS_MOUNTS_ENV
@@ -156,12 +157,15 @@ def _container(cfg: Config, tpu: TPUSlice, launch: GKELaunch, job: str, name: st
         _env_field("RTRAIN_POD_IP", "status.podIP"),
     ]
     env += [_env(k, v) for k, v in sorted(launch.env.items())]
-    chips = str(tpu.chips_per_host)
-    resources: dict[str, dict[str, str]] = {"requests": {TPU_RESOURCE: chips}, "limits": {TPU_RESOURCE: chips}}
-    if launch.cpu:
-        resources["requests"]["cpu"] = launch.cpu
-    if launch.memory:
-        resources["requests"]["memory"] = launch.memory
+    local_tier = launch.local_tier_size if cfg.checkpoint.local_checkpoint_every else None
+    resources = pod_resources(
+        tpu.machine_type,
+        tpu.chips_per_host,
+        cpu=launch.cpu,
+        memory=launch.memory,
+        gcs_fuse=launch.gcs_fuse,
+        local_tier=local_tier,
+    )
     return {
         "name": CONTAINER_NAME,
         "image": launch.image,
@@ -216,6 +220,7 @@ def _volumes(cfg: Config, launch: GKELaunch, container: K8sObject) -> tuple[list
         env.append(_env(GCS_MOUNTS_ENV, f"{bucket}={GCS_FUSE_ROOT}/{bucket}"))
         pod_annotations[GCS_FUSE_ANNOTATION] = "true"
         pod_annotations[GCS_FUSE_CACHE_ANNOTATION] = launch.gcs_fuse_cache
+        pod_annotations.update(fuse_sidecar_annotations())  # request = limit: the pod stays Guaranteed
     if mounts:
         container["volumeMounts"] = mounts
     return volumes, pod_annotations

@@ -29,6 +29,14 @@ JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"  # the replica (slice) index, on the Job and its pods
 EXCLUSIVE_TOPOLOGY_ANNOTATION = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+# The Job controller's per-index backoff (kubernetes pkg/controller/job): after the n-th failure of an index,
+# counted or ignored by the podFailurePolicy alike (indexed_job_utils.go: getIndexAbsoluteFailureCount, from
+# the two annotations below on the index's last failed pod, which count its failures before it), the next pod
+# waits 10 s * 2^(n-1), at most 10 minutes, from that pod's end (backoff_utils.go: getRemainingTimePerIndex;
+# job_controller.go: DefaultJobPodFailureBackOff, MaxJobPodFailureBackOff).
+FAILURE_COUNT_ANNOTATION = "batch.kubernetes.io/job-index-failure-count"
+IGNORED_COUNT_ANNOTATION = "batch.kubernetes.io/job-index-ignored-failure-count"
+POD_FAILURE_BACKOFF_S = (10.0, 600.0)
 
 REPLICATED_JOB = "slice"
 CONTAINER_NAME = "agent"
@@ -50,7 +58,12 @@ RUN_LABEL = "rtrain.dev/run"
 JOB_LABEL = "rtrain.dev/job"
 RUN_URI_ANNOTATION = "rtrain.dev/run-uri"
 
-DEFAULT_COORDINATOR_PORT = 8476  # the port JAX's own GKE/TPU cluster detection uses
+# The jax.distributed coordinator's port in the rounds the leader writes.  JAX's own TPU cluster detection used 8476
+# once; it now uses 8482 (jax/_src/clusters/cloud_tpu_cluster.py: coordinator_port = '8482', jax 0.12.0.1), and
+# k8s_cluster.py 55527.  The worker passes its address and turns detection off, so the port is ours: 8476 is free
+# on a TPU VM whose host runs one process (libtpu takes 8471; the per-process ports above it only with one process
+# a chip) and stays clear of JAX's 8482.
+DEFAULT_COORDINATOR_PORT = 8476
 DEFAULT_MEGASCALE_PORT = 8080  # libtpu's DCN transport between slices
 TPU_RUNTIME_PORT = 8471
 # Ports the TPU runtime may take on a TPU VM: libtpu's runtime port (8471, TPU_PROCESS_PORT; per-process ports
@@ -156,6 +169,11 @@ def jobset_name(run_name: str, job: str) -> str:
 def pod_hostname(name: str, slice_index: int, host_index: int) -> str:
     """The hostname the JobSet gives a pod: ``<jobset>-<replicated job>-<job index>-<pod index>``."""
     return f"{name}-{REPLICATED_JOB}-{slice_index}-{host_index}"
+
+
+def child_job_name(name: str, slice_index: int) -> str:
+    """The Job the JobSet makes for one slice: ``<jobset>-<replicated job>-<job index>`` (placement.GenJobName)."""
+    return f"{name}-{REPLICATED_JOB}-{slice_index}"
 
 
 def coordinator_address(name: str, port: int = DEFAULT_COORDINATOR_PORT, subdomain: str | None = None) -> str:

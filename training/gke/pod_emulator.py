@@ -31,14 +31,17 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from training.cpu_devices import cpu_process_env
+from training.gke.job_controller import Index, JobControllers
 from training.gke.manifests import GKEManifests
 from training.gke.names import (
+    COMPLETION_INDEX_ANNOTATION,
     CRITICAL_PODS_GRACE_S,
+    EXCLUSIVE_TOPOLOGY_ANNOTATION,
     NODEPOOL_LABEL,
+    POD_FAILURE_BACKOFF_S,
     SPOT_SHUTDOWN_GRACE_S,
     TPU_RESOURCE,
     K8sObject,
@@ -47,44 +50,29 @@ from training.gke.pod_specs import (
     Node,
     Pod,
     PodEmulatorError,
-    admit,
     expand_pod,
     hosts_text,
     job_container,
     kubelet_env,
     pod_ip,
     pod_object,
-    rule_action,
     webhook_env,
 )
-from training.gke.reaper import replaced_leaders
+from training.gke.reaper import held_back_slices, mispinned_slices, replaced_leaders
 
-# The Job controller's backoffs (kubernetes pkg/controller/job/job_controller.go, backoff_utils.go): a pod
-# that failed and counts is made again after 10 s, doubling with each failure of its index, at most 6 min
-# (DefaultJobPodFailureBackOff, MaxJobPodFailureBackOff); a failure the podFailurePolicy ignores adds none.
-# A pod create the API refused (a webhook) is retried by the Job's rate-limited requeue, 1 s doubling to
-# 60 s (DefaultJobApiBackOff, MaxJobApiBackOff).
-POD_FAILURE_BACKOFF_S = (10.0, 360.0)
-API_BACKOFF_S = (1.0, 60.0)
 # Pod garbage collection (pkg/controller/podgc/gc_controller.go): the pods of a node that no longer exists
-# are deleted once the node has been gone 40 s (quarantineTime; checked every 20 s, gcCheckPeriod); failed
-# pods on live nodes only past --terminated-pod-gc-threshold (12500 pods by default): never, here.
+# are deleted once the node has been gone 40 s (quarantineTime; checked every 20 s, gcCheckPeriod); terminated
+# pods on live nodes only past the terminated-pod threshold, which GKE sets to 1,000 pods in a cluster of fewer
+# than 100 nodes and 5,000 in a larger one (GKE's docs, concepts/spot-vms; Kubernetes' own default is 12,500):
+# never, here.
 ORPHAN_GC_S = 40.0
+# A Spot reclaim does not delete the node: Compute Engine stops the VM (TERMINATED) and the managed instance
+# group makes it again under its name.  The cloud node lifecycle controller (kubernetes/cloud-provider,
+# controllers/nodelifecycle: MonitorNodes) deletes a NotReady node only when its instance no longer exists;
+# a shut-down instance gets the node.cloudprovider.kubernetes.io/shutdown taint.  So by default a reclaimed
+# node stays, NotReady, until return_slice; node_delete_s models an instance that is deleted instead.
 # The process that becomes a pod's container: its own /etc/hosts and hostname, then the container's command.
 POD_INIT = 'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"'
-
-
-@dataclass
-class _Index:
-    """One completion index of one slice's Job: its pods so far, and its failures that count."""
-
-    pods: list[Pod] = field(default_factory=list)
-    failures: int = 0
-    done: bool = False  # succeeded
-    failed: bool = False  # out of retries (backoffLimitPerIndex) or FailIndex: not made again
-    create_at: float | None = 0.0  # when the Job controller makes its next pod (None: it has one)
-    refused: int = 0  # creates refused in a row (the API backoff's exponent)
-    accounted: str = ""  # the last pod whose end the Job controller has acted on
 
 
 class _Kubelet:
@@ -98,7 +86,9 @@ class _Kubelet:
     image_env: dict[str, str]
     hosts_file: Path
     nodes: dict[str, Node]
-    indexes: dict[tuple[int, int], _Index]
+    pools: list[str]
+    pick_pool: Callable[[list[str]], str]
+    indexes: dict[tuple[int, int], Index]
     renew_node_names: bool
     state: str
     deleted: bool
@@ -109,31 +99,49 @@ class _Kubelet:
     def _pods(self) -> list[Pod]:
         return [p for idx in self.indexes.values() for p in idx.pods]
 
-    def _pool(self, slice_: int) -> str:
-        """The node pool of a slice: the JobSet's own (its pods' node affinity), else one named for it."""
+    def _pool_names(self, spare: int) -> list[str]:
+        """The node pools of the slices' shape: the JobSet's own (its pods' node affinity; more than its slices
+        are spares), else one named for each slice and each spare."""
         terms = (self.job_spec["template"]["spec"].get("affinity") or {}).get("nodeAffinity", {})
         required = terms.get("requiredDuringSchedulingIgnoredDuringExecution", {}).get("nodeSelectorTerms", [])
         pools = [v for t in required for e in t["matchExpressions"] if e["key"] == NODEPOOL_LABEL for v in e["values"]]
-        return pools[slice_] if slice_ < len(pools) else f"{self.jobset['metadata']['name']}-pool-{slice_}"
+        wanted = self.slices + spare
+        return pools + [f"{self.jobset['metadata']['name']}-pool-{p}" for p in range(len(pools), wanted)]
 
-    def _make_nodes(self, slice_: int) -> None:
-        """The slice's VMs, ready: under their old names (a pool recreates its VMs so), or new ones."""
+    def _make_nodes(self, pool: int) -> None:
+        """Pool ``pool``'s VMs, ready: under their old names (a pool recreates its VMs so), or new ones."""
         for i in range(self.hosts):
-            gen = sum(1 for n in self.nodes.values() if n.slice == slice_ and n.index == i)
-            name = f"node-s{slice_}-h{i}" + (f"-{gen}" if self.renew_node_names and gen else "")
+            gen = sum(1 for n in self.nodes.values() if n.slice == pool and n.index == i)
+            name = f"node-p{pool}-h{i}" + (f"-{gen}" if self.renew_node_names and gen else "")
             if name in self.nodes and self.nodes[name].ready:
                 continue
-            self.nodes[name] = Node(name, self._pool(slice_), slice_, i)
+            self.nodes[name] = Node(name, self.pools[pool], pool, i)
 
     def _node_for(self, pod: Pod) -> Node | None:
-        """The ready, free node of the pod's slice and host that its node selector allows, if there is one."""
+        """A ready, free node for the pod, as the scheduler finds one (pkg/scheduler: NodeAffinity, InterPodAffinity).
+
+        A follower goes to the pool JobSet's webhook pinned it to (its node selector).  A leader under exclusive
+        placement carries the webhook's affinities (v0.12.0 ``pod_webhook.go``: ``setExclusiveAffinities``): a
+        pool where pods of its own Job run if any do, and none where another Job's pods run (terminated pods do
+        not count).  Among the pools left the scheduler's choice is a tie it breaks at random
+        (``schedule_one.go``: ``selectHost``): here ``pick_pool``'s.
+        """
         wanted = pod.obj["spec"].get("nodeSelector", {}).get(NODEPOOL_LABEL)
-        busy = {p.node for p in self._pods() if p.node and p.exit_code is None and not p.removed}
+        active = [p for p in self._pods() if p.node and p.exit_code is None and not p.removed]
+        busy = {p.node for p in active}
+        free: dict[str, list[Node]] = {}
         for node in self.nodes.values():
-            if (node.slice, node.index) == (pod.slice, pod.index) and node.ready and node.name not in busy:
-                if wanted in (None, node.pool):
-                    return node
-        return None
+            if node.ready and node.name not in busy and wanted in (None, node.pool):
+                free.setdefault(node.pool, []).append(node)
+        notes = pod.obj["metadata"]["annotations"]
+        if EXCLUSIVE_TOPOLOGY_ANNOTATION in notes and notes.get(COMPLETION_INDEX_ANNOTATION) == "0":
+            mine = {self.nodes[p.node].pool for p in active if p.slice == pod.slice}
+            others = {self.nodes[p.node].pool for p in active if p.slice != pod.slice}
+            free = {k: v for k, v in free.items() if k not in others and (not mine or k in mine)}
+        if not free:
+            return None
+        pool = self.pick_pool(sorted(free))
+        return min(free[pool], key=lambda n: n.index)
 
     def _schedule(self) -> None:
         changed = False
@@ -162,7 +170,7 @@ class _Kubelet:
         pod.node = node.name
         pod.ip = pod_ip(self._placed)
         if pod.obj["spec"].get("hostNetwork"):  # the node's address; a node keeps it
-            pod.ip = pod_ip(pod.slice * self.hosts + pod.index, net=2)
+            pod.ip = pod_ip(node.slice * self.hosts + node.index, net=2)
         pod.obj["spec"]["nodeName"] = pod.node
 
     def _env(self, pod: Pod) -> dict[str, str]:
@@ -219,14 +227,20 @@ class _Kubelet:
                 pod.proc.send_signal(signal.SIGTERM)  # to the container's first process, as the runtime does
 
 
-class EmulatedJobSet(_Kubelet):
+class EmulatedJobSet(_Kubelet, JobControllers):
     """A rendered JobSet whose pods run here; its slices' nodes come and go at the caller's word.
 
     ``spot_shutdown_grace_s`` is the Spot nodes' shutdown grace (GKE's 30 s by default: 15 s for the
-    pods); a reclaimed node is deleted ``node_delete_s`` after its notice, and its pods are garbage-
-    collected ``orphan_gc_s`` after that, unless a node of the same name (a VM the pool recreates under
-    its old name) is back first.  ``reaper``: delete the failed leader pods a newer pod replaces.
-    ``failure_backoff_s``: the Job's backoff before a failed pod is made again (first, most).
+    pods); a reclaimed node stays NotReady until the slice returns, or, with ``node_delete_s``, is deleted
+    that long after its notice (its instance gone) and its pods are garbage-collected ``orphan_gc_s``
+    after that, unless a node of the same name (a VM the pool recreates under its old name) is back first.
+    ``reaper``: delete the failed leader pods a newer pod replaces.
+    ``failure_backoff_s``: the Job's backoff before a failed pod is made again (first, most), after any failure of
+    its index.  ``recreate_held_back``: make again the Job of a slice reclaimed whole whose pods the backoff
+    holds back (:func:`training.gke.reaper.held_back_slices`), as the backend's watch does.
+    ``spare_pools``: node pools of the shape beyond one a slice; ``pick_pool``: the scheduler's choice among the pools
+    a pod may go to; ``repin``: make again the Job of a slice whose follower is pinned to another pool than its
+    leader's (:func:`training.gke.reaper.mispinned_slices`), as the backend's watch does.
     """
 
     def __init__(
@@ -242,6 +256,10 @@ class EmulatedJobSet(_Kubelet):
         orphan_gc_s: float = ORPHAN_GC_S,
         renew_node_names: bool = False,
         failure_backoff_s: tuple[float, float] = POD_FAILURE_BACKOFF_S,
+        recreate_held_back: bool = True,
+        repin: bool = True,
+        spare_pools: int = 0,
+        pick_pool: Callable[[list[str]], str] = min,
     ) -> None:
         self.m = manifests
         self.jobset = manifests.jobset
@@ -255,14 +273,20 @@ class EmulatedJobSet(_Kubelet):
         self.tick_s = tick_s
         self.reaper = reaper
         self.spot_pod_grace_s = spot_shutdown_grace_s - CRITICAL_PODS_GRACE_S
-        self.node_delete_s = float(spot_shutdown_grace_s if node_delete_s is None else node_delete_s)
+        self.node_delete_s = node_delete_s  # None: a reclaimed node is not deleted (ORPHAN_GC_S's note)
         self.orphan_gc_s = orphan_gc_s
         self.renew_node_names = renew_node_names
         self.failure_backoff_s = failure_backoff_s
+        self.recreate_held_back = recreate_held_back
+        self.repin = repin
+        self.pick_pool = pick_pool
+        self.pools = self._pool_names(spare_pools)
         self.nodes: dict[str, Node] = {}
-        for j in range(self.slices):
-            self._make_nodes(j)
-        self.indexes = {(j, i): _Index() for j in range(self.slices) for i in range(self.hosts)}
+        for p in range(len(self.pools)):
+            self._make_nodes(p)
+        self.indexes = {(j, i): Index() for j in range(self.slices) for i in range(self.hosts)}
+        self.jobs_made = {j: 1 for j in range(self.slices)}
+        self.deleting_jobs: set[int] = set()
         self.refusals: list[str] = []  # pod creates JobSet's webhook refused: "<pod>: <why>"
         self.failed_jobs: dict[int, str] = {}
         self.state = ""  # "", "Completed" or "Failed": the JobSet's terminal condition
@@ -293,8 +317,8 @@ class EmulatedJobSet(_Kubelet):
 
     @property
     def up(self) -> set[int]:
-        """The slices whose nodes are all ready."""
-        return {j for j in range(self.slices) if all(n.ready for n in self.nodes.values() if n.slice == j)}
+        """The pools (slice j starts on pool j) whose nodes are all ready."""
+        return {j for j in range(len(self.pools)) if all(n.ready for n in self.nodes.values() if n.slice == j)}
 
     def objects(self) -> list[K8sObject]:
         """The pods as API objects (with status), as ``kubectl get pods -o json`` lists them."""
@@ -326,22 +350,25 @@ class EmulatedJobSet(_Kubelet):
             ]
 
     def preempt_slice(self, slice_: int, grace_s: float | None = None) -> None:
-        """A Spot reclaim of a slice: its nodes shut down (each pod gets SIGTERM, then SIGKILL after what the
-        shutdown leaves it: ``grace_s``, by default the Spot grace less the system's 15 s, at most its own
-        grace), and are deleted ``node_delete_s`` later.  Pods not yet on a node are not touched."""
+        """A Spot reclaim of pool ``slice_`` (slice j starts on pool j): its nodes shut down (each pod on them gets
+        SIGTERM, then SIGKILL after what the shutdown leaves it: ``grace_s``, by default the Spot grace less the
+        system's 15 s, at most its own grace), and stay NotReady (deleted ``node_delete_s`` later, if set)."""
         with self._lock:
             now = time.time()
+            down = set()
             for node in self.nodes.values():
                 if node.slice == slice_ and node.ready:
-                    node.ready, node.delete_at = False, now + self.node_delete_s
+                    node.ready = False
+                    node.delete_at = None if self.node_delete_s is None else now + self.node_delete_s
+                    down.add(node.name)
             grace = self.spot_pod_grace_s if grace_s is None else grace_s
             for pod in self._pods():
-                if pod.slice == slice_ and pod.node and pod.exit_code is None and pod.deleting_since is None:
+                if pod.node in down and pod.exit_code is None and pod.deleting_since is None:
                     own = float(pod.obj["spec"].get("terminationGracePeriodSeconds", 30))
                     self._delete_pod(pod, "the node was preempted (Spot)", min(own, grace))
 
     def return_slice(self, slice_: int) -> None:
-        """The slice's VMs are back (the pool makes them again): new, ready nodes; waiting pods are placed."""
+        """Pool ``slice_``'s VMs are back (the pool makes them again): new, ready nodes; waiting pods are placed."""
         with self._lock:
             self._make_nodes(slice_)
 
@@ -397,13 +424,25 @@ class EmulatedJobSet(_Kubelet):
             now = time.time()
             self._reap(now)
             self._collect(now)
+            self._jobset_controller(now)
             for (j, i), idx in sorted(self.indexes.items()):
                 self._job_controller(j, i, idx, now)
-            if self.reaper:  # the backend's watch, between two looks at the pods
-                stale = set(replaced_leaders([pod_object(p, "", "") for p in self._pods() if not p.removed]))
-                for pod in self._pods():
-                    pod.removed = pod.removed or pod.name in stale  # terminal: gone once the Job has counted it
+            self._watch(now)
             self._schedule()
+
+    def _watch(self, now: float) -> None:
+        """The backend's watch between two looks at the pods: ``reaper`` and ``recreate_held_back``'s repairs."""
+        listed = [pod_object(p, "", "") for p in self._pods() if not p.removed]
+        if self.reaper:
+            stale = set(replaced_leaders(listed))
+            for pod in self._pods():
+                pod.removed = pod.removed or pod.name in stale  # terminal: gone once the Job has counted it
+        if self.recreate_held_back:
+            for j in held_back_slices(listed, now, self.failure_backoff_s):
+                self.delete_job(j)
+        if self.repin:
+            for j in mispinned_slices(listed, {n.name: n.pool for n in self.nodes.values()}):
+                self.delete_job(j)
 
     def _reap(self, now: float) -> None:
         """The kubelet's part: note the containers that ended, kill those whose grace is over."""
@@ -432,82 +471,9 @@ class EmulatedJobSet(_Kubelet):
     def _ended(self, pod: Pod, code: int) -> None:
         """The container's first process ended: the rest of the container goes with it."""
         pod.exit_code = 128 - code if code < 0 else code  # a signal as the runtime reports it (137 = SIGKILL)
+        pod.ended = time.time()
         assert pod.proc is not None
         _killpg(pod.proc.pid, signal.SIGKILL)
-
-    def _job_controller(self, j: int, i: int, idx: _Index, now: float) -> None:
-        """The Job controller for one index: a pod's end accounted (done, made again, failed), the next one made."""
-        if self.state or self.deleted or idx.done or idx.failed:
-            return
-        pod = idx.pods[-1] if idx.pods else None
-        if pod is not None and pod.name != idx.accounted:
-            if pod.exit_code is None and not (pod.proc is None and pod.deleting_since is not None):
-                return  # pending, running or terminating: podReplacementPolicy Failed waits for its end
-            idx.accounted = pod.name
-            if not self._account(j, idx, pod, now):
-                return
-        if idx.create_at is not None and now >= idx.create_at:
-            self._create(j, i, idx, now)
-
-    def _account(self, j: int, idx: _Index, pod: Pod, now: float) -> bool:
-        """Act on a pod's end; True when the index gets another pod (``idx.create_at`` set)."""
-        if pod.exit_code is None:  # deleted before it ran: made again
-            idx.create_at = now
-            return True
-        if pod.phase == "Succeeded":
-            idx.done = True
-            self._job_ended(j)
-            return False
-        rules = (self.job_spec.get("podFailurePolicy") or {}).get("rules") or []
-        action = rule_action(rules, pod.exit_code, bool(pod.disruption), job_container(self.job_spec)["name"])
-        if action == "FailJob":
-            self._fail_job(j, f"pod {pod.name} exited {pod.exit_code} (podFailurePolicy FailJob)")
-            return False
-        if action != "Ignore":
-            idx.failures += 1
-        if action == "FailIndex" or idx.failures > int(self.job_spec.get("backoffLimitPerIndex", 0)):
-            idx.failed = True  # not made again; the Job goes on with its other indexes
-            self._job_ended(j)
-            return False
-        base, cap = self.failure_backoff_s
-        idx.create_at = now + (0.0 if action == "Ignore" else min(cap, base * 2 ** (idx.failures - 1)))
-        return True
-
-    def _create(self, j: int, i: int, idx: _Index, now: float) -> None:
-        """The Job controller's create, through JobSet's webhooks; a refused one is retried with the API backoff."""
-        pod = self._new_pod(j, i)
-        why = admit(pod, self._pods(), self.nodes)
-        if why:
-            self.refusals.append(f"{pod.name}: {why}")
-            base, cap = API_BACKOFF_S
-            idx.create_at = now + min(cap, base * 2**idx.refused)
-            idx.refused += 1
-            return
-        idx.pods.append(pod)
-        idx.create_at, idx.refused = None, 0
-
-    def _job_ended(self, j: int) -> None:
-        """A slice's Job ends once each of its indexes has: Complete when all succeeded, else Failed."""
-        mine = [(i, x) for (s, i), x in sorted(self.indexes.items()) if s == j]
-        if not all(x.done or x.failed for _, x in mine):
-            return
-        failed = [i for i, x in mine if x.failed]
-        if failed:
-            self._fail_job(
-                j, f"indexes {failed} failed (backoffLimitPerIndex {self.job_spec.get('backoffLimitPerIndex')})"
-            )
-        else:
-            self.state = "Completed"  # successPolicy Any over the slice Jobs
-            self._end_all()
-
-    def _fail_job(self, j: int, why: str) -> None:
-        self.failed_jobs[j] = why
-        self.state = "Failed"  # failurePolicy.maxRestarts 0: a failed Job fails the JobSet
-        self._end_all()
-
-    def _end_all(self) -> None:
-        for pod in self._pods():
-            self._delete_pod(pod, "", None)
 
 
 def rewrite_in_place(path: Path, data: bytes) -> None:

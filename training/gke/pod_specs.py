@@ -41,6 +41,7 @@ class Pod:
     node: str = ""
     proc: subprocess.Popen[bytes] | None = None
     exit_code: int | None = None
+    ended: float | None = None  # when its container ended
     disruption: str = ""  # why the node ended the pod (a DisruptionTarget: its shutdown), if it did
     deleting_since: float | None = None  # deleted through the API (a deletionTimestamp), or its node shut down
     kill_at: float | None = None
@@ -61,11 +62,11 @@ class Pod:
 
 @dataclass
 class Node:
-    """A TPU VM of a slice's node pool: a Spot reclaim shuts it down, then deletes it."""
+    """A TPU VM of a node pool: a Spot reclaim shuts it down (and deletes it, if its instance is gone)."""
 
     name: str
     pool: str
-    slice: int
+    slice: int  # the number of its pool (slice j starts on pool j)
     index: int
     ready: bool = True
     delete_at: float | None = None  # when GKE deletes it (after a reclaim)
@@ -236,6 +237,8 @@ def pod_object(pod: Pod, container: str, pending: str) -> K8sObject:
         if pod.exit_code is not None:
             reason = "Completed" if not pod.exit_code else "Error"
             state = {"terminated": {"exitCode": pod.exit_code, "reason": reason}}
+            if pod.ended is not None:
+                state["terminated"]["finishedAt"] = rfc3339(pod.ended)
         status["containerStatuses"] = [{"name": container, "state": state}]
     status["conditions"] = conditions
     obj["status"] = status
