@@ -1249,3 +1249,64 @@ def test_the_watch_makes_a_split_slices_job_again(k8s: tuple[FakeKubernetes, str
     api.pods += [_slice_pod(1, 1, RUNNING, nodeName="n-b1", nodeSelector={"cloud.google.com/gke-nodepool": "pool-b"})]
     hook.waiting("js", "training")
     assert api.deleted_jobs == [("js-slice-0", "Background")]
+
+
+def _launcher_rules() -> list[dict[str, Any]]:
+    """The rules docs/gke.md section 5 grants the launcher's account (its Role and ClusterRole, bound to it)."""
+    doc = (REPO / "docs" / "gke.md").read_text()
+    section = doc[doc.index("## 5. Namespace, worker identity, Airflow's RBAC") :]
+    block = section[section.index("```yaml") + len("```yaml") : section.index("```", section.index("```yaml") + 7)]
+    objs = [o for o in yaml.safe_load_all(block) if o]
+    bound = {o["roleRef"]["name"] for o in objs if o["kind"] in ("RoleBinding", "ClusterRoleBinding")}
+    return [
+        r for o in objs if o["kind"] in ("Role", "ClusterRole") and o["metadata"]["name"] in bound for r in o["rules"]
+    ]
+
+
+def _rbac_request(method: str, path: str) -> tuple[str, str, str]:
+    """(API group, resource[/subresource], verb) of a Kubernetes API request, as RBAC authorizes it."""
+    parts = path.strip("/").split("/")
+    group, rest = ("", parts[2:]) if parts[0] == "api" else (parts[1], parts[3:])
+    if rest[:1] == ["namespaces"] and len(rest) > 2:
+        rest = rest[2:]
+    resource = rest[0] + (f"/{rest[2]}" if len(rest) > 2 else "")
+    verbs = {"POST": "create", "DELETE": "delete", "PATCH": "patch", "PUT": "update"}
+    verb = verbs.get(method) or ("get" if len(rest) > 1 else "list")
+    return group, resource, verb
+
+
+def test_the_launchers_rbac_in_docs_gke_md_allows_every_call_the_watch_and_its_repairs_make(
+    k8s: tuple[FakeKubernetes, str],
+) -> None:
+    """Create, look, repair (a replaced leader, a split slice, a held-back slice) and delete, each call checked
+    against the Role and ClusterRole that section 5 tells a person to apply: a missing rule is a 403 on GKE."""
+    api, url = k8s
+    hook = jobset_hook(url)
+    cfg = load_config(overrides={**CONFIG, "hosts_per_slice": 4})
+    m = render(cfg, TPUSlice("ct6e-standard-4t", "4x4"), GKELaunch(image="img:1", namespace="training"), "j6")
+    hook.create(m)
+    hook.state(m.name, "training")
+    api.nodes = [tpu_node("n-a1", "pool-a"), tpu_node("n-b0", "pool-b")]
+    failed_leader = _slice_pod(0, 0, {"phase": "Failed"})
+    failed_leader["metadata"]["name"] = "js-slice-0-0-old"
+    api.pods = [
+        failed_leader,
+        _slice_pod(0, 0, RUNNING, nodeName="n-b0"),
+        _slice_pod(0, 1, RUNNING, nodeName="n-a1", nodeSelector={"cloud.google.com/gke-nodepool": "pool-a"}),
+    ]
+    for p in api.pods:
+        p["metadata"]["labels"]["jobset.sigs.k8s.io/jobset-name"] = m.name
+    hook.waiting(m.name, "training")
+    assert api.deleted_jobs and any(method == "DELETE" and "/pods/" in path for method, path in api.requests)
+    hook.capacity(TPUSlice("ct6e-standard-4t", "4x4"))
+    hook.delete(m.name, "training")
+
+    rules = _launcher_rules()
+    made = {_rbac_request(method, path) for method, path in api.requests}
+    refused = [
+        call
+        for call in sorted(made)
+        if not any(call[0] in r["apiGroups"] and call[1] in r["resources"] and call[2] in r["verbs"] for r in rules)
+    ]
+    assert {c[1] for c in made} >= {"jobsets", "services", "pods", "nodes", "jobs"}, made
+    assert not refused, f"docs/gke.md section 5 does not allow: {refused}"
