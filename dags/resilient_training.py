@@ -334,7 +334,9 @@ def _backend_params() -> dict[str, Param]:
                 "`machine_type`, `tpu_topology`, `image`, `node_pools` (one per slice), and optionally `namespace`, "
                 "`spot`, `node_locations`, `node_service_account`, `gcp_conn_id`, `kueue_queue` (a Kueue LocalQueue: "
                 "admits the JobSet by the run's priority), `provision_timeout_s` (how long `provision_capacity` "
-                "waits for enough node pools for `min_workers`; 3600), `flex_start` (flex-start VMs: pools created empty, "
+                "waits for enough node pools for `min_workers`; 3600), `admission_timeout_s` (how long the JobSet may "
+                "wait for Kueue's admission while its pools are up: then it fails, not retried, and the pools are "
+                "released; 1800, none with `queued_provisioning`), `flex_start` (flex-start VMs: pools created empty, "
                 "each slice made when the job's pods ask for it), `queued_provisioning` (with `flex_start` and `kueue_queue`: the "
                 "whole JobSet's slices come at once, for a ProvisioningRequest), `gcs_fuse` (the pods read the dataset's bucket through GCS FUSE "
                 "instead of downloading it)."
@@ -354,6 +356,7 @@ def _backend_params() -> dict[str, Param]:
                 "kueue_queue": {"type": "string"},
                 "node_service_account": {"type": "string"},
                 "provision_timeout_s": {"type": "number", "exclusiveMinimum": 0},
+                "admission_timeout_s": {"type": "number", "exclusiveMinimum": 0},
                 "flex_start": {"type": "boolean"},
                 "queued_provisioning": {"type": "boolean"},
                 "gcs_fuse": {"type": "boolean"},

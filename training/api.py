@@ -580,6 +580,7 @@ class JobLook(TypedDict):
     status: RunStatus
     waiting: NotRequired[str]  # why the job's pods wait (a backend that can tell)
     queue: NotRequired[dict[str, object]]  # the job's row in its shared pool's queue (a QueueRow, the pool's backend)
+    retry: NotRequired[bool]  # False: a failure a relaunch cannot help (a setting to fix first)
 
 
 def job_state(handle: Mapping[str, Any], start_timeout_s: float = 300.0) -> JobLook:

@@ -454,11 +454,12 @@ def test_the_gke_backend_s_poll_says_why_pods_wait_or_that_kueue_holds_the_jobse
         failed["state"] == "failed"
         and "did not start within 3600s; pods waiting: 1 pod Unschedulable" in failed["reason"]
     )
-    # Kueue holds the JobSet: no start timeout at all.
+    # Kueue holds the JobSet: no start timeout, but the admission deadline (its pools bill meanwhile).
     api.objects[("JobSet", "training", m.name)]["spec"]["suspend"] = True
-    look = backend.poll(handle, {"start_timeout_s": 900}, now=handle["launched_at"] + 99_999)
+    look = backend.poll(handle, {"start_timeout_s": 900}, now=handle["launched_at"] + 1700)
     assert look["state"] == "pending"
     assert look["waiting"] == "the JobSet is suspended: waiting for Kueue to admit it (queue tpu-v6e)"
+    assert backend.poll(handle, {"start_timeout_s": 900}, now=handle["launched_at"] + 1900)["state"] == "failed"
     # Pods that run but whose agents never write the job's status: the start timeout.
     api.objects[("JobSet", "training", m.name)]["spec"]["suspend"] = False
     api.pods = [pod(f"{m.name}-slice-0-0", m.name, RUNNING)]
@@ -1310,3 +1311,91 @@ def test_the_launchers_rbac_in_docs_gke_md_allows_every_call_the_watch_and_its_r
     ]
     assert {c[1] for c in made} >= {"jobsets", "services", "pods", "nodes", "jobs"}, made
     assert not refused, f"docs/gke.md section 5 does not allow: {refused}"
+
+
+def _suspended_since(obj: dict[str, Any], t: float) -> None:
+    """The JobSet as Kueue leaves it: suspended, its Suspended condition set at ``t``."""
+    obj["spec"]["suspend"] = True
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+    obj["status"] = {"conditions": [{"type": "Suspended", "status": "True", "lastTransitionTime": when}]}
+
+
+def test_a_jobset_kueue_holds_past_the_admission_deadline_fails_the_watch_once_naming_queue_and_quota(
+    k8s: tuple[FakeKubernetes, str], tmp_path: Path
+) -> None:
+    """Pools made ahead bill while Kueue holds the JobSet: past gke.admission_timeout_s the look is failed, not to be
+    retried, and the sensor fails for good; under queued_provisioning (no node until admission) it waits on."""
+    from airflow.sdk.exceptions import AirflowFailException
+    from rtrain_airflow.sensors.training import RTrainTrainingJobSensor
+    from rtrain_airflow.triggers.training import Recoveries, final_event
+
+    from training.backends.watch import JobWatch
+
+    api, url = k8s
+    hook = jobset_hook(url)
+    cfg = load_config(overrides={**CONFIG, "hosts_per_slice": 4})
+    m = render(cfg, TPUSlice("ct6e-standard-4t", "4x4"), GKELaunch(image="img:1", namespace="training"), "j9")
+    hook.create(m)
+    gke: Any = {
+        "location": LOCATION,
+        "cluster_name": CLUSTER,
+        "machine_type": "ct6e-standard-4t",
+        "tpu_topology": "4x4",
+        "image": "img:1",
+        "node_pools": ["slice-0"],
+        "kueue_queue": "tpu-v6e",
+        "admission_timeout_s": 600,
+    }
+    backend = GKEBackend(gke, CloudCluster(gke, AnonymousCredentials(), api_client=hook.api_client))
+    handle: dict[str, Any] = {"backend": "gke", "run_uri": str(tmp_path / "run"), "job": "j9", "jobset": m.name}
+    handle |= {"namespace": "training", "launched_at": time.time() - 5000}
+    # Admitted once, then suspended again (Kueue preempted it) 500 s ago: the deadline counts from then.
+    _suspended_since(api.objects[("JobSet", "training", m.name)], time.time() - 500)
+    look = backend.poll(handle, {"start_timeout_s": 900})
+    assert look["state"] == "pending" and "waiting for Kueue" in look["waiting"]
+    _suspended_since(api.objects[("JobSet", "training", m.name)], time.time() - 700)
+    failed = backend.poll(handle, {"start_timeout_s": 900})
+    assert failed["state"] == "failed" and failed.get("retry") is False
+    reason = failed["reason"]
+    assert "gke.admission_timeout_s=600s (queue tpu-v6e)" in reason and "namespace training" in reason
+    assert "short of 16 chips a slice" in reason and "\n" not in reason
+    # Through the engine's watch and the trigger's event to the sensor: failed for good, not retried.
+    found = JobWatch(backend, handle, {"start_timeout_s": 900}).look()
+    assert not isinstance(found, Exception) and found.outcome == "failed" and found.retry is False
+    event = final_event(found, handle["run_uri"], Recoveries())
+    assert event is not None and event.payload["retry"] is False
+    sensor = RTrainTrainingJobSensor(task_id="w", spec_from="s", handle=handle)
+    with pytest.raises(AirflowFailException, match="Kueue did not admit JobSet"):
+        sensor.execute_complete({}, event.payload)
+    # Without the setting: 30 minutes by default; none under queued_provisioning, whose pools hold no node.
+    plain = {k: v for k, v in gke.items() if k != "admission_timeout_s"}
+    backend = GKEBackend(plain, CloudCluster(plain, AnonymousCredentials(), api_client=hook.api_client))
+    assert backend.poll(handle, {"start_timeout_s": 900})["state"] == "pending"
+    _suspended_since(api.objects[("JobSet", "training", m.name)], time.time() - 1900)
+    assert backend.poll(handle, {"start_timeout_s": 900})["state"] == "failed"
+    queued = {**plain, "flex_start": True, "queued_provisioning": True}
+    backend = GKEBackend(queued, CloudCluster(queued, AnonymousCredentials(), api_client=hook.api_client))
+    _suspended_since(api.objects[("JobSet", "training", m.name)], time.time() - 99_999)
+    assert backend.poll(handle, {"start_timeout_s": 900})["state"] == "pending"
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"admission_timeout_s": 0}, "gke.admission_timeout_s: seconds, more than 0"),
+        ({"admission_timeout_s": "soon"}, "gke.admission_timeout_s: seconds, more than 0"),
+        ({"admission_timeout_s": 60, "kueue_queue": None}, "only a JobSet Kueue admits"),
+    ],
+)
+def test_a_bad_admission_deadline_is_refused_naming_the_key(extra: dict[str, Any], match: str) -> None:
+    gke: Any = {
+        "location": LOCATION,
+        "cluster_name": CLUSTER,
+        "machine_type": "ct6e-standard-4t",
+        "tpu_topology": "4x4",
+        "image": "img:1",
+        "node_pools": ["slice-0"],
+        "kueue_queue": "tpu-v6e",
+    }
+    with pytest.raises(BackendError, match=match):
+        GKEBackend({k: v for k, v in {**gke, **extra}.items() if v is not None})

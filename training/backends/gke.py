@@ -16,7 +16,7 @@ from training import api
 from training.api import Config, JobLook
 from training.backends.base import BackendError, GKEHandle, Log, PoolsUp, Provisioned, Released, Timeouts
 from training.backends.spec import JobSpec
-from training.gke import GKELaunch, GKESettings, TPUSlice, settings_launch
+from training.gke import GKELaunch, GKESettings, TPUSlice, settings_launch, suspended_since
 
 
 class JobSets(Protocol):
@@ -25,6 +25,8 @@ class JobSets(Protocol):
     def start_job(self, cfg: Config, tpu: TPUSlice, launch: GKELaunch, by: str = "Airflow") -> GKEHandle: ...
 
     def state(self, name: str, namespace: str) -> str: ...
+
+    def get(self, name: str, namespace: str) -> dict[str, Any] | None: ...
 
     def waiting(self, name: str, namespace: str) -> str: ...
 
@@ -132,8 +134,7 @@ class GKEBackend:
         if state in ("failed", "missing"):
             return {**look, "state": "failed", "reason": f"JobSet {handle['jobset']} is {state}"}
         if state == "suspended":
-            queue = self.gke.get("kueue_queue")
-            return {**look, "waiting": f"the JobSet is suspended: waiting for Kueue to admit it (queue {queue})"}
+            return self._queued(handle, look, jobsets.get(handle["jobset"], handle["namespace"]), now)
         try:  # the pools still on their way when the job was launched (a create refused for now is sent again)
             self._cluster().see_to_node_pools()
         except Exception as e:  # noqa: BLE001 - the job runs on the pools it has; the next look tries again
@@ -154,6 +155,26 @@ class GKEBackend:
                 why = f"job {handle.get('job')} did not start within {limit:.0f}s"
                 return {**look, "state": "failed", "reason": why + (f"; pods waiting: {waiting}" if waiting else "")}
         return {**look, "waiting": waiting} if waiting else look
+
+    def _queued(
+        self, handle: Mapping[str, Any], look: JobLook, jobset: dict[str, Any] | None, now: float | None
+    ) -> JobLook:
+        """A JobSet Kueue holds: waiting, or failed for good once held past ``admission_timeout`` (its pools bill)."""
+        queue = self.gke.get("kueue_queue")
+        limit = admission_timeout(self.gke)
+        since = suspended_since(jobset) or float(handle.get("launched_at", time.time()))
+        held = (time.time() if now is None else now) - since
+        if limit is None or held <= limit:
+            return {**look, "waiting": f"the JobSet is suspended: waiting for Kueue to admit it (queue {queue})"}
+        tpu = TPUSlice(self.gke["machine_type"], self.gke["tpu_topology"])
+        why = (
+            f"Kueue did not admit JobSet {handle['jobset']} within gke.admission_timeout_s={limit:.0f}s (queue "
+            f"{queue}): the LocalQueue may not exist in namespace {handle['namespace']}, or its ClusterQueue's "
+            f"nominal quota of google.com/tpu is short of {tpu.chips_per_host * tpu.hosts} chips a slice "
+            f"(kubectl -n {handle['namespace']} get localqueue {queue}; kubectl get clusterqueue -o wide); "
+            "its node pools are released"
+        )
+        return {**look, "state": "failed", "reason": why, "retry": False}
 
     def close(self) -> None:
         """Close the cluster's clients (a watch that made the backend is done with it)."""
@@ -176,6 +197,18 @@ class GKEBackend:
         return {"backend": self.name, "jobsets_deleted": deleted, "node_pools_deleted": cluster.delete_node_pools()}
 
 
+# How long a JobSet may wait for Kueue's admission while node pools made for it are up and billed.
+ADMISSION_TIMEOUT_S = 1800.0
+
+
+def admission_timeout(gke: GKESettings) -> float | None:
+    """``gke.admission_timeout_s``; by default 30 minutes, and none under ``queued_provisioning`` (its pools hold
+    no node until Kueue admits the JobSet: waiting bills nothing)."""
+    if "admission_timeout_s" in gke:
+        return float(gke["admission_timeout_s"])
+    return None if gke.get("queued_provisioning") else ADMISSION_TIMEOUT_S
+
+
 def check_settings(gke: GKESettings, priority: str | None) -> None:
     """Refuse ``gke`` settings that cannot work, naming the key."""
     missing = [k for k in GKEBackend.REQUIRED if not gke.get(k)]
@@ -185,6 +218,13 @@ def check_settings(gke: GKESettings, priority: str | None) -> None:
         raise BackendError(
             "gke.queued_provisioning: a queued pool makes nodes only for a ProvisioningRequest, which Kueue's "
             "admission check makes for the JobSet: it needs gke.kueue_queue (docs/gke.md)"
+        )
+    wait = gke.get("admission_timeout_s")
+    if wait is not None and (isinstance(wait, bool) or not isinstance(wait, int | float) or wait <= 0):
+        raise BackendError(f"gke.admission_timeout_s: seconds, more than 0, got {wait!r}")
+    if wait is not None and not gke.get("kueue_queue"):
+        raise BackendError(
+            "gke.admission_timeout_s: only a JobSet Kueue admits waits for admission: set gke.kueue_queue"
         )
     if gke.get("queued_provisioning") and not gke.get("flex_start"):
         raise BackendError("gke.queued_provisioning: GKE queues the provisioning of flex-start pools only")

@@ -52,6 +52,7 @@ class Look:
     waiting: str = ""  # why the job's pods wait ("" none does; a backend that can tell)
     queue: dict[str, object] | None = None  # the job's row of its shared pool's queue (QueueRow.to_dict())
     cursor: str | None = None  # the newest event key read so far (where a later watch goes on from)
+    retry: bool = True  # False: the job failed in a way a relaunch cannot help
 
     @property
     def final(self) -> bool:
@@ -74,6 +75,8 @@ class Look:
             look["waiting"] = self.waiting
         if self.queue is not None:
             look["queue"] = self.queue
+        if not self.retry:
+            look["retry"] = False
         return look
 
 
@@ -145,6 +148,7 @@ class JobWatch:
             waiting=str(found.get("waiting") or ""),
             queue=found.get("queue"),
             cursor=self.cursor,
+            retry=found.get("retry", True),
         )
 
     def close(self) -> None:

@@ -4,7 +4,14 @@ The names here are the GKE surface the Airflow side and the backends use; ``pod_
 runs a rendered JobSet's pods as local processes (tests and trials).
 """
 
-from training.gke.cluster_state import GKECapacity, describe_waiting, jobset_state, node_is_usable, pods_waiting
+from training.gke.cluster_state import (
+    GKECapacity,
+    describe_waiting,
+    jobset_state,
+    node_is_usable,
+    pods_waiting,
+    suspended_since,
+)
 from training.gke.launch import (
     GKELaunch,
     GKESettings,
@@ -60,6 +67,7 @@ __all__ = [
     "mispinned_slices",
     "node_is_usable",
     "pods_waiting",
+    "suspended_since",
     "render",
     "replaced_leaders",
     "settings_launch",

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from training.gke.names import (
@@ -37,6 +38,22 @@ def jobset_state(obj: Mapping[str, Any] | None) -> str:
     if conditions.get("Suspended") == "True" or (obj.get("spec") or {}).get("suspend"):
         return "suspended"
     return "running"
+
+
+def suspended_since(obj: Mapping[str, Any] | None) -> float | None:
+    """When a suspended JobSet last became suspended (its ``Suspended`` condition), else when it was made; None
+    when it is not suspended or says neither."""
+    if jobset_state(obj) != "suspended" or obj is None:
+        return None
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "Suspended" and c.get("status") == "True" and c.get("lastTransitionTime"):
+            return _rfc3339(str(c["lastTransitionTime"]))
+    made = (obj.get("metadata") or {}).get("creationTimestamp")
+    return _rfc3339(str(made)) if made else None
+
+
+def _rfc3339(text: str) -> float:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
 # Why a pod does not run yet, in words a person acts on (keyed by the reason Kubernetes gives).

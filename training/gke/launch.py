@@ -56,6 +56,7 @@ class GKESettings(TypedDict, total=False):
     gcp_conn_id: str  # the Airflow connection the cluster calls use
     kueue_queue: str  # a Kueue LocalQueue: it admits the JobSet by the run's priority
     provision_timeout_s: float  # how long provisioning waits for enough node pools for min_workers
+    admission_timeout_s: float  # how long a JobSet may wait for Kueue's admission while its pools are up
     flex_start: bool
     queued_provisioning: bool
     gcs_fuse: bool

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 from urllib.parse import quote, urlsplit
 
 from airflow.sdk import BaseOperatorLink, BaseSensorOperator, PokeReturnValue
-from airflow.sdk.exceptions import AirflowException, AirflowSkipException
+from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 
 from rtrain_airflow.hooks.training import RTrainHook, absolute
 from rtrain_airflow.operators.training import RESOLVE_TASK_ID, _is_deferred_value, check_spec, job_spec
@@ -239,7 +239,8 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
                 self.log.info("[rtrain] %s", describe(ev))
         st = look.status
         if look.outcome == "failed":
-            raise AirflowException(f"training job {spec['run_name']} failed: {look.reason}")
+            fail = AirflowException if look.retry else AirflowFailException  # a retry that cannot help is not made
+            raise fail(f"training job {spec['run_name']} failed: {look.reason}")
         if look.outcome == "stopped":
             self._stopped(spec["run_uri"], look.state, look.reason, st.get("latest_committed"))
         if look.outcome == "success":
@@ -282,6 +283,8 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
             self._stopped(
                 event.get("run_uri"), str(event.get("state")), event.get("message"), event.get("latest_committed")
             )
+        if event.get("status") == "failed" and event.get("retry") is False:
+            raise AirflowFailException(f"training job at {event.get('run_uri')} failed: {event.get('message')}")
         if event.get("status") != "success":
             raise AirflowException(
                 f"training job at {event.get('run_uri')} is gone: {event.get('message')} "

@@ -136,6 +136,7 @@ class WatchEnd(TypedDict):
     events_after: str | None  # the newest event read: a later watch goes on from there
     message: NotRequired[str]  # why it failed or was stopped
     handle: NotRequired[dict[str, Any]]  # the polling sensor's: the job it watched
+    retry: NotRequired[bool]  # False: a retry of the task cannot help (a setting to fix first)
 
 
 class Recoveries:
@@ -213,6 +214,8 @@ def final_event(found: Look, run_uri: str, story: Recoveries) -> TriggerEvent | 
     )
     if outcome != "success":
         end["message"] = found.reason or ("the job failed" if outcome == "failed" else f"the run was {found.state}")
+    if not found.retry:
+        end["retry"] = False
     return TriggerEvent(end)
 
 
