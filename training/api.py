@@ -89,6 +89,7 @@ __all__ = [
     "TaskError",
     "check_task",
     "ALIVE_STATES",
+    "LAPSE_WAIT_MAX_S",
     "CHAOS_ACTIONS",
     "FINAL_STATES",
     "RUN_NAME_PATTERN",

@@ -31,7 +31,7 @@ from urllib.parse import parse_qs, urlparse
 import kubernetes_validate
 import pytest
 import yaml
-from cluster_manager import FakeClusterManager, PoolStatus, serve
+from cluster_manager import FakeClusterManager, PoolStatus
 from google.api_core.exceptions import FailedPrecondition
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import container_v1
@@ -770,25 +770,32 @@ def gke_conf(**keys: Any) -> dict[str, Any]:
     return {**base, "machine_type": "ct6e-standard-4t", "tpu_topology": "4x4", "image": "img", **keys}
 
 
-@pytest.fixture
-def pools() -> Iterator[tuple[FakeClusterManager, container_v1.ClusterManagerClient]]:
-    """An in-process ClusterManager over gRPC, and the real client connected to it."""
-    fake = FakeClusterManager(clusters=(CLUSTER_PATH,))
-    with serve(fake) as client:
-        yield fake, client
-
-
 def cloud(gke: dict[str, Any], client: container_v1.ClusterManagerClient) -> CloudCluster:
     return CloudCluster(gke, AnonymousCredentials(), cluster_manager=client, poll_s=0.001, backoff=Backoff(0.01, 0.01))
 
 
 def test_the_gke_backend_provisions_for_min_workers_and_reports_each_pool(
+    gcs_root: str,
+    gs_data: str,
     pools: tuple[FakeClusterManager, container_v1.ClusterManagerClient],
 ) -> None:
     fake, client = pools
     gke = gke_conf(node_pools=[f"slice-{i}" for i in range(4)])
     backend = GKEBackend(gke, cloud(gke, client))
-    cfg = load_config("tiny", None, {"root": "gs://b/runs", "min_workers": 8, "max_workers": 16, "hosts_per_slice": 4})
+    cfg = load_config(
+        "tiny",
+        None,
+        {
+            "root": gcs_root,
+            "backend": "gke",
+            "devices_per_worker": 4,
+            "global_batch": 192,
+            "dataset": gs_data,
+            "min_workers": 8,
+            "max_workers": 16,
+            "hosts_per_slice": 4,
+        },
+    )
     fake.fail_pools["slice-1"] = "ZONE_RESOURCE_POOL_EXHAUSTED"
     fake.slow_pools["slice-3"] = 1000
     result = backend.provision(JobSpec(cfg, GKESpec(gke)))
@@ -797,7 +804,18 @@ def test_the_gke_backend_provisions_for_min_workers_and_reports_each_pool(
     assert list(result["node_pools_failed"]) == ["slice-1"]
     fake.fail_pools["slice-1"] = "ZONE_RESOURCE_POOL_EXHAUSTED"
     cfg_all = load_config(
-        "tiny", None, {"root": "gs://b/runs", "min_workers": 16, "max_workers": 16, "hosts_per_slice": 4}
+        "tiny",
+        None,
+        {
+            "root": gcs_root,
+            "backend": "gke",
+            "devices_per_worker": 4,
+            "global_batch": 192,
+            "dataset": gs_data,
+            "min_workers": 16,
+            "max_workers": 16,
+            "hosts_per_slice": 4,
+        },
     )
     with pytest.raises(TPUNodePoolError, match="of the 4 node pools the job needs at least are up"):
         backend.gke["provision_timeout_s"] = 0.05
@@ -814,6 +832,8 @@ def test_queued_provisioning_needs_flex_start_and_a_kueue_queue() -> None:
 
 
 def test_the_gke_backend_makes_flex_start_pools_when_the_conf_asks(
+    gcs_root: str,
+    gs_data: str,
     pools: tuple[FakeClusterManager, container_v1.ClusterManagerClient],
 ) -> None:
     fake, client = pools
@@ -826,7 +846,20 @@ def test_the_gke_backend_makes_flex_start_pools_when_the_conf_asks(
         kueue_queue="tpu-v5p",
     )
     backend = GKEBackend(gke, cloud(gke, client))
-    cfg = load_config("tiny", None, {"root": "gs://b/runs", "min_workers": 2, "max_workers": 4, "hosts_per_slice": 2})
+    cfg = load_config(
+        "tiny",
+        None,
+        {
+            "root": gcs_root,
+            "backend": "gke",
+            "devices_per_worker": 4,
+            "global_batch": 192,
+            "dataset": gs_data,
+            "min_workers": 2,
+            "max_workers": 4,
+            "hosts_per_slice": 2,
+        },
+    )
     assert sorted(backend.provision(JobSpec(cfg, GKESpec(gke)))["node_pools_up"]) == ["slice-0", "slice-1"]
     made = list(fake.pools.values())
     assert len(made) == 2 and all(p.config.flex_start and p.queued_provisioning.enabled for p in made)
@@ -991,14 +1024,27 @@ def test_rtrain_train_s_gke_run_checks_provisions_launches_follows_and_releases(
 
 
 def test_rtrain_train_s_gke_run_fails_in_one_line_when_too_few_pools_come_up_and_gives_them_back(
-    pools: tuple[FakeClusterManager, container_v1.ClusterManagerClient], tmp_path: Path
+    gcs_root: str, gs_data: str, pools: tuple[FakeClusterManager, container_v1.ClusterManagerClient], tmp_path: Path
 ) -> None:
     from training.api import LaunchError
     from training.backends.gke_run import GKERun
 
     fake, client = pools
     gke = gke_conf(node_pools=["slice-0", "slice-1"], node_locations=["us-central1-a"])
-    cfg = load_config("tiny", None, {"root": "gs://b/runs", "min_workers": 8, "max_workers": 8, "hosts_per_slice": 4})
+    cfg = load_config(
+        "tiny",
+        None,
+        {
+            "root": gcs_root,
+            "backend": "gke",
+            "devices_per_worker": 4,
+            "global_batch": 192,
+            "dataset": gs_data,
+            "min_workers": 8,
+            "max_workers": 8,
+            "hosts_per_slice": 4,
+        },
+    )
     run = GKERun(cfg, gke, cloud(gke, client))
     fake.fail_pools["slice-1"] = "ZONE_RESOURCE_POOL_EXHAUSTED: no capacity"
     with pytest.raises(LaunchError) as e:
@@ -1132,6 +1178,8 @@ def test_a_detached_gke_run_is_told_how_to_clean_up_and_that_nothing_reaps_its_f
 
 
 def test_pools_refused_for_now_when_enough_were_up_are_made_by_the_job_s_looks(
+    gcs_root: str,
+    gs_data: str,
     k8s: tuple[FakeKubernetes, str],
     pools: tuple[FakeClusterManager, container_v1.ClusterManagerClient],
     tmp_path: Path,
@@ -1140,7 +1188,20 @@ def test_pools_refused_for_now_when_enough_were_up_are_made_by_the_job_s_looks(
     fake, client = pools
     busy = "Cluster is running incompatible operation operation-7. Please wait and try again."
     gke = gke_conf(node_pools=["slice-0", "slice-1", "slice-2"], namespace="training")
-    cfg = load_config("tiny", None, {"root": "gs://b/runs", "min_workers": 4, "max_workers": 12, "hosts_per_slice": 4})
+    cfg = load_config(
+        "tiny",
+        None,
+        {
+            "root": gcs_root,
+            "backend": "gke",
+            "devices_per_worker": 4,
+            "global_batch": 192,
+            "dataset": gs_data,
+            "min_workers": 4,
+            "max_workers": 12,
+            "hosts_per_slice": 4,
+        },
+    )
     hook = jobset_hook(url)
     backend = GKEBackend(
         gke,

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from training import api
 from training.api import Config, JobLook
 from training.backends.base import BackendError, GKEHandle, Log, PoolsUp, Provisioned, Released, Timeouts
+from training.backends.gke_preflight import check_before_billing
 from training.backends.spec import JobSpec
 from training.gke import GKELaunch, GKESettings, TPUSlice, settings_launch, suspended_since
 
@@ -49,6 +50,10 @@ class GKECluster(Protocol):
         ...
 
     def jobsets(self) -> JobSets: ...
+
+    def find_image(self, image: str) -> bool | None:
+        """Does the image's registry have it?  None: it could not say."""
+        ...
 
     def close(self) -> None:
         """Close the clients made for the cluster (and whatever files they needed)."""
@@ -92,9 +97,14 @@ class GKEBackend:
         return self.cluster
 
     def provision(self, job: JobSpec) -> Provisioned:
-        """Create every node pool at once; done when enough for ``min_workers`` are up (the rest join later)."""
+        """Create every node pool at once; done when enough for ``min_workers`` are up (the rest join later).
+
+        Before any pool, what the launch would refuse once they bill is refused (``gke_preflight``)."""
         cfg = job.config
         tpu = TPUSlice(self.gke["machine_type"], self.gke["tpu_topology"])
+        for line in check_before_billing(cfg, tpu, self.gke["image"], self._cluster().find_image):
+            if self.log is not None:
+                self.log.warning("%s", line)
         hosts_per_pool = tpu.hosts if tpu.multi_host else 1
         need = -(-cfg.elastic.min_workers // hosts_per_pool)
         up = self._cluster().create_node_pools(need, float(self.gke.get("provision_timeout_s", 3600.0)))

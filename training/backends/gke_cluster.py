@@ -16,6 +16,7 @@ from types import TracebackType
 from typing import Any
 
 import google.auth
+import requests
 from google.api_core.exceptions import GoogleAPICallError, NotFound, PermissionDenied, RetryError
 from google.auth import exceptions as auth_errors
 from google.auth.credentials import Credentials
@@ -27,6 +28,7 @@ from training.backends.base import BackendError, Log, PoolsUp
 from training.backends.gke_jobsets import KubeJobSets
 from training.backends.gke_pools import Backoff, NodePools, TPUNodePoolSpec, see_to
 from training.gke import GKEConfigError, GKESettings, check_spot_grace
+from training.gke.registry import image_found
 
 SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
 ADC_HELP = "gcloud auth application-default login, or GOOGLE_APPLICATION_CREDENTIALS=<a key file>"
@@ -192,6 +194,24 @@ class CloudCluster:
 
     def jobsets(self) -> KubeJobSets:
         return KubeJobSets(self.api_client())
+
+    def find_image(self, image: str) -> bool | None:
+        """Does the image's registry have it (a manifest ``HEAD``; Google's registries with the credentials' token)?
+        None: the registry could not say."""
+
+        def head(url: str, headers: dict[str, str]) -> int | None:
+            try:
+                return requests.head(url, headers=headers, timeout=15, allow_redirects=True).status_code
+            except requests.RequestException:
+                return None
+
+        def token() -> str:
+            creds = self.credentials()
+            if not creds.valid:
+                creds.refresh(Request())
+            return str(creds.token or "")
+
+        return image_found(image, head, token)
 
     def api_client(self) -> k8s.ApiClient:
         """A Kubernetes client for the cluster's control plane, authenticated with the credentials' token."""
