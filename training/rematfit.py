@@ -46,7 +46,7 @@ class Tried:
     def says(self) -> str:
         """Its figures in words: ``dots 24.00 GiB (2.75 TFLOP)``."""
         mem = f"{self.total_bytes / GIB:.2f} GiB" if self.total_bytes is not None else self.error or "not compiled"
-        return f"{self.policy} {mem} ({_flops(self.flops)})"
+        return f"{self.policy} {mem}" + (f" ({_flops(self.flops)})" if self.flops else "")
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,13 @@ class RematChoice:
         chosen = next(t for t in self.tried if t.policy == self.policy)
         faster = self.tried[: self.tried.index(chosen)]
         over = f"; faster but over it: {', '.join(t.says() for t in faster)}" if faster else ""
+        fastest = (
+            f"the fewest FLOPs a step ({_flops(chosen.flops)})"
+            if chosen.flops
+            else "the one that recomputes least (this backend counts no FLOPs before compiling)"
+        )
         return (
-            f"remat auto: {self.policy}, the fewest FLOPs a step ({_flops(chosen.flops)}) of the policies whose "
+            f"remat auto: {self.policy}, {fastest} of the policies whose "
             f"compiled step fits {self.usable_bytes / GIB:.2f} GiB ({USABLE:.0%} of device_memory_gib): "
             f"{(chosen.total_bytes or 0) / GIB:.2f} GiB{over}"
         )
@@ -92,7 +97,10 @@ def _flops(n: float) -> str:
 
 def order(flops: Mapping[str, float]) -> list[str]:
     """The policies fastest first: by their step's FLOPs; within ``TIE`` of each other, the one that keeps less
-    (same work, less memory)."""
+    (same work, less memory).  Where the backend counts no FLOPs before compiling (a TPU's lowered program
+    answers none), the one that keeps most first: it recomputes least."""
+    if not any(flops.values()):
+        return sorted(flops, key=lambda p: -CANDIDATES.index(p))
     least = min(flops.values()) or 1.0
     return sorted(flops, key=lambda p: (round(flops[p] / least / TIE), CANDIDATES.index(p)))
 

@@ -28,6 +28,17 @@ def test_policies_are_tried_fewest_flops_first_and_of_equal_flops_the_one_that_k
     assert order({"full": 2.0, "attn": 1.0, "dots": 1.0000001}) == ["attn", "dots", "full"]
 
 
+def test_where_the_backend_counts_no_flops_the_policy_that_recomputes_least_is_tried_first() -> None:
+    """A TPU's lowered step answers no FLOPs before it is compiled (seen on a v5e: every policy 0, so auto took
+    full, the slowest, by the tie rule): then the policies go from the one that keeps most."""
+    unknown = dict.fromkeys(FLOPS, 0.0)
+    assert order(unknown) == ["none", "dots", "attn_mlp", "attn", "qkv_proj", "full"]
+    choice = choose(unknown, lambda p: int(BYTES[p] * GIB), int(15 * GIB))
+    assert choice.policy == "attn"
+    assert choice.reason().startswith("remat auto: attn, the one that recomputes least (this backend counts no FLOPs")
+    assert "FLOP)" not in choice.reason()
+
+
 @pytest.mark.parametrize(
     ("usable", "chosen", "compiled"),
     [
