@@ -167,6 +167,18 @@ class GKELaunch:
             return self.termination_grace_period_s
         return self.spot_grace_s if self.spot else ON_DEMAND_POD_GRACE_S
 
+    def container_resources(self, cfg: Config, tpu: TPUSlice) -> dict[str, dict[str, str]]:
+        """The agent container's requests and limits on ``tpu``'s nodes (refused when they do not fit a node)."""
+        local_tier = self.local_tier_size if cfg.checkpoint.local_checkpoint_every else None
+        return pod_resources(
+            tpu.machine_type,
+            tpu.chips_per_host,
+            cpu=self.cpu,
+            memory=self.memory,
+            gcs_fuse=self.gcs_fuse,
+            local_tier=local_tier,
+        )
+
     @property
     def preemption_window_s(self) -> int:
         """The seconds a pod really has after a preemption notice: on Spot, no more than the node gives."""
@@ -273,15 +285,7 @@ def check_launch(cfg: Config, gke: GKESettings, priority: str | None = None) -> 
             f"gke.node_pools: {len(launch.node_pools)} pool(s) for up to {k_max} slices of {tpu.hosts} hosts "
             f"(max_workers={cfg.elastic.max_workers}): name one pool per slice"
         )
-    local_tier = launch.local_tier_size if cfg.checkpoint.local_checkpoint_every else None
-    pod_resources(  # the pod's CPU and memory fit the node (and hold the local tier)
-        tpu.machine_type,
-        tpu.chips_per_host,
-        cpu=launch.cpu,
-        memory=launch.memory,
-        gcs_fuse=launch.gcs_fuse,
-        local_tier=local_tier,
-    )
+    launch.container_resources(cfg, tpu)  # the pod's CPU and memory fit the node (and hold the local tier)
     return launch
 
 

@@ -58,7 +58,7 @@ from training.gke.names import (
     jobset_name,
     label_value,
 )
-from training.gke.resources import fuse_sidecar_annotations, pod_resources
+from training.gke.resources import fuse_sidecar_annotations
 from training.gke.tpu import TPUSlice
 from training.priorities import PRIORITIES, priority_value
 from training.storage import GCS_MOUNTS_ENV
@@ -157,15 +157,7 @@ def _container(cfg: Config, tpu: TPUSlice, launch: GKELaunch, job: str, name: st
         _env_field("RTRAIN_POD_IP", "status.podIP"),
     ]
     env += [_env(k, v) for k, v in sorted(launch.env.items())]
-    local_tier = launch.local_tier_size if cfg.checkpoint.local_checkpoint_every else None
-    resources = pod_resources(
-        tpu.machine_type,
-        tpu.chips_per_host,
-        cpu=launch.cpu,
-        memory=launch.memory,
-        gcs_fuse=launch.gcs_fuse,
-        local_tier=local_tier,
-    )
+    resources = launch.container_resources(cfg, tpu)
     return {
         "name": CONTAINER_NAME,
         "image": launch.image,
