@@ -770,6 +770,17 @@ def gke_conf(**keys: Any) -> dict[str, Any]:
     return {**base, "machine_type": "ct6e-standard-4t", "tpu_topology": "4x4", "image": "img", **keys}
 
 
+def provisioned_config(root: str, dataset: str, min_workers: int, max_workers: int, hosts_per_slice: int) -> Any:
+    """The tiny preset on GKE as provisioning checks it before any pool: its root and prepared data in the emulator,
+    4 chips a host, and a global batch every size from min to max workers splits."""
+    overrides = {"root": root, "backend": "gke", "devices_per_worker": 4, "global_batch": 192, "dataset": dataset}
+    return load_config(
+        "tiny",
+        None,
+        overrides | {"min_workers": min_workers, "max_workers": max_workers, "hosts_per_slice": hosts_per_slice},
+    )
+
+
 def cloud(gke: dict[str, Any], client: container_v1.ClusterManagerClient) -> CloudCluster:
     return CloudCluster(gke, AnonymousCredentials(), cluster_manager=client, poll_s=0.001, backoff=Backoff(0.01, 0.01))
 
@@ -782,20 +793,7 @@ def test_the_gke_backend_provisions_for_min_workers_and_reports_each_pool(
     fake, client = pools
     gke = gke_conf(node_pools=[f"slice-{i}" for i in range(4)])
     backend = GKEBackend(gke, cloud(gke, client))
-    cfg = load_config(
-        "tiny",
-        None,
-        {
-            "root": gcs_root,
-            "backend": "gke",
-            "devices_per_worker": 4,
-            "global_batch": 192,
-            "dataset": gs_data,
-            "min_workers": 8,
-            "max_workers": 16,
-            "hosts_per_slice": 4,
-        },
-    )
+    cfg = provisioned_config(gcs_root, gs_data, 8, 16, 4)
     fake.fail_pools["slice-1"] = "ZONE_RESOURCE_POOL_EXHAUSTED"
     fake.slow_pools["slice-3"] = 1000
     result = backend.provision(JobSpec(cfg, GKESpec(gke)))
@@ -803,20 +801,7 @@ def test_the_gke_backend_provisions_for_min_workers_and_reports_each_pool(
     assert sorted(result["node_pools_up"]) == ["slice-0", "slice-2"] and result["node_pools_creating"] == ["slice-3"]
     assert list(result["node_pools_failed"]) == ["slice-1"]
     fake.fail_pools["slice-1"] = "ZONE_RESOURCE_POOL_EXHAUSTED"
-    cfg_all = load_config(
-        "tiny",
-        None,
-        {
-            "root": gcs_root,
-            "backend": "gke",
-            "devices_per_worker": 4,
-            "global_batch": 192,
-            "dataset": gs_data,
-            "min_workers": 16,
-            "max_workers": 16,
-            "hosts_per_slice": 4,
-        },
-    )
+    cfg_all = provisioned_config(gcs_root, gs_data, 16, 16, 4)
     with pytest.raises(TPUNodePoolError, match="of the 4 node pools the job needs at least are up"):
         backend.gke["provision_timeout_s"] = 0.05
         backend.provision(JobSpec(cfg_all, GKESpec(gke)))
@@ -846,20 +831,7 @@ def test_the_gke_backend_makes_flex_start_pools_when_the_conf_asks(
         kueue_queue="tpu-v5p",
     )
     backend = GKEBackend(gke, cloud(gke, client))
-    cfg = load_config(
-        "tiny",
-        None,
-        {
-            "root": gcs_root,
-            "backend": "gke",
-            "devices_per_worker": 4,
-            "global_batch": 192,
-            "dataset": gs_data,
-            "min_workers": 2,
-            "max_workers": 4,
-            "hosts_per_slice": 2,
-        },
-    )
+    cfg = provisioned_config(gcs_root, gs_data, 2, 4, 2)
     assert sorted(backend.provision(JobSpec(cfg, GKESpec(gke)))["node_pools_up"]) == ["slice-0", "slice-1"]
     made = list(fake.pools.values())
     assert len(made) == 2 and all(p.config.flex_start and p.queued_provisioning.enabled for p in made)
@@ -1031,20 +1003,7 @@ def test_rtrain_train_s_gke_run_fails_in_one_line_when_too_few_pools_come_up_and
 
     fake, client = pools
     gke = gke_conf(node_pools=["slice-0", "slice-1"], node_locations=["us-central1-a"])
-    cfg = load_config(
-        "tiny",
-        None,
-        {
-            "root": gcs_root,
-            "backend": "gke",
-            "devices_per_worker": 4,
-            "global_batch": 192,
-            "dataset": gs_data,
-            "min_workers": 8,
-            "max_workers": 8,
-            "hosts_per_slice": 4,
-        },
-    )
+    cfg = provisioned_config(gcs_root, gs_data, 8, 8, 4)
     run = GKERun(cfg, gke, cloud(gke, client))
     fake.fail_pools["slice-1"] = "ZONE_RESOURCE_POOL_EXHAUSTED: no capacity"
     with pytest.raises(LaunchError) as e:
@@ -1188,20 +1147,7 @@ def test_pools_refused_for_now_when_enough_were_up_are_made_by_the_job_s_looks(
     fake, client = pools
     busy = "Cluster is running incompatible operation operation-7. Please wait and try again."
     gke = gke_conf(node_pools=["slice-0", "slice-1", "slice-2"], namespace="training")
-    cfg = load_config(
-        "tiny",
-        None,
-        {
-            "root": gcs_root,
-            "backend": "gke",
-            "devices_per_worker": 4,
-            "global_batch": 192,
-            "dataset": gs_data,
-            "min_workers": 4,
-            "max_workers": 12,
-            "hosts_per_slice": 4,
-        },
-    )
+    cfg = provisioned_config(gcs_root, gs_data, 4, 12, 4)
     hook = jobset_hook(url)
     backend = GKEBackend(
         gke,
