@@ -270,7 +270,9 @@ def test_a_storage_failure_ends_the_job_naming_it_and_a_rerun_resumes(
         look = api.job_state(handle)
         print(f"{failure}: the job ended {took:.1f} s after the storage failed: {look['reason']}")
         assert look["state"] == "failed" and named in look["reason"] and "\n" not in look["reason"], look
-        assert took < 120, f"the job went on {took:.0f} s after its storage failed"
+        # It ended on the failure itself, not on the watchdog of a job that made no progress (hang_timeout_s:
+        # 120 s here), whatever this machine's load makes of the seconds between.
+        assert "(hang)" not in look["reason"], f"the job went on {took:.0f} s after its storage failed: {look}"
         procs = [p for p in psutil.process_iter(["cmdline"]) if cfg.run_uri in " ".join(p.info["cmdline"] or [])]
         assert not [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], procs
         if broken.writable:
