@@ -265,7 +265,13 @@ def test_a_storage_failure_ends_the_job_naming_it_and_a_rerun_resumes(
         wait_for(lambda: ((api.status(cfg.run_uri) or {}).get("latest_committed") or 0) >= 5, 240, "a checkpoint")
         t = time.time()
         named = broken.do()
-        st = wait_finished(handle, timeout=150)
+        try:
+            st = wait_finished(handle, timeout=150)
+        except AssertionError as e:  # what the job was doing instead of ending: its records, where still readable
+            told = [(x.get("type"), x.get("step"), x.get("reason")) for x in api.events(cfg.run_uri)[-25:]]
+            raise AssertionError(
+                f"{e}\nstatus: {api.status(cfg.run_uri)}\nevents: {told}\n{worker_logs(cfg.run_uri)}"
+            ) from None
         took = time.time() - t
         look = api.job_state(handle)
         print(f"{failure}: the job ended {took:.1f} s after the storage failed: {look['reason']}")
