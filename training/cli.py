@@ -387,6 +387,14 @@ def cmd_agent(args: argparse.Namespace) -> int:
     return agent_main(argv)
 
 
+def cmd_repair_slices(args: argparse.Namespace) -> int:
+    from training.backends.gke_selfrepair import main as repair_main
+
+    if args.every <= 0:
+        raise SystemExit(f"rtrain repair-slices: --every must be above 0, not {args.every}")
+    return repair_main(args.every)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from benchmarks import bench
 
@@ -533,6 +541,13 @@ def _host_commands(sub: Subcommands[argparse.ArgumentParser]) -> None:
     sp.add_argument("--coordinator-port", type=int, default=None, help="the jax.distributed port (0: a free one)")
     sp.add_argument("--bind-host", default=None, help="the address the coordinator binds")
     sp.set_defaults(fn=cmd_agent)
+
+    sp = sub.add_parser(
+        "repair-slices",
+        help="repair this pod's JobSet from inside it (what each slice's leader pod runs beside its agent)",
+    )
+    sp.add_argument("--every", type=float, default=15.0, help="seconds between two looks at the JobSet's pods")
+    sp.set_defaults(fn=cmd_repair_slices)
 
     sp = sub.add_parser(
         "bench", help="recovery (also at 1 GiB a process), checkpoint overhead, cost of resilience, restore throughput"

@@ -1128,12 +1128,12 @@ def test_failed_leaders_a_newer_pod_replaces_are_deleted_each_even_when_one_is_g
     assert sorted(p["metadata"]["name"] for p in api.pods) == ["js-slice-0-0-b", "js-slice-1-0-b"]
 
 
-def test_a_detached_gke_run_is_told_how_to_clean_up_and_that_nothing_reaps_its_failed_leaders() -> None:
+def test_a_detached_gke_run_is_told_how_to_clean_up_and_who_repairs_its_slices() -> None:
     from training.backends.gke_run import detached_line
 
     line = detached_line("gs://b/runs/r", gke_conf(node_pools=["slice-0"]))
     assert "rtrain status gs://b/runs/r" in line and "gcloud container node-pools delete slice-0" in line
-    assert "nothing deletes the failed leader pods" in line and "\n" not in line
+    assert "the slices' leader pods repair the JobSet" in line and "rtrain-repairs Role" in line and "\n" not in line
 
 
 def test_pools_refused_for_now_when_enough_were_up_are_made_by_the_job_s_looks(
@@ -1259,15 +1259,30 @@ def test_the_watch_makes_a_split_slices_job_again(k8s: tuple[FakeKubernetes, str
     assert api.deleted_jobs == [("js-slice-0", "Background")]
 
 
-def _launcher_rules() -> list[dict[str, Any]]:
-    """The rules docs/gke.md section 5 grants the launcher's account (its Role and ClusterRole, bound to it)."""
+def _rules_bound_to(subject: str) -> list[dict[str, Any]]:
+    """The rules docs/gke.md section 5 grants ``subject`` (a kind: ``User``, the launcher's account, or
+    ``ServiceAccount``, the pods'): its Roles and ClusterRoles, bound to it."""
     doc = (REPO / "docs" / "gke.md").read_text()
     section = doc[doc.index("## 5. Namespace, worker identity, Airflow's RBAC") :]
     block = section[section.index("```yaml") + len("```yaml") : section.index("```", section.index("```yaml") + 7)]
     objs = [o for o in yaml.safe_load_all(block) if o]
-    bound = {o["roleRef"]["name"] for o in objs if o["kind"] in ("RoleBinding", "ClusterRoleBinding")}
+    bound = {
+        o["roleRef"]["name"]
+        for o in objs
+        if o["kind"] in ("RoleBinding", "ClusterRoleBinding") and any(s["kind"] == subject for s in o["subjects"])
+    }
     return [
         r for o in objs if o["kind"] in ("Role", "ClusterRole") and o["metadata"]["name"] in bound for r in o["rules"]
+    ]
+
+
+def _refused(rules: list[dict[str, Any]], requests: list[tuple[str, str]]) -> list[tuple[str, str, str]]:
+    """The requests (method, path) that ``rules`` do not allow: each a 403 on GKE."""
+    made = {_rbac_request(method, path) for method, path in requests}
+    return [
+        (group, resource, verb)
+        for group, resource, verb in sorted(made)
+        if not any(group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"] for r in rules)
     ]
 
 
@@ -1309,15 +1324,39 @@ def test_the_launchers_rbac_in_docs_gke_md_allows_every_call_the_watch_and_its_r
     hook.capacity(TPUSlice("ct6e-standard-4t", "4x4"))
     hook.delete(m.name, "training")
 
-    rules = _launcher_rules()
     made = {_rbac_request(method, path) for method, path in api.requests}
-    refused = [
-        call
-        for call in sorted(made)
-        if not any(call[0] in r["apiGroups"] and call[1] in r["resources"] and call[2] in r["verbs"] for r in rules)
-    ]
     assert {c[1] for c in made} >= {"jobsets", "services", "pods", "nodes", "jobs"}, made
+    refused = _refused(_rules_bound_to("User"), api.requests)
     assert not refused, f"docs/gke.md section 5 does not allow: {refused}"
+
+
+def test_the_pods_rbac_in_docs_gke_md_allows_every_call_their_own_repairs_make(
+    k8s: tuple[FakeKubernetes, str],
+) -> None:
+    """``rtrain repair-slices``'s look and its three repairs, each call checked against what section 5 binds to the
+    pods' service account; and that account may not do more than repair (no create, no JobSet)."""
+    from training.backends.gke_selfrepair import OwnJobSet, repair_once
+
+    api, url = k8s
+    api.nodes = [tpu_node("n-a1", "pool-a"), tpu_node("n-b0", "pool-b")]
+    failed_leader = _slice_pod(0, 0, {"phase": "Failed"})
+    failed_leader["metadata"]["name"] = "js-slice-0-0-old"
+    api.pods = [
+        failed_leader,
+        _slice_pod(0, 0, RUNNING, nodeName="n-b0"),
+        _slice_pod(0, 1, RUNNING, nodeName="n-a1", nodeSelector={"cloud.google.com/gke-nodepool": "pool-a"}),
+    ]
+    for p in api.pods:
+        p["metadata"]["labels"]["jobset.sigs.k8s.io/jobset-name"] = "js"
+    assert repair_once(jobset_hook(url), OwnJobSet("js", "training"), 1.0) == 1.0
+    made = {_rbac_request(method, path) for method, path in api.requests}
+    assert made == {("", "pods", "list"), ("", "nodes", "list"), ("", "pods", "delete"), ("batch", "jobs", "delete")}
+    rules = _rules_bound_to("ServiceAccount")
+    assert not _refused(rules, api.requests), (
+        f"docs/gke.md section 5 does not allow the pods: {_refused(rules, api.requests)}"
+    )
+    assert not {g for r in rules for g in r["apiGroups"]} & {"jobset.x-k8s.io"}
+    assert not {v for r in rules for v in r["verbs"]} & {"create", "update", "patch"}
 
 
 def _suspended_since(obj: dict[str, Any], t: float) -> None:

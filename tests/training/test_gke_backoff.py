@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from jobs import wait_for
-from test_gke_pods import _policy_jobset
+from test_gke_pods import REPAIRERS, _policy_jobset, own_repairs
 
 from training.gke.names import (
     COMPLETION_INDEX_ANNOTATION,
@@ -101,18 +101,29 @@ def _reclaim_and_return(js: EmulatedJobSet, times: int) -> list[float]:
 
 
 @pytest.mark.slow  # reclaims of real pod processes, with the backoffs waited out (about 30 s)
-@pytest.mark.parametrize("recreate", [False, True])
+@pytest.mark.parametrize("repairer", REPAIRERS)
 def test_a_slice_reclaimed_4_times_comes_back_promptly_only_when_its_job_is_made_again(
-    tmp_path: Path, recreate: bool
+    tmp_path: Path, repairer: str
 ) -> None:
+    """Made again by the launcher's watch, or, with none running, by the leader pod of the slice that is left."""
     m, env = _policy_jobset(tmp_path)
-    with EmulatedJobSet(m, tmp_path / "cluster", env, failure_backoff_s=BACKOFF, recreate_held_back=recreate) as js:
+    with EmulatedJobSet(
+        m,
+        tmp_path / "cluster",
+        own_repairs(env) if repairer == "pods" else env,
+        failure_backoff_s=BACKOFF,
+        recreate_held_back=repairer == "watch",
+        serve_api=repairer == "pods",
+    ) as js:
         wait_for(lambda: len(js.running()) == 4, 20, "4 pods running")
         waits = _reclaim_and_return(js, 4)
-        if not recreate:  # the 4th reclaim is the index's 4th failure: 1 s * 2^3
+        if repairer == "none":  # the 4th reclaim is the index's 4th failure: 1 s * 2^3
             assert waits[3] >= 7.0 and waits[3] > waits[1] > 0, waits
             assert js.jobs_made[1] == 1 and [js.indexes[(1, i)].ignored for i in (0, 1)] == [4, 4]
-        else:  # the 2nd and 4th reclaims wait more than a first: the Job is made again, fresh
+        elif repairer == "watch":  # the 2nd and 4th reclaims wait more than a first: the Job is made again, fresh
             assert max(waits) < 4.0, waits
             assert js.jobs_made[1] == 3 and js.jobs_made[0] == 1
+        else:  # the pods judge the backoff at its real scale (10 s doubling), so more reclaims are worth a new Job
+            assert max(waits) < 4.0, waits
+            assert js.jobs_made[1] >= 3 and js.jobs_made[0] == 1
         assert [js.indexes[(1, i)].failures for i in (0, 1)] == [0, 0]  # none counted against the budget

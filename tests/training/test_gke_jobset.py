@@ -260,7 +260,10 @@ def test_launch_options_are_checked(kwargs: dict[str, Any], key: str) -> None:
 
 
 def run_entrypoint(container: dict[str, Any], env: dict[str, str]) -> list[str]:
-    """Run the container's real command with ``env``, ``echo`` in place of the program; return the agent's argv."""
+    """Run the container's real command with ``env``, ``echo`` in place of the program; return the agent's argv.
+
+    A slice's leader pod (host index 0) also starts its slice's repairs, and only it: checked here.
+    """
     assert container["command"][:2] == ["/bin/sh", "-c"]
     assert container["args"][:2] == ["rtrain", "agent"]
     out = subprocess.run(
@@ -271,7 +274,11 @@ def run_entrypoint(container: dict[str, Any], env: dict[str, str]) -> list[str]:
         check=True,
         timeout=10,
     ).stdout
-    return out.split()
+    lines = out.splitlines()
+    (agent,) = [line for line in lines if line.startswith("rtrain agent ")]
+    others = [line for line in lines if line != agent]
+    assert others == (["repair-slices"] if env["RTRAIN_HOST_INDEX"] == "0" else []), (env["RTRAIN_HOST_INDEX"], out)
+    return agent.split()
 
 
 def agent_args(argv: list[str]) -> dict[str, str]:

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 from jobs import wait_for
-from test_gke_pods import _toy_jobset
+from test_gke_pods import REPAIRERS, _toy_jobset, own_repairs
 
-from training.gke.names import JOB_INDEX_LABEL, NODEPOOL_LABEL
+from training.gke.names import JOB_INDEX_LABEL, NODEPOOL_LABEL, child_job_name
 from training.gke.pod_emulator import EmulatedJobSet
 from training.gke.reaper import mispinned_slices
 
@@ -52,19 +52,21 @@ def test_a_follower_pinned_to_another_pool_than_its_leaders_is_found() -> None:
 
 
 @pytest.mark.slow  # real pod processes through two reclaims (about 15 s)
-@pytest.mark.parametrize("repin", [False, True])
+@pytest.mark.parametrize("repairer", REPAIRERS)
 def test_two_slices_reclaimed_at_once_come_back_whole_only_when_the_split_slice_is_made_again(
-    tmp_path: Path, repin: bool
+    tmp_path: Path, repairer: str
 ) -> None:
+    """Made again by the launcher's watch, or, with none running, by the split slice's own leader pod."""
     m, env = _toy_jobset(tmp_path, PROGRAM)
     choice = {"pick": min}  # the scheduler's tie between free pools: the first placement one way, the next the other
     with EmulatedJobSet(
         m,
         tmp_path / "cluster",
-        env,
+        own_repairs(env) if repairer == "pods" else env,
         failure_backoff_s=(1.0, 60.0),
-        repin=repin,
+        repin=repairer == "watch",
         pick_pool=lambda pools: choice["pick"](pools),
+        serve_api=repairer == "pods",
     ) as js:
         wait_for(lambda: len(js.running()) == 4, 20, "4 pods running")
         before = {j: _pools(js, j) for j in (0, 1)}
@@ -86,7 +88,7 @@ def test_two_slices_reclaimed_at_once_come_back_whole_only_when_the_split_slice_
         choice["pick"] = max
         js.return_slice(0)
         js.return_slice(1)
-        if not repin:
+        if repairer == "none":
             wait_for(lambda: len(_pools(js, 0)) == 2, 20, "slice 0 split across both pools")
             time.sleep(3)
             assert len(_pools(js, 0)) == 2 and [p.index for p in js.running(1)] == [1]  # split; slice 1 stuck
@@ -94,3 +96,5 @@ def test_two_slices_reclaimed_at_once_come_back_whole_only_when_the_split_slice_
         wait_for(lambda: len(js.running()) == 4, 30, "both slices whole again")
         assert all(len(_pools(js, j)) == 1 for j in (0, 1)) and _pools(js, 0) != _pools(js, 1)
         assert js.jobs_made[0] == 2 and js.jobs_made[1] == 1  # the split slice's Job made again, once
+        if js.api is not None:
+            assert f"DELETE /apis/batch/v1/namespaces/default/jobs/{child_job_name(m.name, 0)}" in js.api.calls

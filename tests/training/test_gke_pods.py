@@ -232,9 +232,23 @@ def _toy_jobset(tmp_path: Path, program: str, **overrides: Any) -> tuple[Any, di
     )
     m = render(cfg, TPU, GKELaunch(image="img:1", spot=True), "j1")
     script = tmp_path / "rtrain"
-    script.write_text("#!/bin/sh\n" + program)
+    # A slice leader's entrypoint starts `rtrain repair-slices` too: the real one where $REPAIRS names it.
+    repairs = (
+        'if [ "${1:-}" = repair-slices ]; then [ -z "${REPAIRS:-}" ] || exec "$REPAIRS" "$@" --every 0.5; exit 0; fi\n'
+    )
+    script.write_text("#!/bin/sh\n" + repairs + program)
     script.chmod(0o755)
     return m, {"PATH": f"{tmp_path}:/usr/bin:/bin", "EXIT_DIR": str(tmp_path), "OUT": str(tmp_path)}
+
+
+def own_repairs(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the slices' leader pods running the real ``rtrain repair-slices`` (looking every 0.5 s)."""
+    return {**env, "REPAIRS": str(Path(sys.executable).with_name("rtrain"))}
+
+
+# Who repairs the slices: nobody, the launcher's watch (the emulator does its part), or the pods themselves
+# (their `rtrain repair-slices` through the emulated API server, with no watch running).
+REPAIRERS = ("none", "watch", "pods")
 
 
 def _policy_jobset(tmp_path: Path, **overrides: Any) -> tuple[Any, dict[str, str]]:
@@ -298,23 +312,31 @@ def _names(js: EmulatedJobSet, slice_: int, index: int) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("reaper", [False, True])
+@pytest.mark.parametrize("repairer", REPAIRERS)
 def test_a_slice_whose_leader_pod_failed_on_a_live_node_gets_its_follower_back_only_once_the_failed_leader_goes(
-    tmp_path: Path, reaper: bool
+    tmp_path: Path, repairer: str
 ) -> None:
     """JobSet's webhook counts the failed leader a live node keeps: the follower made again after it is refused
-    ("expected 1 leader pod ... but got 2") for good, unless the failed leader is deleted (the reaper)."""
+    ("expected 1 leader pod ... but got 2") for good, unless the failed leader is deleted: by the launcher's
+    watch, or, with no watch running, by the slice's new leader pod itself."""
     m, env = _policy_jobset(tmp_path)
-    with EmulatedJobSet(m, tmp_path / "cluster", env, failure_backoff_s=FAST_BACKOFF, reaper=reaper) as js:
+    env = own_repairs(env) if repairer == "pods" else env
+    serve = repairer == "pods"
+    reaper = repairer == "watch"
+    with EmulatedJobSet(
+        m, tmp_path / "cluster", env, failure_backoff_s=FAST_BACKOFF, reaper=reaper, serve_api=serve
+    ) as js:
         wait_for(lambda: len(js.running()) == 4, 20, "4 pods running")
         old = js.running(1)
         old_leader = old[0].name
         js.kill_pod(1, 0)  # a host error on slice 1: its leader's pod and then its follower's die, nodes alive
         js.kill_pod(1, 1)
         wait_for(lambda: all(p.phase == "Failed" for p in old), 10, "slice 1's pods failed")
-        if reaper:
+        if repairer != "none":
             wait_for(lambda: len(js.running(1)) == 2, 20, "slice 1's pods made again")
             assert old_leader not in _names(js, 1, 0)  # deleted once its successor existed
+            if js.api is not None:  # through the API, by a slice's leader pod (the emulator's own reaper is off)
+                assert f"DELETE /api/v1/namespaces/default/pods/{old_leader}" in js.api.calls, js.api.calls
             return
         wait_for(lambda: [r for r in js.refusals if "but got 2" in r], 20, "the follower refused")
         time.sleep(3 * FAST_BACKOFF[1])  # retries, all refused: the failed leader stays (no pod GC on a live node)
@@ -446,7 +468,7 @@ time.sleep(600)
 
 def test_no_pod_outlives_the_process_that_runs_the_emulator(tmp_path: Path) -> None:
     script = tmp_path / "rtrain"
-    script.write_text("#!/bin/sh\nexec sleep 600\n")
+    script.write_text('#!/bin/sh\n[ "${1:-}" != repair-slices ] || exit 0\nexec sleep 600\n')
     script.chmod(0o755)
     owner = subprocess.Popen([sys.executable, "-c", OWNER, str(tmp_path)])
     try:

@@ -30,17 +30,17 @@ from training.gke import (
     GKELaunch,
     GKEManifests,
     K8sObject,
+    Repairs,
     TPUSlice,
     check_config,
     child_job_name,
     describe_waiting,
-    held_back_slices,
     jobset_state,
-    mispinned_slices,
     node_is_usable,
+    pins_followers,
+    plan_repairs,
     pods_waiting,
     render,
-    replaced_leaders,
 )
 
 
@@ -146,19 +146,29 @@ class KubeJobSets:
     def waiting(self, name: str, namespace: str) -> str:
         """Why the JobSet's pods that do not run wait (scheduling, the image, ...), in one line; "" when none does.
 
-        Deletes on the way each failed leader pod a newer pod replaces, which JobSet's webhook would count, and
-        the child Job of each reclaimed slice whose Job holds its pods back, or whose follower is pinned to another
-        node pool than its leader's (``training.gke.reaper``): JobSet makes it again at once.
+        Makes :meth:`repair`'s repairs on the way, from the same look at the pods.
         """
         pods = self.pods(name, namespace)
-        for stale in replaced_leaders(pods):  # JobSet's webhook counts a failed leader: see training/gke/reaper.py
-            self._gone(self.core.delete_namespaced_pod, stale, namespace)
-        remake = set(held_back_slices(pods, time.time()))  # a reclaimed slice's grown backoff: a new Job at once
-        if any((p.get("spec") or {}).get("nodeSelector", {}).get(NODEPOOL_LABEL) for p in pods):
-            remake |= set(mispinned_slices(pods, self.node_pools()))  # a follower pinned to another pool
-        for j in sorted(remake):
-            self._gone(self.batch.delete_namespaced_job, child_job_name(name, j), namespace, "Background")
+        self.repair(name, namespace, pods)
         return describe_waiting(pods_waiting(pods))
+
+    def repair(self, name: str, namespace: str, pods: Sequence[Mapping[str, Any]] | None = None) -> Repairs:
+        """Repair the JobSet's slices (``training.gke.reaper``); what was found to repair.
+
+        Deletes each failed leader pod a newer pod replaces, which JobSet's webhook would count, and the child
+        Job of each reclaimed slice whose Job holds its pods back, or whose follower is pinned to another node
+        pool than its leader's: JobSet makes it again at once.  Each delete holds the uid it was seen with as a
+        precondition, so that several repairers (the launcher's watch, the slices' own agents) never delete
+        what another one has had made again since.
+        """
+        pods = self.pods(name, namespace) if pods is None else pods
+        pools = self.node_pools() if pins_followers(pods, NODEPOOL_LABEL) else None
+        todo = plan_repairs(pods, pools, time.time())
+        for pod, uid in todo.leader_pods:
+            self._gone(self.core.delete_namespaced_pod, pod, namespace, uid)
+        for j, uid in todo.slice_jobs:
+            self._gone(self.batch.delete_namespaced_job, child_job_name(name, j), namespace, uid, "Background")
+        return todo
 
     def node_pools(self) -> dict[str, str]:
         """Each node's pool (its ``cloud.google.com/gke-nodepool`` label)."""
@@ -166,12 +176,16 @@ class KubeJobSets:
         return {n.metadata.name: n.metadata.labels[NODEPOOL_LABEL] for n in nodes}
 
     @staticmethod
-    def _gone(delete: Any, obj: str, namespace: str, propagation: str | None = None) -> None:
-        """Delete ``obj``; one already gone (pod GC, another watcher) is no matter: the next look goes on."""
+    def _gone(delete: Any, obj: str, namespace: str, uid: str, propagation: str | None = None) -> None:
+        """Delete ``obj`` if it is still the one of ``uid``; one gone already, or made again since (another
+        repairer's), is no matter: the next look goes on."""
+        body = k8s.V1DeleteOptions(
+            preconditions=k8s.V1Preconditions(uid=uid) if uid else None, propagation_policy=propagation
+        )
         try:
-            delete(obj, namespace, **({"propagation_policy": propagation} if propagation else {}))
+            delete(obj, namespace, body=body)
         except ApiException as e:
-            if e.status != 404:
+            if e.status not in (404, 409):
                 raise
 
     def delete(self, name: str, namespace: str) -> bool:

@@ -211,7 +211,8 @@ def detached_line(run_uri: str, gke: Mapping[str, Any]) -> str:
     return (
         f"follow it with `rtrain status {run_uri}`; stop it with `rtrain stop {run_uri}`; "
         f"once it has ended, delete its node pools: {delete_pools_command(gke)}; "
-        "while detached, nothing deletes the failed leader pods that hold a slice out (docs/gke.md, 'Failed pods')"
+        "while detached, the slices' leader pods repair the JobSet (their service account needs docs/gke.md's "
+        "rtrain-repairs Role)"
     )
 
 

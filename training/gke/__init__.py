@@ -38,7 +38,7 @@ from training.gke.names import (
     K8sObject,
     child_job_name,
 )
-from training.gke.reaper import held_back_slices, mispinned_slices, replaced_leaders
+from training.gke.reaper import Repairs, pins_followers, plan_repairs
 from training.gke.tpu import TPUSlice
 
 __all__ = [
@@ -55,6 +55,7 @@ __all__ = [
     "GKEManifests",
     "GKESettings",
     "K8sObject",
+    "Repairs",
     "TPUSlice",
     "check_config",
     "check_launch",
@@ -62,14 +63,13 @@ __all__ = [
     "child_job_name",
     "describe_waiting",
     "fit_grace",
-    "held_back_slices",
     "jobset_state",
-    "mispinned_slices",
     "node_is_usable",
+    "pins_followers",
+    "plan_repairs",
     "pods_waiting",
     "suspended_since",
     "render",
-    "replaced_leaders",
     "settings_launch",
     "settings_keys",
     "settings_preemption_grace_s",

@@ -155,6 +155,7 @@ def _container(cfg: Config, tpu: TPUSlice, launch: GKELaunch, job: str, name: st
         _env_field("RTRAIN_SLICE_INDEX", f"metadata.labels['{JOB_INDEX_LABEL}']"),
         _env_field("RTRAIN_HOST_INDEX", f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"),
         _env_field("RTRAIN_POD_IP", "status.podIP"),
+        _env_field("RTRAIN_NAMESPACE", "metadata.namespace"),
     ]
     env += [_env(k, v) for k, v in sorted(launch.env.items())]
     resources = launch.container_resources(cfg, tpu)

@@ -79,13 +79,19 @@ WATCH_PORT_OFFSET = 14  # the watches' ports above the coordinator's (training.e
 # the downward API (the JobSet's name is the subdomain), never from $HOSTNAME: on the host network that
 # is the node's name, which the Service does not know.
 AGENT_ARGS = ("rtrain", "agent")
+# A slice's leader pod (host index 0) also runs its slice's own repairs beside the agent (``rtrain repair-slices``:
+# training.backends.gke_selfrepair), so that no watch need run for them; they end with the container.
 ENTRYPOINT_SCRIPT = (
     "set -eu\n"
+    'if [ "$RTRAIN_HOST_INDEX" = 0 ]; then "$1" repair-slices & fi\n'
     'exec "$@" --job "$RTRAIN_JOB" --host "s${RTRAIN_SLICE_INDEX}-h${RTRAIN_HOST_INDEX}" '
     '--coordinator-host "${RTRAIN_SUBDOMAIN}-' + REPLICATED_JOB + "-${RTRAIN_SLICE_INDEX}-${RTRAIN_HOST_INDEX}"
     '.${RTRAIN_SUBDOMAIN}" '
     '--coordinator-port "$RTRAIN_COORDINATOR_PORT" --bind-host "$RTRAIN_POD_IP"\n'
 )
+# A pod's way to its cluster's API server, for its slice's own repairs (training.backends.gke_selfrepair): the
+# pod's in-cluster configuration, or the address in this variable where one is set (the pod emulator's server).
+KUBE_API_ENV = "RTRAIN_KUBE_API"
 # Agent exit codes that end the job for good (training.elastic.codes.AgentExit.FAILED, SUPERSEDED and STOPPED):
 # the Job fails at once instead of recreating the pod.
 FINAL_EXIT_CODES = (3, 5, 7)

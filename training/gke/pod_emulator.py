@@ -16,7 +16,8 @@ What decides whether a slice comes back is modelled from the sources, each cited
 JobSet's pod webhooks under exclusive placement (v0.12.0), failed pods kept until pod garbage
 collection, a Spot reclaim's node shutdown and node deletion (GKE), and the Job controller's
 backoffs (Kubernetes).  ``reaper=True`` runs :func:`training.gke.reaper.replaced_leaders` on the pods
-each tick, as the backend's watch does on a cluster.
+each tick, as the backend's watch does on a cluster; ``serve_api=True`` serves the API calls the pods'
+own repairs make instead (:mod:`training.gke.emulated_api`).
 """
 
 from __future__ import annotations
@@ -34,17 +35,20 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from training.cpu_devices import cpu_process_env
+from training.gke.emulated_api import ClusterAPI, EmulatedAPI
 from training.gke.job_controller import Index, JobControllers
 from training.gke.manifests import GKEManifests
 from training.gke.names import (
     COMPLETION_INDEX_ANNOTATION,
     CRITICAL_PODS_GRACE_S,
     EXCLUSIVE_TOPOLOGY_ANNOTATION,
+    KUBE_API_ENV,
     NODEPOOL_LABEL,
     POD_FAILURE_BACKOFF_S,
     SPOT_SHUTDOWN_GRACE_S,
     TPU_RESOURCE,
     K8sObject,
+    child_job_name,
 )
 from training.gke.pod_specs import (
     Node,
@@ -56,6 +60,7 @@ from training.gke.pod_specs import (
     kubelet_env,
     pod_ip,
     pod_object,
+    rfc3339,
     webhook_env,
 )
 from training.gke.reaper import held_back_slices, mispinned_slices, replaced_leaders
@@ -89,6 +94,7 @@ class _Kubelet:
     pools: list[str]
     pick_pool: Callable[[list[str]], str]
     indexes: dict[tuple[int, int], Index]
+    jobs_made: dict[int, int]
     renew_node_names: bool
     state: str
     deleted: bool
@@ -163,7 +169,15 @@ class _Kubelet:
     def _new_pod(self, j: int, i: int) -> Pod:
         self._made += 1
         obj = expand_pod(self.jobset, j, i, f"{self._made:05d}")
-        return Pod(name=obj["metadata"]["name"], slice=j, index=i, obj=obj)
+        meta = obj["metadata"]
+        meta["uid"], meta["creationTimestamp"] = f"pod-{self._made:05d}", rfc3339(time.time())
+        job = child_job_name(self.jobset["metadata"]["name"], j)
+        meta["ownerReferences"] = [{"apiVersion": "batch/v1", "kind": "Job", "name": job, "uid": self.job_uid(j)}]
+        return Pod(name=meta["name"], slice=j, index=i, obj=obj)
+
+    def job_uid(self, j: int) -> str:
+        """Slice ``j``'s child Job's uid: one per time the Job was made."""
+        return f"job-{j}-{self.jobs_made.get(j, 1)}"
 
     def _place(self, pod: Pod, node: Node) -> None:
         self._placed += 1
@@ -227,7 +241,7 @@ class _Kubelet:
                 pod.proc.send_signal(signal.SIGTERM)  # to the container's first process, as the runtime does
 
 
-class EmulatedJobSet(_Kubelet, JobControllers):
+class EmulatedJobSet(_Kubelet, JobControllers, ClusterAPI):
     """A rendered JobSet whose pods run here; its slices' nodes come and go at the caller's word.
 
     ``spot_shutdown_grace_s`` is the Spot nodes' shutdown grace (GKE's 30 s by default: 15 s for the
@@ -240,7 +254,8 @@ class EmulatedJobSet(_Kubelet, JobControllers):
     holds back (:func:`training.gke.reaper.held_back_slices`), as the backend's watch does.
     ``spare_pools``: node pools of the shape beyond one a slice; ``pick_pool``: the scheduler's choice among the pools
     a pod may go to; ``repin``: make again the Job of a slice whose follower is pinned to another pool than its
-    leader's (:func:`training.gke.reaper.mispinned_slices`), as the backend's watch does.
+    leader's (:func:`training.gke.reaper.mispinned_slices`), as the backend's watch does.  ``serve_api``: an API
+    server on 127.0.0.1 for the pods (``$RTRAIN_KUBE_API``), so that their own repairs reach the cluster.
     """
 
     def __init__(
@@ -260,6 +275,7 @@ class EmulatedJobSet(_Kubelet, JobControllers):
         repin: bool = True,
         spare_pools: int = 0,
         pick_pool: Callable[[list[str]], str] = min,
+        serve_api: bool = False,
     ) -> None:
         self.m = manifests
         self.jobset = manifests.jobset
@@ -299,6 +315,9 @@ class EmulatedJobSet(_Kubelet, JobControllers):
         self._thread = threading.Thread(target=self._run, name="jobset-emulator", daemon=True)
         self.hosts_file = self.workdir / "hosts"
         self._unshare = unshare_argv()
+        self.api = EmulatedAPI(self) if serve_api else None  # the pods reach it at $RTRAIN_KUBE_API
+        if self.api is not None:
+            self.image_env[KUBE_API_ENV] = self.api.url
 
     # --- the caller's view ---------------------------------------------------------------------
 
@@ -313,6 +332,8 @@ class EmulatedJobSet(_Kubelet, JobControllers):
         """Create the JobSet: the Job controller makes its pods at its first tick."""
         with self._lock:
             self._write_hosts()
+        if self.api is not None:
+            self.api.start()
         self._thread.start()
 
     @property
@@ -399,6 +420,8 @@ class EmulatedJobSet(_Kubelet, JobControllers):
                 _killpg(pod.proc.pid, signal.SIGKILL)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self._ended(pod, pod.proc.wait(timeout=10))
+        if self.api is not None:
+            self.api.close()
 
     def _live(self) -> list[Pod]:
         """The pods whose container has not ended."""

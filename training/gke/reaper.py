@@ -18,6 +18,7 @@ and ``podReplacementPolicy: Failed`` makes the replacement only once the old pod
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -162,3 +163,55 @@ def mispinned_slices(pods: Sequence[Mapping[str, Any]], pool_of: Mapping[str, st
 
 
 ACTIVE = ("Pending", "Running")
+
+
+# --- one look's repairs ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Repairs:
+    """What one look at a JobSet's pods repairs: failed leader pods to delete, slices whose Job to make again.
+
+    Each is named with the uid it was seen with: deleting under that uid as a precondition
+    (``DeleteOptions.preconditions``) leaves alone a pod or Job that another repairer (the launcher's
+    watch, another slice's agents) has had made again since.
+    """
+
+    leader_pods: list[tuple[str, str]] = field(default_factory=list)  # (pod name, pod uid)
+    slice_jobs: list[tuple[int, str]] = field(default_factory=list)  # (slice, its child Job's uid; "" unknown)
+
+    def __bool__(self) -> bool:
+        return bool(self.leader_pods or self.slice_jobs)
+
+
+def plan_repairs(pods: Sequence[Mapping[str, Any]], pool_of: Mapping[str, str] | None, now: float) -> Repairs:
+    """The repairs one JobSet's pods need: :func:`replaced_leaders`, :func:`held_back_slices` and, given each
+    node's pool (``pool_of``; None where no follower is pinned to a pool), :func:`mispinned_slices`."""
+    by_name = {str((p.get("metadata") or {}).get("name")): p for p in pods}
+    leaders = [(name, _uid(by_name[name])) for name in replaced_leaders(pods)]
+    remake = set(held_back_slices(pods, now))
+    if pool_of is not None:
+        remake |= set(mispinned_slices(pods, pool_of))
+    return Repairs(leaders, [(j, job_uid(pods, j)) for j in sorted(remake)])
+
+
+def pins_followers(pods: Sequence[Mapping[str, Any]], pool_label: str) -> bool:
+    """Is any pod pinned to a node pool (JobSet's webhook pins followers so): the nodes' pools then matter."""
+    return any(((p.get("spec") or {}).get("nodeSelector") or {}).get(pool_label) for p in pods)
+
+
+def job_uid(pods: Sequence[Mapping[str, Any]], slice_: int) -> str:
+    """The uid of slice ``slice_``'s child Job as its newest pod names it (its owner reference); "" if none does."""
+    owned = []
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        if str((meta.get("labels") or {}).get(JOB_INDEX_LABEL)) != str(slice_):
+            continue
+        for ref in meta.get("ownerReferences") or []:
+            if ref.get("kind") == "Job" and ref.get("uid"):
+                owned.append((str(meta.get("creationTimestamp") or ""), str(ref["uid"])))
+    return max(owned)[1] if owned else ""
+
+
+def _uid(obj: Mapping[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("uid") or "")
