@@ -87,12 +87,24 @@ for name, layout in {"same": specs, "rows": {**specs, "w": P(("data", "fsdp"))},
     abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(four, layout[k])) for k, v in host.items()}
     tier = local.LocalTier(d, 2, four, abstract)
     assert tier.check(7) == "", tier.check(7)
+    flight = tier.in_flight  # the parts started for their devices while the copy was summed
     got, pos = tier.restore(7)
     out[name] = all(np.asarray(got[k]).tobytes() == np.asarray(host[k]).tobytes() for k in host) and pos == {"next_batch": 7}
     out[name + "_sharding"] = str(got["w"].sharding.spec)
+    out[name + "_sent_while_checked"] = flight is not None and flight[0] == 7 and tier.in_flight is None
+    out[name + "_parts_used"] = flight is not None and any(
+        p.unsafe_buffer_pointer() == s.data.unsafe_buffer_pointer()
+        for p in flight[1].parts for s in got["w"].addressable_shards)
 shards = d / "7" / local_copy.SHARDS
 raw = bytearray(shards.read_bytes()); raw[4096 + 10] ^= 0x20; shards.write_bytes(bytes(raw))
+sent, send = [], local_copy.send
+def spy(m, a):
+    f = send(m, a)
+    sent.append(list(f.parts))
+    return f
+local_copy.send = spy
 out["damaged"] = tier.check(7)
+out["damaged_parts_dropped"] = tier.in_flight is None and len(sent) == 1 and all(p.is_deleted() for p in sent[0])
 print(json.dumps(out))
 """
 
@@ -117,6 +129,10 @@ def test_a_copy_restores_bit_exact_onto_any_layout_and_a_flipped_byte_is_refused
     assert got["same"] and got["rows"] and got["cols"], got
     assert got["rows_sharding"] == "P(('data', 'fsdp'),)" and got["cols_sharding"] == "P(None, 'fsdp')"
     assert got["damaged"] == "local step 7: file lean/0.bin fails its CRC32C check (chunk 1, from byte 4096)"
+    # The parts go to their devices while the copy is summed, and are the restored state's; a copy that fails its
+    # sums has its parts' device memory given back.
+    assert all(got[f"{n}_sent_while_checked"] and got[f"{n}_parts_used"] for n in ("same", "rows", "cols")), got
+    assert got["damaged_parts_dropped"], got
 
 
 # Writes step 2, then step 4 over the spare left by ... (keep 1: step 2's file becomes the spare at step 4), stalling

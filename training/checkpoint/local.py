@@ -27,6 +27,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,11 +161,14 @@ def verify(directory: Path, step: int) -> str:
     return problem
 
 
-def open_checked(directory: Path, step: int, pool: Executor) -> tuple[str, Mapped | None]:
+def open_checked(
+    directory: Path, step: int, pool: Executor, on_mapped: Callable[[Mapped], None] | None = None
+) -> tuple[str, Mapped | None]:
     """This host's copy of ``step`` mapped, once every file matches its manifest: ('', copy), else (what is wrong, None).
 
     The small files are summed whole; the shard file's bytes chunk by chunk in ``pool``'s threads
-    (which also brings the mapping's pages in for the restore that follows).
+    (which also brings the mapping's pages in for the restore that follows).  ``on_mapped`` is called
+    with the copy once it is mapped and its sizes match, before its bytes are summed.
     """
     path = directory / MANIFEST.format(step=step)
     try:
@@ -190,6 +194,8 @@ def open_checked(directory: Path, step: int, pool: Executor) -> tuple[str, Mappe
         return f"file {SHARDS} of local step {step} has {copy.data.nbytes} bytes, {size} when saved (truncated?)", None
     if (copy.chunks.size, copy.digest) != expected[SHARDS]:
         return f"file {SHARDS} of local step {step} is not the one its manifest describes", None
+    if on_mapped is not None:
+        on_mapped(copy)
     problem = local_copy.check(copy, pool)
     return (f"local step {step}: {problem}", None) if problem else ("", copy)
 
@@ -267,6 +273,7 @@ class LocalTier:
         self.bg: Any = None
         self.writer = StepWriter()
         self.checked: dict[int, Mapped] = {}  # copies checked whole (mapped), for the restore that follows
+        self.in_flight: tuple[int, local_copy.InFlight] | None = None  # a checked copy's parts, sent while summed
         if not self.enabled:
             return
         from training.checkpoint.manager import BackgroundSave
@@ -355,24 +362,49 @@ class LocalTier:
         return [(step, now - t0) for step, t0 in done]
 
     def check(self, step: int) -> str:
-        """'' when this host's copy of ``step`` is whole and as written (kept mapped for :meth:`restore`), else why not."""
+        """'' when this host's copy of ``step`` is whole and as written (kept mapped for :meth:`restore`), else why not.
+
+        Its parts start for their devices as soon as it is mapped, while its sums are checked: the restore that
+        follows waits only for what is left of the transfer.  Parts of a copy that fails are dropped.
+        """
+        self._drop_in_flight()  # an earlier candidate's parts: one state's worth of device memory at a time
+
+        def send(copy: Mapped) -> None:
+            try:
+                self.in_flight = (step, local_copy.send(copy, self.abstract))
+            except Exception:  # noqa: BLE001 - a copy the state cannot take: the restore says why, if it is taken
+                self.in_flight = None
+
         with ThreadPoolExecutor(bulk.THREADS, thread_name_prefix="rtrain-local-check") as pool:
-            problem, copy = open_checked(self.directory, step, pool)
-        if copy is not None:
+            problem, copy = open_checked(self.directory, step, pool, on_mapped=send)
+        if copy is None:
+            self._drop_in_flight()
+        else:
             self.checked[step] = copy
         return problem
 
     def restore(self, step: int) -> tuple[Any, DataPosition]:
         """This host's copy of ``step`` as the global state on the current mesh, and its data position.
 
-        A copy :meth:`check` passed is read from the mapping it made (its pages are in already).
+        A copy :meth:`check` passed is read from the mapping it made (its pages are in already), its parts
+        already on their way.
         """
         copy = self.checked.pop(step, None)
         self.checked.clear()  # the other candidates' mappings
         self.writer.adopted.add(step)  # a CPU device may hold the file's pages as its buffers: never written over
+        flight, self.in_flight = self.in_flight, None
+        if flight is not None and flight[0] == step and copy is not None:
+            return local_copy.receive(flight[1])
+        if flight is not None:
+            flight[1].drop()
         if copy is None:
             return read_step(self.directory, step, self.abstract)
         return local_copy.restore(copy, self.abstract)
+
+    def _drop_in_flight(self) -> None:
+        flight, self.in_flight = self.in_flight, None
+        if flight is not None:
+            flight[1].drop()
 
     def finish_writing(self, timeout: float) -> None:
         """Let the write in flight finish, waiting at most ``timeout`` seconds (from any thread: the process is leaving).

@@ -113,6 +113,31 @@ def restore(m: Mapped, abstract: Any) -> tuple[Any, DataPosition]:
     the state then lives in the file's pages until the first step replaces it: such a file must
     not be written over while the state may hold it (the local tier deletes it instead).
     """
+    return receive(send(m, abstract))
+
+
+@dataclass
+class InFlight:
+    """A mapped copy's parts on their way to their devices (:func:`send`); :func:`receive` makes them the state."""
+
+    abstract: Any
+    parts: list[Any]  # one array a device, leaf by leaf
+    per_leaf: list[int]  # how many parts each leaf has
+    data: DataPosition
+
+    def drop(self) -> None:
+        """Give the parts' device memory back (a copy that failed its check, a candidate not taken)."""
+        for part in self.parts:
+            part.delete()
+        self.parts = []
+
+
+def send(m: Mapped, abstract: Any) -> InFlight:
+    """Start putting the mapped copy's parts on their devices, as :func:`restore` does; return without waiting.
+
+    The transfers go on while the caller does something else: checking the copy's sums, for one.
+    ValueError when the copy's leaves are not the state's.
+    """
     import jax
 
     saved: dict[str, list[lean.Saved]] = {}
@@ -135,15 +160,21 @@ def restore(m: Mapped, abstract: Any) -> tuple[Any, DataPosition]:
             want = lean.box_of(ix, a.shape)
             jobs.append((dev, _part(name, dtype, saved.get(name, []), want, blobs), a.dtype))
         per_leaf.append(len(places))
+    parts = jax.device_put([host.astype(dtype, copy=False) for _, host, dtype in jobs], [dev for dev, _, _ in jobs])
+    return InFlight(abstract, list(parts), per_leaf, data_position(m.meta["data"]))
 
-    parts = jax.block_until_ready(
-        jax.device_put([host.astype(dtype, copy=False) for _, host, dtype in jobs], [dev for dev, _, _ in jobs])
-    )
+
+def receive(f: InFlight) -> tuple[Any, DataPosition]:
+    """The state :func:`send` is putting on the devices, once every part is there, and its data position."""
+    import jax
+
+    parts = jax.block_until_ready(f.parts)
+    paths_abstract = jax.tree_util.tree_leaves_with_path(f.abstract)
     out, i = [], 0
-    for (_, a), n in zip(paths_abstract, per_leaf, strict=True):
+    for (_, a), n in zip(paths_abstract, f.per_leaf, strict=True):
         out.append(jax.make_array_from_single_device_arrays(a.shape, a.sharding, parts[i : i + n]))
         i += n
-    return jax.tree.unflatten(jax.tree.structure(abstract), out), data_position(m.meta["data"])
+    return jax.tree.unflatten(jax.tree.structure(f.abstract), out), f.data
 
 
 class _Mapping:
