@@ -889,6 +889,11 @@ def test_training_image_installs_every_runtime_dependency() -> None:
     )
     assert not missing, f"docker/Dockerfile.train does not install {missing}"
     assert "jax[tpu]" in text and "--constraint constraints.txt" in text and "--no-deps" in text
+    # The build imports what a pod runs: the agent, its worker, and the repairs a slice's leader starts beside it.
+    check = next(line for line in text.splitlines() if "python -c" in line and "import training" in line)
+    assert all(
+        m in check for m in ("training.elastic.agent", "training.elastic.worker", "training.backends.gke-selfrepair")
+    )
     # The maxtext extra, behind --build-arg MAXTEXT=1: every package of it.
     extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["maxtext"]
     block = text[text.index('if [ "$maxtext" = 1 ]') :].split("; fi", 1)[0]
