@@ -95,6 +95,11 @@ for name, layout in {"same": specs, "rows": {**specs, "w": P(("data", "fsdp"))},
     out[name + "_parts_used"] = flight is not None and any(
         p.unsafe_buffer_pointer() == s.data.unsafe_buffer_pointer()
         for p in flight[1].parts for s in got["w"].addressable_shards)
+tier = local.LocalTier(d, 2, four, abstract)
+assert tier.check(7) == ""
+kept = list(tier.in_flight[1].parts)
+tier.forget_checked()  # the round restores from elsewhere: the checked copy's parts leave the devices
+out["forgotten"] = tier.in_flight is None and not tier.checked and all(p.is_deleted() for p in kept)
 shards = d / "7" / local_copy.SHARDS
 raw = bytearray(shards.read_bytes()); raw[4096 + 10] ^= 0x20; shards.write_bytes(bytes(raw))
 sent, send = [], local_copy.send
@@ -132,7 +137,7 @@ def test_a_copy_restores_bit_exact_onto_any_layout_and_a_flipped_byte_is_refused
     # The parts go to their devices while the copy is summed, and are the restored state's; a copy that fails its
     # sums has its parts' device memory given back.
     assert all(got[f"{n}_sent_while_checked"] and got[f"{n}_parts_used"] for n in ("same", "rows", "cols")), got
-    assert got["damaged_parts_dropped"], got
+    assert got["damaged_parts_dropped"] and got["forgotten"], got
 
 
 # Writes step 2, then step 4 over the spare left by ... (keep 1: step 2's file becomes the spare at step 4), stalling

@@ -401,6 +401,11 @@ class LocalTier:
             return read_step(self.directory, step, self.abstract)
         return local_copy.restore(copy, self.abstract)
 
+    def forget_checked(self) -> None:
+        """No checked copy is restored (the round restores from elsewhere): drop their mappings and parts in flight."""
+        self.checked.clear()
+        self._drop_in_flight()
+
     def _drop_in_flight(self) -> None:
         flight, self.in_flight = self.in_flight, None
         if flight is not None:

@@ -223,6 +223,7 @@ def pick_local_step(
                 host=os.environ.get("RTRAIN_HOST"),
                 reason=problem,
             )
+    tier.forget_checked()  # no local copy is taken: its mappings and device memory go before the persistent restore
     return None
 
 
