@@ -1298,6 +1298,21 @@ def _rbac_request(method: str, path: str) -> tuple[str, str, str]:
     return group, resource, verb
 
 
+def _needs_every_repair(api: FakeKubernetes, jobset: str) -> None:
+    """Give the cluster two pools and a JobSet's pods that need a repair of each kind: a failed leader a newer pod
+    replaces, and a slice split across the pools (its follower pinned to the other one)."""
+    api.nodes = [tpu_node("n-a1", "pool-a"), tpu_node("n-b0", "pool-b")]
+    failed_leader = _slice_pod(0, 0, {"phase": "Failed"})
+    failed_leader["metadata"]["name"] = "js-slice-0-0-old"
+    api.pods = [
+        failed_leader,
+        _slice_pod(0, 0, RUNNING, nodeName="n-b0"),
+        _slice_pod(0, 1, RUNNING, nodeName="n-a1", nodeSelector={"cloud.google.com/gke-nodepool": "pool-a"}),
+    ]
+    for p in api.pods:
+        p["metadata"]["labels"]["jobset.sigs.k8s.io/jobset-name"] = jobset
+
+
 def test_the_launchers_rbac_in_docs_gke_md_allows_every_call_the_watch_and_its_repairs_make(
     k8s: tuple[FakeKubernetes, str],
 ) -> None:
@@ -1309,16 +1324,7 @@ def test_the_launchers_rbac_in_docs_gke_md_allows_every_call_the_watch_and_its_r
     m = render(cfg, TPUSlice("ct6e-standard-4t", "4x4"), GKELaunch(image="img:1", namespace="training"), "j6")
     hook.create(m)
     hook.state(m.name, "training")
-    api.nodes = [tpu_node("n-a1", "pool-a"), tpu_node("n-b0", "pool-b")]
-    failed_leader = _slice_pod(0, 0, {"phase": "Failed"})
-    failed_leader["metadata"]["name"] = "js-slice-0-0-old"
-    api.pods = [
-        failed_leader,
-        _slice_pod(0, 0, RUNNING, nodeName="n-b0"),
-        _slice_pod(0, 1, RUNNING, nodeName="n-a1", nodeSelector={"cloud.google.com/gke-nodepool": "pool-a"}),
-    ]
-    for p in api.pods:
-        p["metadata"]["labels"]["jobset.sigs.k8s.io/jobset-name"] = m.name
+    _needs_every_repair(api, m.name)
     hook.waiting(m.name, "training")
     assert api.deleted_jobs and any(method == "DELETE" and "/pods/" in path for method, path in api.requests)
     hook.capacity(TPUSlice("ct6e-standard-4t", "4x4"))
@@ -1338,16 +1344,7 @@ def test_the_pods_rbac_in_docs_gke_md_allows_every_call_their_own_repairs_make(
     from training.backends.gke_selfrepair import OwnJobSet, repair_once
 
     api, url = k8s
-    api.nodes = [tpu_node("n-a1", "pool-a"), tpu_node("n-b0", "pool-b")]
-    failed_leader = _slice_pod(0, 0, {"phase": "Failed"})
-    failed_leader["metadata"]["name"] = "js-slice-0-0-old"
-    api.pods = [
-        failed_leader,
-        _slice_pod(0, 0, RUNNING, nodeName="n-b0"),
-        _slice_pod(0, 1, RUNNING, nodeName="n-a1", nodeSelector={"cloud.google.com/gke-nodepool": "pool-a"}),
-    ]
-    for p in api.pods:
-        p["metadata"]["labels"]["jobset.sigs.k8s.io/jobset-name"] = "js"
+    _needs_every_repair(api, "js")
     assert repair_once(jobset_hook(url), OwnJobSet("js", "training"), 1.0) == 1.0
     made = {_rbac_request(method, path) for method, path in api.requests}
     assert made == {("", "pods", "list"), ("", "nodes", "list"), ("", "pods", "delete"), ("batch", "jobs", "delete")}

@@ -10,11 +10,9 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from jobs import wait_for
@@ -23,6 +21,7 @@ from test_gke_pods import FAST_BACKOFF, _policy_jobset
 
 from training.backends.gke_jobsets import KubeJobSets
 from training.backends.gke_selfrepair import FORBIDDEN_EVERY_S, OwnJobSet, repair_once
+from training.gke.emulated_api import EmulatedAPI, EmulatedCluster, status
 from training.gke.names import child_job_name
 from training.gke.pod_emulator import EmulatedJobSet
 from training.gke.reaper import job_uid
@@ -72,31 +71,20 @@ def test_repair_slices_outside_a_cluster_says_so_in_one_line_and_exits_0() -> No
         assert got.stderr.count("\n") == 1 and "no repairs from here" in got.stderr, got.stderr
 
 
-@pytest.fixture
-def forbidding_server() -> Iterator[str]:
+class Forbidding(EmulatedAPI):
     """An API server that refuses every call, as one does to a service account without the Role."""
 
-    class Handler(BaseHTTPRequestHandler):
-        def _serve(self) -> None:
-            data = b'{"kind":"Status","apiVersion":"v1","status":"Failure","reason":"Forbidden","code":403}'
-            self.send_response(403)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def answer(self, method: str, target: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        return 403, status(403, f"{method} {target} is forbidden")
 
-        do_GET = do_DELETE = _serve
 
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+@pytest.fixture
+def forbidding_server() -> Iterator[str]:
+    server = Forbidding(cast(EmulatedCluster, None)).start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
+        yield server.url
     finally:
-        server.shutdown()
-        server.server_close()
+        server.close()
 
 
 def test_a_service_account_that_may_not_repair_is_told_which_role_to_grant_and_asked_less_often(

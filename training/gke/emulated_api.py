@@ -124,7 +124,7 @@ class ClusterAPI:
 
 def status(code: int, message: str) -> K8sObject:
     """A ``Status`` object, as the API server answers a failed call."""
-    reason = {404: "NotFound", 409: "Conflict", 405: "MethodNotAllowed"}.get(code, "Unknown")
+    reason = {403: "Forbidden", 404: "NotFound", 405: "MethodNotAllowed", 409: "Conflict"}.get(code, "Unknown")
     return {
         "kind": "Status",
         "apiVersion": "v1",
