@@ -321,7 +321,7 @@ class HostAgent:
         if error:
             self.reports.report(rnd.round, rank, Outcome.FAILED, reason=error)
             return
-        self.heart.update(state="training", round=rnd.round, rank=rank, step=None, loss=None)
+        self.heart.update(state="training", round=rnd.round, rank=rank, step=None, loss=None, unreported=None)
 
     # --- the worker ---------------------------------------------------------------------------
 

@@ -74,6 +74,9 @@ class HostRecord:
     watch: str = ""  # host:port of its host-watch listener (the leader holds a connection to it)
     worker_pid: int | None = None  # its worker's process (the round's), while one runs; on ``node``
     standby_pid: int | None = None  # its standby worker's process, while one warms up or waits
+    # A report of its worker's end that could not be written as a file (a full disk): the heartbeat,
+    # rewritten in place, carries it to the leader instead.
+    unreported: JSONObject | None = None
 
     @classmethod
     def from_json(cls, data: JSONObject) -> HostRecord:

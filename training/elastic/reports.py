@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -249,8 +249,11 @@ class ReportHandler:
         rep = Report(round=round_, host=self.host, rank=rank, outcome=outcome.value, **fields)
         try:
             self.rdv.report(rep)
-        except Exception as e:  # noqa: BLE001 - the leader also sees the heartbeat
+        except Exception as e:  # noqa: BLE001 - the heartbeat carries it
             log.warning("[%s] could not report round %s: %s", self.host, round_, e)
+            # A heartbeat is rewritten in place: it gets through where a new file cannot (a full disk).
+            carried = replace(rep, reason=f"{rep.reason} (its report could not be written: {e})")
+            self.heart.update(unreported=asdict(carried))
             if is_transient(e):  # the writer tries again while the root fails
                 self.writer.put(lambda: self.writer.until_written(lambda: self.rdv.report(rep)))
 

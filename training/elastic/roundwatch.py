@@ -33,6 +33,19 @@ def round_broken(
     return None
 
 
+def carried_reports(rnd: Round, view: HostView, reps: dict[str, Report]) -> dict[str, Report]:
+    """The round's reports that members' agents could not write, as their heartbeats carry them."""
+    out = {}
+    for h in rnd.members:
+        rec = view.hosts.get(h)
+        if h in reps or rec is None or not rec.unreported:
+            continue
+        rep = Report.from_json(rec.unreported)
+        if rep.round == rnd.round:
+            out[h] = rep
+    return out
+
+
 class RoundWatch:
     """Watches the running round: has it ended, has it failed, has it stalled, could a larger one form?"""
 
@@ -49,6 +62,7 @@ class RoundWatch:
     def look(self, rnd: Round, now: float) -> dict[str, Report] | RoundFailed | None:
         """Every member's report once all have ended; the failure, if the round failed; else None (it trains)."""
         reps = self.rdv.reports(rnd.round)
+        reps.update(carried_reports(rnd, self.view, reps))
         if set(rnd.members) <= set(reps):
             return reps
         broken = round_broken(rnd, reps, self.view, self.cfg.elastic, now)
