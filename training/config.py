@@ -92,25 +92,11 @@ def _flat_property(section: str, name: str) -> property:
 # What a section derives from its keys, read flat as well.
 DERIVED = {"kv_heads": ("model", "kv_heads"), "head_dim": ("model", "head_dim")}
 
-if TYPE_CHECKING:  # the flat keys, typed for the checker (the sections' fields)
+if TYPE_CHECKING:  # the flat keys are for users' configs and old code, not the engine: a flat read is a type error
 
-    class _FlatKeys(
-        ModelSection, DataSection, CheckpointSection, ElasticSection, PlacementSection, ObservabilitySection
-    ):
-        steps: int
-        global_batch: int
-        grad_accum: int
-        learning_rate: float
-        b1: float
-        b2: float
-        eps: float
-        schedule: str
-        decay_fraction: float
-        warmup_steps: int
-        min_lr_ratio: float
-        weight_decay: float
-        grad_clip: float
-        seed: int
+    class _FlatKeys:
+        pass
+
 else:
     _FLAT_READS = {**{k: v for k, v in FLAT.items() if k not in SECTIONS}, **DERIVED}
     _FlatKeys = type("_FlatKeys", (), {key: _flat_property(*where) for key, where in _FLAT_READS.items()})

@@ -132,7 +132,7 @@ def test_empty_number_fields_say_what_each_preset_gives(dag: Any) -> None:
         text = help_text(dag.params.get_param(name))
         for preset in presets:
             assert f"{preset} {getattr(load_config(preset), name)}" in text, (name, preset, text)
-    assert help_text(dag.params.get_param("keep_last")).endswith(f"Empty: {load_config('tiny').keep_last}.")
+    assert help_text(dag.params.get_param("keep_last")).endswith(f"Empty: {load_config('tiny').checkpoint.keep_last}.")
     assert help_text(dag.params.get_param("local_checkpoint_every")).endswith("Empty: off.")
 
 

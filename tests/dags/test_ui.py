@@ -418,7 +418,7 @@ def test_cancel_in_the_queue_and_stop_in_the_view_end_real_runs_cancelled_and_st
         for name in ("pa", "pb")
     }
     stop_agents.extend(cfg.run_uri for cfg in cfgs.values())
-    hook.prepare_dataset("stdlib", shared["dataset"], cfgs["pa"].seq_len, 1_000_000)
+    hook.prepare_dataset("stdlib", shared["dataset"], cfgs["pa"].model.seq_len, 1_000_000)
     commands.submit(cfgs["pa"], "normal", pool_hosts=1)
     commands.submit(cfgs["pb"], "normal")
     try:

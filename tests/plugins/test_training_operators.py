@@ -39,7 +39,7 @@ def spec_for(tmp_path: Path, **overrides: Any) -> dict[str, Any]:
         "config": cfg.model_dump(mode="json"),
         "run_uri": cfg.run_uri,
         "run_name": cfg.run_name,
-        "backend": cfg.backend,
+        "backend": cfg.placement.backend,
         "dataset": {"source": "stdlib", "max_bytes": None},
         "gke": {},
     }
@@ -193,7 +193,11 @@ def test_resolve_fits_a_gke_run_to_its_tpu_and_spot_grace_and_refuses_before_any
     base: dict[str, Any] = {"run_name": "r", "storage_root": "gs://b/runs", "preset": "tiny", "steps": None}
     base |= {"chaos": [], "min_workers": 4, "max_workers": 8, "backend": "gke", "overrides": {"global_batch": 32}}
     cfg = RTrainHook().config_from_dict(op.execute({"params": {**base, "gke": V5E_SPOT}})["config"])
-    assert (cfg.devices_per_worker, cfg.hosts_per_slice, cfg.preemption_grace_s) == (4, 4, 10)
+    assert (cfg.placement.devices_per_worker, cfg.placement.hosts_per_slice, cfg.checkpoint.preemption_grace_s) == (
+        4,
+        4,
+        10,
+    )
     longer = {**V5E_SPOT, "spot_shutdown_grace_s": 120}  # GKE 1.35.0-gke.1171000+: 105 s for the pods
     assert (
         op.execute({"params": {**base, "gke": longer}})["config"]["checkpoint"]["preemption_grace_s"] == 25
@@ -229,8 +233,10 @@ def test_resolve_returns_the_spec_with_absolute_paths(dag: Any) -> None:
         }
     )
     cfg = RTrainHook().config_from_dict(spec["config"])
-    assert cfg.steps == 150 and cfg.max_workers == 2 and cfg.learning_rate == 0.001  # null = the preset's
-    assert spec["run_uri"] == str(REPO / "var" / "runs" / "r") and cfg.dataset.startswith(str(REPO))
+    assert (
+        cfg.optimizer.steps == 150 and cfg.elastic.max_workers == 2 and cfg.optimizer.learning_rate == 0.001
+    )  # null = the preset's
+    assert spec["run_uri"] == str(REPO / "var" / "runs" / "r") and cfg.data.dataset.startswith(str(REPO))
     assert absolute("gs://b/p") == "gs://b/p"
 
 
@@ -345,7 +351,7 @@ def test_release_stops_the_jobs_this_dag_run_launched(tmp_path: Path) -> None:
         assert not psutil.pid_exists(worker.pid) or worker.status() == psutil.STATUS_ZOMBIE
         assert pid_alive(other.pid)
         assert not Path(cfg.run_uri, "capacity.json").exists()
-        assert [e["available"] for e in events(cfg.run_uri, ("capacity",))] == [cfg.max_workers, 0]
+        assert [e["available"] for e in events(cfg.run_uri, ("capacity",))] == [cfg.elastic.max_workers, 0]
     finally:
         for p in (agent, other):
             p.kill()

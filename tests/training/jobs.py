@@ -122,9 +122,11 @@ def assert_exact_data(run_uri: str, dataset: str, cfg: Config) -> None:
     from training.data import global_batch_ids
 
     ids = step_ids(run_uri)
-    assert sorted(ids) == list(range(cfg.steps)), "every step consumed exactly one global batch"
+    assert sorted(ids) == list(range(cfg.optimizer.steps)), "every step consumed exactly one global batch"
     for step, got in ids.items():
-        want = global_batch_ids(dataset, seed=cfg.seed, global_batch=cfg.global_batch, batch_index=step)
+        want = global_batch_ids(
+            dataset, seed=cfg.optimizer.seed, global_batch=cfg.optimizer.global_batch, batch_index=step
+        )
         assert got == sorted(int(i) for i in want), f"step {step}: wrong examples after a resize"
 
 

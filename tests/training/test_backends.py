@@ -146,7 +146,7 @@ def test_a_run_spec_s_json_reads_back_as_a_typed_job_spec(tmp_path: Path) -> Non
     on_gke = JobSpec.from_run_spec({**spec, "backend": "gke", "gke": dict(GKE), "priority": "high"})
     assert on_gke.placement == GKESpec(GKE, "high")
     resumed = job.with_config(cfg.model_copy(update={"resume_from": "latest"}))
-    assert resumed.placement is job.placement and resumed.config.resume_from == "latest"
+    assert resumed.placement is job.placement and resumed.config.checkpoint.resume_from == "latest"
 
 
 @dataclass(frozen=True)

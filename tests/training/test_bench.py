@@ -311,7 +311,9 @@ def test_recovery_figures_and_the_compile_of_a_recovery_onto_an_unseen_mesh(tmp_
 def test_the_cost_figure_s_windows_end_on_steps_the_engine_reports_at_its_default_log_every() -> None:
     from training.config import load_config
 
-    assert jobs.LOG_EVERY == load_config("tiny", None, {}).log_every  # no preset sets it: the engine's default
+    assert (
+        jobs.LOG_EVERY == load_config("tiny", None, {}).observability.log_every
+    )  # no preset sets it: the engine's default
     assert all(step % jobs.LOG_EVERY == 0 for step in (*jobs.STEADY, *jobs.FIRST_STEPS))
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from training import storage
+from training import store_calls
 from training.cadence import (
     BILLING,
     HEARTBEAT_WRITES_PER_S,
@@ -28,7 +28,8 @@ from training.cadence import (
 from training.checkpoint.lock import KEEP_GENERATIONS, LockLost, RunLock
 from training.config import ConfigError, load_config
 from training.elastic.rendezvous import Rendezvous, Round
-from training.storage import OPS_ENV, Store, open_store
+from training.storage import Store, open_store
+from training.store_calls import OPS_ENV
 
 
 @pytest.fixture(params=["local", "gcs"])
@@ -39,21 +40,21 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
 
 
 @pytest.fixture
-def tally(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[storage.OpTally]:
+def tally(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[store_calls.OpTally]:
     """This process's store calls, counted from now on."""
     monkeypatch.setenv(OPS_ENV, str(tmp_path / "ops"))
-    monkeypatch.setattr(storage, "_TALLY", None)
-    t = storage._tally()
+    monkeypatch.setattr(store_calls, "_TALLY", None)
+    t = store_calls._tally()
     assert t is not None
     yield t
-    monkeypatch.setattr(storage, "_TALLY", None)
+    monkeypatch.setattr(store_calls, "_TALLY", None)
 
 
-def _calls(t: storage.OpTally, area: str) -> dict[str, int]:
+def _calls(t: store_calls.OpTally, area: str) -> dict[str, int]:
     return {name.split(" ")[0]: n for name, n in t.counts.items() if name.endswith(f" {area}")}
 
 
-def test_a_look_for_the_next_round_is_one_read_by_name(store: Store, tally: storage.OpTally) -> None:
+def test_a_look_for_the_next_round_is_one_read_by_name(store: Store, tally: store_calls.OpTally) -> None:
     rdv = Rendezvous(store)
     for n in (1, 2, 3):
         rdv.open_round(Round(round=n, job="j", gen=1, leader="h0"))
@@ -75,7 +76,7 @@ def test_a_reader_behind_the_kept_rounds_finds_them_by_listing(store: Store) -> 
 
 
 def test_a_look_at_the_lease_reads_by_name_and_follows_the_holder_s_renewals(
-    store: Store, tally: storage.OpTally
+    store: Store, tally: store_calls.OpTally
 ) -> None:
     holder = RunLock(store, "leader", lease_s=60, job="j")
     holder.acquire()
@@ -143,11 +144,11 @@ def test_gcs_jobs_beat_slower_as_they_grow_and_keep_the_write_rate() -> None:
     for hosts in (2, 64, 65, 256, 1024):
         assert hosts / gcs_timing(hosts).heartbeat_s <= HEARTBEAT_WRITES_PER_S
     cfg = load_config("tiny", None, {"root": "gs://b/runs", "min_workers": 2, "max_workers": 256})
-    assert (cfg.heartbeat_s, cfg.heartbeat_timeout_s) == (4.0, 40.0)
+    assert (cfg.elastic.heartbeat_s, cfg.elastic.heartbeat_timeout_s) == (4.0, 40.0)
     told = load_config("tiny", None, {"root": "gs://b/runs", "max_workers": 256, "heartbeat_s": 2.0})
-    assert told.heartbeat_s == 2.0, "a value the user gave is kept"
+    assert told.elastic.heartbeat_s == 2.0, "a value the user gave is kept"
     local = load_config("tiny", None, {"max_workers": 256})
-    assert local.heartbeat_s == 0.5, "a local root is not billed"
+    assert local.elastic.heartbeat_s == 0.5, "a local root is not billed"
     with pytest.raises((ConfigError, ValueError), match="a job of 256 hosts beats every 4 s unless told otherwise"):
         load_config("tiny", None, {"root": "gs://b/runs", "max_workers": 256, "heartbeat_timeout_s": 5.0})
 

@@ -240,7 +240,9 @@ def test_a_random_fault_schedule_ends_cleanly_with_exact_data(
         )
     if plan["frozen_leader"]:
         helpers.append(
-            threading.Thread(target=_freeze_the_leader_agent, args=(cfg.run_uri, cfg.lease_s, stop, seen), daemon=True)
+            threading.Thread(
+                target=_freeze_the_leader_agent, args=(cfg.run_uri, cfg.elastic.lease_s, stop, seen), daemon=True
+            )
         )
     t0 = time.time()
     try:
@@ -259,7 +261,9 @@ def test_a_random_fault_schedule_ends_cleanly_with_exact_data(
             ids = step_ids(cfg.run_uri)
             assert sorted(ids) == list(range(STEPS))
             for step, got in ids.items():
-                want = global_batch_ids(tiny_dataset, seed=cfg.seed, global_batch=cfg.global_batch, batch_index=step)
+                want = global_batch_ids(
+                    tiny_dataset, seed=cfg.optimizer.seed, global_batch=cfg.optimizer.global_batch, batch_index=step
+                )
                 assert got == sorted(int(i) for i in want), f"step {step}: wrong examples"
         if plan["full_disk"]:
             assert st["state"] == "failed" and "No space left on device" in st["reason"], st

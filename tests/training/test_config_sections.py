@@ -47,7 +47,7 @@ def test_a_yaml_in_sections_and_one_in_flat_keys_give_the_same_config(tmp_path: 
 def test_section_key_overrides_win_over_the_layers_below() -> None:
     cfg = load_config("small", None, ["model.d_model=256", "optimizer.learning_rate=1e-4", "elastic.chaos=[]"])
     assert (cfg.model.d_model, cfg.optimizer.learning_rate, cfg.model.n_layers) == (256, 1e-4, 4)
-    assert cfg.d_model == 256, "the flat name reads the same key"
+    assert cfg.d_model == 256, "the flat name reads the same key"  # type: ignore[attr-defined]
 
 
 def test_flat_overrides_are_noted_once_naming_their_sections(caplog: pytest.LogCaptureFixture) -> None:
@@ -88,10 +88,16 @@ def test_a_copy_with_flat_or_section_keys_leaves_the_original_as_it_was() -> Non
     copy = cfg.model_copy(update={"steps": 99, "model.d_model": 32, "checkpoint": {"keep_last": 7}})
     assert (copy.optimizer.steps, copy.model.d_model, copy.checkpoint.keep_last) == (99, 32, 7)
     copy.optimizer.learning_rate = 0.5
-    copy.seed = 3
-    assert (cfg.optimizer.steps, cfg.model.d_model, cfg.learning_rate, cfg.seed) == (40, 64, 3e-3, 0)
+    copy.seed = 3  # type: ignore[attr-defined]  # a flat set: the key in its section
+    assert (cfg.optimizer.steps, cfg.model.d_model, cfg.optimizer.learning_rate, cfg.optimizer.seed) == (
+        40,
+        64,
+        3e-3,
+        0,
+    )
+    assert copy.optimizer.seed == 3
     with pytest.raises(ValueError, match="steps"):
-        copy.steps = "many"  # type: ignore[assignment]
+        copy.steps = "many"  # type: ignore[attr-defined]
 
 
 def test_local_paths_are_made_absolute_in_their_sections_and_the_original_is_kept(tmp_path: Path) -> None:
@@ -166,3 +172,36 @@ def test_a_key_s_schema_is_its_section_field_s_by_either_name() -> None:
     assert key_schema("model.remat") == ModelSection.model_json_schema()["properties"]["remat"]
     with pytest.raises(KeyError):
         key_schema("no_such_key")
+
+
+def test_a_flat_read_in_the_code_is_a_type_error(tmp_path: Path) -> None:
+    """The flat names are for users' configs and old code: the type checker knows only the sections, so a flat
+    read (``cfg.learning_rate``) cannot slip back into the engine unseen."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    code = tmp_path / "reads.py"
+    code.write_text(
+        "from training.config import Config\n\n\n"
+        "def flat(cfg: Config) -> float:\n    return cfg.learning_rate\n\n\n"
+        "def sectioned(cfg: Config) -> float:\n    return cfg.optimizer.learning_rate\n"
+    )
+    checked = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--config-file",
+            str(repo / "pyproject.toml"),
+            "--follow-imports=silent",
+            str(code),
+        ],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+    )
+    errors = [line for line in checked.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == 1 and 'reads.py:5: error: "Config" has no attribute "learning_rate"' in errors[0], (
+        checked.stdout
+    )

@@ -94,7 +94,7 @@ def test_a_lost_host_leaves_the_survivors_training_and_its_return_grows_the_grou
     led = _events(cfg.run_uri, "leader")[0]["host"] == lost["host"]
     detect_s = failure["detect_s"]
     assert detect_s is not None and 0 <= detect_s < (
-        cfg.lease_s + DEFAULT_MARGIN_S + cfg.heartbeat_timeout_s if led else 2.5
+        cfg.elastic.lease_s + DEFAULT_MARGIN_S + cfg.elastic.heartbeat_timeout_s if led else 2.5
     ), (
         led,
         failure,
@@ -143,7 +143,7 @@ def test_a_lone_leader_s_restarted_agent_takes_its_predecessor_s_lease_at_once(t
     # predecessor's listener: refused, so that agent has exited, and its lease is taken without a lapse.
     [taken] = [e for e in _events(cfg.run_uri, "lock") if e["action"] == "takeover" and e["time"] > killed_at]
     assert taken["holder_exited"] is True and taken["previous_owner"].startswith("agent h0 "), taken
-    assert taken["time"] < float(taken["previous_expires_at"]) + cfg.lease_s, taken
+    assert taken["time"] < float(taken["previous_expires_at"]) + cfg.elastic.lease_s, taken
     assert [e["workers"] for e in _events(cfg.run_uri, "launch")] == [1, 1]
 
 
@@ -164,7 +164,7 @@ def test_losing_the_leader_s_host_another_agent_leads_and_the_run_goes_on(tmp_pa
     first_leader = st["leader"]
     # The pool shrinks with the leader's node: that host is the one that goes (not merely "one host fewer",
     # which would let the local slice stop another one first).
-    LocalCapacity(open_store(cfg.run_uri), default=cfg.max_workers).leave(
+    LocalCapacity(open_store(cfg.run_uri), default=cfg.elastic.max_workers).leave(
         first_leader, reason="the leader's node is gone"
     )
     kill_host(cfg.run_uri, first_leader)
@@ -223,14 +223,14 @@ def test_a_killed_agent_takes_its_worker_along_and_a_frozen_host_is_dropped_afte
     led = _events(cfg.run_uri, "leader")[0]["host"] == kill["host"]  # a killed leader's lease lapses first
     detect_s = failures[0]["detect_s"]
     assert detect_s is not None and 0 <= detect_s < (
-        cfg.lease_s + DEFAULT_MARGIN_S + cfg.heartbeat_timeout_s if led else 2.5
+        cfg.elastic.lease_s + DEFAULT_MARGIN_S + cfg.elastic.heartbeat_timeout_s if led else 2.5
     )
     assert failures[0]["detected_by"] in ("peer watch", "host watch"), failures[0]  # its worker died with it
     # The frozen host raised no error: it is found by its heartbeat, within the timeout (and a poll).
     [frozen] = [e for e in _events(cfg.run_uri, "host_lost") if e["host"] == freeze["host"]]
     assert failures[1]["hosts"] == [freeze["host"]]
     detect_s = failures[1]["detect_s"]
-    assert detect_s is not None and detect_s < cfg.heartbeat_timeout_s + 2.0
+    assert detect_s is not None and detect_s < cfg.elastic.heartbeat_timeout_s + 2.0
     # A frozen process keeps its connections open (its kernel still answers): not the peer watch's to see.
     assert failures[1]["detected_by"] == "heartbeat timeout", failures[1]
     assert frozen["time"] > freeze["time"]
@@ -431,7 +431,7 @@ def test_below_minimum_capacity_the_job_waits_keeping_its_lease_then_goes_on(tmp
         while time.monotonic() < deadline:
             st = api.status(cfg.run_uri) if (tmp_path / "wait").exists() else None
             if st and st.get("state") == "waiting_for_capacity":
-                time.sleep(3 * cfg.lease_s)  # longer than a lease: the waiting leader must keep it
+                time.sleep(3 * cfg.elastic.lease_s)  # longer than a lease: the waiting leader must keep it
                 try:
                     local.launch(cfg.model_copy(update={"learning_rate": 0.1}))
                 except api.LaunchRefused as e:
@@ -551,7 +551,7 @@ def test_a_recovery_onto_a_size_the_run_never_ran_on_loads_the_step_compiled_ahe
     # A host that is not the leader's is lost for good: the next round is smaller, a mesh this run never ran on.
     leader = api.status(cfg.run_uri)["leader"]
     other = next(h for h in hosts(cfg.run_uri) if h != leader)
-    LocalCapacity(open_store(cfg.run_uri), default=cfg.max_workers).leave(other, reason="the node is gone")
+    LocalCapacity(open_store(cfg.run_uri), default=cfg.elastic.max_workers).leave(other, reason="the node is gone")
     kill_host(cfg.run_uri, other)
     st = wait_finished(handle)
     assert st["state"] == "finished" and st["step"] == 200, worker_logs(cfg.run_uri)

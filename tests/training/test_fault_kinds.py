@@ -86,7 +86,7 @@ def test_a_kind_s_config_rule_is_checked_when_the_config_is_resolved() -> None:
 def test_a_new_kind_is_one_class_the_grammar_the_worker_and_the_leader_take(halve: type[Halve], tmp_path: Any) -> None:
     spec = "halve_for_test:step=4"
     assert parse_chaos(spec).kind is KINDS["halve_for_test"] and "halve_for_test" in spec_pattern()
-    assert load_config("tiny", None, {"elastic.chaos": [spec]}).chaos == [spec]
+    assert load_config("tiny", None, {"elastic.chaos": [spec]}).elastic.chaos == [spec]
     sent: list[dict[str, Any]] = []
     worker = WorkerChaos([spec, "lr_spike:step=2,factor=3"], rank=0, send=lambda _t, **kw: sent.append(kw))
     scales = [worker.learning_rate_scale(step) for step in range(1, 6)]

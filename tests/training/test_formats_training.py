@@ -70,10 +70,12 @@ def test_a_bpe_dataset_from_each_format_trains_through_a_shrink_and_a_regrowth_o
     assert st["state"] == "finished" and st["step"] == 90
 
     ids = step_ids(cfg.run_uri)
-    assert sorted(ids) == list(range(cfg.steps)), "every step consumed exactly one global batch"
+    assert sorted(ids) == list(range(cfg.optimizer.steps)), "every step consumed exactly one global batch"
     source_ds = data.lm_source(dataset, "train")
     for step, got in ids.items():
-        want = pipeline.batch_ids(source_ds, seed=cfg.seed, global_batch=cfg.global_batch, batch_index=step)
+        want = pipeline.batch_ids(
+            source_ds, seed=cfg.optimizer.seed, global_batch=cfg.optimizer.global_batch, batch_index=step
+        )
         assert got == sorted(int(i) for i in want), f"step {step}: wrong examples after a resize"
     sizes = [e["workers"] for e in api.events(cfg.run_uri, ["launch"])]
     assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, f"the job did not shrink and grow back: {sizes}"

@@ -176,7 +176,7 @@ def test_a_2_slice_jobset_run_as_pods_rides_out_a_spot_reclaim_and_a_lost_host(
     assert state == "completed", js.failed_jobs
 
     st = api.status(cfg.run_uri)
-    assert st["state"] == "finished" and st["step"] == cfg.steps, st
+    assert st["state"] == "finished" and st["step"] == cfg.optimizer.steps, st
     launches = _events(cfg.run_uri, "launch")
     sizes = [e["workers"] for e in launches]
     # Shrunk to slice 0 by the reclaim, grown back; shrunk again by the host error on slice 1, grown back
@@ -190,7 +190,7 @@ def test_a_2_slice_jobset_run_as_pods_rides_out_a_spot_reclaim_and_a_lost_host(
 
     # The notice: the step the group stopped at was committed within the pods' grace, and resumed exactly.
     notices = _events(cfg.run_uri, "preemption_notice")
-    assert notices and all(n["committed"] and 0 < n["seconds"] < cfg.preemption_grace_s for n in notices)
+    assert notices and all(n["committed"] and 0 < n["seconds"] < cfg.checkpoint.preemption_grace_s for n in notices)
     restores = _events(cfg.run_uri, "restore")
     assert restores[0]["step"] == notices[0]["step"]
     recovered = _events(cfg.run_uri, "recovered")
@@ -201,7 +201,7 @@ def test_a_2_slice_jobset_run_as_pods_rides_out_a_spot_reclaim_and_a_lost_host(
     assert {h for f in failures for h in f["hosts"]} == {"s1-h0", "s1-h1"} and failure["time"] > t_kill, story
     # The pod made again is a new agent: its first beats are life (or its old agent is known gone), so the
     # settle ends at once rather than after the heartbeat timeout.
-    assert failure["time"] - failure["detected_at"] < cfg.heartbeat_timeout_s / 2, story
+    assert failure["time"] - failure["detected_at"] < cfg.elastic.heartbeat_timeout_s / 2, story
     after = [r for r in restores if r["time"] > failure["time"]]
     assert after[0]["step"] == failure["resume_step"] and after[0]["step"] in api.committed_steps(cfg.run_uri)
     assert_exact_data(cfg.run_uri, tiny_dataset, cfg)

@@ -59,18 +59,18 @@ def test_the_config_takes_the_checkpoint_s_shapes_rope_and_tokenizer() -> None:
     cfg = load_config(None, None, [f"init_from={FIXTURES / 'llama3-gqa-scaled'}"])
     got = {k: getattr(cfg, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")}
     assert got == {"vocab_size": 320, "d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_ff": 48}
-    assert (cfg.rope_theta, cfg.rope_scaling, cfg.rope_original_context) == (100.0, 8.0, 32)
-    assert cfg.tie_embeddings is False
-    assert cfg.tokenizer == str(FIXTURES / "llama3-gqa-scaled" / "tokenizer.json")
-    assert cfg.dataset.endswith("var/data/stdlib-llama3-gqa-scaled-seq64")
-    assert load_config(None, None, [f"init_from={FIXTURES / 'llama3-tied'}"]).tie_embeddings is True
+    assert (cfg.model.rope_theta, cfg.model.rope_scaling, cfg.model.rope_original_context) == (100.0, 8.0, 32)
+    assert cfg.model.tie_embeddings is False
+    assert cfg.data.tokenizer == str(FIXTURES / "llama3-gqa-scaled" / "tokenizer.json")
+    assert cfg.data.dataset.endswith("var/data/stdlib-llama3-gqa-scaled-seq64")
+    assert load_config(None, None, [f"init_from={FIXTURES / 'llama3-tied'}"]).model.tie_embeddings is True
 
 
 def test_a_key_the_config_sets_must_agree_with_the_checkpoint() -> None:
     with pytest.raises(ConfigError, match=r"init_from: .*llama3-tied has d_model=32, the config sets d_model=64$"):
         load_config(None, None, [f"init_from={FIXTURES / 'llama3-tied'}", "d_model=64"])
     # The same value, or a key the preset alone sets, is fine.
-    assert load_config("small", None, [f"init_from={FIXTURES / 'llama3-tied'}", "d_model=32"]).d_model == 32
+    assert load_config("small", None, [f"init_from={FIXTURES / 'llama3-tied'}", "d_model=32"]).model.d_model == 32
 
 
 def test_init_from_is_for_the_built_in_llama_only() -> None:
@@ -306,10 +306,10 @@ def test_a_checkpoint_on_gcs_loads_as_a_local_one(gcs_root: str) -> None:
     for f in ("config.json", "model.safetensors", "tokenizer.json"):
         store.put(f, (FIXTURES / name / f).read_bytes())
     cfg = load_config(None, None, [f"init_from={gcs_root}/{name}"])
-    assert cfg.tokenizer == f"{gcs_root}/{name}/tokenizer.json" and cfg.n_kv_heads == 2
-    assert resolve(cfg.tokenizer).fingerprint == resolve(str(FIXTURES / name / "tokenizer.json")).fingerprint
+    assert cfg.data.tokenizer == f"{gcs_root}/{name}/tokenizer.json" and cfg.model.n_kv_heads == 2
+    assert resolve(cfg.data.tokenizer).fingerprint == resolve(str(FIXTURES / name / "tokenizer.json")).fingerprint
     task = LanguageModel(cfg.model, cfg.data)
-    params = hf.to_params(hf.Checkpoint(cfg.init_from), abstract_params(task), task.model_cfg)
+    params = hf.to_params(hf.Checkpoint(cfg.model.init_from), abstract_params(task), task.model_cfg)
     ref = reference(name)
     assert np.abs(our_logits(task, params, ref["tokens"]) - ref["logits"]).max() < TOLERANCE
 

@@ -43,7 +43,8 @@ def test_nan_loss_rolls_back_in_job_and_skips_the_offending_batches(tmp_path, ti
     ids = step_ids(cfg.run_uri)
     for step in range(10, 16):
         want = sorted(
-            int(i) for i in global_batch_ids(tiny_dataset, seed=cfg.seed, global_batch=16, batch_index=step + 4)
+            int(i)
+            for i in global_batch_ids(tiny_dataset, seed=cfg.optimizer.seed, global_batch=16, batch_index=step + 4)
         )
         assert ids[step] == want
 

@@ -102,7 +102,7 @@ def test_the_lm_task_serves_examples_with_segments_from_a_prepared_dataset(tiny_
     cfg = load_config("tiny", None, {"dataset": tiny_dataset})
     data = load_task(cfg).data()
     ex = data.train[0]
-    assert {k: v.shape for k, v in ex.items()} == {k: (cfg.seq_len,) for k in ex}
+    assert {k: v.shape for k, v in ex.items()} == {k: (cfg.model.seq_len,) for k in ex}
     assert np.array_equal(ex["inputs"][1:], ex["targets"][:-1])
     assert data.validation is not None and len(data.validation) > 0
 
@@ -146,16 +146,16 @@ def test_every_remat_policy_gives_the_gradients_of_no_remat() -> None:
 
 
 def test_remat_takes_a_policy_and_the_old_booleans() -> None:
-    assert load_config("tiny", None, {"remat": "dots"}).remat == "dots"
-    assert load_config("tiny", None, {"remat": True}).remat == "full"
-    assert load_config("tiny", None, {"remat": False}).remat == "none"
+    assert load_config("tiny", None, {"remat": "dots"}).model.remat == "dots"
+    assert load_config("tiny", None, {"remat": True}).model.remat == "full"
+    assert load_config("tiny", None, {"remat": False}).model.remat == "none"
     legacy = load_config("tiny", None, {"activation_checkpointing": True})
-    assert (legacy.remat, legacy.activation_checkpointing) == ("full", True)
+    assert (legacy.model.remat, legacy.model.activation_checkpointing) == ("full", True)
     assert (
         llama_config(load_config("tiny", None, {"model.remat": "attn", "model.attention": "splash"}).model).remat
         == "attn"
     )
-    assert load_config("llama3-8b").remat == "full"
+    assert load_config("llama3-8b").model.remat == "full"
     with pytest.raises(ConfigError, match="remat"):
         load_config("tiny", None, {"remat": "some"})
     with pytest.raises(ValueError, match="unknown policy"):

@@ -194,7 +194,7 @@ def test_resume_hints_and_the_damage_local_fault_are_checked():
     with pytest.raises(ValueError, match="damage_local needs the local tier"):
         load_config("tiny", None, {"chaos": ["damage_local:worker=0,step=9"]})
     cfg = load_config("tiny", None, {"chaos": ["damage_local:worker=0,step=9"], "local_checkpoint_every": 2})
-    assert cfg.local_checkpoint_every == 2
+    assert cfg.checkpoint.local_checkpoint_every == 2
 
 
 def _attempts(run_uri: str) -> dict[int, int]:
@@ -247,7 +247,7 @@ def test_a_notice_commits_the_step_a_lost_host_resumes_from_local_copies_and_a_d
     # The notice: the step the group stopped at was committed within the grace period, and the next
     # round restored exactly that step, so no step was trained twice.
     [notice] = by("preemption_notice")
-    assert notice["committed"] and 0 < notice["seconds"] < cfg.preemption_grace_s
+    assert notice["committed"] and 0 < notice["seconds"] < cfg.checkpoint.preemption_grace_s
     assert notice["step"] >= 5
     committed = {e["step"] for e in by("checkpoint") if e.get("committed")}
     assert notice["step"] in committed
@@ -283,7 +283,9 @@ def test_a_notice_commits_the_step_a_lost_host_resumes_from_local_copies_and_a_d
     ids = step_ids(cfg.run_uri)
     assert sorted(ids) == list(range(34))
     for step in (0, 5, 13, 20, 33):
-        want = global_batch_ids(tiny_dataset, seed=cfg.seed, global_batch=cfg.global_batch, batch_index=step)
+        want = global_batch_ids(
+            tiny_dataset, seed=cfg.optimizer.seed, global_batch=cfg.optimizer.global_batch, batch_index=step
+        )
         assert ids[step] == sorted(int(i) for i in want)
     attempts = _attempts(cfg.run_uri)
     assert all(attempts[s] == 1 for s in range(notice["step"])), "a notice loses no step"
@@ -292,6 +294,6 @@ def test_a_notice_commits_the_step_a_lost_host_resumes_from_local_copies_and_a_d
     # finished, its copies are gone from every host (a tmpfs would hold them in memory for good).
     survivor = restores[2]["host"]
     advertised = {s for s, _ in hosts(cfg.run_uri)[survivor].local}
-    assert 1 <= len(advertised) <= cfg.local_keep, advertised
-    assert not (local.base_dir(cfg.local_checkpoint_dir) / local.run_key(cfg.run_uri)).exists()
+    assert 1 <= len(advertised) <= cfg.checkpoint.local_keep, advertised
+    assert not (local.base_dir(cfg.checkpoint.local_checkpoint_dir) / local.run_key(cfg.run_uri)).exists()
     json.dumps(events)  # every event is plain JSON

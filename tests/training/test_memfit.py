@@ -77,8 +77,8 @@ def test_argument_bytes_are_the_sharded_state_and_halve_when_the_shards_double(t
         assert got.params == param_count(cfg.model)
         # Parameters and the two AdamW moments, each split over the parameter shards (norm scales and
         # counters are replicated: a few percent more), plus this device's rows of the batch.
-        expected = 3 * got.params * BYTES[cfg.param_dtype] / shards
-        batch = 4 * (cfg.global_batch // plan.batch_shards) * cfg.seq_len * 4  # 4 int32 fields a token
+        expected = 3 * got.params * BYTES[cfg.model.param_dtype] / shards
+        batch = 4 * (cfg.optimizer.global_batch // plan.batch_shards) * cfg.model.seq_len * 4  # 4 int32 fields a token
         assert got.state_bytes == pytest.approx(expected, rel=0.05)
         assert got.argument_bytes >= got.state_bytes + batch
         assert got.argument_bytes == pytest.approx(got.state_bytes, rel=0.05)
@@ -134,7 +134,7 @@ def test_llama3_8b_is_analysed_from_shapes_alone():
     print(f"llama3-8b compiled analysis: {time.perf_counter() - t0:.1f} s ({got.compile_s:.1f} s compiling)")
     assert got.params == 8_030_261_248 and got.devices == 16
     # Arguments are the parameters and AdamW's two moments (the gradients are temporaries), plus a batch.
-    share = 3 * got.params * BYTES[cfg.param_dtype] / plan.param_shards
+    share = 3 * got.params * BYTES[cfg.model.param_dtype] / plan.param_shards
     assert got.argument_bytes == pytest.approx(share, rel=0.10)
 
 

@@ -137,7 +137,7 @@ def test_every_host_leaving_where_hosts_come_back_by_themselves_waits_for_them_a
         wait_for(lambda: _state_is(uri, job, "waiting_for_capacity"), 30, "waiting_for_capacity")
         rec = RunLock(open_store(uri), "probe").newest()[1] or {}
         assert rec.get("action") == "handoff" and rec.get("job") == job, rec
-        assert 100 < float(rec["expires_at"]) - time.time() <= cfg.capacity_timeout_s, rec
+        assert 100 < float(rec["expires_at"]) - time.time() <= cfg.elastic.capacity_timeout_s, rec
         time.sleep(3.0)
         st = api.status(uri)  # the check that records a gone job: this one is waiting, not gone
         assert st is not None and st["state"] == "waiting_for_capacity", st
@@ -220,7 +220,9 @@ def test_a_launch_right_after_every_agent_was_killed_waits_out_the_lapsing_lease
     try:
         assert new["job"] != job and not new.get("attached")
         assert any("lease lapsing in" in line and "waiting for it to lapse" in line for line in lines), lines
-        assert took < cfg.lease_s + 0.5 + 10, f"took {took:.1f}s"  # the lease, the margin, and the launch's checks
+        assert took < cfg.elastic.lease_s + 0.5 + 10, (
+            f"took {took:.1f}s"
+        )  # the lease, the margin, and the launch's checks
         wait_for(lambda: _state_is(uri, new["job"], "starting", "running"), 90, "the new job's leader")
     finally:
         _kill_everything(dict(new))
@@ -340,7 +342,7 @@ def test_a_host_that_loses_the_run_root_for_longer_than_the_lease_neither_ends_n
     fired = {e["spec"] for e in evs if e["type"] == "chaos"}
     # Worker 1's last fault fires only where a round of 2 reaches step 317 (its host may not be back by then).
     last = [e for e in evs if e["type"] == "launch"][-1]
-    must = set(cfg.chaos) - ({"storage_outage:worker=1,step=317,for_s=4"} if last["workers"] == 1 else set())
+    must = set(cfg.elastic.chaos) - ({"storage_outage:worker=1,step=317,for_s=4"} if last["workers"] == 1 else set())
     assert must <= fired, (fired, last["workers"])
     leaders = [e for e in evs if e["type"] == "leader"]
     assert len(leaders) >= 2, "the host that led lost the run root for longer than its lease: another led"

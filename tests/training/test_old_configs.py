@@ -14,4 +14,4 @@ def test_a_config_written_before_attention_and_remat_became_choices_still_reads(
     text = (DATA / "config-0.1-tiny.json").read_text()
     assert '"attention": "dot_product"' in text and '"activation_checkpointing": false' in text
     cfg = config_from_json(text)
-    assert (cfg.attention, cfg.remat, cfg.run_name) == ("xla", "none", "old")
+    assert (cfg.model.attention, cfg.model.remat, cfg.run_name) == ("xla", "none", "old")

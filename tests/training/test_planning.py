@@ -16,7 +16,7 @@ from training.mesh import PlanError, check_batch, check_fit, feasible_sizes, pla
 
 def test_layers_apply_in_order_and_overrides_are_typed():
     cfg = load_config("small", None, ["steps=7", "learning_rate=1e-4", "chaos=[]"])
-    assert (cfg.preset, cfg.steps, cfg.learning_rate, cfg.d_model) == ("small", 7, 1e-4, 128)
+    assert (cfg.preset, cfg.optimizer.steps, cfg.optimizer.learning_rate, cfg.model.d_model) == ("small", 7, 1e-4, 128)
 
 
 @pytest.mark.parametrize(
@@ -198,9 +198,9 @@ def test_a_config_file_that_is_not_yaml_names_the_line(tmp_path, capsys):
 def test_paths_are_made_absolute_against_the_directory_the_command_runs_in(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = load_config("tiny", None, ["root=runs", "compilation_cache=cache"])
-    assert cfg.root == str(tmp_path / "runs") and cfg.compilation_cache == str(tmp_path / "cache")
-    assert cfg.dataset == str(tmp_path / "var" / "data" / "stdlib-seq64")  # one default per sequence length
-    assert load_config("small").dataset.endswith("var/data/stdlib-bpe1024-seq128")  # the preset's BPE
+    assert cfg.root == str(tmp_path / "runs") and cfg.placement.compilation_cache == str(tmp_path / "cache")
+    assert cfg.data.dataset == str(tmp_path / "var" / "data" / "stdlib-seq64")  # one default per sequence length
+    assert load_config("small").data.dataset.endswith("var/data/stdlib-bpe1024-seq128")  # the preset's BPE
     assert load_config("tiny", None, ["root=gs://bucket/runs"]).root == "gs://bucket/runs"
     assert cfg.run_uri == str(tmp_path / "runs" / "demo")
 

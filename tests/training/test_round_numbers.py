@@ -47,7 +47,9 @@ def test_a_new_job_s_rounds_and_launches_count_on_from_the_jobs_before_it(tmp_pa
 
     rdv.clear()  # the launcher of the next job (api.begin_job), under the run lock
     assert rdv.round_numbers() == [] and rdv.rounds_before() == 4
-    follower = RoundFollower(rdv, "j2", cadence(1, scheme(cfg.run_uri).requests, cfg.heartbeat_s, cfg.lease_s))
+    follower = RoundFollower(
+        rdv, "j2", cadence(1, scheme(cfg.run_uri).requests, cfg.elastic.heartbeat_s, cfg.elastic.lease_s)
+    )
     assert list(follower.new_rounds(busy=False)) == []
     second = writer("j2")
     rnd, _plan = second.open(None, ["h0"], "127.0.0.1:1", "start", "latest", Carried(0, 0))

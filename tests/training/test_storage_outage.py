@@ -44,7 +44,7 @@ def test_an_outage_of_the_whole_root_longer_than_the_lease_is_ridden_out(
     emulator = emulator_process()
     emulator.suspend()
     try:
-        time.sleep(cfg.lease_s * 3)
+        time.sleep(cfg.elastic.lease_s * 3)
     finally:
         emulator.resume()
     st = wait_finished(handle, timeout=400)

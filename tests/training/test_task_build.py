@@ -142,6 +142,6 @@ def test_a_job_whose_task_starts_a_thread_that_reaches_for_jax_trains(tmp_path: 
     )
     assert run_job(cfg) == 0, worker_logs(cfg.run_uri)
     st = api.status(cfg.run_uri)
-    assert st is not None and st["state"] == "finished" and st["step"] == cfg.steps, st
+    assert st is not None and st["state"] == "finished" and st["step"] == cfg.optimizer.steps, st
     logs = worker_logs(cfg.run_uri)
     assert "BackendFenced" in logs and logs.count("reached for JAX in the standby: built after the join") == 2, logs

@@ -236,7 +236,7 @@ def test_the_example_trains_through_a_lost_host_on_the_exact_examples_and_valida
     )
     assert run_job(cfg) == 0, worker_logs(cfg.run_uri)
     st = api.status(cfg.run_uri)
-    assert st["state"] == "finished" and st["step"] == cfg.steps, st
+    assert st["state"] == "finished" and st["step"] == cfg.optimizer.steps, st
 
     # A host was lost and the job went on on the one left, from a checkpoint.
     [failure] = api.events(cfg.run_uri, ["failure"])
@@ -248,18 +248,18 @@ def test_the_example_trains_through_a_lost_host_on_the_exact_examples_and_valida
     task = load_task(cfg)
     source = task.data().train
     ids = step_ids(cfg.run_uri)
-    assert sorted(ids) == list(range(cfg.steps))
+    assert sorted(ids) == list(range(cfg.optimizer.steps))
     for step, got in ids.items():
-        want = batch_ids(source, seed=cfg.seed, global_batch=cfg.global_batch, batch_index=step)
+        want = batch_ids(source, seed=cfg.optimizer.seed, global_batch=cfg.optimizer.global_batch, batch_index=step)
         assert got == [int(i) for i in want], f"step {step}: wrong examples after the resize"
 
     # It learned: the training loss fell, and the held-out loss is well below the untrained model's.
     losses = {e["step"]: e["loss"] for e in api.events(cfg.run_uri, ["progress"])}
-    assert losses[cfg.steps] < 0.5 * losses[1], losses
+    assert losses[cfg.optimizer.steps] < 0.5 * losses[1], losses
     verdict = api.validate(cfg.run_uri)
-    assert verdict["step"] == cfg.steps and verdict["verdict"] == "validated", verdict
+    assert verdict["step"] == cfg.optimizer.steps and verdict["verdict"] == "validated", verdict
     assert {"loss", "mae"} <= set(verdict["metrics"]), verdict
-    untrained = evaluate(cfg, nn.unbox(task.init(jax.random.key(cfg.seed))))
+    untrained = evaluate(cfg, nn.unbox(task.init(jax.random.key(cfg.optimizer.seed))))
     assert float(verdict["metrics"]["loss"]) < 0.5 * untrained["loss"], (verdict, untrained)
 
 
@@ -290,7 +290,7 @@ def test_a_task_that_uses_jax_everywhere_trains_through_a_lost_host_on_the_exact
     )
     assert run_job(cfg) == 0, worker_logs(cfg.run_uri)
     st = api.status(cfg.run_uri)
-    assert st is not None and st["state"] == "finished" and st["step"] == cfg.steps, st
+    assert st is not None and st["state"] == "finished" and st["step"] == cfg.optimizer.steps, st
     assert [(e["old_workers"], e["new_workers"]) for e in api.events(cfg.run_uri, ("resize",))] == [(2, 1)]
     # Each worker built the task as a process of its round: both of the first, then the survivor alone.
     logs = worker_logs(cfg.run_uri)
@@ -298,12 +298,12 @@ def test_a_task_that_uses_jax_everywhere_trains_through_a_lost_host_on_the_exact
         assert f"jax_task: {seen}" in logs, logs
     source = load_task(cfg).data().train
     ids = step_ids(cfg.run_uri)
-    assert sorted(ids) == list(range(cfg.steps))
+    assert sorted(ids) == list(range(cfg.optimizer.steps))
     for step, got in ids.items():
-        want = batch_ids(source, seed=cfg.seed, global_batch=cfg.global_batch, batch_index=step)
+        want = batch_ids(source, seed=cfg.optimizer.seed, global_batch=cfg.optimizer.global_batch, batch_index=step)
         assert got == [int(i) for i in want], f"step {step}: wrong examples after the resize"
     losses = {e["step"]: e["loss"] for e in api.events(cfg.run_uri, ("progress",))}
-    assert losses[cfg.steps] < 0.5 * losses[min(losses)], losses
+    assert losses[cfg.optimizer.steps] < 0.5 * losses[min(losses)], losses
 
 
 @pytest.mark.slow
