@@ -53,7 +53,7 @@ def bench_checkpoint_overhead(
     its end; and Orbax's fixed cost per save against lean's (a tiny state's: the formats themselves are compared
     by the format row, ``benchmarks/formats.py``)."""
     from benchmarks.formats import bench_fixed
-    from training.checkpoint.lifecycle import save_costs
+    from training.checkpoint.goodput import save_costs
     from training.config import load_config
 
     steps, (lo, hi) = (CKPT_QUICK_STEPS, CKPT_QUICK_WINDOW) if quick else (CKPT_STEPS, CKPT_WINDOW)

@@ -15,7 +15,7 @@ from benchmarks.jobs import (
     gone,
     wait_for,
 )
-from training.storage import OPS_ENV
+from training.store_calls import OPS_ENV
 
 CONTROL_AREAS = ("rendezvous", "lock", "status.json", "control.json")  # the agents' own objects
 OPS_WINDOW_S = 30.0  # --quick: 10 s

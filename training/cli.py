@@ -56,7 +56,7 @@ from training.cli_gke import gke_config, gke_exit, train_gke
 from training.cli_service import queue_row, service_commands
 from training.cloud_errors import Kind, cloud_error
 from training.config import ConfigError, describe_keys, format_config, load_config
-from training.events import duration
+from training.event_text import duration
 
 # A cloud error's exit code: a setup to fix (credentials, project, permissions) is a config error; a missing bucket
 # is not found; a quota, a rate limit or no answer at all may pass.
@@ -228,7 +228,7 @@ def cmd_events(args: argparse.Namespace) -> int:
     from datetime import datetime
 
     from training.api import events
-    from training.events import describe
+    from training.event_text import describe
 
     uri = existing_run(args)
     for ev in events(uri, tuple(args.type) if args.type else None):

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from training.cli_common import Exit, Subcommands, config, config_args, dump, root
-from training.events import duration
+from training.event_text import duration
 
 
 def queue_row(uri: str) -> Any:

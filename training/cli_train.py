@@ -20,7 +20,7 @@ from training.backends.spec import JobSpec
 from training.backends.watch import Look, Unreadable, timeouts, watch
 from training.cli_common import Exit, Progress
 from training.config import Config
-from training.events import describe
+from training.event_text import describe
 
 POLL_S = 0.5  # between looks at the job (its status and events: files on this machine)
 

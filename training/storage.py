@@ -16,21 +16,18 @@ sortable names, never by appending.
 
 from __future__ import annotations
 
-import atexit
 import builtins
 import contextlib
 import errno
-import json
 import os
 import shutil
-import sys
 import tempfile
-import threading
-import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, TypeVar
+
+from training.store_calls import before_call, disturb_calls
 
 
 class AlreadyExists(Exception):
@@ -232,7 +229,7 @@ class LocalStore:
         return str(self._path(key))
 
     def put(self, key: str, data: bytes) -> None:
-        _count("put", key, self.uri)
+        before_call("put", key, self.uri)
         path = self._path(key)
         self._make_parent(path)
         try:
@@ -256,7 +253,7 @@ class LocalStore:
 
     def put_parts(self, key: str, parts: Iterable[memoryview]) -> None:
         """Write an object from its parts, one after another, without joining them in memory (then fsync)."""
-        _count("put", key, self.uri)
+        before_call("put", key, self.uri)
         path = self._path(key)
         self._make_parent(path)
         write_parts(path, parts, sync=True)
@@ -280,7 +277,7 @@ class LocalStore:
         ``data`` is written over the start of the reserve, which is cut to its size and
         renamed to ``key``; the reserve is gone after.
         """
-        _count("create_in", key, self.uri)
+        before_call("create_in", key, self.uri)
         src, path = self._path(reserve), self._path(key)
         self._make_parent(path)
         if path.exists():  # keys written this way are unique (a time stamp and a nonce): a plain check will do
@@ -293,7 +290,7 @@ class LocalStore:
         os.rename(src, path)  # a rename takes no new inode (a link can need one, and space for it, on tmpfs)
 
     def create(self, key: str, data: bytes) -> None:
-        _count("create", key, self.uri)
+        before_call("create", key, self.uri)
         # Write to a temporary name, then hard-link: link(2) fails when the
         # target exists, so a reader never sees a half-written object and two
         # writers never both win.
@@ -316,7 +313,7 @@ class LocalStore:
                 os.unlink(tmp)
 
     def get(self, key: str) -> bytes:
-        _count("get", key, self.uri)
+        before_call("get", key, self.uri)
         try:
             return self._path(key).read_bytes()
         except FileNotFoundError:
@@ -324,7 +321,7 @@ class LocalStore:
 
     def get_range(self, key: str, start: int, size: int) -> bytes:
         """``size`` bytes of an object from ``start``."""
-        _count("get_range", key, self.uri)
+        before_call("get_range", key, self.uri)
         try:
             with open(self._path(key), "rb") as f:
                 f.seek(start)
@@ -333,11 +330,11 @@ class LocalStore:
             raise NotFound(str(self._path(key))) from None
 
     def exists(self, key: str) -> bool:
-        _count("exists", key, self.uri)
+        before_call("exists", key, self.uri)
         return self._path(key).exists()
 
     def list(self, prefix: str = "") -> builtins.list[str]:
-        _count("list", prefix, self.uri)
+        before_call("list", prefix, self.uri)
         base = self._path(prefix) if prefix else self.root
         # A prefix may name a directory ("a/") or the start of a file name ("a/x").
         if base.is_dir():
@@ -360,7 +357,7 @@ class LocalStore:
 
     def checksums(self, prefix: str = "") -> dict[str, builtins.list[int]]:
         """``{key relative to prefix: [size, crc32c]}`` of the objects under ``prefix``."""
-        _count("checksums", prefix, self.uri)
+        before_call("checksums", prefix, self.uri)
         import google_crc32c
 
         out = {}
@@ -377,7 +374,7 @@ class LocalStore:
 
     def usage(self, prefix: str) -> tuple[int, float | None]:
         """(bytes, newest write time) of everything under ``prefix``; (0, None) when there is nothing."""
-        _count("usage", prefix, self.uri)
+        before_call("usage", prefix, self.uri)
         total, newest = 0, None
         for dirpath, _dirs, files in os.walk(self._path(prefix.rstrip("/"))):
             mtimes = [os.stat(dirpath).st_mtime]
@@ -390,13 +387,13 @@ class LocalStore:
 
     def move(self, src: str, dst: str) -> None:
         """Move an object or a whole prefix (a rename on one file system)."""
-        _count("move", src, self.uri)
+        before_call("move", src, self.uri)
         target = self._path(dst)
         self._make_parent(target)
         os.rename(self._path(src), target)
 
     def delete(self, key: str) -> None:
-        _count("delete", key, self.uri)
+        before_call("delete", key, self.uri)
         path = self._path(key)
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
@@ -453,7 +450,7 @@ class GCSStore:
             raise RootGone(self.uri, f"bucket {self.bucket_name} not found") from None
 
     def put(self, key: str, data: bytes) -> None:
-        _count("put", key, self.uri)
+        before_call("put", key, self.uri)
         from google.cloud.storage.retry import DEFAULT_RETRY
 
         with self._bucket_there():
@@ -461,7 +458,7 @@ class GCSStore:
 
     def put_parts(self, key: str, parts: Iterable[memoryview]) -> None:
         """Upload an object from its parts as a stream (a resumable upload), without joining them in memory."""
-        _count("put", key, self.uri)
+        before_call("put", key, self.uri)
         from google.cloud.storage.retry import DEFAULT_RETRY
 
         with self._bucket_there(), self.bucket.blob(self._name(key)).open("wb", retry=DEFAULT_RETRY) as f:
@@ -469,7 +466,7 @@ class GCSStore:
                 f.write(part)
 
     def create(self, key: str, data: bytes) -> None:
-        _count("create", key, self.uri)
+        before_call("create", key, self.uri)
         from google.api_core import exceptions
         from google.cloud.storage.retry import DEFAULT_RETRY
 
@@ -484,7 +481,7 @@ class GCSStore:
             raise AlreadyExists(self.child(key)) from None
 
     def get(self, key: str) -> bytes:
-        _count("get", key, self.uri)
+        before_call("get", key, self.uri)
         from google.api_core import exceptions
         from google.cloud.storage.retry import DEFAULT_RETRY
 
@@ -495,7 +492,7 @@ class GCSStore:
 
     def get_range(self, key: str, start: int, size: int) -> bytes:
         """``size`` bytes of an object from ``start`` (one ranged GET)."""
-        _count("get_range", key, self.uri)
+        before_call("get_range", key, self.uri)
         from google.api_core import exceptions
         from google.cloud.storage.retry import DEFAULT_RETRY
 
@@ -508,13 +505,13 @@ class GCSStore:
             raise NotFound(self.child(key)) from None
 
     def exists(self, key: str) -> bool:
-        _count("exists", key, self.uri)
+        before_call("exists", key, self.uri)
         from google.cloud.storage.retry import DEFAULT_RETRY
 
         return bool(self.bucket.blob(self._name(key)).exists(retry=DEFAULT_RETRY))
 
     def list(self, prefix: str = "") -> builtins.list[str]:
-        _count("list", prefix, self.uri)
+        before_call("list", prefix, self.uri)
         from google.cloud.storage.retry import DEFAULT_RETRY
 
         full = self._name(prefix) if prefix else (self.prefix + "/" if self.prefix else "")
@@ -531,7 +528,7 @@ class GCSStore:
 
         (An emulator that keeps no CRC32C: the object is read and summed here.)
         """
-        _count("checksums", prefix, self.uri)
+        before_call("checksums", prefix, self.uri)
         import base64
 
         import google_crc32c
@@ -551,7 +548,7 @@ class GCSStore:
 
     def usage(self, prefix: str) -> tuple[int, float | None]:
         """(bytes, newest write time) of the objects under ``prefix``; (0, None) when there is none."""
-        _count("usage", prefix, self.uri)
+        before_call("usage", prefix, self.uri)
         from google.cloud.storage.retry import DEFAULT_RETRY
 
         total, newest = 0, None
@@ -570,7 +567,7 @@ class GCSStore:
 
     def move(self, src: str, dst: str) -> None:
         """Copy then delete, object by object (GCS has no rename)."""
-        _count("move", src, self.uri)
+        before_call("move", src, self.uri)
         from google.cloud.storage.retry import DEFAULT_RETRY
 
         src_p = src.rstrip("/")
@@ -582,7 +579,7 @@ class GCSStore:
         self.delete(src_p)
 
     def delete(self, key: str) -> None:
-        _count("delete", key, self.uri)
+        before_call("delete", key, self.uri)
         from google.api_core import exceptions
 
         # The object itself and everything "inside" it (key/...), never key2...
@@ -638,95 +635,12 @@ def is_transient(e: BaseException) -> bool:
     return any(c.__module__.startswith("google.") and c.__name__ in _TRANSIENT_GCS for c in type(e).__mro__)
 
 
-OPS_ENV = "RTRAIN_STORE_OPS"  # a directory: every process counts its store calls there (``rtrain bench``)
-
-
-class OpTally:
-    """This process's store calls, by operation and by the key's first part, kept in one file.
-
-    The file (``<dir>/<pid>.json``: ``{"role": program, "time": when, "counts": {"op area": n}}``,
-    cumulative) is replaced by a call that comes a second or more after the last
-    replacement, and at the process's normal exit. A tally that cannot be written
-    is given up quietly: counting never fails a store call.
-    """
-
-    def __init__(self, sink: Path) -> None:
-        self.pid = os.getpid()
-        self.path = sink / f"{self.pid}.json"
-        self.role = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else "python"
-        self.counts: dict[str, int] = {}
-        self._lock = threading.Lock()
-        self._written = 0.0
-        atexit.register(self.write)
-
-    def count(self, op: str, key: str) -> None:
-        area = key.strip("/").split("/", 1)[0] or "."
-        with self._lock:
-            name = f"{op} {area}"
-            self.counts[name] = self.counts.get(name, 0) + 1
-            due = time.monotonic() - self._written >= 1.0
-        if due:
-            self.write()
-
-    def write(self) -> None:
-        with self._lock:
-            self._written = time.monotonic()
-            doc = json.dumps({"role": self.role, "time": time.time(), "counts": self.counts})
-            tmp = self.path.with_name(f".{self.path.name}.{threading.get_ident()}.tmp")
-            try:
-                tmp.write_text(doc)
-                os.replace(tmp, self.path)
-            except OSError:
-                pass
-
-
-_TALLY: OpTally | None = None
-
-
-def _tally() -> OpTally | None:
-    """This process's tally when ``RTRAIN_STORE_OPS`` names a directory (read once per process: a fork counts anew)."""
-    global _TALLY
-    if _TALLY is None or _TALLY.pid != os.getpid():
-        sink = os.environ.get(OPS_ENV)
-        if not sink:
-            return None
-        Path(sink).mkdir(parents=True, exist_ok=True)
-        _TALLY = OpTally(Path(sink))
-    return _TALLY
-
-
-@dataclass
-class _Disturbance:
-    """Injected trouble with the run root (chaos): until when, and how (a delay, else a failure)."""
-
-    root: str = ""
-    until: float = 0.0
-    latency_s: float = 0.0
-
-
-_DISTURBANCE = _Disturbance()
-
-
 def disturb(root: str, for_s: float, latency_s: float = 0.0) -> None:
     """For ``for_s`` seconds, every call of this process to a store under ``root`` fails (or, with
     ``latency_s``, waits that long): as a store of that kind fails when it cannot be reached."""
     local = bool(root) and scheme(root).filesystem
-    _DISTURBANCE.root = str(Path(root).expanduser().resolve()) if local else root.rstrip("/")
-    _DISTURBANCE.until = time.monotonic() + for_s
-    _DISTURBANCE.latency_s = latency_s
-
-
-def _count(op: str, key: str, uri: str) -> None:
-    """Before each store call: count it (``RTRAIN_STORE_OPS``), and carry out an injected disturbance."""
-    tally = _tally()
-    if tally is not None:
-        tally.count(op, key)
-    d = _DISTURBANCE
-    if d.until and time.monotonic() < d.until and (uri == d.root or uri.startswith(d.root + "/")):
-        if _DISTURBANCE.latency_s:
-            time.sleep(_DISTURBANCE.latency_s)
-        else:
-            raise scheme_of(uri).unreachable(op, key)
+    under = str(Path(root).expanduser().resolve()) if local else root.rstrip("/")
+    disturb_calls(under, for_s, latency_s, scheme_of(under).unreachable)
 
 
 def open_store(uri: str) -> Store:

@@ -34,7 +34,7 @@ def test_a_high_priority_dag_run_takes_hosts_from_a_low_run_which_grows_back(
         {**conf["overrides"], "root": root, "dataset": shared["dataset"], "run_name": "bg", "steps": 2000}
         | {"min_workers": 1, "max_workers": 2, "checkpoint_every": 10}
     )
-    hook.prepare_dataset("stdlib", shared["dataset"], bg.seq_len, conf["dataset_max_bytes"])
+    hook.prepare_dataset("stdlib", shared["dataset"], bg.model.seq_len, conf["dataset_max_bytes"])
     try:
         commands.submit(bg, "low", pool_hosts=2)
         wait_for(

@@ -276,7 +276,7 @@ def test_start_takes_the_run_writes_its_config_and_creates_a_jobset_of_agents(
     )
     # The run is the job's: its config (hosts_per_slice from the TPU shape), a pending status, the lock handed over.
     written = engine.load_run_config(run_uri)
-    assert (written.hosts_per_slice, written.backend) == (4, "gke")
+    assert (written.placement.hosts_per_slice, written.placement.backend) == (4, "gke")
     assert engine.status(run_uri)["job"] == result["job"]
     assert engine.job_state(result)["state"] == "pending"
 
@@ -291,11 +291,11 @@ def test_a_second_start_while_a_job_holds_the_run_is_refused_and_writes_nothing(
     cfg = dict(gs_config, run_name="start-2")
     first = start(url, cfg)
     run_uri = f"{gs_config['root']}/start-2"
-    before = engine.load_run_config(run_uri).learning_rate
+    before = engine.load_run_config(run_uri).optimizer.learning_rate
     with pytest.raises(Exception, match="refused: run .* is locked by") as e:
         start(url, {**cfg, "learning_rate": 0.5})
     assert first["job"] in str(e.value)
-    assert engine.load_run_config(run_uri).learning_rate == before  # the refused launch wrote nothing
+    assert engine.load_run_config(run_uri).optimizer.learning_rate == before  # the refused launch wrote nothing
     assert sum(1 for k in api.objects if k[0] == "JobSet") == 1
 
 
@@ -552,7 +552,7 @@ def test_the_test_run_of_docs_gke_md_passes_every_check_before_billing(tmp_path:
     tpu = TPUSlice(gke["machine_type"], gke["tpu_topology"])
     check_config(cfg, tpu)
     assert (tpu.hosts, feasible_slices(cfg, tpu)) == (2, [1, 2])
-    assert len(gke["node_pools"]) == cfg.max_workers // tpu.hosts == 2
+    assert len(gke["node_pools"]) == cfg.elastic.max_workers // tpu.hosts == 2
     run = GKERun(cfg, gke, CloudCluster(gke, AnonymousCredentials()))
     assert [p.node_count for p in run.cluster.pool_specs()] == [2, 2] and all(p.spot for p in run.cluster.pool_specs())
 
@@ -906,7 +906,8 @@ def test_the_sensor_s_log_says_why_pods_wait_once_per_change(
     # The same, on the run's record: the Training view's timeline tells it.
     from rtrain_airflow.runview import chart_data
 
-    from training.events import EventLog, describe
+    from training.event_text import describe
+    from training.events import EventLog
 
     told = [e for e in EventLog(store).read() if e["type"] == "pods_waiting"]
     assert [e["reason"].split(" (")[0] for e in told] == ["1 pod ImagePullBackOff", ""]

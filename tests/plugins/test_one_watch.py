@@ -22,7 +22,7 @@ from training.backends import JobSpec, LocalSliceBackend
 from training.backends.watch import Look, stale_after_s, timeouts, watch
 from training.cli import Exit, main
 from training.elastic.local_slice import SHOWN
-from training.events import describe
+from training.event_text import describe
 
 # What both the CLI and the Airflow side tell of a run (each also tells a few kinds the other does not).
 TOLD_BY_ALL = SHOWN & set(RELAYED)
@@ -83,7 +83,7 @@ def test_the_cli_the_trigger_and_the_sensor_tell_one_job_s_events_alike(finished
 
     # The deferrable trigger, from the same handle.
     trigger = RTrainTrainingJobTrigger.for_job(cfg, handle, poll_interval=0.1, start_timeout_s=60, progress_every_s=0)
-    assert trigger.stale_after_s == stale_after_s(cfg.hang_timeout_s)
+    assert trigger.stale_after_s == stale_after_s(cfg.elastic.hang_timeout_s)
 
     async def first() -> dict[str, Any]:
         async for event in trigger.run():

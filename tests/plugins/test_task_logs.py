@@ -11,7 +11,8 @@ import pytest
 from rtrain_airflow.hooks.training import RTrainHook, format_validations, plan_text, readable
 
 from training.api import describe
-from training.events import REQUIRED, SENTENCES, EventType
+from training.event_text import SENTENCES
+from training.events import REQUIRED, EventType
 
 REPO = Path(__file__).resolve().parents[2]
 # Types the brief names that the engine may not write (yet): their sentences are ready.
@@ -73,7 +74,7 @@ def test_every_event_type_has_a_sentence() -> None:
     emitted = emitted_types()
     assert {"launch", "failure", "validation", "prune", "lock", "config"} <= emitted  # the scan finds them
     missing = sorted(({t.value for t in EventType} | emitted | set(NEW_TYPES)) - set(SENTENCES))
-    assert missing == [], f"event types without a sentence in training.events.describe: {missing}"
+    assert missing == [], f"event types without a sentence in training.event_text.describe: {missing}"
 
 
 @pytest.mark.parametrize("kind", sorted({t.value for t in EventType} | set(NEW_TYPES)))

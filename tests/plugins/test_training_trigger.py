@@ -17,7 +17,8 @@ from airflow.sdk._shared.module_loading import import_string
 from airflow.sdk.serde import deserialize, serialize
 from rtrain_airflow.triggers.training import CLASSPATH, PROGRESS_EVERY_S, RTrainTrainingJobTrigger
 
-from training.events import EventLog, describe, write_status
+from training.event_text import describe
+from training.events import EventLog, write_status
 from training.storage import open_store
 
 

@@ -15,8 +15,8 @@ import pytest
 from array_record.python.array_record_module import ArrayRecordReader
 
 from training import data
-from training.data import preparation
-from training.data.preparation import Manifest
+from training.data import shards
+from training.data.shards import Manifest
 from training.storage import open_store
 
 REPO = Path(__file__).resolve().parents[2]
@@ -306,8 +306,8 @@ def test_a_gcs_dataset_whose_bucket_is_mounted_is_read_there_not_downloaded(
     cache = tmp_path / "cache"
     paths = data.local_shards(dataset, "train", str(cache))
     assert paths and all(p.startswith(str(mount / prefix / "ds")) for p in paths)
-    assert not [p for p in cache.rglob("*") if p.name != preparation.VERIFIED], "nothing downloaded"
-    assert (cache / preparation.VERIFIED).exists(), "what was verified is remembered off the mount"
+    assert not [p for p in cache.rglob("*") if p.name != shards.VERIFIED], "nothing downloaded"
+    assert (cache / shards.VERIFIED).exists(), "what was verified is remembered off the mount"
     batches = data.make_batches(
         dataset, "train", seed=3, global_batch=B, process_index=0, process_count=1, cache_dir=str(cache)
     )
@@ -317,7 +317,7 @@ def test_a_gcs_dataset_whose_bucket_is_mounted_is_read_there_not_downloaded(
     # A shard that differs from the manifest on the mount is refused, naming it.
     (mount / prefix / "ds").chmod(0o755)
     Path(paths[0]).write_bytes(b"changed")
-    preparation._verified_here.clear()
+    shards._verified_here.clear()
     with pytest.raises(data.DatasetError, match=Path(paths[0]).name):
         data.local_shards(dataset, "train", str(cache))
 
@@ -398,14 +398,14 @@ def test_a_changed_shard_is_refused_at_load_naming_the_shard_and_its_checksum(tm
     shard = manifest["splits"]["train"]["shards"][0]
     data.local_shards(str(out), "train")  # verified once ...
     hashed: list[str] = []
-    real = preparation._sha256_file
+    real = shards._sha256_file
 
     def counting(p: Path) -> str:
         hashed.append(str(p))
         return real(p)
 
-    monkeypatch.setattr(preparation, "_sha256_file", counting)
-    preparation._verified_here.clear()  # (as a new process would start)
+    monkeypatch.setattr(shards, "_sha256_file", counting)
+    shards._verified_here.clear()  # (as a new process would start)
     data.local_shards(str(out), "train")
     assert hashed == [], "an unchanged shard is not hashed again: its size and mtime are remembered"
 

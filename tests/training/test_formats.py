@@ -15,7 +15,7 @@ from array_record.python.array_record_module import ArrayRecordReader
 
 from training import data
 from training.data import formats, tokenizer
-from training.data.preparation import Manifest
+from training.data.shards import Manifest
 from training.data.tokens import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]

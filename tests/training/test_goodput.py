@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from training.checkpoint.lifecycle import goodput
+from training.checkpoint.goodput import goodput
 
 
 def _run(rollback: bool) -> list[dict]:

@@ -23,13 +23,13 @@ from training.cli import Exit, main
 from training.elastic.codes import AgentExit
 from training.elastic.jobstatus import JobStatus, Phase, inherited_phase, run_state
 from training.elastic.rendezvous import Round
+from training.event_text import describe
 from training.events import (
     ALIVE_STATES,
     FINAL_STATES,
     EventError,
     EventLog,
     RunState,
-    describe,
     make_event,
     write_status,
 )

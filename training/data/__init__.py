@@ -13,17 +13,8 @@ from typing import Any
 import numpy as np
 
 from training.data import pipeline
-from training.data.preparation import (
-    MANIFEST,
-    SEPARATOR,
-    SPLITS,
-    DatasetError,
-    DatasetExistsError,
-    load_manifest,
-    local_shards,
-    prepare,
-    shard_paths,
-)
+from training.data.preparation import SEPARATOR, SPLITS, DatasetError, DatasetExistsError, prepare
+from training.data.shards import MANIFEST, load_manifest, local_shards, shard_paths
 from training.data.tokens import lm_source, load_tokenizer
 
 __all__ = [

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 from training.data.errors import DatasetError
-from training.data.preparation import SEPARATOR, Manifest, load_manifest, shard_paths
+from training.data.preparation import SEPARATOR
+from training.data.shards import Manifest, load_manifest, shard_paths
 from training.data.tokenizer import Tokenizer, from_manifest
 from training.storage import open_store
 
@@ -66,7 +67,7 @@ def records(dataset_uri: str, split: str, cache_dir: str | None = None, reads: s
 
 def lm_source(dataset_uri: str, split: str, cache_dir: str | None = None, reads: str = "auto") -> Any:
     """A split of a prepared dataset as language-model examples (a grain MapDataset); ``reads``: how a host
-    reads a ``gs://`` one (``preparation.READS``)."""
+    reads a ``gs://`` one (``shards.READS``)."""
     manifest = load_manifest(dataset_uri)
     return records(dataset_uri, split, cache_dir, reads).map(LMExample(token_dtype(manifest), eos_id(manifest)))
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from training.config import Config
 from training.data import load_manifest
-from training.data.preparation import Manifest
+from training.data.shards import Manifest
 from training.data.tokens import lm_source
 from training.models.llama import Llama, LlamaConfig, cross_entropy
 from training.sections import DataSection, ModelSection
