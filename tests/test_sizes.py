@@ -1,7 +1,8 @@
 """Rooms a reader holds in their head: no module over 800 lines, no class over 300, no function over 80.
 
 The class and function limits hold in the engine, the plugin, the DAGs, the benchmarks and the CI scripts; the
-module limit in each of those folders too.
+module limit in each of those folders too.  The check keeps room under each limit: it fails at 90% of it
+(720, 270, 72 lines), so the next change to a module near its limit is a split along a seam, not a squeeze.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-MAX_MODULE, MAX_CLASS, MAX_FUNCTION = 800, 300, 80
+LIMITS = {"module": 800, "class": 300, "function": 80}
+ROOM = 0.9  # the share of a limit a room may fill
+MAX_MODULE, MAX_CLASS, MAX_FUNCTION = (int(ROOM * LIMITS[k]) for k in ("module", "class", "function"))
 CHECKED = ["training", "plugins", "dags", "benchmarks", ".ci"]
 
 
@@ -68,3 +71,4 @@ def test_the_check_finds_a_long_module(tmp_path: Path) -> None:
     (tmp_path / "long.py").write_text("x = 0\n" * (MAX_MODULE + 1))
     (tmp_path / "short.py").write_text("x = 0\n" * MAX_MODULE)
     assert long_modules(tmp_path) == [f"long.py ({MAX_MODULE + 1} lines, limit {MAX_MODULE})"]
+

@@ -10,15 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from google.auth.credentials import AnonymousCredentials
 from google.cloud import container_v1
 
-from training.backends.gke_pools import NodePools, TPUNodePoolSpec
+from training.backends.gke_pools import PoolRequests, TPUNodePoolSpec
 from training.gke import GKEConfigError, TPUSlice
 
 PROJECT, LOCATION, CLUSTER = "rtrain-prod", "us-east5", "train"
-# Building a request calls nothing: the client is made, never used.
-POOLS = NodePools(container_v1.ClusterManagerClient(credentials=AnonymousCredentials()), PROJECT, LOCATION, CLUSTER)
+# Building a request calls nothing: no client is made.
+POOLS = PoolRequests(PROJECT, LOCATION, CLUSTER)
 
 
 # --- the requests the hook builds ----------------------------------------------------------------

@@ -337,41 +337,13 @@ class _Provisioning:
     pending: dict[str, _Pending] = field(default_factory=dict)
 
 
-class NodePools:
-    """One cluster's TPU node pools through a ``ClusterManagerClient``: create (all at once), delete, look.
+@dataclass(frozen=True)
+class PoolRequests:
+    """The resource names of one cluster's node pools and the requests about them: built, not sent (pure)."""
 
-    ``project``, ``location`` and ``cluster`` name the cluster; ``poll_s`` is how often an
-    operation on its way is looked at; ``backoff`` spaces the resends of a refused request.
-    """
-
-    def __init__(
-        self,
-        client: container_v1.ClusterManagerClient,
-        project: str,
-        location: str,
-        cluster: str,
-        log: Log | None = None,
-        poll_s: float = 15.0,
-        backoff: Backoff = Backoff(),
-    ) -> None:
-        self.client = client
-        self.project = project
-        self.location = location
-        self.cluster = cluster
-        self.log = log
-        self.poll_s = poll_s
-        self.backoff = backoff
-        self.unfinished: _Provisioning | None = None  # the pools still on their way when create_all returned
-
-    def _say(self, msg: str, *args: Any) -> None:
-        if self.log is not None:
-            self.log.info(msg, *args)
-
-    def _warn(self, msg: str, *args: Any) -> None:
-        if self.log is not None:
-            self.log.warning(msg, *args)
-
-    # --- resource names and requests (pure) -------------------------------------------------
+    project: str
+    location: str
+    cluster: str
 
     @property
     def cluster_path(self) -> str:
@@ -397,16 +369,53 @@ class NodePools:
             else f"projects/{self.project}/locations/{self.location}/operations/{name}"
         )
 
+
+class NodePools:
+    """One cluster's TPU node pools through a ``ClusterManagerClient``: create (all at once), delete, look.
+
+    ``project``, ``location`` and ``cluster`` name the cluster (``requests``: its pools' names and requests);
+    ``poll_s`` is how often an operation on its way is looked at; ``backoff`` spaces the resends of a refused
+    request.
+    """
+
+    def __init__(
+        self,
+        client: container_v1.ClusterManagerClient,
+        project: str,
+        location: str,
+        cluster: str,
+        log: Log | None = None,
+        poll_s: float = 15.0,
+        backoff: Backoff = Backoff(),
+    ) -> None:
+        self.client = client
+        self.project = project
+        self.location = location
+        self.cluster = cluster
+        self.requests = PoolRequests(project, location, cluster)
+        self.log = log
+        self.poll_s = poll_s
+        self.backoff = backoff
+        self.unfinished: _Provisioning | None = None  # the pools still on their way when create_all returned
+
+    def _say(self, msg: str, *args: Any) -> None:
+        if self.log is not None:
+            self.log.info(msg, *args)
+
+    def _warn(self, msg: str, *args: Any) -> None:
+        if self.log is not None:
+            self.log.warning(msg, *args)
+
     # --- calls --------------------------------------------------------------------------------
 
     def get_cluster(self) -> container_v1.Cluster:
-        return self.client.get_cluster(request=container_v1.GetClusterRequest(name=self.cluster_path))
+        return self.client.get_cluster(request=container_v1.GetClusterRequest(name=self.requests.cluster_path))
 
     def get(self, name: str) -> container_v1.NodePool:
-        return self.client.get_node_pool(request=container_v1.GetNodePoolRequest(name=self.pool_path(name)))
+        return self.client.get_node_pool(request=container_v1.GetNodePoolRequest(name=self.requests.pool_path(name)))
 
     def get_operation(self, operation: container_v1.Operation) -> container_v1.Operation:
-        request = container_v1.GetOperationRequest(name=self.operation_path(operation))
+        request = container_v1.GetOperationRequest(name=self.requests.operation_path(operation))
         return self.client.get_operation(request=request)
 
     def create(self, spec: TPUNodePoolSpec) -> container_v1.Operation | None:
@@ -415,10 +424,10 @@ class NodePools:
         An existing pool of another shape is an error (the job would run on the wrong shape);
         one being deleted is :class:`PoolBeingDeleted`.
         """
-        request = self.create_request(spec)
+        request = self.requests.create_request(spec)
         self._say(
             "Creating TPU node pool %s (%s, %s, %d nodes)",
-            self.pool_path(spec.name),
+            self.requests.pool_path(spec.name),
             spec.machine_type,
             spec.tpu_topology,
             spec.node_count,
@@ -435,9 +444,9 @@ class NodePools:
 
     def delete(self, name: str) -> container_v1.Operation | None:
         """Send the delete request; ``None`` when there is no such pool (nothing to tear down)."""
-        self._say("Deleting node pool %s", self.pool_path(name))
+        self._say("Deleting node pool %s", self.requests.pool_path(name))
         try:
-            return self.client.delete_node_pool(request=self.delete_request(name))
+            return self.client.delete_node_pool(request=self.requests.delete_request(name))
         except NotFound:
             self._say("Node pool %s does not exist: nothing to delete", name)
             return None
@@ -455,7 +464,7 @@ class NodePools:
                     f"node_count: {name} is one {tpu.hosts}-host {topology} slice; "
                     f"it can have 0 or {tpu.hosts} nodes, not {node_count}"
                 )
-        return self.client.set_node_pool_size(request=self.resize_request(name, node_count))
+        return self.client.set_node_pool_size(request=self.requests.resize_request(name, node_count))
 
     def retrying(self, what: str, call: Callable[[], T], deadline: float) -> T:
         """``call()``, sent again with backoff while it fails for now (until the monotonic ``deadline``)."""

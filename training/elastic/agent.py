@@ -44,6 +44,7 @@ from training.checkpoint.ledger import Ledger
 from training.config import Config, config_from_json
 from training.elastic.capacity import LocalCapacity
 from training.elastic.codes import AgentExit
+from training.elastic.departure import Departure
 from training.elastic.follower import RoundFollower
 from training.elastic.heartbeat import Heartbeat, first_record
 from training.elastic.hostctx import HostContext
@@ -129,14 +130,13 @@ class HostAgent:
             local_dir=local_tier.host_dir(self.cfg.checkpoint.local_checkpoint_dir, run, job, host),
             step_beat_s=self.cadence.step_beat_s,
             writer=self.writer,
-            leaving_at=lambda: self.leaving["at"] if self.leaving is not None else None,
+            leaving_at=lambda: self.departure.at if self.departure is not None else None,
             warm=self._warm,
         )
         self.rounds = RoundFollower(self.rdv, job, self.cadence)
         self.exit_code: AgentExit | None = None
         self._signal: int | None = None
-        self.leaving: dict[str, Any] | None = None  # a preemption notice: when, why, the deadline
-        self._hand_over_s = 0.0  # leaving last, hosts to come back: how long the lease waits for them
+        self.departure: Departure | None = None  # once a preemption notice came: this host leaves
 
     # --- small helpers ------------------------------------------------------------------------
 
@@ -151,7 +151,7 @@ class HostAgent:
 
     def _warm(self) -> None:
         """The next worker warms up (not on a host that is leaving)."""
-        if self.leaving is None:
+        if self.departure is None:
             self.workers.warm()
 
     # --- the main loop ------------------------------------------------------------------------
@@ -177,9 +177,9 @@ class HostAgent:
         log.info("[%s] agent of job %s on %s, pid %d", self.host, self.job, self.run_uri, os.getpid())
         try:
             while self.exit_code is None:
-                if self._signal is not None and self.leaving is None:
+                if self._signal is not None and self.departure is None:
                     self._notice(self._signal)
-                if self.leaving is not None and self._drained():
+                if self.departure is not None and self.departure.drained():
                     self.exit_code = AgentExit.INTERRUPTED
                     break
                 self._follow_safely()
@@ -210,62 +210,27 @@ class HostAgent:
     # --- a preemption notice ------------------------------------------------------------------
 
     def _notice(self, signum: int) -> None:
-        """SIGTERM (a preemption notice, a pod being deleted): this host leaves, losing no step.
-
-        Its worker is told (it passes the notice to the whole group through the
-        next step, and the group stops at that step boundary, commits it and ends
-        the round); the host is marked leaving, so no new round counts on it; the
-        agent goes once its worker has reported, or when ``preemption_grace_s``
-        is spent.  A leader keeps leading until the next round is open.
-        """
-        name = signal.Signals(signum).name
-        now = time.time()
-        self.leaving = {
-            "at": now,
-            "why": f"{name} (preemption notice)",
-            "deadline": now + self.cfg.checkpoint.preemption_grace_s,
-        }
-        log.warning("[%s] %s: leaving within %.0fs", self.host, name, self.cfg.checkpoint.preemption_grace_s)
-        self.heart.update(state="leaving")
-        if self.capacity is not None:
-            with contextlib.suppress(Exception):
-                self.capacity.leave(self.host, reason=f"host {self.host} got a preemption notice")
-        self.workers.drop_standby()
-        if not self.workers.notice():
-            self.reports.emit_later(
-                "preemption_notice", step=None, seconds=0.0, committed=False, reason="no worker was training"
-            )
+        """SIGTERM (a preemption notice, a pod being deleted): this host leaves, losing no step (a Departure)."""
+        self.departure = Departure(
+            signum,
+            self.cfg.checkpoint.preemption_grace_s,
+            host=self.host,
+            heart=self.heart,
+            capacity=self.capacity,
+            workers=self.workers,
+            reports=self.reports,
+            last_host_leaves=self.lead.last_host_leaves,
+        )
+        self.departure.begin()
 
     def _stop_worker_at_step(self, round_: int) -> bool:
         """A person's stop (the leader asks): this host's worker of ``round_`` gets a notice, so its group stops at
         the next step and commits it; recorded as the job's stop, not as a preemption notice.  False: none trains."""
         w = self.workers.worker
-        if w is None or w.round != round_ or self.leaving is not None:
+        if w is None or w.round != round_ or self.departure is not None:
             return False
         self.reports.stopping = True
         return self.workers.notice()
-
-    def _drained(self) -> bool:
-        """May a leaving agent go: its worker has ended and reported, and it leads nothing that needs it?"""
-        assert self.leaving is not None
-        if time.time() > self.leaving["deadline"]:
-            w = self.workers.stop_worker()
-            if w is not None:
-                why = (
-                    f"preemption notice: the grace period ({self.cfg.checkpoint.preemption_grace_s:.0f}s) ran out before "
-                    f"the worker stopped"
-                )
-                log.warning("[%s] %s", self.host, why)
-                step = self.heart.record.step
-                self.reports.report(w.round, w.rank, Outcome.FAILED, reason=why, step=step)
-                self.reports.emit_later("preemption_notice", step=step, seconds=None, committed=False, reason=why)
-            return True
-        if self.workers.worker is not None:
-            return False
-        # A leaving leader: another agent of the job takes the lease when this one releases it
-        # (and opens the next round); with no other host left, the job waits for its hosts or ends.
-        self._hand_over_s = self.lead.last_host_leaves()
-        return True
 
     def _note_pids(self) -> None:
         """Put this host's worker and standby pids in its record when they change (an operator's ``ps`` finds them)."""
@@ -279,7 +244,7 @@ class HostAgent:
         self.workers.kill_all()
         self.heart.update(now=False, worker_pid=None, standby_pid=None)
         self.writer.close()  # what the worker reported is on record before the agent goes
-        self.lead.release(self._hand_over_s)
+        self.lead.release(self.departure.hand_over_s if self.departure is not None else 0.0)
         with contextlib.suppress(Exception):
             self.heart.last("leaving" if self.exit_code == AgentExit.INTERRUPTED else "gone")
         self.lead.host_watch.close()
@@ -309,10 +274,10 @@ class HostAgent:
             return
         rank = rnd.rank(self.host)
         if rank < 0:
-            if self.leaving is None:
+            if self.departure is None:
                 self.heart.update(state="idle", round=rnd.round, rank=-1)
             return
-        if self.leaving is not None:  # opened before the leader saw this host leave
+        if self.departure is not None:  # opened before the leader saw this host leave
             self.reports.report(
                 rnd.round, rank, Outcome.FAILED, reason=f"host {self.host} is leaving (preemption notice)"
             )
@@ -333,7 +298,7 @@ class HostAgent:
         w, code = ended
         self.rounds.look_now()  # the next round is what matters now: look at once
         self.reports.worker_ended(w, code)
-        if self.leaving is not None:
+        if self.departure is not None:
             return  # this host goes: no standby, and it stays "leaving"
         self.heart.update(state="idle", coordinator=self.workers.coordinator_address())
         if self.workers.standby is None and self.exit_code is None:

@@ -22,7 +22,6 @@ change.  The leader alone writes ``status.json`` and the lifecycle events, each 
 
 from __future__ import annotations
 
-import errno
 import logging
 import time
 from typing import Any, Protocol
@@ -33,17 +32,18 @@ from training.checkpoint.lock import LeaseKeeper, LockLost, RunLock
 from training.config import Config
 from training.elastic.capacity import LocalCapacity
 from training.elastic.chaos import JobChaos
-from training.elastic.hostview import HostView, Settle
+from training.elastic.hostview import HostView
 from training.elastic.hostwatch import HostWatch
+from training.elastic.job_end import JobEnd
 from training.elastic.jobstatus import JobStatus, Phase, inherited_phase
 from training.elastic.membership import choose_members, largest_round, resume_for
+from training.elastic.reform import Reform
 from training.elastic.rendezvous import Outcome, Rendezvous, Report, Round
-from training.elastic.round_end import JobFails, PendingFailure, Recovery, RoundEnds, RoundFailed, Verdict
-from training.elastic.rounds import Carried, LeaderRecords, RoundWriter
+from training.elastic.round_end import JobFails, RoundEnds, RoundFailed, Verdict
+from training.elastic.rounds import LeaderRecords, RoundWriter
 from training.elastic.roundwatch import RoundWatch
 from training.elastic.status import stop_asked
 from training.events import EventLog, RunState
-from training.layout import RDV_RESERVE
 from training.storage import Store
 
 log = logging.getLogger("rtrain.leader")
@@ -113,7 +113,7 @@ class Leader:
     """The job's decisions, taken by the one host agent that holds the run's lease: the round state machine.
 
     Its parts: the host view, the round writer, the round watch, the round's end (verdicts and budgets),
-    the job's status and the chaos it fired.
+    what the next round is formed from, the job's status, its end and the chaos it fired.
     """
 
     def __init__(self, agent: LeaderHost) -> None:
@@ -140,17 +140,12 @@ class Leader:
         )
         self.watch = RoundWatch(rec, self.view, self.status)
         self.ends = RoundEnds(rec, self.round)
+        self.reform = Reform(self.cfg.elastic, self.view, self.ends, self.status, self.round)
+        self.end = JobEnd(rec, self.status, self.rounds, self.ends, self._ended)
         self.phase, self.t_phase = inherited_phase(self.round, self.status.waiting_since, time.time())
         if self.phase == Phase.WAIT:
             self.status.fields["waiting_since"] = self.t_phase
-        self.prev_members: list[str] = list(self.round.members) if self.round else []
-        self.settle: Settle | None = None  # since the round failed: who shows life
-        self.failure: PendingFailure | None = None  # what went wrong, blamed once the settle is over
-        self._form_reason = "recovery"
         self._enough_at: float | None = None  # waiting for capacity: since a round could form with fewer hosts
-        # Local copies saved before this round number are of another lineage (a guard rollback since).
-        self.local_floor = self.round.local_floor if self.round else 0
-        self.recovery: Recovery | None = None  # what the next round recovers from (its `recovered` event)
         # a person's stop: at the next step, committed
         self.stop = PersonStop(agent, self.cfg.checkpoint.preemption_grace_s)
         self.cadence = agent.cadence
@@ -174,7 +169,7 @@ class Leader:
             return
         now = time.time()
         # A large job's hosts are read less often while it trains; a round to form is read at once.
-        steady = self.phase == Phase.RUNNING and self.settle is None
+        steady = self.phase == Phase.RUNNING and self.reform.settle is None
         scan_s = self.cadence.hosts_read_s if steady else min(0.25, self.cadence.hosts_read_s)
         if now - self.view.read_at >= scan_s:
             self.view.read(now)
@@ -215,29 +210,24 @@ class Leader:
             self._start_waiting(now)
 
     def _form(self, now: float) -> None:
-        # A member that does not show life within the settle is lost.  Not just 3 heartbeats: a busy host
-        # (its worker tearing down, the machine loaded) can miss a few beats and is not lost for that.
-        # A member whose agent's connection ended is lost at once: no settle.
-        settle_s = max(3 * self.cfg.elastic.heartbeat_s, self.cfg.elastic.heartbeat_timeout_s / 2)
-        if self.settle is not None:
-            pending = self.view.unsettled(self.prev_members, self.settle, settle_s)
-            if pending and now - self.settle.at < self.cfg.elastic.heartbeat_timeout_s:
-                return  # let the members of the failed round show they are alive
-        lost = self.view.lost_since(self.prev_members, self.settle)
-        self.view.declare_lost(lost)
+        if self.reform.settling(now):
+            return  # let the members of the failed round show they are alive
+        lost = self.reform.lost()
         alive = self.view.fresh() - set(lost)
-        members = choose_members(self.cfg, self.view.hosts, alive, prefer=self.prev_members)
+        members = choose_members(self.cfg, self.view.hosts, alive, prefer=self.reform.members)
         resume, resume_step = self._resume_for(members)
-        if self.failure is not None and not self._record_failure(lost, resume_step):
-            return
-        if members is None:
+        fails = self.reform.count(self.round, lost, resume_step)  # a failure that waited: blamed and counted
+        if fails is not None:
+            self._fail(fails.reason)
+        elif members is None:
             self._start_waiting(now)
         else:
-            self._open(members, self._form_reason, resume)
+            self._open(members, self.reform.reason, resume)
 
     def _resume_for(self, members: list[str] | None) -> tuple[str, int | None]:
         """The next round's ``resume`` (local candidates, else ``latest``) and the step it will start from."""
-        return resume_for(self.cfg.checkpoint, self.agent.ledger.states(), self.view.hosts, members, self.local_floor)
+        floor = self.reform.local_floor
+        return resume_for(self.cfg.checkpoint, self.agent.ledger.states(), self.view.hosts, members, floor)
 
     def _start_waiting(self, now: float) -> None:
         n = len(self.view.fresh())
@@ -247,7 +237,7 @@ class Leader:
         self._set_phase(Phase.WAIT)
 
     def _wait(self, now: float) -> None:
-        members = choose_members(self.cfg, self.view.hosts, self.view.fresh(), prefer=self.prev_members)
+        members = choose_members(self.cfg, self.view.hosts, self.view.fresh(), prefer=self.reform.members)
         cap = self.agent.capacity.available() if members is not None and self.agent.capacity is not None else 0
         if members is not None and cap and len(members) < largest_round(self.cfg, cap):  # cap 0: not known
             # The capacity came back larger than the hosts beating yet: one round with them all (as the
@@ -269,13 +259,10 @@ class Leader:
             resume = self.cfg.checkpoint.resume_from
         elif resume is None:
             resume = self._resume_for(members)[0]
-        recovery = self.recovery.as_dict() if self.recovery is not None else {}
-        carried = Carried(self.ends.failures, self.ends.guards, self.local_floor, recovery)
         coordinator = self.view.hosts[members[0]].coordinator
-        rnd, plan = self.rounds.open(self.round, members, coordinator, reason, resume, carried)
+        rnd, plan = self.rounds.open(self.round, members, coordinator, reason, resume, self.reform.carried())
         self.round = rnd
-        self.prev_members = list(members)
-        self.settle = self.failure = self.recovery = None
+        self.reform.opened(members)
         self.watch.rescale_asked = False
         self.status.opened(rnd, plan, time.time())
         self._set_phase(Phase.RUNNING)
@@ -310,47 +297,21 @@ class Leader:
         if isinstance(verdict, RoundFailed):
             self._failed(rnd, verdict, time.time())
             return
-        if verdict.recovery is not None:
-            self.recovery = verdict.recovery
-        if verdict.local_floor is not None:
-            self.local_floor = verdict.local_floor
-        self.prev_members = list(rnd.members)
-        self.settle = self.failure = None
-        self._form_reason = verdict.reason
+        self.reform.ended(rnd, verdict)
         self._set_phase(Phase.FORM)
 
     def _failed(self, rnd: Round, f: RoundFailed, now: float) -> None:
         """Something broke the round: settle (who is still alive?), then blame, count and re-form."""
-        self.settle = self.view.settle(now, f.lapsed)
-        self.failure = PendingFailure(round=rnd.round, reports=f.reports, why=f.why, detected_at=now, lapsed=f.lapsed)
-        self.prev_members = list(rnd.members)
-        self._form_reason = "recovery"
+        self.reform.failed(rnd, f, now)
         self.status.fields["progressing"] = False
         self._set_phase(Phase.FORM)
-
-    def _record_failure(self, lost: list[str], resume_step: int | None) -> bool:
-        """Record the failure, the settle over (who was lost); False when the job has failed."""
-        assert self.failure is not None and self.round is not None
-        step, step_s = self.status.step, self.status.step_s
-        verdict = self.ends.failure(
-            self.failure, self.round, lost, self.view, resume_step=resume_step, status_step=step, step_s=step_s
-        )
-        self.failure = None  # only once what the store says was read: a tick the store failed comes back here
-        self.status.fields["failures"] = self.ends.failures
-        if isinstance(verdict, JobFails):
-            self._fail(verdict.reason)
-            return False
-        self.recovery = verdict.recovery
-        return True
 
     # --- the end --------------------------------------------------------------------------------
 
     def _finish(self) -> None:
         self.view.read(time.time())  # the members' last word: the final step and its commit
-        self.status.finished(self.view.hosts.get(self.round.members[0]) if self.round is not None else None)
-        seconds = time.time() - self.status.started_at
-        self.agent.emit("finished", step=self.status.fields.get("step"), failures=self.ends.failures, seconds=seconds)
-        self._end(RunState.FINISHED, "")
+        rank0 = self.view.hosts.get(self.round.members[0]) if self.round is not None else None
+        self.round = self.end.finished(self.round, rank0)
 
     def wait_for_returning_hosts(self) -> float:
         """The last host leaves and the job's hosts come back by themselves (pods their Job makes again):
@@ -370,33 +331,16 @@ class Leader:
 
     def _fail(self, reason: str, state: RunState = RunState.FAILED) -> None:
         """End the job as failed, or as stopped at a person's request (``rtrain stop``, a cancel, a teardown)."""
-        self.agent.events.ended(state, reason, step=self.status.fields.get("step"), host=self.agent.host)
-        log.warning("[%s] the job ended %s: %s", self.agent.host, state.value, reason)
-        self._end(state, reason)
-
-    def _end(self, state: RunState, reason: str) -> None:
-        try:
-            self._write_end(state, reason)
-        except OSError as e:
-            if e.errno != errno.ENOSPC:
-                raise
-            # A full disk: give back the space held for this moment, and record the end.
-            log.warning("[%s] the run root is full; using the space held back to record the end", self.agent.host)
-            self.store.delete(RDV_RESERVE)
-            self._write_end(state, reason)
+        self.round = self.end.failed(self.round, reason, state)
 
     def _done(self, _now: float) -> None:
         """The job has ended: an end whose records a failing run root cut short is written again."""
-        if self.status.ending is not None and (self.round is None or self.round.action != "stop"):
-            self._end(*self.status.ending)
+        self.round = self.end.again(self.round)
 
-    def _write_end(self, state: RunState, reason: str) -> None:
-        self._fence()
-        self.status.ended(state, reason)
+    def _ended(self, state: RunState) -> None:
+        """The job's end is decided (and fenced): the phase is done, and the final status written as ``state``."""
         self.phase = Phase.DONE
         self._write_status(force=True, state=state)
-        if self.round is None or self.round.action != "stop":  # else written already (a retry after a full disk)
-            self.round = self.rounds.stop(self.round, state, reason, Carried(self.ends.failures, self.ends.guards))
 
     # --- requests, status -----------------------------------------------------------------------
 

@@ -8,12 +8,12 @@ the training path: the agents meet, lead and recover through the run root, and t
 process is killed.
 
 It also waits for the job's end and shows progress (``rtrain train``).  When no host is left, no
-agent can lead, so this launcher holds the run: it takes the lease once the last leader's lapsed
-(or was handed to the job) and keeps ``status.json`` at ``waiting_for_capacity`` until capacity
-returns (it hands the lock back and starts agents, whose leader's wait goes on from the same
-moment) or ``capacity_timeout_s`` fails the job.  Under a scheduler's assignment (``rtrain
-submit``), hosts beyond it get a preemption notice instead of being killed, and a job assigned no
-host is held, queued, with no timeout.
+agent can lead, so this launcher holds the run (:mod:`training.elastic.run_hold`): it takes the
+lease once the last leader's lapsed (or was handed to the job) and keeps ``status.json`` at
+``waiting_for_capacity`` until capacity returns (it hands the lock back and starts agents, whose
+leader's wait goes on from the same moment) or ``capacity_timeout_s`` fails the job.  Under a
+scheduler's assignment (``rtrain submit``), hosts beyond it get a preemption notice instead of
+being killed, and a job assigned no host is held, queued, with no timeout.
 """
 
 from __future__ import annotations
@@ -29,27 +29,24 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Protocol
 
-from training.checkpoint.lock import LeaseKeeper, LockHeld, LockLost, RunLock
 from training.config import Config, config_from_json
 from training.elastic.capacity import LocalCapacity
 from training.elastic.codes import AgentExit
-from training.elastic.leadership import store_failure
-from training.elastic.rendezvous import Rendezvous, Round
-from training.elastic.status import keep_end_here, kept_end, repair_status, stop_asked
+from training.elastic.run_hold import RunHold, keep_lasting_end
+from training.elastic.status import kept_end, repair_status, stop_asked
 from training.elastic.template import Template
 from training.elastic.workerproc import cpu_slice_env
-from training.events import FINAL_STATES, EventLog, RunState, RunStatus, describe, read_status, write_status
+from training.event_text import describe
+from training.events import FINAL_STATES, EventLog, RunStatus, read_status
 from training.layout import CONFIG, STOP, logs_base
 from training.procctl import start_detached
-from training.storage import RootGone, Store, check_root, expect_root, open_store
+from training.storage import expect_root, open_store
 
 log = logging.getLogger("rtrain.local_slice")
 
 POLL_S = 0.2
-HANDOFF_S = 120.0  # how long the job's new agents have to claim the run lock from this process
-HOLD_STATUS_S = 1.0  # while holding the run, the status is rewritten this often (readers see a live holder)
 # Events worth a line on the console while the job runs.
 SHOWN = frozenset(
     {
@@ -130,14 +127,9 @@ class LocalSlice:
         self._cursor: str | None = None
         self._stopping = False
         self._final: RunStatus | None = None
-        self._hold: RunLock | None = None  # the run lock, while no host of the job is left
-        self._taker: RunLock | None = None  # the lock that will hold it, until it has the lease
-        self._keeper: LeaseKeeper | None = None
-        self._waiting_since = 0.0
-        self._held_status: dict[str, Any] = {}
-        self._status_at = 0.0
         self._stop_reason = ""
-        self._final_doc: RunStatus = {}
+        # The run, held by this process while no host of the job is left.
+        self.hold = RunHold(cfg, job, self.store, self.capacity, self.own_events)
 
     # --- agents ---------------------------------------------------------------------------------
 
@@ -178,7 +170,7 @@ class LocalSlice:
             if not proc.running():
                 del self.agents[host]
                 self._noticed.discard(host)
-        if self._final is not None or self._stopping or self._hold is not None:
+        if self._final is not None or self._stopping or self.hold.holding:
             return
         want = min(self.capacity.available(), self.cfg.elastic.max_workers)
         leaving = set(self.capacity.leaving())  # told to go: they leave by themselves, and come back as new hosts
@@ -196,7 +188,7 @@ class LocalSlice:
                 try:
                     self._spawn(host)
                 except OSError as e:  # its log cannot be opened: the run root (where the logs are) may refuse it
-                    return keep_lasting_end(self.store, self.job, e, self._held_status.get("step"))
+                    return keep_lasting_end(self.store, self.job, e, self.hold.step)
                 running.append(host)
 
     def _kill(self, host: str) -> None:
@@ -221,128 +213,9 @@ class LocalSlice:
 
     def _no_host_left(self) -> None:
         """No agent of the job runs and the pool has no host for one: hold the run until capacity returns."""
-        if self._hold is None:
-            # One lock object across looks: it watches the last leader's lease lapse (RunLock.lapses_in).
-            if self._taker is None:
-                self._taker = RunLock(
-                    self.store,
-                    owner=f"local slice of job {self.job} (no host left)",
-                    lease_s=self.cfg.elastic.lease_s,
-                    job=self.job,
-                    on_event=lambda type_, **f: self.own_events.emit(type_, **f),
-                )
-            lock = self._taker
-            try:
-                lock.acquire()  # a handoff to the job at once; the last leader's lease once it lapsed
-            except LockHeld as e:
-                holder = e.holder or {}
-                if holder.get("job") not in (None, self.job):
-                    log.warning("the run now belongs to job %s; job %s ends here", holder.get("job"), self.job)
-                    self._final = read_status(self.store) or RunStatus(state=RunState.FAILED.value)
-                return  # else: the last leader's lease has not lapsed yet; look again
-            except OSError as e:
-                log.warning("cannot take the run lock to hold it for job %s: %s", self.job, e)
-                return keep_lasting_end(self.store, self.job, e, self._held_status.get("step"))
-            self._hold, self._taker = lock, None
-            self._keeper = LeaseKeeper(lock, on_lost=lambda why: log.warning("holding the run: %s", why)).start()
-            st = read_status(self.store) or RunStatus()
-            mine = st.get("job") == self.job
-            if not mine or st.get("state") in FINAL_STATES:
-                self._final = st  # the job ended (or the run moved on) before its agents went
-                self._let_go()
-                return
-            waiting = mine and st.get("state") == RunState.WAITING_FOR_CAPACITY.value
-            self._waiting_since = float(st.get("waiting_since") or time.time()) if waiting else time.time()
-            keep = ("step", "loss", "latest_committed", "failures", "started_at", "steps_total", "round", "mesh")
-            self._held_status = {k: v for k, v in st.items() if mine and k in keep}
-            queued = self.capacity.assigned()
-            self.own_events.emit(
-                "waiting_for_capacity",
-                available=self.capacity.available(),
-                min_workers=self.cfg.elastic.min_workers,
-                queued=queued,
-                reason="a scheduler gave the job's hosts to a higher-priority run: queued until hosts free up"
-                if queued
-                else "no host of the job is left; the local slice holds the run until capacity returns",
-            )
-            self._write_held(force=True)
-            log.info("no host of job %s is left: holding the run, waiting for capacity", self.job)
-            return
-        assert self._keeper is not None
-        if not self._keeper.valid():
-            self._let_go()  # the lease was lost: someone else holds the run now
-            return
-        asked = stop_asked(self.store) or (self._stop_reason if self._stopping else None)
-        if asked is not None:
-            self._end_held(f"{asked} (while waiting for capacity)", RunState.STOPPED)
-        elif self.capacity.available() > 0:
-            self.own_events.emit("capacity", available=self.capacity.available(), reason="capacity returned")
-            self._keeper.stop()
-            self._hold.handoff(self.job, HANDOFF_S)  # the new agents claim it; their leader waits on
-            self._hold, self._keeper = None, None
-            log.info("capacity returned: the run is handed back to job %s", self.job)
-        elif time.time() - self._waiting_since >= self.cfg.elastic.capacity_timeout_s and not self.capacity.assigned():
-            self._end_held(
-                f"capacity stayed below min_workers={self.cfg.elastic.min_workers} for {self.cfg.elastic.capacity_timeout_s:.0f}s "
-                "(available: 0 hosts; no host of the job was left)"
-            )
-        else:
-            self._write_held()
-
-    def _write_held(self, force: bool = False, state: RunState = RunState.WAITING_FOR_CAPACITY) -> None:
-        if not force and time.monotonic() - self._status_at < HOLD_STATUS_S:
-            return
-        assert self._keeper is not None
-        self._keeper.check()
-        self._status_at = time.monotonic()
-        self._final_doc = write_status(
-            self.store,
-            **{
-                **self._held_status,
-                "state": state.value,
-                "run_uri": self.cfg.run_uri,
-                "job": self.job,
-                "leader": "local-slice",
-                "phase": "wait",
-                "hosts_alive": [],
-                "workers": 0,
-                "available": self.capacity.available(),
-                "waiting_since": self._waiting_since,
-            },
-        )
-
-    def _end_held(self, reason: str, state: RunState = RunState.FAILED) -> None:
-        """End the held job as ``state`` with ``reason``: the status, the event and a stop round, then let go."""
-        try:
-            self.own_events.ended(state, reason, step=self._held_status.get("step"))
-            self._held_status["reason"] = reason
-            self._write_held(force=True, state=state)
-            rdv = Rendezvous(self.store)
-            rdv.open_round(
-                Round(
-                    round=rdv.next_round_number(),
-                    job=self.job,
-                    gen=int(self._hold.gen or 0) if self._hold is not None else 0,
-                    leader="local-slice",
-                    action="stop",
-                    final=state.value,
-                    reason=reason,
-                    failures=int(self._held_status.get("failures") or 0),
-                )
-            )
-            self._final = self._final_doc
-        except LockLost as e:
-            log.warning("could not record the end of job %s: %s", self.job, e)
-        finally:
-            self._let_go()
-
-    def _let_go(self) -> None:
-        if self._keeper is not None:
-            self._keeper.stop()
-        if self._hold is not None:
-            with contextlib.suppress(Exception):
-                self._hold.release()
-        self._hold, self._keeper = None, None
+        final = self.hold.look(self._stop_reason if self._stopping else None)
+        if final is not None:
+            self._final = final
 
     # --- the job's end --------------------------------------------------------------------------
 
@@ -386,13 +259,13 @@ class LocalSlice:
                     if time.monotonic() > stop_deadline:
                         log.warning("job %s not stopped %.0fs after the stop asked: killed", self.job, allowance_s)
                         break
-                if not self.agents and self._final is None and (self._hold is not None or not self._stopping):
+                if not self.agents and self._final is None and (self.hold.holding or not self._stopping):
                     self._no_host_left()  # may hand the run back: the agents start at the next look
                     if self._final is not None:
                         break
                 time.sleep(POLL_S)
         finally:
-            self._let_go()
+            self.hold.let_go()
             self.kill_all()
             if self._template is not None:
                 self._template.close()
@@ -400,19 +273,6 @@ class LocalSlice:
         if st.get("state") not in FINAL_STATES:
             st = repair_status(self.cfg.run_uri) or {}  # records the final state of a job nobody leads any more
         return {"finished": 0, "stopped": int(AgentExit.STOPPED)}.get(str(st.get("state")), 1)
-
-
-def keep_lasting_end(store: Store, job: str, e: OSError, step: Any) -> None:
-    """Where ``e`` says the run root refuses the job's records for good (read-only, gone), the job ends: its end is
-    kept on this machine (its leader's, if it kept one first), for the slice's next look and every reader here."""
-    log.warning("job %s: %s", job, e)
-    why = store_failure(e, store.uri)
-    try:
-        check_root(store.uri)
-    except RootGone as gone:  # a log's directory is missing because the whole run root is
-        why = store_failure(gone, store.uri)
-    if why:
-        keep_end_here(store, job, f"{why}: the job cannot go on", step)
 
 
 def spawn(cfg: Config, job: str) -> int:

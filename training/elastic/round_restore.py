@@ -20,7 +20,9 @@ from training.elastic.worker_link import Assignment, Reporter, leave
 
 if TYPE_CHECKING:
     from training.checkpoint.ledger import CheckpointRecord
+    from training.checkpoint.local import LocalTier
     from training.config import Config
+    from training.elastic.chaos import WorkerChaos
     from training.sections import DataSection
 
 
@@ -50,32 +52,14 @@ def restore(
     Every process computes the same decision from the same objects (committed steps, ledger,
     the round's local candidates and every process's verdict on its own copies).
     """
-    from training.checkpoint.local import LocalTier, host_dir, parse_resume
     from training.checkpoint.resume import ResumeError, choose_resume
     from training.checkpoint.steps import committed_steps
-    from training.elastic.chaos import WorkerChaos
 
     t0 = time.time()
     shape = trainer.mesh.shape
-    ck = cfg.checkpoint
-    local_dir = host_dir(ck.local_checkpoint_dir, run, a.job, os.environ["RTRAIN_HOST"])
-    tier = LocalTier(local_dir, ck.local_keep, trainer.mesh, trainer.abstract) if ck.local_checkpoint_every else None
-    worker_link.hold_tier(tier)
+    tier, chaos = host_tier(cfg, run, a, rep, trainer)
     on = tier is not None and tier.enabled
-    chaos = WorkerChaos(
-        list(a.faults), a.rank, rep.send, local_dir, (lambda: settle_local(tier, rep, a)) if on else None
-    )
-    if tier is not None and not tier.enabled:
-        rep.send(ReportType.LOCAL_TIER_OFF, reason=tier.reason)
-    local_step = None
-    if on and parse_resume(a.resume):
-        # The leader judged "newer than any persistent checkpoint" from the ledger; a save that Orbax
-        # finalised but whose record was not written yet (its process died) is a committed step too.
-        try:
-            persistent = choose_resume("latest", committed_steps(run), ledger.states(), None).step
-        except ResumeError:
-            persistent = None
-        local_step = pick_local_step(parse_resume(a.resume), tier, a, rep, newer_than=persistent)
+    local_step = local_candidate(run, a, rep, tier, ledger) if on else None
     decision = None
     if local_step is not None:
         assert tier is not None
@@ -122,6 +106,45 @@ def restore(
     if decision is not None and decision.hint is not None:
         follow_hint(start, decision.hint, rep)
     return start
+
+
+def host_tier(
+    cfg: Config, run: str, a: Assignment, rep: Reporter, trainer: Any
+) -> tuple[LocalTier | None, WorkerChaos]:
+    """This host's local checkpoint tier (None: off; reported when it cannot be used) and the faults this process
+    fires (some act on the tier's copies), the tier held for the worker's link."""
+    from training.checkpoint.local import LocalTier, host_dir
+    from training.elastic.chaos import WorkerChaos
+
+    ck = cfg.checkpoint
+    local_dir = host_dir(ck.local_checkpoint_dir, run, a.job, os.environ["RTRAIN_HOST"])
+    tier = LocalTier(local_dir, ck.local_keep, trainer.mesh, trainer.abstract) if ck.local_checkpoint_every else None
+    worker_link.hold_tier(tier)
+    on = tier is not None and tier.enabled
+    chaos = WorkerChaos(
+        list(a.faults), a.rank, rep.send, local_dir, (lambda: settle_local(tier, rep, a)) if on else None
+    )
+    if tier is not None and not tier.enabled:
+        rep.send(ReportType.LOCAL_TIER_OFF, reason=tier.reason)
+    return tier, chaos
+
+
+def local_candidate(run: str, a: Assignment, rep: Reporter, tier: Any, ledger: Any) -> int | None:
+    """The local copy the round starts from: the newest the leader offered that every process holds intact and
+    that is newer than any committed persistent step (None: the persistent tier)."""
+    from training.checkpoint.local import parse_resume
+    from training.checkpoint.resume import ResumeError, choose_resume
+    from training.checkpoint.steps import committed_steps
+
+    if not parse_resume(a.resume):
+        return None
+    # The leader judged "newer than any persistent checkpoint" from the ledger; a save that Orbax
+    # finalised but whose record was not written yet (its process died) is a committed step too.
+    try:
+        persistent = choose_resume("latest", committed_steps(run), ledger.states(), None).step
+    except ResumeError:
+        persistent = None
+    return pick_local_step(parse_resume(a.resume), tier, a, rep, newer_than=persistent)
 
 
 def follow_hint(start: Start, hint: Any, rep: Reporter) -> None:

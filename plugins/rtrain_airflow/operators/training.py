@@ -146,22 +146,10 @@ class RTrainResolveRunConfigOperator(BaseOperator):
                 overrides.update(self._continue_from(overrides, params))
                 # Refreshed data: the model trains on, the data position restarts on the new dataset.
                 overrides.setdefault("data.on_dataset_change", "restart")
-            gke = cast("GKESettings", dict(params.get("gke") or {}))  # the backend checks it, by key
-            if params.get("backend") == "gke" and not gke.get("image") and os.environ.get("RTRAIN_TRAIN_IMAGE"):
-                # The training image is named once where Airflow runs (docker/compose.yaml): the conf may leave it out.
-                gke["image"] = os.environ["RTRAIN_TRAIN_IMAGE"]
-            if params.get("backend") == "gke" and gke.get("machine_type") and gke.get("tpu_topology"):
-                # A slice of the TPU shape is lost and gained whole: the job counts hosts in slices of it.
-                from training.gke import GKEConfigError, TPUSlice
-
-                try:
-                    tpu = TPUSlice(gke["machine_type"], gke["tpu_topology"])
-                except GKEConfigError as e:
-                    raise RTrainConfigError(f"gke: {e}") from None
-                overrides.setdefault("placement.hosts_per_slice", tpu.hosts)
-                overrides.setdefault(
-                    "placement.devices_per_worker", tpu.chips_per_host
-                )  # one process per host, all its chips
+            gke = gke_settings(params)
+            if params.get("backend") == "gke":
+                for key, value in slice_overrides(gke).items():
+                    overrides.setdefault(key, value)
             cfg = self.hook.build_config(overrides)
             priority = params.get("priority") or None
             if priority is not None:
@@ -229,6 +217,30 @@ class RTrainResolveRunConfigOperator(BaseOperator):
             "optimizer.steps": (base or 0) + per_run,
             "checkpoint.resume_from": str(base) if base is not None else "latest",
         }
+
+
+def gke_settings(params: Mapping[str, Any]) -> GKESettings:
+    """The conf's gke settings (the backend checks them, by key), with the training image named where Airflow runs
+    when a gke run's conf leaves it out."""
+    gke = cast("GKESettings", dict(params.get("gke") or {}))
+    if params.get("backend") == "gke" and not gke.get("image") and os.environ.get("RTRAIN_TRAIN_IMAGE"):
+        # The training image is named once where Airflow runs (docker/compose.yaml): the conf may leave it out.
+        gke["image"] = os.environ["RTRAIN_TRAIN_IMAGE"]
+    return gke
+
+
+def slice_overrides(gke: GKESettings) -> dict[str, int]:
+    """The config keys a TPU shape sets (none when the settings name no shape): a slice of it is lost and gained
+    whole, so the job counts hosts in slices of it, one process per host with all its chips."""
+    if not (gke.get("machine_type") and gke.get("tpu_topology")):
+        return {}
+    from training.gke import GKEConfigError, TPUSlice
+
+    try:
+        tpu = TPUSlice(gke["machine_type"], gke["tpu_topology"])
+    except GKEConfigError as e:
+        raise RTrainConfigError(f"gke: {e}") from None
+    return {"placement.hosts_per_slice": tpu.hosts, "placement.devices_per_worker": tpu.chips_per_host}
 
 
 def _check_gke_launch(cfg: Config, gke: GKESettings, priority: str | None, grace_given: bool) -> Config:
