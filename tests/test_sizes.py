@@ -71,4 +71,3 @@ def test_the_check_finds_a_long_module(tmp_path: Path) -> None:
     (tmp_path / "long.py").write_text("x = 0\n" * (MAX_MODULE + 1))
     (tmp_path / "short.py").write_text("x = 0\n" * MAX_MODULE)
     assert long_modules(tmp_path) == [f"long.py ({MAX_MODULE + 1} lines, limit {MAX_MODULE})"]
-

@@ -22,14 +22,11 @@ import threading
 import time
 from collections import OrderedDict
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Required, TypedDict, cast
+from typing import Any, Required, TypedDict, cast
 
 from training.layout import EVENTS, RDV_EVENT_RESERVE, STATUS
-from training.records import RecordedMetrics, nonce, stamp
+from training.records import RecordedMetrics, ResumeHow, nonce, stamp
 from training.storage import NotFound, Store, open_store
-
-if TYPE_CHECKING:
-    from training.checkpoint.ledger import ResumeHow
 
 log = logging.getLogger(__name__)
 

@@ -15,12 +15,20 @@ import threading
 import time
 import uuid
 from datetime import UTC, datetime
-from typing import Any, TypedDict
+from typing import Any, Required, TypedDict
 
 # A record's JSON object as read back, before its fields are checked (or a free-form one).
 JSONObject = dict[str, Any]
 # Metrics as a record keeps them, by name: a non-finite value as its text ("nan", "inf"), which JSON has no number for.
 RecordedMetrics = dict[str, float | str]
+
+
+class ResumeHow(TypedDict, total=False):
+    """How the next launch resumes from a rollback's target: its learning-rate scale, and the batch it skips to."""
+
+    lr_scale: Required[float]
+    skip_to_batch: int
+
 
 _clock_lock = threading.Lock()
 _last_ns = 0

@@ -29,7 +29,7 @@ from typing import Any, Literal, Required, TypedDict, cast
 
 from training.checkpoint.retention import USABLE_STATES, VALIDATED_STATES
 from training.layout import LEDGER_PINS, LEDGER_POINTER, LEDGER_STEPS
-from training.records import RecordedMetrics, nonce, stamp, whoami
+from training.records import RecordedMetrics, ResumeHow, nonce, stamp, whoami
 from training.storage import Store
 
 # The states a checkpoint moves through.  "pruned" is written by prune() just
@@ -44,7 +44,6 @@ __all__ = [
     "Ledger",
     "CheckpointRecord",
     "PointerRecord",
-    "ResumeHow",
     "pin",
     "unpin",
     "pinned",
@@ -73,13 +72,6 @@ class CheckpointRecord(TypedDict, total=False):
     policy: str  # the retention policy that pruned it
     location: str  # where a quarantined or promoted step went
     history: list[str]  # every state it went through, oldest first (added when read)
-
-
-class ResumeHow(TypedDict, total=False):
-    """How the next launch resumes from a rollback's target: its learning-rate scale, and the batch it skips to."""
-
-    lr_scale: Required[float]
-    skip_to_batch: int
 
 
 class PointerRecord(TypedDict, total=False):

@@ -19,7 +19,7 @@ from typing import Any, TypedDict
 from training.checkpoint import lean
 from training.checkpoint import prune as prune_lib
 from training.checkpoint.goodput import Goodput, SaveCosts, goodput, save_costs
-from training.checkpoint.ledger import Ledger, ResumeHow
+from training.checkpoint.ledger import Ledger
 from training.checkpoint.lock import RunLock
 from training.checkpoint.resume import DataPosition, data_position
 from training.checkpoint.steps import INTEGRITY, committed_steps
@@ -27,6 +27,7 @@ from training.config import Config, config_from_json
 from training.event_text import mesh_text
 from training.events import ALIVE_STATES, Event, EventLog
 from training.layout import CHECKPOINTS, CONFIG, QUARANTINE, STATUS, step_uri
+from training.records import ResumeHow
 from training.sections import CheckpointSection
 from training.storage import NotFound, Store, join, open_store
 

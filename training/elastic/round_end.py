@@ -16,7 +16,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from training.checkpoint.ledger import CheckpointRecord, ResumeHow
+from training.checkpoint.ledger import CheckpointRecord
 from training.checkpoint.lifecycle import quarantine
 from training.checkpoint.retention import USABLE_STATES
 from training.elastic.codes import WorkerExit
@@ -25,6 +25,7 @@ from training.elastic.rendezvous import Outcome, RecoveryRecord, Report, Round
 from training.elastic.rounds import LeaderRecords
 from training.elastic.wire import GuardReport
 from training.faults import KINDS
+from training.records import ResumeHow
 from training.sections import CheckpointSection
 from training.storage import NotFound
 
