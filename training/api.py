@@ -1,8 +1,10 @@
 """The small API the CLI, the backends and the Airflow plugin call: plan, begin a job, look, stop, the checkpoint lifecycle.
 
-This is the one door into ``training`` for the Airflow side (``plugins/`` imports
-nothing else of ours but the shared pool's verbs, ``training.service.commands``),
-so it stays cheap to import: no JAX, Orbax or grain at module level.  The calls
+This is the Airflow side's door into the engine's runs: besides it, ``plugins/`` imports only the
+backends (``training.backends``: a job's placement and its watch), the GKE settings (``training.gke``),
+the shared pool's verbs (``training.service.commands``) and the priority names (an import-linter
+contract in ``pyproject.toml`` forbids the rest).  So it stays cheap to import: no JAX, Orbax or grain
+at module level.  The calls
 that need them (validation, listing committed steps with Orbax's rule, dataset
 preparation) import them when they run, which is inside a task's ``execute()``
 or a CLI command.

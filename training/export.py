@@ -26,7 +26,7 @@ from training.checkpoint.ledger import Ledger
 from training.checkpoint.steps import committed_steps
 from training.config import Config
 from training.sections import DataSection
-from training.storage import NotFound, is_gcs, join, open_store
+from training.storage import NotFound, is_gcs, join, open_store, scheme
 
 if TYPE_CHECKING:
     from training.data.tokenizer import Tokenizer
@@ -62,7 +62,7 @@ def pick_step(run_uri: str, step: int | None) -> int:
 
 
 def _empty_target(output: str) -> None:
-    if is_gcs(output):
+    if not scheme(output).filesystem:
         if open_store(output).list():
             raise ExportError(f"--output {output} is not empty")
     elif os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
@@ -142,9 +142,10 @@ def export(cfg: Config, output: str, fmt: Literal["hf", "orbax"] = "hf", step: i
     if fmt == "orbax":
         return _orbax(cfg, step, params, output)
     with tempfile.TemporaryDirectory() as tmp:
-        local = Path(tmp) / "hf" if is_gcs(output) else Path(output)
+        staged = not scheme(output).filesystem  # written here, then put into the store
+        local = Path(tmp) / "hf" if staged else Path(output)
         files = write_hf(cfg, params, local)
-        if is_gcs(output):
+        if staged:
             store = open_store(output)
             for name in files:
                 store.put(name, (local / name).read_bytes())

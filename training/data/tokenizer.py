@@ -28,7 +28,7 @@ from typing import Any, Required, TypedDict
 import numpy as np
 
 from training.data.errors import DatasetError
-from training.storage import NotFound, Store, open_store
+from training.storage import NotFound, Store, open_store, scheme
 
 
 class TokenizerEntry(TypedDict, total=False):
@@ -273,7 +273,7 @@ def resolve(spec: str, vocab_size: int | None = None) -> Tokenizer | BPETrainer:
         if vocab_size is None:
             raise DatasetError("the bpe tokenizer needs a vocab_size (e.g. --vocab-size 8192)")
         return BPETrainer(vocab_size)
-    if spec.startswith("gs://"):  # a checkpoint's tokenizer.json on GCS (init_from)
+    if not scheme(spec).filesystem:  # a checkpoint's tokenizer.json in a store (init_from on gs://)
         parent, _, name = spec.rpartition("/")
         try:
             raw = open_store(parent).get(name)
