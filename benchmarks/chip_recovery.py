@@ -41,7 +41,7 @@ CHILD_TIMEOUT_S = 900.0
 def _setup(shape_name: str, cache: str) -> tuple[Any, Any, dict[str, float]]:
     """The shape's trainer with its step compiled (the persistent cache shared by the sequence); phase times."""
     t0 = time.time()
-    from training.elastic.warmup import import_libraries
+    from training.elastic.worker.warmup import import_libraries
 
     import_libraries()  # what a worker imports before it has a round
     import jax

@@ -43,7 +43,7 @@ def plain_loop() -> int:
     n, pid = int(os.environ["BENCH_N"]), int(os.environ["BENCH_PID"])
     jax.config.update("jax_compilation_cache_dir", os.path.abspath(cfg.placement.compilation_cache))
     jax.distributed.initialize(os.environ["BENCH_COORD"], n, pid)
-    from training.elastic.cpu_slice import TransportThreads
+    from training.elastic.worker.cpu_slice import TransportThreads
 
     transport = TransportThreads()  # before the backend starts: gloo's threads come with it
     from training.data import pipeline
@@ -162,7 +162,7 @@ def _plain_times(cfg: Config, window: tuple[int, ...], lower: bool, poll: bool =
     ``lower``: the loop lowers its collectives' transport threads as the engine's workers do.
     ``poll``: it waits for each step the engine's way (sleeping between looks), not in JAX's wait.
     """
-    from training.elastic.supervisor import free_port
+    from training.elastic.host.supervisor import free_port
 
     over = {
         "data": {"dataset": cfg.data.dataset},

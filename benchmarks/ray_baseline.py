@@ -157,14 +157,14 @@ def _start_jax(cache: str, coordinator: str, world: int, rank: int) -> None:
     """JAX as the engine's worker starts it: its compilation-cache settings, and jax.distributed's timeouts."""
     import jax
 
-    from training.elastic.round_compile import share_cpu_compilation_cache
+    from training.elastic.worker.programs import share_cpu_compilation_cache
 
     jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     share_cpu_compilation_cache()
     if world > 1:
-        # The same timeouts as our engine's worker (training/elastic/round_join.py).
+        # The same timeouts as our engine's worker (training/elastic/worker/join.py).
         jax.distributed.initialize(
             coordinator,
             world,

@@ -69,7 +69,7 @@ def test_first_party_modules_import_no_cycle() -> None:
         for m in imported:
             graph.add_import(importer=importer, imported=m)
     assert {
-        "training.elastic.agent",
+        "training.elastic.host.agent",
         "training.service.scheduler",
         "rtrain_airflow.hooks.training",
         "benchmarks.bench",

@@ -377,7 +377,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    from training.elastic.agent import main as agent_main
+    from training.elastic.host.agent import main as agent_main
 
     argv = [args.run, "--job", args.job, "--host", args.host]
     for flag in ("coordinator_host", "coordinator_port", "bind_host"):

@@ -52,7 +52,7 @@ class CtrlC:
 
 def follow(local: LocalSliceBackend, handle: LocalHandle, cfg: Config, progress: Progress) -> Look:
     """Follow the job to its end with the engine's watch: its events of note, its status; the final look."""
-    from training.elastic.local_slice import SHOWN
+    from training.elastic.local.local_slice import SHOWN
 
     last: Look | None = None
     with CtrlC(local, handle, progress):

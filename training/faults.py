@@ -7,7 +7,7 @@ passes the same step again does not fire it twice.
 A new kind is one class here, registered with ``@fault_kind``, plus its test: its ``name`` and keys, and the
 hooks of the side that fires it (``before_step``, ``lr_scale``, ``corrupts``, ``after_save_started`` on the
 worker; ``on_agent`` for what the host's agent carries out; ``due`` and ``on_leader`` for the job's leader).
-``training.elastic.chaos`` calls the worker's and the leader's hooks, ``training.elastic.reports`` the agent's.
+``training.elastic.chaos`` calls the worker's and the leader's hooks, ``training.elastic.host.reports`` the agent's.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ class WorkerSide(Protocol):
 
 
 class AgentSide(Protocol):
-    """What a fault carried out by a host's agent acts through (``training.elastic.reports``)."""
+    """What a fault carried out by a host's agent acts through (``training.elastic.host.reports``)."""
 
     host: str
 

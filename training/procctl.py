@@ -51,7 +51,7 @@ def set_title(title: str, name: str | None = None) -> None:
     thread's OS name as well (up to 15 bytes: ``ps -e`` and ``top`` show the main thread's).
 
     Without ``name`` the thread keeps its name: setting a title renames the thread too, and a thread's name is how
-    the threads a library started are told apart (:mod:`training.elastic.cpu_slice`).
+    the threads a library started are told apart (:mod:`training.elastic.worker.cpu_slice`).
     """
     try:
         before = Path("/proc/thread-self/comm").read_bytes().rstrip(b"\n")

@@ -21,7 +21,7 @@ from training import api
 from training.backends import JobSpec, LocalSliceBackend
 from training.backends.watch import Look, stale_after_s, timeouts, watch
 from training.cli import Exit, main
-from training.elastic.local_slice import SHOWN
+from training.elastic.local.local_slice import SHOWN
 from training.event_text import describe
 
 # What both the CLI and the Airflow side tell of a run (each also tells a few kinds the other does not).

@@ -50,7 +50,7 @@ def start_agent(
     """One host agent of ``job``, as a pod runs it: no local pool behind it (its hosts come back by themselves)."""
     with open(log, "ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "training.elastic.agent", run_uri, "--job", job, "--host", host],
+            [sys.executable, "-m", "training.elastic.host.agent", run_uri, "--job", job, "--host", host],
             env=env or {**os.environ, "PYTHONUNBUFFERED": "1"},
             stdout=out,
             stderr=subprocess.STDOUT,

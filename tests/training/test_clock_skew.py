@@ -23,7 +23,7 @@ from jobs import assert_exact_data, job_config, start_agent, wait_for, worker_lo
 from training import api
 from training.backends import local
 from training.checkpoint.lock import LockHeld, RunLock
-from training.elastic.clocks import CLEAR_SKEW_S, MIN_BEATS, HostClocks
+from training.elastic.host.clocks import CLEAR_SKEW_S, MIN_BEATS, HostClocks
 from training.storage import open_store
 
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import serialize_executable
 
-from training.elastic import compile_once
+from training.elastic.worker import compile_once
 from training.storage import open_store
 
 
@@ -71,7 +71,7 @@ def _lowered_in_a_process_of_its_own() -> str:
 
     code = (
         "import jax, jax.numpy as jnp\n"
-        "from training.elastic import compile_once\n"
+        "from training.elastic.worker import compile_once\n"
         "lowered = jax.jit(lambda x: jnp.tanh(x) @ x.T).lower(jnp.zeros((8, 8)))\n"
         "print(compile_once.program_key(lowered))\n"
     )
@@ -96,7 +96,7 @@ def test_a_program_compiled_into_the_cache_is_noted_under_the_same_key_in_every_
 
 
 def test_a_derived_program_s_key_depends_on_its_program_and_on_how_it_was_derived() -> None:
-    from training.elastic.compile_once import derived_key
+    from training.elastic.worker.compile_once import derived_key
 
     a, b = "a" * 64, "b" * 64
     assert derived_key(a, "ahead:2") == derived_key(a, "ahead:2")
@@ -120,7 +120,7 @@ WHOLE = """
 import json, pickle, sys, threading
 import jax, jax.numpy as jnp
 from jax import monitoring
-from training.elastic import compile_once
+from training.elastic.worker import compile_once
 cache, out = sys.argv[1], sys.argv[2]
 jax.config.update("jax_compilation_cache_dir", cache)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

@@ -11,7 +11,7 @@ import pytest
 
 from training.config import load_config
 from training.cpu_devices import HUGE_PAGES_TUNABLE, cpu_process_env, cpu_xla_flags
-from training.elastic.workerproc import worker_env
+from training.elastic.host.workerproc import worker_env
 
 COMPILE = """
 import json, jax, jax.numpy as jnp

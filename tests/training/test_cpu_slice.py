@@ -20,7 +20,7 @@ import json, os, sys, threading
 import jax, jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from training.elastic.cpu_slice import TransportThreads, unnamed_threads
+from training.elastic.worker.cpu_slice import TransportThreads, unnamed_threads
 
 def cpu(tid):
     return sum(int(x) for x in open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()[11:13])

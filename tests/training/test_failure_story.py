@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
+from training.elastic.host.round_end import detected_by_what, explain_failure, lasting_storage_error
 from training.elastic.rendezvous import Outcome, Report
-from training.elastic.round_end import detected_by_what, explain_failure, lasting_storage_error
 
 
 def _rep(host: str, rank: int, **kw: Any) -> Report:

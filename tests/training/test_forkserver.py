@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from training.elastic.workerproc import ForkServer, spawn_worker
+from training.elastic.host.workerproc import ForkServer, spawn_worker
 
 pytestmark = pytest.mark.usefixtures("not_a_subreaper_after")
 
@@ -70,7 +70,7 @@ def test_a_forked_worker_knows_it_is_the_agent_s_child_at_once_when_its_middle_p
     # the worker looked (a wait keyed on the parent it saw first waited out its whole timeout there).
     code = (
         "import os, sys, time\n"
-        "from training.elastic.forkserver import wait_for_parent\n"
+        "from training.elastic.worker.forkserver import wait_for_parent\n"
         "t = time.monotonic()\n"
         "ok = wait_for_parent(os.getppid(), 30)\n"
         "print(ok, time.monotonic() - t < 5, wait_for_parent(os.getppid() + 1_000_000, 0.2))\n"

@@ -545,7 +545,7 @@ def test_every_pod_runs_one_host_agent_with_its_identity_and_addresses(rendered:
         assert int(args["coordinator_port"]) in {p["containerPort"] for p in container["ports"]}
         # Rank 0's peer watch and its agent's host watch listener (the leader's connection to it) listen on the
         # ports the agent derives from the coordinator's, declared in the pod.
-        from training.elastic.hostwatch import host_watch_port
+        from training.elastic.host.hostwatch import host_watch_port
         from training.elastic.peerwatch import peer_watch_port
 
         assert peer_watch_port(int(args["coordinator_port"])) in {p["containerPort"] for p in container["ports"]}
@@ -665,7 +665,7 @@ TWO_SLICES = ["s0-h0", "s0-h1", "s0-h2", "s0-h3", "s1-h0", "s1-h1", "s1-h2", "s1
 
 
 def worker_env(members: list[str], rank: int, coordinator: str) -> dict[str, str]:
-    """The environment a worker of this round runs with: the agent's child env, then the round's (worker.py)."""
+    """The environment a worker of this round runs with: the agent's child env, then the round's (worker/main.py)."""
     env = worker_base_env(WEBHOOK_ENV)
     env.update(round_env(members, rank, 4, coordinator, WEBHOOK_ENV["MEGASCALE_PORT"]))
     return env
@@ -727,8 +727,8 @@ def test_the_agent_gives_its_worker_only_this_rounds_tpu_values(
     """The agent's worker supervisor: the child process starts without the webhook's values, and the round's env
     brings its own."""
 
+    from training.elastic.host.supervisor import WorkerSupervisor
     from training.elastic.rendezvous import Round
-    from training.elastic.supervisor import WorkerSupervisor
 
     for k, v in WEBHOOK_ENV.items():
         monkeypatch.setenv(k, v)
@@ -752,7 +752,7 @@ def test_the_agent_gives_its_worker_only_this_rounds_tpu_values(
     rnd = Round(
         round=3, job="j1", gen=1, leader="s1-h0", members=TWO_SLICES[4:], coordinator="r-abc-slice-1-0.r-abc:8476"
     )
-    child.update(workers.round_env(rnd, 3))  # what worker.py does
+    child.update(workers.round_env(rnd, 3))  # what worker/main.py does
     assert not [k for k in child if k.startswith("MEGASCALE_")]
     assert child["TPU_WORKER_ID"] == "3"
     assert child["TPU_WORKER_HOSTNAMES"] == ",".join(f"r-abc-slice-1-{i}.r-abc" for i in range(4))
@@ -892,7 +892,8 @@ def test_training_image_installs_every_runtime_dependency() -> None:
     # The build imports what a pod runs: the agent, its worker, and the repairs a slice's leader starts beside it.
     check = next(line for line in text.splitlines() if "python -c" in line and "import training" in line)
     assert all(
-        m in check for m in ("training.elastic.agent", "training.elastic.worker", "training.backends.gke-selfrepair")
+        m in check
+        for m in ("training.elastic.host.agent", "training.elastic.worker.main", "training.backends.gke-selfrepair")
     )
     # The maxtext extra, behind --build-arg MAXTEXT=1: every package of it.
     extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["maxtext"]
@@ -1084,7 +1085,7 @@ def test_rtrain_plan_and_train_on_gke_refuse_what_the_render_would_before_any_po
 
 
 def test_compiling_ahead_across_slice_counts_is_off_on_tpu_unless_asked() -> None:
-    from training.elastic import ahead
+    from training.elastic.worker import ahead
 
     assert gke_config().compile_ahead is None
     assert ahead.enabled(gke_config().placement, "cpu") and not ahead.enabled(gke_config().placement, "tpu")
@@ -1097,7 +1098,7 @@ def test_gke_config_errors_are_no_value_errors_a_launch_would_retry() -> None:
 
 
 def test_the_pod_declares_the_watch_ports_the_agents_listen_on_outside_libtpus() -> None:
-    from training.elastic.hostwatch import host_watch_port
+    from training.elastic.host.hostwatch import host_watch_port
     from training.elastic.peerwatch import peer_watch_port
 
     m = render(gke_config(), TPUSlice("ct6e-standard-4t", "4x4"), LAUNCH, "j1")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from training.elastic.heartbeat import Heartbeat
+from training.elastic.host.heartbeat import Heartbeat
 from training.elastic.rendezvous import HostRecord, Rendezvous
 from training.storage import open_store
 

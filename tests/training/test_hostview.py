@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from training.config import load_config
-from training.elastic.hostview import HostView
-from training.elastic.hostwatch import HostWatch
+from training.elastic.host.hostview import HostView
+from training.elastic.host.hostwatch import HostWatch
 from training.elastic.rendezvous import HostRecord, Rendezvous
 from training.storage import open_store
 

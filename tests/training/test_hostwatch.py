@@ -12,11 +12,11 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from training.elastic.hostwatch import RETRY_S, HostWatch, Listener
+from training.elastic.host.hostwatch import RETRY_S, HostWatch, Listener
 
 AGENT = (
     "import sys, time\n"
-    "from training.elastic.hostwatch import Listener\n"
+    "from training.elastic.host.hostwatch import Listener\n"
     "port = int(sys.argv[1])\n"
     "print(Listener('127.0.0.1', '127.0.0.1', port).address, flush=True)\n"
     "time.sleep(120)\n"

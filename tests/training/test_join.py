@@ -10,8 +10,8 @@ import textwrap
 import threading
 import time
 
-from training.elastic.round_join import wait_until_listening
-from training.elastic.supervisor import free_port
+from training.elastic.host.supervisor import free_port
+from training.elastic.worker.join import wait_until_listening
 
 
 def test_waiting_ends_when_something_listens_and_gives_up_after_its_timeout():
@@ -39,7 +39,7 @@ PROCESS = textwrap.dedent(
     """
     import os, sys, time
     import jax
-    from training.elastic.round_join import wait_until_listening
+    from training.elastic.worker.join import wait_until_listening
     rank, port = int(sys.argv[1]), sys.argv[2]
     if rank == 0:
         time.sleep(0.5)  # process 0 comes last: the other dials before anything listens

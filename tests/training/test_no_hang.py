@@ -297,7 +297,7 @@ def test_status_trails_training_by_about_a_second(tmp_path: Any, tiny_dataset: s
     ],
 )
 def test_a_write_error_the_root_keeps_giving_is_the_jobs_end_reason(code: int, says: str) -> None:
-    from training.elastic.leadership import store_failure
+    from training.elastic.host.leadership import store_failure
 
     assert store_failure(OSError(code, os.strerror(code), "/r/run/lock/x"), "/r/run") == says
     assert store_failure(OSError(errno.EAGAIN, "try again"), "/r/run") == "", "a passing error ends nothing"

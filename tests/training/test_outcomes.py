@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from training.elastic.codes import WorkerExit
-from training.elastic.outcomes import last_error, recovery_cost, worker_outcome
+from training.elastic.host.outcomes import last_error, recovery_cost, worker_outcome
 from training.elastic.rendezvous import Outcome
 
 

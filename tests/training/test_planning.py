@@ -132,7 +132,7 @@ def test_bad_chaos_specs_are_refused(spec):
 
 
 def test_the_largest_round_a_capacity_allows_splits_the_batch_and_takes_whole_slices():
-    from training.elastic.membership import largest_round
+    from training.elastic.host.membership import largest_round
 
     cfg = load_config("tiny", None, {"min_workers": 1, "max_workers": 4})
     assert [largest_round(cfg, n) for n in (1, 2, 3, 4, 9)] == [1, 2, 2, 4, 4]

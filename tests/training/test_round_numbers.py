@@ -8,9 +8,9 @@ from typing import Any
 from training import api
 from training.cadence import cadence
 from training.checkpoint.ledger import Ledger
-from training.elastic.follower import RoundFollower
+from training.elastic.host.follower import RoundFollower
+from training.elastic.host.rounds import Carried, LeaderRecords, RoundWriter
 from training.elastic.rendezvous import Rendezvous
-from training.elastic.rounds import Carried, LeaderRecords, RoundWriter
 from training.events import EventLog, RunState
 from training.storage import open_store, scheme
 

@@ -14,7 +14,7 @@ from jobs import hosts, job_config, kill_host, run_job, start_job, wait_finished
 
 from training import api
 from training.background import BACKGROUND_NICE
-from training.elastic.warmup import WARM_UP_THREAD
+from training.elastic.worker.warmup import WARM_UP_THREAD
 from training.storage import open_store
 
 pytestmark = pytest.mark.slow
@@ -200,7 +200,7 @@ def test_a_job_s_workers_are_forked_by_a_server_per_agent_and_a_lost_server_cost
     standby = wait_for(warmed_standby, 120, "a standby warming up", every=0.02)
     agents = _agents(cfg.run_uri)
     assert int(_stat(standby)[1]) in agents, "the agent is its parent: it reaps it and reads its exit code"
-    assert "training.elastic.worker" not in Path(f"/proc/{standby}/cmdline").read_text()  # forked, not started
+    assert "training.elastic.worker.main" not in Path(f"/proc/{standby}/cmdline").read_text()  # forked, not started
     servers = _fork_servers(cfg.run_uri)
     assert len(servers) == 2
     # One template forked both agents, and each agent forked its server from itself: nothing imported twice.
@@ -222,7 +222,7 @@ def test_a_job_s_workers_are_forked_by_a_server_per_agent_and_a_lost_server_cost
     again = wait_for(lambda: hosts(alone.run_uri)["h1"].pid != lost_pid and hosts(alone.run_uri)["h1"].pid, 60, "h1")
     assert Path(f"/proc/{again}/cmdline").read_text().startswith(f"rtrain agent h1 {alone.run_uri} ")
     parent = Path(f"/proc/{_stat(again)[1]}/cmdline").read_text()
-    assert "training.elastic.template" not in parent and "rtrain template" not in parent  # started, not forked
+    assert "training.elastic.local.template" not in parent and "rtrain template" not in parent  # started, not forked
     st = wait_finished(handle)
     assert st["state"] == "finished" and st["step"] == 60, worker_logs(alone.run_uri)
 

@@ -21,7 +21,7 @@ from training.backends import SharedPoolBackend
 from training.checkpoint.lifecycle import format_report
 from training.cli import Exit, main
 from training.elastic.codes import AgentExit
-from training.elastic.jobstatus import JobStatus, Phase, inherited_phase, run_state
+from training.elastic.host.jobstatus import JobStatus, Phase, inherited_phase, run_state
 from training.elastic.rendezvous import Round
 from training.event_text import describe
 from training.events import (
@@ -86,8 +86,8 @@ def test_a_stop_of_the_job_outlives_the_leader_s_own_requests_to_its_workers(tmp
     checkpoint, written just after a person's stop (a cancel as hosts came back), could write over it while they
     shared one object: the job trained on, and its launcher killed it at the stop's deadline, recorded failed."""
     from training.checkpoint.ledger import Ledger
+    from training.elastic.host.rounds import Carried, LeaderRecords, RoundWriter
     from training.elastic.rendezvous import Rendezvous
-    from training.elastic.rounds import Carried, LeaderRecords, RoundWriter
     from training.elastic.status import stop_asked
 
     cfg = api.load_config("tiny", None, {"root": str(tmp_path), "run_name": "r", "min_workers": 1})

@@ -28,7 +28,7 @@ STANDBY = textwrap.dedent(
     import jax
     from jax._src import xla_bridge
     from training.config import load_config
-    from training.elastic import taskbuild
+    from training.elastic.worker import taskbuild
 
     coordinator, dataset, tasks = sys.argv[1], sys.argv[2], sys.argv[3:]
     cfgs = {t: load_config("tiny", None, {"task": t, "dataset": dataset}) for t in tasks}
@@ -73,7 +73,7 @@ THREADED = textwrap.dedent(
     import jax
     from jax._src import xla_bridge
     from training.config import load_config
-    from training.elastic import taskbuild
+    from training.elastic.worker import taskbuild
     from tests.training.threaded_task import PREFETCH
 
     coordinator, dataset, task = sys.argv[1:]

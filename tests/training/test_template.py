@@ -6,7 +6,7 @@ import os
 import time
 from pathlib import Path
 
-from training.elastic.template import Template
+from training.elastic.local.template import Template
 
 
 def _env() -> dict[str, str]:

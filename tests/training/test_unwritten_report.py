@@ -13,17 +13,17 @@ import pytest
 from training import api
 from training.cadence import cadence
 from training.checkpoint.ledger import Ledger
-from training.elastic.heartbeat import Heartbeat, first_record
-from training.elastic.hostctx import HostContext
-from training.elastic.hostview import HostView
-from training.elastic.hostwatch import HostWatch
-from training.elastic.jobstatus import JobStatus
+from training.elastic.host.heartbeat import Heartbeat, first_record
+from training.elastic.host.hostctx import HostContext
+from training.elastic.host.hostview import HostView
+from training.elastic.host.hostwatch import HostWatch
+from training.elastic.host.jobstatus import JobStatus
+from training.elastic.host.reports import ReportHandler
+from training.elastic.host.round_end import RoundFailed, lasting_storage_error
+from training.elastic.host.rounds import Carried, LeaderRecords, RoundWriter
+from training.elastic.host.roundwatch import RoundWatch
+from training.elastic.host.writer import Writer
 from training.elastic.rendezvous import Outcome, Rendezvous
-from training.elastic.reports import ReportHandler
-from training.elastic.round_end import RoundFailed, lasting_storage_error
-from training.elastic.rounds import Carried, LeaderRecords, RoundWriter
-from training.elastic.roundwatch import RoundWatch
-from training.elastic.writer import Writer
 from training.events import EventLog
 from training.storage import open_store
 

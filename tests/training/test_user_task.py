@@ -135,8 +135,8 @@ def test_an_error_in_the_task_s_code_is_one_line_naming_the_task_the_method_and_
 ) -> None:
     """As a worker meets it: building the task and its data, its parameters' shapes, its step's tracing."""
     from training.elastic.codes import WorkerExit
-    from training.elastic.taskbuild import build
-    from training.elastic.worker import error_line
+    from training.elastic.worker.main import error_line
+    from training.elastic.worker.taskbuild import build
     from training.mesh import build_mesh, plan_mesh
     from training.trainer import Trainer
 
@@ -159,7 +159,7 @@ def test_an_error_in_the_task_s_code_is_one_line_naming_the_task_the_method_and_
 def test_an_engine_error_and_a_dataset_s_stay_the_engine_s_own() -> None:
     from training.data.errors import DatasetError
     from training.elastic.codes import WorkerExit
-    from training.elastic.worker import error_line
+    from training.elastic.worker.main import error_line
 
     assert error_line(DatasetError("shard 3: sha256 does not match")) == (
         WorkerExit.ERROR,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from training.elastic.reports import EVENT_REPORTS
+from training.elastic.host.reports import EVENT_REPORTS
 from training.elastic.wire import REQUIRED, ReportType, WorkerReport, decode, report
 
 

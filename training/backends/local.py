@@ -73,7 +73,7 @@ def launch(
     ``provision``: give the slice its ``max_workers`` hosts, under the run lock (``rtrain train``).
     ``by``: who launches, for the config's history (default: user, host and pid).
     """
-    from training.elastic.local_slice import spawn
+    from training.elastic.local.local_slice import spawn
 
     begun = api.begin_or_follow(cfg, allow_attach=allow_attach, provision=provision, by=by, on_line=on_line)
     handle = _handle(cfg, begun)
@@ -95,7 +95,7 @@ def run_here(
     Ctrl-C asks the job to stop at a step boundary and waits for it.  Refused (``LaunchRefused``) while
     another job holds the run.
     """
-    from training.elastic.local_slice import LocalSlice
+    from training.elastic.local.local_slice import LocalSlice
 
     begun = api.begin_or_follow(cfg, provision=provision, by=by, on_line=on_line)
     handle = _handle(cfg, begun)

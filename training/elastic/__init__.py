@@ -1,0 +1,1 @@
+"""Elastic training: three programs (the host agent, the JAX worker, the local slice) and what they share."""

@@ -110,7 +110,7 @@ def _agent_runs(pid: int, run_uris: set[str], job: str) -> bool:
     # An agent by its title (``rtrain agent h2 <run> --job <job>``), or by its command line before it set that:
     # started on its own, or forked by the local slice's template (whose title it has until then).
     titled = argv[:2] in ([b"rtrain", b"agent"], [b"rtrain", b"template"])
-    agent = titled or b"training.elastic.agent" in argv or b"training.elastic.template" in argv
+    agent = titled or b"training.elastic.host.agent" in argv or b"training.elastic.local.template" in argv
     mine = agent and job.encode() in argv and any(u.encode() in argv for u in run_uris)
     return mine and state not in (b"T", b"t", b"Z", b"X")
 

@@ -157,7 +157,7 @@ class GKELaunch:
 
     @property
     def watch_ports(self) -> tuple[int, int]:
-        """The peer watch's and the host watch's ports (training.elastic.peerwatch / hostwatch pick the same)."""
+        """The peer watch's and the host watch's ports (training.elastic.peerwatch / training.elastic.host.hostwatch pick the same)."""
         return self.coordinator_port + WATCH_PORT_OFFSET, self.coordinator_port + WATCH_PORT_OFFSET + 1
 
     @property

@@ -69,7 +69,7 @@ TPU_RUNTIME_PORT = 8471
 # Ports the TPU runtime may take on a TPU VM: libtpu's runtime port (8471, TPU_PROCESS_PORT; per-process ports
 # above it when a host runs a process per chip), JAX's own Cloud TPU coordinator (8482, jax/_src/clusters/
 # cloud_tpu_cluster.py) and libtpu's runtime metrics (8431, --runtime_metric_service_port).  The agents' own
-# watches stay out of them (training.elastic.peerwatch.peer_watch_port, hostwatch.host_watch_port).
+# watches stay out of them (training.elastic.peerwatch.peer_watch_port, host.hostwatch.host_watch_port).
 LIBTPU_PORTS = frozenset(range(8470, 8483)) | {8431}
 WATCH_PORT_OFFSET = 14  # the watches' ports above the coordinator's (training.elastic.peerwatch.WATCH_PORT_OFFSET)
 

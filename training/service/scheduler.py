@@ -143,7 +143,7 @@ class Scheduler:
             log.info("run %s: %s", sub.run_name, why)
 
     def _launch(self, sub: Submission, p: Placement, hosts: int) -> None:
-        from training.elastic.local_slice import spawn  # the pool's hosts are a local slice's
+        from training.elastic.local.local_slice import spawn  # the pool's hosts are a local slice's
 
         st = api.repair_status(sub.run_uri) or {}
         if st.get("state") in ALIVE_STATES and st.get("job"):
@@ -234,7 +234,7 @@ def _is_local_slice_of(pid: int, run_uri: str) -> bool:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return b"training.elastic.local_slice" in argv and run_uri.encode() in argv
+    return b"training.elastic.local.local_slice" in argv and run_uri.encode() in argv
 
 
 def log_path(root: str) -> Path:

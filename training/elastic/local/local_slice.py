@@ -3,12 +3,12 @@
 This process plays Kubernetes' part and no more: a pool of ``capacity.json`` hosts with one agent
 kept running per host (a lost agent of a host still there is restarted; a host taken away by chaos
 or ``rtrain capacity`` is not; hosts given back get new agents).  The agents are forked by the
-job's template (:mod:`training.elastic.template`), which imported their libraries once.  It is off
+job's template (:mod:`training.elastic.local.template`), which imported their libraries once.  It is off
 the training path: the agents meet, lead and recover through the run root, and train on if this
 process is killed.
 
 It also waits for the job's end and shows progress (``rtrain train``).  When no host is left, no
-agent can lead, so this launcher holds the run (:mod:`training.elastic.run_hold`): it takes the
+agent can lead, so this launcher holds the run (:mod:`training.elastic.local.run_hold`): it takes the
 lease once the last leader's lapsed (or was handed to the job) and keeps ``status.json`` at
 ``waiting_for_capacity`` until capacity returns (it hands the lock back and starts agents, whose
 leader's wait goes on from the same moment) or ``capacity_timeout_s`` fails the job.  Under a
@@ -34,10 +34,10 @@ from typing import IO, Protocol
 from training.config import Config, config_from_json
 from training.elastic.capacity import LocalCapacity
 from training.elastic.codes import AgentExit
-from training.elastic.run_hold import RunHold, keep_lasting_end
+from training.elastic.host.workerproc import cpu_slice_env
+from training.elastic.local.run_hold import RunHold, keep_lasting_end
+from training.elastic.local.template import Template
 from training.elastic.status import kept_end, repair_status, stop_asked
-from training.elastic.template import Template
-from training.elastic.workerproc import cpu_slice_env
 from training.event_text import describe
 from training.events import FINAL_STATES, EventLog, RunStatus, read_status
 from training.layout import CONFIG, STOP, logs_base
@@ -153,7 +153,7 @@ class LocalSlice:
     @staticmethod
     def _start_agent(argv: list[str], env: dict[str, str], out: IO[bytes]) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
-            [sys.executable, "-m", "training.elastic.agent", *argv],
+            [sys.executable, "-m", "training.elastic.host.agent", *argv],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -278,11 +278,11 @@ class LocalSlice:
 def spawn(cfg: Config, job: str) -> int:
     """Start the local slice of ``job`` in a process of its own (outliving the caller: a task, a shell); its pid."""
     log = log_dir_for(cfg, job) / "local-slice.log"
-    return start_detached("training.elastic.local_slice", [cfg.run_uri, "--job", job], log)
+    return start_detached("training.elastic.local.local_slice", [cfg.run_uri, "--job", job], log)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.elastic.local_slice")
+    p = argparse.ArgumentParser(prog="python -m training.elastic.local.local_slice")
     p.add_argument("run")
     p.add_argument("--job", required=True)
     args = p.parse_args(argv)

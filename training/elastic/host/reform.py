@@ -3,11 +3,11 @@ failed round's settle (who shows life) before its failure is blamed and counted,
 
 from __future__ import annotations
 
-from training.elastic.hostview import HostView, Settle
-from training.elastic.jobstatus import JobStatus
+from training.elastic.host.hostview import HostView, Settle
+from training.elastic.host.jobstatus import JobStatus
+from training.elastic.host.round_end import JobFails, NextRound, PendingFailure, Recovery, RoundEnds, RoundFailed
+from training.elastic.host.rounds import Carried
 from training.elastic.rendezvous import Round
-from training.elastic.round_end import JobFails, NextRound, PendingFailure, Recovery, RoundEnds, RoundFailed
-from training.elastic.rounds import Carried
 from training.sections import ElasticSection
 
 

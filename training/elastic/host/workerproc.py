@@ -3,7 +3,7 @@
 The agent starts one worker at a time ahead of need (a standby that imports JAX, reads the
 config and opens the dataset), hands it a round, reads its reports (one JSON object a line on a
 pipe of its own) and kills it when the round is over for this host.  Workers are forked by the
-agent's fork server (:mod:`training.elastic.forkserver`), their libraries already imported; a
+agent's fork server (:mod:`training.elastic.worker.forkserver`), their libraries already imported; a
 worker is started as a process of its own when the server cannot start or has gone.
 """
 
@@ -25,6 +25,7 @@ from typing import IO, Any, Protocol
 from training import procctl
 from training.config import Config
 from training.cpu_devices import cpu_process_env
+from training.elastic.forking import FORKSERVER, FORKSERVER_FD_ENV, start_server, stop_server
 from training.elastic.rendezvous import Round
 from training.elastic.wire import WorkerReport, decode
 from training.sections import PlacementSection
@@ -151,7 +152,7 @@ def spawn_worker(
             proc = server.fork(env, control=w, log_fd=out.fileno())
         if proc is None:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "training.elastic.worker"],
+                [sys.executable, "-m", "training.elastic.worker.main"],
                 env=env,
                 pass_fds=(w,),
                 stdin=subprocess.PIPE,
@@ -167,8 +168,9 @@ FAILED = 1  # the exit code of a worker the fork server could not fork (as a wor
 
 
 class ForkServer:
-    """The agent's end of its fork server (:mod:`training.elastic.forkserver`): it asks for workers and learns
-    their pids, in order, without waiting for them (the server's first answer waits for its imports)."""
+    """The agent's end of its fork server (:mod:`training.elastic.worker.forkserver`): it asks for workers and learns
+    their pids, in order, without waiting for them (the server's first answer waits for its imports).  On the
+    local slice the agent's server is a fork of the agent itself (the template's ``fork_server_here``)."""
 
     def __init__(self, sock: socket.socket, proc: Process) -> None:
         procctl.prctl(procctl.PR_SET_CHILD_SUBREAPER, 1)  # the forked workers become this process's children
@@ -180,33 +182,7 @@ class ForkServer:
     @classmethod
     def start(cls, env: dict[str, str], log_path: Path) -> ForkServer:
         """A server started as a process of its own with ``env``, its output going to ``log_path``."""
-        from training.elastic.forkserver import FD_ENV, start_server
-
-        return cls(*start_server(["-m", "training.elastic.forkserver"], env, FD_ENV, log_path))
-
-    @classmethod
-    def fork_here(cls, title: str) -> ForkServer:
-        """A server forked from this process, which must have imported the workers' libraries and run no
-        thread yet (an agent forked by the local slice's template, at its start); its output is this process's;
-        ``title``: its process title."""
-        from training.elastic import forkserver
-        from training.elastic.worker_link import die_with_parent
-
-        sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                sock.close()
-                die_with_parent()
-                procctl.set_title(title, name=forkserver.NAME)
-                code = forkserver.serve(theirs)
-            finally:
-                os._exit(code)
-        theirs.close()
-        return cls(sock, ChildProcess(pid))
+        return cls(*start_server(["-m", FORKSERVER], env, FORKSERVER_FD_ENV, log_path))
 
     def fork(self, env: dict[str, str], control: int, log_fd: int) -> ForkedProcess | None:
         """Ask for a worker with ``env``, its report pipe ``control`` and its log; None if the server is gone."""
@@ -253,8 +229,6 @@ class ForkServer:
 
     def close(self) -> None:
         """Stop the server (the workers it forked are this process's children and stay)."""
-        from training.elastic.forkserver import stop_server
-
         self.alive = False
         stop_server(self.sock, self.proc)
 

@@ -11,8 +11,8 @@ import logging
 import time
 from dataclasses import dataclass
 
-from training.elastic.clocks import HostClocks
-from training.elastic.hostwatch import HostWatch
+from training.elastic.host.clocks import HostClocks
+from training.elastic.host.hostwatch import HostWatch
 from training.elastic.rendezvous import HostRecord, Rendezvous
 from training.sections import ElasticSection
 

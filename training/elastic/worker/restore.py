@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from training.checkpoint.resume import DataPosition
-from training.elastic import worker_link
 from training.elastic.codes import WorkerExit
-from training.elastic.round_compile import init_once
-from training.elastic.round_saves import Pins
 from training.elastic.wire import ReportType
-from training.elastic.worker_link import Assignment, Reporter, leave
+from training.elastic.worker import link
+from training.elastic.worker.link import Assignment, Reporter, leave
+from training.elastic.worker.programs import init_once
+from training.elastic.worker.saves import Pins
 
 if TYPE_CHECKING:
     from training.checkpoint.ledger import CheckpointRecord
@@ -119,7 +119,7 @@ def host_tier(
     ck = cfg.checkpoint
     local_dir = host_dir(ck.local_checkpoint_dir, run, a.job, os.environ["RTRAIN_HOST"])
     tier = LocalTier(local_dir, ck.local_keep, trainer.mesh, trainer.abstract) if ck.local_checkpoint_every else None
-    worker_link.hold_tier(tier)
+    link.hold_tier(tier)
     on = tier is not None and tier.enabled
     chaos = WorkerChaos(
         list(a.faults), a.rank, rep.send, local_dir, (lambda: settle_local(tier, rep, a)) if on else None

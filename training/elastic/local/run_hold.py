@@ -17,7 +17,7 @@ from typing import Any
 from training.checkpoint.lock import LeaseKeeper, LockHeld, LockLost, RunLock
 from training.config import Config
 from training.elastic.capacity import LocalCapacity
-from training.elastic.leadership import store_failure
+from training.elastic.host.leadership import store_failure
 from training.elastic.rendezvous import Rendezvous, Round
 from training.elastic.status import keep_end_here, stop_asked
 from training.events import FINAL_STATES, EventLog, RunState, RunStatus, read_status, write_status

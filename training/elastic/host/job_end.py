@@ -7,10 +7,10 @@ import logging
 import time
 from collections.abc import Callable
 
-from training.elastic.jobstatus import JobStatus
+from training.elastic.host.jobstatus import JobStatus
+from training.elastic.host.round_end import RoundEnds
+from training.elastic.host.rounds import Carried, LeaderRecords, RoundWriter
 from training.elastic.rendezvous import HostRecord, Round
-from training.elastic.round_end import RoundEnds
-from training.elastic.rounds import Carried, LeaderRecords, RoundWriter
 from training.events import RunState
 from training.layout import RDV_RESERVE
 

@@ -6,7 +6,7 @@ first worker can start, and a job's first round waits for that.  Four hosts impo
 two cores take four times one import's CPU, where real hosts each import on their own cores, in
 parallel.  The template imports once for the job; each agent is a fork of it, a process group of
 its own, and at its start, before it runs a thread, forks its fork server from itself
-(:meth:`~training.elastic.workerproc.ForkServer.fork_here`), so its workers are forks as well.
+(:func:`fork_server_here`), so its workers are forks as well.
 
 The template is the agents' parent and a child subreaper: it reaps the agents it forked and the
 workers a lost host leaves behind.  The local slice watches each agent through a pidfd
@@ -32,16 +32,20 @@ import sys
 import traceback
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from training import procctl
 from training.background import lower_this_thread
-from training.elastic.forkserver import adopt, start_server, stop_server
+from training.elastic.forking import adopt, start_server, stop_server
+
+if TYPE_CHECKING:
+    from training.elastic.host.workerproc import ForkServer
 
 FD_ENV = "RTRAIN_TEMPLATE_FD"  # the template's end of its socket to the local slice
 MAX_MESSAGE = 1 << 20
 REAP_S = 0.5  # how often the template looks for exited children while no request comes
 ANSWER_S = 60.0  # the longest the template may take to answer (its first answer waits for its imports)
-MODULE = "training.elastic.template"
+MODULE = "training.elastic.local.template"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,10 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     procctl.set_title(procctl.job_title("template", args.run, args.job), name="rtrain-template")
     sock = socket.socket(fileno=int(os.environ.pop(FD_ENV)))
     procctl.prctl(procctl.PR_SET_CHILD_SUBREAPER, 1)  # a lost host's orphans become this process's to reap
-    from training.elastic.warmup import import_libraries
+    from training.elastic.worker.warmup import import_libraries
 
     import_libraries()
-    import training.elastic.agent  # noqa: F401
+    import training.elastic.host.agent  # noqa: F401
     from training.checkpoint.manager import copy_bandwidth
 
     # A property of this machine: measured here once, every fork has the result (a worker measuring it as it
@@ -123,19 +127,42 @@ def fork_agent(sock: socket.socket, argv: list[str], env: dict[str, str], fds: l
 
 def run_agent(argv: list[str]) -> int:
     """In the forked agent: fork its workers' server first (no thread runs yet), then run the agent."""
-    from training.elastic import agent
-    from training.elastic.workerproc import ForkServer
+    from training.elastic.host import agent
 
     sys.argv = [agent.__file__, *argv]  # the program it runs, as if started with ``python -m``
     args = agent.parser().parse_args(argv)
     procctl.set_title(agent.title(args), name="rtrain-agent")  # its fork server's until that names itself
-    server = ForkServer.fork_here(procctl.job_title("forkserver", args.run, args.job, args.host))
+    server = fork_server_here(procctl.job_title("forkserver", args.run, args.job, args.host))
     # The slice's hosts share this machine's cores: the agent's loop, beats and writes (a few ms of CPU a step)
     # take what the steps leave, not a core from under them.  After the fork: the fork server and the workers
     # it forks keep their priority; the agent's threads, all started from here, inherit the lower one (as would
     # a worker the agent started itself, its fork server gone: that host's steps then wait for CPU first).
     lower_this_thread()
     return agent.main(argv, fork_server=server)
+
+
+def fork_server_here(title: str) -> ForkServer:
+    """The agent's fork server, forked from this agent (a fork of the template: the workers' libraries imported, no
+    thread run yet); its output is this process's; ``title``: its process title."""
+    from training.elastic.host.workerproc import ChildProcess, ForkServer
+    from training.elastic.worker import forkserver
+    from training.elastic.worker.link import die_with_parent
+
+    sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            sock.close()
+            die_with_parent()
+            procctl.set_title(title, name=forkserver.NAME)
+            code = forkserver.serve(theirs)
+        finally:
+            os._exit(code)
+    theirs.close()
+    return ForkServer(sock, ChildProcess(pid))
 
 
 class Template:

@@ -9,9 +9,9 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from training.elastic.cpu_slice import TransportThreads
 from training.elastic.wire import ReportType
-from training.elastic.worker_link import Assignment, Reporter, watch_peers
+from training.elastic.worker.cpu_slice import TransportThreads
+from training.elastic.worker.link import Assignment, Reporter, watch_peers
 
 if TYPE_CHECKING:
     from training.config import Config
@@ -51,7 +51,7 @@ def set_up(cfg: Config, run: str, a: Assignment, rep: Reporter, built: Any, t_as
 
     from training import trainer as tr
     from training.checkpoint import manager as ckpt
-    from training.elastic import taskbuild
+    from training.elastic.worker import taskbuild
     from training.mesh import build_mesh, check_batch, plan_mesh
 
     os.environ.update(dict(a.env))  # e.g. MEGASCALE_* for TPU multislice: read when the backend starts, below

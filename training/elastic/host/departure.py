@@ -9,10 +9,10 @@ import time
 from collections.abc import Callable
 
 from training.elastic.capacity import LocalCapacity
-from training.elastic.heartbeat import Heartbeat
+from training.elastic.host.heartbeat import Heartbeat
+from training.elastic.host.reports import ReportHandler
+from training.elastic.host.supervisor import WorkerSupervisor
 from training.elastic.rendezvous import Outcome
-from training.elastic.reports import ReportHandler
-from training.elastic.supervisor import WorkerSupervisor
 
 log = logging.getLogger("rtrain.agent")
 

@@ -32,16 +32,16 @@ from training.checkpoint.lock import LeaseKeeper, LockLost, RunLock
 from training.config import Config
 from training.elastic.capacity import LocalCapacity
 from training.elastic.chaos import JobChaos
-from training.elastic.hostview import HostView
-from training.elastic.hostwatch import HostWatch
-from training.elastic.job_end import JobEnd
-from training.elastic.jobstatus import JobStatus, Phase, inherited_phase
-from training.elastic.membership import choose_members, largest_round, resume_for
-from training.elastic.reform import Reform
+from training.elastic.host.hostview import HostView
+from training.elastic.host.hostwatch import HostWatch
+from training.elastic.host.job_end import JobEnd
+from training.elastic.host.jobstatus import JobStatus, Phase, inherited_phase
+from training.elastic.host.membership import choose_members, largest_round, resume_for
+from training.elastic.host.reform import Reform
+from training.elastic.host.round_end import JobFails, RoundEnds, RoundFailed, Verdict
+from training.elastic.host.rounds import LeaderRecords, RoundWriter
+from training.elastic.host.roundwatch import RoundWatch
 from training.elastic.rendezvous import Outcome, Rendezvous, Report, Round
-from training.elastic.round_end import JobFails, RoundEnds, RoundFailed, Verdict
-from training.elastic.rounds import LeaderRecords, RoundWriter
-from training.elastic.roundwatch import RoundWatch
 from training.elastic.status import stop_asked
 from training.events import EventLog, RunState
 from training.storage import Store

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from training.elastic import ahead, compile_once
-from training.elastic.worker_link import Assignment
+from training.elastic.worker import ahead, compile_once
+from training.elastic.worker.link import Assignment
 
 if TYPE_CHECKING:
     from training.config import Config
@@ -79,7 +79,7 @@ class StepMade:
 
 def make_step(cfg: Config, trainer: Any, store: Any, a: Assignment) -> StepMade:
     """Load the round's step as this job kept it (``compile_ahead``), else compile it (once in the round, on one
-    machine: :mod:`training.elastic.compile_once`); run beside the restore."""
+    machine: :mod:`training.elastic.worker.compile_once`); run beside the restore."""
     t0, hits = time.time(), cache_hits()
     kept = load_kept(store, a, trainer) if ahead.enabled(cfg.placement) else None
     loaded, key, compiled = kept is not None, kept.key if kept is not None else None, None
@@ -100,7 +100,7 @@ def make_step(cfg: Config, trainer: Any, store: Any, a: Assignment) -> StepMade:
 
 
 def share_compiles(placement: PlacementSection, a: Assignment) -> bool:
-    """Whether the round's programs are compiled once, by process 0 (:mod:`training.elastic.compile_once`)."""
+    """Whether the round's programs are compiled once, by process 0 (:mod:`training.elastic.worker.compile_once`)."""
     return compile_once.enabled(placement.backend, a.processes) and bool(a.job)
 
 
@@ -122,7 +122,7 @@ def compile_shared(
     lower: Callable[[], Any] | None,
     options: compile_once.XlaOptions | None = None,
 ) -> Shared:
-    """Program ``name`` of the round, compiled once (:mod:`training.elastic.compile_once`) with the XLA ``options``.
+    """Program ``name`` of the round, compiled once (:mod:`training.elastic.worker.compile_once`) with the XLA ``options``.
 
     Process 0 lowers it (``lower``; None: it has the program already), announces its key, compiles it (or
     loads it from the persistent cache) and passes it on, serialized whole.  The others wait for it and load
@@ -153,7 +153,7 @@ def compile_shared(
 
 
 def init_once(cfg: Config, trainer: Any, store: Any, a: Assignment) -> Any:
-    """A new model's state: its initialisation compiled once in the round (:mod:`training.elastic.compile_once`)."""
+    """A new model's state: its initialisation compiled once in the round (:mod:`training.elastic.worker.compile_once`)."""
     if share_compiles(cfg.placement, a):
         shared = compile_shared(cfg, store, a, "init", trainer.lower_init, trainer.init_compiler_options())
         trainer.load_init(shared.compiled)

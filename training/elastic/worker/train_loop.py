@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, TypedDict, cast
 
 from training.checkpoint.resume import DataPosition
-from training.elastic import ahead, compile_once
 from training.elastic.codes import WorkerExit
-from training.elastic.round_compile import StepMade, cache_hits
-from training.elastic.round_restore import Start, settle_local
-from training.elastic.round_saves import Saver, StopVote, stop_requested
 from training.elastic.wire import GuardFinding, ReportType
-from training.elastic.worker_link import Assignment, Reporter, leave
+from training.elastic.worker import ahead, compile_once
+from training.elastic.worker.link import Assignment, Reporter, leave
+from training.elastic.worker.programs import StepMade, cache_hits
+from training.elastic.worker.restore import Start, settle_local
+from training.elastic.worker.saves import Saver, StopVote, stop_requested
 from training.ready import wait_ready
 
 if TYPE_CHECKING:

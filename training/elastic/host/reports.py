@@ -1,6 +1,6 @@
 """What a host's agent does with its worker's reports: heartbeat fields, events, commits, chaos, the round's end.
 
-The worker writes one JSON object a line on its pipe (``training.elastic.worker``).  Rank 0's
+The worker writes one JSON object a line on its pipe (``training.elastic.worker.main``).  Rank 0's
 steps go into the heartbeat and the run's TensorBoard scalars; a commit goes into the ledger; the
 reports the run keeps become events; host and storage faults are carried out here; how the worker
 ended becomes this host's report of the round.  Writes to the run root go through the agent's
@@ -19,12 +19,12 @@ from typing import Any
 from training import storage
 from training.checkpoint import local as local_tier
 from training.checkpoint.steps import file_checksums, recorded_checksums
-from training.elastic.hostctx import HostContext
-from training.elastic.outcomes import last_error, recovery_cost, worker_outcome
+from training.elastic.host.hostctx import HostContext
+from training.elastic.host.outcomes import last_error, recovery_cost, worker_outcome
+from training.elastic.host.workerproc import WorkerProc
+from training.elastic.host.writer import Writer
 from training.elastic.rendezvous import Outcome, RecoveryRecord, Report
 from training.elastic.wire import ReportFields, ReportType, WorkerReport
-from training.elastic.workerproc import WorkerProc
-from training.elastic.writer import Writer
 from training.faults import KINDS, Fault, parse_chaos
 from training.scalars import ScalarLog
 from training.storage import is_transient

@@ -3,14 +3,14 @@
 The agent starts it ahead of need, as a standby that dies with its agent (``PR_SET_PDEATHSIG``), so
 a recovery starts at ``jax.distributed`` and pays no imports or dataset checks.  Read top to bottom:
 warm-up (imports, config, dataset; beside a training round, in a thread of the idle class:
-:mod:`training.elastic.warmup`); the assignment (one JSON line on stdin: round, rank, processes,
-coordinator, resume, faults: :mod:`training.elastic.worker_link`); set-up (``jax.distributed``, the peer
-watch, the round's mesh and shardings: :mod:`training.elastic.round_join`); restore
+:mod:`training.elastic.worker.warmup`); the assignment (one JSON line on stdin: round, rank, processes,
+coordinator, resume, faults: :mod:`training.elastic.worker.link`); set-up (``jax.distributed``, the peer
+watch, the round's mesh and shardings: :mod:`training.elastic.worker.join`); restore
 (``training.checkpoint.resume``, its integrity check, Orbax's resharding restore:
-:mod:`training.elastic.round_restore`); compile (AOT, a persistent-cache hit on a mesh seen before, once
-per round on one machine: :mod:`training.elastic.round_compile`); train (saves and the
-stop-at-checkpoint decision at checkpoint steps: :mod:`training.elastic.round_loop`,
-:mod:`training.elastic.round_saves`).
+:mod:`training.elastic.worker.restore`); compile (AOT, a persistent-cache hit on a mesh seen before, once
+per round on one machine: :mod:`training.elastic.worker.programs`); train (saves and the
+stop-at-checkpoint decision at checkpoint steps: :mod:`training.elastic.worker.train_loop`,
+:mod:`training.elastic.worker.saves`).
 
 Outcomes go to the agent as JSON lines over a pipe; the exit code says how it ended
 (``training.elastic.codes.WorkerExit``).  On any error it reports the error line and leaves at once
@@ -28,16 +28,16 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from training import procctl
-from training.elastic import worker_link
 from training.elastic.codes import WorkerExit
-from training.elastic.round_compile import make_step
-from training.elastic.round_join import set_up
-from training.elastic.round_loop import CPU_AT_ASSIGNMENT, FirstAhead, Notice, RoundLoop, train_batches
-from training.elastic.round_restore import restore
-from training.elastic.round_saves import Pins, Saver
-from training.elastic.warmup import Warm, warm_up, warm_up_in_background
 from training.elastic.wire import ReportType
-from training.elastic.worker_link import Assignment, Reporter, die_with_parent, leave
+from training.elastic.worker import link
+from training.elastic.worker.join import set_up
+from training.elastic.worker.link import Assignment, Reporter, die_with_parent, leave
+from training.elastic.worker.programs import make_step
+from training.elastic.worker.restore import restore
+from training.elastic.worker.saves import Pins, Saver
+from training.elastic.worker.train_loop import CPU_AT_ASSIGNMENT, FirstAhead, Notice, RoundLoop, train_batches
+from training.elastic.worker.warmup import Warm, warm_up, warm_up_in_background
 
 if TYPE_CHECKING:
     from training.config import Config
@@ -127,7 +127,7 @@ def run_main() -> NoReturn:
     """Run this worker and leave with its exit code (a process started as one, or forked to be one)."""
     code = main()
     sys.stdout.flush()
-    worker_link.outlast_peers()  # finished, or stopped at a checkpoint, as the whole group did
+    link.outlast_peers()  # finished, or stopped at a checkpoint, as the whole group did
     os._exit(code)
 
 

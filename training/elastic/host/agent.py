@@ -7,7 +7,7 @@ worker, and writes a heartbeat to the rendezvous on the run root
 (``training.elastic.rendezvous``).  The agents of a job find each other there;
 none is special for longer than its lease:
 
-* the agent holding the run lock's lease *leads* (``training.elastic.leader``):
+* the agent holding the run lock's lease *leads* (``training.elastic.host.leader``):
   it writes each round (members, mesh, coordinator, resume step) and the run's
   status, and decides what a failure means;
 * every agent *follows* the rounds: it starts, stops or keeps its worker as the
@@ -44,17 +44,17 @@ from training.checkpoint.ledger import Ledger
 from training.config import Config, config_from_json
 from training.elastic.capacity import LocalCapacity
 from training.elastic.codes import AgentExit
-from training.elastic.departure import Departure
-from training.elastic.follower import RoundFollower
-from training.elastic.heartbeat import Heartbeat, first_record
-from training.elastic.hostctx import HostContext
-from training.elastic.hostwatch import Listener, host_watch_port
-from training.elastic.leadership import Leadership
+from training.elastic.host.departure import Departure
+from training.elastic.host.follower import RoundFollower
+from training.elastic.host.heartbeat import Heartbeat, first_record
+from training.elastic.host.hostctx import HostContext
+from training.elastic.host.hostwatch import Listener, host_watch_port
+from training.elastic.host.leadership import Leadership
+from training.elastic.host.reports import ReportHandler
+from training.elastic.host.supervisor import WorkerSupervisor
+from training.elastic.host.workerproc import ForkServer
+from training.elastic.host.writer import Writer
 from training.elastic.rendezvous import Outcome, Rendezvous, Round
-from training.elastic.reports import ReportHandler
-from training.elastic.supervisor import WorkerSupervisor
-from training.elastic.workerproc import ForkServer
-from training.elastic.writer import Writer
 from training.events import EventLog
 from training.layout import CONFIG, logs_base
 from training.storage import Store, expect_root, is_transient, open_store, scheme

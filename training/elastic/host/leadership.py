@@ -18,10 +18,10 @@ from typing import Any
 from training.cadence import Cadence
 from training.checkpoint.lock import LeaseKeeper, LockHeld, LockLost, LockRecord, RunLock
 from training.elastic.codes import AgentExit
-from training.elastic.hostctx import HostContext
-from training.elastic.hostwatch import HostWatch
-from training.elastic.jobstatus import Phase
-from training.elastic.leader import Leader
+from training.elastic.host.hostctx import HostContext
+from training.elastic.host.hostwatch import HostWatch
+from training.elastic.host.jobstatus import Phase
+from training.elastic.host.leader import Leader
 from training.elastic.status import keep_end_here
 from training.storage import LASTING_WRITE_ERRORS, RootGone, is_transient
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 from training.checkpoint.resume import DataPosition
 from training.checkpoint.steps import is_committed
 from training.elastic.wire import ReportType
-from training.elastic.worker_link import Assignment, Reporter
+from training.elastic.worker.link import Assignment, Reporter
 from training.storage import scheme
 
 if TYPE_CHECKING:

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 
 from training.background import idle_this_thread
 from training.config import Config
-from training.elastic import compile_once
+from training.elastic.worker import compile_once
 from training.layout import COMPILED
 from training.mesh import build_mesh, feasible_sizes, plan_mesh
 from training.sections import PlacementSection

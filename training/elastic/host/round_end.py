@@ -20,9 +20,9 @@ from training.checkpoint.ledger import CheckpointRecord
 from training.checkpoint.lifecycle import quarantine
 from training.checkpoint.retention import USABLE_STATES
 from training.elastic.codes import WorkerExit
-from training.elastic.hostview import HostView
+from training.elastic.host.hostview import HostView
+from training.elastic.host.rounds import LeaderRecords
 from training.elastic.rendezvous import Outcome, RecoveryRecord, Report, Round
-from training.elastic.rounds import LeaderRecords
 from training.elastic.wire import GuardReport
 from training.faults import KINDS
 from training.records import ResumeHow

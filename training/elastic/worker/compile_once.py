@@ -25,7 +25,7 @@ So process 0 announces each program's key as soon as it has lowered it
 (:func:`announce`), before it compiles; the others wait for that key
 (:func:`announced`) and then for the program.  The notes beside the cache's
 entries (:func:`note_cached`) say which steps were compiled ahead for a round
-program (:mod:`training.elastic.ahead`): a note that outlived its entry costs
+program (:mod:`training.elastic.worker.ahead`): a note that outlived its entry costs
 speed only.
 """
 

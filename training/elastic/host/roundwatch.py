@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import logging
 
-from training.elastic.hostview import HostView
-from training.elastic.jobstatus import JobStatus
-from training.elastic.membership import choose_members
+from training.elastic.host.hostview import HostView
+from training.elastic.host.jobstatus import JobStatus
+from training.elastic.host.membership import choose_members
+from training.elastic.host.round_end import RoundFailed
+from training.elastic.host.rounds import LeaderRecords
 from training.elastic.rendezvous import Outcome, Report, Round
-from training.elastic.round_end import RoundFailed
-from training.elastic.rounds import LeaderRecords
 from training.layout import CONTROL
 from training.sections import ElasticSection
 

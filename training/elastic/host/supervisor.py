@@ -17,10 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from training.config import Config
+from training.elastic.host.workerproc import ForkServer, WorkerProc, spawn_worker, worker_env
 from training.elastic.peerwatch import peer_watch_port
 from training.elastic.rendezvous import Round
 from training.elastic.wire import WorkerReport
-from training.elastic.workerproc import ForkServer, WorkerProc, spawn_worker, worker_env
 
 log = logging.getLogger("rtrain.agent")
 

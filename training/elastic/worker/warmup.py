@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from training import procctl
-from training.elastic import compile_once
-from training.elastic.round_compile import count_cache_hits, share_cpu_compilation_cache
+from training.elastic.worker import compile_once
+from training.elastic.worker.programs import count_cache_hits, share_cpu_compilation_cache
 
 
 @dataclass
@@ -29,7 +29,7 @@ def import_libraries() -> None:
     """Import what a round needs (JAX, Orbax, the trainer, the tasks), while nothing waits for this process.
 
     Imports only: no JAX backend, no threads, so a process that did this can still be forked
-    (:mod:`training.elastic.forkserver`)."""
+    (:mod:`training.elastic.worker.forkserver`)."""
     # Orbax's optional Cloud Logging logger is not used here: with its library marked absent, orbax leaves
     # it out (it guards that import), and each worker is spared 0.4 s of importing at its start.
     sys.modules.setdefault("google.cloud.logging", None)  # type: ignore[arg-type]  # None: "absent"
@@ -43,14 +43,14 @@ def import_libraries() -> None:
 def warm_up(run: str, warm: Warm) -> None:
     """Imports, the run's config, the compilation cache, the task and its (checked) data, into ``warm``.
 
-    The task is built here only if that leaves JAX's backend untouched (:mod:`training.elastic.taskbuild`):
+    The task is built here only if that leaves JAX's backend untouched (:mod:`training.elastic.worker.taskbuild`):
     the backend is fenced off in every thread of this process until the round has joined.
     """
     import_libraries()
     import jax
 
     from training.config import config_from_json
-    from training.elastic.taskbuild import build_in_standby, fence_backend
+    from training.elastic.worker.taskbuild import build_in_standby, fence_backend
     from training.layout import CONFIG
     from training.storage import expect_root, open_store
 

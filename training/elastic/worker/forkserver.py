@@ -16,20 +16,17 @@ descriptors (its stdin, its report pipe, its log) over a Unix socket.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 import traceback
 import warnings
-from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
-FD_ENV = "RTRAIN_FORKSERVER_FD"  # the server's end of its socket to the agent
+from training.elastic.forking import FORKSERVER_FD_ENV, adopt
+
 MAX_MESSAGE = 1 << 20
 REPARENT_S = 5.0  # the longest a forked worker waits to become the agent's child
 
@@ -39,13 +36,13 @@ NAME = "rtrain-fork"  # a fork server's OS name (its title: ``rtrain forkserver 
 
 def main() -> int:
     from training import procctl
-    from training.elastic.warmup import import_libraries
-    from training.elastic.worker_link import die_with_parent
+    from training.elastic.worker.link import die_with_parent
+    from training.elastic.worker.warmup import import_libraries
 
     die_with_parent()
     where = (os.environ.get(k, "?") for k in ("RTRAIN_RUN_URI", "RTRAIN_JOB", "RTRAIN_HOST"))
     procctl.set_title(procctl.job_title("forkserver", *where), name=NAME)
-    sock = socket.socket(fileno=int(os.environ.pop(FD_ENV)))
+    sock = socket.socket(fileno=int(os.environ.pop(FORKSERVER_FD_ENV)))
     import_libraries()
     return serve(sock)
 
@@ -100,10 +97,10 @@ def become_worker(sock: socket.socket, env: dict[str, str], fds: list[int]) -> N
     """In the forked process: take the request's stdin, log and environment, wait to be the agent's, run."""
     try:
         take_over(sock, env, fds)
-        from training.elastic import worker
+        from training.elastic.worker import main as worker_main
 
-        sys.argv = [worker.__file__]  # the program it runs, as if started with ``python -m``
-        worker.run_main()
+        sys.argv = [worker_main.__file__]  # the program it runs, as if started with ``python -m``
+        worker_main.run_main()
     except BaseException:  # noqa: BLE001 - never back into the server's loop; 1, as Python's own exit on an error
         traceback.print_exc()
         sys.stderr.flush()
@@ -119,47 +116,6 @@ def take_over(sock: socket.socket, env: dict[str, str], fds: list[int]) -> None:
     # A worker that is not the agent's in the end leaves at its start (``die_with_parent``).
     if not wait_for_parent(int(env.get("RTRAIN_AGENT_PID") or 0), REPARENT_S):
         print(f"forked worker: not the agent's child after {REPARENT_S:.0f} s", file=sys.stderr, flush=True)
-
-
-def adopt(sock: socket.socket, env: dict[str, str], stdin: int, log: int) -> None:
-    """In a forked child: leave the server's socket; take ``stdin``, the output ``log`` and ``env`` as its own."""
-    sock.close()
-    os.dup2(stdin, 0)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(stdin)
-    os.close(log)
-    os.environ.update(env)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def start_server(
-    argv: list[str], env: dict[str, str], fd_env: str, log_path: Path, **popen: Any
-) -> tuple[socket.socket, subprocess.Popen[bytes]]:
-    """Start a server process (``argv``, after the interpreter) with its end of a new socket pair, whose number
-    it finds in ``fd_env``; our end and the process."""
-    sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    with open(log_path, "ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, *argv],
-            env={**env, fd_env: str(theirs.fileno())},
-            pass_fds=(theirs.fileno(),),
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            **popen,
-        )
-    theirs.close()
-    return sock, proc
-
-
-def stop_server(sock: socket.socket, proc: Any) -> None:
-    """Close our end of a server's socket, kill it and reap it (what it forked goes on)."""
-    with contextlib.suppress(OSError):
-        sock.close()
-    with contextlib.suppress(OSError):
-        proc.kill()
-    proc.wait()
 
 
 def wait_for_parent(pid: int, timeout: float) -> bool:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from training.checkpoint.ledger import Ledger
 from training.config import Config
 from training.elastic.capacity import LocalCapacity
-from training.elastic.heartbeat import Heartbeat
+from training.elastic.host.heartbeat import Heartbeat
 from training.elastic.rendezvous import Rendezvous
 from training.events import EventLog
 from training.storage import Store

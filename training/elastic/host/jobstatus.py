@@ -22,7 +22,7 @@ log = logging.getLogger("rtrain.leader")
 
 
 class Phase(StrEnum):
-    """Where the leader's state machine is (``training.elastic.leader``)."""
+    """Where the leader's state machine is (``training.elastic.host.leader``)."""
 
     GATHER = "gather"
     FORM = "form"
