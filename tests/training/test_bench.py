@@ -157,6 +157,7 @@ def _check(figure: dict[str, Any], key: str, a: list[float], b: list[float], tab
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_checkpoint_overhead_runs_the_small_preset_in_the_default_format(tmp_path: Path) -> None:
     proc, r = _bench(tmp_path, "--quick", "--only", "checkpoint_overhead")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -206,6 +207,7 @@ def test_the_checkpoint_rows_name_the_formats_and_report_orbax_s_fixed_cost_apar
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_restore_throughput_against_the_raw_read_and_tensorstore_alone(tmp_path: Path) -> None:
     proc, r = _bench(tmp_path, "--only", "restore_throughput", "--repeats", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -346,6 +348,7 @@ def test_the_accelerator_row_s_peak_table_and_its_mfu_for_each_repeat() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_the_accelerator_row_on_cpu_runs_a_small_shape_and_says_it_is_cpu(tmp_path: Path) -> None:
     proc, results = _bench(tmp_path, "--only", "accelerator", "--repeats", "2")
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -492,6 +495,7 @@ def test_the_formats_figure_still_writes_lean_steps_though_no_config_chooses_lea
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_the_formats_figure_saves_and_restores_both_formats_locally_and_on_the_emulator(tmp_path: Path) -> None:
     proc, results = _bench(tmp_path, "--only", "formats", "--repeats", "2", "--formats-mib", "16")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -515,6 +519,7 @@ def test_the_formats_figure_saves_and_restores_both_formats_locally_and_on_the_e
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_the_recovery_at_scale_figure_in_its_ci_size_recovers_from_the_local_tier_and_times_its_saves(
     tmp_path: Path,
 ) -> None:

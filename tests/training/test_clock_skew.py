@@ -166,6 +166,7 @@ def _events(run_uri: str, *types: str) -> list[api.Event]:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_hosts_whose_clocks_disagree_train_as_one_job_through_a_crash(tmp_path, tiny_dataset, jax_cache) -> None:
     cfg = job_config(
         str(tmp_path / "root"),

@@ -77,6 +77,7 @@ def _pod_logs(js: EmulatedJobSet) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_a_2_slice_jobset_run_as_pods_rides_out_a_spot_reclaim_and_a_lost_host(
     gcs_root: str, tiny_dataset: str, jax_cache: str, tmp_path: Path
 ) -> None:

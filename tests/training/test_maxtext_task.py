@@ -159,6 +159,7 @@ def test_a_maxtext_llama3_trains_elastically_through_a_lost_host_on_the_exact_ex
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_the_readme_s_maxtext_commands_run_as_written(tmp_path: Path) -> None:
     """In a directory holding only the examples and the shared .venv, as a user's checkout would."""
     repo = Path(__file__).resolve().parents[2]

@@ -237,6 +237,7 @@ def _events(run_uri: str, *types: str) -> list[api.Event]:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_priorities_move_hosts_between_running_jobs_with_no_step_lost(tmp_path, tiny_dataset, jax_cache):
     root = str(tmp_path / "runs")
     common = {"checkpoint_every": 10, "trace_data_ids": True, "log_every": 5}

@@ -63,6 +63,7 @@ def test_a_round_compiles_or_looks_up_its_programs_once_and_passes_them_on_whole
     assert warm_cpu[1] < 0.8 * warm_cpu[0], warm_cpu
 
 
+@pytest.mark.extended
 def test_a_size_compiled_ahead_by_an_earlier_job_is_looked_up_and_kept_not_compiled_again(tmp_path, tiny_dataset):
     """The second job of the same program finds the 1-host step in the cache, noted by the first job's compile
     ahead, and reports it so; it looks it up (no compile) and keeps it, so that a recovery loads it."""
@@ -182,6 +183,7 @@ def _fork_servers(run_uri: str) -> list[int]:
     return sorted(by_agent.values())
 
 
+@pytest.mark.extended
 def test_a_job_s_workers_are_forked_by_a_server_per_agent_and_a_lost_server_costs_only_the_imports(
     tmp_path, tiny_dataset, jax_cache
 ):

@@ -29,6 +29,7 @@ def emulator_process() -> psutil.Process:
     raise AssertionError(f"nothing listens on port {port}")
 
 
+@pytest.mark.extended
 def test_an_outage_of_the_whole_root_longer_than_the_lease_is_ridden_out(
     gcs_root: str, tiny_dataset: str, jax_cache: str
 ) -> None:
