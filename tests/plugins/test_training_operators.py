@@ -493,3 +493,50 @@ def test_a_polling_sensor_makes_one_backend_for_all_its_pokes(
     for _ in range(3):
         assert not sensor.poke({}).is_done
     assert made == ["local"]
+
+
+@pytest.mark.parametrize(
+    ("settings", "refusal"),
+    [
+        ({"poll_interval": 0}, "poll_interval: must be > 0"),
+        ({"start_timeout_s": 0}, "start_timeout_s: must be > 0"),
+        ({"progress_every_s": -1}, "progress_every_s: must be >= 0"),
+    ],
+)
+def test_both_tasks_that_watch_a_job_refuse_the_same_bad_watch_settings(
+    tmp_path: Path, settings: dict[str, float], refusal: str
+) -> None:
+    """The sensor and the rollback task watch a job the same way: one check of their settings, one trigger."""
+    spec = spec_for(tmp_path)
+    with pytest.raises(ValueError, match=refusal):
+        RTrainTrainingJobSensor(task_id="watch", spec=spec, handle={"job": "j1"}, **settings)
+    with pytest.raises(ValueError, match=refusal):
+        RTrainRollbackAndResumeOperator(task_id="rollback", spec=spec, **settings)
+
+
+def test_the_sensor_and_the_rollback_task_defer_to_one_trigger_made_from_their_settings(tmp_path: Path) -> None:
+    from rtrain_airflow.triggers.training import RTrainTrainingJobTrigger
+
+    spec = spec_for(tmp_path)
+    cfg = RTrainHook.config_from_dict(spec["config"])
+    handle = {"job": "j1", "backend": "local", "run_uri": spec["run_uri"], "events_after": "e-1"}
+    watch = dict(poll_interval=2.0, start_timeout_s=60.0, progress_every_s=0.0)
+    sensor = RTrainTrainingJobSensor(task_id="watch", spec=spec, handle=handle, **watch)
+    rollback = RTrainRollbackAndResumeOperator(task_id="rollback", spec=spec, **watch)
+    made = [RTrainTrainingJobTrigger.for_task(t, cfg, handle).serialize() for t in (sensor, rollback)]
+    assert made[0] == made[1] and made[0][1]["poll_interval"] == 2.0 and made[0][1]["events_after"] == "e-1"
+
+
+def test_the_airflow_side_writes_its_relaunch_policy_once() -> None:
+    """Every relaunch (a watch's retry, a rerun, the resume after a rollback) goes through RTrainHook.relaunch,
+    which resumes from the newest committed checkpoint: no task spells it out itself."""
+    plugins = Path(__file__).resolve().parents[2] / "plugins"
+    spelled = [
+        f"{p.relative_to(plugins)}:{n}"
+        for p in plugins.rglob("*.py")
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if 'model_copy(update={"checkpoint.resume_from"' in line
+    ]
+    assert len(spelled) == 1 and spelled[0].startswith("rtrain_airflow/hooks/training.py:"), spelled
+    relaunches = sorted(str(p.relative_to(plugins)) for p in plugins.rglob("*.py") if "hook.relaunch(" in p.read_text())
+    assert relaunches == ["rtrain_airflow/operators/training.py", "rtrain_airflow/sensors/training.py"], relaunches

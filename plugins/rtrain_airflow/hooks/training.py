@@ -36,7 +36,8 @@ from airflow.sdk import BaseHook
 
 from training import api, backends
 from training.api import RUN_NAME_PATTERN, CheckpointRecord, Config, ConfigError, Event, mesh_text, readable
-from training.backends import Backend, BackendError
+from training.backends import Backend, BackendError, JobSpec, placement
+from training.backends.base import JobHandle
 from training.gke import GKESettings
 from training.service import commands
 
@@ -176,6 +177,16 @@ def absolute(uri: str, root: Path = PROJECT_ROOT) -> str:
 # --- the hook -------------------------------------------------------------------------------------
 
 
+def job_spec(spec: Mapping[str, Any], cfg: Config) -> JobSpec:
+    """The job of a run spec (what the resolve task returned) with the config ``cfg`` of its run."""
+    return JobSpec(cfg, placement(str(spec["backend"]), spec.get("gke"), spec.get("priority")))
+
+
+def from_latest(cfg: Config) -> Config:
+    """``cfg`` resuming from the run's newest committed checkpoint: how every relaunch resumes."""
+    return cfg.model_copy(update={"checkpoint.resume_from": "latest"})
+
+
 class RTrainHook(BaseHook):
     """The engine's API and the run's backend, for operators, sensors and triggers.
 
@@ -294,6 +305,11 @@ class RTrainHook(BaseHook):
     def backend_for(self, spec: Mapping[str, Any]) -> Backend:
         """The backend a run spec names (its ``backend``, ``gke`` and ``priority``)."""
         return self.backend(spec["backend"], spec.get("gke"), spec.get("priority"))
+
+    def relaunch(self, backend: Backend, spec: Mapping[str, Any], cfg: Config, attempt: int) -> JobHandle:
+        """Launch the run's job again, from its newest committed checkpoint: a watch's retry, a rerun of a DAG run
+        that launched before, the resume after a rollback.  Idempotent: a job still alive is re-attached."""
+        return backend.launch(job_spec(spec, from_latest(cfg)), attempt=attempt)
 
     def status(self, run_uri: str) -> api.RunStatus | None:
         return api.status(run_uri)

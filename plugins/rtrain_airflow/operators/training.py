@@ -16,10 +16,18 @@ from typing import TYPE_CHECKING, Any, cast
 from airflow.sdk import BaseBranchOperator, BaseOperator, TriggerRule
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 
-from rtrain_airflow.hooks.training import RTrainConfigError, RTrainHook, format_validations, plan_text, readable
-from rtrain_airflow.triggers.training import PROGRESS_EVERY_S, RTrainTrainingJobTrigger, WatchEnd
+from rtrain_airflow.hooks.training import (
+    RTrainConfigError,
+    RTrainHook,
+    format_validations,
+    from_latest,
+    job_spec,
+    plan_text,
+    readable,
+)
+from rtrain_airflow.triggers.training import PROGRESS_EVERY_S, RTrainTrainingJobTrigger, WatchEnd, check_watch_settings
 from training.api import Config, DatasetSpec, RunSpec
-from training.backends import Backend, BackendError, JobSpec, placement
+from training.backends import Backend, BackendError, JobSpec
 from training.service import commands
 
 if TYPE_CHECKING:
@@ -36,11 +44,6 @@ def _is_deferred_value(value: Any) -> bool:
     from airflow.sdk.definitions.xcom_arg import XComArg
 
     return isinstance(value, XComArg) or (isinstance(value, str) and "{{" in value)
-
-
-def job_spec(spec: Mapping[str, Any], cfg: Config) -> JobSpec:
-    """The job of a run spec (what the resolve task returned) with the config ``cfg`` of its run."""
-    return JobSpec(cfg, placement(str(spec["backend"]), spec.get("gke"), spec.get("priority")))
 
 
 def check_spec(spec: Any, who: str) -> RunSpec:
@@ -362,9 +365,7 @@ class RTrainStartTrainingJobOperator(_RTrainBaseOperator):
                 cfg.run_name,
                 mark,
             )
-        launch_cfg = (
-            cfg if (mark is None and resume == "none") else cfg.model_copy(update={"checkpoint.resume_from": "latest"})
-        )
+        launch_cfg = cfg if (mark is None and resume == "none") else from_latest(cfg)
         try:
             handle = self.backend(spec).launch(self.job(spec, launch_cfg), attempt=context["ti"].try_number)
         except Exception as e:
@@ -489,10 +490,7 @@ class RTrainRollbackAndResumeOperator(_RTrainBaseOperator):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if poll_interval <= 0:
-            raise ValueError(f"poll_interval: must be > 0, got {poll_interval}")
-        if progress_every_s < 0:
-            raise ValueError(f"progress_every_s: must be >= 0 (0: no progress lines), got {progress_every_s}")
+        check_watch_settings(poll_interval, start_timeout_s, progress_every_s)
         self.poll_interval = poll_interval
         self.start_timeout_s = start_timeout_s
         self.progress_every_s = progress_every_s
@@ -547,21 +545,9 @@ class RTrainRollbackAndResumeOperator(_RTrainBaseOperator):
             rb["quarantined"],
         )
         rounds = [*rounds, dict(rb)]
-        handle = backend.launch(
-            self.job(spec, cfg.model_copy(update={"checkpoint.resume_from": "latest"})),
-            attempt=context["ti"].try_number + 100 * len(rounds),
-        )
+        handle = self.hook.relaunch(backend, spec, cfg, attempt=context["ti"].try_number + 100 * len(rounds))
         context["ti"].xcom_push(key="handle", value=handle)  # for the teardown
-        self.defer(
-            trigger=RTrainTrainingJobTrigger.for_job(
-                cfg,
-                handle,
-                poll_interval=self.poll_interval,
-                start_timeout_s=self.start_timeout_s,
-                progress_every_s=self.progress_every_s,
-            ),
-            method_name="resume_complete",
-        )
+        self.defer(trigger=RTrainTrainingJobTrigger.for_task(self, cfg, handle), method_name="resume_complete")
         raise AssertionError("defer() returns only by raising")  # pragma: no cover
 
     def resume_complete(self, context: Context, event: WatchEnd) -> dict[str, Any]:

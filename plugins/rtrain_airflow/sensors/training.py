@@ -29,8 +29,14 @@ from airflow.sdk import BaseOperatorLink, BaseSensorOperator, PokeReturnValue
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 
 from rtrain_airflow.hooks.training import RTrainHook, absolute
-from rtrain_airflow.operators.training import RESOLVE_TASK_ID, _is_deferred_value, check_spec, job_spec
-from rtrain_airflow.triggers.training import PROGRESS_EVERY_S, RELAYED, RTrainTrainingJobTrigger, WatchEnd
+from rtrain_airflow.operators.training import RESOLVE_TASK_ID, _is_deferred_value, check_spec
+from rtrain_airflow.triggers.training import (
+    PROGRESS_EVERY_S,
+    RELAYED,
+    RTrainTrainingJobTrigger,
+    WatchEnd,
+    check_watch_settings,
+)
 from training.api import Config, RunSpec, describe
 from training.backends import ALIVE
 from training.backends.base import JobHandle
@@ -135,12 +141,7 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
     ) -> None:
         kwargs.setdefault("timeout", timedelta(days=7))
         super().__init__(poke_interval=poll_interval, mode="poke", **kwargs)
-        if poll_interval <= 0:
-            raise ValueError(f"poll_interval: must be > 0, got {poll_interval}")
-        if start_timeout_s <= 0:
-            raise ValueError(f"start_timeout_s: must be > 0, got {start_timeout_s}")
-        if progress_every_s < 0:
-            raise ValueError(f"progress_every_s: must be >= 0 (0: no progress lines), got {progress_every_s}")
+        check_watch_settings(poll_interval, start_timeout_s, progress_every_s)
         if spec is None and spec_from is None:
             raise ValueError(
                 f"{type(self).__name__}: give spec (the output of {RESOLVE_TASK_ID}) or spec_from (its task id)"
@@ -190,8 +191,7 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
                     look.get("reason"),
                 )
                 committed = self.hook.committed_steps(cfg.run_uri)[-1:] or None
-                relaunch = job_spec(spec, cfg.model_copy(update={"checkpoint.resume_from": "latest"}))
-                handle = backend.launch(relaunch, attempt=try_number)
+                handle = self.hook.relaunch(backend, spec, cfg, attempt=try_number)
                 self.log.warning(
                     "[rtrain] relaunched %s (newest committed step %s): %s", cfg.run_name, committed, handle
                 )
@@ -206,13 +206,7 @@ class RTrainTrainingJobSensor(BaseSensorOperator):
         if not self.deferrable:
             return super().execute(context)
         self.defer(
-            trigger=RTrainTrainingJobTrigger.for_job(
-                cfg,
-                handle,
-                poll_interval=self.poll_interval,
-                start_timeout_s=self.start_timeout_s,
-                progress_every_s=self.progress_every_s,
-            ),
+            trigger=RTrainTrainingJobTrigger.for_task(self, cfg, handle),
             method_name="execute_complete",
             timeout=timedelta(seconds=self.timeout) if self.timeout else None,
         )

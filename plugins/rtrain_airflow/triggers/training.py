@@ -21,7 +21,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Generator, Mapping
 from datetime import UTC, datetime
-from typing import Any, NotRequired, TypedDict, cast
+from typing import Any, NotRequired, Protocol, TypedDict, cast
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
@@ -219,6 +219,24 @@ def final_event(found: Look, run_uri: str, story: Recoveries) -> TriggerEvent | 
     return TriggerEvent(end)
 
 
+class WatchSettings(Protocol):
+    """How a task watches a job: seconds between looks, how long a launched job may stay silent, progress lines."""
+
+    poll_interval: float
+    start_timeout_s: float
+    progress_every_s: float
+
+
+def check_watch_settings(poll_interval: float, start_timeout_s: float, progress_every_s: float) -> None:
+    """Refuse watch settings no watch can keep (each task that watches a job checks its own as it is made)."""
+    if poll_interval <= 0:
+        raise ValueError(f"poll_interval: must be > 0, got {poll_interval}")
+    if start_timeout_s <= 0:
+        raise ValueError(f"start_timeout_s: must be > 0, got {start_timeout_s}")
+    if progress_every_s < 0:
+        raise ValueError(f"progress_every_s: must be >= 0 (0: no progress lines), got {progress_every_s}")
+
+
 class RTrainTrainingJobTrigger(BaseTrigger):
     """Poll a training job until it finishes or is gone for good.
 
@@ -278,6 +296,17 @@ class RTrainTrainingJobTrigger(BaseTrigger):
             stale_after_s=limits["stale_after_s"],
             events_after=handle.get("events_after"),
             progress_every_s=progress_every_s,
+        )
+
+    @classmethod
+    def for_task(cls, task: WatchSettings, cfg: Config, handle: Mapping[str, Any]) -> RTrainTrainingJobTrigger:
+        """The trigger a task defers to, to watch the job of ``handle`` with the task's watch settings."""
+        return cls.for_job(
+            cfg,
+            handle,
+            poll_interval=task.poll_interval,
+            start_timeout_s=task.start_timeout_s,
+            progress_every_s=task.progress_every_s,
         )
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
