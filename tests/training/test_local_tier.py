@@ -8,6 +8,7 @@ simulated hosts through a notice (SIGTERM), a lost host and a damaged local copy
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -187,9 +188,21 @@ def test_local_copies_are_per_run_job_and_host_and_other_jobs_are_forgotten(tmp_
     assert local.host_dir(str(tmp_path), "/runs/a", "j1", "h0").is_relative_to(tmp_path / "pod")
 
 
-def test_resume_hints_and_the_damage_local_fault_are_checked():
-    assert local.parse_resume("local:22,20") == [22, 20]
-    assert local.parse_resume("latest") == [] and local.parse_resume("40") == []
+def test_a_round_s_resume_is_a_record_that_reads_back_and_reads_an_earlier_leader_s_text():
+    """The leader tells the workers where to resume in a typed record (the local candidates, else the run's
+    checkpoints); a round an earlier version wrote as text (``local:22,20``) still reads as the same record."""
+    from training.elastic.rendezvous import ResumeFrom, Round
+
+    offered = Round(round=3, job="j", gen=1, leader="h0", members=["h0"], resume=ResumeFrom(local=(22, 20)))
+    written = json.loads(json.dumps(asdict(offered)))
+    assert written["resume"] == {"checkpoint": "latest", "local": [22, 20]}
+    assert Round.from_json(written).resume == ResumeFrom("latest", (22, 20)) == ResumeFrom.read("local:22,20")
+    assert Round.from_json({**written, "resume": "40"}).resume == ResumeFrom("40")
+    assert Round.from_json({k: v for k, v in written.items() if k != "resume"}).resume == ResumeFrom()
+    assert (ResumeFrom(local=(22, 20)).text(), ResumeFrom("none").text()) == ("local:22,20", "none")
+
+
+def test_the_damage_local_fault_is_checked():
     assert parse_chaos("damage_local:worker=0,step=9").worker == 0
     with pytest.raises(ValueError, match="damage_local needs the local tier"):
         load_config("tiny", None, {"chaos": ["damage_local:worker=0,step=9"]})

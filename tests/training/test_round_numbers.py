@@ -10,7 +10,7 @@ from training.cadence import cadence
 from training.checkpoint.ledger import Ledger
 from training.elastic.host.follower import RoundFollower
 from training.elastic.host.rounds import Carried, LeaderRecords, RoundWriter
-from training.elastic.rendezvous import Rendezvous
+from training.elastic.rendezvous import Rendezvous, ResumeFrom
 from training.events import EventLog, RunState
 from training.storage import open_store, scheme
 
@@ -41,7 +41,7 @@ def test_a_new_job_s_rounds_and_launches_count_on_from_the_jobs_before_it(tmp_pa
     first = writer("j1")
     rnd = None
     for _ in range(3):  # a job with two recoveries
-        rnd, _plan = first.open(rnd, ["h0"], "127.0.0.1:1", "start", "latest", Carried(0, 0))
+        rnd, _plan = first.open(rnd, ["h0"], "127.0.0.1:1", "start", ResumeFrom(), Carried(0, 0))
     first.stop(rnd, RunState.FAILED, "its failure budget ran out", Carried(2, 0))
     assert rdv.round_numbers() == [1, 2, 3, 4]
 
@@ -52,7 +52,7 @@ def test_a_new_job_s_rounds_and_launches_count_on_from_the_jobs_before_it(tmp_pa
     )
     assert list(follower.new_rounds(busy=False)) == []
     second = writer("j2")
-    rnd, _plan = second.open(None, ["h0"], "127.0.0.1:1", "start", "latest", Carried(0, 0))
+    rnd, _plan = second.open(None, ["h0"], "127.0.0.1:1", "start", ResumeFrom(), Carried(0, 0))
     assert rnd.round == 5
     follower.look_now()
     assert [r.round for r in follower.new_rounds(busy=False)] == [5], "its agents find it by name, at once"

@@ -22,7 +22,7 @@ from training.checkpoint.lifecycle import format_report
 from training.cli import Exit, main
 from training.elastic.codes import AgentExit
 from training.elastic.host.jobstatus import JobStatus, Phase, inherited_phase, run_state
-from training.elastic.rendezvous import Round
+from training.elastic.rendezvous import ResumeFrom, Round
 from training.event_text import describe
 from training.events import (
     ALIVE_STATES,
@@ -106,11 +106,11 @@ def test_a_stop_of_the_job_outlives_the_leader_s_own_requests_to_its_workers(tmp
     )
     writer = RoundWriter(rec, gen=lambda: 1, faults=lambda: [], prev=None)
     store.put(CONTROL, json.dumps({"action": "stop_at_checkpoint", "round": 1}).encode())
-    rnd, _ = writer.open(None, ["h0"], "127.0.0.1:1", "start", "latest", Carried(0, 0))
+    rnd, _ = writer.open(None, ["h0"], "127.0.0.1:1", "start", ResumeFrom(), Carried(0, 0))
     assert not store.exists(CONTROL), "a request of the round before is forgotten"
     api.stop_job(cfg.run_uri, "stopped with rtrain stop")
     store.put(CONTROL, json.dumps({"action": "stop_at_checkpoint", "round": 1}).encode())  # as RoundWatch grows
-    writer.open(rnd, ["h0"], "127.0.0.1:1", "recover", "latest", Carried(0, 0))
+    writer.open(rnd, ["h0"], "127.0.0.1:1", "recover", ResumeFrom(), Carried(0, 0))
     assert json.loads(store.get(STOP)) == {"action": "stop_job", "reason": "stopped with rtrain stop"}
     assert stop_asked(store) == "stopped with rtrain stop" and not store.exists(CONTROL)
 

@@ -23,7 +23,7 @@ from training.elastic.host.round_end import RoundFailed, lasting_storage_error
 from training.elastic.host.rounds import Carried, LeaderRecords, RoundWriter
 from training.elastic.host.roundwatch import RoundWatch
 from training.elastic.host.writer import Writer
-from training.elastic.rendezvous import Outcome, Rendezvous
+from training.elastic.rendezvous import Outcome, Rendezvous, ResumeFrom
 from training.events import EventLog
 from training.storage import open_store
 
@@ -61,7 +61,7 @@ def test_a_report_the_full_disk_refuses_rides_the_heartbeat_and_the_leader_ends_
     rdv, events = Rendezvous(store), EventLog(store, source="test")
     rec = LeaderRecords(cfg, store, rdv, Ledger(store), events, "j1", "h0", lambda type_, **f: None, lambda: None)
     rnd, _plan = RoundWriter(rec, gen=lambda: 1, faults=lambda: [], prev=None).open(
-        None, ["h0", "h1"], "127.0.0.1:1", "start", "latest", Carried(0, 0)
+        None, ["h0", "h1"], "127.0.0.1:1", "start", ResumeFrom(), Carried(0, 0)
     )
     rdv.beat(first_record("h1", "j1", 1, "127.0.0.1:2", time.time(), ""))  # h1 trains on
     heart = Heartbeat(rdv, first_record("h0", "j1", 1, "127.0.0.1:1", time.time(), ""), every_s=0.2)

@@ -237,13 +237,6 @@ def forget_job(configured: str, run_uri: str, job: str) -> None:
         root.rmdir()  # the run's directory, once no job of it is left
 
 
-def parse_resume(resume: str) -> list[int]:
-    """``local:22,20`` -> [22, 20] (the candidates, newest first); [] for anything else."""
-    if not resume.startswith("local:"):
-        return []
-    return [int(s) for s in resume.removeprefix("local:").split(",") if s.strip().isdigit()]
-
-
 @dataclass
 class _Staged:
     """A local save waiting for the guard: the step, its host copy (in flight or made), its data position."""

@@ -97,6 +97,29 @@ class RecoveryRecord(TypedDict, total=False):
     step_s: float
 
 
+@dataclass(frozen=True)
+class ResumeFrom:
+    """Where a round's workers resume: first the local copies ``local`` (steps every member holds, newest first),
+    else the run's checkpoints as ``checkpoint`` says (``latest``, a step, ``none``)."""
+
+    checkpoint: str = "latest"
+    local: tuple[int, ...] = ()
+
+    def text(self) -> str:
+        """As the run's events say it: ``local:22,20``, else ``latest`` (or the step, or ``none``)."""
+        return "local:" + ",".join(map(str, self.local)) if self.local else self.checkpoint
+
+    @classmethod
+    def read(cls, value: object) -> ResumeFrom:
+        """From a round's JSON: the record, or the text a leader of an earlier version wrote (``local:22,20``)."""
+        if isinstance(value, dict):
+            return cls(str(value.get("checkpoint") or "latest"), tuple(int(s) for s in value.get("local") or ()))
+        text = str(value or "latest")
+        if text.startswith("local:"):
+            return cls("latest", tuple(int(s) for s in text.removeprefix("local:").split(",") if s.strip().isdigit()))
+        return cls(text)
+
+
 @dataclass
 class Round:
     """The leader's plan for one round (or, with ``action='stop'``, the job's end)."""
@@ -109,7 +132,7 @@ class Round:
     members: list[str] = field(default_factory=list)
     mesh: dict[str, int] = field(default_factory=dict)
     coordinator: str = ""
-    resume: str = "latest"
+    resume: ResumeFrom = field(default_factory=ResumeFrom)
     faults: list[str] = field(default_factory=list)
     reason: str = ""
     failures: int = 0
@@ -131,7 +154,8 @@ class Round:
     @classmethod
     def from_json(cls, data: JSONObject) -> Round:
         known = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        fields = {k: v for k, v in data.items() if k in known}
+        return cls(**fields | {"resume": ResumeFrom.read(data.get("resume"))})
 
 
 @dataclass

@@ -41,7 +41,7 @@ from training.elastic.host.reform import Reform
 from training.elastic.host.round_end import JobFails, RoundEnds, RoundFailed, Verdict
 from training.elastic.host.rounds import LeaderRecords, RoundWriter
 from training.elastic.host.roundwatch import RoundWatch
-from training.elastic.rendezvous import Outcome, Rendezvous, Report, Round
+from training.elastic.rendezvous import Outcome, Rendezvous, Report, ResumeFrom, Round
 from training.elastic.status import stop_asked
 from training.events import EventLog, RunState
 from training.storage import Store
@@ -224,7 +224,7 @@ class Leader:
         else:
             self._open(members, self.reform.reason, resume)
 
-    def _resume_for(self, members: list[str] | None) -> tuple[str, int | None]:
+    def _resume_for(self, members: list[str] | None) -> tuple[ResumeFrom, int | None]:
         """The next round's ``resume`` (local candidates, else ``latest``) and the step it will start from."""
         floor = self.reform.local_floor
         return resume_for(self.cfg.checkpoint, self.agent.ledger.states(), self.view.hosts, members, floor)
@@ -254,9 +254,9 @@ class Leader:
                 f"(available: {len(self.view.fresh())} hosts)"
             )
 
-    def _open(self, members: list[str], reason: str, resume: str | None = None) -> None:
+    def _open(self, members: list[str], reason: str, resume: ResumeFrom | None = None) -> None:
         if self.round is None:
-            resume = self.cfg.checkpoint.resume_from
+            resume = ResumeFrom(self.cfg.checkpoint.resume_from)
         elif resume is None:
             resume = self._resume_for(members)[0]
         coordinator = self.view.hosts[members[0]].coordinator

@@ -14,7 +14,7 @@ from collections.abc import Collection, Mapping
 
 from training.checkpoint.retention import USABLE_STATES
 from training.config import Config
-from training.elastic.rendezvous import HostRecord
+from training.elastic.rendezvous import HostRecord, ResumeFrom
 from training.mesh import feasible_sizes
 from training.sections import CheckpointSection, PlacementSection
 
@@ -72,7 +72,7 @@ def resume_for(
     hosts: Mapping[str, HostRecord],
     members: list[str] | None,
     local_floor: int,
-) -> tuple[str, int | None]:
+) -> tuple[ResumeFrom, int | None]:
     """The next round's ``resume`` and the step it will start from.
 
     The steps every member holds a local copy of (of this lineage: saved in round ``local_floor`` or
@@ -88,5 +88,5 @@ def resume_for(
             common = held if common is None else common & held
         local = sorted((s for s in common or set() if newest is None or s > newest), reverse=True)
     if local:
-        return "local:" + ",".join(map(str, local)), local[0]
-    return "latest", newest
+        return ResumeFrom(local=tuple(local)), local[0]
+    return ResumeFrom(), newest

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from training.checkpoint.ledger import Ledger
 from training.checkpoint.lock import LockLost
 from training.config import Config
-from training.elastic.rendezvous import RecoveryRecord, Rendezvous, Round
+from training.elastic.rendezvous import RecoveryRecord, Rendezvous, ResumeFrom, Round
 from training.events import EventLog, RunState
 from training.layout import CONTROL
 from training.mesh import MeshPlan, plan_mesh
@@ -67,7 +67,13 @@ class RoundWriter:
         return (prev.round + 1) if prev else self.rdv.next_round_number()
 
     def open(
-        self, prev: Round | None, members: list[str], coordinator: str, reason: str, resume: str, carried: Carried
+        self,
+        prev: Round | None,
+        members: list[str],
+        coordinator: str,
+        reason: str,
+        resume: ResumeFrom,
+        carried: Carried,
     ) -> tuple[Round, MeshPlan]:
         """Open the next round on ``members`` (``coordinator``: rank 0's address); the round as written, its mesh."""
         plan = plan_mesh(self.placement, len(members))
@@ -112,7 +118,7 @@ class RoundWriter:
             workers=plan.workers,
             mesh=plan.shape,
             members=members,
-            resume=rnd.resume,
+            resume=rnd.resume.text(),
             reason=reason,
         )
         log.warning("[%s] round %d: %s on %s (%s)", self.host, rnd.round, plan.shape, members, reason)

@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 from training.config import Config
@@ -126,7 +127,7 @@ class WorkerSupervisor:
             "processes": rnd.workers,
             "coordinator": rnd.coordinator,
             "bind": f"{bind}:{rnd.coordinator.rsplit(':', 1)[1]}" if bind else "",
-            "resume": rnd.resume,
+            "resume": asdict(rnd.resume),
             "faults": rnd.faults,
             "env": self.round_env(rnd, rank),
             # Process 0's peer watch listens next to the coordinator (a fixed port on GKE, declared in the pod).

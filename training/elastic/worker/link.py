@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 from training import procctl
 from training.elastic.codes import WorkerExit
 from training.elastic.peerwatch import looks_like_a_lost_peer
+from training.elastic.rendezvous import ResumeFrom
 from training.elastic.wire import ReportType, report
 
 
@@ -58,7 +59,7 @@ class Assignment:
     processes: int
     coordinator: str
     bind: str
-    resume: str
+    resume: ResumeFrom
     faults: tuple[str, ...]
     env: tuple[tuple[str, str], ...] = ()
     watch_port: int = 0  # process 0: the peer watch's port (0: a free one)
@@ -76,7 +77,7 @@ class Assignment:
             int(a["processes"]),
             str(a["coordinator"]),
             str(a.get("bind") or ""),
-            str(a["resume"]),
+            ResumeFrom.read(a["resume"]),
             tuple(a.get("faults") or ()),
             tuple(sorted((str(k), str(v)) for k, v in (a.get("env") or {}).items())),
             int(a.get("watch_port") or 0),

@@ -70,9 +70,8 @@ def restore(
         )
     else:
         try:
-            resume = "latest" if a.resume.startswith("local:") else a.resume
             states = ledger.states()
-            decision = choose_resume(resume, committed_steps(run), states, ledger.pointer_record())
+            decision = choose_resume(a.resume.checkpoint, committed_steps(run), states, ledger.pointer_record())
         except ResumeError as e:
             leave(rep, WorkerExit.ERROR, str(e))
         step0 = decision.step
@@ -132,11 +131,10 @@ def host_tier(
 def local_candidate(run: str, a: Assignment, rep: Reporter, tier: Any, ledger: Any) -> int | None:
     """The local copy the round starts from: the newest the leader offered that every process holds intact and
     that is newer than any committed persistent step (None: the persistent tier)."""
-    from training.checkpoint.local import parse_resume
     from training.checkpoint.resume import ResumeError, choose_resume
     from training.checkpoint.steps import committed_steps
 
-    if not parse_resume(a.resume):
+    if not a.resume.local:
         return None
     # The leader judged "newer than any persistent checkpoint" from the ledger; a save that Orbax
     # finalised but whose record was not written yet (its process died) is a committed step too.
@@ -144,7 +142,7 @@ def local_candidate(run: str, a: Assignment, rep: Reporter, tier: Any, ledger: A
         persistent = choose_resume("latest", committed_steps(run), ledger.states(), None).step
     except ResumeError:
         persistent = None
-    return pick_local_step(parse_resume(a.resume), tier, a, rep, newer_than=persistent)
+    return pick_local_step(list(a.resume.local), tier, a, rep, newer_than=persistent)
 
 
 def follow_hint(start: Start, hint: Any, rep: Reporter) -> None:
