@@ -12,9 +12,10 @@ from training.config import dotted
 
 if TYPE_CHECKING:
     from training.config import Config
+    from training.gke import GKESettings
 
 
-def gke_config(args: argparse.Namespace, gke: Any) -> Config:
+def gke_config(args: argparse.Namespace, gke: GKESettings) -> Config:
     """A ``backend: gke`` run's config: hosts per slice and chips per host from the TPU type and the notice's commit
     fitted to the pods' grace, unless given; then all the JobSet's render would refuse, in one line, before billing."""
     from training.backends import BackendError

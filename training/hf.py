@@ -20,12 +20,15 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import ml_dtypes
 import numpy as np
 
 from training.storage import NotFound, Store, join, open_store
+
+if TYPE_CHECKING:
+    from training.models.llama import LlamaConfig
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -398,7 +401,7 @@ def rope_keys(hf: Mapping[str, Any], where: str) -> LlamaKeys:
     return keys
 
 
-def hf_config(model: Any, dtype: str) -> HFConfig:
+def hf_config(model: LlamaConfig, dtype: str) -> HFConfig:
     """A ``config.json`` for a Llama of config ``model`` (a ``LlamaConfig``), weights stored as ``dtype``."""
     out: HFConfig = {
         "architectures": [ARCHITECTURE],
@@ -435,7 +438,7 @@ def hf_config(model: Any, dtype: str) -> HFConfig:
 # --- the weights --------------------------------------------------------------------------------------------
 
 
-def weight_names(model: Any) -> Iterator[tuple[tuple[str, ...], str, bool]]:
+def weight_names(model: LlamaConfig) -> Iterator[tuple[tuple[str, ...], str, bool]]:
     """Each weight of a Llama of config ``model``: its path in an unscanned tree, its name, transposed or not.
 
     A block's weights come kind by kind (every layer's q, then every layer's k, ...): a scanned tree's
@@ -472,7 +475,7 @@ def _scanned(path: tuple[str, ...]) -> tuple[tuple[str, ...], int] | None:
 def to_params(
     ckpt: Checkpoint,
     abstract: Mapping[str, Any],
-    model: Any,
+    model: LlamaConfig,
     place: Callable[[np.ndarray, Any], Any] | None = None,
 ) -> dict[str, Any]:
     """The checkpoint's weights as a tree shaped and typed like ``abstract`` (the model's own params).
@@ -486,7 +489,9 @@ def to_params(
     return out
 
 
-def leaves(ckpt: Checkpoint, abstract: Mapping[str, Any], model: Any) -> Iterator[tuple[tuple[str, ...], np.ndarray]]:
+def leaves(
+    ckpt: Checkpoint, abstract: Mapping[str, Any], model: LlamaConfig
+) -> Iterator[tuple[tuple[str, ...], np.ndarray]]:
     """Each parameter of ``abstract``'s tree (its path, its values) from the checkpoint, one at a time."""
     stacks: dict[tuple[str, ...], list[np.ndarray]] = {}
     for path, name, transposed in weight_names(model):
@@ -511,7 +516,7 @@ def leaves(ckpt: Checkpoint, abstract: Mapping[str, Any], model: Any) -> Iterato
             yield scanned[0], np.stack(stacks.pop(scanned[0]))
 
 
-def from_params(params: Mapping[str, Any], model: Any, dtype: np.dtype[Any]) -> dict[str, np.ndarray]:
+def from_params(params: Mapping[str, Any], model: LlamaConfig, dtype: np.dtype[Any]) -> dict[str, np.ndarray]:
     """Hugging Face's tensors, by name, of a (scanned or unscanned) Llama parameter tree."""
     out = {}
     for path, name, transposed in weight_names(model):
@@ -588,7 +593,7 @@ def checkpoint_keys(uri: str) -> CheckpointKeys:
     return CheckpointKeys(model, tokenizer)
 
 
-def load_params(uri: str, abstract: Any, model: Any) -> Any:
+def load_params(uri: str, abstract: Any, model: LlamaConfig) -> Any:
     """The checkpoint's weights as the model's parameters, each placed with its ``abstract`` leaf's sharding.
 
     Every process reads the whole checkpoint, one parameter at a time (a scanned one: all its layers), and

@@ -33,6 +33,7 @@ from training.mesh import PlanError, plan_mesh
 
 if TYPE_CHECKING:
     from training.mesh import MeshPlan
+    from training.trainer import Trainer
 
 GIB = 2**30
 TIMEOUT_S = 900.0
@@ -195,7 +196,7 @@ def run_child(
 class LoweredStep:
     """A train step lowered for a plan's mesh from shapes alone: its trainer, the lowered program, when it began."""
 
-    trainer: Any
+    trainer: Trainer
     lowered: Any
     plan: MeshPlan
     started: float  # time.perf_counter() before the trainer was built

@@ -106,7 +106,7 @@ class FailFastManager(ocp.CheckpointManager):  # type: ignore[misc]
             raise
 
 
-def raise_failure(mngr: Any) -> None:
+def raise_failure(mngr: ocp.CheckpointManager | lean.LeanManager) -> None:
     """Raise the error of a background commit that failed (a full disk, a read-only root), naming the step's root."""
     mngr.check_for_errors()
     failure = getattr(mngr, "failure", None)
@@ -114,7 +114,7 @@ def raise_failure(mngr: Any) -> None:
         raise RuntimeError(f"a checkpoint save to {mngr.directory} failed: {failure}") from failure
 
 
-def wait_saved(mngr: Any, poll_s: float = 0.05) -> None:
+def wait_saved(mngr: ocp.CheckpointManager | lean.LeanManager, poll_s: float = 0.05) -> None:
     """Wait for the newest save to finish, raising at once (not at Orbax's barrier timeout) when its commit failed."""
     import time
 
@@ -131,12 +131,12 @@ def wait_saved(mngr: Any, poll_s: float = 0.05) -> None:
 MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL = 1 << 20
 
 
-def checkpoint_manager(cfg: Config, run: str, *, async_save: bool | None = None) -> ocp.CheckpointManager:
+def checkpoint_manager(cfg: Config, run: str, *, async_save: bool | None = None) -> FailFastManager:
     """The run's persistent checkpoint manager (``manager_for`` its checkpoint section)."""
     return manager_for(cfg.checkpoint, run, async_save=async_save)
 
 
-def manager_for(section: CheckpointSection, run: str, *, async_save: bool | None = None) -> ocp.CheckpointManager:
+def manager_for(section: CheckpointSection, run: str, *, async_save: bool | None = None) -> FailFastManager:
     """The run's persistent checkpoint manager (Orbax's), shared by every process of the job, as the checkpoint
     section says.
 

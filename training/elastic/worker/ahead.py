@@ -34,7 +34,7 @@ import pickle
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from training.background import idle_this_thread
 from training.config import Config
@@ -43,6 +43,9 @@ from training.layout import COMPILED
 from training.mesh import build_mesh, feasible_sizes, plan_mesh
 from training.sections import PlacementSection
 from training.storage import NotFound, Store
+
+if TYPE_CHECKING:
+    from training.tasks import Task
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +116,7 @@ class Ahead(NamedTuple):
     cache_hits: Callable[[], int]  # the process's count of persistent-cache hits
 
 
-def compile_smaller(cfg: Config, task: Any, workers: int, own_key: str | None, to: Ahead) -> None:
+def compile_smaller(cfg: Config, task: Task, workers: int, own_key: str | None, to: Ahead) -> None:
     """Compile the step for each smaller size into the persistent cache (a lookup where it was noted there for this
     round program: ``own_key``, the round's own step's; None: not known) and keep it, unless the job keeps it."""
     import jax
@@ -158,7 +161,7 @@ def enabled(placement: PlacementSection, platform: str | None = None) -> bool:
 
 
 def start(
-    cfg: Config, task: Any, workers: int, own: compile_once.Compiled | None, own_key: str | None, to: Ahead
+    cfg: Config, task: Task, workers: int, own: compile_once.Compiled | None, own_key: str | None, to: Ahead
 ) -> threading.Thread | None:
     """In a daemon thread (None when it is off): keep the round's own step (``own``, compiled for ``workers``;
     None when it was loaded as kept or passed on by process 0) whole, then compile ahead for each smaller size

@@ -7,14 +7,17 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from training.elastic.wire import ReportType
 from training.elastic.worker.cpu_slice import TransportThreads
 from training.elastic.worker.link import Assignment, Reporter, watch_peers
 
 if TYPE_CHECKING:
+    from training.checkpoint.manager import FailFastManager
     from training.config import Config
+    from training.elastic.worker.taskbuild import Built
+    from training.trainer import Trainer
 
 JOIN_S = 120  # how long a process of a round has to join it (jax.distributed), from its set-up on
 
@@ -41,7 +44,9 @@ def wait_until_listening(address: str, timeout: float) -> bool:
             time.sleep(0.005)
 
 
-def set_up(cfg: Config, run: str, a: Assignment, rep: Reporter, built: Any, t_assigned: float) -> tuple[Any, Any, Any]:
+def set_up(
+    cfg: Config, run: str, a: Assignment, rep: Reporter, built: Built | None, t_assigned: float
+) -> tuple[Trainer, FailFastManager, Built]:
     """Join the round (``jax.distributed``, the peer watch) and build its mesh, trainer and checkpoint manager;
     the task too, if the standby left it (``built`` None: it reaches for JAX's backend); those and the task.
 

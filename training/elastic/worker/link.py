@@ -12,13 +12,17 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from training import procctl
 from training.elastic.codes import WorkerExit
 from training.elastic.peerwatch import looks_like_a_lost_peer
 from training.elastic.rendezvous import ResumeFrom
 from training.elastic.wire import ReportType, report
+
+if TYPE_CHECKING:
+    from training.checkpoint.local import LocalTier
+    from training.elastic.peerwatch import PeerWatch
 
 
 def die_with_parent() -> None:
@@ -86,7 +90,7 @@ class Assignment:
 
 
 # This process's end of the round's peer watch (:mod:`training.elastic.peerwatch`), once it has one.
-WATCH: Any = None
+WATCH: PeerWatch | None = None
 # How long process 0, at the end of its program (finished, or stopped at a checkpoint), waits for the
 # others to go first: they may still be finishing the last save, and its coordination service goes with it.
 OUTLAST_S = 60.0
@@ -94,11 +98,11 @@ OUTLAST_S = 60.0
 PEER_CONFIRM_S = 0.5
 # This process's local checkpoint tier (:class:`training.checkpoint.local.LocalTier`), once it has one, and how
 # long a process that leaves lets its local copy in flight finish: a round that breaks keeps that copy.
-TIER: Any = None
+TIER: LocalTier | None = None
 LOCAL_WRITE_GRACE_S = 2.0
 
 
-def hold_tier(tier: Any) -> None:
+def hold_tier(tier: LocalTier | None) -> None:
     """Hold this round's local checkpoint tier: a process that leaves lets its write in flight finish first."""
     global TIER
     TIER = tier
@@ -125,6 +129,7 @@ def leave(rep: Reporter, code: WorkerExit, error: str = "", **fields: Any) -> No
             # This error is what a vanished peer left behind (a collective that failed, the task's code's own
             # computation too): say so, and the job recovers from it.
             code = WorkerExit.ERROR
+            assert WATCH.lost is not None  # set before wait_lost returns True, and never unset
             peer, why = WATCH.lost
             fields["peer_lost"] = peer
             error = f"{error} (peer process {peer} is gone: {why})"

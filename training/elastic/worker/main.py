@@ -25,7 +25,7 @@ import sys
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from training import procctl
 from training.elastic.codes import WorkerExit
@@ -40,7 +40,10 @@ from training.elastic.worker.train_loop import CPU_AT_ASSIGNMENT, FirstAhead, No
 from training.elastic.worker.warmup import Warm, warm_up, warm_up_in_background
 
 if TYPE_CHECKING:
+    from training.checkpoint.ledger import Ledger
     from training.config import Config
+    from training.elastic.worker.taskbuild import Built
+    from training.storage import Store
 
 
 def main() -> int:
@@ -67,6 +70,7 @@ def main() -> int:
     try:
         if warm.failure is not None:
             raise warm.failure
+        assert warm.cfg is not None and warm.store is not None  # set by a warm-up that did not fail
         from training.checkpoint.ledger import Ledger
 
         return train(warm.cfg, run, warm.store, a, rep, warm.built, Ledger(warm.store))
@@ -94,7 +98,9 @@ def error_line(e: BaseException) -> tuple[WorkerExit, str]:
     return WorkerExit.ERROR, f"{type(e).__name__}: {first}"
 
 
-def train(cfg: Config, run: str, store: Any, a: Assignment, rep: Reporter, built: Any, ledger: Any) -> int:
+def train(
+    cfg: Config, run: str, store: Store, a: Assignment, rep: Reporter, built: Built | None, ledger: Ledger
+) -> int:
     """One round of this process: set up, restore, compile, then train until done, a notice or a stop request.
 
     ``built``: the task and its data, as the standby built them (None: built in the set-up, once joined).

@@ -18,6 +18,8 @@ from training.elastic.worker.link import Assignment
 if TYPE_CHECKING:
     from training.config import Config
     from training.sections import PlacementSection
+    from training.storage import Store
+    from training.trainer import Trainer
 
 # This process's hits in JAX's persistent compilation cache, by the thread that compiled (JAX reports a hit
 # in the thread that looked it up): the step, a new model's init and the steps compiled ahead run side by side.
@@ -77,7 +79,7 @@ class StepMade:
     compiled: compile_once.Compiled | None  # as compiled here, to keep; None when loaded (kept, or passed on)
 
 
-def make_step(cfg: Config, trainer: Any, store: Any, a: Assignment) -> StepMade:
+def make_step(cfg: Config, trainer: Trainer, store: Store, a: Assignment) -> StepMade:
     """Load the round's step as this job kept it (``compile_ahead``), else compile it (once in the round, on one
     machine: :mod:`training.elastic.worker.compile_once`); run beside the restore."""
     t0, hits = time.time(), cache_hits()
@@ -116,7 +118,7 @@ class Shared:
 
 def compile_shared(
     cfg: Config,
-    store: Any,
+    store: Store,
     a: Assignment,
     name: str,
     lower: Callable[[], Any] | None,
@@ -152,7 +154,7 @@ def compile_shared(
     return Shared(got, True, announced)
 
 
-def init_once(cfg: Config, trainer: Any, store: Any, a: Assignment) -> Any:
+def init_once(cfg: Config, trainer: Trainer, store: Store, a: Assignment) -> Any:
     """A new model's state: its initialisation compiled once in the round (:mod:`training.elastic.worker.compile_once`)."""
     if share_compiles(cfg.placement, a):
         shared = compile_shared(cfg, store, a, "init", trainer.lower_init, trainer.init_compiler_options())
@@ -165,7 +167,7 @@ def init_once(cfg: Config, trainer: Any, store: Any, a: Assignment) -> Any:
     return state
 
 
-def load_kept(store: Any, a: Assignment, trainer: Any) -> ahead.Kept | None:
+def load_kept(store: Store, a: Assignment, trainer: Trainer) -> ahead.Kept | None:
     """Load the step this job kept for a round of this size (``ahead``), if any (None when none was loaded)."""
     try:
         kept = ahead.load(store, a.job, a.processes) if a.job else None

@@ -19,11 +19,14 @@ from training.elastic.worker.programs import init_once
 from training.elastic.worker.saves import Pins
 
 if TYPE_CHECKING:
-    from training.checkpoint.ledger import CheckpointRecord
+    from training.checkpoint.ledger import CheckpointRecord, Ledger
     from training.checkpoint.local import LocalTier
+    from training.checkpoint.manager import FailFastManager
+    from training.checkpoint.resume import ResumeHint
     from training.config import Config
     from training.elastic.chaos import WorkerChaos
     from training.sections import DataSection
+    from training.trainer import Trainer
 
 
 @dataclass
@@ -36,8 +39,8 @@ class Start:
     lr_scale: float
     skipped: list[list[int]]
     dataset: str  # the fingerprint of the data trained on
-    tier: Any  # this host's local checkpoint tier (None: off)
-    chaos: Any  # the faults this process fires
+    tier: LocalTier | None  # this host's local checkpoint tier (None: off)
+    chaos: WorkerChaos  # the faults this process fires
 
     @property
     def step(self) -> int:
@@ -45,7 +48,15 @@ class Start:
 
 
 def restore(
-    cfg: Config, run: str, a: Assignment, rep: Reporter, trainer: Any, mngr: Any, ledger: Any, dataset: str, pins: Pins
+    cfg: Config,
+    run: str,
+    a: Assignment,
+    rep: Reporter,
+    trainer: Trainer,
+    mngr: FailFastManager,
+    ledger: Ledger,
+    dataset: str,
+    pins: Pins,
 ) -> Start:
     """The round's starting point: a local copy, a committed checkpoint (resharded onto this mesh), or a new model.
 
@@ -58,12 +69,12 @@ def restore(
     t0 = time.time()
     shape = trainer.mesh.shape
     tier, chaos = host_tier(cfg, run, a, rep, trainer)
-    on = tier is not None and tier.enabled
-    local_step = local_candidate(run, a, rep, tier, ledger) if on else None
+    live = tier if tier is not None and tier.enabled else None  # the tier, when it is on
+    local_step = local_candidate(run, a, rep, live, ledger) if live is not None else None
     decision = None
     if local_step is not None:
-        assert tier is not None
-        state, pos = tier.restore(local_step)
+        assert live is not None
+        state, pos = live.restore(local_step)
         step0: int | None = local_step
         rep.send(
             ReportType.RESTORE, step=local_step, tier="local", mesh=shape, workers=a.processes, seconds=time.time() - t0
@@ -90,8 +101,8 @@ def restore(
             rep.send(ReportType.INIT, step=0, mesh=shape, workers=a.processes, seconds=time.time() - t0)
     if step0 is not None and pos.get("dataset") not in (None, dataset):
         pos = data_changed(cfg.data, step0, pos, dataset, rep)
-    if on:
-        tier.forget_after(step0)  # type: ignore[union-attr]
+    if live is not None:
+        live.forget_after(step0)
     start = Start(
         state,
         step0,
@@ -108,7 +119,7 @@ def restore(
 
 
 def host_tier(
-    cfg: Config, run: str, a: Assignment, rep: Reporter, trainer: Any
+    cfg: Config, run: str, a: Assignment, rep: Reporter, trainer: Trainer
 ) -> tuple[LocalTier | None, WorkerChaos]:
     """This host's local checkpoint tier (None: off; reported when it cannot be used) and the faults this process
     fires (some act on the tier's copies), the tier held for the worker's link."""
@@ -119,16 +130,16 @@ def host_tier(
     local_dir = host_dir(ck.local_checkpoint_dir, run, a.job, os.environ["RTRAIN_HOST"])
     tier = LocalTier(local_dir, ck.local_keep, trainer.mesh, trainer.abstract) if ck.local_checkpoint_every else None
     link.hold_tier(tier)
-    on = tier is not None and tier.enabled
+    live = tier if tier is not None and tier.enabled else None
     chaos = WorkerChaos(
-        list(a.faults), a.rank, rep.send, local_dir, (lambda: settle_local(tier, rep, a)) if on else None
+        list(a.faults), a.rank, rep.send, local_dir, (lambda: settle_local(live, rep, a)) if live is not None else None
     )
     if tier is not None and not tier.enabled:
         rep.send(ReportType.LOCAL_TIER_OFF, reason=tier.reason)
     return tier, chaos
 
 
-def local_candidate(run: str, a: Assignment, rep: Reporter, tier: Any, ledger: Any) -> int | None:
+def local_candidate(run: str, a: Assignment, rep: Reporter, tier: LocalTier, ledger: Ledger) -> int | None:
     """The local copy the round starts from: the newest the leader offered that every process holds intact and
     that is newer than any committed persistent step (None: the persistent tier)."""
     from training.checkpoint.resume import ResumeError, choose_resume
@@ -145,7 +156,7 @@ def local_candidate(run: str, a: Assignment, rep: Reporter, tier: Any, ledger: A
     return pick_local_step(list(a.resume.local), tier, a, rep, newer_than=persistent)
 
 
-def follow_hint(start: Start, hint: Any, rep: Reporter) -> None:
+def follow_hint(start: Start, hint: ResumeHint, rep: Reporter) -> None:
     """A rollback's hint for the resumed round: skip to its batch, scale the learning rate; reported."""
     if hint.skip_to_batch is not None and hint.skip_to_batch > start.next_batch:
         start.skipped.append([start.next_batch, hint.skip_to_batch])
@@ -179,9 +190,9 @@ def restore_persistent(
     step: int,
     a: Assignment,
     rep: Reporter,
-    trainer: Any,
-    mngr: Any,
-    ledger: Any,
+    trainer: Trainer,
+    mngr: FailFastManager,
+    ledger: Ledger,
     states: Mapping[int, CheckpointRecord],
     pins: Pins,
 ) -> tuple[Any, DataPosition]:
@@ -210,7 +221,7 @@ def restore_persistent(
     return state, pos
 
 
-def settle_local(tier: Any, rep: Reporter, a: Assignment) -> None:
+def settle_local(tier: LocalTier, rep: Reporter, a: Assignment) -> None:
     """Finish this host's local saves in flight and report each one."""
     tier.wait()
     for done, seconds in tier.finished():
@@ -218,7 +229,7 @@ def settle_local(tier: Any, rep: Reporter, a: Assignment) -> None:
 
 
 def pick_local_step(
-    candidates: list[int], tier: Any, a: Assignment, rep: Reporter, newer_than: int | None = None
+    candidates: list[int], tier: LocalTier, a: Assignment, rep: Reporter, newer_than: int | None = None
 ) -> int | None:
     """The newest candidate whose local copy every process holds intact (or None: the persistent tier).
 
@@ -260,7 +271,7 @@ def _gathered(a: Assignment, value: int) -> Any:
     return np.asarray(multihost_utils.process_allgather(mine)).reshape(-1)
 
 
-def check_integrity(run: str, step: int, ledger: Any, a: Assignment, rep: Reporter) -> None:
+def check_integrity(run: str, step: int, ledger: Ledger, a: Assignment, rep: Reporter) -> None:
     """Process 0 checks the step's files against its ledger record; every process learns the verdict."""
     import numpy as np
     from jax.experimental import multihost_utils
@@ -269,9 +280,9 @@ def check_integrity(run: str, step: int, ledger: Any, a: Assignment, rep: Report
 
     problem = ""
     if a.rank == 0:
-        record = ledger.state(step) or {}
+        record = ledger.state(step)
         try:
-            problem = verify(run, step, record.get("files"))
+            problem = verify(run, step, record.get("files") if record is not None else None)
         except Exception as e:  # noqa: BLE001 - an unreadable step is as bad as a changed one
             problem = f"cannot check checkpoint {step}: {e}"
     bad = int(bool(problem))

@@ -16,23 +16,26 @@ from training.elastic.worker.link import Assignment, Reporter
 from training.storage import scheme
 
 if TYPE_CHECKING:
+    from training.checkpoint.ledger import PinKind
+    from training.checkpoint.manager import FailFastManager
     from training.config import Config
+    from training.storage import Store
 
 
 class Pins:
     """A running job pins the steps it reads or writes, so a pruner never deletes them underneath (rank 0)."""
 
-    def __init__(self, store: Any, rank: int, round_: int) -> None:
+    def __init__(self, store: Store, rank: int, round_: int) -> None:
         self.store = store
         self.rank = rank
         self.owner = f"worker{rank}-r{round_}-{os.getpid()}"
         self.keys: dict[int, str] = {}
 
-    def pin(self, step: int, kind: str) -> None:
+    def pin(self, step: int, kind: PinKind) -> None:
         from training.checkpoint.ledger import pin
 
         if self.rank == 0:
-            self.keys[step] = pin(self.store, step, self.owner, kind)  # type: ignore[arg-type]
+            self.keys[step] = pin(self.store, step, self.owner, kind)
 
     def unpin(self, step: int) -> None:
         from training.checkpoint.ledger import unpin
@@ -72,7 +75,7 @@ class Saver:
     """
 
     def __init__(
-        self, run: str, mngr: Any, rep: Reporter, pins: Pins, abstract: Any, *, background: bool = True
+        self, run: str, mngr: FailFastManager, rep: Reporter, pins: Pins, abstract: Any, *, background: bool = True
     ) -> None:
         from training.checkpoint.manager import BackgroundSave, packs_small, raise_failure, wait_saved
 
@@ -149,7 +152,7 @@ class Saver:
         self.rep.send(ReportType.CHECKPOINT, step=step, committed=False, blocking_s=blocking)
 
 
-def _why_not(mngr: Any) -> str:
+def _why_not(mngr: FailFastManager) -> str:
     """A likely reason a save did not commit: a full disk (Orbax's background error does not always surface)."""
     directory = str(mngr.directory)
     if not scheme(directory).filesystem:  # no disk of ours to fill
@@ -162,7 +165,7 @@ def _why_not(mngr: Any) -> str:
     return f": No space left on device ({free} bytes free)" if free < (1 << 20) else ""
 
 
-def stop_requested(store: Any, a: Assignment) -> bool:
+def stop_requested(store: Store, a: Assignment) -> bool:
     """Did the leader ask this round to stop at this checkpoint (to grow the group)?
 
     Only process 0 reads the request; its answer is broadcast so that every
@@ -171,7 +174,7 @@ def stop_requested(store: Any, a: Assignment) -> bool:
     return StopVote.cast(store, a, 0).agreed()
 
 
-def _read_stop_request(store: Any, a: Assignment) -> int:
+def _read_stop_request(store: Store, a: Assignment) -> int:
     from training.layout import CONTROL
     from training.storage import NotFound
 
@@ -200,7 +203,7 @@ class StopVote:
         self.step, self.flag = step, flag
 
     @classmethod
-    def cast(cls, store: Any, a: Assignment, step: int) -> StopVote:
+    def cast(cls, store: Store, a: Assignment, step: int) -> StopVote:
         import jax
         import numpy as np
         from jax.experimental import multihost_utils

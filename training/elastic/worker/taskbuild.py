@@ -16,9 +16,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from training.config import Config
+
+if TYPE_CHECKING:
+    from training.tasks import Task, TaskData
 
 
 class BackendFenced(RuntimeError):
@@ -89,8 +92,8 @@ def lift_fence() -> bool:
 class Built:
     """The run's task, its methods named in their errors (:func:`training.tasks.named`), and its opened data."""
 
-    task: Any
-    data: Any
+    task: Task
+    data: TaskData
 
 
 def build(cfg: Config) -> Built:

@@ -28,13 +28,17 @@ if TYPE_CHECKING:
     from training.config import Config
     from training.data.pipeline import Example
     from training.sections import OptimizerSection
-    from training.trainer import StepMetrics
+    from training.storage import Store
+    from training.tasks import Task, TaskData
+    from training.trainer import StepMetrics, Trainer
 
 # This process's CPU time (all its threads) when it was assigned its round.
 CPU_AT_ASSIGNMENT = [0.0]
 
 
-def train_batches(optimizer: OptimizerSection, a: Assignment, task_data: Any, next_batch: int) -> Iterator[Example]:
+def train_batches(
+    optimizer: OptimizerSection, a: Assignment, task_data: TaskData, next_batch: int
+) -> Iterator[Example]:
     """This process's training batches from global batch ``next_batch`` on (the exact data position)."""
     from training.data import pipeline
 
@@ -89,14 +93,14 @@ class RoundLoop:
     def __init__(
         self,
         cfg: Config,
-        store: Any,
+        store: Store,
         a: Assignment,
         rep: Reporter,
-        trainer: Any,
+        trainer: Trainer,
         saver: Saver,
         start: Start,
         t_assigned: float,
-        task: Any,
+        task: Task,
         made: StepMade,
     ) -> None:
         self.cfg, self.store, self.a, self.rep, self.trainer = cfg, store, a, rep, trainer
@@ -127,7 +131,7 @@ class RoundLoop:
             skipped=self.skipped,
         )
 
-    def run(self, task_data: Any, batches: Iterator[Example]) -> int:
+    def run(self, task_data: TaskData, batches: Iterator[Example]) -> int:
         """Train to the last step (0), or leave: a notice, a guard verdict, a stop request at a checkpoint."""
         cfg, a = self.cfg, self.a
         self.validation = task_data.validation
@@ -163,7 +167,8 @@ class RoundLoop:
             if save_now:
                 if self.save_and_maybe_stop():
                     return 0
-            elif local_due and self.tier_on and self.tier.can_save():  # each process's copy is its own
+            elif local_due and self.tier is not None and self.tier.enabled and self.tier.can_save():
+                # each process's copy is its own
                 blocking = self.tier.save(self.step, self.state, self.data_position())
                 if blocking is not None:
                     self.loop.local_saves.append(blocking)
@@ -222,10 +227,6 @@ class RoundLoop:
     def compiled_ahead(self, workers: int, seconds: float, already: bool) -> None:
         """Report a smaller size's step compiled ahead, or found in the cache already (from the compiling thread)."""
         self.rep.send(ReportType.COMPILED_AHEAD, workers=workers, seconds=round(seconds, 3), already=already)
-
-    @property
-    def tier_on(self) -> bool:
-        return self.tier is not None and self.tier.enabled
 
     @property
     def tier_planned(self) -> bool:

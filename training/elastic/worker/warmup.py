@@ -8,20 +8,25 @@ import contextlib
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from training import procctl
 from training.elastic.worker import compile_once
 from training.elastic.worker.programs import count_cache_hits, share_cpu_compilation_cache
+
+if TYPE_CHECKING:
+    from training.config import Config
+    from training.elastic.worker.taskbuild import Built
+    from training.storage import Store
 
 
 @dataclass
 class Warm:
     """What a standby made ready before its assignment: the run's store and config, the task and its data."""
 
-    store: Any = None
-    cfg: Any = None
-    built: Any = None  # the task and its data (taskbuild.Built); None: built once the round has joined
+    store: Store | None = None
+    cfg: Config | None = None
+    built: Built | None = None  # the task and its data; None: built once the round has joined
     failure: BaseException | None = None  # the warm-up failed: raised once this worker has a round
 
 
