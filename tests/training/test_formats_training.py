@@ -36,7 +36,7 @@ def _write(fmt: str, where: Path) -> str:
 @pytest.mark.parametrize(
     "fmt",
     [
-        pytest.param("parquet"),
+        pytest.param("parquet", marks=pytest.mark.extended),
         pytest.param("jsonl", marks=pytest.mark.extended),
         pytest.param("text", marks=pytest.mark.extended),
     ],

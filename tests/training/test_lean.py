@@ -142,7 +142,9 @@ def _read(root: str, dataset: str, saved: Path, devices: int) -> dict[str, objec
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-@pytest.mark.parametrize("where", ["local", pytest.param("gcs", marks=pytest.mark.gcs)])
+@pytest.mark.parametrize(
+    "where", ["local", pytest.param("gcs", marks=[pytest.mark.gcs, pytest.mark.slow, pytest.mark.extended])]
+)
 def test_two_processes_save_a_lean_step_that_restores_onto_other_meshes(
     request: pytest.FixtureRequest, tmp_path: Path, tiny_dataset: str, where: str
 ) -> None:
