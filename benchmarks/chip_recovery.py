@@ -4,8 +4,8 @@ with its first step in a fresh process and in a warm standby; one process on the
 Three processes in turn, as one accelerator host allows (its device belongs to one process at a time):
 
 1. ``train``: trains a few steps of a shape, then measures the floor of moving its state, each part
-   at full parallelism: device to host (every leaf at once), writing it to host memory (a tmpfs,
-   one file a thread), reading it back, and host to device (every leaf at once).  Then saves it
+   at full parallelism: device to host (a leaf a thread), writing it to host memory (a tmpfs,
+   one file a thread), reading it back, and host to device (a leaf a thread).  Then saves it
    through the local tier while it keeps training, timing each step during the save against the
    steps before it.  The copy stays for the next two.
 2. ``fresh``: a new process, as a replacement host's worker started cold: imports, the runtime,
@@ -92,9 +92,12 @@ def floor(state: Any, directory: Path) -> dict[str, float]:
 
     leaves = jax.tree.leaves(state)
     devices = [next(iter(x.devices())) for x in leaves]
-    t = time.perf_counter()
-    host = [np.asarray(x) for x in jax.device_get(leaves)]
-    d2h = time.perf_counter() - t
+    # An accelerator's transfers run several at a time only from several threads (one call: 7.5 s to the host and
+    # 4.7 s back for 6.4 GiB on a TPU v5e host; 8 threads: 5.4 and 0.58 s).
+    with ThreadPoolExecutor(THREADS) as pool:
+        t = time.perf_counter()
+        host = list(pool.map(np.asarray, leaves))
+        d2h = time.perf_counter() - t
     groups = [list(range(i, len(host), THREADS)) for i in range(THREADS)]
     files = [directory / f"floor-{i}.bin" for i in range(THREADS)]
 
@@ -121,9 +124,10 @@ def floor(state: Any, directory: Path) -> dict[str, float]:
         read_s = time.perf_counter() - t
     for f in files:
         f.unlink()
-    t = time.perf_counter()
-    jax.block_until_ready(jax.device_put(back, devices))
-    h2d = time.perf_counter() - t
+    with ThreadPoolExecutor(THREADS) as pool:
+        t = time.perf_counter()
+        list(pool.map(lambda b, d: jax.block_until_ready(jax.device_put(b, d)), back, devices))
+        h2d = time.perf_counter() - t
     return {"d2h_s": d2h, "write_s": write_s, "read_s": read_s, "h2d_s": h2d}
 
 
@@ -245,7 +249,7 @@ def rows(r: dict[str, Any]) -> list[Row]:
     t, fresh, standby = r["train"], r["fresh"], r["standby"]
     floor_s = t["read_s"] + t["h2d_s"]
     before = statistics.median(t["steps_before_s"])
-    during = statistics.mean(t["steps_during_s"])
+    during = (t["save_pause_s"] + sum(t["steps_during_s"])) / len(t["steps_during_s"])  # the loop's time, its pause too
     phases = ("python_s", "imports_s", "runtime_s", "compile_s", "restore_s", "first_step_s")
     return [
         row(
@@ -266,8 +270,9 @@ def rows(r: dict[str, Any]) -> list[Row]:
         row(
             f"{key}:save",
             "  steps while a local copy is written",
-            f"{during * 1e3:.0f} vs {before * 1e3:.0f} ms/step before it ({len(t['steps_during_s'])} steps, "
-            f"written in {t['save_written_s']:.1f} s, pause {t['save_pause_s'] * 1e3:.0f} ms)",
+            f"{during * 1e3:.0f} vs {before * 1e3:.0f} ms/step before it, the save's pause counted "
+            f"({len(t['steps_during_s'])} steps, written in {t['save_written_s']:.1f} s, pause "
+            f"{t['save_pause_s'] * 1e3:.0f} ms, the longest step {max(t['steps_during_s']) * 1e3:.0f} ms)",
             [during / before],
             "<= 1.05",
         ),

@@ -72,6 +72,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from training.checkpoint import bulk, lean, local, local_copy
 bulk.CHUNK = 4096  # many chunks in a small copy
 d = Path(sys.argv[1])
+local_copy.PUT_IN_THREADS = sys.argv[2] == "threads"  # as an accelerator's parts go
 two = Mesh(np.array(jax.devices()[:2]), ("fsdp",))
 rng = np.random.default_rng(1)
 host = {"w": rng.standard_normal((64, 48)).astype(np.float32), "e": rng.standard_normal((34, 8)).astype(jnp.bfloat16),
@@ -94,10 +95,10 @@ for name, layout in {"same": specs, "rows": {**specs, "w": P(("data", "fsdp"))},
     out[name + "_sent_while_checked"] = flight is not None and flight[0] == 7 and tier.in_flight is None
     out[name + "_parts_used"] = flight is not None and any(
         p.unsafe_buffer_pointer() == s.data.unsafe_buffer_pointer()
-        for p in flight[1].parts for s in got["w"].addressable_shards)
+        for p in flight[1].arrived() for s in got["w"].addressable_shards)
 tier = local.LocalTier(d, 2, four, abstract)
 assert tier.check(7) == ""
-kept = list(tier.in_flight[1].parts)
+kept = tier.in_flight[1].arrived()
 tier.forget_checked()  # the round restores from elsewhere: the checked copy's parts leave the devices
 out["forgotten"] = tier.in_flight is None and not tier.checked and all(p.is_deleted() for p in kept)
 shards = d / "7" / local_copy.SHARDS
@@ -105,7 +106,7 @@ raw = bytearray(shards.read_bytes()); raw[4096 + 10] ^= 0x20; shards.write_bytes
 sent, send = [], local_copy.send
 def spy(m, a):
     f = send(m, a)
-    sent.append(list(f.parts))
+    sent.append(f.arrived())
     return f
 local_copy.send = spy
 out["damaged"] = tier.check(7)
@@ -126,8 +127,9 @@ def _child(script: str, *args: str, devices: int = 4) -> subprocess.Popen[str]:
     )
 
 
-def test_a_copy_restores_bit_exact_onto_any_layout_and_a_flipped_byte_is_refused(tmp_path):
-    proc = _child(ROUND_TRIP, str(tmp_path))
+@pytest.mark.parametrize("puts", ["one call", "threads"])
+def test_a_copy_restores_bit_exact_onto_any_layout_and_a_flipped_byte_is_refused(tmp_path, puts):
+    proc = _child(ROUND_TRIP, str(tmp_path), puts.split()[-1])
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, err[-3000:]
     got = json.loads(out.strip().splitlines()[-1])
@@ -246,3 +248,53 @@ def test_a_cpu_device_takes_every_part_of_a_restored_copy_from_its_mapping_witho
         assert lo <= x.addressable_data(0).unsafe_buffer_pointer() < hi, f"{k} was copied"
         np.testing.assert_array_equal(np.asarray(x), np.asarray(state[k]))
     tier.close()
+
+
+# Saves one state through the local tier twice, once as a CPU device's copy and once fetched into host memory by
+# threads (as an accelerator's is); each time the step that follows the save donates the state and changes it.
+FETCHED = """
+import json, sys
+from pathlib import Path
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from training.checkpoint import local, local_copy
+root = Path(sys.argv[1])
+mesh = Mesh(np.array(jax.devices()[:2]), ("fsdp",))
+rng = np.random.default_rng(2)
+host = {"w": rng.standard_normal((256, 64)).astype(np.float32), "e": rng.standard_normal((34, 8)).astype(jnp.bfloat16),
+        "s": np.float32(1.5)}
+specs = {"w": P("fsdp"), "e": P(), "s": P()}
+shardings = {k: NamedSharding(mesh, specs[k]) for k in host}
+abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in host.items()}
+step_fn = jax.jit(lambda s: jax.tree.map(lambda x: x * 2 + 1, s), donate_argnums=0, out_shardings=shardings)
+out = {}
+for name, threads in (("device_copy", False), ("fetched", True)):
+    local_copy.THREADED_TRANSFERS = threads
+    d = root / name
+    state = {k: jax.device_put(v, shardings[k]) for k, v in host.items()}
+    tier = local.LocalTier(d, 1, mesh, abstract)
+    tier.save(3, state, {"next_batch": 3})
+    out[name + "_kind"] = type(tier.staged.copy).__name__
+    state = step_fn(state)  # takes the saved buffers
+    jax.block_until_ready(state)
+    tier.release(3)
+    tier.wait()
+    tier.close()
+    local.describe_new(d, 1)
+    check = local.LocalTier(d, 1, mesh, abstract)
+    out[name + "_check"] = check.check(3)
+    got, _ = check.restore(3)
+    out[name] = all(np.asarray(got[k]).tobytes() == np.asarray(host[k]).tobytes() for k in host)
+out["same_file"] = (root / "device_copy/3" / local_copy.SHARDS).read_bytes() == (root / "fetched/3" / local_copy.SHARDS).read_bytes()
+print(json.dumps(out))
+"""
+
+
+def test_a_copy_fetched_into_host_memory_by_threads_is_the_device_copy_byte_for_byte(tmp_path):
+    proc = _child(FETCHED, str(tmp_path))
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["device_copy_kind"] == "dict" and got["fetched_kind"] == "Fetched", got
+    assert got["device_copy_check"] == got["fetched_check"] == "", got
+    assert got["device_copy"] and got["fetched"] and got["same_file"], got

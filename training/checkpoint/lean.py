@@ -28,9 +28,11 @@ JAX is imported inside functions only.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import zlib
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -149,20 +151,29 @@ def sums(parts: list[Any]) -> list[int]:
     return [size, int.from_bytes(crc.digest(), "big")]
 
 
-def shard_bytes(state: Any, p: Plan) -> list[Any]:
+def shard_bytes(state: Any, p: Plan, pool: Executor | None = None) -> list[Any]:
     """The bytes of the shards ``p`` picks of ``state`` (flat uint8 arrays), in the order of its index, each after
-    the zero bytes that align it."""
+    the zero bytes that align it.
+
+    With ``pool``, its threads fetch the shards, several at a time.  An accelerator's shard comes into new host
+    memory; a CPU device's is a view of its buffer, which a donating step then leaves alone.
+    """
     import jax
     import numpy as np
 
+    shards = [x.addressable_data(i) for x, picks in zip(jax.tree.leaves(state), p.picks, strict=True) for i in picks]
+
+    def host(a: Any) -> Any:
+        return np.ascontiguousarray(np.asarray(a)).reshape(-1).view(np.uint8)
+
+    fetched = pool.map(host, shards) if pool is not None else map(host, shards)
     parts = []
-    pads = iter(p.pads)
-    for x, picks in zip(jax.tree.leaves(state), p.picks, strict=True):
-        for i in picks:
-            pad = next(pads, 0)
-            if pad:
-                parts.append(np.zeros(pad, np.uint8))
-            parts.append(np.ascontiguousarray(np.asarray(x.addressable_data(i))).reshape(-1).view(np.uint8))
+    for pad, got in zip(
+        itertools.chain(p.pads, itertools.repeat(0)), fetched, strict=False
+    ):  # (pads: 0 past the plan's)
+        if pad:
+            parts.append(np.zeros(pad, np.uint8))
+        parts.append(got)
     return parts
 
 
