@@ -8,9 +8,11 @@ Three processes in turn, as one accelerator host allows (its device belongs to o
    one file a thread), reading it back, and host to device (a leaf a thread).  Then saves it
    through the local tier while it keeps training, timing each step during the save against the
    steps before it.  The copy stays for the next two.
+   Its agent's check of the copy, in the background between saves, is timed after it.
 2. ``fresh``: a new process, as a replacement host's worker started cold: imports, the runtime,
-   the step compiled (from the persistent cache the first one filled), the copy checked and
-   restored, the first step.  Timed from the moment it was started.
+   the step compiled (from the persistent cache the first one filled), the copy checked (its
+   agent's verdict, the file unchanged since) and restored, the first step.  Timed from the
+   moment it was started.
 3. ``standby``: the same, but with imports, the runtime and the compiled step made ready before it
    is told to resume (a byte on its standard input); timed from that moment to its first step.
 
@@ -159,7 +161,12 @@ def train(shape: str, directory: Path, cache: str) -> dict[str, Any]:
     written = time.perf_counter() - t0
     tier.wait()
     tier.close()
-    local.describe_new(directory, 1)  # as its agent would
+    local.describe_new(directory, 1)  # as its agent would, then it checks the copy whole in the background
+    t = time.perf_counter()
+    problem = local.check_ahead(directory, step)
+    if problem:
+        raise RuntimeError(problem)
+    out["checked_ahead_s"] = time.perf_counter() - t
     out.update(step=step, steps_before_s=before, steps_during_s=during, save_pause_s=pause, save_written_s=written)
     return out
 
@@ -196,6 +203,7 @@ def resume(shape: str, directory: Path, cache: str, step: int, wait: bool) -> di
         "restore_s": restored - told,
         "first_step_s": done - restored,
         "done": done,
+        "checked_ahead": step in tier.ahead,
     }
 
 
@@ -281,7 +289,8 @@ def rows(r: dict[str, Any]) -> list[Row]:
             "  a fresh process instead",
             f"{fresh['total_s']:.2f} s: "
             + ", ".join(f"{k[:-2].replace('_', ' ')} {fresh[k]:.2f}" for k in phases)
-            + f"; floor: device to host {t['d2h_s']:.2f}, write {t['write_s']:.2f} s",
+            + f"; floor: device to host {t['d2h_s']:.2f}, write {t['write_s']:.2f} s; the copy checked ahead by its "
+            + f"agent in {t.get('checked_ahead_s', 0.0):.2f} s (restores took its verdict: {standby.get('checked_ahead')})",
         ),
     ]
 

@@ -83,7 +83,8 @@ def _worker_started(g: Any) -> str:
 
 def _restore(g: Any) -> str:
     hosts = f" ({_plural(g('workers'), 'host')})" if g("workers") is not None else ""
-    return f"restored checkpoint {g('step')} onto mesh {mesh_text(g('mesh'))}{hosts} in {duration(g('seconds'))}"
+    ahead = "; its agent had checked the local copy" if g("checked_ahead") else ""
+    return f"restored checkpoint {g('step')} onto mesh {mesh_text(g('mesh'))}{hosts} in {duration(g('seconds'))}{ahead}"
 
 
 def _init(g: Any) -> str:

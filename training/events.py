@@ -198,6 +198,7 @@ class Event(TypedDict, total=False):
     copy_bound_s: float
     copy_GBps: float
     tier: str | None
+    checked_ahead: bool  # restore: its agent had checked the local copy whole
     restored_from: int | None
     deleted: list[int]
     kept: list[int]

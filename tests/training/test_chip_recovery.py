@@ -32,8 +32,10 @@ def test_the_sequence_measures_the_floor_a_save_and_a_fresh_and_a_standby_restor
     assert r["shape"] == "cpu-small" and 0 < train["state_gib"] < 0.1
     assert min(train[k] for k in ("d2h_s", "write_s", "read_s", "h2d_s", "save_written_s")) >= 0
     assert len(train["steps_before_s"]) == 5 and train["steps_during_s"], "steps ran while the copy was written"
+    assert train["checked_ahead_s"] > 0
     for run in (fresh, standby):
         assert min(run[k] for k in ("imports_s", "runtime_s", "compile_s", "check_s", "first_step_s")) > 0
+        assert run["checked_ahead"], "the restore took the agent's verdict on the copy"
         assert run["check_s"] < run["restore_s"] and run["total_s"] > 0
     # The fresh process's time counts from its start; the standby's from being told to resume, after its set-up.
     assert fresh["total_s"] >= fresh["imports_s"] + fresh["compile_s"] + fresh["restore_s"]

@@ -105,6 +105,97 @@ def test_a_copy_is_described_by_its_writers_sums_and_damage_after_the_write_is_c
         np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(state[k]))
 
 
+def test_a_copy_its_agent_checked_ahead_is_restored_without_summing_until_its_file_changes(tmp_path, monkeypatch):
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    _write_copy(tmp_path, 8)
+    summed: list[int] = []
+    check = local_copy.check
+
+    def counted(m: local_copy.Mapped, pool: ThreadPoolExecutor) -> str:
+        summed.append(m.step)
+        return check(m, pool)
+
+    monkeypatch.setattr(local_copy, "check", counted)
+    pool = ThreadPoolExecutor(2)
+    assert not local.checked_ahead(tmp_path, 8)
+    assert local.check_ahead(tmp_path, 8) == "" and summed == [8], "the agent sums every byte once"
+    assert local.checked_ahead(tmp_path, 8)
+    problem, copy = local.open_checked(tmp_path, 8, pool)
+    assert problem == "" and copy is not None and summed == [8], "the worker takes the agent's verdict"
+    # A write to the file after the check (its bytes the same even): the worker sums it again, and finds the damage.
+    shards = tmp_path / "8" / local_copy.SHARDS
+    data = bytearray(shards.read_bytes())
+    data[7] ^= 0x10
+    shards.write_bytes(bytes(data))
+    assert not local.checked_ahead(tmp_path, 8)
+    problem, copy = local.open_checked(tmp_path, 8, pool)
+    assert "fails its CRC32C check" in problem and copy is None and summed == [8, 8]
+    assert "fails its CRC32C check" in local.check_ahead(tmp_path, 8) and not local.checked_ahead(tmp_path, 8)
+    data[7] ^= 0x10
+    shards.write_bytes(bytes(data))
+    # A file that changes while its agent checks it gets no verdict.
+    verify = local.verify
+
+    def touched(directory: Path, step: int) -> str:
+        os.utime(shards, ns=(1, 1))
+        return verify(directory, step)
+
+    monkeypatch.setattr(local, "verify", touched)
+    assert local.check_ahead(tmp_path, 8) == "" and not local.checked_ahead(tmp_path, 8)
+    monkeypatch.setattr(local, "verify", verify)
+    assert local.check_ahead(tmp_path, 8) == "" and local.checked_ahead(tmp_path, 8)
+    # A dropped copy takes its verdict with it.
+    for step in (10, 12):
+        _write_copy(tmp_path, step)
+    assert local.finalised_steps(tmp_path) == [10, 12] and not (tmp_path / local.CHECKED.format(step=8)).exists()
+    assert not [p.name for p in tmp_path.iterdir() if "checked" in p.name], "no verdict or partial one is left"
+
+
+def test_an_agent_checks_its_newest_local_copy_ahead_in_the_idle_class(tmp_path):
+    import os
+    import threading
+
+    from training.checkpoint.ledger import Ledger
+    from training.elastic.host.heartbeat import Heartbeat, first_record
+    from training.elastic.host.hostctx import HostContext
+    from training.elastic.host.reports import ReportHandler
+    from training.elastic.host.writer import Writer
+    from training.elastic.rendezvous import Rendezvous
+    from training.events import EventLog
+
+    cfg = api.load_config("tiny", None, {"root": str(tmp_path / "root"), "run_name": "r", "local_checkpoint_every": 2})
+    store = open_store(cfg.run_uri)
+    rdv, events = Rendezvous(store), EventLog(store, source="test")
+    heart = Heartbeat(rdv, first_record("h0", "j1", 1, "127.0.0.1:1", 0.0, ""), every_s=60)
+    ctx = HostContext(cfg, cfg.run_uri, "j1", "h0", store, rdv, Ledger(store), events, heart, events.emit, None)
+    local_dir = tmp_path / "local"
+    handler = ReportHandler(
+        ctx, local_dir=local_dir, step_beat_s=1.0, writer=Writer("h0"), leaving_at=lambda: None, warm=lambda: None
+    )
+    policies: list[int] = []
+    check_ahead = local.check_ahead
+
+    def spy(directory: Path, step: int) -> str:
+        policies.append(os.sched_getscheduler(threading.get_native_id()))
+        return check_ahead(directory, step)
+
+    local.check_ahead, restore = spy, local.check_ahead
+    try:
+        for step in (4, 6):
+            _write_copy(local_dir, step)
+        handler.describe_local(1, now=False)
+        assert handler._ahead is not None
+        handler._ahead.join(30)
+    finally:
+        local.check_ahead = restore
+    assert local.checked_ahead(local_dir, 6) and not local.checked_ahead(local_dir, 4), "the newest copy, once"
+    assert policies == [os.SCHED_IDLE], policies
+    handler.describe_local(1, now=False)
+    assert handler._ahead is not None and not handler._ahead.is_alive(), "a copy checked is not checked again"
+
+
 def test_a_local_copy_is_staged_and_written_only_once_the_guard_has_passed_its_step(tmp_path):
     import jax
     import jax.numpy as jnp
@@ -272,6 +363,7 @@ def test_a_notice_commits_the_step_a_lost_host_resumes_from_local_copies_and_a_d
     failures = by("failure")
     assert "lost" in failures[0]["reason"]
     assert restores[1]["tier"] == "local" and 12 < restores[1]["step"] <= 17
+    assert all(isinstance(e["checked_ahead"], bool) for e in restores if e["tier"] == "local"), restores
     assert restores[1]["step"] == failures[0]["resume_step"]
     # At most the steps since the newest local copy are trained again (not those since the persistent 12).
     assert recovered[1]["tier"] == "local" and 0 <= recovered[1]["steps_lost"] <= 17 - restores[1]["step"]

@@ -38,6 +38,7 @@ from training.checkpoint.local_copy import INDEX, SHARDS, STEP_MARK, CopyError, 
 from training.checkpoint.resume import DataPosition
 
 MANIFEST = "{step}.manifest.json"
+CHECKED = "{step}.checked.json"  # its agent checked the copy whole (check_ahead)
 _MANIFEST_RE = re.compile(r"^(\d+)\.manifest\.json$")
 SPARE = ".spare.bin"  # a dropped copy's shard file, written over by the next copy
 
@@ -154,6 +155,46 @@ def describe_new(directory: Path, round_: int) -> dict[int, LocalStep]:
     return known
 
 
+def check_ahead(directory: Path, step: int) -> str:
+    """Check this host's copy of ``step`` whole now, ahead of any restore: '' when it passed, else what is wrong.
+
+    Its host's agent calls this once a copy is described, in the idle class.  A copy that passes is
+    recorded (``<step>.checked.json``) with its shard file's identity (inode, size, change times); a
+    worker that finds the file unchanged takes the recorded verdict instead of summing every byte
+    again in its restore (on a TPU v5e host, 6 s for 6.4 GiB).  Any write to the file changes its
+    times, and then the worker checks it itself.
+    """
+    path = directory / str(step) / SHARDS
+    try:
+        before = _identity(path)
+    except OSError as e:
+        return f"local step {step} cannot be read ({e})"
+    problem = verify(directory, step)
+    if problem:
+        return problem
+    with contextlib.suppress(OSError):
+        if _identity(path) == before:
+            tmp = directory / f".{step}.checked.tmp-{os.getpid()}"
+            tmp.write_text(json.dumps({"step": step, "shards": before, "time": time.time()}))
+            os.replace(tmp, directory / CHECKED.format(step=step))
+    return ""
+
+
+def checked_ahead(directory: Path, step: int) -> bool:
+    """Whether this host's copy of ``step`` passed :func:`check_ahead` and its shard file has not changed since."""
+    try:
+        doc = json.loads((directory / CHECKED.format(step=step)).read_text())
+        return bool(doc["step"] == step and doc["shards"] == _identity(directory / str(step) / SHARDS))
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _identity(path: Path) -> list[int]:
+    """A file's inode, size and modification and change times: any write or rename of it changes them."""
+    st = os.stat(path)
+    return [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
 def verify(directory: Path, step: int) -> str:
     """'' when this host's copy of ``step`` matches its manifest, else what is wrong (naming the file)."""
     with ThreadPoolExecutor(bulk.THREADS, thread_name_prefix="rtrain-local-check") as pool:
@@ -196,6 +237,8 @@ def open_checked(
         return f"file {SHARDS} of local step {step} is not the one its manifest describes", None
     if on_mapped is not None:
         on_mapped(copy)
+    if checked_ahead(directory, step):  # its agent summed it whole, and it has not changed since
+        return "", copy
     problem = local_copy.check(copy, pool)
     return (f"local step {step}: {problem}", None) if problem else ("", copy)
 
@@ -267,6 +310,7 @@ class LocalTier:
         self.writer = StepWriter()
         self.checked: dict[int, Mapped] = {}  # copies checked whole (mapped), for the restore that follows
         self.in_flight: tuple[int, local_copy.InFlight] | None = None  # a checked copy's parts, sent while summed
+        self.ahead: set[int] = set()  # copies checked whole by their agent (check_ahead), found unchanged
         if not self.enabled:
             return
         from training.checkpoint.manager import BackgroundSave
@@ -390,6 +434,8 @@ class LocalTier:
             self._drop_in_flight()
         else:
             self.checked[step] = copy
+            if checked_ahead(self.directory, step):
+                self.ahead.add(step)
         return problem
 
     def restore(self, step: int) -> tuple[Any, DataPosition]:
@@ -546,6 +592,7 @@ def _remove_step(directory: Path, step: int, spare: bool = False) -> None:
     ``spare``: its shard file becomes the host's spare, if it has none.
     """
     (directory / MANIFEST.format(step=step)).unlink(missing_ok=True)
+    (directory / CHECKED.format(step=step)).unlink(missing_ok=True)
     doomed = directory / f".{step}.del-{os.getpid()}"
     shutil.rmtree(doomed, ignore_errors=True)  # (a removal of this step cut off before)
     try:

@@ -10,6 +10,7 @@ writer, in order, except those that must be on record before what follows.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from training import storage
+from training.background import idle_this_thread
 from training.checkpoint import local as local_tier
 from training.checkpoint.steps import file_checksums, recorded_checksums
 from training.elastic.host.hostctx import HostContext
@@ -86,6 +88,9 @@ class ReportHandler:
         self.stopping = False  # the notice to this host's worker is a person's stop (the job's `stopped` event says so)
         self._scalars_at = 0.0
         self._step_beat_at = 0.0
+        self._ahead: threading.Thread | None = None  # checking a local copy whole, ahead of a restore
+        self._ahead_step = -1
+        self._ahead_lock = threading.Lock()  # (copies are described from the writer thread and the main loop)
 
     def emit_later(self, type_: str, *, reported_at: float | None = None, **fields: Any) -> None:
         """Write an event from the writer thread, in order: the main loop does not wait for the store."""
@@ -262,9 +267,30 @@ class ReportHandler:
     def describe_local(self, round_: int, *, now: bool = True) -> None:
         """Describe this host's finalised local copies (manifests with checksums) and advertise them (``now``: beat)."""
         try:
-            self.advertise_local(local_tier.describe_new(self.local_dir, round_), now=now)
+            steps = local_tier.describe_new(self.local_dir, round_)
         except OSError as e:
             log.warning("[%s] cannot describe the local checkpoints in %s: %s", self.host, self.local_dir, e)
+            return
+        self.advertise_local(steps, now=now)
+        self.check_ahead(max(steps, default=-1))
+
+    def check_ahead(self, step: int) -> None:
+        """Check local copy ``step`` whole in a background thread in the idle class, once, unless a check is running.
+
+        A worker that restores it then finds the verdict and does not sum its bytes again.
+        """
+        with self._ahead_lock:
+            if step <= self._ahead_step or (self._ahead is not None and self._ahead.is_alive()):
+                return
+            self._ahead_step = step
+            self._ahead = threading.Thread(target=self._check, args=(step,), name="rtrain-local-ahead", daemon=True)
+            self._ahead.start()
+
+    def _check(self, step: int) -> None:
+        idle_this_thread()
+        problem = local_tier.check_ahead(self.local_dir, step)
+        if problem:
+            log.warning("[%s] local copy %s fails its check: %s", self.host, step, problem)
 
     def advertise_local(self, steps: dict[int, local_tier.LocalStep], *, now: bool = True) -> None:
         self.heart.update(now=now, local=sorted([s.step, s.round] for s in steps.values()))

@@ -74,11 +74,8 @@ def restore(
     decision = None
     if local_step is not None:
         assert live is not None
-        state, pos = live.restore(local_step)
+        state, pos = restore_local(live, local_step, a, rep, t0)
         step0: int | None = local_step
-        rep.send(
-            ReportType.RESTORE, step=local_step, tier="local", mesh=shape, workers=a.processes, seconds=time.time() - t0
-        )
     else:
         try:
             states = ledger.states()
@@ -137,6 +134,21 @@ def host_tier(
     if tier is not None and not tier.enabled:
         rep.send(ReportType.LOCAL_TIER_OFF, reason=tier.reason)
     return tier, chaos
+
+
+def restore_local(tier: LocalTier, step: int, a: Assignment, rep: Reporter, t0: float) -> tuple[Any, DataPosition]:
+    """This host's local copy of ``step`` onto the round's mesh, reported (started at ``t0``)."""
+    state, pos = tier.restore(step)
+    rep.send(
+        ReportType.RESTORE,
+        step=step,
+        tier="local",
+        mesh=tier.mesh.shape,
+        workers=a.processes,
+        seconds=time.time() - t0,
+        checked_ahead=step in tier.ahead,  # its agent had checked this host's copy whole
+    )
+    return state, pos
 
 
 def local_candidate(run: str, a: Assignment, rep: Reporter, tier: LocalTier, ledger: Ledger) -> int | None:
