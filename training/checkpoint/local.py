@@ -374,8 +374,9 @@ class LocalTier:
         self.pending.append((staged.step, staged.t0))
 
     def prepare_ahead(self) -> None:
-        """Compile the save's host copy in the save thread now (after the round's first steps)."""
-        if self.bg is not None:
+        """Compile the save's device copy in the save thread now (after the round's first steps; none on an
+        accelerator, whose copy is fetched by threads)."""
+        if self.bg is not None and not local_copy.threaded(list(self.mesh.devices.flat[:1])):
             self.bg.prepare_ahead()
 
     def busy(self) -> bool:
