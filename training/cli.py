@@ -152,14 +152,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from training.backends import BackendError, JobSpec, LocalSliceBackend
     from training.cli_train import train_here
+    from training.placement_traits import traits
 
     if args.gke:
         return train_gke(args)
     cfg = config(args)
-    if cfg.placement.backend != "local":
-        raise BackendError(
-            f"backend: a {cfg.placement.backend!r} run needs its settings: rtrain train --gke FILE (docs/gke.md)"
-        )
+    needs = traits(cfg.placement.backend).cli_needs
+    if needs:
+        raise BackendError(f"backend: a {cfg.placement.backend!r} run needs {needs}")
     if not args.detach:
         return train_here(cfg)  # through the local backend, followed by the engine's watch
     local = LocalSliceBackend(by="rtrain")

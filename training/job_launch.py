@@ -27,13 +27,13 @@ from training.events import EventLog, RunState, read_status, write_status
 from training.layout import CONFIG, CONFIG_HISTORY, CONTROL, RDV_EVENT_RESERVE, RDV_RESERVE, STOP
 from training.mesh import MemoryEstimate, MeshPlan, PlanReport, plan_report
 from training.mesh import check_fit as _check_fit
+from training.placement_traits import traits
 from training.records import stamp
 from training.storage import NotFound, Store, open_store, scheme
 
 RESERVE_BYTES = 1 << 20
 EVENT_RESERVE_BYTES = 1 << 16  # a full disk's final event, written in these blocks (no space to race for)
 # How long a job's agents have to claim the run lock from its launcher.
-HANDOFF_S = {"local": 120.0, "gke": 900.0}  # GKE: pods must be scheduled and pull their image first
 
 
 class LaunchError(RuntimeError):
@@ -218,12 +218,12 @@ def begin_job(
             store.put(RDV_EVENT_RESERVE, bytes(EVENT_RESERVE_BYTES))
         store.delete(CONTROL)
         store.delete(STOP)
-        if backend == "local" and provision:
+        if traits(backend).hosts_here and provision:
             LocalCapacity(store, default=cfg.elastic.max_workers).set(
                 cfg.elastic.max_workers, reason=f"job {job} launched"
             )
         write_status(store, state=RunState.PENDING.value, job=job, run_uri=cfg.run_uri, steps_total=cfg.optimizer.steps)
-        lock.handoff(job, HANDOFF_S.get(backend, 120.0))
+        lock.handoff(job, traits(backend).handoff_s)
     except BaseException:
         lock.release()
         raise

@@ -16,6 +16,7 @@ from training.backends.local import LocalSliceBackend
 from training.backends.pool import SharedPoolBackend
 from training.backends.spec import GKESpec, JobSpec, LocalSpec, Placement, PoolSpec, placement
 from training.gke import GKESettings
+from training.placement_traits import TRAITS
 
 __all__ = [
     "ALIVE",
@@ -44,7 +45,7 @@ __all__ = [
     "backend",
 ]
 
-NAMES = ("local", "gke")
+NAMES = tuple(TRAITS)  # the backends a run config can name
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class Context:
     log: Log | None = None
     by: str = "Airflow"  # who provisions and tears down, in the run's records
     cluster: GKECluster | None = None  # the gke backend's cluster calls (None: Application Default Credentials)
+    # How the gke backend makes its cluster calls from its settings, where ``cluster`` is not given (Airflow's
+    # provider hooks, with their connection)
+    make_cluster: Callable[[GKESettings], GKECluster] | None = None
 
 
 Factory = Callable[[Any, Context], Backend]
@@ -85,6 +89,8 @@ def _pool(where: PoolSpec, ctx: Context) -> Backend:
 @register("gke")
 def _gke(where: GKESpec, ctx: Context) -> Backend:
     cluster = ctx.cluster
+    if cluster is None and ctx.make_cluster is not None:
+        cluster = ctx.make_cluster(where.gke)
     if cluster is None:
         from training.backends.gke_cluster import CloudCluster
 
@@ -109,13 +115,14 @@ def backend(
     cluster: GKECluster | None = None,
     log: Log | None = None,
     by: str = "Airflow",
+    make_cluster: Callable[[GKESettings], GKECluster] | None = None,
 ) -> Backend:
     """The backend called ``name``; ``priority`` puts a local run in its root's shared pool (on GKE: Kueue's).
 
-    ``cluster``: the GKE calls (node pools, JobSets) for the ``gke`` backend; by default a
-    :class:`~training.backends.gke_cluster.CloudCluster` with Application Default Credentials.  ``by``: who provisions
-    and tears down, in the run's records.
+    ``cluster`` (or ``make_cluster``, from the settings): the GKE calls (node pools, JobSets) for the ``gke``
+    backend; by default a :class:`~training.backends.gke_cluster.CloudCluster` with Application Default
+    Credentials.  ``by``: who provisions and tears down, in the run's records.
     """
     if name not in NAMES:
         raise BackendError(f"backend: one of {', '.join(NAMES)}, not {name!r}")
-    return backend_for(placement(name, gke, priority), Context(log, by, cluster))
+    return backend_for(placement(name, gke, priority), Context(log, by, cluster, make_cluster))

@@ -295,12 +295,13 @@ class RTrainHook(BaseHook):
 
     def backend(self, name: str, gke: GKESettings | None = None, priority: str | None = None) -> Backend:
         """The backend of a run: ``priority`` puts a local run in its root's shared pool (GKE: Kueue's)."""
-        cluster = None
-        if name == "gke":
+
+        def provider_cluster(settings: GKESettings) -> backends.GKECluster:  # made only by a backend that calls GKE
             from rtrain_airflow.hooks.gke_tpu import ProviderCluster
 
-            cluster = ProviderCluster(gke or cast(GKESettings, {}), self.log)
-        return backends.backend(name, gke=gke, priority=priority, cluster=cluster, log=self.log)
+            return ProviderCluster(settings, self.log)
+
+        return backends.backend(name, gke=gke, priority=priority, log=self.log, make_cluster=provider_cluster)
 
     def backend_for(self, spec: Mapping[str, Any]) -> Backend:
         """The backend a run spec names (its ``backend``, ``gke`` and ``priority``)."""

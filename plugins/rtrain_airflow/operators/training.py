@@ -198,7 +198,7 @@ class RTrainResolveRunConfigOperator(BaseOperator):
             cfg.elastic.min_workers,
             cfg.elastic.max_workers,
             cfg.placement.backend,
-            f" (shared pool, priority {priority})" if priority and cfg.placement.backend == "local" else "",
+            f" at priority {priority}" if priority else "",
             cfg.checkpoint.resume_from,
             cfg.elastic.chaos or "off",
         )

@@ -22,6 +22,7 @@ from training.elastic.host.workerproc import ForkServer, WorkerProc, spawn_worke
 from training.elastic.peerwatch import peer_watch_port
 from training.elastic.rendezvous import Round
 from training.elastic.wire import WorkerReport
+from training.placement_traits import traits
 
 log = logging.getLogger("rtrain.agent")
 
@@ -150,7 +151,7 @@ class WorkerSupervisor:
         On GKE every value is this round's: the worker was started without the pod's own TPU_WORKER_* and
         MEGASCALE_* (``worker_base_env`` in ``spawn_worker``), which GKE's webhook set for the JobSet as created.
         """
-        if self.cfg.placement.backend != "gke":
+        if not traits(self.cfg.placement.backend).round_tpu_env:
             return {}
         from training.gke.worker_env import round_env
 

@@ -28,6 +28,7 @@ from training.cpu_devices import cpu_process_env
 from training.elastic.forking import FORKSERVER, FORKSERVER_FD_ENV, start_server, stop_server
 from training.elastic.rendezvous import Round
 from training.elastic.wire import WorkerReport, decode
+from training.placement_traits import traits
 from training.sections import PlacementSection
 
 log = logging.getLogger("rtrain.agent")
@@ -126,7 +127,7 @@ def worker_env(cfg: Config, run_uri: str, host: str, job: str) -> dict[str, str]
         "TF_CPP_MIN_LOG_LEVEL": "2",
         "PYTHONUNBUFFERED": "1",
     }
-    if cfg.placement.backend == "local":
+    if traits(cfg.placement.backend).hosts_here:
         env.update(cpu_slice_env(cfg.placement))
     return env
 

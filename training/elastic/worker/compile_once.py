@@ -57,7 +57,9 @@ XlaOptions = Mapping[str, str | bool | int | float]
 
 def enabled(backend: str, processes: int) -> bool:
     """Whether a round's programs are compiled once: its processes share one machine's cores (the local slice)."""
-    return backend == "local" and processes > 1
+    from training.placement_traits import traits
+
+    return traits(backend).hosts_here and processes > 1
 
 
 def _key(job: str, round_: int, name: str) -> str:
