@@ -151,6 +151,15 @@ def test_a_copy_its_agent_checked_ahead_is_restored_without_summing_until_its_fi
         _write_copy(tmp_path, step)
     assert local.finalised_steps(tmp_path) == [10, 12] and not (tmp_path / local.CHECKED.format(step=8)).exists()
     assert not [p.name for p in tmp_path.iterdir() if "checked" in p.name], "no verdict or partial one is left"
+    # A verdict cut off mid-write by an agent that is gone, and one written as its copy was dropped: both go.
+    (tmp_path / ".12.checked.tmp-999999999").write_text("{")
+    assert local.check_ahead(tmp_path, 10) == ""
+    import shutil
+
+    shutil.rmtree(tmp_path / "10")
+    local._remove_orphans(tmp_path)
+    assert sorted(local.read_manifests(tmp_path)) == [12]
+    assert not [p.name for p in tmp_path.iterdir() if "checked" in p.name]
 
 
 def test_an_agent_checks_its_newest_local_copy_ahead_in_the_idle_class(tmp_path):

@@ -134,6 +134,7 @@ def read_manifests(directory: Path) -> dict[int, LocalStep]:
         step = int(m[1])
         if not (directory / str(step) / STEP_MARK).exists():
             p.unlink(missing_ok=True)  # its step was pruned
+            (directory / CHECKED.format(step=step)).unlink(missing_ok=True)  # (a verdict written as it was)
             continue
         try:
             doc = json.loads(p.read_text())
@@ -607,11 +608,14 @@ def _remove_step(directory: Path, step: int, spare: bool = False) -> None:
 
 
 def _remove_orphans(directory: Path, also_mine: bool = False) -> None:
-    """Remove copies cut off mid-write by a process that is gone (or by this one)."""
+    """Remove copies (and verdicts) cut off mid-write by a process that is gone (or by this one)."""
     for p in [*directory.glob(".*.tmp-*"), *directory.glob(".*.del-*")]:
         pid = p.name.rsplit("-", 1)[-1]
         if pid.isdigit() and (not Path(f"/proc/{pid}").exists() or (also_mine and int(pid) == os.getpid())):
-            shutil.rmtree(p, ignore_errors=True)
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:  # a verdict's temporary file (check_ahead)
+                p.unlink(missing_ok=True)
 
 
 def why_not_local(mesh: Any, abstract: Any) -> str:
