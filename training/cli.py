@@ -150,8 +150,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from training.backends import BackendError, JobSpec, LocalSliceBackend
-    from training.cli_train import train_here
+    from training.backends import BackendError
+    from training.backends.drive import Say
+    from training.cli_train import local_drive, train_here
     from training.placement_traits import traits
 
     if args.gke:
@@ -161,16 +162,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if needs:
         raise BackendError(f"backend: a {cfg.placement.backend!r} run needs {needs}")
     if not args.detach:
-        return train_here(cfg)  # through the local backend, followed by the engine's watch
-    local = LocalSliceBackend(by="rtrain")
-    job = JobSpec.local(cfg)
-    local.provision(job)
-    handle = local.launch(job, attempt=1)
-    print(
-        f"job {handle['job']} of run {cfg.run_name} {'followed' if handle.get('attached') else 'started'} "
-        f"on the local slice ({cfg.run_uri}); follow it with `rtrain status {cfg.run_name}`"
-        + ("" if cfg.root.endswith("var/runs") else f" --root {cfg.root}")
-    )
+        return train_here(cfg)  # through the local backend by the one driver, followed by the engine's watch
+    local_drive(cfg, Say(print), detach=True).run(detach=True)
     return Exit.OK
 
 

@@ -28,6 +28,7 @@ from training.backends import (
     register,
 )
 from training.backends.base import LocalHandle, Provisioned, Released, Timeouts
+from training.backends.drive import Drive, Say
 from training.backends.local import pid_alive
 from training.cli import Exit, main
 from training.gke import GKESettings
@@ -185,6 +186,28 @@ class DryBackend:
         return {"backend": self.name, "released": True}
 
 
+class DryLines:
+    """What rtrain train would say of the dry backend's steps."""
+
+    def provisioned(self, up: Provisioned) -> str:
+        return f"provisioned {up['run_uri'].rsplit('/', 1)[-1]}"
+
+    def launched(self, handle: Any) -> str:
+        return f"launched {handle['job']}"
+
+    def detached(self, handle: Any) -> str:
+        return ""
+
+    def out_of_touch(self, error: Exception) -> str:
+        return str(error)
+
+    def released(self, out: Released) -> str:
+        return f"released: {out.get('released')}"
+
+    def release_failed(self, error: Exception) -> str:
+        return str(error)
+
+
 def test_a_new_backend_is_one_registered_factory(tmp_path: Path) -> None:
     cfg = api.load_config("tiny", None, {"root": str(tmp_path), "run_name": "r"})
     with pytest.raises(BackendError, match="no backend runs placements of kind 'dry'"):
@@ -197,6 +220,13 @@ def test_a_new_backend_is_one_registered_factory(tmp_path: Path) -> None:
         assert handle["job"] == "dry" and made.asked == ["launch r try 1"]
         with pytest.raises(ValueError, match="'dry' is registered already"):
             register("dry")(lambda where, ctx: DryBackend(ctx.by))
+        # rtrain train's one driver drives it as it drives the local slice and GKE: provision, launch, follow, release.
+        said: list[str] = []
+        drive = Drive(made, JobSpec(cfg, DrySpec()), DryLines(), Say(said.append), {}, poll_s=0.01)
+        look = drive.run()
+        assert look is not None and look["state"] == "finished"
+        assert made.asked == ["launch r try 1", "provision r", "launch r try 1"]
+        assert said == ["provisioned r", "launched dry", "released: True"]
     finally:
         REGISTRY.pop("dry", None)
     assert set(REGISTRY) == {"local", "pool", "gke"}

@@ -14,6 +14,12 @@ from training.gke import GKESettings
 ALIVE = tuple(sorted({*ALIVE_STATES, "queued"}))
 
 
+def first_line(e: BaseException) -> str:
+    """An error's message on one line (a cloud API's can run over several)."""
+    text = " ".join(str(e).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
 class BackendError(ValueError):
     """A backend's settings that cannot work, or a run that can never fit its hosts (the message names the key)."""
 

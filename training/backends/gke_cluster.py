@@ -24,7 +24,7 @@ from google.auth.transport.requests import Request
 from google.cloud import container_v1
 from kubernetes import client as k8s
 
-from training.backends.base import BackendError, Log, PoolsUp
+from training.backends.base import BackendError, Log, PoolsUp, first_line
 from training.backends.gke_jobsets import KubeJobSets
 from training.backends.gke_pools import Backoff, NodePools, TPUNodePoolSpec, see_to
 from training.gke import GKEConfigError, GKESettings, check_spot_grace
@@ -32,12 +32,6 @@ from training.gke.registry import image_found
 
 SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
 ADC_HELP = "gcloud auth application-default login, or GOOGLE_APPLICATION_CREDENTIALS=<a key file>"
-
-
-def first_line(e: BaseException) -> str:
-    """An error's message on one line (the API's can run over several)."""
-    text = " ".join(str(e).split())
-    return text if len(text) <= 300 else text[:297] + "..."
 
 
 class CloudCluster:

@@ -133,14 +133,19 @@ class LocalSliceBackend:
         self.by = by  # who provisions and tears down, in the records: Airflow, rtrain
         self.provision_at_launch = provision  # the slice's hosts given at launch, under the run lock (rtrain train)
         self.follow = follow  # a live job that holds the run is followed; False: refused (LaunchRefused)
+        # rtrain train in the foreground: the job was followed to its end and its hosts given at launch, so a release
+        # lets the slice process leave on its own first and leaves the hosts to the run
+        self.settle = provision
 
     def _say(self, msg: str, *args: Any) -> None:
         if self.log is not None:
             self.log.info(msg, *args)
 
     def provision(self, job: JobSpec) -> Provisioned:
-        """Give the simulated slice its hosts: capacity = max_workers."""
+        """Give the simulated slice its hosts: capacity = max_workers (at launch, under the run lock, when so made)."""
         cfg = job.config
+        if self.provision_at_launch:
+            return {"backend": self.name, "hosts": cfg.elastic.max_workers, "run_uri": cfg.run_uri}
         api.set_capacity(
             cfg.run_uri, cfg.elastic.max_workers, reason=f"provisioned by {self.by}", source=self.by.lower()
         )
@@ -199,9 +204,12 @@ class LocalSliceBackend:
             and int(h["controller_pid"]) != os.getpid()
         }
         pids |= set(api.local_job_pids(cfg.run_uri))
+        while self.settle and any(pid_alive(pid) for pid in pids) and time.time() < deadline + 10:
+            time.sleep(0.2)  # the ended job's slice stops its agents and leaves
         stopped: list[int] = []
         for pid in sorted(pids):
             if pid_alive(pid):
                 stopped.extend(stop_process_tree(pid))
-        api.release_capacity(cfg.run_uri, f"released by the {self.by} teardown", source=self.by.lower())
+        if not self.settle:
+            api.release_capacity(cfg.run_uri, f"released by the {self.by} teardown", source=self.by.lower())
         return {"backend": self.name, "stopped_pids": stopped, "released": True}

@@ -10,7 +10,8 @@ from __future__ import annotations
 from google.auth.credentials import Credentials
 
 from training.backends import BackendError, Log
-from training.backends.gke_cluster import CloudCluster, first_line
+from training.backends.base import first_line
+from training.backends.gke_cluster import CloudCluster
 from training.gke import GKESettings
 
 DEFAULT_CONN_ID = "google_cloud_default"
