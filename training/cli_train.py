@@ -3,7 +3,8 @@
 In the foreground the job runs in a process of its own (as under Airflow) and this command follows it
 with :class:`training.backends.drive.Drive`: the events of note and the progress bar as they come, the
 end in one line and its exit code.  Ctrl-C asks the job to stop at a step boundary and goes on
-following it until it has (a second Ctrl-C leaves it stopping).
+following it until it has (a second Ctrl-C stops following; the release then waits out the stop's
+allowance before it kills what is left of this job).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import pytest
 
 from training import api
 from training.backends.local import pid_alive
+from training.cli import Exit, main
 from training.layout import CAPACITY
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,6 +37,10 @@ def test_ctrl_c_stops_the_job_at_a_step_boundary_and_the_driver_follows_it_to_it
     while time.time() < deadline and int((api.status(run_uri) or {}).get("step") or 0) < 3:
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.3)
+    # A second rtrain train of the run is refused while this job holds it, and its driver releases nothing of it.
+    pids = api.local_job_pids(run_uri)
+    assert main(["train", *args, "steps=5000", "max_workers=2"]) == Exit.REFUSED
+    assert pids and all(pid_alive(p) for p in pids) and (api.status(run_uri) or {}).get("state") == "running"
     os.kill(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 7, (out[-2000:], err[-2000:])

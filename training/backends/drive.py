@@ -2,9 +2,10 @@
 
 Each backend answers the same verbs (:class:`~training.backends.base.Backend`); what differs between
 them is what the command says at each step, which a backend's :class:`Lines` give.  Ctrl-C asks the
-job to stop at a step boundary, and the driver follows it until it has (a second Ctrl-C leaves it
-stopping); the hosts are released however the drive ends, except for a detached job and one the
-driver lost touch with (said in one line, with what to do).
+job to stop at a step boundary, and the driver follows it until it has (a second Ctrl-C stops
+following); the hosts are released however the drive ends, except for a detached job and one the
+driver lost touch with (said in one line, with what to do).  A release gives back what this drive
+provisioned and the jobs it launched, nothing of another job of the run.
 """
 
 from __future__ import annotations

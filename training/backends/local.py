@@ -203,7 +203,8 @@ class LocalSliceBackend:
             and h.get("host") == socket.gethostname()
             and int(h["controller_pid"]) != os.getpid()
         }
-        pids |= set(api.local_job_pids(cfg.run_uri))
+        if not self.settle:  # (a teardown also kills what is left of the run's jobs; rtrain train only its own)
+            pids |= set(api.local_job_pids(cfg.run_uri))
         while self.settle and any(pid_alive(pid) for pid in pids) and time.time() < deadline + 10:
             time.sleep(0.2)  # the ended job's slice stops its agents and leaves
         stopped: list[int] = []
