@@ -517,12 +517,8 @@ class StepWriter:
 
     def __call__(self, copy: Any, directory: Path, step: int, data: DataPosition, keep: int) -> None:
         """Write ``copy`` (a :class:`Fetched` copy, or a state on its devices) as local step ``step``."""
-        if isinstance(copy, Fetched):
-            plan, parts = copy.plan, copy.parts
-        else:
-            plan = self.plan_of(copy)
-            parts = lean.shard_bytes(copy, plan)
-        write_parts(parts, directory, step, data, keep, plan, adopted=frozenset(self.adopted))
+        plan = copy.plan if isinstance(copy, Fetched) else self.plan_of(copy)
+        write_step(copy, directory, step, data, keep, plan, adopted=frozenset(self.adopted))
 
 
 @dataclass
@@ -542,24 +538,10 @@ def write_step(
     plan: lean.Plan,
     adopted: frozenset[int] = frozenset(),
 ) -> None:
-    """Write this process's shards of ``state`` as local step ``step`` (:func:`write_parts`).
+    """Write this process's shards of ``state`` (or a :class:`Fetched` copy of them) as local step ``step``
+    (atomically), then keep the newest ``keep``.
 
     ``plan``: the state's :func:`~training.checkpoint.lean.plan` with every box held.
-    """
-    write_parts(lean.shard_bytes(state, plan), directory, step, data, keep, plan, adopted)
-
-
-def write_parts(
-    parts: list[Any],
-    directory: Path,
-    step: int,
-    data: DataPosition,
-    keep: int,
-    plan: lean.Plan,
-    adopted: frozenset[int] = frozenset(),
-) -> None:
-    """Write ``parts`` (the shards' bytes by ``plan``) as local step ``step`` (atomically), then keep the newest ``keep``.
-
     The host's spare file, if it has one, becomes the new copy's shard file and is written over.  A
     dropped copy's file becomes the spare unless the copy is ``adopted``: restored by this process, whose
     CPU devices may have taken its mapped pages as their buffers (an unlinked file's pages stay
@@ -570,6 +552,7 @@ def write_parts(
     (tmp / "lean").mkdir(parents=True)
     with contextlib.suppress(FileNotFoundError):
         os.rename(directory / SPARE, tmp / SHARDS)
+    parts = state.parts if isinstance(state, Fetched) else lean.shard_bytes(state, plan)
     local_copy.write(parts, tmp, step, plan, data)
     final = directory / str(step)
     if final.exists():
