@@ -16,21 +16,16 @@ if TYPE_CHECKING:
 
 
 def gke_config(args: argparse.Namespace, gke: GKESettings) -> Config:
-    """A ``backend: gke`` run's config: hosts per slice and chips per host from the TPU type and the notice's commit
-    fitted to the pods' grace, unless given; then all the JobSet's render would refuse, in one line, before billing."""
-    from training.backends import BackendError
-    from training.gke import GKEConfigError, check_launch, fit_grace, settings_keys
+    """A ``backend: gke`` run's config, readied as Airflow's resolve task readies it: hosts per slice and chips per
+    host from the TPU type and the notice's commit fitted to the pods' grace, unless given; then all the JobSet's
+    render would refuse, in one line, before billing."""
+    from training.backends import preparation
 
+    prep = preparation("gke")
     given = {dotted(o.split("=", 1)[0]) for o in args.overrides}
-    try:
-        keys = {dotted(k): v for k, v in settings_keys(gke).items()}
-        extra = ["placement.backend=gke"] + [f"{k}={v}" for k, v in keys.items() if k not in given]
-        cfg = config(args, extra)
-        cfg = cfg if "checkpoint.preemption_grace_s" in given else fit_grace(cfg, gke)
-        check_launch(cfg, gke)
-    except GKEConfigError as e:
-        raise BackendError(f"gke: {e}") from None
-    return cfg
+    keys = prep.config_keys(gke)
+    cfg = config(args, ["placement.backend=gke"] + [f"{k}={v}" for k, v in keys.items() if k not in given])
+    return prep.fit(cfg, gke, None, given)
 
 
 def train_gke(args: argparse.Namespace) -> int:

@@ -11,9 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from training.backends.base import ALIVE, Backend, BackendError, Log, PoolsUp, Provisioned, Released
+from training.backends.gke import PREPARATION as GKE_PREPARATION
 from training.backends.gke import GKEBackend, GKECluster, JobSets
 from training.backends.local import LocalSliceBackend
 from training.backends.pool import SharedPoolBackend
+from training.backends.prepare import AS_IS, Preparation
 from training.backends.spec import GKESpec, JobSpec, LocalSpec, Placement, PoolSpec, placement
 from training.gke import GKESettings
 from training.placement_traits import TRAITS
@@ -28,6 +30,8 @@ __all__ = [
     "JobSpec",
     "LocalSpec",
     "Placement",
+    "Preparation",
+    "preparation",
     "PoolSpec",
     "REGISTRY",
     "backend_for",
@@ -96,6 +100,17 @@ def _gke(where: GKESpec, ctx: Context) -> Backend:
 
         cluster = CloudCluster(where.gke, log=ctx.log)  # Application Default Credentials
     return GKEBackend(where.gke, cluster, ctx.log, where.priority, ctx.by)
+
+
+# A backend's name -> how it readies a run's config (a backend not named here takes the config as it is)
+PREPARATIONS: dict[str, Preparation] = {"gke": GKE_PREPARATION}
+
+
+def preparation(name: str) -> Preparation:
+    """How the backend called ``name`` readies a run's config; BackendError naming the known ones for another."""
+    if name not in NAMES:
+        raise BackendError(f"backend: one of {', '.join(NAMES)}, not {name!r}")
+    return PREPARATIONS.get(name, AS_IS)
 
 
 def backend_for(where: Placement | JobSpec, ctx: Context | None = None) -> Backend:

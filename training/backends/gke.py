@@ -8,16 +8,28 @@ Airflow's Google connection (the Airflow hook hands them over).
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Mapping, Sequence, Set
+from typing import Any, Protocol, cast
 
 from training import api
 from training.api import Config, JobLook
 from training.backends.base import BackendError, GKEHandle, Log, PoolsUp, Provisioned, Released, Timeouts
 from training.backends.gke_preflight import check_before_billing
+from training.backends.prepare import Preparation
 from training.backends.spec import JobSpec
-from training.gke import GKELaunch, GKESettings, TPUSlice, settings_launch, suspended_since
+from training.gke import (
+    GKEConfigError,
+    GKELaunch,
+    GKESettings,
+    TPUSlice,
+    check_launch,
+    fit_grace,
+    settings_keys,
+    settings_launch,
+    suspended_since,
+)
 
 
 class JobSets(Protocol):
@@ -242,3 +254,37 @@ def check_settings(gke: GKESettings, priority: str | None) -> None:
         raise BackendError(
             f"priority {priority!r} on GKE is a Kueue priority: it needs gke.kueue_queue (the LocalQueue's name)"
         )
+
+
+def _settings(conf: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The conf's gke settings, the training image named where the launcher runs when the conf leaves it out."""
+    gke = dict(conf or {})
+    if not gke.get("image") and os.environ.get("RTRAIN_TRAIN_IMAGE"):  # named once, in docker/compose.yaml
+        gke["image"] = os.environ["RTRAIN_TRAIN_IMAGE"]
+    return gke
+
+
+def _config_keys(gke: Mapping[str, Any]) -> dict[str, Any]:
+    """The config keys a TPU type decides (none while the settings name no type: the checks say so later)."""
+    if not (gke.get("machine_type") and gke.get("tpu_topology")):
+        return {}
+    try:
+        return {api.dotted(k): v for k, v in settings_keys(cast(GKESettings, gke)).items()}
+    except GKEConfigError as e:
+        raise BackendError(f"gke: {e}") from None
+
+
+def _fit(cfg: Config, gke: Mapping[str, Any], priority: str | None, given: Set[str]) -> Config:
+    """The settings checked, the stop-and-commit fitted to the pods' grace unless the conf set it, then all the
+    JobSet's render would refuse, before any node pool bills."""
+    settings = cast(GKESettings, gke)
+    check_settings(settings, priority)
+    try:
+        cfg = cfg if "checkpoint.preemption_grace_s" in given else fit_grace(cfg, settings)
+        check_launch(cfg, settings, priority)
+    except GKEConfigError as e:
+        raise BackendError(f"gke: {e}") from None
+    return cfg
+
+
+PREPARATION = Preparation(_settings, _config_keys, _fit)

@@ -303,6 +303,11 @@ class RTrainHook(BaseHook):
 
         return backends.backend(name, gke=gke, priority=priority, log=self.log, make_cluster=provider_cluster)
 
+    @staticmethod
+    def preparation(name: str) -> backends.Preparation:
+        """How the backend called ``name`` readies a run's config before capacity is provisioned."""
+        return backends.preparation(name)
+
     def backend_for(self, spec: Mapping[str, Any]) -> Backend:
         """The backend a run spec names (its ``backend``, ``gke`` and ``priority``)."""
         return self.backend(spec["backend"], spec.get("gke"), spec.get("priority"))

@@ -8,7 +8,6 @@ Nothing here imports JAX: the engine imports it inside ``execute()``.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, cast
@@ -114,15 +113,17 @@ class RTrainResolveRunConfigOperator(BaseOperator):
 
     The Params' JSON schemas already refused wrong types and ranges when the run was
     triggered; this adds what a schema cannot say: cross-field rules (``min_workers <=
-    max_workers``, divisibility, chaos grammar), unknown ``overrides`` keys, a gke
-    backend without its cluster.  Failures are ``AirflowFailException``: no retry
+    max_workers``, divisibility, chaos grammar), unknown ``overrides`` keys, and what the
+    backend's preparation decides and refuses (``training.backends.preparation``: on GKE the
+    TPU type's keys, the pods' grace, a cluster the settings do not name).  Failures are ``AirflowFailException``: no retry
     can fix a config.
 
     :param continual: continual training: train ``steps_per_run`` more steps from the
         newest validated checkpoint of the run (``resume_from`` is set to it).
 
     Returns the run *spec*: ``config`` (the resolved Config as JSON), ``run_uri``,
-    ``run_name``, ``backend``, ``dataset`` (``source``, ``max_bytes``), ``gke``, ``priority`` (None:
+    ``run_name``, ``backend``, ``dataset`` (``source``, ``max_bytes``), ``gke`` (the backend's settings: the conf's key of its
+    name), ``priority`` (None:
     the run has its capacity to itself; a level: it is submitted to its storage root's shared pool,
     whose scheduler places it by priority; on GKE, its Kueue priority).
 
@@ -149,10 +150,11 @@ class RTrainResolveRunConfigOperator(BaseOperator):
                 overrides.update(self._continue_from(overrides, params))
                 # Refreshed data: the model trains on, the data position restarts on the new dataset.
                 overrides.setdefault("data.on_dataset_change", "restart")
-            gke = gke_settings(params)
-            if params.get("backend") == "gke":
-                for key, value in slice_overrides(gke).items():
-                    overrides.setdefault(key, value)
+            name = str(overrides.get("placement.backend") or "local")
+            prep = self.hook.preparation(name)  # the placement's keys and checks, before any capacity bills
+            settings, given = prep.settings(params.get(name)), set(overrides)
+            for key, value in prep.config_keys(settings).items():
+                overrides.setdefault(key, value)
             cfg = self.hook.build_config(overrides)
             priority = params.get("priority") or None
             if priority is not None:
@@ -160,21 +162,14 @@ class RTrainResolveRunConfigOperator(BaseOperator):
                     commands.priority_value(priority)
                 except commands.PriorityError as e:
                     raise RTrainConfigError(f"priority: {e}") from None
-            if cfg.placement.backend == "gke":
-                self.hook.backend("gke", gke, priority)  # checks the gke settings
-                cfg = _check_gke_launch(cfg, gke, priority, "checkpoint.preemption_grace_s" in overrides)
+            self.hook.backend(name, cast("GKESettings", settings), priority)  # a backend refuses its settings
+            cfg = prep.fit(cfg, settings, priority, given)
             if cfg.task != "lm":  # it must import and build here (a token dataset is prepared next)
                 self.hook.check_task(cfg, data=not cfg.prepared_tokens)
             # remat auto is chosen here, before any capacity is provisioned: a model no policy fits is refused now
             cfg = self.hook.resolve_remat(cfg)
         except BackendError as e:  # RTrainConfigError too
             raise AirflowFailException(f"invalid conf: {e}") from None
-        except Exception as e:
-            from training.gke import GKEConfigError
-
-            if isinstance(e, GKEConfigError):  # what the JobSet's render would refuse, after the pools are billing
-                raise AirflowFailException(f"invalid conf: gke: {e}") from None
-            raise
         spec = RunSpec(
             config=cfg.model_dump(mode="json"),
             run_uri=cfg.run_uri,
@@ -186,7 +181,7 @@ class RTrainResolveRunConfigOperator(BaseOperator):
                 uri=cfg.data.dataset,
                 refresh=self.continual,
             ),
-            gke=gke,
+            gke=cast("GKESettings", settings),
             priority=priority,
         )
         self.log.info(
@@ -220,42 +215,6 @@ class RTrainResolveRunConfigOperator(BaseOperator):
             "optimizer.steps": (base or 0) + per_run,
             "checkpoint.resume_from": str(base) if base is not None else "latest",
         }
-
-
-def gke_settings(params: Mapping[str, Any]) -> GKESettings:
-    """The conf's gke settings (the backend checks them, by key), with the training image named where Airflow runs
-    when a gke run's conf leaves it out."""
-    gke = cast("GKESettings", dict(params.get("gke") or {}))
-    if params.get("backend") == "gke" and not gke.get("image") and os.environ.get("RTRAIN_TRAIN_IMAGE"):
-        # The training image is named once where Airflow runs (docker/compose.yaml): the conf may leave it out.
-        gke["image"] = os.environ["RTRAIN_TRAIN_IMAGE"]
-    return gke
-
-
-def slice_overrides(gke: GKESettings) -> dict[str, int]:
-    """The config keys a TPU shape sets (none when the settings name no shape): a slice of it is lost and gained
-    whole, so the job counts hosts in slices of it, one process per host with all its chips."""
-    if not (gke.get("machine_type") and gke.get("tpu_topology")):
-        return {}
-    from training.gke import GKEConfigError, TPUSlice
-
-    try:
-        tpu = TPUSlice(gke["machine_type"], gke["tpu_topology"])
-    except GKEConfigError as e:
-        raise RTrainConfigError(f"gke: {e}") from None
-    return {"placement.hosts_per_slice": tpu.hosts, "placement.devices_per_worker": tpu.chips_per_host}
-
-
-def _check_gke_launch(cfg: Config, gke: GKESettings, priority: str | None, grace_given: bool) -> Config:
-    """The config a GKE launch would take: its stop-and-commit fitted to the pods' grace unless the conf set it,
-    then everything the JobSet's render checks (raises ``GKEConfigError`` naming the key)."""
-    from training.gke import check_launch, settings_preemption_grace_s
-
-    if not grace_given:  # the pods' grace decides: 10 s on Spot (GKE's 15 s less a margin), 100 s with a 120 s grace
-        fit = min(cfg.checkpoint.preemption_grace_s, settings_preemption_grace_s(gke))
-        cfg = cfg.model_copy(update={"checkpoint.preemption_grace_s": fit})
-    check_launch(cfg, gke, priority)
-    return cfg
 
 
 class RTrainPrepareDatasetOperator(_RTrainBaseOperator):
