@@ -25,7 +25,7 @@ from typing import Any
 from airflow.sdk import DAG, CronTriggerTimetable, Param, TaskGroup
 from rtrain_airflow.callbacks import alert_callbacks, rollback_alert
 from rtrain_airflow.form import config_param, text, when_empty
-from rtrain_airflow.hooks.training import CHAOS_EXAMPLES, CHAOS_RULES, PRIORITY_LEVELS, RUN_NAME_RULES
+from rtrain_airflow.hooks.training import CHAOS_EXAMPLES, CHAOS_RULES, PRIORITY_LEVELS, RUN_NAME_RULES, backend_names
 from rtrain_airflow.operators.training import (
     RESOLVE_TASK_ID,
     RTrainBranchValidationOperator,
@@ -315,13 +315,17 @@ def _backend_params() -> dict[str, Param]:
         "backend": Param(
             "local",
             type="string",
-            enum=["local", "gke"],
-            values_display={"local": "local: simulated hosts on this machine", "gke": "gke: TPU node pools on GKE"},
+            enum=list(backend_names()),  # the engine's and those installed beside it
+            values_display={
+                **{name: name for name in backend_names()},
+                "local": "local: simulated hosts on this machine",
+                "gke": "gke: TPU node pools on GKE",
+            },
             title="Backend",
             section="Backend",
             **text(
-                "Where the workers run: `local` (simulated hosts on this machine) or `gke` (TPU node pools; fill in "
-                "the GKE field)."
+                "Where the workers run: `local` (simulated hosts on this machine), `gke` (TPU node pools; fill in "
+                "the GKE field), or a backend installed beside the engine."
             ),
         ),
         "gke": Param(

@@ -45,15 +45,15 @@ def test_the_check_finds_a_name_compared() -> None:
 
 
 def test_every_backend_a_config_can_name_has_its_traits_and_another_name_is_refused() -> None:
-    from typing import get_args
-
     import pytest
 
-    from training.backends import NAMES
+    from training.api import ConfigError, load_config
+    from training.backends import PLACEMENTS, names
     from training.placement_traits import TRAITS, traits
-    from training.sections import PlacementSection
 
-    assert set(get_args(PlacementSection.model_fields["backend"].annotation)) == set(TRAITS) == set(NAMES)
+    assert set(names()) >= {"local", "gke"} and set(TRAITS) == set(PLACEMENTS)
     assert traits("local").hosts_here and not traits("gke").hosts_here and traits("gke").round_tpu_env
     with pytest.raises(ValueError, match="backend: one of local, gke, not 'slurm'"):
         traits("slurm")
+    with pytest.raises(ConfigError, match="not 'slurm'"):
+        load_config("tiny", None, {"placement.backend": "slurm"})

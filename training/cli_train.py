@@ -1,4 +1,4 @@
-"""``rtrain train`` on the local slice: the job launched through the local backend by the one driver.
+"""``rtrain train``: the job launched through its config's backend (the local slice by default) by the one driver.
 
 In the foreground the job runs in a process of its own (as under Airflow) and this command follows it
 with :class:`training.backends.drive.Drive`: the events of note and the progress bar as they come, the
@@ -13,20 +13,21 @@ import math
 import sys
 
 from training.api import Event
+from training.backends import Context, backend_for
 from training.backends.base import JobHandle, Provisioned, Released
 from training.backends.drive import Drive, OutOfTouch, Say
-from training.backends.local import LocalSliceBackend
-from training.backends.spec import JobSpec
+from training.backends.spec import JobSpec, placement
 from training.backends.watch import BY_REQUEST, timeouts
 from training.cli_common import Exit, Progress
 from training.config import Config
 from training.event_text import describe
+from training.placement_traits import traits
 
 POLL_S = 0.5  # between looks at the job (its status and events: files on this machine)
 
 
-class LocalLines:
-    """What ``rtrain train`` says of the local slice's steps: little, since the job's own events say the rest."""
+class RunLines:
+    """What ``rtrain train`` says of a backend's steps: little, since the job's own events say the rest."""
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -41,9 +42,13 @@ class LocalLines:
         cfg = self.cfg
         return (
             f"job {handle['job']} of run {cfg.run_name} {'followed' if handle.get('attached') else 'started'} "
-            f"on the local slice ({cfg.run_uri}); follow it with `rtrain status {cfg.run_name}`"
+            f"on {self.where()} ({cfg.run_uri}); follow it with `rtrain status {cfg.run_name}`"
             + ("" if cfg.root.endswith("var/runs") else f" --root {cfg.root}")
         )
+
+    def where(self) -> str:
+        """Where the job runs, as a line says it."""
+        return "the local slice" if traits(self.cfg.placement.backend).hosts_here else self.cfg.placement.backend
 
     def out_of_touch(self, error: OutOfTouch) -> str:  # (the local slice is followed for as long as it runs)
         return f"{error}: the job is left running; follow it with `rtrain status {self.cfg.run_uri}`"
@@ -55,15 +60,17 @@ class LocalLines:
         return f"could not stop what is left of the job: {error}"
 
 
-def local_drive(cfg: Config, say: Say, detach: bool = False) -> Drive:
-    """The one driver over the local slice: in the foreground its hosts are given at launch and a live job refuses
-    it; detached, it follows a live job of the run instead."""
-    local = LocalSliceBackend(by="rtrain", provision=not detach, follow=detach)
-    return Drive(local, JobSpec.local(cfg), LocalLines(cfg), say, timeouts(cfg.elastic), POLL_S, math.inf)
+def run_drive(cfg: Config, say: Say, detach: bool = False) -> Drive:
+    """The one driver over the config's backend: in the foreground a backend that can gives the hosts at launch and
+    a live job refuses it; detached, it follows a live job of the run instead."""
+    job = JobSpec(cfg, placement(cfg.placement.backend))
+    made = backend_for(job, Context(by="rtrain", foreground=not detach))
+    return Drive(made, job, RunLines(cfg), say, timeouts(cfg.elastic), POLL_S, math.inf)
 
 
 def train_here(cfg: Config) -> int:
-    """Launch the job on the local slice (its hosts given under the run lock), follow it, say how it ended."""
+    """Launch the job through its backend (the local slice: its hosts given under the run lock), follow it, say how
+    it ended."""
     from training.api import status
     from training.elastic.local.local_slice import SHOWN
     from training.scalars import logdir
@@ -79,7 +86,7 @@ def train_here(cfg: Config) -> int:
             f"run {cfg.run_name} at {cfg.run_uri}: {cfg.elastic.min_workers}..{cfg.elastic.max_workers} hosts, {cfg.optimizer.steps} steps"
         )
         progress.line(f"curves: tensorboard --logdir {logdir(cfg.run_uri)}")
-        look = local_drive(cfg, Say(progress.line, progress.status, event)).run()
+        look = run_drive(cfg, Say(progress.line, progress.status, event)).run()
     finally:
         progress.close()
     assert look is not None  # (never detached, never out of touch)

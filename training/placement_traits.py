@@ -2,12 +2,17 @@
 
 The engine's agent, worker and launcher ask these traits instead of comparing the backend's name, so
 the name is compared in one place: this table, which the backend registry (``training.backends``)
-extends for a backend of its own.  Nothing here imports JAX or the backends.
+extends for a backend of its own.  A backend another package ships is found by its entry point in the
+``rtrain.backends`` group (the name is the backend's, the module registers it when imported), in every
+process that reads its traits.  Nothing here imports JAX or the backends.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib import metadata
+
+GROUP = "rtrain.backends"  # entry points: a backend's name = the module that registers it (training.backends.add)
 
 
 @dataclass(frozen=True)
@@ -37,9 +42,18 @@ TRAITS: dict[str, Traits] = {
 }
 
 
+def names() -> tuple[str, ...]:
+    """The backends a run config can name: the engine's, those registered here, those installed as entry points."""
+    return tuple(dict.fromkeys([*TRAITS, *(ep.name for ep in metadata.entry_points(group=GROUP))]))
+
+
 def traits(backend: str) -> Traits:
-    """The traits of the placement called ``backend``; ValueError naming the known ones for another."""
+    """The traits of the placement called ``backend`` (an installed backend's module imported first, once);
+    ValueError naming the known ones for another."""
+    if backend not in TRAITS:
+        for ep in metadata.entry_points(group=GROUP, name=backend):
+            ep.load()  # registers the backend (its traits among them)
     try:
         return TRAITS[backend]
     except KeyError:
-        raise ValueError(f"backend: one of {', '.join(TRAITS)}, not {backend!r}") from None
+        raise ValueError(f"backend: one of {', '.join(names())}, not {backend!r}") from None

@@ -306,7 +306,11 @@ class ElasticSection(Section):
 class PlacementSection(Section):
     """Placement: where the workers run, their devices, the device mesh, the memory-fit check and compilation."""
 
-    backend: Literal["local", "gke"] = Field("local", description="Where workers run: the local slice or GKE.")
+    backend: str = Field(
+        "local",
+        description="Where workers run: the local slice, GKE, or a backend installed beside them "
+        "(`training.backends.add`).",
+    )
     devices_per_worker: int = Field(2, ge=1, description="Accelerator devices per worker (local slice: CPU devices).")
     hosts_per_slice: int = Field(
         1,
@@ -327,6 +331,15 @@ class PlacementSection(Section):
         "after a round's first steps, into the persistent cache: a recovery onto one loads it instead of compiling. "
         "Unset: on, except on TPU, where loading a step compiled in a larger runtime has not yet run on a real slice.",
     )
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, v: str) -> str:
+        """A backend the engine has or one installed beside it (its traits found, its module imported)."""
+        from training.placement_traits import traits
+
+        traits(v)  # ValueError naming the known ones
+        return v
 
 
 class ObservabilitySection(Section):

@@ -1,7 +1,8 @@
-"""Where a run's jobs run, chosen by name: the local slice (the default), the shared pool, GKE.
+"""Where a run's jobs run, chosen by name: the local slice (the default), the shared pool, GKE, or one added.
 
 The Airflow hook and the CLI both choose here; each backend answers the verbs of
-:class:`~training.backends.base.Backend`.
+:class:`~training.backends.base.Backend`.  A backend of another package is one module that calls
+:func:`add` when imported, found by its ``rtrain.backends`` entry point (``training.placement_traits``).
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ from training.backends.gke import GKEBackend, GKECluster, JobSets
 from training.backends.local import LocalSliceBackend
 from training.backends.pool import SharedPoolBackend
 from training.backends.prepare import AS_IS, Preparation
-from training.backends.spec import GKESpec, JobSpec, LocalSpec, Placement, PoolSpec, placement
+from training.backends.spec import PLACEMENTS, GKESpec, JobSpec, LocalSpec, PlaceBy, Placement, PoolSpec, placement
 from training.gke import GKESettings
-from training.placement_traits import TRAITS
+from training.placement_traits import TRAITS, Traits, names, traits
 
 __all__ = [
     "ALIVE",
-    "NAMES",
+    "names",
+    "remove",
     "Backend",
     "BackendError",
     "Context",
@@ -34,6 +36,7 @@ __all__ = [
     "preparation",
     "PoolSpec",
     "REGISTRY",
+    "add",
     "backend_for",
     "register",
     "GKEBackend",
@@ -49,8 +52,6 @@ __all__ = [
     "backend",
 ]
 
-NAMES = tuple(TRAITS)  # the backends a run config can name
-
 
 @dataclass(frozen=True)
 class Context:
@@ -62,6 +63,9 @@ class Context:
     # How the gke backend makes its cluster calls from its settings, where ``cluster`` is not given (Airflow's
     # provider hooks, with their connection)
     make_cluster: Callable[[GKESettings], GKECluster] | None = None
+    # Launched from a terminal that follows the job (rtrain train in the foreground): a backend that can gives the
+    # hosts at launch and refuses a live job of the run rather than follow it
+    foreground: bool = False
 
 
 Factory = Callable[[Any, Context], Backend]
@@ -82,7 +86,7 @@ def register(kind: str) -> Callable[[Factory], Factory]:
 
 @register("local")
 def _local(where: LocalSpec, ctx: Context) -> Backend:
-    return LocalSliceBackend(ctx.log, ctx.by)
+    return LocalSliceBackend(ctx.log, ctx.by, provision=ctx.foreground, follow=not ctx.foreground)
 
 
 @register("pool")
@@ -102,14 +106,43 @@ def _gke(where: GKESpec, ctx: Context) -> Backend:
     return GKEBackend(where.gke, cluster, ctx.log, where.priority, ctx.by)
 
 
+def _known(name: str) -> None:
+    """Refuse a name no backend has (an installed backend's module is imported here)."""
+    try:
+        traits(name)
+    except ValueError as e:
+        raise BackendError(str(e)) from None
+
+
+def add(name: str, kind_traits: Traits, place: PlaceBy, factory: Factory, prep: Preparation = AS_IS) -> None:
+    """Add the backend called ``name``: its traits, the placement its settings make (of a kind of its own), the
+    factory of the backend that runs that kind, and how it readies a run's config.  Call it once per process,
+    when the backend's module is imported (its entry point, or by hand before a config names it)."""
+    if name in TRAITS:
+        raise ValueError(f"backend {name!r} is added already")
+    kind = place(None, None).kind
+    register(kind)(factory)
+    TRAITS[name], PLACEMENTS[name], PREPARATIONS[name] = kind_traits, place, prep
+
+
+def remove(name: str) -> None:
+    """Take an added backend out again (the engine's own stay)."""
+    if name in ("local", "gke"):
+        raise ValueError(f"backend {name!r} is the engine's own")
+    place = PLACEMENTS.pop(name, None)
+    TRAITS.pop(name, None)
+    PREPARATIONS.pop(name, None)
+    if place is not None:
+        REGISTRY.pop(place(None, None).kind, None)
+
+
 # A backend's name -> how it readies a run's config (a backend not named here takes the config as it is)
 PREPARATIONS: dict[str, Preparation] = {"gke": GKE_PREPARATION}
 
 
 def preparation(name: str) -> Preparation:
     """How the backend called ``name`` readies a run's config; BackendError naming the known ones for another."""
-    if name not in NAMES:
-        raise BackendError(f"backend: one of {', '.join(NAMES)}, not {name!r}")
+    _known(name)
     return PREPARATIONS.get(name, AS_IS)
 
 
@@ -138,6 +171,5 @@ def backend(
     backend; by default a :class:`~training.backends.gke_cluster.CloudCluster` with Application Default
     Credentials.  ``by``: who provisions and tears down, in the run's records.
     """
-    if name not in NAMES:
-        raise BackendError(f"backend: one of {', '.join(NAMES)}, not {name!r}")
+    _known(name)
     return backend_for(placement(name, gke, priority), Context(log, by, cluster, make_cluster))

@@ -8,12 +8,13 @@ reads it back.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol, cast
 
 from training.api import Config, RunSpec, config_from_dict
 from training.gke import GKESettings
+from training.placement_traits import traits
 
 
 @dataclass(frozen=True)
@@ -48,13 +49,18 @@ class Placement(Protocol):
     def kind(self) -> str: ...
 
 
-def placement(backend: str, gke: Mapping[str, Any] | None = None, priority: str | None = None) -> Placement:
+# How a backend's name and its settings make a placement (the registry adds a backend's own).
+PlaceBy = Callable[[Mapping[str, Any] | None, str | None], Placement]
+PLACEMENTS: dict[str, PlaceBy] = {
+    "local": lambda settings, priority: PoolSpec(priority) if priority else LocalSpec(),  # a priority: the pool
+    "gke": lambda settings, priority: GKESpec(cast(GKESettings, dict(settings or {})), priority),
+}
+
+
+def placement(backend: str, settings: Mapping[str, Any] | None = None, priority: str | None = None) -> Placement:
     """The placement a backend's name and settings say (a local run with a priority joins the shared pool)."""
-    if backend == "gke":
-        return GKESpec(cast(GKESettings, dict(gke or {})), priority)
-    if backend == "local":
-        return PoolSpec(priority) if priority else LocalSpec()
-    raise ValueError(f"backend: one of local, gke, not {backend!r}")
+    traits(backend)  # an installed backend registered (ValueError naming the known ones for another)
+    return PLACEMENTS[backend](settings, priority)
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,11 @@ def config_key(param: str) -> str:
     return api.dotted(PARAM_TO_CONFIG.get(param, param))
 
 
+def backend_names() -> tuple[str, ...]:
+    """The backends a run can name: the engine's (local, gke) first, then those installed beside it."""
+    return backends.names()
+
+
 class RTrainConfigError(BackendError):
     """A DAG run's params that do not make a runnable config (the message names the key)."""
 

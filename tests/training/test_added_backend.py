@@ -1,0 +1,79 @@
+"""A backend added beside the engine in one module (``tests/backend_added``), found by its entry point, run by
+``rtrain train`` through the one driver: nothing of the engine changes for it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from training import api
+
+REPO = Path(__file__).resolve().parents[2]
+ADDED = REPO / "tests" / "backend_added"  # the module and its dist-info, as an install lays them out
+
+
+@pytest.fixture
+def installed(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The journaled backend installed for this process and the processes it starts; taken out after."""
+    from training.backends import remove
+
+    monkeypatch.syspath_prepend(str(ADDED))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ADDED), os.environ.get("PYTHONPATH", "")]))
+    yield
+    remove("journaled")
+    sys.modules.pop("journaled_backend", None)
+
+
+def test_without_its_install_no_config_can_name_it() -> None:
+    from training.backends import names
+
+    assert "journaled" not in names()
+    with pytest.raises(api.ConfigError, match="backend: one of local, gke, not 'journaled'"):
+        api.load_config("tiny", None, {"placement.backend": "journaled"})
+
+
+def test_an_installed_backend_is_named_made_and_readied_by_the_registry(installed: None, tmp_path: Path) -> None:
+    from training.backends import BackendError, Context, backend, backend_for, names, placement, preparation
+    from training.backends.spec import JobSpec
+    from training.placement_traits import traits
+
+    assert names()[:2] == ("local", "gke") and "journaled" in names()
+    cfg = api.load_config("tiny", None, {"root": str(tmp_path), "run_name": "j", "placement.backend": "journaled"})
+    assert traits("journaled").hosts_here  # its module was imported by the config's check, once
+    made = backend("journaled", by="rtrain")
+    assert made.name == "journaled" and type(made).__module__ == "journaled_backend"
+    job = JobSpec(cfg, placement("journaled"))
+    assert type(backend_for(job, Context(foreground=True))) is type(made)
+    prep = preparation("journaled")
+    assert prep.fit(cfg, {}, None, set()) is cfg
+    with pytest.raises(BackendError, match="at most 4 hosts"):
+        prep.fit(cfg.model_copy(update={"elastic.max_workers": 6}), {}, None, set())
+    with pytest.raises(BackendError, match="no queue"):
+        prep.fit(cfg, {}, "high", set())
+
+
+@pytest.mark.slow
+def test_rtrain_train_runs_an_installed_backend_through_the_one_driver(
+    installed: None, tmp_path: Path, tiny_dataset: str, jax_cache: str
+) -> None:
+    from journaled_backend import read_journal
+
+    args = [f"root={tmp_path}", f"dataset={tiny_dataset}", f"compilation_cache={jax_cache}", "steps=6"]
+    args += ["placement.backend=journaled", "checkpoint_every=3"]
+    cmd = [sys.executable, "-m", "training.cli", "train"]
+    out = subprocess.run([*cmd, *args, "run_name=j", "max_workers=2"], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-2000:])
+    assert "finished: step 6/6" in out.stdout
+    st = api.status(str(tmp_path / "j")) or {}
+    assert st.get("state") == "finished" and st.get("latest_committed") == 6
+    verbs = [(e["verb"], e["by"]) for e in read_journal(str(tmp_path / "j"))]
+    assert verbs == [("provision", "rtrain"), ("launch", "rtrain"), ("poll", "rtrain"), ("release", "rtrain")]
+    # Its preparation refuses before anything starts, as Airflow's resolve task would.
+    refused = subprocess.run([*cmd, *args, "run_name=k", "max_workers=6"], cwd=REPO, capture_output=True, text=True)
+    assert refused.returncode != 0 and "at most 4 hosts" in refused.stderr, refused.stderr[-2000:]
+    assert not (tmp_path / "k").exists()
