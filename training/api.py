@@ -195,7 +195,7 @@ class RunSpec(TypedDict, total=False):
     run_name: str
     backend: str
     dataset: DatasetSpec
-    gke: GKESettings
+    gke: GKESettings  # the backend's settings, from the conf's key of its name (GKE's; {} for the local slice)
     priority: str | None  # None: the run has its capacity to itself; a level: it joins the root's shared pool
 
 
