@@ -52,7 +52,10 @@ def traits(backend: str) -> Traits:
     ValueError naming the known ones for another."""
     if backend not in TRAITS:
         for ep in metadata.entry_points(group=GROUP, name=backend):
-            ep.load()  # registers the backend (its traits among them)
+            try:
+                ep.load()  # registers the backend (its traits among them)
+            except Exception as e:  # a broken install, said as the config's error
+                raise ValueError(f"backend {backend!r}: its module {ep.value} did not load: {e}") from e
     try:
         return TRAITS[backend]
     except KeyError:

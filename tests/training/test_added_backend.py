@@ -77,3 +77,16 @@ def test_rtrain_train_runs_an_installed_backend_through_the_one_driver(
     refused = subprocess.run([*cmd, *args, "run_name=k", "max_workers=6"], cwd=REPO, capture_output=True, text=True)
     assert refused.returncode != 0 and "at most 4 hosts" in refused.stderr, refused.stderr[-2000:]
     assert not (tmp_path / "k").exists()
+
+
+def test_a_broken_install_is_said_as_the_config_s_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    info = tmp_path / "rtrain_broken-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: rtrain-broken\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[rtrain.backends]\nbroken = no_such_backend_module\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from training.backends import names
+
+    assert "broken" in names()
+    with pytest.raises(api.ConfigError, match="backend 'broken': its module no_such_backend_module did not load"):
+        api.load_config("tiny", None, {"placement.backend": "broken"})

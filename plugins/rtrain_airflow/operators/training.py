@@ -115,17 +115,17 @@ class RTrainResolveRunConfigOperator(BaseOperator):
     triggered; this adds what a schema cannot say: cross-field rules (``min_workers <=
     max_workers``, divisibility, chaos grammar), unknown ``overrides`` keys, and what the
     backend's preparation decides and refuses (``training.backends.preparation``: on GKE the
-    TPU type's keys, the pods' grace, a cluster the settings do not name).  Failures are ``AirflowFailException``: no retry
-    can fix a config.
+    TPU type's keys, the pods' grace, a cluster the settings do not name).  Failures are
+    ``AirflowFailException``: no retry can fix a config.
 
     :param continual: continual training: train ``steps_per_run`` more steps from the
         newest validated checkpoint of the run (``resume_from`` is set to it).
 
     Returns the run *spec*: ``config`` (the resolved Config as JSON), ``run_uri``,
-    ``run_name``, ``backend``, ``dataset`` (``source``, ``max_bytes``), ``gke`` (the backend's settings: the conf's key of its
-    name), ``priority`` (None:
-    the run has its capacity to itself; a level: it is submitted to its storage root's shared pool,
-    whose scheduler places it by priority; on GKE, its Kueue priority).
+    ``run_name``, ``backend``, ``dataset`` (``source``, ``max_bytes``), ``gke`` (the backend's
+    settings: the conf's key of its name), ``priority`` (None: the run has its capacity to itself;
+    a level: it is submitted to its storage root's shared pool, whose scheduler places it by
+    priority; on GKE, its Kueue priority).
 
     With ``backend: gke`` and no ``gke.image`` in the conf, ``gke.image`` is the
     environment variable ``RTRAIN_TRAIN_IMAGE`` of the Airflow process when it is
