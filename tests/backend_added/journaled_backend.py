@@ -21,6 +21,7 @@ from training.backends import (
     Context,
     JobSpec,
     LocalSliceBackend,
+    PoolSpec,
     Preparation,
     Provisioned,
     Released,
@@ -87,18 +88,17 @@ def read_journal(run_uri: str) -> list[dict[str, Any]]:
 
 
 def _fit(cfg: Config, settings: Mapping[str, Any], priority: str | None, given: Set[str]) -> Config:
-    """Refuse a run its capacity cannot hold, and one at a priority (it has no queue)."""
+    """Refuse a run its capacity cannot hold."""
     if cfg.elastic.max_workers > MAX_HOSTS:
         raise BackendError(f"max_workers: the journaled backend holds at most {MAX_HOSTS} hosts")
-    if priority is not None:
-        raise BackendError(f"priority {priority!r}: the journaled backend has no queue")
     return cfg
 
 
 add(
     NAME,
     Traits(hosts_here=True, round_tpu_env=False, handoff_s=120.0),
-    lambda settings, priority: JournaledSpec(),
+    # at a priority the run joins its root's shared pool, whose scheduler launches it through this backend
+    lambda settings, priority: PoolSpec(priority) if priority else JournaledSpec(),
     lambda where, ctx: JournaledBackend(ctx),
     Preparation(fit=_fit),
 )

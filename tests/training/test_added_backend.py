@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,7 +39,7 @@ def test_without_its_install_no_config_can_name_it() -> None:
 
 
 def test_an_installed_backend_is_named_made_and_readied_by_the_registry(installed: None, tmp_path: Path) -> None:
-    from training.backends import BackendError, Context, backend, backend_for, names, placement, preparation
+    from training.backends import BackendError, Context, PoolSpec, backend, backend_for, names, placement, preparation
     from training.backends.spec import JobSpec
     from training.placement_traits import traits
 
@@ -53,8 +54,7 @@ def test_an_installed_backend_is_named_made_and_readied_by_the_registry(installe
     assert prep.fit(cfg, {}, None, set()) is cfg
     with pytest.raises(BackendError, match="at most 4 hosts"):
         prep.fit(cfg.model_copy(update={"elastic.max_workers": 6}), {}, None, set())
-    with pytest.raises(BackendError, match="no queue"):
-        prep.fit(cfg, {}, "high", set())
+    assert placement("journaled", None, "high") == PoolSpec("high")  # the shared pool's, launched through it
 
 
 @pytest.mark.slow
@@ -90,3 +90,23 @@ def test_a_broken_install_is_said_as_the_config_s_error(tmp_path: Path, monkeypa
     assert "broken" in names()
     with pytest.raises(api.ConfigError, match="backend 'broken': its module no_such_backend_module did not load"):
         api.load_config("tiny", None, {"placement.backend": "broken"})
+
+
+@pytest.mark.slow
+def test_the_shared_pool_s_scheduler_launches_an_installed_backend_s_run_through_it(
+    installed: None, tmp_path: Path, tiny_dataset: str, jax_cache: str
+) -> None:
+    from journaled_backend import read_journal
+
+    from training.service.commands import submit
+
+    over: dict[str, object] = {"root": str(tmp_path), "run_name": "q", "dataset": tiny_dataset}
+    over["compilation_cache"] = jax_cache
+    over |= {"steps": 6, "checkpoint_every": 3, "max_workers": 2, "placement.backend": "journaled"}
+    cfg = api.load_config("tiny", None, over)
+    submit(cfg, "high", pool_hosts=2)  # starts the root's scheduler, a process of its own
+    deadline = time.time() + 240
+    while time.time() < deadline and (api.status(cfg.run_uri) or {}).get("state") != "finished":
+        time.sleep(0.5)
+    assert (api.status(cfg.run_uri) or {}).get("state") == "finished"
+    assert [(e["verb"], e["by"]) for e in read_journal(cfg.run_uri)] == [("launch", "scheduler")]

@@ -228,7 +228,7 @@ def _scheduler_pids(root: str) -> list[int]:
     return [
         p.pid
         for p in psutil.process_iter(["cmdline"])
-        if "training.service.scheduler" in " ".join(p.info["cmdline"] or []) and root in " ".join(p.info["cmdline"])
+        if scheduler.PROCESS in " ".join(p.info["cmdline"] or []) and root in " ".join(p.info["cmdline"])
     ]
 
 

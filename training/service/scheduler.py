@@ -13,23 +13,25 @@ every write.
 On the local slice a run's hosts are its ``capacity.json``, written as an
 assignment: hosts taken away get a preemption notice (the run commits the step
 and loses nothing), and a run assigned none is held, queued, until hosts return.
+The scheduler launches a placed run's job through a ``Launch`` it is given: its
+process (``training.backends.pool_scheduler``) launches through the run's backend.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
 import signal
-import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from training import api
 from training.checkpoint.lock import LeaseKeeper, LockHeld, LockLost, RunLock
-from training.config import config_from_json
+from training.config import Config, config_from_json
 from training.elastic.capacity import LocalCapacity
 from training.events import ALIVE_STATES, FINAL_STATES, EventLog, RunState, read_status, write_status
 from training.procctl import start_detached
@@ -42,12 +44,31 @@ log = logging.getLogger("rtrain.scheduler")
 TICK_S = 0.5
 LEASE_S = 10.0
 IDLE_EXIT_S = 5.0  # with nothing left to place for this long, the scheduler goes (the next submit starts one)
+PROCESS = "training.backends.pool_scheduler"  # the scheduler's process, started by module name
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A placed run's job: its id, and the process that keeps its hosts (0: a live job of the run adopted)."""
+
+    job: str
+    controller_pid: int
+
+
+# How a placed run's job is started (its config, the placement's launch count): never a second live job of the run.
+Launch = Callable[[Config, int], Launched]
+
+
+def no_launch(cfg: Config, attempt: int) -> Launched:
+    """A scheduler that only settles, reassigns and cancels: a run to launch is refused."""
+    raise RuntimeError("this scheduler launches nothing")
 
 
 class Scheduler:
     """Places the submitted runs of one storage root on its pool of hosts."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, launch: Launch = no_launch) -> None:
+        self.launch = launch
         self.queue = Queue(root)
         self.lock = RunLock(self.queue.store, owner=f"scheduler pid {os.getpid()}", lease_s=LEASE_S)
         self.keeper: LeaseKeeper | None = None
@@ -143,8 +164,6 @@ class Scheduler:
             log.info("run %s: %s", sub.run_name, why)
 
     def _launch(self, sub: Submission, p: Placement, hosts: int) -> None:
-        from training.elastic.local.local_slice import spawn  # the pool's hosts are a local slice's
-
         st = api.repair_status(sub.run_uri) or {}
         if st.get("state") in ALIVE_STATES and st.get("job"):
             # Launched before a restart of this scheduler, or by hand: adopt it, do not launch twice.
@@ -156,15 +175,14 @@ class Scheduler:
                 LocalCapacity(open_store(sub.run_uri), default=hosts).assign(
                     hosts, reason=f"launched on {hosts} host(s)"
                 )
-                begun = api.begin_or_follow(cfg, allow_attach=True, by="scheduler")
-                pid = 0 if begun["attached"] else spawn(cfg, begun["job"])
+                got = self.launch(cfg, p.launches + 1)
             except LockLost:
                 raise
             except Exception as e:  # noqa: BLE001 - a run that cannot launch ends with the reason; the rest go on
                 self._end(p, "failed", f"launch failed: {type(e).__name__}: {e}")
                 return
-            p.job = begun["job"]
-            p.controller_pid = pid
+            p.job = got.job
+            p.controller_pid = got.controller_pid
             p.launches += 1
             log.info("run %s: launched job %s on %d host(s)", sub.run_name, p.job, hosts)
         p.hosts = hosts
@@ -254,15 +272,12 @@ def ensure_running(root: str) -> int | None:
     holder = RunLock(q.store, owner="probe", lease_s=LEASE_S).held_by()
     if holder is not None and time.time() - float(holder.get("time") or 0) < LEASE_S / 2:
         return None
-    return start_detached("training.service.scheduler", [root], log_path(root))
+    return start_detached(PROCESS, [root], log_path(root))
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.service.scheduler")
-    p.add_argument("root", help="the storage root whose submitted runs this places")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    sched = Scheduler(args.root)
+def serve(sched: Scheduler) -> int:
+    """Run ``sched`` as the root's scheduler process: a killed scheduler's lease is taken over once it lapses; with
+    another scheduler alive, go."""
     deadline = time.monotonic() + 2 * LEASE_S + 5
     while True:
         try:
@@ -271,8 +286,4 @@ def main(argv: list[str] | None = None) -> int:
             if time.monotonic() > deadline:
                 log.warning("another scheduler holds %s: %s", sched.queue.uri, e)
                 return 0
-            time.sleep(1.0)  # a killed scheduler's lease: taken over once it lapses
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+            time.sleep(1.0)
