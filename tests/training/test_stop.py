@@ -18,6 +18,7 @@ from jobs import job_config, start_job, wait_finished, wait_for
 
 from training import api
 from training.backends import SharedPoolBackend
+from training.backends.pool_scheduler import launch
 from training.checkpoint.lifecycle import format_report
 from training.cli import Exit, main
 from training.elastic.codes import AgentExit
@@ -137,7 +138,7 @@ def _queued(root: Path, run: str, **placement: object) -> tuple[Queue, str]:
 
 
 def _tick(root: Path) -> None:
-    s = Scheduler(str(root))
+    s = Scheduler(str(root), launch)
     s.acquire()
     try:
         s.tick()

@@ -59,15 +59,10 @@ class Launched:
 Launch = Callable[[Config, int], Launched]
 
 
-def no_launch(cfg: Config, attempt: int) -> Launched:
-    """A scheduler that only settles, reassigns and cancels: a run to launch is refused."""
-    raise RuntimeError("this scheduler launches nothing")
-
-
 class Scheduler:
     """Places the submitted runs of one storage root on its pool of hosts."""
 
-    def __init__(self, root: str, launch: Launch = no_launch) -> None:
+    def __init__(self, root: str, launch: Launch) -> None:
         self.launch = launch
         self.queue = Queue(root)
         self.lock = RunLock(self.queue.store, owner=f"scheduler pid {os.getpid()}", lease_s=LEASE_S)
