@@ -200,7 +200,8 @@ def begin_job(
     cfg = resolve_remat(cfg, on_line or (lambda line: print(line, file=sys.stderr, flush=True)))
     store = open_store(cfg.run_uri)
     job = new_job_id()
-    who = by or f"{os.environ.get('USER', 'someone')}@{socket.gethostname()} pid {os.getpid()}"
+    me = f"{os.environ.get('USER', 'someone')}@{socket.gethostname()} pid {os.getpid()}"
+    who = f"{by}, {me}" if by else me
     lock = RunLock(store, owner=f"launcher of job {job} ({who})", lease_s=60.0)
     _take_run_lock(lock, on_line)
     try:

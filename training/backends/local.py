@@ -71,7 +71,7 @@ def launch(
 
     ``allow_attach``: when a live job holds the run, follow it instead of refusing (``attached``).
     ``provision``: give the slice its ``max_workers`` hosts, under the run lock (``rtrain train``).
-    ``by``: who launches, for the config's history (default: user, host and pid).
+    ``by``: who launches (Airflow, rtrain, the scheduler), for the config's history beside the user, host and pid.
     """
     from training.elastic.local.local_slice import spawn
 
@@ -130,7 +130,7 @@ class LocalSliceBackend:
         self, log: Log | None = None, by: str = "Airflow", *, provision: bool = False, follow: bool = True
     ) -> None:
         self.log = log
-        self.by = by  # who provisions and tears down, in the records: Airflow, rtrain
+        self.by = by  # who provisions, launches and tears down, in the records: Airflow, rtrain, scheduler
         self.provision_at_launch = provision  # the slice's hosts given at launch, under the run lock (rtrain train)
         self.follow = follow  # a live job that holds the run is followed; False: refused (LaunchRefused)
         # rtrain train in the foreground: the job was followed to its end and its hosts given at launch, so a release
@@ -154,7 +154,7 @@ class LocalSliceBackend:
     def launch(self, job: JobSpec, attempt: int) -> LocalHandle:
         """Start a job, or follow the live one (:func:`launch` never starts over, never overwrites)."""
         cfg = job.config
-        handle = launch(cfg, allow_attach=self.follow, provision=self.provision_at_launch)
+        handle = launch(cfg, allow_attach=self.follow, provision=self.provision_at_launch, by=self.by)
         self._say(
             "%s job %s of %s",
             "Following the live" if handle.get("attached") else "Started",
