@@ -76,9 +76,10 @@ class JobSpec:
         return cls(cfg, LocalSpec())
 
     @classmethod
-    def from_run_spec(cls, spec: RunSpec | Mapping[str, Any]) -> JobSpec:
-        """The job of a DAG run's resolved run spec (its JSON form, as XCom hands it over)."""
-        cfg = config_from_dict(spec["config"])
+    def from_run_spec(cls, spec: RunSpec | Mapping[str, Any], cfg: Config | None = None) -> JobSpec:
+        """The job of a DAG run's resolved run spec (its JSON form, as XCom hands it over); ``cfg``: another config
+        of the run than the spec's (a relaunch resumes from the latest step)."""
+        cfg = cfg or config_from_dict(spec["config"])
         return cls(
             cfg, placement(str(spec.get("backend") or cfg.placement.backend), spec.get("gke"), spec.get("priority"))
         )

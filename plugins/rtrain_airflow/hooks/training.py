@@ -36,7 +36,7 @@ from airflow.sdk import BaseHook
 
 from training import api, backends
 from training.api import RUN_NAME_PATTERN, CheckpointRecord, Config, ConfigError, Event, mesh_text, readable
-from training.backends import Backend, BackendError, JobSpec, placement
+from training.backends import Backend, BackendError, JobSpec
 from training.backends.base import JobHandle
 from training.gke import GKESettings
 from training.service import commands
@@ -184,7 +184,7 @@ def absolute(uri: str, root: Path = PROJECT_ROOT) -> str:
 
 def job_spec(spec: Mapping[str, Any], cfg: Config) -> JobSpec:
     """The job of a run spec (what the resolve task returned) with the config ``cfg`` of its run."""
-    return JobSpec(cfg, placement(str(spec["backend"]), spec.get("gke"), spec.get("priority")))
+    return JobSpec.from_run_spec(spec, cfg)
 
 
 def from_latest(cfg: Config) -> Config:
