@@ -38,6 +38,22 @@ def gcs_emulator() -> Iterator[str]:
 
 
 @pytest.fixture
+def added_backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The journaled backend of ``tests/backend_added`` installed for this process and the processes it starts
+    (its module and its dist-info on the path, as an install lays them out); taken out after."""
+    import os
+
+    from training.backends import remove
+
+    added = REPO / "tests" / "backend_added"
+    monkeypatch.syspath_prepend(str(added))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(added), os.environ.get("PYTHONPATH", "")]))
+    yield
+    remove("journaled")
+    sys.modules.pop("journaled_backend", None)
+
+
+@pytest.fixture
 def gcs_root(gcs_emulator: str) -> str:
     """A fresh gs:// prefix in the emulator's bucket."""
     return f"gs://{BUCKET}/t-{uuid.uuid4().hex[:10]}"

@@ -49,13 +49,14 @@ from training.cli_common import (
     existing_run,
     mesh,
     no_run,
+    readied,
     run_args,
     run_uri,
 )
 from training.cli_gke import gke_config, gke_exit, train_gke
 from training.cli_service import queue_row, service_commands
 from training.cloud_errors import Kind, cloud_error
-from training.config import Config, ConfigError, describe_keys, dotted, format_config, load_config
+from training.config import ConfigError, describe_keys, format_config, load_config
 from training.event_text import duration
 
 # A cloud error's exit code: a setup to fix (credentials, project, permissions) is a config error; a missing bucket
@@ -161,23 +162,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     needs = traits(cfg.placement.backend).cli_needs
     if needs:
         raise BackendError(f"backend: a {cfg.placement.backend!r} run needs {needs}")
-    cfg = prepared(args, cfg)
+    cfg = readied(args, cfg.placement.backend, {})  # (this command passes the backend no settings)
     if not args.detach:
         return train_here(cfg)  # through its backend by the one driver, followed by the engine's watch
     run_drive(cfg, Say(print), detach=True).run(detach=True)
     return Exit.OK
-
-
-def prepared(args: argparse.Namespace, cfg: Config) -> Config:
-    """The config as its backend readies it (the keys its placement decides unless given, then its checks), as
-    Airflow's resolve task does; this command passes the backend no settings."""
-    from training.backends import preparation
-
-    prep = preparation(cfg.placement.backend)
-    settings = prep.settings(None)
-    given = {dotted(o.split("=", 1)[0]) for o in args.overrides}
-    keys = [f"{k}={v}" for k, v in prep.config_keys(settings).items() if k not in given]
-    return prep.fit(config(args, keys) if keys else cfg, settings, None, given)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

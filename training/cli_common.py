@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Mapping
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
-from training.config import load_config
+from training.config import dotted, load_config
 from training.events import RunStatus
 
 if TYPE_CHECKING:
@@ -35,6 +36,19 @@ def config(args: argparse.Namespace, extra: list[str] | None = None) -> Config:
     if getattr(args, "chaos", None):
         overrides.append("elastic.chaos=" + json.dumps(args.chaos))
     return load_config(args.preset, args.config, overrides + (extra or []))
+
+
+def readied(
+    args: argparse.Namespace, backend: str, settings: Mapping[str, Any], extra: list[str] | None = None
+) -> Config:
+    """The config from the arguments as ``backend`` readies it, as Airflow's resolve task does: the keys its
+    placement decides from ``settings`` unless given, then its checks and fits (BackendError naming the key)."""
+    from training.backends import preparation
+
+    prep = preparation(backend)
+    given = {dotted(o.split("=", 1)[0]) for o in args.overrides}
+    keys = [f"{k}={v}" for k, v in prep.config_keys(settings).items() if k not in given]
+    return prep.fit(config(args, [*(extra or []), *keys]), settings, None, given)
 
 
 def run_uri(run: str, root: str | None) -> str:

@@ -7,8 +7,7 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from training.cli_common import Exit, Progress, config
-from training.config import dotted
+from training.cli_common import Exit, Progress, readied
 
 if TYPE_CHECKING:
     from training.config import Config
@@ -19,13 +18,7 @@ def gke_config(args: argparse.Namespace, gke: GKESettings) -> Config:
     """A ``backend: gke`` run's config, readied as Airflow's resolve task readies it: hosts per slice and chips per
     host from the TPU type and the notice's commit fitted to the pods' grace, unless given; then all the JobSet's
     render would refuse, in one line, before billing."""
-    from training.backends import preparation
-
-    prep = preparation("gke")
-    given = {dotted(o.split("=", 1)[0]) for o in args.overrides}
-    keys = prep.config_keys(gke)
-    cfg = config(args, ["placement.backend=gke"] + [f"{k}={v}" for k, v in keys.items() if k not in given])
-    return prep.fit(cfg, gke, None, given)
+    return readied(args, "gke", gke, ["placement.backend=gke"])
 
 
 def train_gke(args: argparse.Namespace) -> int:

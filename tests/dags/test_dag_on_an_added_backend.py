@@ -3,9 +3,6 @@ the trigger's params offer it, the resolve task readies its config, the hook mak
 
 from __future__ import annotations
 
-import os
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,23 +13,9 @@ from training import api
 
 pytestmark = pytest.mark.slow
 
-ADDED = REPO / "tests" / "backend_added"
-
-
-@pytest.fixture
-def installed(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The journaled backend installed for this process and the jobs it starts; taken out after."""
-    from training.backends import remove
-
-    monkeypatch.syspath_prepend(str(ADDED))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ADDED), os.environ.get("PYTHONPATH", "")]))
-    yield
-    remove("journaled")
-    sys.modules.pop("journaled_backend", None)
-
 
 def test_a_dag_run_trains_on_an_installed_backend(
-    installed: None, airflow_db: None, run_conf: Any, stop_agents: list[str], tmp_path: Path
+    added_backend: None, airflow_db: None, run_conf: Any, stop_agents: list[str], tmp_path: Path
 ) -> None:
     from airflow.dag_processing.dagbag import DagBag
     from journaled_backend import read_journal

@@ -3,11 +3,9 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,19 +13,6 @@ import pytest
 from training import api
 
 REPO = Path(__file__).resolve().parents[2]
-ADDED = REPO / "tests" / "backend_added"  # the module and its dist-info, as an install lays them out
-
-
-@pytest.fixture
-def installed(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The journaled backend installed for this process and the processes it starts; taken out after."""
-    from training.backends import remove
-
-    monkeypatch.syspath_prepend(str(ADDED))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ADDED), os.environ.get("PYTHONPATH", "")]))
-    yield
-    remove("journaled")
-    sys.modules.pop("journaled_backend", None)
 
 
 def test_without_its_install_no_config_can_name_it() -> None:
@@ -38,7 +23,7 @@ def test_without_its_install_no_config_can_name_it() -> None:
         api.load_config("tiny", None, {"placement.backend": "journaled"})
 
 
-def test_an_installed_backend_is_named_made_and_readied_by_the_registry(installed: None, tmp_path: Path) -> None:
+def test_an_installed_backend_is_named_made_and_readied_by_the_registry(added_backend: None, tmp_path: Path) -> None:
     from training.backends import BackendError, Context, PoolSpec, backend, backend_for, names, placement, preparation
     from training.backends.spec import JobSpec
     from training.placement_traits import traits
@@ -59,7 +44,7 @@ def test_an_installed_backend_is_named_made_and_readied_by_the_registry(installe
 
 @pytest.mark.slow
 def test_rtrain_train_runs_an_installed_backend_through_the_one_driver(
-    installed: None, tmp_path: Path, tiny_dataset: str, jax_cache: str
+    added_backend: None, tmp_path: Path, tiny_dataset: str, jax_cache: str
 ) -> None:
     from journaled_backend import read_journal
 
@@ -94,7 +79,7 @@ def test_a_broken_install_is_said_as_the_config_s_error(tmp_path: Path, monkeypa
 
 @pytest.mark.slow
 def test_the_shared_pool_s_scheduler_launches_an_installed_backend_s_run_through_it(
-    installed: None, tmp_path: Path, tiny_dataset: str, jax_cache: str
+    added_backend: None, tmp_path: Path, tiny_dataset: str, jax_cache: str
 ) -> None:
     from journaled_backend import read_journal
 
